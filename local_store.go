@@ -1,0 +1,172 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+func init() {
+	caddy.RegisterModule(LocalStore{})
+}
+
+// LocalStore keeps buckets in this process's memory. It is the default
+// store: one Caddy instance needs nothing else.
+//
+// Buckets survive config reloads for every zone whose name, rate and
+// burst are unchanged. Memory is bounded by `max_keys` per zone; a
+// tracked key costs about 20 to 40 bytes whatever its length.
+type LocalStore struct {
+	// The most buckets kept per zone. When a zone is full, buckets that
+	// have refilled are dropped first, which changes no decision; if none
+	// has, the bucket nearest to full among a few sampled is evicted (its
+	// client gets a full bucket back) and counted. Default: 1000000.
+	MaxKeys int64 `json:"max_keys,omitempty"`
+
+	tables   []*table // by zone index
+	acquired []tableID
+}
+
+const defaultMaxKeys = 1_000_000
+
+// localTables holds the bucket tables of every zone of every loaded
+// config, so that a reload which keeps a zone keeps its buckets: the new
+// config acquires the table before the old one releases it.
+var localTables = caddy.NewUsagePool()
+
+// tableID is what a zone's buckets are shared by. A zone whose rate or
+// burst changes starts with fresh buckets.
+type tableID struct {
+	name     string
+	perToken float64
+	burst    int64
+}
+
+// CaddyModule returns the Caddy module information.
+func (LocalStore) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.rate_limit.stores.local",
+		New: func() caddy.Module { return new(LocalStore) },
+	}
+}
+
+// Provision sets defaults.
+func (s *LocalStore) Provision(caddy.Context) error {
+	if s.MaxKeys == 0 {
+		s.MaxKeys = defaultMaxKeys
+	}
+	return nil
+}
+
+// Validate checks the configuration.
+func (s *LocalStore) Validate() error {
+	if s.MaxKeys < 0 {
+		return fmt.Errorf("invalid max_keys %d: must be at least 1", s.MaxKeys)
+	}
+	return nil
+}
+
+func (s *LocalStore) bind(zones []*Zone) error {
+	if len(s.tables) > 0 {
+		return errors.New("local store is already in use by another handler")
+	}
+	for _, z := range zones {
+		id := tableID{name: z.Name, perToken: z.limit.perToken, burst: z.limit.burst}
+		v, _, err := localTables.LoadOrNew(id, func() (caddy.Destructor, error) {
+			t := newTable(s.MaxKeys, time.Now())
+			go t.sweepLoop()
+			return t, nil
+		})
+		if err != nil {
+			return err
+		}
+		s.acquired = append(s.acquired, id)
+		t := v.(*table)
+		t.maxKeys.Store(s.MaxKeys)
+		s.tables = append(s.tables, t)
+	}
+	return nil
+}
+
+// Cleanup releases the tables, which stop when no config uses them.
+func (s *LocalStore) Cleanup() error {
+	var errs []error
+	for _, id := range s.acquired {
+		if _, err := localTables.Delete(id); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	s.acquired = nil
+	return errors.Join(errs...)
+}
+
+func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (bool, error) {
+	var buf [4]charge
+	cs := buf[:0]
+	for i := range reqs {
+		q := &reqs[i]
+		t := s.tables[q.zone.index]
+		cs = append(cs, charge{
+			l:    q.zone.limit,
+			cost: q.zone.cost,
+			t:    t,
+			h:    t.hash(q.key),
+			now:  t.instant(now),
+			req:  i,
+		})
+	}
+	allowed, _ := takeAll(cs)
+	for i := range cs {
+		c := &cs[i]
+		reqs[c.req].ok = c.ok
+		reqs[c.req].debt = time.Duration(c.debt)
+	}
+	return allowed, nil
+}
+
+// UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
+//
+//	store local {
+//		max_keys <n>
+//	}
+func (s *LocalStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // consume store name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		switch d.Val() {
+		case "max_keys":
+			if s.MaxKeys != 0 {
+				return d.Err("max_keys already specified")
+			}
+			n, err := intArg(d)
+			if err != nil {
+				return err
+			}
+			if n < 1 {
+				return d.Errf("invalid max_keys '%s': must be at least 1", d.Val())
+			}
+			s.MaxKeys = n
+		default:
+			return d.Errf("unrecognized store local subdirective '%s'", d.Val())
+		}
+	}
+	return nil
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner     = (*LocalStore)(nil)
+	_ caddy.Validator       = (*LocalStore)(nil)
+	_ caddy.CleanerUpper    = (*LocalStore)(nil)
+	_ caddyfile.Unmarshaler = (*LocalStore)(nil)
+	_ store                 = (*LocalStore)(nil)
+)
