@@ -107,7 +107,9 @@ func (k bucketKey) String() string {
 // into shards so that parallel requests rarely share a lock. Keys of any
 // length cost the same eight bytes.
 //
-// At most maxKeys buckets are kept. When a shard is full, buckets that
+// At most maxKeys buckets are kept, an equal share in each shard, so a
+// table with many keys starts evicting a little before it holds maxKeys
+// (at about 99.5% of a million). When a shard is full, buckets that
 // have refilled are dropped first (no decision changes); if none has, the
 // bucket closest to full among a few sampled ones is evicted and counted:
 // its client finds a full bucket next time.
@@ -304,9 +306,8 @@ type charge struct {
 // takeAll charges every bucket or none: a request denied by one bucket
 // spends nothing in the others. Shards are locked in one global order (by
 // table), so concurrent multi-zone requests cannot deadlock. It fills in
-// each charge's ok and debt, reports whether all were allowed and how
-// many buckets were evicted to make room.
-func takeAll(cs []charge) (allowed bool, evicted int) {
+// each charge's ok and debt and reports whether all were allowed.
+func takeAll(cs []charge) (allowed bool) {
 	if len(cs) > 1 {
 		sortCharges(cs)
 	}
@@ -323,7 +324,7 @@ func takeAll(cs []charge) (allowed bool, evicted int) {
 		s := c.t.shard(c.h)
 		if allowed {
 			if s.set(c.h, c.f, c.now, c.t.shardCap()) {
-				evicted++
+				c.t.evictions.Add(1)
 			}
 		} else if c.ok {
 			c.f = s.get(c.h) // not charged after all
@@ -331,7 +332,7 @@ func takeAll(cs []charge) (allowed bool, evicted int) {
 		c.debt = c.l.debt(c.f, c.now)
 		s.mu.Unlock()
 	}
-	return allowed, evicted
+	return allowed
 }
 
 // sortCharges orders charges by table: the global lock order. Requests

@@ -122,7 +122,7 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 			req:  i,
 		})
 	}
-	allowed, _ := takeAll(cs)
+	allowed := takeAll(cs)
 	for i := range cs {
 		c := &cs[i]
 		reqs[c.req].ok = c.ok
