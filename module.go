@@ -75,10 +75,12 @@ type Handler struct {
 	// (IP addresses, API keys), so this is off by default.
 	LogKey bool `json:"log_key,omitempty"`
 
-	store   store
-	headers headerMode
-	scratch *sync.Pool
-	logger  *zap.Logger
+	store    store
+	failMode failMode
+	fallback *LocalStore // decides when store fails, for fail_mode local
+	headers  headerMode
+	scratch  *sync.Pool
+	logger   *zap.Logger
 }
 
 // Zone is one token-bucket limit. Every distinct value of Key gets its
@@ -162,6 +164,21 @@ type request struct {
 	debt time.Duration // how long until the bucket is full, after the decision
 }
 
+// fallible is a store that can fail, and says what to do then.
+type fallible interface {
+	failMode() failMode
+}
+
+type failMode uint8
+
+const (
+	failLocal  failMode = iota // decide with in-memory buckets
+	failOpen                   // allow
+	failClosed                 // answer 503
+)
+
+var failModes = map[string]failMode{"local": failLocal, "open": failOpen, "closed": failClosed}
+
 type headerMode uint8
 
 const (
@@ -223,9 +240,26 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.store = st
+	if f, ok := st.(fallible); ok {
+		h.failMode = f.failMode()
+		if h.failMode == failLocal {
+			h.fallback = &LocalStore{MaxKeys: defaultMaxKeys}
+			if err := h.fallback.bind(h.Zones); err != nil {
+				return err
+			}
+		}
+	}
 
 	n := len(h.Zones)
 	h.scratch = &sync.Pool{New: func() any { return &scratch{reqs: make([]request, 0, n)} }}
+	return nil
+}
+
+// Cleanup releases the fallback buckets.
+func (h *Handler) Cleanup() error {
+	if h.fallback != nil {
+		return h.fallback.Cleanup()
+	}
 	return nil
 }
 
@@ -485,7 +519,18 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) er
 	now := time.Now()
 	allowed, err := h.store.take(r.Context(), now, sc.reqs)
 	if err != nil {
-		return caddyhttp.HandlerError{StatusCode: http.StatusInternalServerError, Err: err}
+		if _, ok := h.store.(fallible); !ok {
+			return caddyhttp.HandlerError{StatusCode: http.StatusInternalServerError, Err: err}
+		}
+		switch h.failMode {
+		case failLocal:
+			allowed, _ = h.fallback.take(r.Context(), now, sc.reqs)
+		case failOpen:
+			return nil
+		case failClosed:
+			w.Header()["Retry-After"] = []string{"1"}
+			return caddyhttp.HandlerError{StatusCode: http.StatusServiceUnavailable, Err: err}
+		}
 	}
 	h.writeHeaders(w.Header(), now, sc)
 	if allowed {
@@ -648,6 +693,7 @@ func ceilSeconds(ns int64) int64 {
 // Interface guards
 var (
 	_ caddy.Provisioner           = (*Handler)(nil)
+	_ caddy.CleanerUpper          = (*Handler)(nil)
 	_ caddy.Validator             = (*Handler)(nil)
 	_ caddyhttp.MiddlewareHandler = (*Handler)(nil)
 )

@@ -1,0 +1,671 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	_ "embed"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"math"
+	"os"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+	"go.uber.org/zap"
+)
+
+func init() {
+	caddy.RegisterModule(RedisStore{})
+}
+
+//go:embed lua/token_bucket.lua
+var tokenBucketLua string
+
+// tokenBucketScript runs with EVALSHA and falls back to EVAL on NOSCRIPT
+// (see (*redis.Script).Run), so a flushed script cache heals itself.
+var tokenBucketScript = redis.NewScript(tokenBucketLua)
+
+// RedisStore keeps buckets in Redis, so that any number of Caddy instances
+// share one exact limit per key. Each decision is one atomic script call
+// that uses Redis's clock.
+//
+// Bucket keys are `<key_prefix><zone>:{<key>}`: the key is a cluster hash
+// tag, so the zones of one client share a slot and are decided in one
+// call even on Redis Cluster. A key expires when its bucket is full
+// again; an idle client costs Redis nothing.
+//
+// When Redis cannot answer within `timeout`, `fail_mode` decides. After
+// repeated failures a circuit breaker stops waiting for Redis and probes it
+// until it answers again.
+type RedisStore struct {
+	// Redis addresses (host:port). One address: a standalone server (or
+	// a cluster, with `cluster`); several: a cluster, or the sentinels
+	// with `sentinel`. Default: `127.0.0.1:6379`. Placeholders such as
+	// `{env.REDIS_ADDR}` are expanded.
+	Addresses []string `json:"addresses,omitempty"`
+
+	// A `redis://` or `rediss://` URL, instead of the addresses, username,
+	// password, db and tls fields.
+	URL string `json:"url,omitempty"`
+
+	// Credentials. `{env.REDIS_PASSWORD}` is expanded at load.
+	Username string `json:"username,omitempty"`
+	Password string `json:"password,omitempty"`
+
+	// The database number (standalone and sentinel only).
+	DB int `json:"db,omitempty"`
+
+	// The master name: the addresses are Redis Sentinels.
+	Sentinel string `json:"sentinel,omitempty"`
+
+	// Use the cluster protocol even with a single seed address.
+	Cluster bool `json:"cluster,omitempty"`
+
+	// Connect with TLS.
+	TLS *RedisTLS `json:"tls,omitempty"`
+
+	// Prefix of every key this store writes. Default: `rl:`.
+	KeyPrefix string `json:"key_prefix,omitempty"`
+
+	// Hash bucket keys (SHA-256, 128 bits) instead of writing them as they
+	// are, so client IPs or API keys are not stored in Redis. Keys longer
+	// than 128 bytes are always hashed. Note that hashed IPv4 addresses
+	// can still be found by trying them all.
+	HashKeys bool `json:"hash_keys,omitempty"`
+
+	// The longest a decision may wait for Redis. Default: `100ms`.
+	Timeout caddy.Duration `json:"timeout,omitempty"`
+
+	// Connections per Redis node. Default: 10 per CPU.
+	PoolSize int `json:"pool_size,omitempty"`
+
+	// What to do when Redis fails or does not answer in time: `local`
+	// decides with this instance's own in-memory buckets, `open` allows
+	// the request, `closed` answers 503 Service Unavailable. Default:
+	// `local`.
+	FailMode string `json:"fail_mode,omitempty"`
+
+	// Ask Redis about every request. By default, once Redis has found a
+	// bucket empty this instance denies the bucket's requests by itself
+	// until tokens can have come back, which is exact (tokens only arrive
+	// at the zone's rate) and spares Redis most of a flood.
+	DisableOverLimitCache bool `json:"disable_over_limit_cache,omitempty"`
+
+	client   *redisClient
+	poolKey  string
+	timeout  time.Duration
+	zones    []*Zone
+	prefixes []string // per zone: KeyPrefix + name + ":{"
+	cache    []*table // per zone: over-limit cache; nil when disabled
+	logger   *zap.Logger
+
+	// testClock, when set, replaces Redis's clock, so that tests can
+	// replay a table of instants. Never set outside tests.
+	testClock func() time.Time
+}
+
+// RedisTLS configures TLS connections to Redis.
+type RedisTLS struct {
+	// Accept any server certificate. Only for testing.
+	InsecureSkipVerify bool `json:"insecure_skip_verify,omitempty"`
+
+	// A PEM file of the CA certificates to trust instead of the system's.
+	CA string `json:"ca,omitempty"`
+}
+
+const (
+	defaultRedisAddress = "127.0.0.1:6379"
+	defaultKeyPrefix    = "rl:"
+	defaultRedisTimeout = 100 * time.Millisecond
+	hashKeysLongerThan  = 128
+)
+
+// CaddyModule returns the Caddy module information.
+func (RedisStore) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.rate_limit.stores.redis",
+		New: func() caddy.Module { return new(RedisStore) },
+	}
+}
+
+// redisClients holds the Redis clients of every loaded config, one per
+// distinct connection setup, so that handlers share connection pools and
+// a reload that keeps the setup keeps its connections.
+var redisClients = caddy.NewUsagePool()
+
+// redisClient is a pooled client with the health of its Redis.
+type redisClient struct {
+	redis.UniversalClient
+	cluster bool
+	breaker breaker
+}
+
+// Destruct closes the client when no config uses it any more.
+func (c *redisClient) Destruct() error { return c.Close() }
+
+// Provision expands placeholders, sets defaults and gets the client.
+// It does no network I/O: Caddy starts while Redis is down.
+func (s *RedisStore) Provision(ctx caddy.Context) error {
+	s.logger = ctx.Logger()
+	repl := caddy.NewReplacer()
+	for i, a := range s.Addresses {
+		s.Addresses[i] = repl.ReplaceAll(a, "")
+	}
+	s.URL = repl.ReplaceAll(s.URL, "")
+	s.Username = repl.ReplaceAll(s.Username, "")
+	s.Password = repl.ReplaceAll(s.Password, "")
+	s.Sentinel = repl.ReplaceAll(s.Sentinel, "")
+	if len(s.Addresses) == 0 && s.URL == "" {
+		s.Addresses = []string{defaultRedisAddress}
+	}
+	if s.KeyPrefix == "" {
+		s.KeyPrefix = defaultKeyPrefix
+	}
+	s.timeout = time.Duration(s.Timeout)
+	if s.timeout == 0 {
+		s.timeout = defaultRedisTimeout
+	}
+	if s.FailMode == "" {
+		s.FailMode = "local"
+	}
+	if err := s.Validate(); err != nil {
+		return err
+	}
+	if s.FailMode == "open" {
+		s.logger.Warn("fail_mode open: requests are not limited while Redis is unavailable")
+	}
+
+	opts, err := s.options()
+	if err != nil {
+		return err
+	}
+	// The pool key is the whole connection setup.
+	key, _ := json.Marshal(struct {
+		Addrs             []string
+		URL, User, Pass   string
+		DB                int
+		Sentinel          string
+		Cluster           bool
+		TLS               *RedisTLS
+		Timeout, PoolSize int64
+	}{s.Addresses, s.URL, s.Username, s.Password, s.DB, s.Sentinel, s.Cluster, s.TLS, int64(s.timeout), int64(s.PoolSize)})
+	v, _, err := redisClients.LoadOrNew(string(key), func() (caddy.Destructor, error) {
+		c := redis.NewUniversalClient(opts)
+		_, cluster := c.(*redis.ClusterClient)
+		return &redisClient{UniversalClient: c, cluster: cluster}, nil
+	})
+	if err != nil {
+		return err
+	}
+	s.poolKey = string(key)
+	s.client = v.(*redisClient)
+	return nil
+}
+
+// options turns the configuration into go-redis options.
+func (s *RedisStore) options() (*redis.UniversalOptions, error) {
+	opts := &redis.UniversalOptions{
+		Addrs:         s.Addresses,
+		Username:      s.Username,
+		Password:      s.Password,
+		DB:            s.DB,
+		MasterName:    s.Sentinel,
+		IsClusterMode: s.Cluster,
+		PoolSize:      s.PoolSize,
+		// Every decision carries a deadline; a failed one is decided by
+		// fail_mode, not retried.
+		ContextTimeoutEnabled: true,
+		MaxRetries:            -1,
+		DialTimeout:           s.timeout,
+		ReadTimeout:           s.timeout,
+		WriteTimeout:          s.timeout,
+		PoolTimeout:           s.timeout,
+		MaintNotificationsConfig: &maintnotifications.Config{
+			Mode: maintnotifications.ModeDisabled,
+		},
+	}
+	if s.URL != "" {
+		u, err := redis.ParseURL(s.URL)
+		if err != nil {
+			return nil, fmt.Errorf("invalid url: %w", err)
+		}
+		opts.Addrs = []string{u.Addr}
+		opts.Username, opts.Password, opts.DB, opts.TLSConfig = u.Username, u.Password, u.DB, u.TLSConfig
+	}
+	if s.TLS != nil {
+		cfg := &tls.Config{MinVersion: tls.VersionTLS12, InsecureSkipVerify: s.TLS.InsecureSkipVerify}
+		if s.TLS.CA != "" {
+			pem, err := os.ReadFile(s.TLS.CA)
+			if err != nil {
+				return nil, fmt.Errorf("tls ca: %w", err)
+			}
+			cfg.RootCAs = x509.NewCertPool()
+			if !cfg.RootCAs.AppendCertsFromPEM(pem) {
+				return nil, fmt.Errorf("tls ca: no certificates in %s", s.TLS.CA)
+			}
+		}
+		opts.TLSConfig = cfg
+	}
+	return opts, nil
+}
+
+// Validate checks the configuration.
+func (s *RedisStore) Validate() error {
+	switch {
+	case s.URL != "" && (len(s.Addresses) > 0 || s.Username != "" || s.Password != "" || s.DB != 0 || s.TLS != nil):
+		return errors.New("url replaces addresses, username, password, db and tls: use one or the other")
+	case s.Sentinel != "" && s.Cluster:
+		return errors.New("sentinel and cluster exclude each other")
+	case s.DB < 0:
+		return fmt.Errorf("invalid db %d", s.DB)
+	case s.Timeout < 0:
+		return fmt.Errorf("invalid timeout %v", time.Duration(s.Timeout))
+	case s.PoolSize < 0:
+		return fmt.Errorf("invalid pool_size %d", s.PoolSize)
+	}
+	for _, a := range s.Addresses {
+		if a == "" {
+			return errors.New("empty address")
+		}
+	}
+	switch s.FailMode {
+	case "", "local", "open", "closed":
+	default:
+		return fmt.Errorf("invalid fail_mode '%s': expected local, open or closed", s.FailMode)
+	}
+	return nil
+}
+
+// Cleanup releases the client, which closes when no config uses it.
+func (s *RedisStore) Cleanup() error {
+	if s.client == nil {
+		return nil
+	}
+	s.client = nil
+	_, err := redisClients.Delete(s.poolKey)
+	return err
+}
+
+func (s *RedisStore) bind(zones []*Zone) error {
+	s.zones = zones
+	for _, z := range zones {
+		s.prefixes = append(s.prefixes, s.KeyPrefix+z.Name+":{")
+		if !s.DisableOverLimitCache {
+			s.cache = append(s.cache, newTable(defaultMaxKeys, time.Now()))
+		}
+	}
+	return nil
+}
+
+func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
+
+// errRedisDown is returned while the circuit breaker is open.
+var errRedisDown = errors.New("redis is unavailable")
+
+func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (bool, error) {
+	if s.cache != nil && s.denyFromCache(now, reqs) {
+		return false, nil
+	}
+	b := &s.client.breaker
+	if !b.allow(now) {
+		return false, errRedisDown
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	allowed, err := s.decide(ctx, reqs)
+	if err != nil {
+		if b.failure(time.Now()) {
+			s.logger.Error("redis store unavailable: deciding by fail_mode until it answers again",
+				zap.String("fail_mode", s.FailMode), zap.Error(err))
+		}
+		return false, err
+	}
+	if b.success() {
+		s.logger.Info("redis store available again")
+	}
+	if s.cache != nil {
+		s.remember(now, reqs)
+	}
+	return allowed, nil
+}
+
+// decide asks Redis. Zones whose keys share a hash tag go in one atomic
+// call. On a cluster, keys in different slots are taken one at a time, and
+// when one denies, the buckets already charged get their tokens back.
+func (s *RedisStore) decide(ctx context.Context, reqs []request) (bool, error) {
+	if !s.client.cluster || oneTag(reqs) {
+		return s.run(ctx, "take", reqs)
+	}
+	for i := range reqs {
+		ok, err := s.run(ctx, "take", reqs[i:i+1])
+		if err == nil && ok {
+			continue
+		}
+		// Denied, or failed: give back what the earlier zones took.
+		if i > 0 {
+			if _, rerr := s.run(ctx, "refund", reqs[:i]); rerr != nil {
+				err = errors.Join(err, fmt.Errorf("refund: %w", rerr))
+			}
+		}
+		for j := i + 1; j < len(reqs); j++ {
+			reqs[j].ok, reqs[j].debt = true, 0 // not asked
+		}
+		return false, err
+	}
+	return true, nil
+}
+
+// oneTag reports whether all requests share one hash tag, so one slot.
+func oneTag(reqs []request) bool {
+	for i := 1; i < len(reqs); i++ {
+		if reqs[i].key != reqs[0].key {
+			return false
+		}
+	}
+	return true
+}
+
+// run calls the script for reqs and sets their ok and debt.
+func (s *RedisStore) run(ctx context.Context, mode string, reqs []request) (bool, error) {
+	keys := make([]string, len(reqs))
+	args := make([]any, 2, 2+2*len(reqs))
+	args[0], args[1] = mode, ""
+	if s.testClock != nil {
+		args[1] = s.testClock().UnixMicro()
+	}
+	for i := range reqs {
+		q := &reqs[i]
+		keys[i] = s.redisKey(q)
+		args = append(args, micros(q.zone.limit.full), micros(q.zone.cost))
+	}
+	v, err := tokenBucketScript.Run(ctx, s.client, keys, args...).Slice()
+	if err != nil {
+		return false, err
+	}
+	if len(v) != len(reqs)+1 {
+		return false, fmt.Errorf("redis script: %d replies for %d keys", len(v)-1, len(reqs))
+	}
+	allowed, _ := v[0].(int64)
+	for i := range reqs {
+		str, _ := v[i+1].(string)
+		us, err := strconv.ParseFloat(str, 64)
+		if err != nil {
+			return false, fmt.Errorf("redis script: bad reply %q", v[i+1])
+		}
+		q := &reqs[i]
+		q.debt = time.Duration(math.Round(us * 1000))
+		q.ok = allowed == 1 || q.zone.limit.wait(int64(q.debt), q.zone.cost) == 0
+	}
+	return allowed == 1, nil
+}
+
+// micros converts nanoseconds to the script's microseconds.
+func micros(ns int64) float64 { return float64(ns) / 1000 }
+
+// redisKey is `<key_prefix><zone>:{<key>}`, the key hashed if so asked.
+func (s *RedisStore) redisKey(q *request) string {
+	k := q.key.String()
+	if s.HashKeys || len(k) > hashKeysLongerThan {
+		sum := sha256.Sum256([]byte(k))
+		k = hex.EncodeToString(sum[:16])
+	}
+	return s.prefixes[q.zone.index] + k + "}"
+}
+
+// denyFromCache denies the request without asking Redis when one of its
+// buckets is known to lack the tokens. When Redis last answered for a
+// bucket at local instant t with debt d, the bucket cannot be fuller than
+// a bucket full at t+d: tokens only come back at the zone's rate, and
+// other instances only take them.
+func (s *RedisStore) denyFromCache(now time.Time, reqs []request) bool {
+	denied := false
+	for i := range reqs {
+		q := &reqs[i]
+		t := s.cache[q.zone.index]
+		n, h := t.instant(now), t.hash(q.key)
+		sh := t.shard(h)
+		sh.mu.Lock()
+		f := sh.get(h)
+		sh.mu.Unlock()
+		l := q.zone.limit
+		_, q.ok = l.take(f, n, q.zone.cost)
+		q.debt = time.Duration(l.debt(f, n))
+		denied = denied || !q.ok
+	}
+	return denied
+}
+
+// remember notes, for denyFromCache, the buckets of a request that
+// Redis left without the tokens for another such request. The request's
+// other buckets are noted too, so that a denial from the cache still
+// reports them in the headers.
+func (s *RedisStore) remember(now time.Time, reqs []request) {
+	short := false
+	for i := range reqs {
+		short = short || reqs[i].wait() > 0
+	}
+	if !short {
+		return
+	}
+	for i := range reqs {
+		q := &reqs[i]
+		t := s.cache[q.zone.index]
+		n, h := t.instant(now), t.hash(q.key)
+		sh := t.shard(h)
+		sh.mu.Lock()
+		if f := n + int64(q.debt); f > sh.get(h) && sh.set(h, f, n, t.shardCap()) {
+			t.evictions.Add(1)
+		}
+		sh.mu.Unlock()
+	}
+}
+
+// breaker stops a store from waiting on a Redis that is down: after
+// tripAfter failures in a row it opens, and requests are decided by
+// fail_mode at once. Once the backoff has passed, one request at a time
+// probes Redis; the first success closes it.
+type breaker struct {
+	failures  atomic.Int32
+	openUntil atomic.Int64 // monotonic nanoseconds; 0 while closed
+	backoff   atomic.Int64
+	probing   atomic.Bool
+}
+
+const (
+	tripAfter  = 3
+	minBackoff = 100 * time.Millisecond
+	maxBackoff = time.Second
+)
+
+// processStart anchors the breaker's monotonic instants.
+var processStart = time.Now()
+
+func (b *breaker) allow(now time.Time) bool {
+	until := b.openUntil.Load()
+	if until == 0 {
+		return true
+	}
+	if int64(now.Sub(processStart)) < until {
+		return false
+	}
+	return b.probing.CompareAndSwap(false, true)
+}
+
+// success reports whether it closed an open breaker.
+func (b *breaker) success() bool {
+	b.failures.Store(0)
+	if b.openUntil.Load() == 0 {
+		return false
+	}
+	b.backoff.Store(0)
+	b.probing.Store(false)
+	return b.openUntil.Swap(0) != 0
+}
+
+// failure reports whether it opened the breaker.
+func (b *breaker) failure(now time.Time) bool {
+	mono := int64(now.Sub(processStart))
+	if b.openUntil.Load() != 0 {
+		// A probe failed: wait longer before the next.
+		d := min(2*b.backoff.Load(), int64(maxBackoff))
+		b.backoff.Store(d)
+		b.openUntil.Store(mono + d)
+		b.probing.Store(false)
+		return false
+	}
+	if b.failures.Add(1) < tripAfter {
+		return false
+	}
+	b.backoff.Store(int64(minBackoff))
+	return b.openUntil.CompareAndSwap(0, mono+int64(minBackoff))
+}
+
+// retryAfter is how long until the breaker lets a probe through.
+func (b *breaker) retryAfter(now time.Time) time.Duration {
+	return max(time.Duration(b.openUntil.Load()-int64(now.Sub(processStart))), 0)
+}
+
+// UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
+//
+//	store redis {
+//		address   <host:port>...
+//		url       <redis[s]://...>
+//		username  <user>
+//		password  <password>
+//		db        <n>
+//		sentinel  <master_name>
+//		cluster
+//		tls [insecure_skip_verify] [ca <file>]
+//		key_prefix <prefix>
+//		hash_keys
+//		timeout   <duration>
+//		pool_size <n>
+//		fail_mode local|open|closed
+//		disable_over_limit_cache
+//	}
+func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
+	d.Next() // consume store name
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	seen := make(map[string]bool)
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		sub := d.Val()
+		if seen[sub] {
+			return d.Errf("store redis: %s already specified", sub)
+		}
+		seen[sub] = true
+		switch sub {
+		case "address":
+			s.Addresses = d.RemainingArgs()
+			if len(s.Addresses) == 0 {
+				return d.ArgErr()
+			}
+		case "url":
+			if !d.AllArgs(&s.URL) {
+				return d.ArgErr()
+			}
+		case "username":
+			if !d.AllArgs(&s.Username) {
+				return d.ArgErr()
+			}
+		case "password":
+			if !d.AllArgs(&s.Password) {
+				return d.ArgErr()
+			}
+		case "db", "pool_size":
+			n, err := intArg(d)
+			if err != nil {
+				return err
+			}
+			if n < 0 || n > math.MaxInt32 {
+				return d.Errf("invalid %s '%s': must be 0 or more", sub, d.Val())
+			}
+			if sub == "db" {
+				s.DB = int(n)
+			} else {
+				s.PoolSize = int(n)
+			}
+		case "sentinel":
+			if !d.AllArgs(&s.Sentinel) {
+				return d.ArgErr()
+			}
+		case "cluster", "hash_keys", "disable_over_limit_cache":
+			if d.NextArg() {
+				return d.ArgErr()
+			}
+			switch sub {
+			case "cluster":
+				s.Cluster = true
+			case "hash_keys":
+				s.HashKeys = true
+			default:
+				s.DisableOverLimitCache = true
+			}
+		case "tls":
+			s.TLS = new(RedisTLS)
+			for d.NextArg() {
+				switch d.Val() {
+				case "insecure_skip_verify":
+					s.TLS.InsecureSkipVerify = true
+				case "ca":
+					if !d.NextArg() {
+						return d.Err("tls ca needs a file")
+					}
+					s.TLS.CA = d.Val()
+				default:
+					return d.Errf("unrecognized tls option '%s': expected insecure_skip_verify or ca <file>", d.Val())
+				}
+			}
+		case "key_prefix":
+			if !d.AllArgs(&s.KeyPrefix) {
+				return d.ArgErr()
+			}
+		case "timeout":
+			var v string
+			if !d.AllArgs(&v) {
+				return d.ArgErr()
+			}
+			t, err := caddy.ParseDuration(v)
+			if err != nil || t <= 0 {
+				return d.Errf("invalid timeout '%s': expected a positive duration such as 100ms", v)
+			}
+			s.Timeout = caddy.Duration(t)
+		case "fail_mode":
+			if !d.AllArgs(&s.FailMode) {
+				return d.ArgErr()
+			}
+			if _, ok := failModes[s.FailMode]; !ok {
+				return d.Errf("invalid fail_mode '%s': expected local, open or closed", s.FailMode)
+			}
+		default:
+			return d.Errf("unrecognized store redis subdirective '%s'", sub)
+		}
+	}
+	if err := s.Validate(); err != nil {
+		return d.Errf("store redis: %v", err)
+	}
+	return nil
+}
+
+// Interface guards
+var (
+	_ caddy.Provisioner     = (*RedisStore)(nil)
+	_ caddy.Validator       = (*RedisStore)(nil)
+	_ caddy.CleanerUpper    = (*RedisStore)(nil)
+	_ caddyfile.Unmarshaler = (*RedisStore)(nil)
+	_ store                 = (*RedisStore)(nil)
+	_ fallible              = (*RedisStore)(nil)
+)

@@ -1,0 +1,466 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// The zones of the shared step table: a 10r/s burst 3; b 1r/s burst 2;
+// c 2r/s burst 4, two tokens a request.
+const stepZones = `[
+	{"name":"a","rate":"10r/s","burst":3},
+	{"name":"b","rate":"1r/s","burst":2},
+	{"name":"c","rate":"2r/s","burst":4,"cost":2}]`
+
+type storeStep struct {
+	at    time.Duration // since the table's start
+	key   string
+	zones string // which zones the request matches, e.g. "ab"
+	ok    bool
+	rem   []int64 // whole tokens left per zone, after the decision
+}
+
+var storeSteps = []storeStep{
+	{0, "k", "a", true, []int64{2}},
+	{0, "k", "a", true, []int64{1}},
+	{0, "k", "a", true, []int64{0}},
+	{0, "k", "a", false, []int64{0}},
+	{100 * time.Millisecond, "k", "a", true, []int64{0}},
+	// a is empty: b must not be charged.
+	{100 * time.Millisecond, "k", "ab", false, []int64{0, 2}},
+	{100 * time.Millisecond, "k", "b", true, []int64{1}},
+	{100 * time.Millisecond, "k", "b", true, []int64{0}},
+	// b is empty: a must not be charged.
+	{300 * time.Millisecond, "k", "ab", false, []int64{2, 0}},
+	{300 * time.Millisecond, "k", "a", true, []int64{1}},
+	{300 * time.Millisecond, "k", "c", true, []int64{2}},
+	{300 * time.Millisecond, "k", "c", true, []int64{0}},
+	{800 * time.Millisecond, "k", "c", false, []int64{1}},
+	{1300 * time.Millisecond, "k", "c", true, []int64{0}},
+	{1300 * time.Millisecond, "j", "abc", true, []int64{2, 1, 2}},
+	{1300 * time.Millisecond, "j", "abc", true, []int64{1, 0, 0}},
+	{1300 * time.Millisecond, "j", "abc", false, []int64{1, 0, 0}},
+	{100 * time.Second, "k", "abc", true, []int64{2, 1, 2}},
+}
+
+// runStoreSteps replays storeSteps against h's store, with the store's
+// clock replaced by the steps' instants.
+func runStoreSteps(t *testing.T, h *Handler) {
+	t.Helper()
+	start := time.Now()
+	var now time.Time
+	if rs, ok := h.store.(*RedisStore); ok {
+		rs.testClock = func() time.Time { return now }
+	}
+	zones := map[byte]*Zone{}
+	for _, z := range h.Zones {
+		zones[z.Name[len(z.Name)-1]] = z
+	}
+	for i, s := range storeSteps {
+		now = start.Add(s.at)
+		var reqs []request
+		for _, c := range []byte(s.zones) {
+			reqs = append(reqs, request{zone: zones[c], key: bucketKey{s: s.key}})
+		}
+		ok, err := h.store.take(context.Background(), now, reqs)
+		if err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+		if ok != s.ok {
+			t.Fatalf("step %d: allowed = %v, want %v", i, ok, s.ok)
+		}
+		for j := range reqs {
+			if got := reqs[j].remaining(); got != s.rem[j] {
+				t.Fatalf("step %d: zone %s has %d tokens left, want %d", i, reqs[j].zone.Name, got, s.rem[j])
+			}
+		}
+	}
+}
+
+// One table of steps gives the same decisions on every store.
+func TestStoresAgree(t *testing.T) {
+	t.Run("local", func(t *testing.T) {
+		runStoreSteps(t, newTestHandler(t, `{"zones":`+strings.ReplaceAll(stepZones, `"name":"`, `"name":"agree-`)+`}`))
+	})
+	r := startRedis(t)
+	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
+		t.Run("redis"+store, func(t *testing.T) {
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
+				stepZones, r.addr(), t.Name()+":", store))
+			runStoreSteps(t, h)
+		})
+	}
+	t.Run("cluster", func(t *testing.T) {
+		nodes := startCluster(t)
+		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`,
+			stepZones, nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
+		runStoreSteps(t, h)
+	})
+}
+
+func TestRedisKeysAndTTL(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, redisConfig(r.addr(), "ttl", "10r/s", 5, ""))
+	if code, _ := serve(h, "192.0.2.7"); code != http.StatusOK {
+		t.Fatalf("status %d", code)
+	}
+	c := newRedisClient(t, r.addr())
+	ctx := context.Background()
+	key := "t:ttl:{192.0.2.7}"
+	ttl, err := c.PTTL(ctx, key).Result()
+	if err != nil || ttl <= 0 || ttl > 100*time.Millisecond {
+		t.Fatalf("PTTL %s = %v, %v; want about 100ms (one token's refill)", key, ttl, err)
+	}
+	// Fractions survive the trip through Lua: the stored instant is not
+	// truncated to whole microseconds' worth of tokens.
+	v, err := c.Get(ctx, key).Float64()
+	if err != nil || v < 1e15 {
+		t.Fatalf("stored instant %v, %v", v, err)
+	}
+	time.Sleep(ttl + 20*time.Millisecond)
+	if n, _ := c.Exists(ctx, key).Result(); n != 0 {
+		t.Fatal("key outlived its bucket's refill")
+	}
+
+	// IPv6 clients are grouped by /64, and hash_keys hides the address.
+	h = newTestHandler(t, redisConfig(r.addr(), "v6", "10r/s", 5, `,"hash_keys":true`))
+	serve(h, "2001:db8::1")
+	keys, _ := c.Keys(ctx, "t:v6:*").Result()
+	if len(keys) != 1 || strings.Contains(keys[0], "2001") || len(keys[0]) != len("t:v6:{}")+32 {
+		t.Fatalf("keys %v: want one hashed key", keys)
+	}
+	serve(h, "2001:db8::2:3")
+	if keys, _ := c.Keys(ctx, "t:v6:*").Result(); len(keys) != 1 {
+		t.Fatalf("keys %v: one /64 must share one bucket", keys)
+	}
+}
+
+// SCRIPT FLUSH (or a restart) empties Redis's script cache: the next
+// decision loads the script again and goes on where it left off.
+func TestRedisScriptFlush(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, redisConfig(r.addr(), "flush", "1r/m", 4, ""))
+	for i := range 2 {
+		if code, hdr := serve(h, "192.0.2.1"); code != http.StatusOK || hdr.Get("X-Ratelimit-Remaining") != fmt.Sprint(3-i) {
+			t.Fatalf("request %d: %d, remaining %s", i, code, hdr.Get("X-Ratelimit-Remaining"))
+		}
+	}
+	r.cli("SCRIPT", "FLUSH")
+	if code, hdr := serve(h, "192.0.2.1"); code != http.StatusOK || hdr.Get("X-Ratelimit-Remaining") != "1" {
+		t.Fatalf("after SCRIPT FLUSH: %d, remaining %s", code, hdr.Get("X-Ratelimit-Remaining"))
+	}
+}
+
+// Three handlers with their own clients, like three Caddy instances,
+// hammer one key: together they get exactly the bucket's tokens.
+func TestRedisSharedLimitIsExact(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs for seconds")
+	}
+	r := startRedis(t)
+	for _, skew := range []bool{false, true} {
+		t.Run(fmt.Sprintf("skewed clocks %v", skew), func(t *testing.T) {
+			const rate, burst = 50.0, 20
+			var handlers []*Handler
+			for i := range 3 {
+				// Distinct pool sizes give distinct clients.
+				handlers = append(handlers, newTestHandler(t, redisConfig(r.addr(), "exact", "50r/s", burst,
+					fmt.Sprintf(`,"pool_size":%d,"key_prefix":"%s:"`, 10+i, t.Name()))))
+			}
+			var allowed atomic.Int64
+			var wg sync.WaitGroup
+			start := time.Now()
+			const run = 3 * time.Second
+			for i, h := range handlers {
+				// Each instance sees its own clock; only the over-limit
+				// cache uses it, and only as a local time line.
+				offset := time.Duration(0)
+				if skew {
+					offset = time.Duration(i-1) * time.Hour
+				}
+				for range 4 {
+					wg.Go(func() {
+						for time.Since(start) < run {
+							reqs := []request{{zone: h.Zones[0], key: bucketKey{s: "hot"}}}
+							ok, err := h.store.take(context.Background(), time.Now().Add(offset), reqs)
+							if err != nil {
+								t.Error(err)
+								return
+							}
+							if ok {
+								allowed.Add(1)
+							}
+						}
+					})
+				}
+			}
+			wg.Wait()
+			elapsed := time.Since(start).Seconds()
+			most := burst + rate*elapsed + 1
+			got := float64(allowed.Load())
+			t.Logf("allowed %v in %.2fs; the bucket gave at most %.0f", got, elapsed, most)
+			if got > most || got < 0.9*most {
+				t.Fatalf("allowed %v, want at most %.0f and not far below", got, most)
+			}
+		})
+	}
+}
+
+// Under a flood on one key, the over-limit cache leaves Redis about one
+// call per token, where without it every request is a call.
+func TestRedisOverLimitCache(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs for seconds")
+	}
+	r := startRedis(t)
+	for _, cached := range []bool{true, false} {
+		t.Run(fmt.Sprintf("cache %v", cached), func(t *testing.T) {
+			store := fmt.Sprintf(`,"key_prefix":"%s:"`, t.Name())
+			if !cached {
+				store += `,"disable_over_limit_cache":true`
+			}
+			h := newTestHandler(t, redisConfig(r.addr(), "flood", "10r/s", 20, store))
+			before := r.calls()
+			// 2000 requests a second for 2 seconds.
+			var ok, denied, wrongRetry int
+			tick := time.NewTicker(500 * time.Microsecond)
+			defer tick.Stop()
+			start := time.Now()
+			for time.Since(start) < 2*time.Second {
+				<-tick.C
+				code, hdr := serve(h, "198.51.100.1")
+				switch code {
+				case http.StatusOK:
+					ok++
+				case http.StatusTooManyRequests:
+					denied++
+					if hdr.Get("Retry-After") != "1" {
+						wrongRetry++
+					}
+				default:
+					t.Fatalf("status %d", code)
+				}
+			}
+			calls := r.calls() - before
+			elapsed := time.Since(start).Seconds()
+			t.Logf("%d allowed, %d denied, %d Redis calls in %.2fs", ok, denied, calls, elapsed)
+			if most := 20 + 10*elapsed + 1; float64(ok) > most || float64(ok) < most-5 {
+				t.Fatalf("allowed %d, want about %.0f", ok, most)
+			}
+			if wrongRetry > 0 {
+				t.Fatalf("%d denials without Retry-After: 1", wrongRetry)
+			}
+			if cached && calls > 2*ok {
+				t.Fatalf("%d Redis calls for %d allowed requests: the cache is not sparing Redis", calls, ok)
+			}
+			if !cached && calls != ok+denied {
+				t.Fatalf("%d Redis calls for %d requests", calls, ok+denied)
+			}
+		})
+	}
+}
+
+// Each fail_mode does what it promises while Redis is down or frozen, no
+// request waits much longer than the timeout, and limiting goes back to
+// Redis as soon as it answers again.
+func TestRedisFailModes(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs for seconds")
+	}
+	const timeout = 50 * time.Millisecond
+	for _, mode := range []string{"local", "open", "closed"} {
+		t.Run(mode, func(t *testing.T) {
+			r := startRedis(t)
+			h := newTestHandler(t, redisConfig(r.addr(), "fail-"+mode, "1r/m", 3,
+				fmt.Sprintf(`,"fail_mode":%q,"timeout":%d`, mode, timeout)))
+			ip := "203.0.113.1"
+			if code, _ := serve(h, ip); code != http.StatusOK {
+				t.Fatalf("with Redis up: %d", code)
+			}
+
+			for _, outage := range []string{"killed", "frozen"} {
+				if outage == "killed" {
+					r.kill()
+				} else {
+					r.pause()
+				}
+				var codes []int
+				var slowest time.Duration
+				for range 6 {
+					start := time.Now()
+					code, hdr := serve(h, ip)
+					slowest = max(slowest, time.Since(start))
+					codes = append(codes, code)
+					if code == http.StatusServiceUnavailable && hdr.Get("Retry-After") == "" {
+						t.Fatal("503 without Retry-After")
+					}
+				}
+				if slowest > timeout+100*time.Millisecond {
+					t.Fatalf("%s: a request waited %v with timeout %v", outage, slowest, timeout)
+				}
+				var want []int
+				switch mode {
+				case "local": // fresh local buckets of 3
+					want = []int{200, 200, 200, 429, 429, 429}
+				case "open":
+					want = []int{200, 200, 200, 200, 200, 200}
+				case "closed":
+					want = []int{503, 503, 503, 503, 503, 503}
+				}
+				if mode == "local" && outage == "frozen" {
+					want = []int{429, 429, 429, 429, 429, 429} // same local buckets
+				}
+				if fmt.Sprint(codes) != fmt.Sprint(want) {
+					t.Fatalf("Redis %s: statuses %v, want %v", outage, codes, want)
+				}
+				if outage == "killed" {
+					r.start()
+				} else {
+					r.resume()
+				}
+			}
+
+			// Back: Redis decides again within the breaker's backoff.
+			deadline := time.Now().Add(3 * time.Second)
+			c := newRedisClient(t, r.addr())
+			for {
+				serve(h, "203.0.113.99")
+				if n, _ := c.Exists(context.Background(), "t:fail-"+mode+":{203.0.113.99}").Result(); n == 1 {
+					break
+				}
+				if time.Now().After(deadline) {
+					t.Fatal("limiting did not return to Redis")
+				}
+				time.Sleep(50 * time.Millisecond)
+			}
+		})
+	}
+}
+
+// A key of the wrong type makes the script fail: that is a store error,
+// decided by fail_mode, never a panic and never a silent allow.
+func TestRedisBadReply(t *testing.T) {
+	r := startRedis(t)
+	c := newRedisClient(t, r.addr())
+	c.HSet(context.Background(), "t:bad:{192.0.2.9}", "x", "1")
+	h := newTestHandler(t, redisConfig(r.addr(), "bad", "1r/m", 1, `,"fail_mode":"closed"`))
+	if code, _ := serve(h, "192.0.2.9"); code != http.StatusServiceUnavailable {
+		t.Fatalf("status %d, want 503", code)
+	}
+	h = newTestHandler(t, redisConfig(r.addr(), "bad", "1r/m", 1, `,"pool_size":3`))
+	codes := []int{}
+	for range 2 {
+		code, _ := serve(h, "192.0.2.9")
+		codes = append(codes, code)
+	}
+	if fmt.Sprint(codes) != "[200 429]" {
+		t.Fatalf("fail_mode local: %v, want [200 429]", codes)
+	}
+}
+
+// On a cluster, keys spread over the nodes, and a request denied in one
+// slot gets back what it took in another.
+func TestRedisCluster(t *testing.T) {
+	nodes := startCluster(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
+		{"name":"ip","rate":"1r/m","burst":5},
+		{"name":"user","key":"{http.request.header.X-User}","rate":"1r/m","burst":1}],
+		"store":{"backend":"redis","addresses":[%q,%q,%q]}}`, nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
+	for i := range 60 {
+		if code, _ := serve(h, fmt.Sprintf("10.0.%d.1", i)); code != http.StatusOK {
+			t.Fatalf("request %d: %d", i, code)
+		}
+	}
+	for _, n := range nodes {
+		if keys := n.cli("DBSIZE"); keys == "0" {
+			t.Fatalf("node %s holds no keys: keys did not spread over slots", n.addr())
+		}
+	}
+
+	// The user zone lives in another slot than the ip zone.
+	ip := "10.1.0.1"
+	if code, _ := serve(h, ip, "X-User", "alice"); code != http.StatusOK {
+		t.Fatalf("first: %d", code)
+	}
+	code, hdr := serve(h, ip, "X-User", "alice")
+	if code != http.StatusTooManyRequests {
+		t.Fatalf("second: %d", code)
+	}
+	if got := hdr.Get("Ratelimit"); !strings.Contains(got, `"ip";r=4`) {
+		t.Fatalf("RateLimit %q: the denied request kept tokens of zone ip", got)
+	}
+	if _, hdr := serve(h, ip); !strings.Contains(hdr.Get("Ratelimit"), `"ip";r=3`) {
+		t.Fatalf("RateLimit %q: want 3 left in zone ip", hdr.Get("Ratelimit"))
+	}
+}
+
+// Sentinel: after a failover the store follows the new master.
+func TestRedisSentinelFailover(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs for seconds")
+	}
+	master := startRedis(t)
+	replica := startRedis(t, "--replicaof", "127.0.0.1", fmt.Sprint(master.port))
+	sdir := t.TempDir()
+	sport := freePort(t, 0)
+	conf := writeFile(t, sdir, "sentinel.conf", fmt.Sprintf(
+		"port %d\nbind 127.0.0.1\ndir %s\nsentinel monitor mymaster 127.0.0.1 %d 1\n"+
+			"sentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\n",
+		sport, sdir, master.port))
+	sentinel := &redisServer{t: t, port: sport, dir: sdir, args: []string{conf, "--sentinel"}}
+	sentinel.start()
+	t.Cleanup(sentinel.kill)
+	waitFor(t, 10*time.Second, "replica in sync", func() bool {
+		return strings.Contains(replica.cli("INFO", "replication"), "master_link_status:up")
+	})
+
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"s","rate":"1r/m","burst":10}],
+		"store":{"backend":"redis","addresses":[%q],"sentinel":"mymaster","timeout":"200ms","fail_mode":"closed"}}`, sentinel.addr()))
+	for i := range 3 {
+		if code, _ := serve(h, "192.0.2.50"); code != http.StatusOK {
+			t.Fatalf("request %d: %d", i, code)
+		}
+	}
+	waitFor(t, 5*time.Second, "key replicated", func() bool {
+		return replica.cli("EXISTS", "rl:s:{192.0.2.50}") == "1"
+	})
+	sentinel.cli("SENTINEL", "FAILOVER", "mymaster")
+	waitFor(t, 15*time.Second, "failover", func() bool {
+		return strings.Contains(replica.cli("INFO", "replication"), "role:master")
+	})
+	// The store reconnects to the new master; the bucket kept its state.
+	waitFor(t, 10*time.Second, "store on new master", func() bool {
+		code, hdr := serve(h, "192.0.2.50")
+		return code == http.StatusOK && hdr.Get("X-Ratelimit-Remaining") != ""
+	})
+	if n := replica.cli("GET", "rl:s:{192.0.2.50}"); n == "" {
+		t.Fatal("new master has no bucket")
+	}
+	// Three requests before the failover, at least two after: a bucket
+	// that lost its state would have 9 left.
+	_, hdr := serve(h, "192.0.2.50")
+	if got, err := strconv.Atoi(hdr.Get("X-Ratelimit-Remaining")); err != nil || got > 5 {
+		t.Fatalf("remaining %q after failover: the bucket lost its state", hdr.Get("X-Ratelimit-Remaining"))
+	}
+}
+
+func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(d)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
