@@ -118,7 +118,8 @@ type table struct {
 	epoch   time.Time // instants in the shards are nanoseconds since epoch
 	seed    maphash.Seed
 	maxKeys atomic.Int64
-	shards  []shard
+	shards  []shard // a power of two of them
+	mask    uint64  // len(shards) - 1
 
 	evictions atomic.Uint64
 	stop      chan struct{}
@@ -150,6 +151,7 @@ func newTable(maxKeys int64, now time.Time) *table {
 		epoch:  now,
 		seed:   maphash.MakeSeed(),
 		shards: make([]shard, n),
+		mask:   uint64(n - 1),
 		stop:   make(chan struct{}),
 	}
 	t.maxKeys.Store(maxKeys)
@@ -166,15 +168,11 @@ func (t *table) hash(k bucketKey) uint64 {
 	if !k.ip.IsValid() {
 		return maphash.String(t.seed, k.s)
 	}
-	var b [17]byte
-	a := k.ip.Addr().As16()
-	copy(b[:], a[:])
-	b[16] = byte(k.ip.Bits())
-	return maphash.Bytes(t.seed, b[:])
+	return maphash.Comparable(t.seed, k.ip)
 }
 
 func (t *table) shard(h uint64) *shard {
-	return &t.shards[h%uint64(len(t.shards))]
+	return &t.shards[h&t.mask]
 }
 
 // shardCap is how many buckets one shard may hold.
@@ -186,16 +184,24 @@ func (t *table) shardCap() int {
 // Requires s.mu to be held.
 func (s *shard) get(h uint64) int64 { return s.full[h] }
 
-// set records f for a bucket, making room first if the shard is full.
-// It reports whether another bucket had to be evicted.
-// Requires s.mu to be held.
-func (s *shard) set(h uint64, f, now int64, capacity int) (evicted bool) {
+// set records f for a bucket of table t, making room first if the bucket
+// is new and the shard full. Requires s.mu to be held.
+func (s *shard) set(t *table, h uint64, f, now int64) {
 	if _, ok := s.full[h]; !ok {
-		evicted = s.makeRoom(now, capacity)
-		s.sweepCredit--
+		s.insert(t, h, f, now)
+		return
 	}
 	s.full[h] = f
-	return evicted
+}
+
+// insert records f for a bucket that is not tracked yet.
+// Requires s.mu to be held.
+func (s *shard) insert(t *table, h uint64, f, now int64) {
+	if s.makeRoom(now, t.shardCap()) {
+		t.evictions.Add(1)
+	}
+	s.sweepCredit--
+	s.full[h] = f
 }
 
 // makeRoom frees one slot in a full shard. Requires s.mu to be held.
@@ -308,9 +314,23 @@ type charge struct {
 // table), so concurrent multi-zone requests cannot deadlock. It fills in
 // each charge's ok and debt and reports whether all were allowed.
 func takeAll(cs []charge) (allowed bool) {
-	if len(cs) > 1 {
-		sortCharges(cs)
+	if len(cs) == 1 { // the common case, with one map lookup less
+		c := &cs[0]
+		s := c.t.shard(c.h)
+		s.mu.Lock()
+		f, tracked := s.full[c.h]
+		if c.f, c.ok = c.l.take(f, c.now, c.cost); c.ok {
+			if tracked {
+				s.full[c.h] = c.f
+			} else {
+				s.insert(c.t, c.h, c.f, c.now)
+			}
+		}
+		s.mu.Unlock()
+		c.debt = c.l.debt(c.f, c.now)
+		return c.ok
 	}
+	sortCharges(cs)
 	allowed = true
 	for i := range cs {
 		c := &cs[i]
@@ -323,9 +343,7 @@ func takeAll(cs []charge) (allowed bool) {
 		c := &cs[i]
 		s := c.t.shard(c.h)
 		if allowed {
-			if s.set(c.h, c.f, c.now, c.t.shardCap()) {
-				c.t.evictions.Add(1)
-			}
+			s.set(c.t, c.h, c.f, c.now)
 		} else if c.ok {
 			c.f = s.get(c.h) // not charged after all
 		}

@@ -465,8 +465,8 @@ func (s *RedisStore) remember(now time.Time, reqs []request) {
 		n, h := t.instant(now), t.hash(q.key)
 		sh := t.shard(h)
 		sh.mu.Lock()
-		if f := n + int64(q.debt); f > sh.get(h) && sh.set(h, f, n, t.shardCap()) {
-			t.evictions.Add(1)
+		if f := n + int64(q.debt); f > sh.get(h) {
+			sh.set(t, h, f, n)
 		}
 		sh.mu.Unlock()
 	}
