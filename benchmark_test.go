@@ -145,7 +145,7 @@ func BenchmarkClock(b *testing.B) {
 func BenchmarkServeHTTP(b *testing.B) {
 	for _, tc := range []struct{ name, zone string }{
 		{"allowed", `{"name":"bench-allowed","rate":"1000000000r/s"}`},
-		{"denied", `{"name":"bench-denied","rate":"1r/h"}`},
+		{"denied", `{"name":"bench-denied","rate":"1r/s"}`}, // Retry-After: 1
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, `{"zones":[`+tc.zone+`]}`)

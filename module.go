@@ -130,7 +130,8 @@ type Zone struct {
 	cost        int64 // limit.cost(Cost)
 	keyKind     keyKind
 	matcherSets caddyhttp.MatcherSets
-	exceeded    error  // the HandlerError's Err when this zone denies
+	denial      error  // the caddyhttp.HandlerError returned when this zone denies
+	name        any    // Name, boxed once for the replacer
 	quoted      string // the name as a structured-field string
 	policy      string // this zone's RateLimit-Policy item
 }
@@ -414,7 +415,13 @@ func (z *Zone) provision(ctx caddy.Context) error {
 		}
 	}
 
-	z.exceeded = fmt.Errorf("rate limit exceeded in zone %s", z.Name)
+	// Built once, directly rather than with caddyhttp.Error, which records
+	// a stack trace and a random ID: work a flood of denials need not do.
+	z.denial = caddyhttp.HandlerError{
+		StatusCode: http.StatusTooManyRequests,
+		Err:        fmt.Errorf("rate limit exceeded in zone %s", z.Name),
+	}
+	z.name = z.Name
 	z.quoted = strconv.Quote(z.Name) // names are plain ASCII: a valid sf-string
 	z.policy = fmt.Sprintf("%s;q=%d;w=%d", z.quoted, z.limit.burst, ceilSeconds(z.limit.full))
 	return nil
@@ -544,16 +551,22 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, reqs []request) e
 	q := mostConstrained(reqs)
 	z := q.zone
 	wait := q.wait()
-	retryAfter := ""
+	var retryAfter any = ""
 	if wait >= 0 {
 		if h.Jitter > 0 {
 			wait += int64(float64(wait) * h.Jitter * rand.Float64())
 		}
-		retryAfter = strconv.FormatInt(max(ceilSeconds(wait), 1), 10)
-		w.Header()["Retry-After"] = []string{retryAfter}
+		secs := max(ceilSeconds(wait), 1)
+		s := strconv.FormatInt(secs, 10)
+		w.Header()["Retry-After"] = []string{s}
+		if secs < int64(len(smallSeconds)) {
+			retryAfter = smallSeconds[secs]
+		} else {
+			retryAfter = s
+		}
 	}
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
-		repl.Set("http.rate_limit.exceeded.name", z.Name)
+		repl.Set("http.rate_limit.exceeded.name", z.name)
 		repl.Set("http.rate_limit.exceeded.retry_after", retryAfter)
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit exceeded"); c != nil {
@@ -567,10 +580,17 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, reqs []request) e
 		}
 		c.Write(fields...)
 	}
-	// Built directly rather than with caddyhttp.Error, which records a
-	// stack trace and a random ID: work a flood of denials need not do.
-	return caddyhttp.HandlerError{StatusCode: http.StatusTooManyRequests, Err: z.exceeded}
+	return z.denial
 }
+
+// smallSeconds are the common Retry-After values, boxed once for the
+// replacer.
+var smallSeconds = func() (v [100]any) {
+	for i := range v {
+		v[i] = strconv.Itoa(i)
+	}
+	return v
+}()
 
 // mostConstrained picks the request whose zone speaks for the response:
 // of the denied ones, the one that makes the client wait longest; if all
