@@ -248,6 +248,15 @@ func (s *shard) sweep(now int64) {
 	}
 }
 
+// forget drops a bucket: it is full again.
+func (t *table) forget(k bucketKey) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	delete(s.full, h)
+	s.mu.Unlock()
+}
+
 // sweep drops every full bucket of the table.
 func (t *table) sweep(now time.Time) {
 	n := t.instant(now)

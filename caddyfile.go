@@ -37,6 +37,7 @@ const anonymousZone = "default"
 //			match       { <matchers> }
 //			ipv4_prefix <bits>
 //			ipv6_prefix <bits>
+//			dry_run
 //		}
 //		store local {
 //			max_keys <n>
@@ -44,6 +45,8 @@ const anonymousZone = "default"
 //		headers both|legacy|ietf|off
 //		jitter  <fraction>
 //		log_key
+//		dry_run
+//		disable_metrics
 //	}
 //
 // The line form `rate_limit <key> <rate> [<burst>]` is a zone named
@@ -138,11 +141,18 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 
-		case "log_key":
+		case "log_key", "dry_run", "disable_metrics":
 			if d.NextArg() {
 				return d.ArgErr()
 			}
-			h.LogKey = true
+			switch d.Val() {
+			case "log_key":
+				h.LogKey = true
+			case "dry_run":
+				h.DryRun = true
+			default:
+				h.DisableMetrics = true
+			}
 
 		case "distributed", "storage":
 			return d.Errf("'%s' is a github.com/mholt/caddy-ratelimit option: use 'store redis { ... }' to share limits between instances", d.Val())
@@ -211,6 +221,11 @@ func unmarshalZone(d *caddyfile.Dispenser, name string) (*Zone, error) {
 			} else {
 				z.IPv6Prefix = int(n)
 			}
+		case "dry_run":
+			if d.NextArg() {
+				return nil, d.ArgErr()
+			}
+			z.DryRun = true
 		case "match":
 			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
 			if err != nil {

@@ -131,6 +131,22 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 	return allowed, nil
 }
 
+func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
+	t := s.tables[q.zone.index]
+	h := t.hash(q.key)
+	sh := t.shard(h)
+	sh.mu.Lock()
+	f := sh.get(h)
+	sh.mu.Unlock()
+	q.debt = time.Duration(q.zone.limit.debt(f, t.instant(now)))
+	return nil
+}
+
+func (s *LocalStore) reset(_ context.Context, q *request) error {
+	s.tables[q.zone.index].forget(q.key)
+	return nil
+}
+
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
 //
 //	store local {

@@ -21,7 +21,9 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -75,12 +77,28 @@ type Handler struct {
 	// (IP addresses, API keys), so this is off by default.
 	LogKey bool `json:"log_key,omitempty"`
 
+	// Put every zone in dry run (see Zone.DryRun).
+	DryRun bool `json:"dry_run,omitempty"`
+
+	// Do not export this handler's zones as Prometheus metrics.
+	DisableMetrics bool `json:"disable_metrics,omitempty"`
+
 	store    store
 	failMode failMode
 	fallback *LocalStore // decides when store fails, for fail_mode local
 	headers  headerMode
+	dryRun   bool // some zone is in dry run
 	scratch  *sync.Pool
 	logger   *zap.Logger
+
+	latency     prometheus.Observer // nil without metrics
+	storeErrors prometheus.Counter  // nil without metrics
+	storeName   string              // the store module's name
+	ctx         caddy.Context       // for events
+	events      *caddyevents.App
+	states      []string     // names of the zone states acquired
+	metered     []*zoneState // zone states this handler exports
+	registered  bool         // in the admin API's registry
 }
 
 // Zone is one token-bucket limit. Every distinct value of Key gets its
@@ -125,15 +143,24 @@ type Zone struct {
 	// allocation to one subscriber).
 	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
 
-	index       int // in Handler.Zones
-	limit       limit
-	cost        int64 // limit.cost(Cost)
-	keyKind     keyKind
-	matcherSets caddyhttp.MatcherSets
-	denial      error  // the caddyhttp.HandlerError returned when this zone denies
-	name        any    // Name, boxed once for the replacer
-	quoted      string // the name as a structured-field string
-	policy      string // this zone's RateLimit-Policy item
+	// Compute, count and log decisions, and send the headers, but let
+	// requests that this zone would refuse go on (uncharged by it). The
+	// placeholder `{http.rate_limit.<name>.would_deny}` is then true, so
+	// that the upstream can be told. Lets a new limit be tried safely.
+	DryRun bool `json:"dry_run,omitempty"`
+
+	index        int // in Handler.Zones
+	limit        limit
+	cost         int64 // limit.cost(Cost)
+	keyKind      keyKind
+	matcherSets  caddyhttp.MatcherSets
+	denial       error // the caddyhttp.HandlerError returned when this zone denies
+	name         any   // Name, boxed once for the replacer
+	dryRun       bool
+	wouldDenyVar string // http.rate_limit.<name>.would_deny
+	state        *zoneState
+	quoted       string // the name as a structured-field string
+	policy       string // this zone's RateLimit-Policy item
 }
 
 // CaddyModule returns the Caddy module information.
@@ -154,6 +181,12 @@ type store interface {
 	// each request's ok and debt, and reports whether all were allowed.
 	// now is the request's arrival; a store may keep its own clock.
 	take(ctx context.Context, now time.Time, reqs []request) (bool, error)
+
+	// peek sets q.debt from the bucket's state, changing nothing.
+	peek(ctx context.Context, now time.Time, q *request) error
+
+	// reset fills the bucket.
+	reset(ctx context.Context, q *request) error
 }
 
 // A request asks a store for Zone.Cost tokens from one bucket.
@@ -161,8 +194,9 @@ type request struct {
 	zone *Zone
 	key  bucketKey
 
-	ok   bool          // the bucket had the tokens
-	debt time.Duration // how long until the bucket is full, after the decision
+	ok        bool          // the bucket had the tokens
+	debt      time.Duration // how long until the bucket is full, after the decision
+	wouldDeny bool          // a dry-run zone that refused the request
 }
 
 // fallible is a store that can fail, and says what to do then.
@@ -210,6 +244,7 @@ const defaultKey = "{http.vars.client_ip}"
 
 // Provision sets up the handler.
 func (h *Handler) Provision(ctx caddy.Context) error {
+	h.ctx = ctx
 	h.logger = ctx.Logger()
 	if err := h.Validate(); err != nil {
 		return err
@@ -224,6 +259,14 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			h.logger.Warn("zone key has no placeholders: all clients share one bucket",
 				zap.String("zone", z.Name), zap.String("key", z.Key))
 		}
+		st, err := acquireZoneState(z.Name)
+		if err != nil {
+			return err
+		}
+		h.states = append(h.states, z.Name)
+		z.state = st
+		z.dryRun = z.DryRun || h.DryRun
+		h.dryRun = h.dryRun || z.dryRun
 	}
 
 	if h.StoreRaw == nil {
@@ -251,17 +294,55 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		}
 	}
 
+	h.storeName = mod.(caddy.Module).CaddyModule().ID.Name()
+	if !h.DisableMetrics {
+		if reg := ctx.GetMetricsRegistry(); reg != nil {
+			if err := registerMetrics(reg); err != nil {
+				return fmt.Errorf("registering metrics: %w", err)
+			}
+		}
+		h.latency = storeLatency.WithLabelValues(h.storeName)
+		h.storeErrors = storeErrors.WithLabelValues(h.storeName)
+		for _, z := range h.Zones {
+			z.state.metered.Add(1)
+			h.metered = append(h.metered, z.state)
+		}
+	}
+	// Events go to subscribers of a configured events app.
+	if app, err := ctx.AppIfConfigured("events"); err == nil {
+		h.events, _ = app.(*caddyevents.App)
+	}
+
 	n := len(h.Zones)
 	h.scratch = &sync.Pool{New: func() any { return &scratch{reqs: make([]request, 0, n)} }}
+	registerHandler(h)
+	h.registered = true
 	return nil
 }
 
-// Cleanup releases the fallback buckets.
+// Cleanup releases what Provision acquired; it copes with a partial
+// Provision and runs once.
 func (h *Handler) Cleanup() error {
-	if h.fallback != nil {
-		return h.fallback.Cleanup()
+	if h.registered {
+		unregisterHandler(h)
+		h.registered = false
 	}
-	return nil
+	for _, st := range h.metered {
+		st.metered.Add(-1)
+	}
+	h.metered = nil
+	var errs []error
+	for _, name := range h.states {
+		if _, err := zoneStates.Delete(name); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	h.states = nil
+	if h.fallback != nil {
+		errs = append(errs, h.fallback.Cleanup())
+		h.fallback = nil
+	}
+	return errors.Join(errs...)
 }
 
 // Validate checks the handler's configuration.
@@ -422,6 +503,7 @@ func (z *Zone) provision(ctx caddy.Context) error {
 		Err:        fmt.Errorf("rate limit exceeded in zone %s", z.Name),
 	}
 	z.name = z.Name
+	z.wouldDenyVar = "http.rate_limit." + z.Name + ".would_deny"
 	z.quoted = strconv.Quote(z.Name) // names are plain ASCII: a valid sf-string
 	z.policy = fmt.Sprintf("%s;q=%d;w=%d", z.quoted, z.limit.burst, ceilSeconds(z.limit.full))
 	return nil
@@ -451,6 +533,12 @@ func (z *Zone) bucketKey(r *http.Request) (bucketKey, bool) {
 	if s == "" {
 		return bucketKey{}, false
 	}
+	return z.keyFor(s), true
+}
+
+// keyFor is the bucket of an expanded key: its network, if it is an IP
+// address.
+func (z *Zone) keyFor(s string) bucketKey {
 	if looksLikeIP(s) {
 		if ip, err := netip.ParseAddr(s); err == nil {
 			ip = ip.WithZone("").Unmap()
@@ -459,10 +547,10 @@ func (z *Zone) bucketKey(r *http.Request) (bucketKey, bool) {
 				bits = z.IPv4Prefix
 			}
 			p, _ := ip.Prefix(bits)
-			return bucketKey{ip: p}, true
+			return bucketKey{ip: p}
 		}
 	}
-	return bucketKey{s: s}, true
+	return bucketKey{s: s}
 }
 
 // looksLikeIP is a cheap filter that spares netip.ParseAddr (which
@@ -485,15 +573,16 @@ func looksLikeIP(s string) bool {
 
 // scratch is the per-request working memory, pooled per handler.
 type scratch struct {
-	reqs []request
-	buf  []byte
+	reqs  []request
+	retry []request // for dry runs
+	buf   []byte
 }
 
 // ServeHTTP implements caddyhttp.MiddlewareHandler.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	sc := h.scratch.Get().(*scratch)
 	err := h.decide(w, r, sc)
-	sc.reqs = sc.reqs[:0]
+	sc.reqs, sc.retry = sc.reqs[:0], sc.retry[:0]
 	h.scratch.Put(sc)
 	if err != nil {
 		return err
@@ -524,26 +613,153 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) er
 	}
 
 	now := time.Now()
-	allowed, err := h.store.take(r.Context(), now, sc.reqs)
-	if err != nil {
-		if _, ok := h.store.(fallible); !ok {
-			return caddyhttp.HandlerError{StatusCode: http.StatusInternalServerError, Err: err}
-		}
-		switch h.failMode {
-		case failLocal:
-			allowed, _ = h.fallback.take(r.Context(), now, sc.reqs)
-		case failOpen:
+	allowed, err := h.take(r.Context(), now, sc.reqs)
+	switch {
+	case err == errFailOpen:
+		h.count(sc.reqs, true)
+		return nil
+	case err != nil:
+		h.count(sc.reqs, false)
+		return err
+	case !allowed && h.dryRun:
+		allowed, err = h.shadow(r, now, sc)
+		if err == errFailOpen {
 			return nil
-		case failClosed:
-			w.Header()["Retry-After"] = []string{"1"}
-			return caddyhttp.HandlerError{StatusCode: http.StatusServiceUnavailable, Err: err}
+		} else if err != nil {
+			return err
 		}
 	}
+	h.count(sc.reqs, allowed)
 	h.writeHeaders(w.Header(), now, sc)
 	if allowed {
 		return nil
 	}
 	return h.deny(w, r, sc.reqs)
+}
+
+// errFailOpen tells decide that the store failed and fail_mode open lets
+// the request through.
+var errFailOpen = errors.New("store failed: fail_mode open")
+
+// take asks the store, and applies fail_mode when the store fails. Its
+// error ends the request, but for errFailOpen.
+func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (bool, error) {
+	allowed, err := h.store.take(ctx, now, reqs)
+	if h.latency != nil {
+		h.latency.Observe(time.Since(now).Seconds())
+	}
+	if err == nil {
+		return allowed, nil
+	}
+	for i := range reqs {
+		reqs[i].zone.state.storeErrors.Add(1)
+	}
+	if h.storeErrors != nil {
+		h.storeErrors.Inc()
+	}
+	if _, ok := h.store.(fallible); !ok {
+		for i := range reqs {
+			reqs[i].ok = false
+		}
+		return false, caddyhttp.HandlerError{StatusCode: http.StatusInternalServerError, Err: err}
+	}
+	if h.failMode == failLocal {
+		return h.fallback.take(ctx, now, reqs)
+	}
+	open := h.failMode == failOpen
+	for i := range reqs {
+		reqs[i].ok, reqs[i].debt = open, 0
+	}
+	if open {
+		return true, errFailOpen
+	}
+	return false, caddyhttp.HandlerError{StatusCode: http.StatusServiceUnavailable, Err: err}
+}
+
+// shadow handles a request that dry-run zones may have refused. If only
+// dry-run zones refused it, they are noted as such, and the request is
+// charged to the other zones and goes on; if an enforced zone refused it,
+// it stays refused.
+func (h *Handler) shadow(r *http.Request, now time.Time, sc *scratch) (bool, error) {
+	enforced := true
+	for i := range sc.reqs {
+		if q := &sc.reqs[i]; !q.ok {
+			if !q.zone.dryRun {
+				enforced = false
+				continue
+			}
+			q.wouldDeny = true
+			h.noteDryRun(r, q)
+		}
+	}
+	if !enforced {
+		return false, nil
+	}
+	charge := sc.retry[:0]
+	for _, q := range sc.reqs {
+		if q.ok {
+			charge = append(charge, q)
+		}
+	}
+	sc.retry = charge
+	if len(charge) == 0 {
+		return true, nil
+	}
+	allowed, err := h.take(r.Context(), now, charge)
+	if err != nil {
+		return allowed, err
+	}
+	for _, c := range charge {
+		for i := range sc.reqs {
+			if sc.reqs[i].zone == c.zone {
+				sc.reqs[i].ok, sc.reqs[i].debt = c.ok, c.debt
+			}
+		}
+	}
+	if allowed {
+		return true, nil
+	}
+	// The buckets changed in between. Refused by an enforced zone, the
+	// request is refused; by dry-run zones only, it goes on uncharged.
+	for i := range sc.reqs {
+		if q := &sc.reqs[i]; !q.ok && !q.wouldDeny {
+			if !q.zone.dryRun {
+				return false, nil
+			}
+			q.wouldDeny = true
+			h.noteDryRun(r, q)
+		}
+	}
+	return true, nil
+}
+
+// noteDryRun records that a dry-run zone would have refused r.
+func (h *Handler) noteDryRun(r *http.Request, q *request) {
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Set(q.zone.wouldDenyVar, true)
+		repl.Set("http.rate_limit.would_deny", q.zone.name)
+	}
+	if c := h.logger.Check(zapcore.DebugLevel, "rate limit would be exceeded (dry run)"); c != nil {
+		c.Write(h.logFields(r, q)...)
+	}
+}
+
+// count adds a request's outcome to its zones' counters.
+func (h *Handler) count(reqs []request, allowed bool) {
+	for i := range reqs {
+		q := &reqs[i]
+		st := q.zone.state
+		switch {
+		case q.wouldDeny:
+			st.dryRunDenied.Add(1)
+			st.top.add(q.key)
+		case !q.ok:
+			st.denied.Add(1)
+			st.top.add(q.key)
+		case allowed:
+			st.allowed.Add(1)
+		}
+	}
 }
 
 // deny answers a request that a zone refused.
@@ -570,17 +786,34 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, reqs []request) e
 		repl.Set("http.rate_limit.exceeded.retry_after", retryAfter)
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit exceeded"); c != nil {
-		fields := []zap.Field{
-			zap.String("zone", z.Name),
-			zap.Duration("wait", time.Duration(wait)),
-			zap.String("remote_ip", clientIP(r)),
-		}
-		if h.LogKey {
-			fields = append(fields, zap.String("key", q.key.String()))
-		}
-		c.Write(fields...)
+		c.Write(h.logFields(r, q)...)
+	}
+	if h.events != nil && h.events.ShouldEmit(exceededEvent) {
+		h.events.Emit(h.ctx, exceededEvent, map[string]any{
+			"zone":      z.Name,
+			"wait":      time.Duration(wait),
+			"remote_ip": clientIP(r),
+		})
 	}
 	return z.denial
+}
+
+// exceededEvent is the Caddy event emitted when a request is denied, as
+// github.com/mholt/caddy-ratelimit emits it.
+const exceededEvent = "rate_limit_exceeded"
+
+// logFields describe a denial: zone, wait and client, and the key only
+// with log_key (keys can be personal data).
+func (h *Handler) logFields(r *http.Request, q *request) []zap.Field {
+	fields := []zap.Field{
+		zap.String("zone", q.zone.Name),
+		zap.Duration("wait", time.Duration(max(q.wait(), 0))),
+		zap.String("remote_ip", clientIP(r)),
+	}
+	if h.LogKey {
+		fields = append(fields, zap.String("key", q.key.String()))
+	}
+	return fields
 }
 
 // smallSeconds are the common Retry-After values, boxed once for the
@@ -594,17 +827,17 @@ var smallSeconds = func() (v [100]any) {
 
 // mostConstrained picks the request whose zone speaks for the response:
 // of the denied ones, the one that makes the client wait longest; if all
-// were allowed, the one with the fewest whole tokens left.
+// were allowed (dry runs aside), the one with the fewest whole tokens left.
 func mostConstrained(reqs []request) *request {
 	top := &reqs[0]
 	for i := 1; i < len(reqs); i++ {
 		q := &reqs[i]
-		switch {
-		case q.ok != top.ok:
-			if !q.ok {
+		switch qd, td := q.denied(), top.denied(); {
+		case qd != td:
+			if qd {
 				top = q
 			}
-		case !q.ok:
+		case qd:
 			if tw, qw := top.wait(), q.wait(); tw >= 0 && (qw < 0 || qw > tw) {
 				top = q
 			}
@@ -690,6 +923,9 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch) {
 		set(4, "Ratelimit")
 	}
 }
+
+// denied reports whether the request's zone refused it, dry runs aside.
+func (q *request) denied() bool { return !q.ok && !q.wouldDeny }
 
 // wait is how long the request's bucket needs before it can give the
 // tokens, or -1 if it never can.

@@ -367,6 +367,29 @@ func (s *RedisStore) decide(ctx context.Context, reqs []request) (bool, error) {
 	return true, nil
 }
 
+func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	reqs := []request{*q}
+	if _, err := s.run(ctx, "peek", reqs); err != nil {
+		return err
+	}
+	q.debt = reqs[0].debt
+	return nil
+}
+
+// reset deletes the bucket's key, and what this instance's over-limit
+// cache knew of it. Other instances' caches learn it when their entry
+// runs out; until then they may still deny that key.
+func (s *RedisStore) reset(ctx context.Context, q *request) error {
+	if s.cache != nil {
+		s.cache[q.zone.index].forget(q.key)
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	defer cancel()
+	return s.client.Del(ctx, s.redisKey(q)).Err()
+}
+
 // oneTag reports whether all requests share one hash tag, so one slot.
 func oneTag(reqs []request) bool {
 	for i := 1; i < len(reqs); i++ {
@@ -442,7 +465,10 @@ func (s *RedisStore) denyFromCache(now time.Time, reqs []request) bool {
 		l := q.zone.limit
 		_, q.ok = l.take(f, n, q.zone.cost)
 		q.debt = time.Duration(l.debt(f, n))
-		denied = denied || !q.ok
+		if !q.ok {
+			q.zone.state.cacheHits.Add(1)
+			denied = true
+		}
 	}
 	return denied
 }

@@ -226,29 +226,45 @@ func newTestHandler(t testing.TB, config string) *Handler {
 	return h
 }
 
-// serve sends one request from client IP ip through h and returns the
-// status the client would get and the response headers.
-func serve(h *Handler, ip string, header ...string) (int, http.Header) {
+// newRequest is a request from client IP ip, as Caddy's server would
+// hand it to a handler, with header name/value pairs.
+func newRequest(ip string, header ...string) (*http.Request, *httptest.ResponseRecorder) {
 	req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
 	for i := 0; i+1 < len(header); i += 2 {
 		req.Header.Set(header[i], header[i+1])
 	}
 	req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, map[string]any{"client_ip": ip}))
 	caddyhttp.NewTestReplacer(req)
-	rr := httptest.NewRecorder()
-	err := h.ServeHTTP(rr, req, caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		w.WriteHeader(http.StatusOK)
-		return nil
-	}))
-	if err != nil {
-		var he caddyhttp.HandlerError
-		if errors.As(err, &he) {
-			return he.StatusCode, rr.Header()
-		}
-		return -1, rr.Header()
+	return req, httptest.NewRecorder()
+}
+
+// okHandler is the next handler: it answers 200.
+var okHandler = caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+	w.WriteHeader(http.StatusOK)
+	return nil
+})
+
+// statusOf is the status Caddy would answer for a handler's error.
+func statusOf(err error) int {
+	var he caddyhttp.HandlerError
+	if errors.As(err, &he) {
+		return he.StatusCode
+	}
+	return -1
+}
+
+// serve sends one request from client IP ip through h and returns the
+// status the client would get and the response headers.
+func serve(h *Handler, ip string, header ...string) (int, http.Header) {
+	req, rr := newRequest(ip, header...)
+	if err := h.ServeHTTP(rr, req, okHandler); err != nil {
+		return statusOf(err), rr.Header()
 	}
 	return rr.Code, rr.Header()
 }
+
+// nowForTest is the clock reading a test passes to a store.
+func nowForTest() time.Time { return time.Now() }
 
 // redisConfig is a handler config with one zone and a Redis store.
 func redisConfig(addr, zone, rate string, burst int, store string) string {

@@ -1,0 +1,257 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/url"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+func init() {
+	caddy.RegisterModule(adminAPI{})
+}
+
+// adminAPI serves the zones of the running config on Caddy's admin
+// endpoint:
+//
+//	GET    /rate_limit/               the zones, their limits and counters
+//	GET    /rate_limit/<zone>         one zone
+//	GET    /rate_limit/<zone>/top     the keys the zone denies most
+//	GET    /rate_limit/<zone>/<key>   a key's bucket now
+//	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full
+//
+// Keys are path-escaped (an IPv6 network's "/" as %2F). A key is taken as
+// a request's key would be: an IP address finds its network's bucket.
+type adminAPI struct{}
+
+// CaddyModule returns the Caddy module information.
+func (adminAPI) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "admin.api.rate_limit",
+		New: func() caddy.Module { return adminAPI{} },
+	}
+}
+
+// Routes returns the admin routes.
+func (a adminAPI) Routes() []caddy.AdminRoute {
+	return []caddy.AdminRoute{{Pattern: "/rate_limit/", Handler: caddy.AdminHandlerFunc(a.serve)}}
+}
+
+// registry holds the provisioned handlers' zones by name, newest last:
+// during a reload the new config's zones are found before the old one
+// is cleaned up.
+var registry = struct {
+	sync.Mutex
+	zones map[string][]zoneRef
+}{zones: make(map[string][]zoneRef)}
+
+type zoneRef struct {
+	h *Handler
+	z *Zone
+}
+
+func registerHandler(h *Handler) {
+	registry.Lock()
+	defer registry.Unlock()
+	for _, z := range h.Zones {
+		registry.zones[z.Name] = append(registry.zones[z.Name], zoneRef{h, z})
+	}
+}
+
+func unregisterHandler(h *Handler) {
+	registry.Lock()
+	defer registry.Unlock()
+	for name, refs := range registry.zones {
+		refs = slices.DeleteFunc(refs, func(r zoneRef) bool { return r.h == h })
+		if len(refs) == 0 {
+			delete(registry.zones, name)
+		} else {
+			registry.zones[name] = refs
+		}
+	}
+}
+
+// lookupZone finds the newest zone of that name.
+func lookupZone(name string) (zoneRef, bool) {
+	registry.Lock()
+	defer registry.Unlock()
+	refs := registry.zones[name]
+	if len(refs) == 0 {
+		return zoneRef{}, false
+	}
+	return refs[len(refs)-1], true
+}
+
+// zoneInfo describes a zone in the admin API.
+type zoneInfo struct {
+	Name     string            `json:"name"`
+	Key      string            `json:"key"`
+	Rate     string            `json:"rate"`
+	Burst    int64             `json:"burst"`
+	Cost     int64             `json:"cost"`
+	Store    string            `json:"store"`
+	DryRun   bool              `json:"dry_run"`
+	Requests map[string]uint64 `json:"requests"`
+
+	OverLimitCacheHits *uint64 `json:"over_limit_cache_hits,omitempty"` // Redis store
+	TrackedKeys        *int    `json:"tracked_keys,omitempty"`          // local store
+	Evictions          *uint64 `json:"evictions,omitempty"`             // local store
+}
+
+func (ref zoneRef) info() zoneInfo {
+	z, st := ref.z, ref.z.state
+	info := zoneInfo{
+		Name:   z.Name,
+		Key:    z.Key,
+		Rate:   z.Rate,
+		Burst:  z.limit.burst,
+		Cost:   z.Cost,
+		Store:  ref.h.storeName,
+		DryRun: z.dryRun,
+		Requests: map[string]uint64{
+			"allowed":        st.allowed.Load(),
+			"denied":         st.denied.Load(),
+			"dry_run_denied": st.dryRunDenied.Load(),
+			"store_error":    st.storeErrors.Load(),
+		},
+	}
+	switch s := ref.h.store.(type) {
+	case *LocalStore:
+		t := s.tables[z.index]
+		n, e := t.len(), t.evictions.Load()
+		info.TrackedKeys, info.Evictions = &n, &e
+	case *RedisStore:
+		n := st.cacheHits.Load()
+		info.OverLimitCacheHits = &n
+	}
+	return info
+}
+
+// bucketInfo describes one bucket in the admin API.
+type bucketInfo struct {
+	Zone   string  `json:"zone"`
+	Key    string  `json:"key"`    // as asked
+	Bucket string  `json:"bucket"` // the bucket it falls in, e.g. an IPv6 /64
+	Tokens float64 `json:"tokens"`
+	Burst  int64   `json:"burst"`
+	// Seconds until the bucket is full again.
+	FullIn float64 `json:"full_in"`
+}
+
+type topInfo struct {
+	Zone string    `json:"zone"`
+	Top  []topItem `json:"top"`
+}
+
+type topItem struct {
+	Key     string `json:"key"`
+	Denials uint64 `json:"denials"` // at most this many
+	Error   uint64 `json:"error"`   // and at least denials - error
+}
+
+func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
+	rest := strings.TrimPrefix(r.URL.EscapedPath(), "/rate_limit/")
+	zoneEsc, keyEsc, hasKey := strings.Cut(rest, "/")
+	method := r.Method
+	if !hasKey || keyEsc == "top" {
+		if method != http.MethodGet {
+			return apiError(http.StatusMethodNotAllowed, "method %s not allowed: use GET", method)
+		}
+	} else if method != http.MethodGet && method != http.MethodDelete {
+		return apiError(http.StatusMethodNotAllowed, "method %s not allowed: use GET or DELETE", method)
+	}
+
+	if zoneEsc == "" {
+		registry.Lock()
+		names := make([]string, 0, len(registry.zones))
+		for name := range registry.zones {
+			names = append(names, name)
+		}
+		registry.Unlock()
+		slices.Sort(names)
+		zones := []zoneInfo{}
+		for _, name := range names {
+			if ref, ok := lookupZone(name); ok {
+				zones = append(zones, ref.info())
+			}
+		}
+		return writeJSON(w, map[string]any{"zones": zones})
+	}
+
+	name, err := url.PathUnescape(zoneEsc)
+	if err != nil {
+		return apiError(http.StatusBadRequest, "bad zone name in path: %v", err)
+	}
+	ref, ok := lookupZone(name)
+	if !ok {
+		return apiError(http.StatusNotFound, "unknown zone %q", name)
+	}
+	switch {
+	case !hasKey || keyEsc == "":
+		return writeJSON(w, ref.info())
+	case keyEsc == "top":
+		out := topInfo{Zone: name, Top: []topItem{}}
+		for _, k := range ref.z.state.top.list() {
+			out.Top = append(out.Top, topItem{Key: k.key.String(), Denials: k.count, Error: k.err})
+		}
+		return writeJSON(w, out)
+	}
+
+	key, err := url.PathUnescape(keyEsc)
+	if err != nil || key == "" {
+		return apiError(http.StatusBadRequest, "bad key in path: %q", keyEsc)
+	}
+	q := request{zone: ref.z, key: ref.z.keyFor(key)}
+	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
+	defer cancel()
+	if method == http.MethodDelete {
+		if err := ref.h.reset(ctx, &q); err != nil {
+			return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
+		}
+	}
+	if err := ref.h.store.peek(ctx, time.Now(), &q); err != nil {
+		return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
+	}
+	l := ref.z.limit
+	return writeJSON(w, bucketInfo{
+		Zone:   name,
+		Key:    key,
+		Bucket: q.key.String(),
+		Tokens: l.remaining(int64(q.debt)),
+		Burst:  l.burst,
+		FullIn: q.debt.Seconds(),
+	})
+}
+
+// reset fills a bucket again, in the store and in the local buckets that
+// decide while the store fails.
+func (h *Handler) reset(ctx context.Context, q *request) error {
+	if h.fallback != nil {
+		if err := h.fallback.reset(ctx, q); err != nil {
+			return err
+		}
+	}
+	return h.store.reset(ctx, q)
+}
+
+func apiError(status int, format string, args ...any) error {
+	return caddy.APIError{HTTPStatus: status, Err: fmt.Errorf(format, args...)}
+}
+
+func writeJSON(w http.ResponseWriter, v any) error {
+	w.Header().Set("Content-Type", "application/json")
+	return json.NewEncoder(w).Encode(v)
+}
+
+// Interface guards
+var _ caddy.AdminRouter = adminAPI{}

@@ -1,0 +1,241 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"cmp"
+	"errors"
+	"hash/fnv"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// zoneState is what a zone has counted: its decisions and the keys it
+// denies most. It is shared by every zone of that name, across handlers
+// and config reloads, as the buckets are; the metrics and the admin API
+// read it. Counting costs an atomic add per decision.
+type zoneState struct {
+	allowed      atomic.Uint64 // passed this zone and went on
+	denied       atomic.Uint64 // refused by this zone
+	dryRunDenied atomic.Uint64 // would have been refused (dry run)
+	storeErrors  atomic.Uint64 // the store failed; fail_mode decided
+	cacheHits    atomic.Uint64 // denied by the Redis store's over-limit cache
+
+	// metered counts the handlers using the zone with metrics enabled;
+	// the zone is exported while it is above zero.
+	metered atomic.Int64
+
+	top *topKeys
+}
+
+// Destruct is called when no config has the zone any more.
+func (*zoneState) Destruct() error { return nil }
+
+// zoneStates holds the zoneState of every zone name in the loaded
+// configs, so that counters keep counting across reloads.
+var zoneStates = caddy.NewUsagePool()
+
+// topKeysSize is how many keys each zone's heavy-hitter sketch tracks.
+const topKeysSize = 64
+
+func acquireZoneState(name string) (*zoneState, error) {
+	v, _, err := zoneStates.LoadOrNew(name, func() (caddy.Destructor, error) {
+		return &zoneState{top: newTopKeys(topKeysSize)}, nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return v.(*zoneState), nil
+}
+
+// Metrics. Labels hold only zone names, store names and results, all
+// fixed by the config: never a key, an IP or any other request value.
+const metricsNamespace, metricsSubsystem = "caddy", "rate_limit"
+
+var (
+	storeLatency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: metricsNamespace,
+		Subsystem: metricsSubsystem,
+		Name:      "store_latency_seconds",
+		Help:      "Time a store took to decide a request.",
+		Buckets:   []float64{0.00001, 0.00003, 0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1},
+	}, []string{"store"})
+
+	storeErrors = prometheus.NewCounterVec(prometheus.CounterOpts{
+		Namespace: metricsNamespace,
+		Subsystem: metricsSubsystem,
+		Name:      "store_errors_total",
+		Help:      "Requests for which the store failed and fail_mode decided.",
+	}, []string{"store"})
+
+	zoneCollector = newCollector()
+)
+
+// collector exports what the zone states, bucket tables and Redis
+// clients count, read when Prometheus scrapes.
+type collector struct {
+	requests, cacheHits, keys, evictions, circuitOpen *prometheus.Desc
+}
+
+func newCollector() *collector {
+	name := func(n string) string { return prometheus.BuildFQName(metricsNamespace, metricsSubsystem, n) }
+	return &collector{
+		requests: prometheus.NewDesc(name("requests_total"),
+			"Rate limit decisions by zone and result: allowed, denied, dry_run_denied or store_error.",
+			[]string{"zone", "result"}, nil),
+		cacheHits: prometheus.NewDesc(name("over_limit_cache_hits_total"),
+			"Requests the Redis store denied from its over-limit cache, without asking Redis.",
+			[]string{"zone"}, nil),
+		keys: prometheus.NewDesc(name("keys"),
+			"Buckets the local store tracks.",
+			[]string{"zone"}, nil),
+		evictions: prometheus.NewDesc(name("evictions_total"),
+			"Buckets the local store evicted before they refilled, to stay within max_keys.",
+			[]string{"zone"}, nil),
+		circuitOpen: prometheus.NewDesc(name("circuit_open"),
+			"Redis connections whose circuit breaker is open: their store decides by fail_mode.",
+			nil, nil),
+	}
+}
+
+func (c *collector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.requests
+	ch <- c.cacheHits
+	ch <- c.keys
+	ch <- c.evictions
+	ch <- c.circuitOpen
+}
+
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	exported := make(map[string]bool)
+	zoneStates.Range(func(k, v any) bool {
+		name, s := k.(string), v.(*zoneState)
+		if s.metered.Load() <= 0 {
+			return true
+		}
+		exported[name] = true
+		for _, r := range []struct {
+			result string
+			n      *atomic.Uint64
+		}{
+			{"allowed", &s.allowed},
+			{"denied", &s.denied},
+			{"dry_run_denied", &s.dryRunDenied},
+			{"store_error", &s.storeErrors},
+		} {
+			ch <- prometheus.MustNewConstMetric(c.requests, prometheus.CounterValue, float64(r.n.Load()), name, r.result)
+		}
+		ch <- prometheus.MustNewConstMetric(c.cacheHits, prometheus.CounterValue, float64(s.cacheHits.Load()), name)
+		return true
+	})
+
+	// Zones of one name with different limits have separate tables.
+	keys := make(map[string]int)
+	evictions := make(map[string]uint64)
+	localTables.Range(func(k, v any) bool {
+		name, t := k.(tableID).name, v.(*table)
+		if exported[name] {
+			keys[name] += t.len()
+			evictions[name] += t.evictions.Load()
+		}
+		return true
+	})
+	for name, n := range keys {
+		ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(n), name)
+		ch <- prometheus.MustNewConstMetric(c.evictions, prometheus.CounterValue, float64(evictions[name]), name)
+	}
+
+	open := 0
+	redisClients.Range(func(_, v any) bool {
+		if v.(*redisClient).breaker.openUntil.Load() != 0 {
+			open++
+		}
+		return true
+	})
+	ch <- prometheus.MustNewConstMetric(c.circuitOpen, prometheus.GaugeValue, float64(open))
+}
+
+// registerMetrics adds the collectors to a config's registry, which is
+// new at every config load. Registering again in the same registry (a
+// second handler) is fine.
+func registerMetrics(reg prometheus.Registerer) error {
+	for _, c := range []prometheus.Collector{storeLatency, storeErrors, zoneCollector} {
+		if err := reg.Register(c); err != nil {
+			if _, ok := errors.AsType[prometheus.AlreadyRegisteredError](err); !ok {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+// topKeys finds the keys a zone denies most, in fixed memory: the
+// Space-Saving algorithm (Metwally et al., 2005). Any key denied more than
+// 1/size of all denials is sure to be in it; each count is an upper bound,
+// too high by at most its err.
+type topKeys struct {
+	mu    sync.Mutex
+	slots []topKey
+	index map[bucketKey]int // key → its slot
+}
+
+type topKey struct {
+	key   bucketKey
+	count uint64
+	err   uint64
+}
+
+// topKeyMax bounds the bytes of a key the sketch keeps: a longer key is
+// kept as its first bytes and a hash of the whole.
+const topKeyMax = 128
+
+func newTopKeys(size int) *topKeys {
+	return &topKeys{slots: make([]topKey, 0, size), index: make(map[bucketKey]int, size)}
+}
+
+func (t *topKeys) add(k bucketKey) {
+	if len(k.s) > topKeyMax {
+		h := fnv.New64a()
+		h.Write([]byte(k.s))
+		k.s = k.s[:topKeyMax-20] + "…" + strconv.FormatUint(h.Sum64(), 16)
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if i, ok := t.index[k]; ok {
+		t.slots[i].count++
+		return
+	}
+	k.s = strings.Clone(k.s) // don't keep a request's memory alive
+	if len(t.slots) < cap(t.slots) {
+		t.index[k] = len(t.slots)
+		t.slots = append(t.slots, topKey{key: k, count: 1})
+		return
+	}
+	// Replace the least counted key; the newcomer may have had its count.
+	least := 0
+	for i := range t.slots {
+		if t.slots[i].count < t.slots[least].count {
+			least = i
+		}
+	}
+	old := t.slots[least]
+	delete(t.index, old.key)
+	t.index[k] = least
+	t.slots[least] = topKey{key: k, count: old.count + 1, err: old.count}
+}
+
+// list returns the tracked keys, most denied first.
+func (t *topKeys) list() []topKey {
+	t.mu.Lock()
+	out := append([]topKey(nil), t.slots...)
+	t.mu.Unlock()
+	slices.SortFunc(out, func(a, b topKey) int { return cmp.Compare(b.count, a.count) })
+	return out
+}
