@@ -123,7 +123,7 @@ type Zone struct {
 	// allocation to one subscriber).
 	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
 
-	index       int   // in Handler.Zones
+	index       int // in Handler.Zones
 	limit       limit
 	cost        int64 // limit.cost(Cost)
 	keyKind     keyKind
