@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"math"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -130,7 +131,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			f, err := strconv.ParseFloat(d.Val(), 64)
-			if err != nil || f < 0 || f > 1 {
+			if err != nil || f < 0 || f > 1 || math.IsNaN(f) {
 				return d.Errf("invalid jitter '%s': expected a fraction between 0 and 1, such as 0.1", d.Val())
 			}
 			h.Jitter = f

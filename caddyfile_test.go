@@ -869,6 +869,14 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			line:    2,
 		},
 		{
+			name: "jitter NaN",
+			input: `rate_limit {client_ip} 1r/s {
+	jitter NaN
+}`,
+			wantErr: "invalid jitter 'NaN': expected a fraction between 0 and 1",
+			line:    2,
+		},
+		{
 			name: "jitter without argument",
 			input: `rate_limit {client_ip} 1r/s {
 	jitter
