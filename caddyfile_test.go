@@ -7,10 +7,13 @@ import (
 	"encoding/json"
 	"fmt"
 	"math"
+	"slices"
 	"strings"
 	"testing"
 
+	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -1267,4 +1270,337 @@ func TestParseRate(t *testing.T) {
 			t.Errorf("parseRate(%q) = %v/s, n=%v; want %v/s, n=%v", tc.in, perSec, n, tc.wantPerSec, tc.wantN)
 		}
 	}
+}
+
+func TestAdaptOneLine(t *testing.T) {
+	caddytest.AssertAdapt(t, `:8080 {
+	rate_limit {client_ip} 10r/s 20
+	respond "ok"
+}
+`, "caddyfile", `{
+	"apps": {
+		"http": {
+			"servers": {
+				"srv0": {
+					"listen": [
+						":8080"
+					],
+					"routes": [
+						{
+							"handle": [
+								{
+									"handler": "rate_limit",
+									"zones": [
+										{
+											"burst": 20,
+											"key": "{http.vars.client_ip}",
+											"name": "default",
+											"rate": "10r/s"
+										}
+									]
+								},
+								{
+									"body": "ok",
+									"handler": "static_response"
+								}
+							]
+						}
+					]
+				}
+			}
+		}
+	}
+}`)
+}
+
+func TestAdaptZoneBlock(t *testing.T) {
+	caddytest.AssertAdapt(t, `:8080 {
+	rate_limit /api/* {
+		zone api {
+			key {http.request.header.X-Api-Key}
+			rate 100/10s
+			burst 200
+			cost 2
+			match {
+				method POST PUT
+				header Content-Type application/json
+			}
+			ipv4_prefix 24
+			ipv6_prefix 56
+		}
+		zone all {
+			rate 1r/s
+		}
+		headers ietf
+		jitter 0.1
+		log_key
+	}
+	respond "ok"
+}
+`, "caddyfile", `{
+	"apps": {
+		"http": {
+			"servers": {
+				"srv0": {
+					"listen": [
+						":8080"
+					],
+					"routes": [
+						{
+							"match": [
+								{
+									"path": [
+										"/api/*"
+									]
+								}
+							],
+							"handle": [
+								{
+									"handler": "rate_limit",
+									"headers": "ietf",
+									"jitter": 0.1,
+									"log_key": true,
+									"zones": [
+										{
+											"burst": 200,
+											"cost": 2,
+											"ipv4_prefix": 24,
+											"ipv6_prefix": 56,
+											"key": "{http.request.header.X-Api-Key}",
+											"match": [
+												{
+													"header": {
+														"Content-Type": [
+															"application/json"
+														]
+													},
+													"method": [
+														"POST",
+														"PUT"
+													]
+												}
+											],
+											"name": "api",
+											"rate": "100/10s"
+										},
+										{
+											"name": "all",
+											"rate": "1r/s"
+										}
+									]
+								}
+							]
+						},
+						{
+							"handle": [
+								{
+									"body": "ok",
+									"handler": "static_response"
+								}
+							]
+						}
+					]
+				}
+			}
+		}
+	}
+}`)
+}
+
+func TestAdaptStoreLocal(t *testing.T) {
+	caddytest.AssertAdapt(t, `:8080 {
+	rate_limit {remote_host} 1r/s {
+		store local {
+			max_keys 1000
+		}
+	}
+	respond "ok"
+}
+`, "caddyfile", `{
+	"apps": {
+		"http": {
+			"servers": {
+				"srv0": {
+					"listen": [
+						":8080"
+					],
+					"routes": [
+						{
+							"handle": [
+								{
+									"handler": "rate_limit",
+									"store": {
+										"backend": "local",
+										"max_keys": 1000
+									},
+									"zones": [
+										{
+											"key": "{http.request.remote.host}",
+											"name": "default",
+											"rate": "1r/s"
+										}
+									]
+								},
+								{
+									"body": "ok",
+									"handler": "static_response"
+								}
+							]
+						}
+					]
+				}
+			}
+		}
+	}
+}`)
+}
+
+func TestAdaptWindowEvents(t *testing.T) {
+	caddytest.AssertAdapt(t, `:8080 {
+	rate_limit {
+		zone legacy {
+			key {client_ip}
+			window 1m
+			events 100
+		}
+	}
+	respond "ok"
+}
+`, "caddyfile", `{
+	"apps": {
+		"http": {
+			"servers": {
+				"srv0": {
+					"listen": [
+						":8080"
+					],
+					"routes": [
+						{
+							"handle": [
+								{
+									"handler": "rate_limit",
+									"zones": [
+										{
+											"burst": 100,
+											"key": "{http.vars.client_ip}",
+											"name": "legacy",
+											"rate": "100/1m"
+										}
+									]
+								},
+								{
+									"body": "ok",
+									"handler": "static_response"
+								}
+							]
+						}
+					]
+				}
+			}
+		}
+	}
+}`)
+}
+
+// The directive is ordered before basic_auth without an `order` option,
+// so clients that fail authentication are limited too.
+func TestAdaptOrderBeforeBasicAuth(t *testing.T) {
+	const input = `:8080 {
+	basic_auth {
+		bob $2a$14$2TyltAD/4JMW4drgyrGwW.MKzBR58VTM3q.dzPnZyvHv.4R.ENzIC
+	}
+	rate_limit {client_ip} 5r/s
+	respond "ok"
+}
+`
+	caddytest.AssertAdapt(t, input, "caddyfile", `{
+	"apps": {
+		"http": {
+			"servers": {
+				"srv0": {
+					"listen": [
+						":8080"
+					],
+					"routes": [
+						{
+							"handle": [
+								{
+									"handler": "rate_limit",
+									"zones": [
+										{
+											"key": "{http.vars.client_ip}",
+											"name": "default",
+											"rate": "5r/s"
+										}
+									]
+								},
+								{
+									"handler": "authentication",
+									"providers": {
+										"http_basic": {
+											"accounts": [
+												{
+													"password": "$2a$14$2TyltAD/4JMW4drgyrGwW.MKzBR58VTM3q.dzPnZyvHv.4R.ENzIC",
+													"username": "bob"
+												}
+											],
+											"hash": {
+												"algorithm": "bcrypt"
+											},
+											"hash_cache": {}
+										}
+									}
+								},
+								{
+									"body": "ok",
+									"handler": "static_response"
+								}
+							]
+						}
+					]
+				}
+			}
+		}
+	}
+}`)
+
+	// The same, independent of the golden text's exact shape.
+	var cfg struct {
+		Apps struct {
+			HTTP struct {
+				Servers map[string]struct {
+					Routes []struct {
+						Handle []struct {
+							Handler string `json:"handler"`
+						} `json:"handle"`
+					} `json:"routes"`
+				} `json:"servers"`
+			} `json:"http"`
+		} `json:"apps"`
+	}
+	if err := json.Unmarshal(adaptCaddyfile(t, input), &cfg); err != nil {
+		t.Fatal(err)
+	}
+	var handlers []string
+	for _, r := range cfg.Apps.HTTP.Servers["srv0"].Routes {
+		for _, h := range r.Handle {
+			handlers = append(handlers, h.Handler)
+		}
+	}
+	if want := []string{"rate_limit", "authentication", "static_response"}; !slices.Equal(handlers, want) {
+		t.Errorf("handlers in order %q, want %q", handlers, want)
+	}
+}
+
+// adaptCaddyfile adapts a Caddyfile to JSON and fails on any warning.
+func adaptCaddyfile(t *testing.T, input string) []byte {
+	t.Helper()
+	out, warnings, err := caddyconfig.GetAdapter("caddyfile").Adapt([]byte(input), nil)
+	if err != nil {
+		t.Fatalf("adapting: %v", err)
+	}
+	for _, w := range warnings {
+		t.Errorf("warning: %s:%d: %s: %s", w.File, w.Line, w.Directive, w.Message)
+	}
+	return out
 }
