@@ -139,10 +139,12 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 	store local {
 		max_keys 500
 	}
+	headers ietf
 }`,
 			want: &Handler{
 				Zones:    []*Zone{{Name: "default", Key: "{client_ip}", Rate: "1r/s"}},
 				StoreRaw: json.RawMessage(`{"backend":"local","max_keys":500}`),
+				Headers:  "ietf",
 			},
 		},
 		{
@@ -1273,11 +1275,11 @@ func TestParseRate(t *testing.T) {
 }
 
 func TestAdaptOneLine(t *testing.T) {
-	caddytest.AssertAdapt(t, `:8080 {
+	assertAdapt(t, `:8080 {
 	rate_limit {client_ip} 10r/s 20
 	respond "ok"
 }
-`, "caddyfile", `{
+`, `{
 	"apps": {
 		"http": {
 			"servers": {
@@ -1314,7 +1316,7 @@ func TestAdaptOneLine(t *testing.T) {
 }
 
 func TestAdaptZoneBlock(t *testing.T) {
-	caddytest.AssertAdapt(t, `:8080 {
+	assertAdapt(t, `:8080 {
 	rate_limit /api/* {
 		zone api {
 			key {http.request.header.X-Api-Key}
@@ -1337,7 +1339,7 @@ func TestAdaptZoneBlock(t *testing.T) {
 	}
 	respond "ok"
 }
-`, "caddyfile", `{
+`, `{
 	"apps": {
 		"http": {
 			"servers": {
@@ -1408,7 +1410,7 @@ func TestAdaptZoneBlock(t *testing.T) {
 }
 
 func TestAdaptStoreLocal(t *testing.T) {
-	caddytest.AssertAdapt(t, `:8080 {
+	assertAdapt(t, `:8080 {
 	rate_limit {remote_host} 1r/s {
 		store local {
 			max_keys 1000
@@ -1416,7 +1418,7 @@ func TestAdaptStoreLocal(t *testing.T) {
 	}
 	respond "ok"
 }
-`, "caddyfile", `{
+`, `{
 	"apps": {
 		"http": {
 			"servers": {
@@ -1456,7 +1458,7 @@ func TestAdaptStoreLocal(t *testing.T) {
 }
 
 func TestAdaptWindowEvents(t *testing.T) {
-	caddytest.AssertAdapt(t, `:8080 {
+	assertAdapt(t, `:8080 {
 	rate_limit {
 		zone legacy {
 			key {client_ip}
@@ -1466,7 +1468,7 @@ func TestAdaptWindowEvents(t *testing.T) {
 	}
 	respond "ok"
 }
-`, "caddyfile", `{
+`, `{
 	"apps": {
 		"http": {
 			"servers": {
@@ -1513,7 +1515,7 @@ func TestAdaptOrderBeforeBasicAuth(t *testing.T) {
 	respond "ok"
 }
 `
-	caddytest.AssertAdapt(t, input, "caddyfile", `{
+	assertAdapt(t, input, `{
 	"apps": {
 		"http": {
 			"servers": {
@@ -1590,6 +1592,14 @@ func TestAdaptOrderBeforeBasicAuth(t *testing.T) {
 	if want := []string{"rate_limit", "authentication", "static_response"}; !slices.Equal(handlers, want) {
 		t.Errorf("handlers in order %q, want %q", handlers, want)
 	}
+}
+
+// assertAdapt compares the adapted Caddyfile with the expected JSON, and
+// fails on adapter warnings, which AssertAdapt only logs.
+func assertAdapt(t *testing.T, input, expectedJSON string) {
+	t.Helper()
+	caddytest.AssertAdapt(t, input, "caddyfile", expectedJSON)
+	adaptCaddyfile(t, input)
 }
 
 // adaptCaddyfile adapts a Caddyfile to JSON and fails on any warning.
