@@ -959,3 +959,91 @@ func TestCaddyfileExample(t *testing.T) {
 		t.Errorf("zones %s, want %s", got, want)
 	}
 }
+
+// TestLoadErrors loads bad JSON configs: Caddy must refuse them with the
+// handler's own error, and keep running.
+func TestLoadErrors(t *testing.T) {
+	config := func(handler string) string {
+		return `{
+	"admin": {"listen": "localhost:2999", "config": {"persist": false}},
+	"apps": {
+		"http": {
+			"http_port": 9080,
+			"https_port": 9443,
+			"grace_period": 1,
+			"servers": {
+				"srv0": {
+					"listen": [":9080"],
+					"routes": [{"handle": [` + handler + `, {"handler": "static_response", "body": "ok"}]}]
+				}
+			}
+		},
+		"pki": {"certificate_authorities": {"local": {"install_trust": false}}}
+	}
+}`
+	}
+	for _, tc := range []struct {
+		name, handler, wantErr string
+	}{
+		{
+			name:    "negative burst",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s", "burst": -1}]}`,
+			wantErr: "zone le: invalid burst -1: must be at least 1",
+		},
+		{
+			name:    "bad zone name",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "a b", "rate": "1r/s"}]}`,
+			wantErr: "invalid name 'a b'",
+		},
+		{
+			name:    "jitter",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "jitter": 2}`,
+			wantErr: "invalid jitter 2: must be between 0 and 1",
+		},
+		{
+			name:    "max_keys",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "store": {"backend": "local", "max_keys": -1}}`,
+			wantErr: "invalid max_keys -1: must be at least 1",
+		},
+		{
+			name:    "unknown store",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "store": {"backend": "nowhere"}}`,
+			wantErr: "http.handlers.rate_limit.stores.nowhere",
+		},
+		{
+			name:    "bad matcher",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s", "match": [{"nomatcher": true}]}]}`,
+			wantErr: "zone le: loading matchers",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			caddytest.AssertLoadError(t, config(tc.handler), "json", tc.wantErr)
+		})
+	}
+
+	// A config that fails after one handler took its tables gives them
+	// back, and the running config keeps its own.
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	rate_limit {
+		zone le_ok {
+			rate 1r/s
+			burst 1
+		}
+	}
+	respond "ok"
+}
+`)
+	id := tableID{name: "le_ok", perToken: float64(time.Second), burst: 1}
+	if n, _ := localTables.References(id); n != 1 {
+		t.Fatalf("running config: %d references to zone le_ok's table, want 1", n)
+	}
+	caddytest.AssertLoadError(t, config(
+		`{"handler": "rate_limit", "zones": [{"name": "le_ok", "rate": "1r/s", "burst": 1}]}, `+
+			`{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s", "burst": -1}]}`,
+	), "json", "zone le: invalid burst -1")
+	if n, _ := localTables.References(id); n != 1 {
+		t.Errorf("after a failed load: %d references to zone le_ok's table, want 1", n)
+	}
+	get(t, tester, "/", 200, "ok")
+	get(t, tester, "/", 429, "")
+}
