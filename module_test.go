@@ -21,6 +21,9 @@ import (
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // Zone names are global: a zone keeps its buckets across config loads
@@ -141,6 +144,61 @@ func TestServeHTTPDirect(t *testing.T) {
 		if n, ok := localTables.References(id); ok {
 			t.Errorf("zone %s: still %d references after the config was cancelled", id.name, n)
 		}
+	}
+}
+
+// TestDenialLog checks the debug entry for a denial, which names the
+// client's key only with log_key.
+func TestDenialLog(t *testing.T) {
+	for _, logKey := range []bool{false, true} {
+		t.Run(fmt.Sprintf("log_key %t", logKey), func(t *testing.T) {
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			defer cancel()
+			name := fmt.Sprintf("denial_log_%t", logKey)
+			h := Handler{
+				Zones:  []*Zone{{Name: name, Key: "{http.request.header.X-Key}", Rate: "1r/m", Burst: 1}},
+				LogKey: logKey,
+			}
+			if err := h.Provision(ctx); err != nil {
+				t.Fatal(err)
+			}
+			core, logs := observer.New(zapcore.DebugLevel)
+			h.logger = zap.New(core)
+
+			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+			for i := range 2 {
+				req := httptest.NewRequest(http.MethodGet, "/", nil)
+				req.Header.Set("X-Key", "2001:db8::1")
+				caddyhttp.NewTestReplacer(req)
+				err := h.ServeHTTP(httptest.NewRecorder(), req, next)
+				if (err != nil) != (i == 1) {
+					t.Fatalf("request %d: error %v", i+1, err)
+				}
+			}
+
+			entries := logs.All()
+			if len(entries) != 1 {
+				t.Fatalf("%d log entries, want 1: %v", len(entries), entries)
+			}
+			e := entries[0]
+			if e.Level != zapcore.DebugLevel || e.Message != "rate limit exceeded" {
+				t.Errorf("entry %s %q, want debug \"rate limit exceeded\"", e.Level, e.Message)
+			}
+			fields := e.ContextMap()
+			if fields["zone"] != name || fields["remote_ip"] != "192.0.2.1" {
+				t.Errorf("zone %v, remote_ip %v; want %s, 192.0.2.1", fields["zone"], fields["remote_ip"], name)
+			}
+			if wait, _ := fields["wait"].(time.Duration); wait <= 59*time.Second || wait > time.Minute {
+				t.Errorf("wait %v, want just under a minute", fields["wait"])
+			}
+			key, ok := fields["key"]
+			switch {
+			case logKey && key != "2001:db8::/64":
+				t.Errorf("key %v, want the client's /64, 2001:db8::/64", key)
+			case !logKey && ok:
+				t.Errorf("key %v logged without log_key", key)
+			}
+		})
 	}
 }
 
