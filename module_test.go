@@ -274,8 +274,8 @@ func checkHeaders(t *testing.T, step string, h http.Header, want map[string]stri
 }
 
 // checkReset asserts that X-Ratelimit-Reset is the Unix second, rounded
-// up, at which a bucket whose debt started between from and to, and was
-// debt when it did, will be full.
+// up, at which the bucket is full again: debt after the bucket's first
+// request, which was sent between from and to.
 func checkReset(t *testing.T, step string, h http.Header, from, to time.Time, debt time.Duration) {
 	t.Helper()
 	reset, err := strconv.ParseInt(h.Get("X-Ratelimit-Reset"), 10, 64)
