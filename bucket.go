@@ -24,24 +24,29 @@ import (
 // carries no information, so it can be forgotten without changing any
 // decision.
 
-// A limit is the shape of a token bucket, in time: a token is worth
-// perToken of refill, a full bucket worth full. Both are nanoseconds.
+// A limit is the shape of a token bucket, in time: a token is worth tau
+// of refill, a full bucket worth full = burst·tau. Both are whole
+// nanoseconds, so that the sums the math makes are exact: a full bucket
+// always gives burst tokens at once, and nothing drifts. (A rate whose
+// token is not a whole number of nanoseconds, such as 7r/s, is kept to
+// the nearest one: 1 part in 10⁸ at most.)
 type limit struct {
-	perToken float64 // 1/r: time to refill one token
-	full     int64   // C/r: time to refill the whole bucket from empty
-	burst    int64   // C: capacity in tokens
+	tau   int64 // 1/r: time to refill one token
+	full  int64 // C/r: time to refill the whole bucket from empty
+	burst int64 // C: capacity in tokens
 }
 
 // maxFull bounds C/r so that instants and sums of them never overflow.
 const maxFull = 100 * 365 * 24 * time.Hour
 
+// maxRate is the fastest rate: a token a nanosecond.
+const maxRate = 1e9
+
+// newLimit is the shape of a bucket. The caller checks that the rate is
+// at most maxRate and that burst·tau is at most maxFull.
 func newLimit(ratePerSec float64, burst int64) limit {
-	perToken := float64(time.Second) / ratePerSec
-	return limit{
-		perToken: perToken,
-		full:     int64(math.Round(perToken * float64(burst))),
-		burst:    burst,
-	}
+	tau := max(int64(math.Round(float64(time.Second)/ratePerSec)), 1)
+	return limit{tau: tau, full: burst * tau, burst: burst}
 }
 
 // cost is the time that n tokens are worth, or -1 when n can never fit.
@@ -49,7 +54,7 @@ func (l limit) cost(n int64) int64 {
 	if n > l.burst {
 		return -1
 	}
-	return min(int64(math.Round(l.perToken*float64(n))), l.full)
+	return n * l.tau
 }
 
 // debt is how long a bucket full at f needs, seen at now, to be full
@@ -73,7 +78,7 @@ func (l limit) take(f, now, cost int64) (int64, bool) {
 // remaining is the number of tokens, possibly fractional, in a bucket that
 // owes debt.
 func (l limit) remaining(debt int64) float64 {
-	return float64(l.full-debt) / l.perToken
+	return float64(l.full-debt) / float64(l.tau)
 }
 
 // wait is how long a bucket that owes debt needs before it can give cost

@@ -107,6 +107,13 @@ func TestBucketMath(t *testing.T) {
 			{t: t0, n: 1000, ok: true, remaining: 0},
 			{t: t0.Add(1000 * time.Hour), n: 4, ok: false, remaining: 3.6, wait: 400000 * time.Second},
 		}},
+		{"whole burst at a rate of odd token time", 7, 7, []step{
+			{t: t0, n: 1, ok: true, remaining: 6}, {t: t0, n: 1, ok: true, remaining: 5},
+			{t: t0, n: 1, ok: true, remaining: 4}, {t: t0, n: 1, ok: true, remaining: 3},
+			{t: t0, n: 1, ok: true, remaining: 2}, {t: t0, n: 1, ok: true, remaining: 1},
+			{t: t0, n: 1, ok: true, remaining: 0},
+			{t: t0, n: 1, ok: false, remaining: 0, wait: 142857143},
+		}},
 		{"fast rate", 1e9, 1000, []step{
 			{t: t0, n: 1000, ok: true, remaining: 0},
 			{t: t0.Add(time.Microsecond), n: 1000, ok: true, remaining: 0},

@@ -4,8 +4,10 @@
 package ratelimit
 
 import (
+	"math"
 	"strconv"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
@@ -14,7 +16,10 @@ import (
 
 func init() {
 	httpcaddyfile.RegisterHandlerDirective("rate_limit", parseCaddyfile)
-	httpcaddyfile.RegisterDirectiveOrder("rate_limit", httpcaddyfile.Before, "basic_auth")
+	// Right after try_files is before basic_auth and before its
+	// deprecated spelling basicauth: clients are limited before they can
+	// try passwords, and matchers see the rewritten request.
+	httpcaddyfile.RegisterDirectiveOrder("rate_limit", httpcaddyfile.After, "try_files")
 }
 
 func parseCaddyfile(helper httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
@@ -75,9 +80,14 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		return d.Errf("wrong argument count: expected <key> <rate> [<burst>], got %d arguments", len(args))
 	}
 
-	var haveStore, haveHeaders, haveJitter bool
+	seen := make(map[string]bool)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		switch d.Val() {
+		sub := d.Val()
+		if sub != "zone" && seen[sub] {
+			return d.Errf("%s already specified", sub)
+		}
+		seen[sub] = true
+		switch sub {
 		case "zone":
 			if !d.NextArg() {
 				return d.Err("zone needs a name: zone <name> { ... }")
@@ -98,10 +108,6 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			h.Zones = append(h.Zones, z)
 
 		case "store":
-			if haveStore {
-				return d.Err("store already specified")
-			}
-			haveStore = true
 			if !d.NextArg() {
 				return d.Err("store needs a backend: store local|redis { ... }")
 			}
@@ -113,10 +119,6 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			h.StoreRaw = caddyconfig.JSONModuleObject(unm, "backend", name, nil)
 
 		case "headers":
-			if haveHeaders {
-				return d.Err("headers already specified")
-			}
-			haveHeaders = true
 			if !d.AllArgs(&h.Headers) {
 				return d.ArgErr()
 			}
@@ -125,15 +127,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 
 		case "jitter":
-			if haveJitter {
-				return d.Err("jitter already specified")
-			}
-			haveJitter = true
 			if !d.NextArg() {
 				return d.ArgErr()
 			}
 			f, err := strconv.ParseFloat(d.Val(), 64)
-			if err != nil || f < 0 || f > 1 {
+			if err != nil || f < 0 || f > 1 || math.IsNaN(f) {
 				return d.Errf("invalid jitter '%s': expected a fraction between 0 and 1, such as 0.1", d.Val())
 			}
 			h.Jitter = f
@@ -235,6 +233,9 @@ func unmarshalZone(d *caddyfile.Dispenser, name string) (*Zone, error) {
 		case "window":
 			if !d.AllArgs(&window) {
 				return nil, d.ArgErr()
+			}
+			if w, err := caddy.ParseDuration(window); err != nil || w <= 0 {
+				return nil, d.Errf("invalid window '%s': expected a positive duration such as 1m", window)
 			}
 		case "events":
 			n, err := intArg(d)

@@ -44,9 +44,9 @@ var localTables = caddy.NewUsagePool()
 // tableID is what a zone's buckets are shared by. A zone whose rate or
 // burst changes starts with fresh buckets.
 type tableID struct {
-	name     string
-	perToken float64
-	burst    int64
+	name  string
+	tau   int64
+	burst int64
 }
 
 // CaddyModule returns the Caddy module information.
@@ -78,7 +78,7 @@ func (s *LocalStore) bind(zones []*Zone) error {
 		return errors.New("local store is already in use by another handler")
 	}
 	for _, z := range zones {
-		id := tableID{name: z.Name, perToken: z.limit.perToken, burst: z.limit.burst}
+		id := tableID{name: z.Name, tau: z.limit.tau, burst: z.limit.burst}
 		v, _, err := localTables.LoadOrNew(id, func() (caddy.Destructor, error) {
 			t := newTable(s.MaxKeys, time.Now())
 			go t.sweepLoop()

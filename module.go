@@ -395,10 +395,15 @@ func (z *Zone) parseLimit() (limit, error) {
 	if err != nil {
 		return limit{}, fmt.Errorf("invalid rate '%s': %w", z.Rate, err)
 	}
+	if perSec > maxRate {
+		return limit{}, fmt.Errorf("invalid rate '%s': at most %.0fr/s", z.Rate, maxRate)
+	}
 	burst := z.Burst
 	switch {
 	case burst < 0:
 		return limit{}, fmt.Errorf("invalid burst %d: must be at least 1", burst)
+	case burst == 0 && n > float64(maxFull):
+		return limit{}, fmt.Errorf("invalid rate '%s': %g is too large a default burst", z.Rate, n)
 	case burst == 0:
 		burst = int64(math.Ceil(n))
 	}
@@ -418,11 +423,10 @@ func (z *Zone) parseLimit() (limit, error) {
 	if z.IPv6Prefix < 0 || z.IPv6Prefix > 128 {
 		return limit{}, fmt.Errorf("invalid ipv6_prefix %d: must be 1 to 128", z.IPv6Prefix)
 	}
-	l := newLimit(perSec, burst)
 	if float64(burst)/perSec > maxFull.Seconds() {
 		return limit{}, fmt.Errorf("burst %d at rate %s takes more than 100 years to refill", burst, z.Rate)
 	}
-	return l, nil
+	return newLimit(perSec, burst), nil
 }
 
 // parseRate reads `<n>r/<unit>` or `<n>[r]/<duration>` and returns the
@@ -620,13 +624,13 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) er
 		return nil
 	case err != nil:
 		h.count(sc.reqs, false)
-		return err
+		return h.failed(w, err)
 	case !allowed && h.dryRun:
 		allowed, err = h.shadow(r, now, sc)
 		if err == errFailOpen {
 			return nil
 		} else if err != nil {
-			return err
+			return h.failed(w, err)
 		}
 	}
 	h.count(sc.reqs, allowed)
@@ -635,6 +639,15 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) er
 		return nil
 	}
 	return h.deny(w, r, sc.reqs)
+}
+
+// failed answers a request whose store failed, with fail_mode closed (503)
+// or without a fail_mode (500).
+func (h *Handler) failed(w http.ResponseWriter, err error) error {
+	if he, ok := err.(caddyhttp.HandlerError); ok && he.StatusCode == http.StatusServiceUnavailable {
+		w.Header()["Retry-After"] = []string{"1"}
+	}
+	return err
 }
 
 // errFailOpen tells decide that the store failed and fail_mode open lets
@@ -936,9 +949,7 @@ func (q *request) wait() int64 {
 // remaining is the number of whole tokens left in the request's bucket.
 func (q *request) remaining() int64 {
 	l := q.zone.limit
-	// Half a nanosecond of slack absorbs the rounding of l.full.
-	n := int64((float64(l.full-int64(q.debt)) + 0.5) / l.perToken)
-	return min(max(n, 0), l.burst)
+	return min(max((l.full-int64(q.debt))/l.tau, 0), l.burst)
 }
 
 // ceilSeconds rounds nanoseconds up to whole seconds.

@@ -3,10 +3,15 @@
 -- shares this Redis shares one clock. An absent key is a full bucket: keys
 -- expire exactly when their bucket has refilled.
 --
+-- Instants count from 2025-01-01 rather than 1970, as redis_rate does, so
+-- that Lua's doubles keep them to a hundredth of a microsecond (instead of
+-- a quarter). A bucket may give its tokens up to 1 µs early, which absorbs
+-- what rounding is left.
+--
 -- KEYS[i]      bucket keys (in one cluster slot)
 -- ARGV[1]      "take", "refund" or "peek"
 -- ARGV[2]      "" to read TIME. Caddy always sends ""; tests send an
---              instant (µs) to replay a table of steps.
+--              instant (µs since 1970) to replay a table of steps.
 -- ARGV[1+2i]   full_i: µs to refill KEYS[i] from empty (burst / rate)
 -- ARGV[2+2i]   cost_i: µs the request's tokens are worth (cost / rate)
 --
@@ -18,11 +23,16 @@
 -- µs until KEYS[i] is full again after the decision, as a string (Redis
 -- truncates Lua numbers to integers). Only take returns 0.
 
+local epoch = 1735689600 -- 2025-01-01T00:00:00Z, in seconds
+local slack = 1 -- µs
+
 local mode = ARGV[1]
 local now = tonumber(ARGV[2])
-if not now then
+if now then
+	now = now - epoch * 1000000
+else
 	local t = redis.call('TIME')
-	now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+	now = (tonumber(t[1]) - epoch) * 1000000 + tonumber(t[2])
 end
 
 local function store(key, f)
@@ -47,7 +57,7 @@ for i = 1, n do
 	debt[i] = math.min(math.max(f - now, 0), full[i])
 	if mode == 'refund' then
 		store(KEYS[i], now + debt[i])
-	elseif mode == 'take' and debt[i] + cost[i] > full[i] then
+	elseif mode == 'take' and debt[i] + cost[i] > full[i] + slack then
 		allowed = 0
 	end
 end

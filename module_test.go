@@ -1,0 +1,1107 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// Zone names are global: a zone keeps its buckets across config loads
+// while its name, rate and burst stay the same. Every test below therefore
+// uses zone names of its own.
+
+// TestServeHTTPDirect drives a provisioned handler without a server: it
+// checks the defaults Provision fills in, the 429 handler error, the
+// placeholders, and that cancelling the config releases the buckets.
+func TestServeHTTPDirect(t *testing.T) {
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	cancelled := false
+	defer func() {
+		if !cancelled {
+			cancel()
+		}
+	}()
+
+	var h Handler
+	if err := json.Unmarshal([]byte(`{"zones":[
+		{"name":"direct_key","key":"{http.request.header.X-Key}","rate":"1r/m","burst":2},
+		{"name":"direct_defaults","rate":"2.5r/s"}
+	],"headers":"legacy"}`), &h); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Provision(ctx); err != nil {
+		t.Fatalf("provision: %v", err)
+	}
+
+	// Defaults.
+	z := h.Zones[1]
+	if z.Key != "{http.vars.client_ip}" || z.Burst != 3 || z.Cost != 1 || z.IPv4Prefix != 32 || z.IPv6Prefix != 64 {
+		t.Errorf("defaults: key %q, burst %d, cost %d, ipv4_prefix %d, ipv6_prefix %d; want {http.vars.client_ip}, 3, 1, 32, 64",
+			z.Key, z.Burst, z.Cost, z.IPv4Prefix, z.IPv6Prefix)
+	}
+	if z := h.Zones[0]; z.Burst != 2 || z.Cost != 1 {
+		t.Errorf("zone %s: burst %d, cost %d; want 2, 1", z.Name, z.Burst, z.Cost)
+	}
+
+	serve := func(key string) (*httptest.ResponseRecorder, *caddy.Replacer, bool, error) {
+		req := httptest.NewRequest(http.MethodGet, "/", nil)
+		if key != "" {
+			req.Header.Set("X-Key", key)
+		}
+		repl := caddyhttp.NewTestReplacer(req)
+		rr := httptest.NewRecorder()
+		called := false
+		next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+			called = true
+			return nil
+		})
+		err := h.ServeHTTP(rr, req, next)
+		return rr, repl, called, err
+	}
+
+	for i, wantRemaining := range []string{"1", "0"} {
+		rr, _, called, err := serve("alice")
+		if err != nil || !called {
+			t.Fatalf("request %d: err %v, next called %t; want nil, true", i+1, err, called)
+		}
+		if got := rr.Header().Get("X-Ratelimit-Remaining"); got != wantRemaining {
+			t.Errorf("request %d: X-Ratelimit-Remaining %q, want %q", i+1, got, wantRemaining)
+		}
+		if got := rr.Header().Get("Retry-After"); got != "" {
+			t.Errorf("request %d: Retry-After %q on an allowed request", i+1, got)
+		}
+	}
+
+	rr, repl, called, err := serve("alice")
+	var herr caddyhttp.HandlerError
+	if !errors.As(err, &herr) || herr.StatusCode != http.StatusTooManyRequests {
+		t.Fatalf("third request: error %v, want a 429 HandlerError", err)
+	}
+	if called {
+		t.Error("third request: next handler called after denial")
+	}
+	if want := "rate limit exceeded in zone direct_key"; herr.Err == nil || herr.Err.Error() != want {
+		t.Errorf("error %v, want %q", herr.Err, want)
+	}
+	if got := rr.Header().Get("Retry-After"); got != "60" {
+		t.Errorf("Retry-After %q, want 60", got)
+	}
+	if got, _ := repl.GetString("http.rate_limit.exceeded.name"); got != "direct_key" {
+		t.Errorf("{http.rate_limit.exceeded.name} = %q, want direct_key", got)
+	}
+	if got, _ := repl.GetString("http.rate_limit.exceeded.retry_after"); got != "60" {
+		t.Errorf("{http.rate_limit.exceeded.retry_after} = %q, want 60", got)
+	}
+	if got := rr.Header().Get("Ratelimit"); got != "" {
+		t.Errorf("Ratelimit %q with headers legacy", got)
+	}
+
+	// Another key has its own bucket; no key, no limit and no headers.
+	if _, _, _, err := serve("bob"); err != nil {
+		t.Errorf("other key: %v", err)
+	}
+	for range 5 {
+		rr, _, called, err := serve("")
+		if err != nil || !called {
+			t.Fatalf("empty key: err %v, next called %t", err, called)
+		}
+		if len(rr.Header()) != 0 {
+			t.Fatalf("empty key: headers %v, want none", rr.Header())
+		}
+	}
+
+	// Cancelling the config releases the tables.
+	ids := make([]tableID, len(h.Zones))
+	for i, z := range h.Zones {
+		ids[i] = tableID{name: z.Name, tau: z.limit.tau, burst: z.limit.burst}
+		if n, ok := localTables.References(ids[i]); !ok || n != 1 {
+			t.Errorf("zone %s: %d references (found %t), want 1", z.Name, n, ok)
+		}
+	}
+	cancel()
+	cancelled = true
+	for _, id := range ids {
+		if n, ok := localTables.References(id); ok {
+			t.Errorf("zone %s: still %d references after the config was cancelled", id.name, n)
+		}
+	}
+}
+
+// TestDenialLog checks the debug entry for a denial, which names the
+// client's key only with log_key.
+func TestDenialLog(t *testing.T) {
+	for _, logKey := range []bool{false, true} {
+		t.Run(fmt.Sprintf("log_key %t", logKey), func(t *testing.T) {
+			ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+			defer cancel()
+			name := fmt.Sprintf("denial_log_%t", logKey)
+			h := Handler{
+				Zones:  []*Zone{{Name: name, Key: "{http.request.header.X-Key}", Rate: "1r/m", Burst: 1}},
+				LogKey: logKey,
+			}
+			if err := h.Provision(ctx); err != nil {
+				t.Fatal(err)
+			}
+			core, logs := observer.New(zapcore.DebugLevel)
+			h.logger = zap.New(core)
+
+			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+			for i := range 2 {
+				req := httptest.NewRequest(http.MethodGet, "/", nil)
+				req.Header.Set("X-Key", "2001:db8::1")
+				caddyhttp.NewTestReplacer(req)
+				err := h.ServeHTTP(httptest.NewRecorder(), req, next)
+				if (err != nil) != (i == 1) {
+					t.Fatalf("request %d: error %v", i+1, err)
+				}
+			}
+
+			entries := logs.All()
+			if len(entries) != 1 {
+				t.Fatalf("%d log entries, want 1: %v", len(entries), entries)
+			}
+			e := entries[0]
+			if e.Level != zapcore.DebugLevel || e.Message != "rate limit exceeded" {
+				t.Errorf("entry %s %q, want debug \"rate limit exceeded\"", e.Level, e.Message)
+			}
+			fields := e.ContextMap()
+			if fields["zone"] != name || fields["remote_ip"] != "192.0.2.1" {
+				t.Errorf("zone %v, remote_ip %v; want %s, 192.0.2.1", fields["zone"], fields["remote_ip"], name)
+			}
+			if wait, _ := fields["wait"].(time.Duration); wait <= 59*time.Second || wait > time.Minute {
+				t.Errorf("wait %v, want just under a minute", fields["wait"])
+			}
+			key, ok := fields["key"]
+			switch {
+			case logKey && key != "2001:db8::/64":
+				t.Errorf("key %v, want the client's /64, 2001:db8::/64", key)
+			case !logKey && ok:
+				t.Errorf("key %v logged without log_key", key)
+			}
+		})
+	}
+}
+
+const testGlobalOptions = `{
+	skip_install_trust
+	admin localhost:2999
+	http_port 9080
+	https_port 9443
+	grace_period 1ns
+	persist_config off
+%s}
+
+`
+
+// startCaddy loads a config made of the test global options, extra
+// global options and sites into the test Caddy.
+func startCaddy(t *testing.T, extraGlobal, sites string) *caddytest.Tester {
+	t.Helper()
+	tester := caddytest.NewTester(t)
+	tester.InitServer(fmt.Sprintf(testGlobalOptions, extraGlobal)+sites, "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+	return tester
+}
+
+// reload loads another config into a running test Caddy.
+func reload(t *testing.T, tester *caddytest.Tester, extraGlobal, sites string) {
+	t.Helper()
+	tester.InitServer(fmt.Sprintf(testGlobalOptions, extraGlobal)+sites, "caddyfile")
+	if t.Failed() {
+		t.FailNow()
+	}
+}
+
+// get requests path from the test site with the header name/value pairs
+// and asserts the status and the body.
+func get(t *testing.T, tester *caddytest.Tester, path string, wantStatus int, wantBody string, header ...string) http.Header {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, "http://localhost:9080"+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, _ := tester.AssertResponse(req, wantStatus, wantBody)
+	return resp.Header
+}
+
+// rateLimitHeaders are all the headers the handler may set.
+var rateLimitHeaders = []string{
+	"X-Ratelimit-Limit", "X-Ratelimit-Remaining", "X-Ratelimit-Reset",
+	"Ratelimit-Policy", "Ratelimit", "Retry-After",
+}
+
+// checkHeaders asserts each rate-limit header: those in want must have
+// exactly that one value ("?" for any value), the others must be absent.
+func checkHeaders(t *testing.T, step string, h http.Header, want map[string]string) {
+	t.Helper()
+	for _, name := range rateLimitHeaders {
+		got := h.Values(name)
+		w, ok := want[name]
+		switch {
+		case !ok && len(got) > 0:
+			t.Errorf("%s: %s: %q, want no header", step, name, got)
+		case ok && len(got) != 1:
+			t.Errorf("%s: %s: %q, want one value", step, name, got)
+		case ok && w != "?" && got[0] != w:
+			t.Errorf("%s: %s: %q, want %q", step, name, got[0], w)
+		}
+	}
+}
+
+// checkReset asserts that X-Ratelimit-Reset is the Unix second, rounded
+// up, at which the bucket is full again: debt after the bucket's first
+// request, which was sent between from and to.
+func checkReset(t *testing.T, step string, h http.Header, from, to time.Time, debt time.Duration) {
+	t.Helper()
+	reset, err := strconv.ParseInt(h.Get("X-Ratelimit-Reset"), 10, 64)
+	if err != nil {
+		t.Errorf("%s: X-Ratelimit-Reset: %v", step, err)
+		return
+	}
+	lo, hi := from.Add(debt).Unix(), to.Add(debt).Unix()+1
+	if reset < lo || reset > hi {
+		t.Errorf("%s: X-Ratelimit-Reset %d, want %d to %d (now is %d)", step, reset, lo, hi, time.Now().Unix())
+	}
+}
+
+// TestBurstThen429 spends a bucket of 3 that refills one token a minute
+// and checks every header along the way.
+func TestBurstThen429(t *testing.T) {
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	rate_limit {client_ip} 1r/m 3
+	respond "ok"
+}
+`)
+	// The bucket's debt starts with the first request: each token is
+	// worth a minute, and the headers count from there.
+	from := time.Now()
+	h := get(t, tester, "/", 200, "ok")
+	to := time.Now()
+	for i := 1; ; i++ {
+		step := fmt.Sprintf("request %d", i)
+		debt := time.Duration(i) * time.Minute
+		checkHeaders(t, step, h, map[string]string{
+			"X-Ratelimit-Limit":     "3",
+			"X-Ratelimit-Remaining": strconv.Itoa(3 - i),
+			"X-Ratelimit-Reset":     "?",
+			"Ratelimit-Policy":      `"default";q=3;w=180`,
+			"Ratelimit":             fmt.Sprintf(`"default";r=%d;t=%d`, 3-i, 60*i),
+		})
+		checkReset(t, step, h, from, to, debt)
+		if i == 3 {
+			break
+		}
+		h = get(t, tester, "/", 200, "ok")
+	}
+
+	for i := 4; i <= 5; i++ {
+		step := fmt.Sprintf("request %d", i)
+		h := get(t, tester, "/", 429, "")
+		checkHeaders(t, step, h, map[string]string{
+			"X-Ratelimit-Limit":     "3",
+			"X-Ratelimit-Remaining": "0",
+			"X-Ratelimit-Reset":     "?",
+			"Ratelimit-Policy":      `"default";q=3;w=180`,
+			"Ratelimit":             `"default";r=0;t=180`,
+			"Retry-After":           "60",
+		})
+		checkReset(t, step, h, from, to, 3*time.Minute)
+	}
+}
+
+// TestHeaderModes checks that `headers` picks the header families, and
+// that Retry-After comes with every 429 whatever the mode.
+func TestHeaderModes(t *testing.T) {
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	handle /both {
+		rate_limit {
+			zone hm_both {
+				rate 1r/m
+				burst 1
+			}
+		}
+		respond "ok"
+	}
+	handle /legacy {
+		rate_limit {
+			zone hm_legacy {
+				rate 1r/m
+				burst 1
+			}
+			headers legacy
+		}
+		respond "ok"
+	}
+	handle /ietf {
+		rate_limit {
+			zone hm_ietf {
+				rate 1r/m
+				burst 1
+			}
+			headers ietf
+		}
+		respond "ok"
+	}
+	handle /off {
+		rate_limit {
+			zone hm_off {
+				rate 1r/m
+				burst 1
+			}
+			headers off
+		}
+		respond "ok"
+	}
+}
+`)
+	legacy := func(remaining string) map[string]string {
+		return map[string]string{"X-Ratelimit-Limit": "1", "X-Ratelimit-Remaining": remaining, "X-Ratelimit-Reset": "?"}
+	}
+	ietf := func(zone string) map[string]string {
+		return map[string]string{
+			"Ratelimit-Policy": fmt.Sprintf(`"%s";q=1;w=60`, zone),
+			"Ratelimit":        fmt.Sprintf(`"%s";r=0;t=60`, zone),
+		}
+	}
+	merge := func(ms ...map[string]string) map[string]string {
+		out := make(map[string]string)
+		for _, m := range ms {
+			for k, v := range m {
+				out[k] = v
+			}
+		}
+		return out
+	}
+	retry := map[string]string{"Retry-After": "60"}
+	for _, tc := range []struct {
+		path            string
+		allowed, denied map[string]string
+	}{
+		{path: "/both", allowed: merge(legacy("0"), ietf("hm_both")), denied: merge(legacy("0"), ietf("hm_both"), retry)},
+		{path: "/legacy", allowed: legacy("0"), denied: merge(legacy("0"), retry)},
+		{path: "/ietf", allowed: ietf("hm_ietf"), denied: merge(ietf("hm_ietf"), retry)},
+		{path: "/off", allowed: map[string]string{}, denied: retry},
+	} {
+		h := get(t, tester, tc.path, 200, "ok")
+		checkHeaders(t, tc.path+" allowed", h, tc.allowed)
+		h = get(t, tester, tc.path, 429, "")
+		checkHeaders(t, tc.path+" denied", h, tc.denied)
+	}
+}
+
+// TestRefill waits for tokens to come back.
+func TestRefill(t *testing.T) {
+	// One token every 200ms, two at most.
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	rate_limit {
+		zone refill {
+			rate 5r/s
+			burst 2
+		}
+	}
+	respond "ok"
+}
+`)
+	remaining := func(h http.Header) string { return h.Get("X-Ratelimit-Remaining") }
+
+	if h := get(t, tester, "/", 200, "ok"); remaining(h) != "1" {
+		t.Errorf("first request: remaining %q, want 1", remaining(h))
+	}
+	if h := get(t, tester, "/", 200, "ok"); remaining(h) != "0" {
+		t.Errorf("second request: remaining %q, want 0", remaining(h))
+	}
+	h := get(t, tester, "/", 429, "")
+	if got := h.Get("Retry-After"); got != "1" {
+		t.Errorf("Retry-After %q, want 1 (the 200ms wait rounded up)", got)
+	}
+	if got, want := h.Get("Ratelimit"), `"refill";r=0;t=1`; got != want {
+		t.Errorf("Ratelimit %q, want %q", got, want)
+	}
+
+	// A token is back after 200ms.
+	time.Sleep(250 * time.Millisecond)
+	if h := get(t, tester, "/", 200, "ok"); remaining(h) != "0" {
+		t.Errorf("after 250ms: remaining %q, want 0 (one token came back and was spent)", remaining(h))
+	}
+
+	// The bucket is full again after 400ms, and never holds more than 2.
+	time.Sleep(450 * time.Millisecond)
+	if h := get(t, tester, "/", 200, "ok"); remaining(h) != "1" {
+		t.Errorf("after 450ms more: remaining %q, want 1", remaining(h))
+	}
+}
+
+// TestCost charges several tokens per request.
+func TestCost(t *testing.T) {
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	rate_limit {
+		zone cost {
+			rate 1r/m
+			burst 5
+			cost 2
+		}
+	}
+	respond "ok"
+}
+`)
+	for i, want := range []string{`"cost";r=3;t=120`, `"cost";r=1;t=240`} {
+		h := get(t, tester, "/", 200, "ok")
+		if got := h.Get("Ratelimit"); got != want {
+			t.Errorf("request %d: Ratelimit %q, want %q", i+1, got, want)
+		}
+	}
+	// One token is left, but a request needs two: the next one comes back
+	// in a minute.
+	h := get(t, tester, "/", 429, "")
+	checkHeaders(t, "request 3", h, map[string]string{
+		"X-Ratelimit-Limit":     "5",
+		"X-Ratelimit-Remaining": "1",
+		"X-Ratelimit-Reset":     "?",
+		"Ratelimit-Policy":      `"cost";q=5;w=300`,
+		"Ratelimit":             `"cost";r=1;t=240`,
+		"Retry-After":           "60",
+	})
+}
+
+// TestConcurrentRequests floods two zones at once: exactly the smaller
+// burst gets through, and the denied requests cost the larger zone
+// nothing.
+func TestConcurrentRequests(t *testing.T) {
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	rate_limit {
+		zone conc_a {
+			rate 1r/m
+			burst 10
+		}
+		zone conc_b {
+			match {
+				path /both
+			}
+			rate 1r/m
+			burst 7
+		}
+	}
+	respond "ok"
+}
+`)
+	const n = 40
+	codes := make(chan int, n)
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			resp, err := tester.Client.Get("http://localhost:9080/both")
+			if err != nil {
+				t.Error(err)
+				codes <- 0
+				return
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			codes <- resp.StatusCode
+		})
+	}
+	wg.Wait()
+	close(codes)
+	count := make(map[int]int)
+	for c := range codes {
+		count[c]++
+	}
+	if count[200] != 7 || count[429] != n-7 {
+		t.Errorf("status counts %v, want 7 × 200 and %d × 429", count, n-7)
+	}
+
+	// conc_a gave only what conc_b allowed.
+	for range 3 {
+		get(t, tester, "/a", 200, "ok")
+	}
+	get(t, tester, "/a", 429, "")
+}
+
+// TestAllOrNothing checks that a request denied by one zone spends
+// nothing in the others.
+func TestAllOrNothing(t *testing.T) {
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	rate_limit {
+		zone aon_a {
+			match {
+				path /a*
+			}
+			rate 1r/m
+			burst 1
+		}
+		zone aon_b {
+			match {
+				path /a* /b*
+			}
+			rate 1r/m
+			burst 3
+		}
+		zone aon_c {
+			match {
+				path /c*
+			}
+			rate 1r/m
+			burst 1
+		}
+		zone aon_d {
+			match {
+				header X-D *
+			}
+			rate 1r/m
+			burst 1
+		}
+	}
+	respond "ok"
+}
+`)
+	// /a takes from A and B.
+	h := get(t, tester, "/a", 200, "ok")
+	checkHeaders(t, "/a", h, map[string]string{
+		"X-Ratelimit-Limit":     "1", // A has the fewest tokens left
+		"X-Ratelimit-Remaining": "0",
+		"X-Ratelimit-Reset":     "?",
+		"Ratelimit-Policy":      `"aon_a";q=1;w=60, "aon_b";q=3;w=180`,
+		"Ratelimit":             `"aon_a";r=0;t=60, "aon_b";r=2;t=60`,
+	})
+
+	// A denies: B is not charged, and says so.
+	h = get(t, tester, "/a", 429, "")
+	checkHeaders(t, "/a again", h, map[string]string{
+		"X-Ratelimit-Limit":     "1",
+		"X-Ratelimit-Remaining": "0",
+		"X-Ratelimit-Reset":     "?",
+		"Ratelimit-Policy":      `"aon_a";q=1;w=60, "aon_b";q=3;w=180`,
+		"Ratelimit":             `"aon_a";r=0;t=60, "aon_b";r=2;t=60`,
+		"Retry-After":           "60",
+	})
+
+	// Only B: it still has the 2 tokens the denied request did not take.
+	h = get(t, tester, "/b", 200, "ok")
+	checkHeaders(t, "/b", h, map[string]string{
+		"X-Ratelimit-Limit":     "3",
+		"X-Ratelimit-Remaining": "1",
+		"X-Ratelimit-Reset":     "?",
+		"Ratelimit-Policy":      `"aon_b";q=3;w=180`,
+		"Ratelimit":             `"aon_b";r=1;t=120`,
+	})
+
+	// The other way round: D is drained first, then a request for C and
+	// D is denied by D and must leave C's only token in place.
+	get(t, tester, "/d", 200, "ok", "X-D", "1")
+	h = get(t, tester, "/c", 429, "", "X-D", "1")
+	if got, want := h.Get("Ratelimit"), `"aon_c";r=1;t=0, "aon_d";r=0;t=60`; got != want {
+		t.Errorf("/c with X-D: Ratelimit %q, want %q", got, want)
+	}
+	h = get(t, tester, "/c", 200, "ok")
+	if got, want := h.Get("Ratelimit"), `"aon_c";r=0;t=60`; got != want {
+		t.Errorf("/c: Ratelimit %q, want %q", got, want)
+	}
+	get(t, tester, "/c", 429, "")
+}
+
+// TestIPPrefixes groups client addresses into networks, with the client
+// address taken from X-Forwarded-For sent by a trusted proxy.
+func TestIPPrefixes(t *testing.T) {
+	tester := startCaddy(t, `	servers {
+		trusted_proxies static private_ranges 127.0.0.1/8 ::1/128
+	}
+`, `http://localhost:9080 {
+	handle /v6 {
+		rate_limit {
+			zone ip_default {
+				rate 1r/m
+				burst 1
+			}
+		}
+		respond "ok"
+	}
+	handle /v4 {
+		rate_limit {
+			zone ip_v4_24 {
+				rate 1r/m
+				burst 1
+				ipv4_prefix 24
+			}
+		}
+		respond "ok"
+	}
+	handle /v6_48 {
+		rate_limit {
+			zone ip_v6_48 {
+				rate 1r/m
+				burst 1
+				ipv6_prefix 48
+			}
+		}
+		respond "ok"
+	}
+	handle /remote {
+		rate_limit {
+			zone ip_remote {
+				key {remote_host}
+				rate 1r/m
+				burst 1
+			}
+		}
+		respond "ok"
+	}
+	handle /static {
+		rate_limit {
+			zone ip_static {
+				key everyone
+				rate 1r/m
+				burst 1
+			}
+		}
+		respond "ok"
+	}
+}
+`)
+	xff := func(path, ip string, status int) {
+		t.Helper()
+		body := "ok"
+		if status != 200 {
+			body = ""
+		}
+		get(t, tester, path, status, body, "X-Forwarded-For", ip)
+	}
+
+	// Default prefixes: /64 for IPv6, /32 for IPv4.
+	xff("/v6", "2001:db8:a:b::1", 200)
+	xff("/v6", "2001:db8:a:b:ffff:ffff:ffff:fffe", 429) // same /64
+	xff("/v6", "2001:db8:a:c::1", 200)                  // next /64
+	xff("/v6", "2001:db8:a:c::1, 198.51.100.99", 429)   // left-most address counts
+	xff("/v6", "[2001:db8:a:d::1]:4321", 200)           // port dropped
+	xff("/v6", "2001:db8:a:d::2%eth0", 429)             // zone dropped, same /64
+	xff("/v6", "198.51.100.1", 200)
+	xff("/v6", "198.51.100.2", 200) // another /32
+	xff("/v6", "198.51.100.1", 429)
+	get(t, tester, "/v6", 200, "ok") // the proxy itself, 127.0.0.1
+	get(t, tester, "/v6", 429, "")
+
+	// ipv4_prefix 24.
+	xff("/v4", "203.0.113.5", 200)
+	xff("/v4", "203.0.113.250", 429)       // same /24
+	xff("/v4", "::ffff:203.0.113.9", 429)  // IPv4-mapped: same /24
+	xff("/v4", "203.0.114.5", 200)         // next /24
+	xff("/v4", "2001:db8:a:b::1", 200)     // IPv6 keeps its own /64
+	xff("/v4", "2001:db8:a:b::2", 429)     // same /64
+	xff("/v4", "2001:db8:a:bb::1", 200)    // another /64
+	xff("/v6_48", "2001:db8:1::1", 200)    // ipv6_prefix 48
+	xff("/v6_48", "2001:db8:1:ff::1", 429) // same /48
+	xff("/v6_48", "2001:db8:2::1", 200)    // next /48
+
+	// {remote_host} is the proxy's address, whatever it forwards; a key
+	// without placeholders is one bucket for everyone.
+	xff("/remote", "2001:db8:a:b::1", 200)
+	xff("/remote", "203.0.113.5", 429)
+	xff("/static", "2001:db8:a:b::1", 200)
+	xff("/static", "203.0.113.5", 429)
+}
+
+// TestReload checks that buckets survive a config reload while the zone
+// keeps its name, rate and burst, and start afresh when they change.
+func TestReload(t *testing.T) {
+	config := func(zones, body string) string {
+		return `http://localhost:9080 {
+	handle /unlimited {
+		respond "` + body + `"
+	}
+	handle {
+		rate_limit {
+` + zones + `		}
+		respond "` + body + `"
+	}
+}
+`
+	}
+	const keep = `			zone reload_keep {
+				rate 1r/m
+				burst 2
+			}
+`
+	const other = `			zone reload_other {
+				rate 100r/m
+			}
+`
+	const faster = `			zone reload_keep {
+				rate 2r/m
+				burst 2
+			}
+`
+	tester := startCaddy(t, "", config(keep, "one"))
+	get(t, tester, "/", 200, "one")
+	get(t, tester, "/", 200, "one")
+	get(t, tester, "/", 429, "")
+
+	// Only the body changes: the bucket is still empty.
+	reload(t, tester, "", config(keep, "two"))
+	get(t, tester, "/unlimited", 200, "two")
+	h := get(t, tester, "/", 429, "")
+	if got, want := h.Get("Ratelimit"), `"reload_keep";r=0;t=120`; got != want {
+		t.Errorf("after reload: Ratelimit %q, want %q", got, want)
+	}
+
+	// Another zone before it moves it to another index: still empty.
+	reload(t, tester, "", config(other+keep, "three"))
+	get(t, tester, "/unlimited", 200, "three")
+	h = get(t, tester, "/", 429, "")
+	if got, want := h.Get("Ratelimit"), `"reload_other";r=100;t=0, "reload_keep";r=0;t=120`; got != want {
+		t.Errorf("after adding a zone: Ratelimit %q, want %q", got, want)
+	}
+
+	// A new rate starts a fresh bucket.
+	reload(t, tester, "", config(faster, "four"))
+	h = get(t, tester, "/", 200, "four")
+	if got, want := h.Get("Ratelimit"), `"reload_keep";r=1;t=30`; got != want {
+		t.Errorf("after changing the rate: Ratelimit %q, want %q", got, want)
+	}
+
+	// So does going back: the old bucket was dropped with the config
+	// that last used it.
+	reload(t, tester, "", config(keep, "five"))
+	h = get(t, tester, "/", 200, "five")
+	if got, want := h.Get("Ratelimit"), `"reload_keep";r=1;t=60`; got != want {
+		t.Errorf("after changing the rate back: Ratelimit %q, want %q", got, want)
+	}
+}
+
+// TestHandleErrors shapes the 429 with the handler's placeholders.
+func TestHandleErrors(t *testing.T) {
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	handle /plain {
+		rate_limit {
+			zone he_plain {
+				rate 1r/m
+				burst 1
+			}
+		}
+		respond "ok"
+	}
+	handle /jitter {
+		rate_limit {
+			zone he_jitter {
+				rate 1r/m
+				burst 1
+			}
+			jitter 0.5
+		}
+		respond "ok"
+	}
+	handle_errors 429 {
+		respond "zone={http.rate_limit.exceeded.name} retry={http.rate_limit.exceeded.retry_after}" 429
+	}
+}
+`)
+	get(t, tester, "/plain", 200, "ok")
+	h := get(t, tester, "/plain", 429, "zone=he_plain retry=60")
+	if got := h.Get("Retry-After"); got != "60" {
+		t.Errorf("Retry-After %q, want 60", got)
+	}
+
+	// With jitter 0.5, a 60s wait becomes 60 to 90s; the placeholder and
+	// the header agree.
+	get(t, tester, "/jitter", 200, "ok")
+	seen := make(map[int]bool)
+	for range 20 {
+		req, err := http.NewRequest(http.MethodGet, "http://localhost:9080/jitter", nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp := tester.AssertResponseCode(req, 429)
+		body, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		ra := resp.Header.Get("Retry-After")
+		if want := "zone=he_jitter retry=" + ra; string(body) != want {
+			t.Errorf("body %q, want %q", body, want)
+		}
+		n, err := strconv.Atoi(ra)
+		if err != nil || n < 60 || n > 90 {
+			t.Errorf("Retry-After %q, want 60 to 90", ra)
+		}
+		seen[n] = true
+	}
+	if len(seen) < 2 {
+		t.Errorf("20 jittered Retry-After values were all %v", seen)
+	}
+}
+
+// TestEmptyKeySkipsZone: a key that expands to nothing exempts the
+// request from the zone.
+func TestEmptyKeySkipsZone(t *testing.T) {
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	rate_limit {
+		zone empty_key {
+			key {http.request.header.X-Api-Key}
+			rate 1r/m
+			burst 1
+		}
+	}
+	respond "ok"
+}
+`)
+	for i := range 5 {
+		h := get(t, tester, "/", 200, "ok")
+		checkHeaders(t, fmt.Sprintf("request %d without key", i+1), h, nil)
+	}
+	get(t, tester, "/", 200, "ok", "X-Api-Key", "k1")
+	get(t, tester, "/", 429, "", "X-Api-Key", "k1")
+	get(t, tester, "/", 200, "ok", "X-Api-Key", "k2")
+	get(t, tester, "/", 200, "ok", "X-Api-Key", "   ") // blank: trimmed to nothing
+	get(t, tester, "/", 200, "ok")
+}
+
+// TestOddKeys sends keys that are huge, odd or many.
+func TestOddKeys(t *testing.T) {
+	tester := startCaddy(t, `	servers {
+		max_header_size 4MB
+	}
+`, `http://localhost:9080 {
+	handle /evict/* {
+		rate_limit {
+			zone odd_evict {
+				key {http.request.header.X-Api-Key}
+				rate 1r/m
+				burst 1
+			}
+			store local {
+				max_keys 16
+			}
+		}
+		respond "ok"
+	}
+	handle {
+		rate_limit {
+			zone odd_keys {
+				key {http.request.header.X-Api-Key}
+				rate 1r/m
+				burst 1
+			}
+		}
+		respond "ok"
+	}
+}
+`)
+	once := func(key string) {
+		t.Helper()
+		get(t, tester, "/", 200, "ok", "X-Api-Key", key)
+		get(t, tester, "/", 429, "", "X-Api-Key", key)
+	}
+
+	// 1 MiB keys: each has its own bucket.
+	big := strings.Repeat("k", 1<<20)
+	once(big)
+	once(big[:len(big)-1] + "x")
+
+	// Odd bytes and lookalikes.
+	for _, k := range []string{
+		"\xff\xfe\x80",
+		"%00%zz",
+		"{}",
+		"{http.request.uri}",
+		"fe80::1%eth0",
+		"1.2.3.4%eth0",
+		"::",
+		"::ffff:198.51.100.7",
+		"1.2.3.4:80",
+		"0x7f.1",
+		strings.Repeat(":", 64),
+		strings.Repeat("f", 65),
+		"é✓\u200b",
+	} {
+		once(k)
+	}
+	// A key is not expanded again: the same literal placeholder is the
+	// same bucket, whatever the URI.
+	get(t, tester, "/other", 429, "", "X-Api-Key", "{http.request.uri}")
+	// An IPv4-mapped address and its IPv4 form are one client.
+	get(t, tester, "/", 429, "", "X-Api-Key", "198.51.100.7")
+
+	// Many distinct keys.
+	for i := range 300 {
+		get(t, tester, "/", 200, "ok", "X-Api-Key", fmt.Sprintf("many-%d", i))
+	}
+	// With room to spare, nothing was forgotten.
+	get(t, tester, "/", 429, "", "X-Api-Key", "many-0")
+
+	// With max_keys 16, a flood of new keys evicts the drained bucket, and
+	// its client gets a full bucket back.
+	get(t, tester, "/evict/", 200, "ok", "X-Api-Key", "victim")
+	get(t, tester, "/evict/", 429, "", "X-Api-Key", "victim")
+	for i := range 100 {
+		get(t, tester, "/evict/", 200, "ok", "X-Api-Key", fmt.Sprintf("flood-%d", i))
+	}
+	get(t, tester, "/evict/", 200, "ok", "X-Api-Key", "victim")
+}
+
+// TestCaddyfileExample checks that the demo Caddyfile adapts without
+// warnings to a valid handler.
+func TestCaddyfileExample(t *testing.T) {
+	src, err := os.ReadFile("Caddyfile.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := adaptCaddyfile(t, string(src))
+
+	// Find the rate_limit handler and check it as a JSON user's would be.
+	var find func(v any) []json.RawMessage
+	find = func(v any) []json.RawMessage {
+		var found []json.RawMessage
+		switch v := v.(type) {
+		case map[string]any:
+			if v["handler"] == "rate_limit" {
+				b, err := json.Marshal(v)
+				if err != nil {
+					t.Fatal(err)
+				}
+				found = append(found, b)
+			}
+			for _, e := range v {
+				found = append(found, find(e)...)
+			}
+		case []any:
+			for _, e := range v {
+				found = append(found, find(e)...)
+			}
+		}
+		return found
+	}
+	var cfg any
+	if err := json.Unmarshal(out, &cfg); err != nil {
+		t.Fatal(err)
+	}
+	handlers := find(cfg)
+	if len(handlers) != 1 {
+		t.Fatalf("found %d rate_limit handlers, want 1", len(handlers))
+	}
+	var h Handler
+	if err := json.Unmarshal(handlers[0], &h); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Validate(); err != nil {
+		t.Errorf("handler does not validate: %v", err)
+	}
+	var names []string
+	for _, z := range h.Zones {
+		names = append(names, z.Name)
+	}
+	if got, want := strings.Join(names, ","), "api,login"; got != want {
+		t.Errorf("zones %s, want %s", got, want)
+	}
+}
+
+// TestLoadErrors loads bad JSON configs: Caddy must refuse them with the
+// handler's own error, and keep running.
+func TestLoadErrors(t *testing.T) {
+	config := func(handler string) string {
+		return `{
+	"admin": {"listen": "localhost:2999", "config": {"persist": false}},
+	"apps": {
+		"http": {
+			"http_port": 9080,
+			"https_port": 9443,
+			"grace_period": 1,
+			"servers": {
+				"srv0": {
+					"listen": [":9080"],
+					"routes": [{"handle": [` + handler + `, {"handler": "static_response", "body": "ok"}]}]
+				}
+			}
+		},
+		"pki": {"certificate_authorities": {"local": {"install_trust": false}}}
+	}
+}`
+	}
+	for _, tc := range []struct {
+		name, handler, wantErr string
+	}{
+		{
+			name:    "negative burst",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s", "burst": -1}]}`,
+			wantErr: "zone le: invalid burst -1: must be at least 1",
+		},
+		{
+			name:    "bad zone name",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "a b", "rate": "1r/s"}]}`,
+			wantErr: "invalid name 'a b'",
+		},
+		{
+			name:    "jitter",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "jitter": 2}`,
+			wantErr: "invalid jitter 2: must be between 0 and 1",
+		},
+		{
+			name:    "max_keys",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "store": {"backend": "local", "max_keys": -1}}`,
+			wantErr: "invalid max_keys -1: must be at least 1",
+		},
+		{
+			name:    "unknown store",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "store": {"backend": "nowhere"}}`,
+			wantErr: "http.handlers.rate_limit.stores.nowhere",
+		},
+		{
+			name:    "bad matcher",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s", "match": [{"nomatcher": true}]}]}`,
+			wantErr: "zone le: loading matchers",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			caddytest.AssertLoadError(t, config(tc.handler), "json", tc.wantErr)
+		})
+	}
+
+	// A config that fails after one handler took its tables gives them
+	// back, and the running config keeps its own.
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	rate_limit {
+		zone le_ok {
+			rate 1r/s
+			burst 1
+		}
+	}
+	respond "ok"
+}
+`)
+	id := tableID{name: "le_ok", tau: int64(time.Second), burst: 1}
+	if n, _ := localTables.References(id); n != 1 {
+		t.Fatalf("running config: %d references to zone le_ok's table, want 1", n)
+	}
+	caddytest.AssertLoadError(t, config(
+		`{"handler": "rate_limit", "zones": [{"name": "le_ok", "rate": "1r/s", "burst": 1}]}, `+
+			`{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s", "burst": -1}]}`,
+	), "json", "zone le: invalid burst -1")
+	if n, _ := localTables.References(id); n != 1 {
+		t.Errorf("after a failed load: %d references to zone le_ok's table, want 1", n)
+	}
+	get(t, tester, "/", 200, "ok")
+	get(t, tester, "/", 429, "")
+}
