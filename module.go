@@ -145,7 +145,8 @@ type Zone struct {
 
 	// Compute, count and log decisions, and send the headers, but let
 	// requests that this zone would refuse go on (uncharged by it). The
-	// placeholder `{http.rate_limit.<name>.would_deny}` is then true, so
+	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
+	// when the zone would let the request through), so
 	// that the upstream can be told. Lets a new limit be tried safely.
 	DryRun bool `json:"dry_run,omitempty"`
 
@@ -634,6 +635,9 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) er
 		}
 	}
 	h.count(sc.reqs, allowed)
+	if h.dryRun {
+		h.noteDryRunPassed(r, sc.reqs)
+	}
 	h.writeHeaders(w.Header(), now, sc)
 	if allowed {
 		return nil
@@ -754,6 +758,21 @@ func (h *Handler) noteDryRun(r *http.Request, q *request) {
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit would be exceeded (dry run)"); c != nil {
 		c.Write(h.logFields(r, q)...)
+	}
+}
+
+// noteDryRunPassed sets the would_deny placeholder of the dry-run zones
+// that would have let r through, so that it is known for every request a
+// dry-run zone applies to.
+func (h *Handler) noteDryRunPassed(r *http.Request, reqs []request) {
+	repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if !ok {
+		return
+	}
+	for i := range reqs {
+		if q := &reqs[i]; q.zone.dryRun && !q.wouldDeny {
+			repl.Set(q.zone.wouldDenyVar, false)
+		}
 	}
 }
 

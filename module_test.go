@@ -52,6 +52,7 @@ func TestServeHTTPDirect(t *testing.T) {
 	if err := h.Provision(ctx); err != nil {
 		t.Fatalf("provision: %v", err)
 	}
+	defer h.Cleanup()
 
 	// Defaults.
 	z := h.Zones[1]
@@ -162,6 +163,7 @@ func TestDenialLog(t *testing.T) {
 			if err := h.Provision(ctx); err != nil {
 				t.Fatal(err)
 			}
+			defer h.Cleanup()
 			core, logs := observer.New(zapcore.DebugLevel)
 			h.logger = zap.New(core)
 

@@ -54,7 +54,7 @@ func TestDryRun(t *testing.T) {
 				}
 			}
 		}
-		if got := strings.Join(wouldDeny, " "); got != "<nil> <nil> true true true true" {
+		if got := strings.Join(wouldDeny, " "); got != "false false true true true true" {
 			t.Fatalf("would_deny placeholders: %s", got)
 		}
 		s, e := shadow.state, enforced.state
