@@ -126,6 +126,11 @@ type RedisTLS struct {
 }
 
 const (
+	// overLimitCacheKeys bounds the over-limit cache of each zone. It
+	// holds only the keys that recently ran out of tokens, and losing an
+	// entry only costs a call to Redis.
+	overLimitCacheKeys = 100_000
+
 	defaultRedisAddress = "127.0.0.1:6379"
 	defaultKeyPrefix    = "rl:"
 	defaultRedisTimeout = 100 * time.Millisecond
@@ -303,7 +308,7 @@ func (s *RedisStore) bind(zones []*Zone) error {
 	for _, z := range zones {
 		s.prefixes = append(s.prefixes, s.KeyPrefix+z.Name+":{")
 		if !s.DisableOverLimitCache {
-			s.cache = append(s.cache, newTable(defaultMaxKeys, time.Now()))
+			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
 		}
 	}
 	return nil
