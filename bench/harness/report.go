@@ -317,7 +317,9 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 		"medians of the rounds, ratios to the baseline of this run. wrk and Caddy share the cores. "+
 		"Allowed path: key `{client_ip}`, a limit never reached (ours `rate 1000000r/s` `burst 1000000`; caddy-ratelimit `events 1000000` `window 1s`). "+
 		"Denied path: every request after the first over the limit (ours `rate 1r/m` `burst 1`; caddy-ratelimit `events 1` `window 1m`). "+
-		"Each configuration is its own Caddy process; Caddy's default logging (INFO to stderr, to a file here). Phase: %.0f s; others' CPU %s.\n\n",
+		"Each configuration is its own Caddy process, with Caddy's default logging (INFO to stderr, to a file here). "+
+		"The control row is the same `respond` from the caddy-peer binary, which shares every dependency but the limiter: its distance from 1.00 is noise. "+
+		"Phase: %.0f s; others' CPU %s.\n\n",
 		p.wrkDur, p.rounds, rep.ThroughputSeconds, pct(rep.ThroughputNoise.Others))
 	pf("| configuration | path | req/s | ratio | p50 | ratio | p99 | ratio | Caddy CPU per request | Redis calls per request | non-2xx | req/s per round |\n")
 	pf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")

@@ -171,6 +171,9 @@ func (e *env) tpConfigs() []*tpConfig {
 	redisStore := "\n\tstore redis {\n\t\taddress " + e.redis.addr + "\n\t}"
 	cfgs := []*tpConfig{
 		{Key: "baseline", Impl: "Caddy `respond` (no limiter)", spec: caddySpec{bin: e.caddyBin, site: `respond "ok"`}},
+		// The same, from the other binary: differences between the two
+		// baselines are noise (they share every dependency but the limiter).
+		{Key: "baseline-peer", Impl: "Caddy `respond`, caddy-peer binary (control)", spec: caddySpec{bin: e.peerBin, site: `respond "ok"`}},
 		{Key: "local-allowed", Impl: "rate_limit local", Path: "allowed", spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, "")}},
 		{Key: "redis-allowed", Impl: "rate_limit redis", Path: "allowed", redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, redisStore)}},
 		{Key: "peer-allowed", Impl: "caddy-ratelimit v0.1.0", Path: "allowed", spec: caddySpec{bin: e.peerBin, site: peer(1000000, "1s")}},
@@ -250,8 +253,8 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 					run.RedisPerReq = num(float64(r1-r0) / float64(w.Requests))
 				}
 			}
-			log.Printf("  round %d %-14s %8.0f req/s  p50 %-9v p99 %-9v non-2xx %5.1f%%  caddy CPU %v/req",
-				round+1, c.Key, w.RPS, w.P50, w.P99, 100*float64(w.Non2xx)/float64(max(w.Requests, 1)), run.CPUPerReq)
+			log.Printf("  round %d %-14s %8.0f req/s  p50 %-8s p99 %-8s non-2xx %5.1f%%  Caddy CPU %.1f µs/req",
+				round+1, c.Key, w.RPS, ms(w.P50), ms(w.P99), 100*float64(w.Non2xx)/float64(max(w.Requests, 1)), float64(run.CPUPerReq)/1e3)
 			runs[c.Key] = append(runs[c.Key], run)
 		}
 	}
