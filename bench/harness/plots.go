@@ -188,6 +188,47 @@ func plotTimeline(res []*noisyResult, p params, file string) error {
 	return pl.Save(8*vg.Inch, 5*vg.Inch, file)
 }
 
+// groupedBars adds side-by-side bars, one series per entry of series,
+// each bar labelled with its value.
+func groupedBars(pl *plot.Plot, names []string, series []plotter.Values, format func(float64) string) error {
+	w := vg.Points(40)
+	for i, vals := range series {
+		b, err := plotter.NewBarChart(vals, w)
+		if err != nil {
+			return err
+		}
+		b.Color = plotutil.Color(i)
+		b.LineStyle.Width = 0
+		off := vg.Length(float64(i)-float64(len(series)-1)/2) * w
+		b.Offset = off
+		pl.Add(b)
+		pl.Legend.Add(names[i], b)
+
+		var xys plotter.XYs
+		var labels []string
+		for j, v := range vals {
+			if v == 0 {
+				continue
+			}
+			xys = append(xys, plotter.XY{X: float64(j), Y: v})
+			labels = append(labels, format(v))
+		}
+		if len(xys) == 0 {
+			continue
+		}
+		l, err := plotter.NewLabels(plotter.XYLabels{XYs: xys, Labels: labels})
+		if err != nil {
+			return err
+		}
+		for k := range l.TextStyle {
+			l.TextStyle[k].XAlign = -0.5
+		}
+		l.Offset = vg.Point{X: off, Y: vg.Points(3)}
+		pl.Add(l)
+	}
+	return nil
+}
+
 // plotThroughput draws req/s relative to the baseline, allowed and denied
 // paths side by side per implementation.
 func plotThroughput(rs []*tpResult, file string) error {
@@ -195,25 +236,23 @@ func plotThroughput(rs []*tpResult, file string) error {
 	pl := newPlot("Requests/s relative to Caddy `respond` without a limiter (wrk, same run)",
 		"", "ratio to baseline (median of rounds)")
 	pl.NominalX(impls...)
-	w := vg.Points(40)
-	for i, path := range []string{"allowed", "denied"} {
+	top := 1.0
+	var series []plotter.Values
+	for _, path := range []string{"allowed", "denied"} {
 		vals := make(plotter.Values, len(impls))
 		for j, impl := range impls {
 			for _, r := range rs {
 				if r.Impl == impl && r.Path == path {
 					vals[j] = r.RatioRPS
+					top = max(top, r.RatioRPS)
 				}
 			}
 		}
-		b, err := plotter.NewBarChart(vals, w)
-		if err != nil {
-			return err
-		}
-		b.Color = plotutil.Color(i)
-		b.LineStyle.Width = 0
-		b.Offset = vg.Length(float64(i)-0.5) * w
-		pl.Add(b)
-		pl.Legend.Add(path+" path", b)
+		series = append(series, vals)
+	}
+	if err := groupedBars(pl, []string{"allowed path", "denied path"}, series,
+		func(v float64) string { return strconv.FormatFloat(v, 'f', 2, 64) }); err != nil {
+		return err
 	}
 	one, err := plotter.NewLine(plotter.XYs{{X: -0.5, Y: 1}, {X: float64(len(impls)) - 0.5, Y: 1}})
 	if err != nil {
@@ -222,8 +261,9 @@ func plotThroughput(rs []*tpResult, file string) error {
 	one.Color = grey
 	one.Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
 	pl.Add(one)
-	pl.Y.Min, pl.Y.Max = 0, 1.15
-	pl.Legend.Top = true
+	pl.X.Min, pl.X.Max = -0.6, float64(len(impls))-0.4
+	pl.Y.Min, pl.Y.Max = 0, top*1.3
+	pl.Legend.Top, pl.Legend.Left = true, true
 	return pl.Save(8*vg.Inch, 4.5*vg.Inch, file)
 }
 
@@ -232,24 +272,19 @@ func plotMemory(ms []*memResult, keys int, file string) error {
 	pl := newPlot(fmt.Sprintf("Caddy's resident memory after %s distinct keys", humanCount(float64(keys))), "", "VmRSS (MiB, after a forced GC)")
 	names := make([]string, len(ms))
 	idle, after := make(plotter.Values, len(ms)), make(plotter.Values, len(ms))
+	top := 0.0
 	for i, m := range ms {
 		names[i] = m.Impl
 		idle[i], after[i] = float64(m.RSSIdle)/1024, float64(m.RSSAfter)/1024
+		top = max(top, after[i])
 	}
 	pl.NominalX(names...)
-	w := vg.Points(40)
-	for i, v := range []plotter.Values{idle, after} {
-		b, err := plotter.NewBarChart(v, w)
-		if err != nil {
-			return err
-		}
-		b.Color = plotutil.Color(i)
-		b.LineStyle.Width = 0
-		b.Offset = vg.Length(float64(i)-0.5) * w
-		pl.Add(b)
-		pl.Legend.Add([]string{"idle", "after the keys"}[i], b)
+	if err := groupedBars(pl, []string{"idle", "after the keys"}, []plotter.Values{idle, after},
+		func(v float64) string { return strconv.FormatFloat(v, 'f', 0, 64) + " MiB" }); err != nil {
+		return err
 	}
-	pl.Y.Min = 0
+	pl.X.Min, pl.X.Max = -0.6, float64(len(ms))-0.4
+	pl.Y.Min, pl.Y.Max = 0, top*1.3
 	pl.Legend.Top, pl.Legend.Left = true, true
 	return pl.Save(7*vg.Inch, 4.5*vg.Inch, file)
 }
