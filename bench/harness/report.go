@@ -198,6 +198,10 @@ func (rep *report) markdown(w *bufio.Writer, plots []string) {
 	if rep.Note != "" {
 		pf("> **Note:** %s\n\n", rep.Note)
 	}
+	if rep.Noise.Others > 0.05 {
+		pf("> **The machine was shared:** processes outside the benchmark used %s of its CPU during the run "+
+			"(per phase below), so these numbers are noisier than on an idle machine.\n\n", pct(rep.Noise.Others))
+	}
 	pf("| machine | |\n|---|---|\n")
 	pf("| CPU | %d cores, %s |\n", m.Cores, m.CPU)
 	pf("| memory | %.1f GiB |\n", m.MemGiB)
