@@ -184,6 +184,19 @@ func plotTimeline(res []*noisyResult, p params, file string) error {
 		pl.Add(l)
 	}
 	pl.X.Min, pl.X.Max = 0, end.Seconds()
+	step := 1
+	if end > 12*time.Second {
+		step = 2
+	}
+	var ticks []plot.Tick
+	for t := 0; t <= int(end.Seconds()); t++ {
+		tick := plot.Tick{Value: float64(t)}
+		if t%step == 0 {
+			tick.Label = strconv.Itoa(t)
+		}
+		ticks = append(ticks, tick)
+	}
+	pl.X.Tick.Marker = plot.ConstantTicks(ticks)
 	pl.Legend.Top, pl.Legend.Left = true, true
 	return pl.Save(8*vg.Inch, 5*vg.Inch, file)
 }

@@ -194,7 +194,12 @@ func (rep *report) markdown(w *bufio.Writer, plots []string) {
 
 	pf("# Benchmark results\n\n")
 	pf("Written by `bench/run.sh %s` on %s (%s mode, %.0f s). ", rep.Mode, rep.Began.Format("2006-01-02 15:04 UTC"), rep.Mode, rep.Seconds)
-	pf("See [../README.md](../README.md) for what is measured and how to run it.\n\n")
+	pf("See [../README.md](../README.md) for what is measured and how. ")
+	target := "bench"
+	if rep.Mode != "full" {
+		target = "bench-" + rep.Mode
+	}
+	pf("To reproduce: `make %s` at the repository root, or `bench/run.sh %s` (needs Go, `redis-server` and `wrk`: `apt-get install redis-server wrk`).\n\n", target, rep.Mode)
 	if rep.Note != "" {
 		pf("> **Note:** %s\n\n", rep.Note)
 	}
@@ -230,7 +235,7 @@ func (rep *report) markdown(w *bufio.Writer, plots []string) {
 		pf("`wrk -t1 -c50` with a Lua script sending `X-Key: key-1`, `key-2`, … one key per request; zone key `{http.request.header.X-Key}`. "+
 			"Memory is read from `/proc/<pid>/status` after a forced GC (Caddy's admin API `/debug/pprof/heap?gc=1`, twice, 1 s apart). "+
 			"Go heap is `memstats.HeapInuse` from `/debug/vars`. Phase: %.0f s; others' CPU %s.\n\n", rep.MemorySeconds, pct(rep.MemoryNoise.Others))
-		pf("| implementation | zone | keys | RSS idle | RSS after | RSS per key | Go heap per key | peak RSS (VmHWM) |\n")
+		pf("| implementation | zone | keys | RSS idle | RSS after | RSS growth per key | Go heap growth per key | peak RSS (VmHWM) |\n")
 		pf("|---|---|---:|---:|---:|---:|---:|---:|\n")
 		for _, r := range rep.Memory {
 			pf("| %s | %s | %s | %.0f MiB | %.0f MiB | %.0f B | %.0f B | %.0f MiB |\n", r.Impl, r.Config, humanCount(float64(r.Keys)),
