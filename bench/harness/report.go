@@ -322,12 +322,13 @@ func (rep *report) noisyMarkdown(pf func(string, ...any), has func(string) bool)
 func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) bool) {
 	p := rep.Params
 	pf("## Throughput and overhead: wrk\n\n")
-	pf("`wrk -t1 -c50 -d%v --latency` against `respond \"ok\"`. %s Ratios are to the baseline of this run. wrk and Caddy share the cores. "+
+	pf("`wrk -t1 -c50 -d%v --latency` against `respond \"ok\"`. %s "+
+		"Ratios are to the baseline of this run: the median of all the runs without a limiter, from both binaries "+
+		"(ours and caddy-peer share every dependency but the limiter, so the gap between their two rows is noise). wrk and Caddy share the cores. "+
 		"Allowed path: key `{client_ip}`, a limit never reached (ours `rate 1000000r/s` `burst 1000000`; caddy-ratelimit `events 20000` `window 100ms`, "+
 		"as its ring of `events` timestamps per key is allocated up front and a 24 MB one would slow the GC's pace enough to make it look cheaper than no limiter). "+
 		"Denied path: every request after the first over the limit (ours `rate 1r/m` `burst 1`; caddy-ratelimit `events 1` `window 1m`). "+
 		"Each configuration is its own Caddy process, with Caddy's default logging (INFO to stderr, to a file here). "+
-		"The control row is the same `respond` from the caddy-peer binary, which shares every dependency but the limiter: its distance from 1.00 is noise. "+
 		"Phase: %.0f s; others' CPU %s.\n\n",
 		p.wrkDur, roundsText(p.rounds, "configurations"), rep.ThroughputSeconds, pct(rep.ThroughputNoise.Others))
 	pf("| configuration | path | req/s | ratio | p50 | ratio | p99 | ratio | Caddy CPU per request | Redis calls per request | non-2xx | req/s per round |\n")
@@ -349,7 +350,8 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 			r.Impl, path, humanCount(r.RPS), r.RatioRPS, ms(r.P50), r.RatioP50, ms(r.P99), r.RatioP99,
 			float64(r.CPUPerReq)/1e3, redis, pct(r.Non2xx), strings.Join(rounds, ", "))
 	}
-	pf("\nCaddy CPU per request is the Caddy process's user+system time over the run (from `/proc/<pid>/stat`) divided by the requests wrk completed: less sensitive to the sharing of the cores than req/s.\n\n")
+	pf("\nCaddy CPU per request is the Caddy process's user+system time over the run (from `/proc/<pid>/stat`) divided by the requests wrk completed. "+
+		"It does not count time spent waiting for a core, but still varies with the scheduling (how many requests each wake-up handles).\n\n")
 	if has("throughput.png") {
 		pf("![Requests/s relative to the baseline](throughput.png)\n\n")
 	}
