@@ -350,7 +350,7 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 			r.Impl, path, humanCount(r.RPS), r.RatioRPS, ms(r.P50), r.RatioP50, ms(r.P99), r.RatioP99,
 			float64(r.CPUPerReq)/1e3, redis, pct(r.Non2xx), strings.Join(rounds, ", "))
 	}
-	pf("\nCaddy CPU per request is the Caddy process's user+system time over the run (from `/proc/<pid>/stat`) divided by the requests wrk completed. "+
+	pf("\nCaddy CPU per request is the Caddy process's user+system time over the run (from `/proc/<pid>/stat`) divided by the requests wrk completed. " +
 		"It does not count time spent waiting for a core, but still varies with the scheduling (how many requests each wake-up handles).\n\n")
 	if has("throughput.png") {
 		pf("![Requests/s relative to the baseline](throughput.png)\n\n")
