@@ -1,0 +1,29 @@
+module github.com/caddy-tokenbucket/ratelimit/bench
+
+go 1.26.0
+
+// The harness drives the Caddy built from ../cmd/caddy; it imports
+// nothing of the plugin, but should it ever, it must be this checkout.
+replace github.com/caddy-tokenbucket/ratelimit => ../
+
+require (
+	github.com/tsenart/vegeta/v12 v12.13.0
+	gonum.org/v1/plot v0.17.0
+)
+
+require (
+	codeberg.org/go-fonts/liberation v0.5.0 // indirect
+	codeberg.org/go-latex/latex v0.2.0 // indirect
+	codeberg.org/go-pdf/fpdf v0.11.1 // indirect
+	git.sr.ht/~sbinet/gg v0.7.0 // indirect
+	github.com/ajstarks/svgo v0.0.0-20211024235047-1546f124cd8b // indirect
+	github.com/golang/freetype v0.0.0-20170609003504-e2365dfdc4a0 // indirect
+	github.com/influxdata/tdigest v0.0.1 // indirect
+	github.com/josharian/intern v1.0.0 // indirect
+	github.com/mailru/easyjson v0.7.7 // indirect
+	github.com/rs/dnscache v0.0.0-20230804202142-fc85eb664529 // indirect
+	golang.org/x/image v0.30.0 // indirect
+	golang.org/x/net v0.27.0 // indirect
+	golang.org/x/sync v0.16.0 // indirect
+	golang.org/x/text v0.28.0 // indirect
+)

@@ -1,0 +1,308 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package main
+
+import (
+	"bufio"
+	"fmt"
+	"log"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+)
+
+// wrkResult is what one wrk run reports.
+type wrkResult struct {
+	RPS      float64
+	P50, P99 time.Duration
+	Requests int64
+	Non2xx   int64
+}
+
+// runWrk runs `wrk -t1 -c50 -d<dur> --latency` against url, with a Lua
+// script and its arguments if given.
+func (e *env) runWrk(name, url string, dur time.Duration, script string, args ...string) (wrkResult, error) {
+	return e.runWrkUntil(name, url, dur, "", script, args...)
+}
+
+// runWrkUntil is runWrk that also ends wrk early, as if by Ctrl-C (wrk
+// then reports what it did so far), once the file doneFile exists.
+func (e *env) runWrkUntil(name, url string, dur time.Duration, doneFile, script string, args ...string) (wrkResult, error) {
+	cmd := []string{"-t1", "-c50", "-d" + strconv.Itoa(int(dur.Seconds())) + "s", "--latency"}
+	if script != "" {
+		cmd = append(cmd, "-s", script)
+	}
+	cmd = append(cmd, url)
+	if len(args) > 0 {
+		cmd = append(append(cmd, "--"), args...)
+	}
+	out := filepath.Join(e.tmp, "wrk-"+name+".txt")
+	p, err := start("wrk "+name, out, nil, "wrk", cmd...)
+	if err != nil {
+		return wrkResult{}, err
+	}
+	limit := time.After(dur + 60*time.Second)
+	tick := time.NewTicker(100 * time.Millisecond)
+	defer tick.Stop()
+wait:
+	for {
+		select {
+		case <-p.done:
+			break wait
+		case <-limit:
+			p.stop(time.Second)
+			return wrkResult{}, fmt.Errorf("wrk %s did not finish", name)
+		case <-tick.C:
+			if doneFile == "" {
+				continue
+			}
+			if _, err := os.Stat(doneFile); err == nil {
+				_ = p.cmd.Process.Signal(syscall.SIGINT)
+				doneFile = ""
+			}
+		}
+	}
+	if p.err != nil {
+		return wrkResult{}, fmt.Errorf("wrk %s: %v\n%s", name, p.err, tail(out, 20))
+	}
+	return parseWrk(out)
+}
+
+func parseWrk(file string) (wrkResult, error) {
+	var r wrkResult
+	f, err := os.Open(file)
+	if err != nil {
+		return r, err
+	}
+	defer f.Close()
+	inDist := false
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		line := strings.TrimSpace(sc.Text())
+		fs := strings.Fields(line)
+		switch {
+		case strings.HasPrefix(line, "Latency Distribution"):
+			inDist = true
+		case inDist && len(fs) == 2 && strings.HasSuffix(fs[0], "%"):
+			d, err := parseWrkDuration(fs[1])
+			if err != nil {
+				return r, err
+			}
+			switch fs[0] {
+			case "50%":
+				r.P50 = d
+			case "99%":
+				r.P99 = d
+			}
+		case strings.HasPrefix(line, "Requests/sec:") && len(fs) == 2:
+			r.RPS, _ = strconv.ParseFloat(fs[1], 64)
+		case len(fs) > 2 && fs[1] == "requests" && fs[2] == "in":
+			inDist = false
+			r.Requests, _ = strconv.ParseInt(fs[0], 10, 64)
+		case strings.HasPrefix(line, "Non-2xx or 3xx responses:") && len(fs) == 5:
+			r.Non2xx, _ = strconv.ParseInt(fs[4], 10, 64)
+		}
+	}
+	if r.RPS == 0 || r.P50 == 0 {
+		return r, fmt.Errorf("unexpected wrk output in %s:\n%s", file, tail(file, 20))
+	}
+	return r, sc.Err()
+}
+
+// parseWrkDuration reads wrk's "812.00us", "1.23ms", "2.00s", "1.00m".
+func parseWrkDuration(s string) (time.Duration, error) {
+	units := []struct {
+		suffix string
+		unit   time.Duration
+	}{{"us", time.Microsecond}, {"ms", time.Millisecond}, {"s", time.Second}, {"m", time.Minute}}
+	for _, u := range units {
+		if v, ok := strings.CutSuffix(s, u.suffix); ok {
+			f, err := strconv.ParseFloat(v, 64)
+			if err != nil {
+				return 0, fmt.Errorf("wrk duration %q", s)
+			}
+			return time.Duration(f * float64(u.unit)), nil
+		}
+	}
+	return 0, fmt.Errorf("wrk duration %q", s)
+}
+
+// The throughput comparison: Caddy `respond` with and without a rate
+// limiter in front, on a path where the limit is never reached and on one
+// where every request is over it.
+
+type tpConfig struct {
+	Key, Impl, Path string // Path: "allowed", "denied" or "" for the baseline
+	spec            caddySpec
+	redis           bool
+	inst            *caddyInst
+}
+
+// tpRun is one wrk run of one configuration.
+type tpRun struct {
+	wrkResult
+	CPUPerReq   time.Duration // Caddy's CPU per request
+	RedisPerReq num
+}
+
+// tpResult is the medians of a configuration's runs.
+type tpResult struct {
+	Key, Impl, Path              string
+	Runs                         []tpRun
+	RPS                          float64
+	P50, P99                     time.Duration
+	CPUPerReq                    time.Duration
+	RedisPerReq                  num
+	Non2xx                       float64 // share of non-2xx answers over all runs
+	RatioRPS, RatioP50, RatioP99 float64
+}
+
+func (e *env) tpConfigs() []*tpConfig {
+	ours := func(rate string, burst int, store string) string {
+		return fmt.Sprintf("rate_limit {\n\tzone %%s {\n\t\tkey {client_ip}\n\t\trate %s\n\t\tburst %d\n\t}%s\n}\nrespond \"ok\"", rate, burst, store)
+	}
+	peer := func(events int, window string) string {
+		return fmt.Sprintf("rate_limit {\n\tzone %%s {\n\t\tkey {client_ip}\n\t\tevents %d\n\t\twindow %s\n\t}\n}\nrespond \"ok\"", events, window)
+	}
+	redisStore := "\n\tstore redis {\n\t\taddress " + e.redis.addr + "\n\t}"
+	cfgs := []*tpConfig{
+		// The baseline, from both binaries: they share every dependency
+		// but the limiter, so any difference between them is noise.
+		{Key: "baseline", Impl: "no limiter: Caddy `respond`", spec: caddySpec{bin: e.caddyBin, site: `respond "ok"`}},
+		{Key: "baseline-peer", Impl: "no limiter, caddy-peer binary", spec: caddySpec{bin: e.peerBin, site: `respond "ok"`}},
+		{Key: "local-allowed", Impl: "rate_limit local", Path: "allowed", spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, "")}},
+		{Key: "redis-allowed", Impl: "rate_limit redis", Path: "allowed", redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, redisStore)}},
+		// Not events 1000000 per 1s: caddy-ratelimit allocates a ring of
+		// `events` timestamps per key, and 24 MB of live heap would make
+		// the GC run less often, so that the limiter seemed to cost less
+		// than nothing. 20000 per 100ms is 480 kB, and never reached.
+		{Key: "peer-allowed", Impl: "caddy-ratelimit v0.1.0", Path: "allowed", spec: caddySpec{bin: e.peerBin, site: peer(20000, "100ms")}},
+		{Key: "local-denied", Impl: "rate_limit local", Path: "denied", spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, "")}},
+		{Key: "redis-denied", Impl: "rate_limit redis", Path: "denied", redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, redisStore)}},
+		{Key: "peer-denied", Impl: "caddy-ratelimit v0.1.0", Path: "denied", spec: caddySpec{bin: e.peerBin, site: peer(1, "1m")}},
+	}
+	for _, c := range cfgs {
+		c.spec.name = "tp-" + c.Key
+		// Zone names differ per config, so that no two share buckets in Redis.
+		if strings.Contains(c.spec.site, "%s") {
+			c.spec.site = fmt.Sprintf(c.spec.site, strings.ReplaceAll(c.Key, "-", "_"))
+		}
+	}
+	return cfgs
+}
+
+func (e *env) runThroughput() ([]*tpResult, noise, error) {
+	p := e.p
+	cfgs := e.tpConfigs()
+	for _, c := range cfgs {
+		inst, err := e.startCaddy(c.spec)
+		if err != nil {
+			return nil, noise{}, err
+		}
+		c.inst = inst
+		defer inst.stop()
+	}
+	// Check each answers as it should, then warm each up.
+	for _, c := range cfgs {
+		switch c.Path {
+		case "denied":
+			_, _ = get(c.inst.url, nil)
+			if err := expect(c.inst, nil, 429); err != nil {
+				return nil, noise{}, err
+			}
+		default:
+			if err := expect(c.inst, nil, 200); err != nil {
+				return nil, noise{}, err
+			}
+		}
+		if _, err := e.runWrk(c.Key+"-warmup", c.inst.url, p.wrkWarm, ""); err != nil {
+			return nil, noise{}, err
+		}
+	}
+	m := meter()
+	runs := make(map[string][]tpRun)
+	for round := range p.rounds {
+		// Rotate the order, so that no configuration always runs first.
+		for i := range cfgs {
+			c := cfgs[(i+round)%len(cfgs)]
+			time.Sleep(p.gap)
+			cpu0, err := procCPU(c.inst.proc.pid())
+			if err != nil {
+				return nil, noise{}, err
+			}
+			r0, err := e.redis.scriptCalls()
+			if err != nil {
+				return nil, noise{}, err
+			}
+			w, err := e.runWrk(fmt.Sprintf("%s-%d", c.Key, round+1), c.inst.url, p.wrkDur, "")
+			if err != nil {
+				return nil, noise{}, err
+			}
+			cpu1, err := procCPU(c.inst.proc.pid())
+			if err != nil {
+				return nil, noise{}, fmt.Errorf("%s: %w (%v)", c.Key, err, c.inst.proc.exited())
+			}
+			r1, err := e.redis.scriptCalls()
+			if err != nil {
+				return nil, noise{}, err
+			}
+			run := tpRun{wrkResult: w, RedisPerReq: num(nan)}
+			if w.Requests > 0 {
+				run.CPUPerReq = (cpu1 - cpu0) / time.Duration(w.Requests)
+				if c.redis {
+					run.RedisPerReq = num(float64(r1-r0) / float64(w.Requests))
+				}
+			}
+			log.Printf("  round %d %-14s %8.0f req/s  p50 %-8s p99 %-8s non-2xx %5.1f%%  Caddy CPU %.1f µs/req",
+				round+1, c.Key, w.RPS, ms(w.P50), ms(w.P99), 100*float64(w.Non2xx)/float64(max(w.Requests, 1)), float64(run.CPUPerReq)/1e3)
+			runs[c.Key] = append(runs[c.Key], run)
+		}
+	}
+	nz := m.since()
+
+	var out []*tpResult
+	for _, c := range cfgs {
+		rs := runs[c.Key]
+		r := &tpResult{Key: c.Key, Impl: c.Impl, Path: c.Path, Runs: rs}
+		var rps, p50, p99, cpu, redis []float64
+		var non2xx, total int64
+		for _, x := range rs {
+			rps = append(rps, x.RPS)
+			p50 = append(p50, float64(x.P50))
+			p99 = append(p99, float64(x.P99))
+			cpu = append(cpu, float64(x.CPUPerReq))
+			redis = append(redis, float64(x.RedisPerReq))
+			non2xx += x.Non2xx
+			total += x.Requests
+		}
+		r.RPS, r.P50, r.P99 = median(rps), time.Duration(median(p50)), time.Duration(median(p99))
+		r.CPUPerReq, r.RedisPerReq = time.Duration(median(cpu)), num(median(redis))
+		r.Non2xx = float64(non2xx) / float64(max(total, 1))
+		out = append(out, r)
+	}
+	// The baseline is every run of `respond` without a limiter, from both
+	// binaries: they differ only in the limiter they carry, and twice the
+	// samples make a steadier median.
+	var rps, p50, p99 []float64
+	for _, r := range out {
+		if r.Path != "" {
+			continue
+		}
+		for _, x := range r.Runs {
+			rps = append(rps, x.RPS)
+			p50 = append(p50, float64(x.P50))
+			p99 = append(p99, float64(x.P99))
+		}
+	}
+	baseRPS, baseP50, baseP99 := median(rps), median(p50), median(p99)
+	for _, r := range out {
+		r.RatioRPS = r.RPS / baseRPS
+		r.RatioP50 = float64(r.P50) / baseP50
+		r.RatioP99 = float64(r.P99) / baseP99
+	}
+	return out, nz, nil
+}
