@@ -43,6 +43,8 @@ func init() {
 // A denied request ends the handler chain with a 429 Too Many Requests
 // error, so `handle_errors` routes can shape the response, and a
 // `Retry-After` header giving the whole seconds until it could succeed.
+// (On a server without `handle_errors`, the handler writes the bare 429
+// itself, the response Caddy would write for the error, but cheaper.)
 // Allowed and denied responses carry rate-limit headers for the matched
 // zones (see `headers`).
 //
@@ -99,6 +101,9 @@ type Handler struct {
 	states      []string     // names of the zone states acquired
 	metered     []*zoneState // zone states this handler exports
 	registered  bool         // in the admin API's registry
+	// writeDenials: the server has no error routes (handle_errors), so
+	// denials are written as Caddy would write them, not returned.
+	writeDenials bool
 }
 
 // Zone is one token-bucket limit. Every distinct value of Key gets its
@@ -308,6 +313,12 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 			z.state.metered.Add(1)
 			h.metered = append(h.metered, z.state)
 		}
+	}
+	// Without error routes on the server, Caddy would answer the 429
+	// error with the bare status: writing it here is the same response,
+	// without the cost of Caddy's error handling on every denial.
+	if srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok {
+		h.writeDenials = srv.Errors == nil || len(srv.Errors.Routes) == 0
 	}
 	// Events go to subscribers of a configured events app.
 	if app, err := ctx.AppIfConfigured("events"); err == nil {
@@ -589,11 +600,17 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	err := h.decide(w, r, sc)
 	sc.reqs, sc.retry = sc.reqs[:0], sc.retry[:0]
 	h.scratch.Put(sc)
-	if err != nil {
+	switch {
+	case err == errResponded:
+		return nil
+	case err != nil:
 		return err
 	}
 	return next.ServeHTTP(w, r)
 }
+
+// errResponded tells ServeHTTP that the response is written.
+var errResponded = errors.New("response written")
 
 // decide takes tokens for r from the buckets of every matching zone, sets
 // the response headers, and returns the error that ends the request when
@@ -826,6 +843,10 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, reqs []request) e
 			"wait":      time.Duration(wait),
 			"remote_ip": clientIP(r),
 		})
+	}
+	if h.writeDenials {
+		w.WriteHeader(http.StatusTooManyRequests)
+		return errResponded
 	}
 	return z.denial
 }
