@@ -108,6 +108,7 @@ type RedisStore struct {
 	timeout  time.Duration
 	zones    []*Zone
 	prefixes []string // per zone: KeyPrefix + name + ":{"
+	shapes   [][2]any // per zone: the script's full and cost, in µs, boxed once
 	cache    []*table // per zone: over-limit cache; nil when disabled
 	logger   *zap.Logger
 
@@ -307,6 +308,7 @@ func (s *RedisStore) bind(zones []*Zone) error {
 	s.zones = zones
 	for _, z := range zones {
 		s.prefixes = append(s.prefixes, s.KeyPrefix+z.Name+":{")
+		s.shapes = append(s.shapes, [2]any{micros(z.limit.full), micros(z.cost)})
 		if !s.DisableOverLimitCache {
 			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
 		}
@@ -416,7 +418,8 @@ func (s *RedisStore) run(ctx context.Context, mode string, reqs []request) (bool
 	for i := range reqs {
 		q := &reqs[i]
 		keys[i] = s.redisKey(q)
-		args = append(args, micros(q.zone.limit.full), micros(q.zone.cost))
+		shape := &s.shapes[q.zone.index]
+		args = append(args, shape[0], shape[1])
 	}
 	v, err := tokenBucketScript.Run(ctx, s.client, keys, args...).Slice()
 	if err != nil {

@@ -32,42 +32,43 @@ if now then
 	now = now - epoch * 1000000
 else
 	local t = redis.call('TIME')
-	now = (tonumber(t[1]) - epoch) * 1000000 + tonumber(t[2])
+	now = (t[1] - epoch) * 1000000 + t[2]
 end
 
-local function store(key, f)
-	if f <= now then
+-- save stores a bucket that owes debt µs. (Redis writes a Lua number
+-- with 17 significant digits: no precision is lost.)
+local function save(key, debt)
+	if debt <= 0 then
 		redis.call('DEL', key)
 	else
-		redis.call('SET', key, string.format('%.17g', f), 'PX', math.ceil((f - now) / 1000))
+		redis.call('SET', key, now + debt, 'PX', math.ceil(debt / 1000))
 	end
 end
 
 local n = #KEYS
-local full, cost, debt = {}, {}, {}
-local allowed = 1
+local reply = { 1 }
 for i = 1, n do
-	full[i] = tonumber(ARGV[1 + 2 * i])
-	cost[i] = tonumber(ARGV[2 + 2 * i])
+	local full, cost = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
 	local f = tonumber(redis.call('GET', KEYS[i])) or now
 	if mode == 'refund' and f > now then
-		f = f - cost[i]
+		f = f - cost
 	end
 	-- A clock that went back must not leave more than a whole bucket owed.
-	debt[i] = math.min(math.max(f - now, 0), full[i])
+	local debt = math.min(math.max(f - now, 0), full)
 	if mode == 'refund' then
-		store(KEYS[i], now + debt[i])
-	elseif mode == 'take' and debt[i] + cost[i] > full[i] + slack then
-		allowed = 0
+		save(KEYS[i], debt)
+	elseif mode == 'take' and debt + cost > full + slack then
+		reply[1] = 0
 	end
+	reply[i + 1] = debt
 end
 
-local reply = { allowed }
 for i = 1, n do
-	if mode == 'take' and allowed == 1 then
-		debt[i] = debt[i] + cost[i]
-		store(KEYS[i], now + debt[i])
+	local debt = reply[i + 1]
+	if mode == 'take' and reply[1] == 1 then
+		debt = debt + ARGV[2 + 2 * i]
+		save(KEYS[i], debt)
 	end
-	reply[i + 1] = string.format('%.17g', debt[i])
+	reply[i + 1] = string.format('%.17g', debt)
 end
 return reply
