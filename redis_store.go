@@ -329,10 +329,13 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 	if !b.allow(now) {
 		return false, errRedisDown
 	}
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	call, cancel := context.WithTimeout(ctx, s.timeout)
 	defer cancel()
-	allowed, err := s.decide(ctx, reqs)
+	allowed, err := s.decide(call, reqs)
 	if err != nil {
+		if ctx.Err() != nil {
+			return false, err // the client went away: not Redis's failure
+		}
 		if b.failure(time.Now()) {
 			s.logger.Error("redis store unavailable: deciding by fail_mode until it answers again",
 				zap.String("fail_mode", s.FailMode), zap.Error(err))
