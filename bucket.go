@@ -253,6 +253,27 @@ func (s *shard) sweep(now int64) {
 	}
 }
 
+// get returns the instant k's bucket is full again, 0 if not tracked.
+func (t *table) get(k bucketKey) int64 {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.get(h)
+}
+
+// raise makes k's bucket full again no sooner than f. now is the current
+// table instant, which tells the eviction what has refilled.
+func (t *table) raise(k bucketKey, f, now int64) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if f > s.get(h) {
+		s.set(t, h, f, now)
+	}
+}
+
 // forget drops a bucket: it is full again.
 func (t *table) forget(k bucketKey) {
 	h := t.hash(k)

@@ -133,12 +133,7 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 
 func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
 	t := s.tables[q.zone.index]
-	h := t.hash(q.key)
-	sh := t.shard(h)
-	sh.mu.Lock()
-	f := sh.get(h)
-	sh.mu.Unlock()
-	q.debt = time.Duration(q.zone.limit.debt(f, t.instant(now)))
+	q.debt = time.Duration(q.zone.limit.debt(t.get(q.key), t.instant(now)))
 	return nil
 }
 

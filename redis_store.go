@@ -468,11 +468,7 @@ func (s *RedisStore) denyFromCache(now time.Time, reqs []request) bool {
 	for i := range reqs {
 		q := &reqs[i]
 		t := s.cache[q.zone.index]
-		n, h := t.instant(now), t.hash(q.key)
-		sh := t.shard(h)
-		sh.mu.Lock()
-		f := sh.get(h)
-		sh.mu.Unlock()
+		f, n := t.get(q.key), t.instant(now)
 		l := q.zone.limit
 		_, q.ok = l.take(f, n, q.zone.cost)
 		q.debt = time.Duration(l.debt(f, n))
@@ -499,13 +495,8 @@ func (s *RedisStore) remember(now time.Time, reqs []request) {
 	for i := range reqs {
 		q := &reqs[i]
 		t := s.cache[q.zone.index]
-		n, h := t.instant(now), t.hash(q.key)
-		sh := t.shard(h)
-		sh.mu.Lock()
-		if f := n + int64(q.debt); f > sh.get(h) {
-			sh.set(t, h, f, n)
-		}
-		sh.mu.Unlock()
+		n := t.instant(now)
+		t.raise(q.key, n+int64(q.debt), n)
 	}
 }
 
