@@ -5,9 +5,18 @@ package ratelimit
 
 import (
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/x509"
+	"crypto/x509/pkix"
+	"encoding/pem"
 	"fmt"
 	"math"
+	"math/big"
+	"net"
 	"net/http"
+	"os/exec"
 	"strconv"
 	"strings"
 	"sync"
@@ -499,4 +508,79 @@ func TestRedisCancelledRequestsKeepBreakerClosed(t *testing.T) {
 	if r.cli("EXISTS", "t:cancel:{192.0.2.60}") != "1" {
 		t.Fatal("the next request was not decided by Redis")
 	}
+}
+
+// The store talks TLS to a Redis that only speaks TLS, trusting the CA
+// it is given, and refuses a server its CA did not sign.
+func TestRedisTLS(t *testing.T) {
+	requireRedis(t)
+	dir := t.TempDir()
+	caPEM, certPEM, keyPEM := testCertificates(t)
+	ca := writeFile(t, dir, "ca.pem", caPEM)
+	port := freePort(t, 0)
+	r := &redisServer{t: t, port: port, dir: dir, args: []string{"--bind", "127.0.0.1", "--port", "0",
+		"--tls-port", strconv.Itoa(port), "--tls-cert-file", writeFile(t, dir, "cert.pem", certPEM),
+		"--tls-key-file", writeFile(t, dir, "key.pem", keyPEM), "--tls-ca-cert-file", ca,
+		"--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", dir}}
+	r.cmd = exec.Command("redis-server", r.args...)
+	if err := r.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(r.kill)
+	waitFor(t, 10*time.Second, "redis-server with TLS", func() bool {
+		_, err := r.tryCLI("--tls", "--cacert", ca, "PING")
+		return err == nil
+	})
+
+	h := newTestHandler(t, redisConfig(r.addr(), "tls", "1r/m", 1, fmt.Sprintf(`,"tls":{"ca":%q},"fail_mode":"closed"`, ca)))
+	codes := fmt.Sprint(statusOnly(serve(h, "192.0.2.70")), statusOnly(serve(h, "192.0.2.70")))
+	if codes != "200 429" {
+		t.Fatalf("over TLS: %s, want 200 429", codes)
+	}
+	if out, _ := r.tryCLI("--tls", "--cacert", ca, "EXISTS", "t:tls:{192.0.2.70}"); out != "1" {
+		t.Fatalf("the bucket is not in Redis: %q", out)
+	}
+
+	// Without the CA, the server is not trusted: Redis fails, fail_mode
+	// closed answers 503.
+	h = newTestHandler(t, redisConfig(r.addr(), "tls", "1r/m", 1, `,"tls":{},"fail_mode":"closed","pool_size":2`))
+	if code, _ := serve(h, "192.0.2.71"); code != http.StatusServiceUnavailable {
+		t.Fatalf("untrusted server: %d, want 503", code)
+	}
+	h = newTestHandler(t, redisConfig(r.addr(), "tls", "1r/m", 1, `,"tls":{"insecure_skip_verify":true},"fail_mode":"closed","pool_size":3`))
+	if code, _ := serve(h, "192.0.2.72"); code != http.StatusOK {
+		t.Fatalf("insecure_skip_verify: %d, want 200", code)
+	}
+}
+
+func statusOnly(code int, _ http.Header) int { return code }
+
+// testCertificates makes a CA and a certificate it signs for 127.0.0.1.
+func testCertificates(t *testing.T) (caPEM, certPEM, keyPEM string) {
+	t.Helper()
+	caKey, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	caTmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "test CA"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign,
+	}
+	caDER, err := x509.CreateCertificate(rand.Reader, caTmpl, caTmpl, &caKey.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	tmpl := &x509.Certificate{
+		SerialNumber: big.NewInt(2), Subject: pkix.Name{CommonName: "redis"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")},
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}, KeyUsage: x509.KeyUsageDigitalSignature,
+	}
+	caCert, _ := x509.ParseCertificate(caDER)
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, caCert, &key.PublicKey, caKey)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, _ := x509.MarshalECPrivateKey(key)
+	encode := func(typ string, b []byte) string { return string(pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: b})) }
+	return encode("CERTIFICATE", caDER), encode("CERTIFICATE", der), encode("EC PRIVATE KEY", keyDER)
 }
