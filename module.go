@@ -533,10 +533,7 @@ func (z *Zone) bucketKey(r *http.Request) (bucketKey, bool) {
 	case keyClientIP:
 		s, _ = caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string)
 	case keyRemoteHost:
-		s = r.RemoteAddr
-		if host, _, err := net.SplitHostPort(s); err == nil {
-			s = host
-		}
+		s = remoteHost(r)
 	case keyStatic:
 		s = z.Key
 	default:
@@ -655,11 +652,12 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) er
 	if h.dryRun {
 		h.noteDryRunPassed(r, sc.reqs)
 	}
-	h.writeHeaders(w.Header(), now, sc)
+	top := mostConstrained(sc.reqs)
+	h.writeHeaders(w.Header(), now, sc, top)
 	if allowed {
 		return nil
 	}
-	return h.deny(w, r, sc.reqs)
+	return h.deny(w, r, top)
 }
 
 // failed answers a request whose store failed, with fail_mode closed (503)
@@ -811,9 +809,9 @@ func (h *Handler) count(reqs []request, allowed bool) {
 	}
 }
 
-// deny answers a request that a zone refused.
-func (h *Handler) deny(w http.ResponseWriter, r *http.Request, reqs []request) error {
-	q := mostConstrained(reqs)
+// deny answers a request that a zone refused; q is the most constrained
+// of its zones.
+func (h *Handler) deny(w http.ResponseWriter, r *http.Request, q *request) error {
 	z := q.zone
 	wait := q.wait()
 	var retryAfter any = ""
@@ -908,22 +906,27 @@ func clientIP(r *http.Request) string {
 	if ip, ok := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string); ok {
 		return ip
 	}
-	host, _, err := net.SplitHostPort(r.RemoteAddr)
-	if err != nil {
-		return r.RemoteAddr
+	return remoteHost(r)
+}
+
+// remoteHost is the address of the connection's peer, as
+// {http.request.remote.host} gives it.
+func remoteHost(r *http.Request) string {
+	if host, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
+		return host
 	}
-	return host
+	return r.RemoteAddr
 }
 
 // writeHeaders sets the rate-limit headers for the decided requests:
 // the legacy X-RateLimit-* trio for the most constrained zone, and one
-// RateLimit and RateLimit-Policy item per zone.
-func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch) {
+// RateLimit and RateLimit-Policy item per zone. top is the most
+// constrained zone's request.
+func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top *request) {
 	if h.headers == headersOff {
 		return
 	}
 	reqs := sc.reqs
-	top := mostConstrained(reqs)
 
 	// All values go into one buffer and become one string, sliced.
 	b := sc.buf[:0]
