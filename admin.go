@@ -117,7 +117,7 @@ func (ref zoneRef) info() zoneInfo {
 		Burst:  z.limit.burst,
 		Cost:   z.Cost,
 		Store:  ref.h.storeName,
-		DryRun: z.dryRun,
+		DryRun: z.inDryRun,
 		Requests: map[string]uint64{
 			"allowed":        st.allowed.Load(),
 			"denied":         st.denied.Load(),
@@ -227,7 +227,7 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 		Zone:   name,
 		Key:    key,
 		Bucket: q.key.String(),
-		Tokens: l.remaining(int64(q.debt)),
+		Tokens: l.tokens(q.debt),
 		Burst:  l.burst,
 		FullIn: q.debt.Seconds(),
 	})

@@ -77,9 +77,9 @@ func BenchmarkDecision(b *testing.B) {
 				l := newLimit(1e9, 1e9)
 				ks := ipKeys()[:keys]
 				for _, k := range ks { // steady state: keys already tracked
-					takeAll([]charge{{l: l, cost: l.cost(1), t: tab, h: tab.hash(k), now: 1}})
+					takeAll([]charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(k), now: 1}})
 				}
-				cost := l.cost(1) // per zone, once
+				cost := l.costTime(1) // per zone, once
 				decide := func(i int, now time.Time) {
 					k := ks[i]
 					cs := [1]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: tab.instant(now)}}

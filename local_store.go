@@ -44,9 +44,9 @@ var localTables = caddy.NewUsagePool()
 // tableID is what a zone's buckets are shared by. A zone whose rate or
 // burst changes starts with fresh buckets.
 type tableID struct {
-	name  string
-	tau   int64
-	burst int64
+	name      string
+	tokenTime time.Duration
+	burst     int64
 }
 
 // CaddyModule returns the Caddy module information.
@@ -78,7 +78,7 @@ func (s *LocalStore) bind(zones []*Zone) error {
 		return errors.New("local store is already in use by another handler")
 	}
 	for _, z := range zones {
-		id := tableID{name: z.Name, tau: z.limit.tau, burst: z.limit.burst}
+		id := tableID{name: z.Name, tokenTime: z.limit.tokenTime, burst: z.limit.burst}
 		v, _, err := localTables.LoadOrNew(id, func() (caddy.Destructor, error) {
 			t := newTable(s.MaxKeys, time.Now())
 			go t.sweepLoop()
@@ -115,7 +115,7 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 		t := s.tables[q.zone.index]
 		cs = append(cs, charge{
 			l:    q.zone.limit,
-			cost: q.zone.cost,
+			cost: q.zone.costTime,
 			t:    t,
 			h:    t.hash(q.key),
 			now:  t.instant(now),
@@ -126,14 +126,14 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 	for i := range cs {
 		c := &cs[i]
 		reqs[c.req].ok = c.ok
-		reqs[c.req].debt = time.Duration(c.debt)
+		reqs[c.req].debt = c.debt
 	}
 	return allowed, nil
 }
 
 func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
 	t := s.tables[q.zone.index]
-	q.debt = time.Duration(q.zone.limit.debt(t.get(q.key), t.instant(now)))
+	q.debt = q.zone.limit.debt(t.get(q.key), t.instant(now))
 	return nil
 }
 

@@ -134,7 +134,7 @@ func TestServeHTTPDirect(t *testing.T) {
 	// Cancelling the config releases the tables.
 	ids := make([]tableID, len(h.Zones))
 	for i, z := range h.Zones {
-		ids[i] = tableID{name: z.Name, tau: z.limit.tau, burst: z.limit.burst}
+		ids[i] = tableID{name: z.Name, tokenTime: z.limit.tokenTime, burst: z.limit.burst}
 		if n, ok := localTables.References(ids[i]); !ok || n != 1 {
 			t.Errorf("zone %s: %d references (found %t), want 1", z.Name, n, ok)
 		}
@@ -1093,7 +1093,7 @@ func TestLoadErrors(t *testing.T) {
 	respond "ok"
 }
 `)
-	id := tableID{name: "le_ok", tau: int64(time.Second), burst: 1}
+	id := tableID{name: "le_ok", tokenTime: time.Second, burst: 1}
 	if n, _ := localTables.References(id); n != 1 {
 		t.Fatalf("running config: %d references to zone le_ok's table, want 1", n)
 	}

@@ -167,7 +167,7 @@ func TestAdminBucket(t *testing.T) {
 	if err := h.store.peek(context.Background(), nowForTest(), &q); err != nil {
 		t.Fatal(err)
 	}
-	if tokens := z.limit.remaining(int64(q.debt)); tokens > 0.1 {
+	if tokens := z.limit.tokens(q.debt); tokens > 0.1 {
 		t.Fatalf("tokens %v, want about 0", tokens)
 	}
 	if q.key.ip != netip.MustParsePrefix("2001:db8:1::/64") {

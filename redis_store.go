@@ -16,7 +16,6 @@ import (
 	"math"
 	"os"
 	"strconv"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -103,14 +102,14 @@ type RedisStore struct {
 	// at the zone's rate) and spares Redis most of a flood.
 	DisableOverLimitCache bool `json:"disable_over_limit_cache,omitempty"`
 
-	client   *redisClient
-	poolKey  string
-	timeout  time.Duration
-	zones    []*Zone
-	prefixes []string // per zone: KeyPrefix + name + ":{"
-	shapes   [][2]any // per zone: the script's full and cost, in µs, boxed once
-	cache    []*table // per zone: over-limit cache; nil when disabled
-	logger   *zap.Logger
+	client      *redisClient
+	poolKey     string
+	callTimeout time.Duration // Timeout, or its default
+	zones       []*Zone
+	prefixes    []string // per zone: KeyPrefix + name + ":{"
+	shapes      [][2]any // per zone: the script's burst time and cost time, in µs, boxed once
+	cache       []*table // per zone: over-limit cache; nil when disabled
+	logger      *zap.Logger
 
 	// testClock, when set, replaces Redis's clock, so that tests can
 	// replay a table of instants. Never set outside tests.
@@ -179,9 +178,9 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	if s.KeyPrefix == "" {
 		s.KeyPrefix = defaultKeyPrefix
 	}
-	s.timeout = time.Duration(s.Timeout)
-	if s.timeout == 0 {
-		s.timeout = defaultRedisTimeout
+	s.callTimeout = time.Duration(s.Timeout)
+	if s.callTimeout == 0 {
+		s.callTimeout = defaultRedisTimeout
 	}
 	if s.FailMode == "" {
 		s.FailMode = "local"
@@ -206,7 +205,7 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 		Cluster           bool
 		TLS               *RedisTLS
 		Timeout, PoolSize int64
-	}{s.Addresses, s.URL, s.Username, s.Password, s.DB, s.Sentinel, s.Cluster, s.TLS, int64(s.timeout), int64(s.PoolSize)})
+	}{s.Addresses, s.URL, s.Username, s.Password, s.DB, s.Sentinel, s.Cluster, s.TLS, int64(s.callTimeout), int64(s.PoolSize)})
 	v, _, err := redisClients.LoadOrNew(string(key), func() (caddy.Destructor, error) {
 		c := redis.NewUniversalClient(opts)
 		_, cluster := c.(*redis.ClusterClient)
@@ -234,10 +233,10 @@ func (s *RedisStore) options() (*redis.UniversalOptions, error) {
 		// fail_mode, not retried.
 		ContextTimeoutEnabled: true,
 		MaxRetries:            -1,
-		DialTimeout:           s.timeout,
-		ReadTimeout:           s.timeout,
-		WriteTimeout:          s.timeout,
-		PoolTimeout:           s.timeout,
+		DialTimeout:           s.callTimeout,
+		ReadTimeout:           s.callTimeout,
+		WriteTimeout:          s.callTimeout,
+		PoolTimeout:           s.callTimeout,
 		MaintNotificationsConfig: &maintnotifications.Config{
 			Mode: maintnotifications.ModeDisabled,
 		},
@@ -308,7 +307,7 @@ func (s *RedisStore) bind(zones []*Zone) error {
 	s.zones = zones
 	for _, z := range zones {
 		s.prefixes = append(s.prefixes, s.KeyPrefix+z.Name+":{")
-		s.shapes = append(s.shapes, [2]any{micros(z.limit.full), micros(z.cost)})
+		s.shapes = append(s.shapes, [2]any{micros(z.limit.burstTime), micros(z.costTime)})
 		if !s.DisableOverLimitCache {
 			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
 		}
@@ -329,7 +328,7 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 	if !b.allow(now) {
 		return false, errRedisDown
 	}
-	call, cancel := context.WithTimeout(ctx, s.timeout)
+	call, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
 	allowed, err := s.decide(call, reqs)
 	if err != nil {
@@ -378,7 +377,7 @@ func (s *RedisStore) decide(ctx context.Context, reqs []request) (bool, error) {
 }
 
 func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
 	reqs := []request{*q}
 	if _, err := s.run(ctx, "peek", reqs); err != nil {
@@ -395,7 +394,7 @@ func (s *RedisStore) reset(ctx context.Context, q *request) error {
 	if s.cache != nil {
 		s.cache[q.zone.index].forget(q.key)
 	}
-	ctx, cancel := context.WithTimeout(ctx, s.timeout)
+	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
 	return s.client.Del(ctx, s.redisKey(q)).Err()
 }
@@ -440,13 +439,13 @@ func (s *RedisStore) run(ctx context.Context, mode string, reqs []request) (bool
 		}
 		q := &reqs[i]
 		q.debt = time.Duration(math.Round(us * 1000))
-		q.ok = allowed == 1 || q.zone.limit.wait(int64(q.debt), q.zone.cost) == 0
+		q.ok = allowed == 1 || q.wait() == 0
 	}
 	return allowed == 1, nil
 }
 
-// micros converts nanoseconds to the script's microseconds.
-func micros(ns int64) float64 { return float64(ns) / 1000 }
+// micros converts a duration to the script's microseconds.
+func micros(d time.Duration) float64 { return float64(d) / 1000 }
 
 // redisKey is `<key_prefix><zone>:{<key>}`, the key hashed if so asked.
 func (s *RedisStore) redisKey(q *request) string {
@@ -468,10 +467,10 @@ func (s *RedisStore) denyFromCache(now time.Time, reqs []request) bool {
 	for i := range reqs {
 		q := &reqs[i]
 		t := s.cache[q.zone.index]
-		f, n := t.get(q.key), t.instant(now)
+		fullAt, n := t.get(q.key), t.instant(now)
 		l := q.zone.limit
-		_, q.ok = l.take(f, n, q.zone.cost)
-		q.debt = time.Duration(l.debt(f, n))
+		_, q.ok = l.take(fullAt, n, q.zone.costTime)
+		q.debt = l.debt(fullAt, n)
 		if !q.ok {
 			q.zone.state.cacheHits.Add(1)
 			denied = true
@@ -496,73 +495,8 @@ func (s *RedisStore) remember(now time.Time, reqs []request) {
 		q := &reqs[i]
 		t := s.cache[q.zone.index]
 		n := t.instant(now)
-		t.raise(q.key, n+int64(q.debt), n)
+		t.raise(q.key, n+q.debt, n)
 	}
-}
-
-// breaker stops a store from waiting on a Redis that is down: after
-// tripAfter failures in a row it opens, and requests are decided by
-// fail_mode at once. Once the backoff has passed, one request at a time
-// probes Redis; the first success closes it.
-type breaker struct {
-	failures  atomic.Int32
-	openUntil atomic.Int64 // monotonic nanoseconds; 0 while closed
-	backoff   atomic.Int64
-	probing   atomic.Bool
-}
-
-const (
-	tripAfter  = 3
-	minBackoff = 100 * time.Millisecond
-	maxBackoff = time.Second
-)
-
-// processStart anchors the breaker's monotonic instants.
-var processStart = time.Now()
-
-func (b *breaker) allow(now time.Time) bool {
-	until := b.openUntil.Load()
-	if until == 0 {
-		return true
-	}
-	if int64(now.Sub(processStart)) < until {
-		return false
-	}
-	return b.probing.CompareAndSwap(false, true)
-}
-
-// success reports whether it closed an open breaker.
-func (b *breaker) success() bool {
-	b.failures.Store(0)
-	if b.openUntil.Load() == 0 {
-		return false
-	}
-	b.backoff.Store(0)
-	b.probing.Store(false)
-	return b.openUntil.Swap(0) != 0
-}
-
-// failure reports whether it opened the breaker.
-func (b *breaker) failure(now time.Time) bool {
-	mono := int64(now.Sub(processStart))
-	if b.openUntil.Load() != 0 {
-		// A probe failed: wait longer before the next.
-		d := min(2*b.backoff.Load(), int64(maxBackoff))
-		b.backoff.Store(d)
-		b.openUntil.Store(mono + d)
-		b.probing.Store(false)
-		return false
-	}
-	if b.failures.Add(1) < tripAfter {
-		return false
-	}
-	b.backoff.Store(int64(minBackoff))
-	return b.openUntil.CompareAndSwap(0, mono+int64(minBackoff))
-}
-
-// retryAfter is how long until the breaker lets a probe through.
-func (b *breaker) retryAfter(now time.Time) time.Duration {
-	return max(time.Duration(b.openUntil.Load()-int64(now.Sub(processStart))), 0)
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:

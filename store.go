@@ -1,0 +1,69 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"time"
+)
+
+// A store keeps token buckets and takes tokens from them. Stores know
+// nothing of HTTP: the handler turns a request into store requests, one
+// per matching zone, and the store's answers into a response.
+type store interface {
+	// bind prepares the store for the handler's zones. It is called once,
+	// from the handler's Provision, after the store's own.
+	bind(zones []*Zone) error
+
+	// take decides reqs together: it charges every bucket or none. It sets
+	// each request's ok and debt, and reports whether all were allowed.
+	// now is the request's arrival; a store may keep its own clock.
+	take(ctx context.Context, now time.Time, reqs []request) (bool, error)
+
+	// peek sets q.debt from the bucket's state, changing nothing.
+	peek(ctx context.Context, now time.Time, q *request) error
+
+	// reset fills the bucket.
+	reset(ctx context.Context, q *request) error
+}
+
+// A request asks a store for a zone's cost in tokens from one bucket.
+type request struct {
+	zone *Zone
+	key  bucketKey
+
+	ok        bool          // the bucket had the tokens
+	debt      time.Duration // how long until the bucket is full, after the decision
+	wouldDeny bool          // a dry-run zone that refused the request
+}
+
+// denied reports whether the request's zone refused it, dry runs aside.
+func (q *request) denied() bool { return !q.ok && !q.wouldDeny }
+
+// wait is how long the request's bucket needs before it can give the
+// tokens.
+func (q *request) wait() time.Duration {
+	return q.zone.limit.wait(q.debt, q.zone.costTime)
+}
+
+// remaining is the number of whole tokens left in the request's bucket.
+func (q *request) remaining() int64 {
+	return q.zone.limit.wholeTokens(q.debt)
+}
+
+// fallible is a store that can fail, and says what to do then.
+type fallible interface {
+	failMode() failMode
+}
+
+// A failMode is what the handler does when a fallible store fails.
+type failMode uint8
+
+const (
+	failLocal  failMode = iota // decide with in-memory buckets
+	failOpen                   // allow
+	failClosed                 // answer 503
+)
+
+var failModes = map[string]failMode{"local": failLocal, "open": failOpen, "closed": failClosed}

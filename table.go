@@ -1,0 +1,304 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"hash/maphash"
+	"math"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// table holds the buckets of one zone in memory: a map from a keyed
+// 64-bit hash of the bucket key to the instant the bucket is full again,
+// split into shards so that parallel requests rarely share a lock. Keys
+// of any length cost the same eight bytes. Instants are durations since
+// the table's epoch.
+//
+// At most maxKeys buckets are kept, an equal share in each shard, so a
+// table with many keys starts evicting a little before it holds maxKeys
+// (at about 99.5% of a million). When a shard is full, buckets that
+// have refilled are dropped first (no decision changes); if none has, the
+// bucket closest to full among a few sampled ones is evicted and counted:
+// its client finds a full bucket next time.
+type table struct {
+	id      uint64    // orders locks when one request takes several tables
+	epoch   time.Time // instants in the shards count from here
+	seed    maphash.Seed
+	maxKeys atomic.Int64
+	shards  []shard // a power of two of them
+	mask    uint64  // len(shards) - 1
+
+	evictions atomic.Uint64
+	stop      chan struct{}
+	stopOnce  sync.Once
+}
+
+type shard struct {
+	mu sync.Mutex
+	// fullAt maps a key hash to the instant its bucket is full again.
+	fullAt map[uint64]time.Duration
+	// sweepCredit counts the inserts until a full shard may be swept
+	// again, which keeps sweeping O(1) per insert.
+	sweepCredit int
+	_           [40]byte // keep shards on separate cache lines
+}
+
+// evictSample is how many buckets are looked at to pick one to evict.
+const evictSample = 8
+
+var tableIDs atomic.Uint64
+
+func newTable(maxKeys int64, now time.Time) *table {
+	n := 64
+	if maxKeys < 64*64 {
+		n = 1
+	}
+	t := &table{
+		id:     tableIDs.Add(1),
+		epoch:  now,
+		seed:   maphash.MakeSeed(),
+		shards: make([]shard, n),
+		mask:   uint64(n - 1),
+		stop:   make(chan struct{}),
+	}
+	t.maxKeys.Store(maxKeys)
+	for i := range t.shards {
+		t.shards[i].fullAt = make(map[uint64]time.Duration)
+	}
+	return t
+}
+
+// instant converts a clock reading to the table's own time line.
+func (t *table) instant(now time.Time) time.Duration { return now.Sub(t.epoch) }
+
+func (t *table) hash(k bucketKey) uint64 {
+	if !k.ip.IsValid() {
+		return maphash.String(t.seed, k.s)
+	}
+	return maphash.Comparable(t.seed, k.ip)
+}
+
+func (t *table) shard(h uint64) *shard {
+	return &t.shards[h&t.mask]
+}
+
+// shardCap is how many buckets one shard may hold.
+func (t *table) shardCap() int {
+	return max(int(t.maxKeys.Load())/len(t.shards), 1)
+}
+
+// get returns the instant a bucket is full again, 0 if not tracked.
+// Requires s.mu to be held.
+func (s *shard) get(h uint64) time.Duration { return s.fullAt[h] }
+
+// set records fullAt for a bucket of table t, making room first if the
+// bucket is new and the shard full. Requires s.mu to be held.
+func (s *shard) set(t *table, h uint64, fullAt, now time.Duration) {
+	if _, ok := s.fullAt[h]; !ok {
+		s.insert(t, h, fullAt, now)
+		return
+	}
+	s.fullAt[h] = fullAt
+}
+
+// insert records fullAt for a bucket that is not tracked yet.
+// Requires s.mu to be held.
+func (s *shard) insert(t *table, h uint64, fullAt, now time.Duration) {
+	if s.makeRoom(now, t.shardCap()) {
+		t.evictions.Add(1)
+	}
+	s.sweepCredit--
+	s.fullAt[h] = fullAt
+}
+
+// makeRoom frees one slot in a full shard. Requires s.mu to be held.
+func (s *shard) makeRoom(now time.Duration, capacity int) (evicted bool) {
+	if len(s.fullAt) < capacity {
+		return false
+	}
+	if s.sweepCredit <= 0 {
+		s.sweep(now)
+		s.sweepCredit = max(capacity/8, 1)
+		if len(s.fullAt) < capacity {
+			return false
+		}
+	}
+	for len(s.fullAt) >= capacity {
+		var victim uint64
+		oldest, seen := time.Duration(math.MaxInt64), 0
+		for h, f := range s.fullAt {
+			if f <= now {
+				victim, oldest = h, f
+				break
+			}
+			if f < oldest {
+				victim, oldest = h, f
+			}
+			if seen++; seen == evictSample {
+				break
+			}
+		}
+		delete(s.fullAt, victim)
+		if oldest > now {
+			evicted = true
+		}
+	}
+	return evicted
+}
+
+// sweep drops the buckets that are full at now. Requires s.mu to be held.
+func (s *shard) sweep(now time.Duration) {
+	for h, f := range s.fullAt {
+		if f <= now {
+			delete(s.fullAt, h)
+		}
+	}
+}
+
+// get returns the instant k's bucket is full again, 0 if not tracked.
+func (t *table) get(k bucketKey) time.Duration {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.get(h)
+}
+
+// raise makes k's bucket full again no sooner than fullAt. now is the
+// current table instant, which tells the eviction what has refilled.
+func (t *table) raise(k bucketKey, fullAt, now time.Duration) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if fullAt > s.get(h) {
+		s.set(t, h, fullAt, now)
+	}
+}
+
+// forget drops a bucket: it is full again.
+func (t *table) forget(k bucketKey) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	delete(s.fullAt, h)
+	s.mu.Unlock()
+}
+
+// sweep drops every full bucket of the table.
+func (t *table) sweep(now time.Time) {
+	n := t.instant(now)
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		s.sweep(n)
+		s.mu.Unlock()
+	}
+}
+
+// len is the number of buckets tracked.
+func (t *table) len() int {
+	n := 0
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		n += len(s.fullAt)
+		s.mu.Unlock()
+	}
+	return n
+}
+
+// sweepEvery is how often idle tables drop refilled buckets, so that the
+// map stays near the number of clients that are actually being limited.
+const sweepEvery = time.Minute
+
+func (t *table) sweepLoop() {
+	tick := time.NewTicker(sweepEvery)
+	defer tick.Stop()
+	for {
+		select {
+		case <-t.stop:
+			return
+		case now := <-tick.C:
+			t.sweep(now)
+		}
+	}
+}
+
+// Destruct stops the sweeper once the last config using the table is gone.
+func (t *table) Destruct() error {
+	t.stopOnce.Do(func() { close(t.stop) })
+	return nil
+}
+
+// A charge is one bucket a request wants tokens from, located in its
+// table. The charges of one request are in distinct tables (one per zone).
+type charge struct {
+	l    limit
+	cost time.Duration // l.costTime(n)
+	t    *table
+	h    uint64
+	now  time.Duration // t.instant of the request
+	req  int           // index of the request this charge answers
+
+	fullAt time.Duration // the bucket's instant, with this charge if ok
+	ok     bool
+	debt   time.Duration // how long until the bucket is full, after the decision
+}
+
+// takeAll charges every bucket or none: a request denied by one bucket
+// spends nothing in the others. Shards are locked in one global order (by
+// table), so concurrent multi-zone requests cannot deadlock. It fills in
+// each charge's ok and debt and reports whether all were allowed.
+func takeAll(cs []charge) (allowed bool) {
+	if len(cs) == 1 { // the common case, with one map lookup less
+		c := &cs[0]
+		s := c.t.shard(c.h)
+		s.mu.Lock()
+		f, tracked := s.fullAt[c.h]
+		if c.fullAt, c.ok = c.l.take(f, c.now, c.cost); c.ok {
+			if tracked {
+				s.fullAt[c.h] = c.fullAt
+			} else {
+				s.insert(c.t, c.h, c.fullAt, c.now)
+			}
+		}
+		s.mu.Unlock()
+		c.debt = c.l.debt(c.fullAt, c.now)
+		return c.ok
+	}
+	sortCharges(cs)
+	allowed = true
+	for i := range cs {
+		c := &cs[i]
+		s := c.t.shard(c.h)
+		s.mu.Lock()
+		c.fullAt, c.ok = c.l.take(s.get(c.h), c.now, c.cost)
+		allowed = allowed && c.ok
+	}
+	for i := range cs {
+		c := &cs[i]
+		s := c.t.shard(c.h)
+		if allowed {
+			s.set(c.t, c.h, c.fullAt, c.now)
+		} else if c.ok {
+			c.fullAt = s.get(c.h) // not charged after all
+		}
+		c.debt = c.l.debt(c.fullAt, c.now)
+		s.mu.Unlock()
+	}
+	return allowed
+}
+
+// sortCharges orders charges by table: the global lock order. Requests
+// carry a few zones, so insertion sort is the fastest.
+func sortCharges(cs []charge) {
+	for i := 1; i < len(cs); i++ {
+		for j := i; j > 0 && cs[j].t.id < cs[j-1].t.id; j-- {
+			cs[j], cs[j-1] = cs[j-1], cs[j]
+		}
+	}
+}

@@ -1,0 +1,331 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"math"
+	"net"
+	"net/http"
+	"net/netip"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// Zone is one token-bucket limit. Every distinct value of Key gets its
+// own bucket.
+//
+// Zone names are global: zones with the same name, rate and burst share
+// their buckets, also across sites and config reloads (as zones sharing a
+// Redis store do). Give zones that must be separate different names.
+type Zone struct {
+	// The zone's name, used in headers, logs and store keys. It may hold
+	// letters, digits, `_`, `-` and `.`. Required.
+	Name string `json:"name,omitempty"`
+
+	// What separates clients: a string with placeholders, e.g.
+	// `{http.request.header.X-API-Key}`. A request whose key expands to
+	// the empty string is not limited by this zone. Default:
+	// `{http.vars.client_ip}`.
+	Key string `json:"key,omitempty"`
+
+	// How fast the bucket refills: `<n>r/s`, `<n>r/m`, `<n>r/h`, `<n>r/d`
+	// or `<n>/<duration>` (e.g. `100/10s`). n may be fractional.
+	// Required.
+	Rate string `json:"rate,omitempty"`
+
+	// The bucket's capacity: how many tokens a client that has been idle
+	// can spend at once. Default: the n of the rate, rounded up.
+	Burst int64 `json:"burst,omitempty"`
+
+	// How many tokens one request takes. It cannot exceed the burst.
+	// Default: 1.
+	Cost int64 `json:"cost,omitempty"`
+
+	// Which requests the zone applies to. Default: all requests.
+	MatcherSetsRaw caddyhttp.RawMatcherSets `json:"match,omitempty" caddy:"namespace=http.matchers"`
+
+	// When the key is an IPv4 address, clients in the same network of
+	// this prefix length share a bucket. Default: 32.
+	IPv4Prefix int `json:"ipv4_prefix,omitempty"`
+
+	// When the key is an IPv6 address, clients in the same network of
+	// this prefix length share a bucket. Default: 64 (the usual
+	// allocation to one subscriber).
+	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
+
+	// Compute, count and log decisions, and send the headers, but let
+	// requests that this zone would refuse go on (uncharged by it). The
+	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
+	// when the zone would let the request through), so
+	// that the upstream can be told. Lets a new limit be tried safely.
+	DryRun bool `json:"dry_run,omitempty"`
+
+	index       int // in Handler.Zones
+	limit       limit
+	costTime    time.Duration // what Cost tokens are worth: limit.costTime(Cost)
+	keyKind     keyKind
+	matcherSets caddyhttp.MatcherSets
+	state       *zoneState
+	// inDryRun: this zone's DryRun, or the handler's.
+	inDryRun bool
+
+	// Built once, for every response the zone speaks in.
+	denial       error  // the caddyhttp.HandlerError returned when this zone denies
+	boxedName    any    // Name, boxed once for the replacer
+	wouldDenyVar string // http.rate_limit.<name>.would_deny
+	quotedName   string // the name as a structured-field string
+	policy       string // this zone's RateLimit-Policy item
+}
+
+// A keyKind is what a zone's key template needs to be expanded.
+type keyKind uint8
+
+const (
+	keyTemplate   keyKind = iota // any placeholders: use the replacer
+	keyClientIP                  // exactly {http.vars.client_ip}
+	keyRemoteHost                // exactly {http.request.remote.host}
+	keyStatic                    // no placeholders: one bucket for everyone
+)
+
+const defaultKey = "{http.vars.client_ip}"
+
+// validate checks a zone's configuration without changing it.
+func (z *Zone) validate() error {
+	if z.Name == "" {
+		return errors.New("name is required")
+	}
+	if strings.IndexFunc(z.Name, func(r rune) bool {
+		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-' || r == '.')
+	}) >= 0 {
+		return fmt.Errorf("invalid name '%s': may hold only letters, digits, '_', '-' and '.'", z.Name)
+	}
+	_, err := z.parseLimit()
+	return err
+}
+
+// parseLimit checks the zone's numbers and returns its bucket's shape.
+func (z *Zone) parseLimit() (limit, error) {
+	if z.Rate == "" {
+		return limit{}, errors.New("rate is required")
+	}
+	perSec, n, err := parseRate(z.Rate)
+	if err != nil {
+		return limit{}, fmt.Errorf("invalid rate '%s': %w", z.Rate, err)
+	}
+	if perSec > maxRate {
+		return limit{}, fmt.Errorf("invalid rate '%s': at most %.0fr/s", z.Rate, maxRate)
+	}
+	burst := z.Burst
+	switch {
+	case burst < 0:
+		return limit{}, fmt.Errorf("invalid burst %d: must be at least 1", burst)
+	case burst == 0 && n > float64(maxBurstTime):
+		return limit{}, fmt.Errorf("invalid rate '%s': %g is too large a default burst", z.Rate, n)
+	case burst == 0:
+		burst = int64(math.Ceil(n))
+	}
+	cost := z.Cost
+	switch {
+	case cost < 0:
+		return limit{}, fmt.Errorf("invalid cost %d: must be at least 1", cost)
+	case cost == 0:
+		cost = 1
+	}
+	if cost > burst {
+		return limit{}, fmt.Errorf("cost %d exceeds burst %d: no request could ever pass", cost, burst)
+	}
+	if z.IPv4Prefix < 0 || z.IPv4Prefix > 32 {
+		return limit{}, fmt.Errorf("invalid ipv4_prefix %d: must be 1 to 32", z.IPv4Prefix)
+	}
+	if z.IPv6Prefix < 0 || z.IPv6Prefix > 128 {
+		return limit{}, fmt.Errorf("invalid ipv6_prefix %d: must be 1 to 128", z.IPv6Prefix)
+	}
+	if float64(burst)/perSec > maxBurstTime.Seconds() {
+		return limit{}, fmt.Errorf("burst %d at rate %s takes more than 100 years to refill", burst, z.Rate)
+	}
+	return newLimit(perSec, burst), nil
+}
+
+// parseRate reads `<n>r/<unit>` or `<n>[r]/<duration>` and returns the
+// rate in tokens per second and n.
+func parseRate(s string) (perSec, n float64, err error) {
+	num, per, ok := strings.Cut(s, "/")
+	if !ok {
+		return 0, 0, errors.New("expected <n>r/s, <n>r/m, <n>r/h or <n>/<duration> such as 100/10s")
+	}
+	num = strings.TrimSuffix(num, "r")
+	n, err = strconv.ParseFloat(num, 64)
+	if err != nil || math.IsInf(n, 0) || math.IsNaN(n) {
+		return 0, 0, fmt.Errorf("'%s' is not a number", num)
+	}
+	if n <= 0 {
+		return 0, 0, errors.New("must be positive")
+	}
+	switch per {
+	case "s", "m", "h", "d":
+		per = "1" + per
+	}
+	d, err := caddy.ParseDuration(per)
+	if err != nil {
+		return 0, 0, fmt.Errorf("unknown unit '%s': expected s, m, h, d or a duration such as 10s", per)
+	}
+	if d <= 0 {
+		return 0, 0, fmt.Errorf("interval '%s' must be positive", per)
+	}
+	return n / d.Seconds(), n, nil
+}
+
+// provision computes the zone's runtime state. The zone must be valid.
+func (z *Zone) provision(ctx caddy.Context) error {
+	if z.Key == "" {
+		z.Key = defaultKey
+	}
+	if z.Cost == 0 {
+		z.Cost = 1
+	}
+	if z.IPv4Prefix == 0 {
+		z.IPv4Prefix = 32
+	}
+	if z.IPv6Prefix == 0 {
+		z.IPv6Prefix = 64
+	}
+	var err error
+	if z.limit, err = z.parseLimit(); err != nil {
+		return err
+	}
+	if z.Burst == 0 {
+		z.Burst = z.limit.burst
+	}
+	z.costTime = z.limit.costTime(z.Cost)
+
+	switch {
+	case z.Key == defaultKey:
+		z.keyKind = keyClientIP
+	case z.Key == "{http.request.remote.host}":
+		z.keyKind = keyRemoteHost
+	case !strings.Contains(z.Key, "{"):
+		z.keyKind = keyStatic
+	}
+
+	if z.MatcherSetsRaw != nil {
+		v, err := ctx.LoadModule(z, "MatcherSetsRaw")
+		if err != nil {
+			return fmt.Errorf("loading matchers: %w", err)
+		}
+		if err := z.matcherSets.FromInterface(v); err != nil {
+			return fmt.Errorf("loading matchers: %w", err)
+		}
+	}
+
+	// Built once, directly rather than with caddyhttp.Error, which records
+	// a stack trace and a random ID: work a flood of denials need not do.
+	z.denial = caddyhttp.HandlerError{
+		StatusCode: http.StatusTooManyRequests,
+		Err:        fmt.Errorf("rate limit exceeded in zone %s", z.Name),
+	}
+	z.boxedName = z.Name
+	z.wouldDenyVar = "http.rate_limit." + z.Name + ".would_deny"
+	z.quotedName = strconv.Quote(z.Name) // names are plain ASCII: a valid sf-string
+	z.policy = fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, z.limit.burst, ceilSeconds(z.limit.burstTime))
+	return nil
+}
+
+// A bucketKey names one bucket within a zone: an IP network when the
+// zone's key expanded to an IP address, else the expanded string.
+type bucketKey struct {
+	s  string
+	ip netip.Prefix
+}
+
+func (k bucketKey) String() string {
+	if !k.ip.IsValid() {
+		return k.s
+	}
+	if k.ip.IsSingleIP() {
+		return k.ip.Addr().String()
+	}
+	return k.ip.String()
+}
+
+// bucketKey expands the zone's key for r. It reports false when the key
+// is empty, which exempts the request from the zone.
+func (z *Zone) bucketKey(r *http.Request) (bucketKey, bool) {
+	var s string
+	switch z.keyKind {
+	case keyClientIP:
+		s, _ = caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string)
+	case keyRemoteHost:
+		s = remoteHost(r)
+	case keyStatic:
+		s = z.Key
+	default:
+		repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+		if repl == nil {
+			return bucketKey{}, false
+		}
+		s = repl.ReplaceAll(z.Key, "")
+	}
+	if s == "" {
+		return bucketKey{}, false
+	}
+	return z.keyFor(s), true
+}
+
+// keyFor is the bucket of an expanded key: its network, if it is an IP
+// address.
+func (z *Zone) keyFor(s string) bucketKey {
+	if looksLikeIP(s) {
+		if ip, err := netip.ParseAddr(s); err == nil {
+			ip = ip.WithZone("").Unmap()
+			bits := z.IPv6Prefix
+			if ip.Is4() {
+				bits = z.IPv4Prefix
+			}
+			p, _ := ip.Prefix(bits)
+			return bucketKey{ip: p}
+		}
+	}
+	return bucketKey{s: s}
+}
+
+// looksLikeIP is a cheap filter that spares netip.ParseAddr (which
+// allocates its error) the keys that cannot be addresses.
+func looksLikeIP(s string) bool {
+	if len(s) < 2 || len(s) > 64 {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '%':
+			return true // an IPv6 zone follows: let the parser decide
+		case c >= '0' && c <= '9', c >= 'a' && c <= 'f', c >= 'A' && c <= 'F', c == '.', c == ':':
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// clientIP is the client's address as Caddy determined it.
+func clientIP(r *http.Request) string {
+	if ip, ok := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string); ok {
+		return ip
+	}
+	return remoteHost(r)
+}
+
+// remoteHost is the address of the connection's peer, as
+// {http.request.remote.host} gives it.
+func remoteHost(r *http.Request) string {
+	if host, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
+		return host
+	}
+	return r.RemoteAddr
+}
