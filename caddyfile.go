@@ -4,7 +4,6 @@
 package ratelimit
 
 import (
-	"math"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -67,13 +66,16 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		z := &Zone{Name: anonymousZone, Key: args[0], Rate: args[1]}
 		if len(args) == 3 {
 			n, err := strconv.ParseInt(args[2], 10, 64)
-			if err != nil || n < 1 {
-				return d.Errf("invalid burst '%s': expected a whole number of at least 1", args[2])
+			if err != nil {
+				return d.Errf("invalid burst '%s': expected a whole number", args[2])
+			}
+			if err := checkMin("burst", n, 1); err != nil {
+				return d.WrapErr(err)
 			}
 			z.Burst = n
 		}
 		if err := z.validate(); err != nil {
-			return d.Errf("%v", err)
+			return d.WrapErr(err)
 		}
 		h.Zones = append(h.Zones, z)
 	default:
@@ -87,77 +89,53 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return d.Errf("%s already specified", sub)
 		}
 		seen[sub] = true
+		var err error
 		switch sub {
 		case "zone":
-			if !d.NextArg() {
-				return d.Err("zone needs a name: zone <name> { ... }")
-			}
-			name := d.Val()
-			for _, z := range h.Zones {
-				if z.Name == name {
-					return d.Errf("duplicate zone name '%s'", name)
-				}
-			}
-			if d.NextArg() {
-				return d.ArgErr()
-			}
-			z, err := unmarshalZone(d, name)
-			if err != nil {
+			if err := h.unmarshalZone(d); err != nil {
 				return err
 			}
-			h.Zones = append(h.Zones, z)
-
 		case "store":
-			if !d.NextArg() {
-				return d.Err("store needs a backend: store local|redis { ... }")
-			}
-			name := d.Val()
-			unm, err := caddyfile.UnmarshalModule(d, "http.handlers.rate_limit.stores."+name)
-			if err != nil {
+			if err := h.unmarshalStore(d); err != nil {
 				return err
 			}
-			h.StoreRaw = caddyconfig.JSONModuleObject(unm, "backend", name, nil)
-
 		case "headers":
 			if !d.AllArgs(&h.Headers) {
 				return d.ArgErr()
 			}
-			if _, ok := headerModes[h.Headers]; !ok || h.Headers == "" {
-				return d.Errf("invalid headers '%s': expected both, legacy, ietf or off", h.Headers)
-			}
-
+			err = checkHeaderMode(h.Headers)
 		case "jitter":
-			if !d.NextArg() {
+			var v string
+			if !d.AllArgs(&v) {
 				return d.ArgErr()
 			}
-			f, err := strconv.ParseFloat(d.Val(), 64)
-			if err != nil || f < 0 || f > 1 || math.IsNaN(f) {
-				return d.Errf("invalid jitter '%s': expected a fraction between 0 and 1, such as 0.1", d.Val())
+			if h.Jitter, err = strconv.ParseFloat(v, 64); err != nil {
+				return d.Errf("invalid jitter '%s': expected a fraction such as 0.1", v)
 			}
-			h.Jitter = f
-			if d.NextArg() {
-				return d.ArgErr()
+			err = checkJitter(h.Jitter)
+		case "log_key":
+			if err := flag(d, &h.LogKey); err != nil {
+				return err
 			}
-
-		case "log_key", "dry_run", "disable_metrics":
-			if d.NextArg() {
-				return d.ArgErr()
+		case "dry_run":
+			if err := flag(d, &h.DryRun); err != nil {
+				return err
 			}
-			switch d.Val() {
-			case "log_key":
-				h.LogKey = true
-			case "dry_run":
-				h.DryRun = true
-			default:
-				h.DisableMetrics = true
+		case "disable_metrics":
+			if err := flag(d, &h.DisableMetrics); err != nil {
+				return err
 			}
-
-		case "distributed", "storage":
-			return d.Errf("'%s' is a github.com/mholt/caddy-ratelimit option: use 'store redis { ... }' to share limits between instances", d.Val())
+		case "distributed":
+			return d.Err("'distributed' is a github.com/mholt/caddy-ratelimit option: use 'store redis { ... }' to share limits between instances")
+		case "storage":
+			return d.Err("'storage' is a github.com/mholt/caddy-ratelimit option: use 'store redis { ... }' to share limits between instances")
 		case "sweep_interval":
 			return d.Err("'sweep_interval' is a github.com/mholt/caddy-ratelimit option: refilled buckets are dropped automatically")
 		default:
-			return d.Errf("unrecognized subdirective '%s'", d.Val())
+			return d.Errf("unrecognized subdirective '%s'", sub)
+		}
+		if err != nil {
+			return d.WrapErr(err)
 		}
 	}
 	if len(h.Zones) == 0 {
@@ -166,88 +144,105 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// unmarshalZone reads the block of `zone <name>`.
-func unmarshalZone(d *caddyfile.Dispenser, name string) (*Zone, error) {
+// unmarshalStore reads `store <backend> [{ ... }]`.
+func (h *Handler) unmarshalStore(d *caddyfile.Dispenser) error {
+	if !d.NextArg() {
+		return d.Err("store needs a backend: store local|redis { ... }")
+	}
+	name := d.Val()
+	unm, err := caddyfile.UnmarshalModule(d, "http.handlers.rate_limit.stores."+name)
+	if err != nil {
+		return err
+	}
+	h.StoreRaw = caddyconfig.JSONModuleObject(unm, "backend", name, nil)
+	return nil
+}
+
+// unmarshalZone reads `zone <name> { ... }`.
+func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
+	if !d.NextArg() {
+		return d.Err("zone needs a name: zone <name> { ... }")
+	}
+	name := d.Val()
+	for _, z := range h.Zones {
+		if z.Name == name {
+			return d.Errf("duplicate zone name '%s'", name)
+		}
+	}
+	if d.NextArg() {
+		return d.ArgErr()
+	}
 	z := &Zone{Name: name}
 	var window, events string
 	seen := make(map[string]bool)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
 		if seen[sub] {
-			return nil, d.Errf("zone %s: %s already specified", name, sub)
+			return d.Errf("zone %s: %s already specified", name, sub)
 		}
 		seen[sub] = true
+		var err error
 		switch sub {
 		case "key":
 			if !d.AllArgs(&z.Key) {
-				return nil, d.ArgErr()
+				return d.ArgErr()
 			}
 		case "rate":
 			if !d.AllArgs(&z.Rate) {
-				return nil, d.ArgErr()
+				return d.ArgErr()
 			}
-			if _, _, err := parseRate(z.Rate); err != nil {
-				return nil, d.Errf("invalid rate '%s': %v", z.Rate, err)
+			_, _, err = parseRate(z.Rate)
+		case "burst":
+			if z.Burst, err = intArg[int64](d); err != nil {
+				return err
 			}
-		case "burst", "cost":
-			n, err := intArg(d)
-			if err != nil {
-				return nil, err
+			err = checkMin("burst", z.Burst, 1)
+		case "cost":
+			if z.Cost, err = intArg[int64](d); err != nil {
+				return err
 			}
-			if n < 1 {
-				return nil, d.Errf("invalid %s '%s': must be at least 1", sub, d.Val())
+			err = checkMin("cost", z.Cost, 1)
+		case "ipv4_prefix":
+			if z.IPv4Prefix, err = intArg[int](d); err != nil {
+				return err
 			}
-			if sub == "burst" {
-				z.Burst = n
-			} else {
-				z.Cost = n
+			err = checkIPv4Prefix(z.IPv4Prefix)
+		case "ipv6_prefix":
+			if z.IPv6Prefix, err = intArg[int](d); err != nil {
+				return err
 			}
-		case "ipv4_prefix", "ipv6_prefix":
-			n, err := intArg(d)
-			if err != nil {
-				return nil, err
-			}
-			bits := int64(32)
-			if sub == "ipv6_prefix" {
-				bits = 128
-			}
-			if n < 1 || n > bits {
-				return nil, d.Errf("invalid %s '%s': expected 1 to %d bits", sub, d.Val(), bits)
-			}
-			if sub == "ipv4_prefix" {
-				z.IPv4Prefix = int(n)
-			} else {
-				z.IPv6Prefix = int(n)
-			}
+			err = checkIPv6Prefix(z.IPv6Prefix)
 		case "dry_run":
-			if d.NextArg() {
-				return nil, d.ArgErr()
+			if err := flag(d, &z.DryRun); err != nil {
+				return err
 			}
-			z.DryRun = true
 		case "match":
 			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
 			if err != nil {
-				return nil, err
+				return err
 			}
 			z.MatcherSetsRaw = append(z.MatcherSetsRaw, set)
 		case "window":
 			if !d.AllArgs(&window) {
-				return nil, d.ArgErr()
+				return d.ArgErr()
 			}
 			if w, err := caddy.ParseDuration(window); err != nil || w <= 0 {
-				return nil, d.Errf("invalid window '%s': expected a positive duration such as 1m", window)
+				return d.Errf("invalid window '%s': expected a positive duration such as 1m", window)
 			}
 		case "events":
-			n, err := intArg(d)
+			n, err := intArg[int64](d)
 			if err != nil {
-				return nil, err
-			}
-			if n < 1 {
-				return nil, d.Errf("invalid events '%s': must be at least 1", d.Val())
+				return err
 			}
 			events = d.Val()
+			if err := checkMin("events", n, 1); err != nil {
+				return d.WrapErr(err)
+			}
 		default:
-			return nil, d.Errf("unrecognized zone subdirective '%s'", sub)
+			return d.Errf("unrecognized zone subdirective '%s'", sub)
+		}
+		if err != nil {
+			return d.WrapErr(err)
 		}
 	}
 
@@ -256,35 +251,45 @@ func unmarshalZone(d *caddyfile.Dispenser, name string) (*Zone, error) {
 	switch {
 	case window == "" && events == "":
 	case z.Rate != "":
-		return nil, d.Errf("zone %s: use either rate or window and events, not both", name)
+		return d.Errf("zone %s: use either rate or window and events, not both", name)
 	case window == "" || events == "":
-		return nil, d.Errf("zone %s: window and events go together", name)
+		return d.Errf("zone %s: window and events go together", name)
 	case z.Burst != 0:
-		return nil, d.Errf("zone %s: events is already the burst of window and events", name)
+		return d.Errf("zone %s: events is already the burst of window and events", name)
 	default:
 		z.Rate = events + "/" + window
 		z.Burst, _ = strconv.ParseInt(events, 10, 64)
 	}
 	if err := z.validate(); err != nil {
-		return nil, d.Errf("zone %s: %v", name, err)
+		return d.Errf("zone %s: %v", name, err)
 	}
-	return z, nil
+	h.Zones = append(h.Zones, z)
+	return nil
 }
 
-// intArg reads the subdirective's one argument as an integer.
-func intArg(d *caddyfile.Dispenser) (int64, error) {
+// intArg reads the subdirective's one argument as a whole number.
+func intArg[T ~int | ~int64](d *caddyfile.Dispenser) (T, error) {
 	sub := d.Val()
 	if !d.NextArg() {
 		return 0, d.ArgErr()
 	}
 	n, err := strconv.ParseInt(d.Val(), 10, 64)
-	if err != nil {
+	if err != nil || int64(T(n)) != n {
 		return 0, d.Errf("invalid %s '%s': expected a whole number", sub, d.Val())
 	}
 	if d.NextArg() {
 		return 0, d.ArgErr()
 	}
-	return n, nil
+	return T(n), nil
+}
+
+// flag reads a subdirective without arguments that turns v on.
+func flag(d *caddyfile.Dispenser, v *bool) error {
+	if d.NextArg() {
+		return d.ArgErr()
+	}
+	*v = true
+	return nil
 }
 
 // Interface guard

@@ -6,7 +6,8 @@ package ratelimit
 import (
 	"encoding/json"
 	"fmt"
-	"math"
+	"os"
+	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
@@ -493,7 +494,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		burst 0
 	}
 }`,
-			wantErr: "invalid burst '0': must be at least 1",
+			wantErr: "invalid burst 0: must be at least 1",
 			line:    4,
 		},
 		{
@@ -504,7 +505,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		burst -3
 	}
 }`,
-			wantErr: "invalid burst '-3': must be at least 1",
+			wantErr: "invalid burst -3: must be at least 1",
 			line:    4,
 		},
 		{
@@ -559,7 +560,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		cost 0
 	}
 }`,
-			wantErr: "invalid cost '0': must be at least 1",
+			wantErr: "invalid cost 0: must be at least 1",
 			line:    4,
 		},
 		{
@@ -593,7 +594,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		ipv4_prefix 0
 	}
 }`,
-			wantErr: "invalid ipv4_prefix '0': expected 1 to 32 bits",
+			wantErr: "invalid ipv4_prefix 0: must be 1 to 32",
 			line:    4,
 		},
 		{
@@ -604,7 +605,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		ipv4_prefix 33
 	}
 }`,
-			wantErr: "invalid ipv4_prefix '33': expected 1 to 32 bits",
+			wantErr: "invalid ipv4_prefix 33: must be 1 to 32",
 			line:    4,
 		},
 		{
@@ -615,7 +616,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		ipv4_prefix -8
 	}
 }`,
-			wantErr: "invalid ipv4_prefix '-8': expected 1 to 32 bits",
+			wantErr: "invalid ipv4_prefix -8: must be 1 to 32",
 			line:    4,
 		},
 		{
@@ -637,7 +638,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		ipv6_prefix 0
 	}
 }`,
-			wantErr: "invalid ipv6_prefix '0': expected 1 to 128 bits",
+			wantErr: "invalid ipv6_prefix 0: must be 1 to 128",
 			line:    4,
 		},
 		{
@@ -648,7 +649,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		ipv6_prefix 129
 	}
 }`,
-			wantErr: "invalid ipv6_prefix '129': expected 1 to 128 bits",
+			wantErr: "invalid ipv6_prefix 129: must be 1 to 128",
 			line:    4,
 		},
 		{
@@ -659,7 +660,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		ipv6_prefix -64
 	}
 }`,
-			wantErr: "invalid ipv6_prefix '-64': expected 1 to 128 bits",
+			wantErr: "invalid ipv6_prefix -64: must be 1 to 128",
 			line:    4,
 		},
 
@@ -806,7 +807,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		max_keys 0
 	}
 }`,
-			wantErr: "invalid max_keys '0': must be at least 1",
+			wantErr: "invalid max_keys 0: must be at least 1",
 			line:    3,
 		},
 		{
@@ -816,7 +817,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		max_keys -1
 	}
 }`,
-			wantErr: "invalid max_keys '-1': must be at least 1",
+			wantErr: "invalid max_keys -1: must be at least 1",
 			line:    3,
 		},
 		{
@@ -896,7 +897,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			input: `rate_limit {client_ip} 1r/s {
 	jitter -0.1
 }`,
-			wantErr: "invalid jitter '-0.1': expected a fraction between 0 and 1",
+			wantErr: "invalid jitter -0.1: must be between 0 and 1",
 			line:    2,
 		},
 		{
@@ -904,7 +905,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			input: `rate_limit {client_ip} 1r/s {
 	jitter 10
 }`,
-			wantErr: "invalid jitter '10': expected a fraction between 0 and 1",
+			wantErr: "invalid jitter 10: must be between 0 and 1",
 			line:    2,
 		},
 		{
@@ -912,7 +913,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			input: `rate_limit {client_ip} 1r/s {
 	jitter 10%
 }`,
-			wantErr: "invalid jitter '10%': expected a fraction between 0 and 1",
+			wantErr: "invalid jitter '10%': expected a fraction such as 0.1",
 			line:    2,
 		},
 		{
@@ -920,7 +921,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			input: `rate_limit {client_ip} 1r/s {
 	jitter NaN
 }`,
-			wantErr: "invalid jitter 'NaN': expected a fraction between 0 and 1",
+			wantErr: "invalid jitter NaN: must be between 0 and 1",
 			line:    2,
 		},
 		{
@@ -1115,7 +1116,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		events 0
 	}
 }`,
-			wantErr: "invalid events '0': must be at least 1",
+			wantErr: "invalid events 0: must be at least 1",
 			line:    4,
 		},
 		{
@@ -1231,19 +1232,19 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 		{
 			name:    "one-line zero burst",
 			input:   `rate_limit {client_ip} 1r/s 0`,
-			wantErr: "invalid burst '0': expected a whole number of at least 1",
+			wantErr: "invalid burst 0: must be at least 1",
 			line:    1,
 		},
 		{
 			name:    "one-line negative burst",
 			input:   `rate_limit {client_ip} 1r/s -1`,
-			wantErr: "invalid burst '-1': expected a whole number of at least 1",
+			wantErr: "invalid burst -1: must be at least 1",
 			line:    1,
 		},
 		{
 			name:    "one-line fractional burst",
 			input:   `rate_limit {client_ip} 1r/s 2.5`,
-			wantErr: "invalid burst '2.5': expected a whole number of at least 1",
+			wantErr: "invalid burst '2.5': expected a whole number",
 			line:    1,
 		},
 	} {
@@ -1263,454 +1264,40 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 	}
 }
 
-func TestValidate(t *testing.T) {
-	for _, tc := range []struct {
-		name    string
-		json    string
-		wantErr string // empty: valid
-	}{
-		{name: "minimal", json: `{"zones":[{"name":"a","rate":"1r/s"}]}`},
-		{
-			name: "every field",
-			json: `{"zones":[{"name":"api.v1_x-y","key":"{http.request.header.X-Api-Key}","rate":"100/10s","burst":200,"cost":200,` +
-				`"match":[{"path":["/api/*"]}],"ipv4_prefix":32,"ipv6_prefix":128}],` +
-				`"store":{"backend":"local","max_keys":10},"headers":"ietf","jitter":1,"log_key":true}`,
-		},
-		{name: "headers empty means both", json: `{"zones":[{"name":"a","rate":"1r/s"}],"headers":""}`},
-		{name: "no zones", json: `{}`, wantErr: "no zones"},
-		{name: "empty zones", json: `{"zones":[]}`, wantErr: "no zones"},
-		{name: "null zone", json: `{"zones":[null]}`, wantErr: "zone is null"},
-		{name: "missing name", json: `{"zones":[{"rate":"1r/s"}]}`, wantErr: "name is required"},
-		{name: "name with space", json: `{"zones":[{"name":"a b","rate":"1r/s"}]}`, wantErr: "zone a b: invalid name 'a b'"},
-		{name: "name with quote", json: `{"zones":[{"name":"a\"b","rate":"1r/s"}]}`, wantErr: `invalid name 'a"b'`},
-		{name: "name with non-ASCII letter", json: `{"zones":[{"name":"zoné","rate":"1r/s"}]}`, wantErr: "invalid name 'zoné'"},
-		{name: "missing rate", json: `{"zones":[{"name":"a"}]}`, wantErr: "zone a: rate is required"},
-		{name: "zero rate", json: `{"zones":[{"name":"a","rate":"0r/s"}]}`, wantErr: "zone a: invalid rate '0r/s': must be positive"},
-		{name: "negative rate", json: `{"zones":[{"name":"a","rate":"-1/1s"}]}`, wantErr: "zone a: invalid rate '-1/1s': must be positive"},
-		{name: "bad rate unit", json: `{"zones":[{"name":"a","rate":"10r/x"}]}`, wantErr: "zone a: invalid rate '10r/x': unknown unit 'x'"},
-		{name: "negative burst", json: `{"zones":[{"name":"a","rate":"1r/s","burst":-1}]}`, wantErr: "zone a: invalid burst -1: must be at least 1"},
-		{name: "negative cost", json: `{"zones":[{"name":"a","rate":"1r/s","cost":-2}]}`, wantErr: "zone a: invalid cost -2: must be at least 1"},
-		{name: "cost above burst", json: `{"zones":[{"name":"a","rate":"1r/s","burst":2,"cost":3}]}`, wantErr: "zone a: cost 3 exceeds burst 2"},
-		{name: "cost above default burst", json: `{"zones":[{"name":"a","rate":"2.5r/s","cost":4}]}`, wantErr: "zone a: cost 4 exceeds burst 3"},
-		{name: "ipv4_prefix 33", json: `{"zones":[{"name":"a","rate":"1r/s","ipv4_prefix":33}]}`, wantErr: "zone a: invalid ipv4_prefix 33"},
-		{name: "ipv4_prefix negative", json: `{"zones":[{"name":"a","rate":"1r/s","ipv4_prefix":-1}]}`, wantErr: "zone a: invalid ipv4_prefix -1"},
-		{name: "ipv6_prefix 129", json: `{"zones":[{"name":"a","rate":"1r/s","ipv6_prefix":129}]}`, wantErr: "zone a: invalid ipv6_prefix 129"},
-		{name: "ipv6_prefix negative", json: `{"zones":[{"name":"a","rate":"1r/s","ipv6_prefix":-64}]}`, wantErr: "zone a: invalid ipv6_prefix -64"},
-		{
-			name:    "refill beyond 100 years",
-			json:    `{"zones":[{"name":"a","rate":"1r/d","burst":40000}]}`,
-			wantErr: "zone a: burst 40000 at rate 1r/d takes more than 100 years to refill",
-		},
-		{
-			name:    "duplicate names",
-			json:    `{"zones":[{"name":"a","rate":"1r/s"},{"name":"b","rate":"1r/s"},{"name":"a","rate":"2r/s"}]}`,
-			wantErr: "duplicate zone name 'a'",
-		},
-		{name: "bad headers", json: `{"zones":[{"name":"a","rate":"1r/s"}],"headers":"all"}`, wantErr: "invalid headers 'all'"},
-		{name: "negative jitter", json: `{"zones":[{"name":"a","rate":"1r/s"}],"jitter":-0.1}`, wantErr: "invalid jitter -0.1"},
-		{name: "jitter above 1", json: `{"zones":[{"name":"a","rate":"1r/s"}],"jitter":1.5}`, wantErr: "invalid jitter 1.5"},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			var h Handler
-			dec := json.NewDecoder(strings.NewReader(tc.json))
-			dec.DisallowUnknownFields()
-			if err := dec.Decode(&h); err != nil {
-				t.Fatalf("decoding %s: %v", tc.json, err)
-			}
-			err := h.Validate()
-			switch {
-			case tc.wantErr == "" && err != nil:
-				t.Errorf("unexpected error: %v", err)
-			case tc.wantErr != "" && err == nil:
-				t.Errorf("expected error containing %q, got none", tc.wantErr)
-			case tc.wantErr != "" && !strings.Contains(err.Error(), tc.wantErr):
-				t.Errorf("error %q does not contain %q", err, tc.wantErr)
-			}
+// TestAdapt adapts each testdata/*.caddyfiletest file's Caddyfile (before
+// the ---------- line) and compares it with the JSON after it, as Caddy's
+// own caddyfile_adapt tests do. Adapter warnings fail the test.
+func TestAdapt(t *testing.T) {
+	files, err := filepath.Glob("testdata/*.caddyfiletest")
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no adapt tests: %v", err)
+	}
+	for _, f := range files {
+		t.Run(filepath.Base(f), func(t *testing.T) {
+			input, expected := readAdaptTest(t, f)
+			assertAdapt(t, input, expected)
 		})
 	}
 }
 
-// Validate must not fill in defaults: JSON users' configs stay as written
-// until Provision.
-func TestValidateChangesNothing(t *testing.T) {
-	in := `{"zones":[{"name":"a","rate":"1r/s"}]}`
-	var h Handler
-	if err := json.Unmarshal([]byte(in), &h); err != nil {
+// readAdaptTest splits a .caddyfiletest file into its Caddyfile and JSON.
+func readAdaptTest(t *testing.T, path string) (caddyfile, expected string) {
+	t.Helper()
+	data, err := os.ReadFile(path)
+	if err != nil {
 		t.Fatal(err)
 	}
-	if err := h.Validate(); err != nil {
-		t.Fatal(err)
+	in, out, ok := strings.Cut(string(data), "----------")
+	if !ok {
+		t.Fatalf("%s: no ---------- line", path)
 	}
-	if got := toJSON(t, &h); got != in {
-		t.Errorf("after Validate: %s, want %s", got, in)
-	}
-}
-
-func TestLocalStoreValidate(t *testing.T) {
-	for _, tc := range []struct {
-		maxKeys int64
-		wantErr string
-	}{
-		{maxKeys: 0},
-		{maxKeys: 1},
-		{maxKeys: -1, wantErr: "invalid max_keys -1: must be at least 1"},
-	} {
-		err := (&LocalStore{MaxKeys: tc.maxKeys}).Validate()
-		switch {
-		case tc.wantErr == "" && err != nil:
-			t.Errorf("max_keys %d: unexpected error: %v", tc.maxKeys, err)
-		case tc.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tc.wantErr)):
-			t.Errorf("max_keys %d: error %v, want one containing %q", tc.maxKeys, err, tc.wantErr)
-		}
-	}
-}
-
-func TestParseRate(t *testing.T) {
-	for _, tc := range []struct {
-		in         string
-		wantPerSec float64
-		wantN      float64
-		wantErr    string
-	}{
-		{in: "10r/s", wantPerSec: 10, wantN: 10},
-		{in: "10/s", wantPerSec: 10, wantN: 10},
-		{in: "0.5r/s", wantPerSec: 0.5, wantN: 0.5},
-		{in: "30r/m", wantPerSec: 0.5, wantN: 30},
-		{in: "3/m", wantPerSec: 0.05, wantN: 3},
-		{in: "3600r/h", wantPerSec: 1, wantN: 3600},
-		{in: "86400r/d", wantPerSec: 1, wantN: 86400},
-		{in: "100/10s", wantPerSec: 10, wantN: 100},
-		{in: "100r/10s", wantPerSec: 10, wantN: 100},
-		{in: "1/500ms", wantPerSec: 2, wantN: 1},
-		{in: "3r/1m30s", wantPerSec: 3.0 / 90, wantN: 3},
-		{in: "7/2d", wantPerSec: 7.0 / (2 * 86400), wantN: 7},
-		{in: "1e3r/s", wantPerSec: 1000, wantN: 1000},
-		{in: "abc", wantErr: "expected <n>r/s, <n>r/m, <n>r/h or <n>/<duration>"},
-		{in: "10", wantErr: "expected <n>r/s"},
-		{in: "", wantErr: "expected <n>r/s"},
-		{in: "r/s", wantErr: "'' is not a number"},
-		{in: "10rr/s", wantErr: "'10r' is not a number"},
-		{in: "ten/s", wantErr: "'ten' is not a number"},
-		{in: "NaN/s", wantErr: "'NaN' is not a number"},
-		{in: "Inf/s", wantErr: "'Inf' is not a number"},
-		{in: "1e999/s", wantErr: "'1e999' is not a number"},
-		{in: "0r/s", wantErr: "must be positive"},
-		{in: "-1r/s", wantErr: "must be positive"},
-		{in: "10r/x", wantErr: "unknown unit 'x'"},
-		{in: "10r/", wantErr: "unknown unit ''"},
-		{in: "10r/sec", wantErr: "unknown unit 'sec'"},
-		{in: "10/0s", wantErr: "interval '0s' must be positive"},
-		{in: "10/-1m", wantErr: "interval '-1m' must be positive"},
-	} {
-		perSec, n, err := parseRate(tc.in)
-		if tc.wantErr != "" {
-			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-				t.Errorf("parseRate(%q): error %v, want one containing %q", tc.in, err, tc.wantErr)
-			}
-			continue
-		}
-		if err != nil {
-			t.Errorf("parseRate(%q): unexpected error: %v", tc.in, err)
-			continue
-		}
-		if math.Abs(perSec-tc.wantPerSec) > 1e-12*tc.wantPerSec || n != tc.wantN {
-			t.Errorf("parseRate(%q) = %v/s, n=%v; want %v/s, n=%v", tc.in, perSec, n, tc.wantPerSec, tc.wantN)
-		}
-	}
-}
-
-func TestAdaptOneLine(t *testing.T) {
-	assertAdapt(t, `:8080 {
-	rate_limit {client_ip} 10r/s 20
-	respond "ok"
-}
-`, `{
-	"apps": {
-		"http": {
-			"servers": {
-				"srv0": {
-					"listen": [
-						":8080"
-					],
-					"routes": [
-						{
-							"handle": [
-								{
-									"handler": "rate_limit",
-									"zones": [
-										{
-											"burst": 20,
-											"key": "{http.vars.client_ip}",
-											"name": "default",
-											"rate": "10r/s"
-										}
-									]
-								},
-								{
-									"body": "ok",
-									"handler": "static_response"
-								}
-							]
-						}
-					]
-				}
-			}
-		}
-	}
-}`)
-}
-
-func TestAdaptZoneBlock(t *testing.T) {
-	assertAdapt(t, `:8080 {
-	rate_limit /api/* {
-		zone api {
-			key {http.request.header.X-Api-Key}
-			rate 100/10s
-			burst 200
-			cost 2
-			match {
-				method POST PUT
-				header Content-Type application/json
-			}
-			ipv4_prefix 24
-			ipv6_prefix 56
-		}
-		zone all {
-			rate 1r/s
-		}
-		headers ietf
-		jitter 0.1
-		log_key
-	}
-	respond "ok"
-}
-`, `{
-	"apps": {
-		"http": {
-			"servers": {
-				"srv0": {
-					"listen": [
-						":8080"
-					],
-					"routes": [
-						{
-							"match": [
-								{
-									"path": [
-										"/api/*"
-									]
-								}
-							],
-							"handle": [
-								{
-									"handler": "rate_limit",
-									"headers": "ietf",
-									"jitter": 0.1,
-									"log_key": true,
-									"zones": [
-										{
-											"burst": 200,
-											"cost": 2,
-											"ipv4_prefix": 24,
-											"ipv6_prefix": 56,
-											"key": "{http.request.header.X-Api-Key}",
-											"match": [
-												{
-													"header": {
-														"Content-Type": [
-															"application/json"
-														]
-													},
-													"method": [
-														"POST",
-														"PUT"
-													]
-												}
-											],
-											"name": "api",
-											"rate": "100/10s"
-										},
-										{
-											"name": "all",
-											"rate": "1r/s"
-										}
-									]
-								}
-							]
-						},
-						{
-							"handle": [
-								{
-									"body": "ok",
-									"handler": "static_response"
-								}
-							]
-						}
-					]
-				}
-			}
-		}
-	}
-}`)
-}
-
-func TestAdaptStoreLocal(t *testing.T) {
-	assertAdapt(t, `:8080 {
-	rate_limit {remote_host} 1r/s {
-		store local {
-			max_keys 1000
-		}
-	}
-	respond "ok"
-}
-`, `{
-	"apps": {
-		"http": {
-			"servers": {
-				"srv0": {
-					"listen": [
-						":8080"
-					],
-					"routes": [
-						{
-							"handle": [
-								{
-									"handler": "rate_limit",
-									"store": {
-										"backend": "local",
-										"max_keys": 1000
-									},
-									"zones": [
-										{
-											"key": "{http.request.remote.host}",
-											"name": "default",
-											"rate": "1r/s"
-										}
-									]
-								},
-								{
-									"body": "ok",
-									"handler": "static_response"
-								}
-							]
-						}
-					]
-				}
-			}
-		}
-	}
-}`)
-}
-
-func TestAdaptWindowEvents(t *testing.T) {
-	assertAdapt(t, `:8080 {
-	rate_limit {
-		zone legacy {
-			key {client_ip}
-			window 1m
-			events 100
-		}
-	}
-	respond "ok"
-}
-`, `{
-	"apps": {
-		"http": {
-			"servers": {
-				"srv0": {
-					"listen": [
-						":8080"
-					],
-					"routes": [
-						{
-							"handle": [
-								{
-									"handler": "rate_limit",
-									"zones": [
-										{
-											"burst": 100,
-											"key": "{http.vars.client_ip}",
-											"name": "legacy",
-											"rate": "100/1m"
-										}
-									]
-								},
-								{
-									"body": "ok",
-									"handler": "static_response"
-								}
-							]
-						}
-					]
-				}
-			}
-		}
-	}
-}`)
+	return strings.TrimSpace(in) + "\n", strings.TrimSpace(out)
 }
 
 // The directive is ordered before basic_auth without an `order` option,
 // so clients that fail authentication are limited too.
 func TestAdaptOrderBeforeBasicAuth(t *testing.T) {
-	const input = `:8080 {
-	basic_auth {
-		bob $2a$14$2TyltAD/4JMW4drgyrGwW.MKzBR58VTM3q.dzPnZyvHv.4R.ENzIC
-	}
-	rate_limit {client_ip} 5r/s
-	respond "ok"
-}
-`
-	assertAdapt(t, input, `{
-	"apps": {
-		"http": {
-			"servers": {
-				"srv0": {
-					"listen": [
-						":8080"
-					],
-					"routes": [
-						{
-							"handle": [
-								{
-									"handler": "rate_limit",
-									"zones": [
-										{
-											"key": "{http.vars.client_ip}",
-											"name": "default",
-											"rate": "5r/s"
-										}
-									]
-								},
-								{
-									"handler": "authentication",
-									"providers": {
-										"http_basic": {
-											"accounts": [
-												{
-													"password": "$2a$14$2TyltAD/4JMW4drgyrGwW.MKzBR58VTM3q.dzPnZyvHv.4R.ENzIC",
-													"username": "bob"
-												}
-											],
-											"hash": {
-												"algorithm": "bcrypt"
-											},
-											"hash_cache": {}
-										}
-									}
-								},
-								{
-									"body": "ok",
-									"handler": "static_response"
-								}
-							]
-						}
-					]
-				}
-			}
-		}
-	}
-}`)
-
+	input, _ := readAdaptTest(t, "testdata/order_before_basic_auth.caddyfiletest")
 	// The same, independent of the golden text's exact shape.
 	var cfg struct {
 		Apps struct {

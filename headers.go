@@ -19,8 +19,9 @@ const (
 	headersOff
 )
 
+// headerModes are the values of Handler.Headers. The empty string, not
+// in it, means both: the zero headerMode.
 var headerModes = map[string]headerMode{
-	"":       headersBoth,
 	"both":   headersBoth,
 	"legacy": headersLegacy,
 	"ietf":   headersIETF,

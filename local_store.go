@@ -6,7 +6,6 @@ package ratelimit
 import (
 	"context"
 	"errors"
-	"fmt"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -67,8 +66,8 @@ func (s *LocalStore) Provision(caddy.Context) error {
 
 // Validate checks the configuration.
 func (s *LocalStore) Validate() error {
-	if s.MaxKeys < 0 {
-		return fmt.Errorf("invalid max_keys %d: must be at least 1", s.MaxKeys)
+	if s.MaxKeys != 0 {
+		return checkMin("max_keys", s.MaxKeys, 1)
 	}
 	return nil
 }
@@ -158,12 +157,12 @@ func (s *LocalStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if s.MaxKeys != 0 {
 				return d.Err("max_keys already specified")
 			}
-			n, err := intArg(d)
+			n, err := intArg[int64](d)
 			if err != nil {
 				return err
 			}
-			if n < 1 {
-				return d.Errf("invalid max_keys '%s': must be at least 1", d.Val())
+			if err := checkMin("max_keys", n, 1); err != nil {
+				return d.WrapErr(err)
 			}
 			s.MaxKeys = n
 		default:

@@ -237,11 +237,46 @@ func (h *Handler) Validate() error {
 		}
 		names[z.Name] = true
 	}
-	if _, ok := headerModes[h.Headers]; !ok {
-		return fmt.Errorf("invalid headers '%s': expected both, legacy, ietf or off", h.Headers)
+	if h.Headers != "" {
+		if err := checkHeaderMode(h.Headers); err != nil {
+			return err
+		}
 	}
-	if h.Jitter < 0 || h.Jitter > 1 || math.IsNaN(h.Jitter) {
-		return fmt.Errorf("invalid jitter %v: must be between 0 and 1", h.Jitter)
+	return checkJitter(h.Jitter)
+}
+
+// The rules on configured values are each worded once, below and beside
+// the fields they check. Validate applies them to the whole config (JSON
+// users get them there), and the Caddyfile parsers to each subdirective
+// as they read it, so that an error names its line.
+
+func checkHeaderMode(s string) error {
+	if _, ok := headerModes[s]; !ok {
+		return fmt.Errorf("invalid headers '%s': expected both, legacy, ietf or off", s)
+	}
+	return nil
+}
+
+func checkJitter(f float64) error {
+	if f < 0 || f > 1 || math.IsNaN(f) {
+		return fmt.Errorf("invalid jitter %v: must be between 0 and 1", f)
+	}
+	return nil
+}
+
+// checkMin checks that the value of a whole-number field is at least lo.
+func checkMin[T ~int | ~int64](field string, n, lo T) error {
+	if n < lo {
+		return fmt.Errorf("invalid %s %d: must be at least %d", field, n, lo)
+	}
+	return nil
+}
+
+// checkRange checks that the value of a whole-number field is within
+// [lo, hi].
+func checkRange[T ~int | ~int64](field string, n, lo, hi T) error {
+	if n < lo || n > hi {
+		return fmt.Errorf("invalid %s %d: must be %d to %d", field, n, lo, hi)
 	}
 	return nil
 }

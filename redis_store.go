@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"crypto/tls"
@@ -273,22 +274,39 @@ func (s *RedisStore) Validate() error {
 		return errors.New("url replaces addresses, username, password, db and tls: use one or the other")
 	case s.Sentinel != "" && s.Cluster:
 		return errors.New("sentinel and cluster exclude each other")
-	case s.DB < 0:
-		return fmt.Errorf("invalid db %d", s.DB)
-	case s.Timeout < 0:
-		return fmt.Errorf("invalid timeout %v", time.Duration(s.Timeout))
-	case s.PoolSize < 0:
-		return fmt.Errorf("invalid pool_size %d", s.PoolSize)
 	}
 	for _, a := range s.Addresses {
 		if a == "" {
 			return errors.New("empty address")
 		}
 	}
-	switch s.FailMode {
-	case "", "local", "open", "closed":
-	default:
-		return fmt.Errorf("invalid fail_mode '%s': expected local, open or closed", s.FailMode)
+	if err := cmp.Or(checkDB(s.DB), checkPoolSize(s.PoolSize)); err != nil {
+		return err
+	}
+	if s.Timeout != 0 {
+		if err := checkTimeout(time.Duration(s.Timeout)); err != nil {
+			return err
+		}
+	}
+	if s.FailMode != "" {
+		return checkFailMode(s.FailMode)
+	}
+	return nil
+}
+
+func checkDB(n int) error       { return checkRange("db", n, 0, math.MaxInt32) }
+func checkPoolSize(n int) error { return checkRange("pool_size", n, 0, math.MaxInt32) }
+
+func checkTimeout(d time.Duration) error {
+	if d <= 0 {
+		return fmt.Errorf("invalid timeout %v: must be positive", d)
+	}
+	return nil
+}
+
+func checkFailMode(s string) error {
+	if _, ok := failModes[s]; !ok {
+		return fmt.Errorf("invalid fail_mode '%s': expected local, open or closed", s)
 	}
 	return nil
 }
@@ -529,10 +547,10 @@ func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			return d.Errf("store redis: %s already specified", sub)
 		}
 		seen[sub] = true
+		var err error
 		switch sub {
 		case "address":
-			s.Addresses = d.RemainingArgs()
-			if len(s.Addresses) == 0 {
+			if s.Addresses = d.RemainingArgs(); len(s.Addresses) == 0 {
 				return d.ArgErr()
 			}
 		case "url":
@@ -547,49 +565,35 @@ func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if !d.AllArgs(&s.Password) {
 				return d.ArgErr()
 			}
-		case "db", "pool_size":
-			n, err := intArg(d)
-			if err != nil {
+		case "db":
+			if s.DB, err = intArg[int](d); err != nil {
 				return err
 			}
-			if n < 0 || n > math.MaxInt32 {
-				return d.Errf("invalid %s '%s': must be 0 or more", sub, d.Val())
+			err = checkDB(s.DB)
+		case "pool_size":
+			if s.PoolSize, err = intArg[int](d); err != nil {
+				return err
 			}
-			if sub == "db" {
-				s.DB = int(n)
-			} else {
-				s.PoolSize = int(n)
-			}
+			err = checkPoolSize(s.PoolSize)
 		case "sentinel":
 			if !d.AllArgs(&s.Sentinel) {
 				return d.ArgErr()
 			}
-		case "cluster", "hash_keys", "disable_over_limit_cache":
-			if d.NextArg() {
-				return d.ArgErr()
+		case "cluster":
+			if err := flag(d, &s.Cluster); err != nil {
+				return err
 			}
-			switch sub {
-			case "cluster":
-				s.Cluster = true
-			case "hash_keys":
-				s.HashKeys = true
-			default:
-				s.DisableOverLimitCache = true
+		case "hash_keys":
+			if err := flag(d, &s.HashKeys); err != nil {
+				return err
+			}
+		case "disable_over_limit_cache":
+			if err := flag(d, &s.DisableOverLimitCache); err != nil {
+				return err
 			}
 		case "tls":
-			s.TLS = new(RedisTLS)
-			for d.NextArg() {
-				switch d.Val() {
-				case "insecure_skip_verify":
-					s.TLS.InsecureSkipVerify = true
-				case "ca":
-					if !d.NextArg() {
-						return d.Err("tls ca needs a file")
-					}
-					s.TLS.CA = d.Val()
-				default:
-					return d.Errf("unrecognized tls option '%s': expected insecure_skip_verify or ca <file>", d.Val())
-				}
+			if err := s.unmarshalTLS(d); err != nil {
+				return err
 			}
 		case "key_prefix":
 			if !d.AllArgs(&s.KeyPrefix) {
@@ -600,24 +604,44 @@ func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if !d.AllArgs(&v) {
 				return d.ArgErr()
 			}
-			t, err := caddy.ParseDuration(v)
-			if err != nil || t <= 0 {
-				return d.Errf("invalid timeout '%s': expected a positive duration such as 100ms", v)
+			t, perr := caddy.ParseDuration(v)
+			if perr != nil {
+				return d.Errf("invalid timeout '%s': expected a duration such as 100ms", v)
 			}
-			s.Timeout = caddy.Duration(t)
+			s.Timeout, err = caddy.Duration(t), checkTimeout(t)
 		case "fail_mode":
 			if !d.AllArgs(&s.FailMode) {
 				return d.ArgErr()
 			}
-			if _, ok := failModes[s.FailMode]; !ok {
-				return d.Errf("invalid fail_mode '%s': expected local, open or closed", s.FailMode)
-			}
+			err = checkFailMode(s.FailMode)
 		default:
 			return d.Errf("unrecognized store redis subdirective '%s'", sub)
+		}
+		if err != nil {
+			return d.WrapErr(err)
 		}
 	}
 	if err := s.Validate(); err != nil {
 		return d.Errf("store redis: %v", err)
+	}
+	return nil
+}
+
+// unmarshalTLS reads `tls [insecure_skip_verify] [ca <file>]`.
+func (s *RedisStore) unmarshalTLS(d *caddyfile.Dispenser) error {
+	s.TLS = new(RedisTLS)
+	for d.NextArg() {
+		switch d.Val() {
+		case "insecure_skip_verify":
+			s.TLS.InsecureSkipVerify = true
+		case "ca":
+			if !d.NextArg() {
+				return d.Err("tls ca needs a file")
+			}
+			s.TLS.CA = d.Val()
+		default:
+			return d.Errf("unrecognized tls option '%s': expected insecure_skip_verify or ca <file>", d.Val())
+		}
 	}
 	return nil
 }

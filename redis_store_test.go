@@ -487,29 +487,6 @@ func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
 	}
 }
 
-// Clients that go away cancel their requests' contexts: that says nothing
-// of Redis, and must not open the circuit breaker.
-func TestRedisCancelledRequestsKeepBreakerClosed(t *testing.T) {
-	r := startRedis(t)
-	h := newTestHandler(t, redisConfig(r.addr(), "cancel", "1r/m", 100, ""))
-	rs := h.store.(*RedisStore)
-	for range 2 * tripAfter {
-		ctx, cancel := context.WithCancel(context.Background())
-		cancel()
-		reqs := []request{{zone: h.Zones[0], key: bucketKey{s: "gone"}}}
-		if _, err := rs.take(ctx, time.Now(), reqs); err == nil {
-			t.Fatal("a cancelled request reached a decision")
-		}
-	}
-	if rs.client.breaker.openUntil.Load() != 0 {
-		t.Fatal("cancelled requests opened the circuit breaker")
-	}
-	serve(h, "192.0.2.60")
-	if r.cli("EXISTS", "t:cancel:{192.0.2.60}") != "1" {
-		t.Fatal("the next request was not decided by Redis")
-	}
-}
-
 // The store talks TLS to a Redis that only speaks TLS, trusting the CA
 // it is given, and refuses a server its CA did not sign.
 func TestRedisTLS(t *testing.T) {

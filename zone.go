@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
 	"math"
@@ -117,35 +118,23 @@ func (z *Zone) parseLimit() (limit, error) {
 	}
 	perSec, n, err := parseRate(z.Rate)
 	if err != nil {
-		return limit{}, fmt.Errorf("invalid rate '%s': %w", z.Rate, err)
+		return limit{}, err
 	}
-	if perSec > maxRate {
-		return limit{}, fmt.Errorf("invalid rate '%s': at most %.0fr/s", z.Rate, maxRate)
-	}
-	burst := z.Burst
-	switch {
-	case burst < 0:
-		return limit{}, fmt.Errorf("invalid burst %d: must be at least 1", burst)
-	case burst == 0 && n > float64(maxBurstTime):
-		return limit{}, fmt.Errorf("invalid rate '%s': %g is too large a default burst", z.Rate, n)
-	case burst == 0:
+	burst, cost := z.Burst, z.Cost
+	if burst == 0 {
+		if n > float64(maxBurstTime) {
+			return limit{}, fmt.Errorf("invalid rate '%s': %g is too large a default burst", z.Rate, n)
+		}
 		burst = int64(math.Ceil(n))
 	}
-	cost := z.Cost
-	switch {
-	case cost < 0:
-		return limit{}, fmt.Errorf("invalid cost %d: must be at least 1", cost)
-	case cost == 0:
+	if cost == 0 {
 		cost = 1
+	}
+	if err := cmp.Or(checkMin("burst", burst, 1), checkMin("cost", cost, 1), z.checkPrefixes()); err != nil {
+		return limit{}, err
 	}
 	if cost > burst {
 		return limit{}, fmt.Errorf("cost %d exceeds burst %d: no request could ever pass", cost, burst)
-	}
-	if z.IPv4Prefix < 0 || z.IPv4Prefix > 32 {
-		return limit{}, fmt.Errorf("invalid ipv4_prefix %d: must be 1 to 32", z.IPv4Prefix)
-	}
-	if z.IPv6Prefix < 0 || z.IPv6Prefix > 128 {
-		return limit{}, fmt.Errorf("invalid ipv6_prefix %d: must be 1 to 128", z.IPv6Prefix)
 	}
 	if float64(burst)/perSec > maxBurstTime.Seconds() {
 		return limit{}, fmt.Errorf("burst %d at rate %s takes more than 100 years to refill", burst, z.Rate)
@@ -153,9 +142,36 @@ func (z *Zone) parseLimit() (limit, error) {
 	return newLimit(perSec, burst), nil
 }
 
+// checkPrefixes checks the IP prefix lengths that are set.
+func (z *Zone) checkPrefixes() error {
+	if z.IPv4Prefix != 0 {
+		if err := checkIPv4Prefix(z.IPv4Prefix); err != nil {
+			return err
+		}
+	}
+	if z.IPv6Prefix != 0 {
+		return checkIPv6Prefix(z.IPv6Prefix)
+	}
+	return nil
+}
+
+func checkIPv4Prefix(bits int) error { return checkRange("ipv4_prefix", bits, 1, 32) }
+func checkIPv6Prefix(bits int) error { return checkRange("ipv6_prefix", bits, 1, 128) }
+
 // parseRate reads `<n>r/<unit>` or `<n>[r]/<duration>` and returns the
 // rate in tokens per second and n.
 func parseRate(s string) (perSec, n float64, err error) {
+	perSec, n, err = parseRateNumbers(s)
+	if err == nil && perSec > maxRate {
+		err = fmt.Errorf("at most %.0fr/s", maxRate)
+	}
+	if err != nil {
+		return 0, 0, fmt.Errorf("invalid rate '%s': %w", s, err)
+	}
+	return perSec, n, nil
+}
+
+func parseRateNumbers(s string) (perSec, n float64, err error) {
 	num, per, ok := strings.Cut(s, "/")
 	if !ok {
 		return 0, 0, errors.New("expected <n>r/s, <n>r/m, <n>r/h or <n>/<duration> such as 100/10s")

@@ -1,0 +1,141 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/netip"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddytest"
+)
+
+// The admin API's view of a bucket, and its reset, through the store.
+func TestAdminBucket(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"admin-unit","rate":"1r/m","burst":3}]}`)
+	for range 3 {
+		serve(h, "2001:db8:1::5")
+	}
+	z := h.Zones[0]
+	q := request{zone: z, key: z.keyFor("2001:db8:1::77")} // the same /64
+	if err := h.store.peek(context.Background(), nowForTest(), &q); err != nil {
+		t.Fatal(err)
+	}
+	if tokens := z.limit.tokens(q.debt); tokens > 0.1 {
+		t.Fatalf("tokens %v, want about 0", tokens)
+	}
+	if q.key.ip != netip.MustParsePrefix("2001:db8:1::/64") {
+		t.Fatalf("bucket %v", q.key)
+	}
+	if err := h.reset(context.Background(), &q); err != nil {
+		t.Fatal(err)
+	}
+	if code, hdr := serve(h, "2001:db8:1::5"); code != http.StatusOK || hdr.Get("X-Ratelimit-Remaining") != "2" {
+		t.Fatalf("after reset: %d, remaining %s", code, hdr.Get("X-Ratelimit-Remaining"))
+	}
+}
+
+// adminDo sends a request to the admin API and decodes its JSON answer.
+func adminDo(t *testing.T, tester *caddytest.Tester, method, path string, wantStatus int) map[string]any {
+	t.Helper()
+	req, _ := http.NewRequest(method, "http://localhost:2999"+path, nil)
+	resp, err := tester.Client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var v map[string]any
+	body, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != wantStatus {
+		t.Fatalf("%s %s: %d %s, want %d", method, path, resp.StatusCode, body, wantStatus)
+	}
+	if err := json.Unmarshal(body, &v); err != nil {
+		t.Fatalf("%s %s: %v: %s", method, path, err, body)
+	}
+	return v
+}
+
+func TestAdminAPI(t *testing.T) {
+	r := startRedis(t)
+	tester := startCaddy(t, opsGlobal, opsSites("a", r.addr(), "ok"))
+
+	list := adminDo(t, tester, "GET", "/rate_limit/", 200)
+	names := []string{}
+	for _, z := range list["zones"].([]any) {
+		if name := z.(map[string]any)["name"].(string); strings.HasPrefix(name, "a_") {
+			names = append(names, name)
+		}
+	}
+	if got := strings.Join(names, " "); got != "a_dry a_local a_quiet a_redis" {
+		t.Fatalf("zones %s", got)
+	}
+
+	for _, tc := range []struct{ zone, path, store string }{
+		{"a_local", "/local", "local"},
+		{"a_redis", "/redis", "redis"},
+	} {
+		t.Run(tc.store, func(t *testing.T) {
+			z := adminDo(t, tester, "GET", "/rate_limit/"+tc.zone, 200)
+			if z["store"] != tc.store || z["rate"] != "1r/m" || z["burst"] != 2.0 {
+				t.Fatalf("zone %v", z)
+			}
+
+			// A skewed load: one client floods, two others ask twice.
+			for _, ip := range []string{"2001:db8:7::1", "10.9.2.1", "10.9.2.2"} {
+				get(t, tester, tc.path, 200, "ok", from(ip)...)
+				get(t, tester, tc.path, 200, "ok", from(ip)...)
+			}
+			for range 5 {
+				get(t, tester, tc.path, 429, "", from("2001:db8:7::1")...)
+			}
+			get(t, tester, tc.path, 429, "", from("10.9.2.1")...)
+
+			// The bucket of a key in the flooder's /64, path-escaped.
+			b := adminDo(t, tester, "GET", "/rate_limit/"+tc.zone+"/2001:db8:7::99", 200)
+			if b["bucket"] != "2001:db8:7::/64" || b["tokens"].(float64) > 0.1 || b["full_in"].(float64) < 119 {
+				t.Fatalf("bucket %v", b)
+			}
+			b = adminDo(t, tester, "GET", "/rate_limit/"+tc.zone+"/2001%3Adb8%3A7%3A%3A%2F64", 200)
+			if b["bucket"] != "2001:db8:7::/64" {
+				t.Fatalf("escaped key: bucket %v", b)
+			}
+
+			top := adminDo(t, tester, "GET", "/rate_limit/"+tc.zone+"/top", 200)
+			items := top["top"].([]any)
+			first := items[0].(map[string]any)
+			if len(items) != 2 || first["key"] != "2001:db8:7::/64" || first["denials"] != 5.0 {
+				t.Fatalf("top %v", top)
+			}
+
+			// Reset: the flooder is served again, with a full bucket.
+			b = adminDo(t, tester, "DELETE", "/rate_limit/"+tc.zone+"/2001:db8:7::1", 200)
+			if b["tokens"] != 2.0 || b["full_in"] != 0.0 {
+				t.Fatalf("after reset: %v", b)
+			}
+			get(t, tester, tc.path, 200, "ok", from("2001:db8:7::1")...)
+
+			// Errors are JSON, with the right status.
+			e := adminDo(t, tester, "GET", "/rate_limit/nope/1.2.3.4", 404)
+			if !strings.Contains(fmt.Sprint(e["error"]), `unknown zone "nope"`) {
+				t.Fatalf("unknown zone: %v", e)
+			}
+			adminDo(t, tester, "POST", "/rate_limit/"+tc.zone+"/1.2.3.4", 405)
+			adminDo(t, tester, "DELETE", "/rate_limit/"+tc.zone+"/top", 405)
+		})
+	}
+
+	// The Redis store's bucket is unreadable while Redis is down.
+	r.kill()
+	start := time.Now()
+	e := adminDo(t, tester, "GET", "/rate_limit/a_redis/10.9.2.1", 502)
+	if !strings.Contains(fmt.Sprint(e["error"]), "reading the bucket") || time.Since(start) > 2*time.Second {
+		t.Fatalf("redis down: %v after %v", e, time.Since(start))
+	}
+}

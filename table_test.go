@@ -1,0 +1,164 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"math"
+	"net/netip"
+	"runtime"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+func key(s string) bucketKey { return bucketKey{s: s} }
+
+func newTestCharge(tab *table, l limit, k string, now time.Time) charge {
+	return charge{l: l, cost: l.costTime(1), t: tab, h: tab.hash(key(k)), now: tab.instant(now)}
+}
+
+func TestTakeAllIsAllOrNothing(t *testing.T) {
+	a := newTable(100, t0)
+	b := newTable(100, t0)
+	la := newLimit(10, 5)
+	lb := newLimit(10, 1)
+
+	cs := []charge{newTestCharge(a, la, "k", t0), newTestCharge(b, lb, "k", t0)}
+	if ok := takeAll(cs); !ok {
+		t.Fatal("first request denied")
+	}
+	// b is empty now: the second request must be denied and spend
+	// nothing in a.
+	cs = []charge{newTestCharge(a, la, "k", t0), newTestCharge(b, lb, "k", t0)}
+	if ok := takeAll(cs); ok {
+		t.Fatal("second request allowed past an empty bucket")
+	}
+	for _, c := range cs {
+		if c.t == a && (!c.ok || la.tokens(c.debt) != 4) {
+			t.Fatalf("zone a: ok = %v, remaining %v, want true, 4", c.ok, la.tokens(c.debt))
+		}
+		if c.t == b && c.ok {
+			t.Fatal("zone b allowed")
+		}
+	}
+	if got := la.tokens(la.debt(a.shard(a.hash(key("k"))).get(a.hash(key("k"))), 0)); got != 4 {
+		t.Fatalf("zone a holds %v tokens, want 4: the denied request spent some", got)
+	}
+}
+
+// Requests that take two tables in opposite orders must not deadlock,
+// and every allowed request must be charged to both.
+func TestTakeAllConcurrentNoDeadlock(t *testing.T) {
+	a := newTable(1000, t0)
+	b := newTable(1000, t0)
+	l := newLimit(1, 1_000_000)
+	var wg sync.WaitGroup
+	var allowed atomic.Int64
+	for g := range 8 {
+		wg.Go(func() {
+			for range 2000 {
+				cs := []charge{newTestCharge(a, l, "k", t0), newTestCharge(b, l, "k", t0)}
+				if g%2 == 1 {
+					cs[0], cs[1] = cs[1], cs[0]
+				}
+				if ok := takeAll(cs); ok {
+					allowed.Add(1)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	for _, tab := range []*table{a, b} {
+		h := tab.hash(key("k"))
+		if got := l.tokens(l.debt(tab.shard(h).get(h), 0)); math.Round(got) != float64(1_000_000-allowed.Load()) {
+			t.Fatalf("bucket holds %v, want %d", got, 1_000_000-allowed.Load())
+		}
+	}
+}
+
+func TestTableDropsFullBucketsFirst(t *testing.T) {
+	tab := newTable(10, t0) // one shard of 10
+	l := newLimit(10, 1)    // a bucket is full again 100ms after its request
+	for i := range 10 {
+		cs := []charge{newTestCharge(tab, l, string(rune('a'+i)), t0)}
+		takeAll(cs)
+	}
+	if n := tab.len(); n != 10 {
+		t.Fatalf("tracked %d keys, want 10", n)
+	}
+	// At t2 all ten are full again: making room drops them, evicts none.
+	cs := []charge{newTestCharge(tab, l, "new", t2)}
+	takeAll(cs)
+	if n := tab.evictions.Load(); n != 0 {
+		t.Fatalf("evicted %d buckets that were full", n)
+	}
+	if n := tab.len(); n != 1 {
+		t.Fatalf("tracked %d keys after the sweep, want 1", n)
+	}
+}
+
+func TestTableNeverGrowsPastMaxKeys(t *testing.T) {
+	const maxKeys = 64 * 64 * 2 // sharded
+	tab := newTable(maxKeys, t0)
+	l := newLimit(1.0/3600, 10) // nothing refills during the test
+	for i := range 5 * maxKeys {
+		cs := []charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}), now: time.Duration(i)}}
+		takeAll(cs)
+		if i%1000 == 0 {
+			if n := tab.len(); n > maxKeys {
+				t.Fatalf("after %d keys: tracking %d, more than %d", i, n, maxKeys)
+			}
+		}
+	}
+	if n := tab.len(); n > maxKeys || n < maxKeys*9/10 {
+		t.Fatalf("tracking %d keys, want close to and at most %d", n, maxKeys)
+	}
+	if evicted := tab.evictions.Load(); evicted != uint64(5*maxKeys-tab.len()) {
+		t.Fatalf("evicted %d, want one per key beyond the %d tracked", evicted, tab.len())
+	}
+}
+
+func TestBucketKeyHash(t *testing.T) {
+	tab := newTable(10, t0)
+	a := bucketKey{ip: netip.MustParsePrefix("2001:db8::/64")}
+	b := bucketKey{ip: netip.MustParsePrefix("2001:db8::/64")}
+	c := bucketKey{ip: netip.MustParsePrefix("2001:db8:0:1::/64")}
+	if tab.hash(a) != tab.hash(b) || tab.hash(a) == tab.hash(c) {
+		t.Fatal("IP prefixes hash wrong")
+	}
+	long := make([]byte, 1<<20)
+	if tab.hash(key(string(long))) == tab.hash(key(string(long[1:]))) {
+		t.Fatal("long keys collide")
+	}
+}
+
+// Memory per tracked key, as the README states it. The figure is logged
+// with -v; the test fails only if it is far off the 128-byte target.
+func TestMemoryPerKey(t *testing.T) {
+	if testing.Short() {
+		t.Skip("allocates 1M keys")
+	}
+	const n = 1_000_000
+	var before, after runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&before)
+	tab := newTable(2*n, t0) // room for all: no evictions
+	l := newLimit(1, 10)
+	for i := range n {
+		k := bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
+		takeAll([]charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(k), now: 0}})
+	}
+	runtime.GC()
+	runtime.ReadMemStats(&after)
+	if tab.len() != n {
+		t.Fatalf("tracking %d keys, want %d", tab.len(), n)
+	}
+	per := float64(after.HeapAlloc-before.HeapAlloc) / n
+	t.Logf("%.1f bytes per tracked IPv4 key (1M keys)", per)
+	if per > 128 {
+		t.Fatalf("%.1f bytes per key, more than 128", per)
+	}
+	runtime.KeepAlive(tab)
+}

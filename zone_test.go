@@ -1,0 +1,148 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"encoding/json"
+	"math"
+	"strings"
+	"testing"
+)
+
+func TestValidate(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		json    string
+		wantErr string // empty: valid
+	}{
+		{name: "minimal", json: `{"zones":[{"name":"a","rate":"1r/s"}]}`},
+		{
+			name: "every field",
+			json: `{"zones":[{"name":"api.v1_x-y","key":"{http.request.header.X-Api-Key}","rate":"100/10s","burst":200,"cost":200,` +
+				`"match":[{"path":["/api/*"]}],"ipv4_prefix":32,"ipv6_prefix":128}],` +
+				`"store":{"backend":"local","max_keys":10},"headers":"ietf","jitter":1,"log_key":true}`,
+		},
+		{name: "headers empty means both", json: `{"zones":[{"name":"a","rate":"1r/s"}],"headers":""}`},
+		{name: "no zones", json: `{}`, wantErr: "no zones"},
+		{name: "empty zones", json: `{"zones":[]}`, wantErr: "no zones"},
+		{name: "null zone", json: `{"zones":[null]}`, wantErr: "zone is null"},
+		{name: "missing name", json: `{"zones":[{"rate":"1r/s"}]}`, wantErr: "name is required"},
+		{name: "name with space", json: `{"zones":[{"name":"a b","rate":"1r/s"}]}`, wantErr: "zone a b: invalid name 'a b'"},
+		{name: "name with quote", json: `{"zones":[{"name":"a\"b","rate":"1r/s"}]}`, wantErr: `invalid name 'a"b'`},
+		{name: "name with non-ASCII letter", json: `{"zones":[{"name":"zoné","rate":"1r/s"}]}`, wantErr: "invalid name 'zoné'"},
+		{name: "missing rate", json: `{"zones":[{"name":"a"}]}`, wantErr: "zone a: rate is required"},
+		{name: "zero rate", json: `{"zones":[{"name":"a","rate":"0r/s"}]}`, wantErr: "zone a: invalid rate '0r/s': must be positive"},
+		{name: "negative rate", json: `{"zones":[{"name":"a","rate":"-1/1s"}]}`, wantErr: "zone a: invalid rate '-1/1s': must be positive"},
+		{name: "bad rate unit", json: `{"zones":[{"name":"a","rate":"10r/x"}]}`, wantErr: "zone a: invalid rate '10r/x': unknown unit 'x'"},
+		{name: "negative burst", json: `{"zones":[{"name":"a","rate":"1r/s","burst":-1}]}`, wantErr: "zone a: invalid burst -1: must be at least 1"},
+		{name: "negative cost", json: `{"zones":[{"name":"a","rate":"1r/s","cost":-2}]}`, wantErr: "zone a: invalid cost -2: must be at least 1"},
+		{name: "cost above burst", json: `{"zones":[{"name":"a","rate":"1r/s","burst":2,"cost":3}]}`, wantErr: "zone a: cost 3 exceeds burst 2"},
+		{name: "cost above default burst", json: `{"zones":[{"name":"a","rate":"2.5r/s","cost":4}]}`, wantErr: "zone a: cost 4 exceeds burst 3"},
+		{name: "ipv4_prefix 33", json: `{"zones":[{"name":"a","rate":"1r/s","ipv4_prefix":33}]}`, wantErr: "zone a: invalid ipv4_prefix 33"},
+		{name: "ipv4_prefix negative", json: `{"zones":[{"name":"a","rate":"1r/s","ipv4_prefix":-1}]}`, wantErr: "zone a: invalid ipv4_prefix -1"},
+		{name: "ipv6_prefix 129", json: `{"zones":[{"name":"a","rate":"1r/s","ipv6_prefix":129}]}`, wantErr: "zone a: invalid ipv6_prefix 129"},
+		{name: "ipv6_prefix negative", json: `{"zones":[{"name":"a","rate":"1r/s","ipv6_prefix":-64}]}`, wantErr: "zone a: invalid ipv6_prefix -64"},
+		{
+			name:    "refill beyond 100 years",
+			json:    `{"zones":[{"name":"a","rate":"1r/d","burst":40000}]}`,
+			wantErr: "zone a: burst 40000 at rate 1r/d takes more than 100 years to refill",
+		},
+		{
+			name:    "duplicate names",
+			json:    `{"zones":[{"name":"a","rate":"1r/s"},{"name":"b","rate":"1r/s"},{"name":"a","rate":"2r/s"}]}`,
+			wantErr: "duplicate zone name 'a'",
+		},
+		{name: "bad headers", json: `{"zones":[{"name":"a","rate":"1r/s"}],"headers":"all"}`, wantErr: "invalid headers 'all'"},
+		{name: "negative jitter", json: `{"zones":[{"name":"a","rate":"1r/s"}],"jitter":-0.1}`, wantErr: "invalid jitter -0.1"},
+		{name: "jitter above 1", json: `{"zones":[{"name":"a","rate":"1r/s"}],"jitter":1.5}`, wantErr: "invalid jitter 1.5"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var h Handler
+			dec := json.NewDecoder(strings.NewReader(tc.json))
+			dec.DisallowUnknownFields()
+			if err := dec.Decode(&h); err != nil {
+				t.Fatalf("decoding %s: %v", tc.json, err)
+			}
+			err := h.Validate()
+			switch {
+			case tc.wantErr == "" && err != nil:
+				t.Errorf("unexpected error: %v", err)
+			case tc.wantErr != "" && err == nil:
+				t.Errorf("expected error containing %q, got none", tc.wantErr)
+			case tc.wantErr != "" && !strings.Contains(err.Error(), tc.wantErr):
+				t.Errorf("error %q does not contain %q", err, tc.wantErr)
+			}
+		})
+	}
+}
+
+// Validate must not fill in defaults: JSON users' configs stay as written
+// until Provision.
+func TestValidateChangesNothing(t *testing.T) {
+	in := `{"zones":[{"name":"a","rate":"1r/s"}]}`
+	var h Handler
+	if err := json.Unmarshal([]byte(in), &h); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if got := toJSON(t, &h); got != in {
+		t.Errorf("after Validate: %s, want %s", got, in)
+	}
+}
+
+func TestParseRate(t *testing.T) {
+	for _, tc := range []struct {
+		in         string
+		wantPerSec float64
+		wantN      float64
+		wantErr    string
+	}{
+		{in: "10r/s", wantPerSec: 10, wantN: 10},
+		{in: "10/s", wantPerSec: 10, wantN: 10},
+		{in: "0.5r/s", wantPerSec: 0.5, wantN: 0.5},
+		{in: "30r/m", wantPerSec: 0.5, wantN: 30},
+		{in: "3/m", wantPerSec: 0.05, wantN: 3},
+		{in: "3600r/h", wantPerSec: 1, wantN: 3600},
+		{in: "86400r/d", wantPerSec: 1, wantN: 86400},
+		{in: "100/10s", wantPerSec: 10, wantN: 100},
+		{in: "100r/10s", wantPerSec: 10, wantN: 100},
+		{in: "1/500ms", wantPerSec: 2, wantN: 1},
+		{in: "3r/1m30s", wantPerSec: 3.0 / 90, wantN: 3},
+		{in: "7/2d", wantPerSec: 7.0 / (2 * 86400), wantN: 7},
+		{in: "1e3r/s", wantPerSec: 1000, wantN: 1000},
+		{in: "abc", wantErr: "expected <n>r/s, <n>r/m, <n>r/h or <n>/<duration>"},
+		{in: "10", wantErr: "expected <n>r/s"},
+		{in: "", wantErr: "expected <n>r/s"},
+		{in: "r/s", wantErr: "'' is not a number"},
+		{in: "10rr/s", wantErr: "'10r' is not a number"},
+		{in: "ten/s", wantErr: "'ten' is not a number"},
+		{in: "NaN/s", wantErr: "'NaN' is not a number"},
+		{in: "Inf/s", wantErr: "'Inf' is not a number"},
+		{in: "1e999/s", wantErr: "'1e999' is not a number"},
+		{in: "0r/s", wantErr: "must be positive"},
+		{in: "-1r/s", wantErr: "must be positive"},
+		{in: "10r/x", wantErr: "unknown unit 'x'"},
+		{in: "10r/", wantErr: "unknown unit ''"},
+		{in: "10r/sec", wantErr: "unknown unit 'sec'"},
+		{in: "10/0s", wantErr: "interval '0s' must be positive"},
+		{in: "10/-1m", wantErr: "interval '-1m' must be positive"},
+	} {
+		perSec, n, err := parseRate(tc.in)
+		if tc.wantErr != "" {
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("parseRate(%q): error %v, want one containing %q", tc.in, err, tc.wantErr)
+			}
+			continue
+		}
+		if err != nil {
+			t.Errorf("parseRate(%q): unexpected error: %v", tc.in, err)
+			continue
+		}
+		if math.Abs(perSec-tc.wantPerSec) > 1e-12*tc.wantPerSec || n != tc.wantN {
+			t.Errorf("parseRate(%q) = %v/s, n=%v; want %v/s, n=%v", tc.in, perSec, n, tc.wantPerSec, tc.wantN)
+		}
+	}
+}
