@@ -10,7 +10,6 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
-	"slices"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -18,18 +17,16 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
-	"github.com/go-redis/redis_rate/v10"
-	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
-	"golang.org/x/time/rate"
 )
 
-// Benchmarks of one decision, side by side with a map of
-// golang.org/x/time/rate limiters under one mutex (what a Go service
-// would write by hand), on one hot key and on a million keys:
+// Benchmarks of one decision, on one hot key and on a million keys. Their
+// counterparts for other limiters (a map of golang.org/x/time/rate
+// limiters, what a Go service would write by hand; go-redis/redis_rate on
+// Redis) are in bench/compare, so that those limiters stay out of this
+// module:
 //
-//	go test -run '^$' -bench 'Decision' -benchmem -count 6 | tee new.txt
-//	benchstat new.txt
+//	go test -run '^$' -bench 'Decision|ServeHTTP|Clock|RedisStore' -benchmem -count 6
 
 const manyKeys = 1 << 20
 
@@ -41,32 +38,6 @@ var ipKeys = sync.OnceValue(func() []bucketKey {
 	}
 	return keys
 })
-
-// ipStrings are the same keys as strings, for the x/time/rate map.
-var ipStrings = sync.OnceValue(func() []string {
-	keys := make([]string, manyKeys)
-	for i, k := range ipKeys() {
-		keys[i] = k.String()
-	}
-	return keys
-})
-
-// xrateMap is the hand-written alternative: one limiter per key.
-type xrateMap struct {
-	mu sync.Mutex
-	m  map[string]*rate.Limiter
-}
-
-func (x *xrateMap) allow(key string, now time.Time) bool {
-	x.mu.Lock()
-	l, ok := x.m[key]
-	if !ok {
-		l = rate.NewLimiter(1e9, 1e9) // never limits: measures the cost only
-		x.m[key] = l
-	}
-	x.mu.Unlock()
-	return l.AllowN(now, 1)
-}
 
 func BenchmarkDecision(b *testing.B) {
 	for _, keys := range []int{1, manyKeys} {
@@ -86,14 +57,6 @@ func BenchmarkDecision(b *testing.B) {
 					takeAll(cs[:])
 				}
 				runDecisions(b, parallel, keys, decide)
-			})
-			b.Run("xrate-map/"+name, func(b *testing.B) {
-				x := &xrateMap{m: make(map[string]*rate.Limiter)}
-				ks := ipStrings()[:keys]
-				for _, k := range ks {
-					x.allow(k, time.Now())
-				}
-				runDecisions(b, parallel, keys, func(i int, now time.Time) { x.allow(ks[i], now) })
 			})
 		}
 	}
@@ -172,74 +135,24 @@ func (w *headerSink) Header() http.Header         { return w.h }
 func (w *headerSink) Write(p []byte) (int, error) { return len(p), nil }
 func (w *headerSink) WriteHeader(int)             {}
 
-// BenchmarkRedis compares one decision through the Redis store with
-// github.com/go-redis/redis_rate/v10's Allow on the same Redis, with 1, 16
-// and 64 concurrent callers on random keys that never run out. Both are
-// exact (one atomic script per decision). It reports decisions/s and the
-// callers' p50/p99 latency.
-//
-//	go test -run '^$' -bench Redis -count 6
-func BenchmarkRedis(b *testing.B) {
+// BenchmarkRedisStore is one decision through the Redis store, one caller
+// at a time, on keys that never run out: its latency and allocations. The
+// comparison with redis_rate at 1 to 64 callers is in bench/compare.
+func BenchmarkRedisStore(b *testing.B) {
 	r := startRedis(b)
-	for _, callers := range []int{1, 16, 64} {
-		b.Run(fmt.Sprintf("tokenbucket/callers=%d", callers), func(b *testing.B) {
-			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rb","rate":"1000000r/s"}],
-				"store":{"backend":"redis","addresses":[%q],"pool_size":%d,"timeout":"1s"}}`, r.addr(), callers))
-			z := h.Zones[0]
-			runConcurrent(b, callers, func(key string) error {
-				reqs := [1]request{{zone: z, key: bucketKey{s: key}}}
-				_, err := h.store.take(context.Background(), time.Now(), reqs[:])
-				return err
-			})
-		})
-		b.Run(fmt.Sprintf("redis_rate/callers=%d", callers), func(b *testing.B) {
-			c := redis.NewClient(&redis.Options{Addr: r.addr(), PoolSize: callers})
-			defer c.Close()
-			lim := redis_rate.NewLimiter(c)
-			limit := redis_rate.Limit{Rate: 1000000, Burst: 1000000, Period: time.Second}
-			runConcurrent(b, callers, func(key string) error {
-				_, err := lim.Allow(context.Background(), key, limit)
-				return err
-			})
-		})
-	}
-}
-
-// runConcurrent runs b.N calls of decide spread over callers goroutines
-// and reports throughput and latency percentiles.
-func runConcurrent(b *testing.B, callers int, decide func(key string) error) {
-	keys := make([]string, 10000)
+	h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rb","rate":"1000000r/s"}],
+		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, r.addr()))
+	keys := make([]bucketKey, 10000)
 	for i := range keys {
-		keys[i] = "k" + strconv.Itoa(i)
+		keys[i] = bucketKey{s: "k" + strconv.Itoa(i)}
 	}
 	b.ReportAllocs()
-	b.ResetTimer()
-	lat := make([][]time.Duration, callers)
-	var next atomic.Int64
-	var wg sync.WaitGroup
-	start := time.Now()
-	for c := range callers {
-		wg.Go(func() {
-			for {
-				i := next.Add(1)
-				if i > int64(b.N) {
-					return
-				}
-				t := time.Now()
-				if err := decide(keys[i%int64(len(keys))]); err != nil {
-					b.Error(err)
-					return
-				}
-				lat[c] = append(lat[c], time.Since(t))
-			}
-		})
+	i := 0
+	for b.Loop() {
+		reqs := [1]request{{zone: h.Zones[0], key: keys[i%len(keys)]}}
+		if _, err := h.store.take(context.Background(), time.Now(), reqs[:]); err != nil {
+			b.Fatal(err)
+		}
+		i++
 	}
-	wg.Wait()
-	elapsed := time.Since(start)
-	b.StopTimer()
-	all := slices.Concat(lat...)
-	slices.Sort(all)
-	b.ReportMetric(float64(b.N)/elapsed.Seconds(), "decisions/s")
-	b.ReportMetric(all[len(all)/2].Seconds()*1e6, "p50-µs")
-	b.ReportMetric(all[len(all)*99/100].Seconds()*1e6, "p99-µs")
 }

@@ -100,7 +100,10 @@ type RedisStore struct {
 	// Ask Redis about every request. By default, once Redis has found a
 	// bucket empty this instance denies the bucket's requests by itself
 	// until tokens can have come back, which is exact (tokens only arrive
-	// at the zone's rate) and spares Redis most of a flood.
+	// at the zone's rate) and spares Redis most of a flood; but a bucket
+	// reset through another instance's admin API is seen here only when
+	// the cached entry runs out. Set this where such resets must take
+	// effect everywhere at once.
 	DisableOverLimitCache bool `json:"disable_over_limit_cache,omitempty"`
 
 	client      *redisClient
