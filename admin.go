@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"net/http"
+	"net/netip"
 	"net/url"
 	"slices"
 	"strings"
@@ -31,7 +32,9 @@ func init() {
 //	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full
 //
 // Keys are path-escaped (an IPv6 network's "/" as %2F). A key is taken as
-// a request's key would be: an IP address finds its network's bucket.
+// a request's key would be: an IP address finds its network's bucket, and
+// so does the network itself in CIDR notation. A DELETE of a bucket that
+// is full already answers 404.
 type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -211,12 +214,16 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if err != nil || key == "" {
 		return apiError(http.StatusBadRequest, "bad key in path: %q", keyEsc)
 	}
-	q := request{zone: ref.z, key: ref.z.keyFor(key)}
+	q := request{zone: ref.z, key: ref.z.adminKey(key)}
 	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 	defer cancel()
 	if method == http.MethodDelete {
-		if err := ref.h.reset(ctx, &q); err != nil {
+		found, err := ref.h.reset(ctx, &q)
+		if err != nil {
 			return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
+		}
+		if !found {
+			return apiError(http.StatusNotFound, "nothing to reset: key %q has a full bucket in zone %q", key, name)
 		}
 	}
 	if err := ref.h.store.peek(ctx, time.Now(), &q); err != nil {
@@ -234,14 +241,24 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 }
 
 // reset fills a bucket again, in the store and in the local buckets that
-// decide while the store fails.
-func (h *Handler) reset(ctx context.Context, q *request) error {
+// decide while the store fails. It reports whether either was not full.
+func (h *Handler) reset(ctx context.Context, q *request) (bool, error) {
+	var inFallback bool
 	if h.fallback != nil {
-		if err := h.fallback.reset(ctx, q); err != nil {
-			return err
-		}
+		inFallback, _ = h.fallback.reset(ctx, q)
 	}
-	return h.store.reset(ctx, q)
+	found, err := h.store.reset(ctx, q)
+	return found || inFallback, err
+}
+
+// adminKey is the bucket that a key in an admin path names: what a
+// request's key would name, and for a network in CIDR notation, as the
+// API prints them (2001:db8::/64), the bucket of its first address.
+func (z *Zone) adminKey(s string) bucketKey {
+	if p, err := netip.ParsePrefix(s); err == nil {
+		return z.keyFor(p.Addr().String())
+	}
+	return z.keyFor(s)
 }
 
 func apiError(status int, format string, args ...any) error {

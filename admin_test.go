@@ -34,11 +34,15 @@ func TestAdminBucket(t *testing.T) {
 	if q.key.ip != netip.MustParsePrefix("2001:db8:1::/64") {
 		t.Fatalf("bucket %v", q.key)
 	}
-	if err := h.reset(context.Background(), &q); err != nil {
-		t.Fatal(err)
+	if found, err := h.reset(context.Background(), &q); err != nil || !found {
+		t.Fatalf("reset: found %t, %v; want true, nil", found, err)
 	}
 	if code, hdr := serve(h, "2001:db8:1::5"); code != http.StatusOK || hdr.Get("X-Ratelimit-Remaining") != "2" {
 		t.Fatalf("after reset: %d, remaining %s", code, hdr.Get("X-Ratelimit-Remaining"))
+	}
+	// A full bucket has nothing to reset.
+	if found, err := h.reset(context.Background(), &request{zone: z, key: z.keyFor("192.0.2.200")}); err != nil || found {
+		t.Fatalf("reset of a full bucket: found %t, %v; want false, nil", found, err)
 	}
 }
 

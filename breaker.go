@@ -9,11 +9,17 @@ import (
 )
 
 // breaker stops a store from waiting on a Redis that is down: after
-// tripAfter failures in a row it opens, and requests are decided by
+// tripAfter outages in a row it opens, and requests are decided by
 // fail_mode at once. Once the backoff has passed, one request at a time
 // probes Redis; the first success closes it.
+//
+// A call that allow lets through is either an ordinary call (the breaker
+// is closed) or the probe. Every way out of a call reports to the
+// breaker: success, outage, or done (the call ended without saying
+// anything of Redis: the client went away, or the error was the key's).
+// A probe that is not reported would leave the breaker open for good.
 type breaker struct {
-	failures  atomic.Int32
+	failures  atomic.Int32 // outages in a row, while closed
 	openUntil atomic.Int64 // monotonic nanoseconds; 0 while closed
 	backoff   atomic.Int64
 	probing   atomic.Bool
@@ -28,42 +34,66 @@ const (
 // processStart anchors the breaker's monotonic instants.
 var processStart = time.Now()
 
-func (b *breaker) allow(now time.Time) bool {
+// allow reports whether a call may go to Redis, and whether that call is
+// the probe of an open breaker.
+func (b *breaker) allow(now time.Time) (ok, probe bool) {
 	until := b.openUntil.Load()
 	if until == 0 {
-		return true
+		return true, false
 	}
 	if int64(now.Sub(processStart)) < until {
-		return false
+		return false, false
 	}
-	return b.probing.CompareAndSwap(false, true)
+	if b.probing.CompareAndSwap(false, true) {
+		return true, true
+	}
+	return false, false
 }
 
-// success reports whether it closed an open breaker.
-func (b *breaker) success() bool {
+// success records that Redis answered. It reports whether that closed
+// the breaker.
+func (b *breaker) success(probe bool) bool {
 	b.failures.Store(0)
 	if b.openUntil.Load() == 0 {
 		return false
 	}
+	closed := b.openUntil.Swap(0) != 0
 	b.backoff.Store(0)
-	b.probing.Store(false)
-	return b.openUntil.Swap(0) != 0
+	if probe || closed {
+		b.probing.Store(false)
+	}
+	return closed
 }
 
-// failure reports whether it opened the breaker.
-func (b *breaker) failure(now time.Time) bool {
+// outage records that Redis did not answer, or answered that it cannot
+// serve. It reports whether that opened the breaker.
+func (b *breaker) outage(now time.Time, probe bool) bool {
 	mono := int64(now.Sub(processStart))
 	if b.openUntil.Load() != 0 {
-		// A probe failed: wait longer before the next.
-		d := min(2*b.backoff.Load(), int64(maxBackoff))
-		b.backoff.Store(d)
-		b.openUntil.Store(mono + d)
-		b.probing.Store(false)
-		return false
+		if probe {
+			// The probe failed: wait longer before the next.
+			d := min(max(2*b.backoff.Load(), int64(minBackoff)), int64(maxBackoff))
+			b.backoff.Store(d)
+			b.openUntil.Store(mono + d)
+			b.probing.Store(false)
+		}
+		return false // else a call from before the breaker opened
 	}
+	b.done(probe)
 	if b.failures.Add(1) < tripAfter {
 		return false
 	}
 	b.backoff.Store(int64(minBackoff))
 	return b.openUntil.CompareAndSwap(0, mono+int64(minBackoff))
 }
+
+// done ends a call that says nothing of Redis's health: a probe's turn
+// passes to the next request.
+func (b *breaker) done(probe bool) {
+	if probe {
+		b.probing.Store(false)
+	}
+}
+
+// open reports whether the breaker is open.
+func (b *breaker) open() bool { return b.openUntil.Load() != 0 }

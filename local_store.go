@@ -136,9 +136,9 @@ func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
 	return nil
 }
 
-func (s *LocalStore) reset(_ context.Context, q *request) error {
-	s.tables[q.zone.index].forget(q.key)
-	return nil
+func (s *LocalStore) reset(_ context.Context, q *request) (bool, error) {
+	t := s.tables[q.zone.index]
+	return t.forget(q.key) > t.instant(time.Now()), nil
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:

@@ -178,9 +178,11 @@ func TestMetricsEndpoint(t *testing.T) {
 	wantMetric(t, m, `caddy_rate_limit_circuit_open`, base[`caddy_rate_limit_circuit_open`]+1)
 	r.start()
 
-	// A reload keeps the counters, and the metrics still show.
+	// A reload keeps the counters and the buckets (10.9.1.9 has one of
+	// its two tokens left), and the metrics still show.
 	reload(t, tester, opsGlobal, opsSites("m", r.addr(), "reloaded"))
-	get(t, tester, "/local", 429, "", from("10.9.0.1")...)
+	get(t, tester, "/local", 200, "reloaded", from("10.9.1.9")...)
+	get(t, tester, "/local", 429, "", from("10.9.1.9")...)
 	m = scrape(t, tester)
 	wantMetric(t, m, `caddy_rate_limit_requests_total{result="denied",zone="m_local"}`, 2)
 	wantMetric(t, m, `caddy_rate_limit_requests_total{result="allowed",zone="m_redis"}`, 4)

@@ -97,9 +97,11 @@ type Handler struct {
 	states      []string     // names of the zone states acquired
 	metered     []*zoneState // zone states this handler exports
 	registered  bool         // in the admin API's registry
-	// writeDenials: the server has no error routes (handle_errors), so
-	// denials are written as Caddy would write them, not returned.
-	writeDenials bool
+	// writeRefusals: the server has no error routes (handle_errors), so
+	// 429s and fail_mode closed's 503s are written as Caddy would write
+	// them, not returned: Caddy would log each 503 at ERROR, with the
+	// request's headers.
+	writeRefusals bool
 }
 
 // CaddyModule returns the Caddy module information.
@@ -180,7 +182,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	// error with the bare status: writing it here is the same response,
 	// without the cost of Caddy's error handling on every denial.
 	if srv, ok := ctx.Value(caddyhttp.ServerCtxKey).(*caddyhttp.Server); ok {
-		h.writeDenials = srv.Errors == nil || len(srv.Errors.Routes) == 0
+		h.writeRefusals = srv.Errors == nil || len(srv.Errors.Routes) == 0
 	}
 	// Events go to subscribers of a configured events app.
 	if app, err := ctx.AppIfConfigured("events"); err == nil {
@@ -195,7 +197,8 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 }
 
 // Cleanup releases what Provision acquired; it copes with a partial
-// Provision and runs once.
+// Provision and runs once. Caddy calls it while the config's last
+// requests may still run: it changes nothing that a request reads.
 func (h *Handler) Cleanup() error {
 	if h.registered {
 		unregisterHandler(h)
@@ -213,8 +216,9 @@ func (h *Handler) Cleanup() error {
 	}
 	h.states = nil
 	if h.fallback != nil {
+		// Requests of this config may still be running: they keep the
+		// fallback, whose tables work on when they leave the pool.
 		errs = append(errs, h.fallback.Cleanup())
-		h.fallback = nil
 	}
 	return errors.Join(errs...)
 }
@@ -309,6 +313,10 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		err = h.deny(w, r, sc.top)
 	case outcomeFailClosed:
 		w.Header()["Retry-After"] = []string{"1"}
+		if h.writeRefusals {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			err = nil
+		}
 	}
 	sc.reqs, sc.retry, sc.top = sc.reqs[:0], sc.retry[:0], nil
 	h.scratch.Put(sc)
@@ -403,8 +411,14 @@ func verdict(allowed bool) outcome {
 	return outcomeDeny
 }
 
-// count adds a request's outcome to its zones' counters.
+// count adds a request's outcome to its zones' counters. A request that
+// the store failed on is counted as a store error (by take), and as what
+// fail_mode decided when that was a decision: allowed by open, allowed or
+// denied by the local buckets; closed refuses without deciding.
 func (h *Handler) count(reqs []request, out outcome) {
+	if out == outcomeFailClosed || out == outcomeFailed {
+		return
+	}
 	allowed := out == outcomeAllow || out == outcomeFailOpen
 	for i := range reqs {
 		q := &reqs[i]
@@ -446,7 +460,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, q *request) error
 			"remote_ip": clientIP(r),
 		})
 	}
-	if h.writeDenials {
+	if h.writeRefusals {
 		w.WriteHeader(http.StatusTooManyRequests)
 		return nil
 	}

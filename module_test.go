@@ -118,17 +118,22 @@ func TestServeHTTPDirect(t *testing.T) {
 		t.Errorf("Ratelimit %q with headers legacy", got)
 	}
 
-	// Another key has its own bucket; no key, no limit and no headers.
+	// Another key has its own bucket.
 	if _, _, _, err := serve("bob"); err != nil {
 		t.Errorf("other key: %v", err)
 	}
-	for range 5 {
-		rr, _, called, err := serve("")
-		if err != nil || !called {
-			t.Fatalf("empty key: err %v, next called %t", err, called)
+	// No X-Key: zone direct_key does not apply; direct_defaults does, by
+	// the connection's peer, as no client_ip is set (whose bucket of 3 the
+	// requests above have used).
+	for range 3 {
+		rr, repl, _, err := serve("")
+		if got := rr.Header().Get("X-Ratelimit-Limit"); got != "3" {
+			t.Fatalf("empty key: X-Ratelimit-Limit %q, want 3: only zone direct_defaults applies", got)
 		}
-		if len(rr.Header()) != 0 {
-			t.Fatalf("empty key: headers %v, want none", rr.Header())
+		if err != nil {
+			if name, _ := repl.GetString("http.rate_limit.exceeded.name"); name != "direct_defaults" {
+				t.Fatalf("empty key: %v, denied by %q, want direct_defaults", err, name)
+			}
 		}
 	}
 

@@ -17,6 +17,9 @@ import (
 	"math"
 	"os"
 	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -108,11 +111,15 @@ type RedisStore struct {
 
 	client      *redisClient
 	poolKey     string
+	released    bool          // Cleanup gave the client back
 	callTimeout time.Duration // Timeout, or its default
 	zones       []*Zone
 	prefixes    []string // per zone: KeyPrefix + name + ":{"
 	shapes      [][2]any // per zone: the script's burst time and cost time, in µs, boxed once
 	cache       []*table // per zone: over-limit cache; nil when disabled
+	flights     *flights // calls in flight for the buckets in cache
+	keyErrors   *logEvery // errors that Redis answered for one call's keys
+	repairs     *logEvery // keys of another type that the script overwrote
 	logger      *zap.Logger
 
 	// testClock, when set, replaces Redis's clock, so that tests can
@@ -164,6 +171,20 @@ type redisClient struct {
 // Destruct closes the client when no config uses it any more.
 func (c *redisClient) Destruct() error { return c.Close() }
 
+// makeRedisClient makes a client. go-redis panics on some options it
+// refuses; the pool entry being made must not be left locked by a panic,
+// so that becomes an error.
+func makeRedisClient(opts *redis.UniversalOptions) (c *redisClient, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			c, err = nil, fmt.Errorf("redis client: %v", r)
+		}
+	}()
+	uc := redis.NewUniversalClient(opts)
+	_, cluster := uc.(*redis.ClusterClient)
+	return &redisClient{UniversalClient: uc, cluster: cluster}, nil
+}
+
 // Provision expands placeholders, sets defaults and gets the client.
 // It does no network I/O: Caddy starts while Redis is down.
 func (s *RedisStore) Provision(ctx caddy.Context) error {
@@ -211,9 +232,7 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 		Timeout, PoolSize int64
 	}{s.Addresses, s.URL, s.Username, s.Password, s.DB, s.Sentinel, s.Cluster, s.TLS, int64(s.callTimeout), int64(s.PoolSize)})
 	v, _, err := redisClients.LoadOrNew(string(key), func() (caddy.Destructor, error) {
-		c := redis.NewUniversalClient(opts)
-		_, cluster := c.(*redis.ClusterClient)
-		return &redisClient{UniversalClient: c, cluster: cluster}, nil
+		return makeRedisClient(opts)
 	})
 	if err != nil {
 		return err
@@ -283,6 +302,9 @@ func (s *RedisStore) Validate() error {
 			return errors.New("empty address")
 		}
 	}
+	if strings.ContainsAny(s.KeyPrefix, "{}") {
+		return fmt.Errorf("invalid key_prefix '%s': '{' and '}' would change the cluster hash tag of the keys", s.KeyPrefix)
+	}
 	if err := cmp.Or(checkDB(s.DB), checkPoolSize(s.PoolSize)); err != nil {
 		return err
 	}
@@ -298,7 +320,11 @@ func (s *RedisStore) Validate() error {
 }
 
 func checkDB(n int) error       { return checkRange("db", n, 0, math.MaxInt32) }
-func checkPoolSize(n int) error { return checkRange("pool_size", n, 0, math.MaxInt32) }
+func checkPoolSize(n int) error { return checkRange("pool_size", n, 0, maxPoolSize) }
+
+// maxPoolSize bounds pool_size far above any real need (the default is
+// 10 per CPU), and within what go-redis accepts.
+const maxPoolSize = 100_000
 
 func checkTimeout(d time.Duration) error {
 	if d <= 0 {
@@ -315,19 +341,24 @@ func checkFailMode(s string) error {
 }
 
 // Cleanup releases the client, which closes when no config uses it.
+// Requests of this config may still be running: they keep the client,
+// and a closed one gives them an error that fail_mode decides.
 func (s *RedisStore) Cleanup() error {
-	if s.client == nil {
+	if s.client == nil || s.released {
 		return nil
 	}
-	s.client = nil
+	s.released = true
 	_, err := redisClients.Delete(s.poolKey)
 	return err
 }
 
 func (s *RedisStore) bind(zones []*Zone) error {
 	s.zones = zones
+	s.flights = &flights{m: make(map[flightKey]chan struct{})}
+	s.keyErrors, s.repairs = new(logEvery), new(logEvery)
 	for _, z := range zones {
-		s.prefixes = append(s.prefixes, s.KeyPrefix+z.Name+":{")
+		// A `{` in a zone name would start the hash tag early.
+		s.prefixes = append(s.prefixes, s.KeyPrefix+escapeTag(z.Name, "%{}")+":{")
 		s.shapes = append(s.shapes, [2]any{micros(z.limit.burstTime), micros(z.costTime)})
 		if !s.DisableOverLimitCache {
 			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
@@ -342,33 +373,88 @@ func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
 var errRedisDown = errors.New("redis is unavailable")
 
 func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (bool, error) {
-	if s.cache != nil && s.denyFromCache(now, reqs) {
-		return false, nil
+	if s.cache != nil {
+		var land func()
+		var denied bool
+		if now, land, denied = s.fromCache(ctx, now, reqs); denied {
+			return false, nil
+		}
+		if land != nil {
+			defer land()
+		}
+		if err := ctx.Err(); err != nil {
+			return false, err
+		}
 	}
 	b := &s.client.breaker
-	if !b.allow(now) {
+	ok, probe := b.allow(now)
+	if !ok {
 		return false, errRedisDown
 	}
 	call, cancel := context.WithTimeout(ctx, s.callTimeout)
-	defer cancel()
 	allowed, err := s.decide(call, reqs)
-	if err != nil {
-		if ctx.Err() != nil {
-			return false, err // the client went away: not Redis's failure
+	cancel()
+	switch kind := classify(err); {
+	case err == nil || kind == errAnswered:
+		if b.success(probe) {
+			s.logger.Info("redis store available again")
 		}
-		if b.failure(time.Now()) {
+		if err != nil {
+			s.keyErrors.log(s.logger, "redis refused one decision: fail_mode decides that request", err)
+			return false, err
+		}
+	case ctx.Err() != nil || kind == errClosed:
+		// The client went away, or a reload closed this config's
+		// connections: nothing is known of Redis.
+		b.done(probe)
+		return false, err
+	default:
+		if b.outage(time.Now(), probe) {
 			s.logger.Error("redis store unavailable: deciding by fail_mode until it answers again",
 				zap.String("fail_mode", s.FailMode), zap.Error(err))
 		}
 		return false, err
 	}
-	if b.success() {
-		s.logger.Info("redis store available again")
-	}
 	if s.cache != nil {
 		s.remember(now, reqs)
 	}
 	return allowed, nil
+}
+
+// The kinds of error a call to Redis can end with.
+const (
+	errOutage   = iota // Redis is unreachable, slow, or cannot serve
+	errAnswered        // Redis answered, with an error about this call's keys
+	errClosed          // the client was closed under the call
+)
+
+// outageReplies are the error replies that say Redis cannot serve at all:
+// loading, failing over, read-only after a failover, out of memory, or
+// refusing this client's credentials. Any other error reply belongs to
+// the keys of one call (a wrong type, a slot error) and says that Redis
+// is up.
+var outageReplies = []string{
+	"LOADING", "MASTERDOWN", "READONLY", "CLUSTERDOWN", "TRYAGAIN", "BUSY", "NOREPLICAS",
+	"OOM", "NOAUTH", "WRONGPASS", "NOPERM", "MISCONF",
+}
+
+// classify says what kind of failure err is.
+func classify(err error) int {
+	if errors.Is(err, redis.ErrClosed) {
+		return errClosed
+	}
+	if errors.Is(err, errBadReply) {
+		return errAnswered
+	}
+	if reply, ok := errors.AsType[redis.Error](err); ok {
+		for _, prefix := range outageReplies {
+			if redis.HasErrorPrefix(reply, prefix) {
+				return errOutage
+			}
+		}
+		return errAnswered
+	}
+	return errOutage // dial errors, timeouts, resets, pool timeouts
 }
 
 // decide asks Redis. Zones whose keys share a hash tag go in one atomic
@@ -411,13 +497,14 @@ func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
 // reset deletes the bucket's key, and what this instance's over-limit
 // cache knew of it. Other instances' caches learn it when their entry
 // runs out; until then they may still deny that key.
-func (s *RedisStore) reset(ctx context.Context, q *request) error {
+func (s *RedisStore) reset(ctx context.Context, q *request) (bool, error) {
 	if s.cache != nil {
 		s.cache[q.zone.index].forget(q.key)
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
-	return s.client.Del(ctx, s.redisKey(q)).Err()
+	n, err := s.client.Del(ctx, s.redisKey(q)).Result()
+	return n > 0, err
 }
 
 // oneTag reports whether all requests share one hash tag, so one slot.
@@ -448,15 +535,20 @@ func (s *RedisStore) run(ctx context.Context, mode string, reqs []request) (bool
 	if err != nil {
 		return false, err
 	}
-	if len(v) != len(reqs)+1 {
-		return false, fmt.Errorf("redis script: %d replies for %d keys", len(v)-1, len(reqs))
+	switch len(v) - len(reqs) {
+	case 1:
+	case 2:
+		s.repairs.log(s.logger, "redis store: keys under key_prefix held another type: overwritten",
+			fmt.Errorf("%v in zone %s", v[len(v)-1], reqs[0].zone.Name))
+	default:
+		return false, fmt.Errorf("%w: %d replies for %d keys", errBadReply, len(v)-1, len(reqs))
 	}
 	allowed, _ := v[0].(int64)
 	for i := range reqs {
 		str, _ := v[i+1].(string)
 		us, err := strconv.ParseFloat(str, 64)
 		if err != nil {
-			return false, fmt.Errorf("redis script: bad reply %q", v[i+1])
+			return false, fmt.Errorf("%w: %q", errBadReply, v[i+1])
 		}
 		q := &reqs[i]
 		q.debt = time.Duration(math.Round(us * 1000))
@@ -468,31 +560,95 @@ func (s *RedisStore) run(ctx context.Context, mode string, reqs []request) (bool
 // micros converts a duration to the script's microseconds.
 func micros(d time.Duration) float64 { return float64(d) / 1000 }
 
+// errBadReply is a script reply this store cannot read: Redis answered,
+// so it says nothing of Redis's health.
+var errBadReply = errors.New("redis script: bad reply")
+
 // redisKey is `<key_prefix><zone>:{<key>}`, the key hashed if so asked.
+// The key is the cluster hash tag: escaped so that no key, whatever its
+// bytes, ends the tag early (a `}`) and so moves its bucket to another
+// slot than its request's other zones.
 func (s *RedisStore) redisKey(q *request) string {
 	k := q.key.String()
 	if s.HashKeys || len(k) > hashKeysLongerThan {
 		sum := sha256.Sum256([]byte(k))
 		k = hex.EncodeToString(sum[:16])
 	}
-	return s.prefixes[q.zone.index] + k + "}"
+	return s.prefixes[q.zone.index] + escapeTag(k, "%}") + "}"
 }
 
-// denyFromCache denies the request without asking Redis when one of its
+// escapeTag percent-escapes the bytes of chars (which hold '%') in s, so
+// that the escaped strings of distinct s differ. The empty string, which
+// would make an empty hash tag (and so no tag at all), becomes "%", which
+// no other string escapes to.
+func escapeTag(s, chars string) string {
+	if s == "" {
+		return "%"
+	}
+	if !strings.ContainsAny(s, chars) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; strings.IndexByte(chars, c) >= 0 {
+			fmt.Fprintf(&b, "%%%02X", c)
+		} else {
+			b.WriteByte(c)
+		}
+	}
+	return b.String()
+}
+
+// fromCache denies the request without asking Redis when one of its
 // buckets is known to lack the tokens. When Redis last answered for a
 // bucket at local instant t with debt d, the bucket cannot be fuller than
 // a bucket full at t+d: tokens only come back at the zone's rate, and
 // other instances only take them.
-func (s *RedisStore) denyFromCache(now time.Time, reqs []request) bool {
+//
+// Only buckets that Redis last found short are in the cache. When such a
+// bucket's instant passes, the first request to notice asks Redis, and
+// the requests for the same bucket that arrive meanwhile wait for that
+// answer and look again, rather than all asking at once: an attacker's
+// concurrency does not multiply the calls to Redis. fromCache returns the
+// instant to ask Redis at, the leader's land (to call when its answer is
+// in), and whether the request is denied.
+func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []request) (time.Time, func(), bool) {
+	for waited := false; ; waited = true {
+		contended := -1
+		for i := range reqs {
+			q := &reqs[i]
+			t := s.cache[q.zone.index]
+			fullAt, n := t.get(q.key), t.instant(now)
+			if fullAt != 0 && contended < 0 {
+				contended = i
+			}
+			l := q.zone.limit
+			_, q.ok = l.take(fullAt, n, q.zone.costTime)
+			q.debt = l.debt(fullAt, n)
+		}
+		if denied := s.cacheDenied(reqs); denied || contended < 0 || waited {
+			return now, nil, denied
+		}
+		q := &reqs[contended]
+		f, land := s.flights.join(flightKey{q.zone.index, s.cache[q.zone.index].hash(q.key)})
+		if land != nil {
+			return now, land, false
+		}
+		select {
+		case <-f:
+		case <-ctx.Done():
+			return now, nil, false
+		}
+		now = time.Now()
+	}
+}
+
+// cacheDenied counts the zones that the cache refused, and reports
+// whether there was one.
+func (s *RedisStore) cacheDenied(reqs []request) bool {
 	denied := false
 	for i := range reqs {
-		q := &reqs[i]
-		t := s.cache[q.zone.index]
-		fullAt, n := t.get(q.key), t.instant(now)
-		l := q.zone.limit
-		_, q.ok = l.take(fullAt, n, q.zone.costTime)
-		q.debt = l.debt(fullAt, n)
-		if !q.ok {
+		if q := &reqs[i]; !q.ok {
 			q.zone.state.cacheHits.Add(1)
 			denied = true
 		}
@@ -500,24 +656,75 @@ func (s *RedisStore) denyFromCache(now time.Time, reqs []request) bool {
 	return denied
 }
 
-// remember notes, for denyFromCache, the buckets of a request that
-// Redis left without the tokens for another such request. The request's
-// other buckets are noted too, so that a denial from the cache still
-// reports them in the headers.
+// remember notes, for fromCache, the buckets of a request that Redis
+// left without the tokens for another such request; the request's other
+// buckets are noted too, so that a denial from the cache still reports
+// them in the headers. When Redis left them all with the tokens, the
+// cache forgets them: it only ever denies, so forgetting is always safe.
 func (s *RedisStore) remember(now time.Time, reqs []request) {
 	short := false
 	for i := range reqs {
 		short = short || reqs[i].wait() > 0
 	}
-	if !short {
-		return
-	}
 	for i := range reqs {
 		q := &reqs[i]
 		t := s.cache[q.zone.index]
+		if !short {
+			t.forget(q.key)
+			continue
+		}
 		n := t.instant(now)
 		t.raise(q.key, n+q.debt, n)
 	}
+}
+
+// flights are the Redis calls in flight for buckets that the over-limit
+// cache holds, one per bucket.
+type flights struct {
+	mu sync.Mutex
+	m  map[flightKey]chan struct{} // closed when the call's answer is in
+}
+
+type flightKey struct {
+	zone int
+	hash uint64
+}
+
+// join returns the call in flight for k to wait for, or, when there is
+// none, makes the caller its leader and returns the land to call when its
+// answer is in.
+func (fs *flights) join(k flightKey) (<-chan struct{}, func()) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	if f, ok := fs.m[k]; ok {
+		return f, nil
+	}
+	f := make(chan struct{})
+	fs.m[k] = f
+	return nil, func() {
+		fs.mu.Lock()
+		delete(fs.m, k)
+		fs.mu.Unlock()
+		close(f)
+	}
+}
+
+// logEvery logs an error at most once a minute, with the number of
+// errors since the last line.
+type logEvery struct {
+	last  atomic.Int64 // monotonic nanoseconds of the last line
+	count atomic.Int64
+}
+
+func (l *logEvery) log(logger *zap.Logger, msg string, err error) {
+	n := l.count.Add(1)
+	now := int64(time.Since(processStart))
+	last := l.last.Load()
+	if last != 0 && now-last < int64(time.Minute) || !l.last.CompareAndSwap(last, now) {
+		return
+	}
+	l.count.Add(-n)
+	logger.Warn(msg, zap.Int64("errors", n), zap.Error(err))
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:

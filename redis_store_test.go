@@ -23,6 +23,8 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // The zones of the shared step table: a 10r/s burst 3; b 1r/s burst 2;
@@ -369,24 +371,73 @@ func TestRedisFailModes(t *testing.T) {
 	}
 }
 
-// A key of the wrong type makes the script fail: that is a store error,
-// decided by fail_mode, never a panic and never a silent allow.
-func TestRedisBadReply(t *testing.T) {
+// A key of another type under the store's prefix is the store's to
+// repair: the next decision overwrites it, and it never trips the
+// circuit breaker (before, each was a store error, and three opened the
+// breaker for every client).
+func TestRedisWrongTypeKeyRepaired(t *testing.T) {
 	r := startRedis(t)
 	c := newRedisClient(t, r.addr())
-	c.HSet(context.Background(), "t:bad:{192.0.2.9}", "x", "1")
 	h := newTestHandler(t, redisConfig(r.addr(), "bad", "1r/m", 1, `,"fail_mode":"closed"`))
-	if code, _ := serve(h, "192.0.2.9"); code != http.StatusServiceUnavailable {
-		t.Fatalf("status %d, want 503", code)
+	for i := range 2 * tripAfter {
+		ip := fmt.Sprintf("192.0.2.%d", 10+i)
+		c.HSet(context.Background(), "t:bad:{"+ip+"}", "x", "1")
+		codes := fmt.Sprint(statusOnly(serve(h, ip)), statusOnly(serve(h, ip)))
+		if codes != "200 429" {
+			t.Fatalf("key %d of the wrong type: %s, want 200 429 (the bucket repaired, then empty)", i, codes)
+		}
+		if typ := r.cli("TYPE", "t:bad:{"+ip+"}"); typ != "string" {
+			t.Fatalf("key %d: type %s after a decision, want string", i, typ)
+		}
 	}
-	h = newTestHandler(t, redisConfig(r.addr(), "bad", "1r/m", 1, `,"pool_size":3`))
-	codes := []int{}
-	for range 2 {
-		code, _ := serve(h, "192.0.2.9")
-		codes = append(codes, code)
+	if h.store.(*RedisStore).client.breaker.open() {
+		t.Fatal("keys of the wrong type opened the circuit breaker")
 	}
-	if fmt.Sprint(codes) != "[200 429]" {
-		t.Fatalf("fail_mode local: %v, want [200 429]", codes)
+	// A value that is not an instant is a full bucket too.
+	c.Set(context.Background(), "t:bad:{192.0.2.99}", "garbage", 0)
+	if codes := fmt.Sprint(statusOnly(serve(h, "192.0.2.99")), statusOnly(serve(h, "192.0.2.99"))); codes != "200 429" {
+		t.Fatalf("garbage value: %s, want 200 429", codes)
+	}
+}
+
+// Only errors that say Redis cannot serve count toward the breaker; an
+// error reply about one call's keys says Redis is up.
+func TestClassifyRedisErrors(t *testing.T) {
+	r := startRedis(t)
+	c := newRedisClient(t, r.addr())
+	ctx := context.Background()
+	reply := func(msg string) error {
+		return c.Eval(ctx, "return redis.error_reply(ARGV[1])", nil, msg).Err()
+	}
+	c.HSet(ctx, "h", "x", "1")
+	closed := redis.NewClient(&redis.Options{Addr: r.addr()})
+	closed.Close()
+	down := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
+	defer down.Close()
+	for _, tc := range []struct {
+		name string
+		err  error
+		want int
+	}{
+		{"WRONGTYPE", c.Get(ctx, "h").Err(), errAnswered},
+		{"CROSSSLOT", reply("CROSSSLOT Keys in request don't hash to the same slot"), errAnswered},
+		{"script error", c.Eval(ctx, "return redis.call('NOPE')", nil).Err(), errAnswered},
+		{"bad reply", fmt.Errorf("%w: x", errBadReply), errAnswered},
+		{"LOADING", reply("LOADING Redis is loading the dataset in memory"), errOutage},
+		{"MASTERDOWN", reply("MASTERDOWN Link with MASTER is down"), errOutage},
+		{"READONLY", reply("READONLY You can't write against a read only replica."), errOutage},
+		{"OOM", reply("OOM command not allowed when used memory > 'maxmemory'."), errOutage},
+		{"WRONGPASS", reply("WRONGPASS invalid username-password pair"), errOutage},
+		{"dial", down.Ping(ctx).Err(), errOutage},
+		{"timeout", context.DeadlineExceeded, errOutage},
+		{"closed client", closed.Ping(ctx).Err(), errClosed},
+	} {
+		if tc.err == nil {
+			t.Fatalf("%s: no error to classify", tc.name)
+		}
+		if got := classify(tc.err); got != tc.want {
+			t.Errorf("%s (%v): kind %d, want %d", tc.name, tc.err, got, tc.want)
+		}
 	}
 }
 

@@ -24,8 +24,8 @@ type store interface {
 	// peek sets q.debt from the bucket's state, changing nothing.
 	peek(ctx context.Context, now time.Time, q *request) error
 
-	// reset fills the bucket.
-	reset(ctx context.Context, q *request) error
+	// reset fills the bucket. It reports whether the bucket was not full.
+	reset(ctx context.Context, q *request) (bool, error)
 }
 
 // A request asks a store for a zone's cost in tokens from one bucket.

@@ -21,8 +21,11 @@ import (
 // table with many keys starts evicting a little before it holds maxKeys
 // (at about 99.5% of a million). When a shard is full, buckets that
 // have refilled are dropped first (no decision changes); if none has, the
-// bucket closest to full among a few sampled ones is evicted and counted:
-// its client finds a full bucket next time.
+// least recently used among a few sampled ones is evicted and counted:
+// its client finds a full bucket next time. Recency, not fullness, is
+// what protects the limit: under a flood of one-off keys, a client that
+// keeps sending is among the most recently used whatever its bucket's
+// shape, while the flood's keys, each used once, age out first.
 type table struct {
 	id      uint64    // orders locks when one request takes several tables
 	epoch   time.Time // instants in the shards count from here
@@ -38,8 +41,8 @@ type table struct {
 
 type shard struct {
 	mu sync.Mutex
-	// fullAt maps a key hash to the instant its bucket is full again.
-	fullAt map[uint64]time.Duration
+	// buckets maps a key hash to its bucket.
+	buckets map[uint64]bucket
 	// sweepCredit counts the inserts until a full shard may be swept
 	// again, which keeps sweeping O(1) per insert.
 	sweepCredit int
@@ -66,7 +69,7 @@ func newTable(maxKeys int64, now time.Time) *table {
 	}
 	t.maxKeys.Store(maxKeys)
 	for i := range t.shards {
-		t.shards[i].fullAt = make(map[uint64]time.Duration)
+		t.shards[i].buckets = make(map[uint64]bucket)
 	}
 	return t
 }
@@ -90,18 +93,33 @@ func (t *table) shardCap() int {
 	return max(int(t.maxKeys.Load())/len(t.shards), 1)
 }
 
+// A bucket is one tracked bucket: the instant it is full again, and the
+// last instant a request used it, for eviction.
+type bucket struct {
+	fullAt time.Duration
+	usedAt time.Duration
+}
+
 // get returns the instant a bucket is full again, 0 if not tracked.
 // Requires s.mu to be held.
-func (s *shard) get(h uint64) time.Duration { return s.fullAt[h] }
+func (s *shard) get(h uint64) time.Duration { return s.buckets[h].fullAt }
 
-// set records fullAt for a bucket of table t, making room first if the
-// bucket is new and the shard full. Requires s.mu to be held.
+// set records fullAt, used at now, for a bucket of table t, making room
+// first if the bucket is new and the shard full. Requires s.mu to be held.
 func (s *shard) set(t *table, h uint64, fullAt, now time.Duration) {
-	if _, ok := s.fullAt[h]; !ok {
+	if _, ok := s.buckets[h]; !ok {
 		s.insert(t, h, fullAt, now)
 		return
 	}
-	s.fullAt[h] = fullAt
+	s.buckets[h] = bucket{fullAt, now}
+}
+
+// touch records that a request used a tracked bucket at now, without
+// changing it. Requires s.mu to be held.
+func (s *shard) touch(h uint64, fullAt, now time.Duration) {
+	if fullAt != 0 {
+		s.buckets[h] = bucket{fullAt, now}
+	}
 }
 
 // insert records fullAt for a bucket that is not tracked yet.
@@ -111,49 +129,47 @@ func (s *shard) insert(t *table, h uint64, fullAt, now time.Duration) {
 		t.evictions.Add(1)
 	}
 	s.sweepCredit--
-	s.fullAt[h] = fullAt
+	s.buckets[h] = bucket{fullAt, now}
 }
 
 // makeRoom frees one slot in a full shard. Requires s.mu to be held.
 func (s *shard) makeRoom(now time.Duration, capacity int) (evicted bool) {
-	if len(s.fullAt) < capacity {
+	if len(s.buckets) < capacity {
 		return false
 	}
 	if s.sweepCredit <= 0 {
 		s.sweep(now)
 		s.sweepCredit = max(capacity/8, 1)
-		if len(s.fullAt) < capacity {
+		if len(s.buckets) < capacity {
 			return false
 		}
 	}
-	for len(s.fullAt) >= capacity {
+	for len(s.buckets) >= capacity {
 		var victim uint64
-		oldest, seen := time.Duration(math.MaxInt64), 0
-		for h, f := range s.fullAt {
-			if f <= now {
-				victim, oldest = h, f
+		full, lru, seen := false, time.Duration(math.MaxInt64), 0
+		for h, b := range s.buckets {
+			if b.fullAt <= now {
+				victim, full = h, true
 				break
 			}
-			if f < oldest {
-				victim, oldest = h, f
+			if b.usedAt < lru {
+				victim, lru = h, b.usedAt
 			}
 			if seen++; seen == evictSample {
 				break
 			}
 		}
-		delete(s.fullAt, victim)
-		if oldest > now {
-			evicted = true
-		}
+		delete(s.buckets, victim)
+		evicted = evicted || !full
 	}
 	return evicted
 }
 
 // sweep drops the buckets that are full at now. Requires s.mu to be held.
 func (s *shard) sweep(now time.Duration) {
-	for h, f := range s.fullAt {
-		if f <= now {
-			delete(s.fullAt, h)
+	for h, b := range s.buckets {
+		if b.fullAt <= now {
+			delete(s.buckets, h)
 		}
 	}
 }
@@ -179,13 +195,16 @@ func (t *table) raise(k bucketKey, fullAt, now time.Duration) {
 	}
 }
 
-// forget drops a bucket: it is full again.
-func (t *table) forget(k bucketKey) {
+// forget drops a bucket: it is full again. It returns the instant the
+// bucket was full at, 0 if it was not tracked.
+func (t *table) forget(k bucketKey) time.Duration {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
-	delete(s.fullAt, h)
-	s.mu.Unlock()
+	defer s.mu.Unlock()
+	fullAt := s.buckets[h].fullAt
+	delete(s.buckets, h)
+	return fullAt
 }
 
 // sweep drops every full bucket of the table.
@@ -205,7 +224,7 @@ func (t *table) len() int {
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		n += len(s.fullAt)
+		n += len(s.buckets)
 		s.mu.Unlock()
 	}
 	return n
@@ -258,13 +277,13 @@ func takeAll(cs []charge) (allowed bool) {
 		c := &cs[0]
 		s := c.t.shard(c.h)
 		s.mu.Lock()
-		f, tracked := s.fullAt[c.h]
-		if c.fullAt, c.ok = c.l.take(f, c.now, c.cost); c.ok {
-			if tracked {
-				s.fullAt[c.h] = c.fullAt
-			} else {
-				s.insert(c.t, c.h, c.fullAt, c.now)
-			}
+		b, tracked := s.buckets[c.h]
+		c.fullAt, c.ok = c.l.take(b.fullAt, c.now, c.cost)
+		switch {
+		case tracked:
+			s.buckets[c.h] = bucket{c.fullAt, c.now}
+		case c.ok:
+			s.insert(c.t, c.h, c.fullAt, c.now)
 		}
 		s.mu.Unlock()
 		c.debt = c.l.debt(c.fullAt, c.now)
@@ -284,8 +303,11 @@ func takeAll(cs []charge) (allowed bool) {
 		s := c.t.shard(c.h)
 		if allowed {
 			s.set(c.t, c.h, c.fullAt, c.now)
-		} else if c.ok {
-			c.fullAt = s.get(c.h) // not charged after all
+		} else {
+			if c.ok {
+				c.fullAt = s.get(c.h) // not charged after all
+			}
+			s.touch(c.h, c.fullAt, c.now)
 		}
 		c.debt = c.l.debt(c.fullAt, c.now)
 		s.mu.Unlock()

@@ -162,3 +162,64 @@ func TestMemoryPerKey(t *testing.T) {
 	}
 	runtime.KeepAlive(tab)
 }
+
+// A client that keeps sending must not gain tokens from eviction while a
+// flood of one-off keys overflows the table: 2M rotating keys through a
+// zone of max_keys 100000 in 150 s, and a hot key polling the same zone,
+// for bucket shapes where the flood's buckets and the hot key's look
+// alike. The hot key gets what it would get from a table that never
+// evicts, within 10%.
+func TestEvictionSparesClientsThatKeepSending(t *testing.T) {
+	if testing.Short() {
+		t.Skip("2M decisions per case")
+	}
+	const (
+		maxKeys  = 100_000
+		flood    = 2_000_000
+		duration = 150 * time.Second
+	)
+	for _, tc := range []struct {
+		name      string
+		rate      float64
+		burst     int64
+		cost      int64
+		pollEvery time.Duration
+	}{
+		{"burst 1 at 1r/m, polling every 10ms", 1.0 / 60, 1, 1, 10 * time.Millisecond},
+		{"burst 1 at 1r/m, polling every second", 1.0 / 60, 1, 1, time.Second},
+		{"burst 10 at 10r/h, polling every 10ms", 10.0 / 3600, 10, 1, 10 * time.Millisecond},
+		{"burst 3, cost 2, at 1r/m, polling every 100ms", 1.0 / 60, 3, 2, 100 * time.Millisecond},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := newLimit(tc.rate, tc.burst)
+			cost := l.costTime(tc.cost)
+			tab := newTable(maxKeys, t0)
+			oracle := newTable(1<<20, t0) // never full: never evicts
+			hot := bucketKey{s: "hot"}
+			step := duration / flood
+			var got, want int
+			nextPoll := time.Duration(0)
+			for i := range flood {
+				now := time.Duration(i) * step
+				k := bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
+				takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: now}})
+				if now >= nextPoll {
+					nextPoll += tc.pollEvery
+					if takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(hot), now: now}}) {
+						got++
+					}
+					if takeAll([]charge{{l: l, cost: cost, t: oracle, h: oracle.hash(hot), now: now}}) {
+						want++
+					}
+				}
+			}
+			t.Logf("hot key allowed %d, without eviction %d; %d evictions", got, want, tab.evictions.Load())
+			if tab.evictions.Load() == 0 {
+				t.Fatal("the flood evicted nothing: the test does not test eviction")
+			}
+			if float64(got) > 1.1*float64(want) {
+				t.Fatalf("hot key allowed %d, more than 10%% over the %d it is due", got, want)
+			}
+		})
+	}
+}

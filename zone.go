@@ -276,9 +276,9 @@ func (z *Zone) bucketKey(r *http.Request) (bucketKey, bool) {
 	var s string
 	switch z.keyKind {
 	case keyClientIP:
-		s, _ = caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string)
+		s = clientIP(r)
 	case keyRemoteHost:
-		s = remoteHost(r)
+		s = peer(r)
 	case keyStatic:
 		s = z.Key
 	default:
@@ -329,19 +329,26 @@ func looksLikeIP(s string) bool {
 	return true
 }
 
-// clientIP is the client's address as Caddy determined it.
+// clientIP is the client's address as Caddy determined it, or, where
+// Caddy found none (a Unix socket's clients), the connection's peer. It
+// is never empty: an address key must not exempt a request.
 func clientIP(r *http.Request) string {
-	if ip, ok := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string); ok {
+	if ip, _ := caddyhttp.GetVar(r.Context(), caddyhttp.ClientIPVarKey).(string); ip != "" && looksLikeIP(ip) {
 		return ip
 	}
-	return remoteHost(r)
+	return peer(r)
 }
 
-// remoteHost is the address of the connection's peer, as
-// {http.request.remote.host} gives it.
-func remoteHost(r *http.Request) string {
-	if host, _, err := net.SplitHostPort(r.RemoteAddr); err == nil {
-		return host
+// peer is the connection's peer as {http.request.remote.host} gives it:
+// its IP address, "@" on a Unix socket (whose clients then share one
+// bucket), or the remote address as the server set it. It is never empty.
+func peer(r *http.Request) string {
+	host, _, err := net.SplitHostPort(r.RemoteAddr)
+	if err != nil {
+		host = r.RemoteAddr
 	}
-	return r.RemoteAddr
+	if host == "" {
+		return "@"
+	}
+	return host
 }

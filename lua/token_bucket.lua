@@ -19,9 +19,13 @@
 -- refund  gives cost_i back to every bucket, undoing an earlier take
 -- peek    changes nothing
 --
--- Returns {allowed (1|0), debt_1, ..., debt_n}, where debt_i is how long in
--- µs until KEYS[i] is full again after the decision, as a string (Redis
--- truncates Lua numbers to integers). Only take returns 0.
+-- Returns {allowed (1|0), debt_1, ..., debt_n[, repaired]}, where debt_i
+-- is how long in µs until KEYS[i] is full again after the decision, as a
+-- string (Redis truncates Lua numbers to integers). Only take returns 0.
+--
+-- A bucket key that holds another type (or a value that is not an
+-- instant) is taken for a full bucket, and overwritten or deleted by take
+-- and refund; the reply then ends with the number of such keys.
 
 local epoch = 1735689600 -- 2025-01-01T00:00:00Z, in seconds
 local slack = 1 -- µs
@@ -45,11 +49,26 @@ local function save(key, debt)
 	end
 end
 
+-- load returns a bucket's instant, or nil for a full bucket; bad says the
+-- key held something else.
+local function load(key)
+	local v = redis.pcall('GET', key)
+	if type(v) == 'table' and v.err then
+		return nil, true
+	end
+	local f = tonumber(v)
+	return f, v and not f
+end
+
 local n = #KEYS
 local reply = { 1 }
+local bad = {}
+local repaired = 0
 for i = 1, n do
 	local full, cost = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
-	local f = tonumber(redis.call('GET', KEYS[i])) or now
+	local f
+	f, bad[i] = load(KEYS[i])
+	f = f or now
 	if mode == 'refund' and f > now then
 		f = f - cost
 	end
@@ -68,7 +87,15 @@ for i = 1, n do
 	if mode == 'take' and reply[1] == 1 then
 		debt = debt + ARGV[2 + 2 * i]
 		save(KEYS[i], debt)
+	elseif bad[i] and mode == 'take' then
+		redis.call('DEL', KEYS[i]) -- a full bucket: no key
+	end
+	if bad[i] then
+		repaired = repaired + 1
 	end
 	reply[i + 1] = string.format('%.17g', debt)
+end
+if repaired > 0 and mode ~= 'peek' then
+	reply[n + 2] = repaired
 end
 return reply
