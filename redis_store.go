@@ -114,10 +114,10 @@ type RedisStore struct {
 	released    bool          // Cleanup gave the client back
 	callTimeout time.Duration // Timeout, or its default
 	zones       []*Zone
-	prefixes    []string // per zone: KeyPrefix + name + ":{"
-	shapes      [][2]any // per zone: the script's burst time and cost time, in µs, boxed once
-	cache       []*table // per zone: over-limit cache; nil when disabled
-	flights     *flights // calls in flight for the buckets in cache
+	prefixes    []string  // per zone: KeyPrefix + name + ":{"
+	shapes      [][2]any  // per zone: the script's burst time and cost time, in µs, boxed once
+	cache       []*table  // per zone: over-limit cache; nil when disabled
+	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *logEvery // errors that Redis answered for one call's keys
 	repairs     *logEvery // keys of another type that the script overwrote
 	logger      *zap.Logger
