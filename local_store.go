@@ -21,11 +21,11 @@ func init() {
 //
 // Buckets survive config reloads for every zone whose name, rate and
 // burst are unchanged. Memory is bounded by `max_keys` per zone; a
-// tracked key costs about 20 to 40 bytes whatever its length.
+// tracked key costs about 56 bytes whatever its length.
 type LocalStore struct {
 	// The most buckets kept per zone. When a zone is full, buckets that
 	// have refilled are dropped first, which changes no decision; if none
-	// has, the bucket nearest to full among a few sampled is evicted (its
+	// has, the least recently used among a few sampled is evicted (its
 	// client gets a full bucket back) and counted. Default: 1000000.
 	MaxKeys int64 `json:"max_keys,omitempty"`
 

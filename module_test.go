@@ -9,9 +9,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -912,6 +914,26 @@ func TestLoadErrors(t *testing.T) {
 			wantErr: "http.handlers.rate_limit.stores.nowhere",
 		},
 		{
+			name:    "pool_size beyond int32",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "store": {"backend": "redis", "pool_size": 3000000000}}`,
+			wantErr: "invalid pool_size 3000000000: must be 0 to 100000",
+		},
+		{
+			name:    "negative db",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "store": {"backend": "redis", "db": -1}}`,
+			wantErr: "invalid db -1",
+		},
+		{
+			name:    "negative timeout",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "store": {"backend": "redis", "timeout": -5}}`,
+			wantErr: "invalid timeout -5ns: must be positive",
+		},
+		{
+			name:    "key_prefix with a brace",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "store": {"backend": "redis", "key_prefix": "rl{x}:"}}`,
+			wantErr: "invalid key_prefix 'rl{x}:'",
+		},
+		{
 			name:    "bad matcher",
 			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s", "match": [{"nomatcher": true}]}]}`,
 			wantErr: "zone le: loading matchers",
@@ -980,4 +1002,40 @@ type eventRecorder struct{ events []caddy.Event }
 func (r *eventRecorder) Handle(_ context.Context, e caddy.Event) error {
 	r.events = append(r.events, e)
 	return nil
+}
+
+// On a Unix-socket listener Caddy has no client IP: a {client_ip} key
+// falls back to the connection's peer, so the socket's clients share one
+// bucket instead of going unlimited.
+func TestUnixSocketClientsAreLimited(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "caddy.sock")
+	startCaddy(t, "", fmt.Sprintf(`http://localhost {
+	bind unix/%s
+	rate_limit {client_ip} 1r/m 5
+	respond "ok"
+}
+`, sock))
+	client := &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+			return new(net.Dialer).DialContext(ctx, "unix", sock)
+		},
+	}}
+	var codes []int
+	for range 20 {
+		resp, err := client.Get("http://localhost/")
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		codes = append(codes, resp.StatusCode)
+	}
+	ok := 0
+	for _, c := range codes {
+		if c == http.StatusOK {
+			ok++
+		}
+	}
+	if ok != 5 {
+		t.Fatalf("%d of 20 requests through the socket allowed (%v), want the bucket's 5", ok, codes)
+	}
 }

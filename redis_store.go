@@ -27,10 +27,37 @@ import (
 	"github.com/redis/go-redis/v9"
 	"github.com/redis/go-redis/v9/maintnotifications"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
 func init() {
 	caddy.RegisterModule(RedisStore{})
+	redis.SetLogger(goRedisLog)
+}
+
+// goRedisLog takes go-redis's own log lines (a failed dial, a pool
+// problem), which it would write to stderr outside Caddy's logs, to the
+// last provisioned Redis store's logger, at DEBUG and at most one a
+// second: during an outage they come once per connection attempt.
+var goRedisLog = new(redisLogger)
+
+type redisLogger struct {
+	logger atomic.Pointer[zap.Logger]
+	lines  throttle
+}
+
+func (l *redisLogger) Printf(_ context.Context, format string, v ...any) {
+	logger := l.logger.Load()
+	if logger == nil {
+		logger = caddy.Log()
+	}
+	c := logger.Check(zapcore.DebugLevel, "go-redis")
+	if c == nil {
+		return
+	}
+	if _, ok := l.lines.allow(time.Second); ok {
+		c.Write(zap.String("message", fmt.Sprintf(format, v...)))
+	}
 }
 
 //go:embed lua/token_bucket.lua
@@ -118,8 +145,8 @@ type RedisStore struct {
 	shapes      [][2]any  // per zone: the script's burst time and cost time, in µs, boxed once
 	cache       []*table  // per zone: over-limit cache; nil when disabled
 	flights     *flights  // calls in flight for the buckets in cache
-	keyErrors   *logEvery // errors that Redis answered for one call's keys
-	repairs     *logEvery // keys of another type that the script overwrote
+	keyErrors   *throttle // errors that Redis answered for one call's keys
+	repairs     *throttle // keys of another type that the script overwrote
 	logger      *zap.Logger
 
 	// testClock, when set, replaces Redis's clock, so that tests can
@@ -189,6 +216,7 @@ func makeRedisClient(opts *redis.UniversalOptions) (c *redisClient, err error) {
 // It does no network I/O: Caddy starts while Redis is down.
 func (s *RedisStore) Provision(ctx caddy.Context) error {
 	s.logger = ctx.Logger()
+	goRedisLog.logger.Store(s.logger)
 	repl := caddy.NewReplacer()
 	for i, a := range s.Addresses {
 		s.Addresses[i] = repl.ReplaceAll(a, "")
@@ -355,7 +383,7 @@ func (s *RedisStore) Cleanup() error {
 func (s *RedisStore) bind(zones []*Zone) error {
 	s.zones = zones
 	s.flights = &flights{m: make(map[flightKey]chan struct{})}
-	s.keyErrors, s.repairs = new(logEvery), new(logEvery)
+	s.keyErrors, s.repairs = new(throttle), new(throttle)
 	for _, z := range zones {
 		// A `{` in a zone name would start the hash tag early.
 		s.prefixes = append(s.prefixes, s.KeyPrefix+escapeTag(z.Name, "%{}")+":{")
@@ -400,7 +428,7 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 			s.logger.Info("redis store available again")
 		}
 		if err != nil {
-			s.keyErrors.log(s.logger, "redis refused one decision: fail_mode decides that request", err)
+			s.keyErrors.warn(s.logger, "redis refused one decision: fail_mode decides that request", err)
 			return false, err
 		}
 	case ctx.Err() != nil || kind == errClosed:
@@ -538,7 +566,7 @@ func (s *RedisStore) run(ctx context.Context, mode string, reqs []request) (bool
 	switch len(v) - len(reqs) {
 	case 1:
 	case 2:
-		s.repairs.log(s.logger, "redis store: keys under key_prefix held another type: overwritten",
+		s.repairs.warn(s.logger, "redis store: keys under key_prefix held another type: overwritten",
 			fmt.Errorf("%v in zone %s", v[len(v)-1], reqs[0].zone.Name))
 	default:
 		return false, fmt.Errorf("%w: %d replies for %d keys", errBadReply, len(v)-1, len(reqs))
@@ -613,7 +641,10 @@ func escapeTag(s, chars string) string {
 // instant to ask Redis at, the leader's land (to call when its answer is
 // in), and whether the request is denied.
 func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []request) (time.Time, func(), bool) {
-	for waited := false; ; waited = true {
+	// A request waits for others' calls no longer than it would wait for
+	// its own: past that, it asks.
+	deadline := now.Add(s.callTimeout)
+	for {
 		contended := -1
 		for i := range reqs {
 			q := &reqs[i]
@@ -626,7 +657,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			_, q.ok = l.take(fullAt, n, q.zone.costTime)
 			q.debt = l.debt(fullAt, n)
 		}
-		if denied := s.cacheDenied(reqs); denied || contended < 0 || waited {
+		if denied := s.cacheDenied(reqs); denied || contended < 0 || now.After(deadline) {
 			return now, nil, denied
 		}
 		q := &reqs[contended]
@@ -709,22 +740,30 @@ func (fs *flights) join(k flightKey) (<-chan struct{}, func()) {
 	}
 }
 
-// logEvery logs an error at most once a minute, with the number of
-// errors since the last line.
-type logEvery struct {
-	last  atomic.Int64 // monotonic nanoseconds of the last line
-	count atomic.Int64
+// A throttle lets through at most one event per period, and counts the
+// events it holds back.
+type throttle struct {
+	last atomic.Int64 // monotonic nanoseconds of the last event let through
+	held atomic.Int64
 }
 
-func (l *logEvery) log(logger *zap.Logger, msg string, err error) {
-	n := l.count.Add(1)
-	now := int64(time.Since(processStart))
-	last := l.last.Load()
-	if last != 0 && now-last < int64(time.Minute) || !l.last.CompareAndSwap(last, now) {
-		return
+// allow reports whether an event may pass now, and how many were held
+// back since the last that did.
+func (t *throttle) allow(period time.Duration) (int64, bool) {
+	held := t.held.Add(1)
+	now, last := int64(time.Since(processStart)), t.last.Load()
+	if last != 0 && now-last < int64(period) || !t.last.CompareAndSwap(last, now) {
+		return 0, false
 	}
-	l.count.Add(-n)
-	logger.Warn(msg, zap.Int64("errors", n), zap.Error(err))
+	t.held.Add(-held)
+	return held - 1, true
+}
+
+// warn logs at WARN at most once a minute.
+func (t *throttle) warn(logger *zap.Logger, msg string, err error) {
+	if held, ok := t.allow(time.Minute); ok {
+		logger.Warn(msg, zap.Error(err), zap.Int64("more_since_last", held))
+	}
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:

@@ -10,6 +10,7 @@ import (
 	"crypto/rand"
 	"crypto/x509"
 	"crypto/x509/pkix"
+	"encoding/json"
 	"encoding/pem"
 	"fmt"
 	"math"
@@ -24,7 +25,11 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
 )
 
 // The zones of the shared step table: a 10r/s burst 3; b 1r/s burst 2;
@@ -611,4 +616,150 @@ func testCertificates(t *testing.T) (caPEM, certPEM, keyPEM string) {
 	keyDER, _ := x509.MarshalECPrivateKey(key)
 	encode := func(typ string, b []byte) string { return string(pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: b})) }
 	return encode("CERTIFICATE", caDER), encode("CERTIFICATE", der), encode("EC PRIVATE KEY", keyDER)
+}
+
+// Caddy cleans up a config's handlers while their requests still run. A
+// request waiting on a hung Redis when its config is cleaned up (its
+// client closed under it) finishes under fail_mode: no nil store, no
+// panic, no race.
+func TestRedisCleanupUnderRunningRequests(t *testing.T) {
+	r := startRedis(t)
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	h := new(Handler)
+	if err := json.Unmarshal([]byte(redisConfig(r.addr(), "cleanup", "1r/m", 5, `,"timeout":"2s"`)), h); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	serve(h, "192.0.2.90") // connected
+	r.pause()
+	defer r.resume()
+	var wg sync.WaitGroup
+	codes := make([]int, 20)
+	for i := range codes {
+		wg.Go(func() { codes[i], _ = serve(h, fmt.Sprintf("192.0.2.%d", 100+i)) })
+	}
+	time.Sleep(100 * time.Millisecond) // all waiting on Redis
+	cancel()                           // the config goes: Cleanup closes the client
+	wg.Wait()
+	for i, code := range codes {
+		if code != http.StatusOK {
+			t.Errorf("request %d: %d, want 200 from fail_mode local's fresh buckets", i, code)
+		}
+	}
+	// A request that arrives after the cleanup is decided the same way.
+	if code, _ := serve(h, "192.0.2.91"); code != http.StatusOK {
+		t.Errorf("after cleanup: %d", code)
+	}
+}
+
+// A flood on one key from many concurrent callers asks Redis about once
+// per token, not once per caller each time the key's cached instant
+// passes.
+func TestRedisFloodAsksOncePerBucket(t *testing.T) {
+	if testing.Short() {
+		t.Skip("runs for seconds")
+	}
+	r := startRedis(t)
+	h := newTestHandler(t, redisConfig(r.addr(), "onceper", "10r/s", 20, `,"pool_size":64`))
+	var allowed, total atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	const warmUp, run = 500 * time.Millisecond, 2500 * time.Millisecond
+	for range 64 {
+		wg.Go(func() {
+			for time.Since(start) < run {
+				if code, _ := serve(h, "198.51.100.7"); code == http.StatusOK {
+					allowed.Add(1)
+				}
+				total.Add(1)
+			}
+		})
+	}
+	// The first requests, before Redis has found the bucket empty, all
+	// ask; count from when the flood is steady.
+	time.Sleep(warmUp)
+	allowedBefore, callsBefore := allowed.Load(), r.calls()
+	wg.Wait()
+	calls, steadyAllowed := r.calls()-callsBefore, allowed.Load()-allowedBefore
+	t.Logf("64 callers: %d requests, %d allowed; after the first %v: %d allowed, %d Redis calls",
+		total.Load(), allowed.Load(), warmUp, steadyAllowed, calls)
+	if most := 20 + 10*time.Since(start).Seconds() + 1; float64(allowed.Load()) > most {
+		t.Fatalf("allowed %d, more than the bucket's %.0f", allowed.Load(), most)
+	}
+	// A token's call may come a little early (the cache counts from when
+	// the last call was sent, Redis from when it ran): then one more.
+	if calls > 2*int(steadyAllowed)+5 {
+		t.Fatalf("%d Redis calls for %d allowed requests: concurrent callers multiply the calls", calls, steadyAllowed)
+	}
+}
+
+// fail_mode closed answers 503 with Retry-After: 1, written directly on a
+// server without error routes (as Caddy would, minus its ERROR log line
+// with the request's headers for every request of an outage), returned
+// as an error where handle_errors is there to shape it, and counted as a
+// store error, not as a denial.
+func TestRedisFailClosedAnswers503(t *testing.T) {
+	requireRedis(t)
+	dead := fmt.Sprintf("127.0.0.1:%d", freePort(t, 0))
+	h := newTestHandler(t, redisConfig(dead, "closed503", "1r/m", 5, `,"fail_mode":"closed","timeout":"50ms"`))
+	for _, direct := range []bool{true, false} {
+		h.writeRefusals = direct
+		for range 4 {
+			req, rr := newRequest("192.0.2.120")
+			err := h.ServeHTTP(rr, req, okHandler)
+			code := rr.Code
+			if err != nil {
+				code = statusOf(err)
+			}
+			if code != http.StatusServiceUnavailable || rr.Header().Get("Retry-After") != "1" {
+				t.Fatalf("direct %t: %d, Retry-After %q; want 503, 1", direct, code, rr.Header().Get("Retry-After"))
+			}
+			if direct != (err == nil) {
+				t.Fatalf("direct %t: error %v", direct, err)
+			}
+		}
+	}
+	st := h.Zones[0].state
+	if got := fmt.Sprint(st.storeErrors.Load(), st.denied.Load(), st.allowed.Load()); got != "8 0 0" {
+		t.Fatalf("store errors, denied, allowed = %s, want 8 0 0", got)
+	}
+}
+
+// Options that go-redis refuses with a panic give an error instead: a
+// panic there would leave the client pool's entry locked, and every later
+// config load waiting on it.
+func TestMakeRedisClientDoesNotPanic(t *testing.T) {
+	c, err := makeRedisClient(&redis.UniversalOptions{Addrs: []string{"127.0.0.1:1"}, PoolSize: 1 << 40})
+	if err == nil {
+		c.Close()
+		t.Fatal("a pool of 2^40 connections was accepted")
+	}
+}
+
+// go-redis's own log lines go to the store's logger at DEBUG, at most
+// one a second, instead of to stderr.
+func TestGoRedisLogLines(t *testing.T) {
+	prev := goRedisLog.logger.Load()
+	defer goRedisLog.logger.Store(prev)
+	for _, level := range []zapcore.Level{zapcore.DebugLevel, zapcore.InfoLevel} {
+		core, logs := observer.New(level)
+		goRedisLog.logger.Store(zap.New(core))
+		goRedisLog.lines = throttle{}
+		for range 10 {
+			redis.SetLogger(goRedisLog) // as init does
+			goRedisLog.Printf(context.Background(), "redis: failed to dial %s", "127.0.0.1:1")
+		}
+		want := 0
+		if level == zapcore.DebugLevel {
+			want = 1
+		}
+		if n := logs.Len(); n != want {
+			t.Fatalf("logger at %s: %d lines for 10 go-redis lines in a burst, want %d", level, n, want)
+		}
+		if want == 1 && logs.All()[0].ContextMap()["message"] != "redis: failed to dial 127.0.0.1:1" {
+			t.Fatalf("line %v", logs.All()[0])
+		}
+	}
 }

@@ -190,12 +190,26 @@ func parseRateNumbers(s string) (perSec, n float64, err error) {
 	}
 	d, err := caddy.ParseDuration(per)
 	if err != nil {
+		if isNumberWithUnit(per) {
+			return 0, 0, fmt.Errorf("interval '%s' is too long: at most about 290 years", per)
+		}
 		return 0, 0, fmt.Errorf("unknown unit '%s': expected s, m, h, d or a duration such as 10s", per)
 	}
 	if d <= 0 {
 		return 0, 0, fmt.Errorf("interval '%s' must be positive", per)
 	}
 	return n / d.Seconds(), n, nil
+}
+
+// isNumberWithUnit reports whether s is a number and a duration unit,
+// which caddy.ParseDuration refuses only when it overflows.
+func isNumberWithUnit(s string) bool {
+	for _, unit := range []string{"ns", "us", "µs", "ms", "s", "m", "h", "d"} {
+		if num, ok := strings.CutSuffix(s, unit); ok {
+			return num != "" && strings.Trim(num, "0123456789.") == ""
+		}
+	}
+	return false
 }
 
 // provision computes the zone's runtime state. The zone must be valid.

@@ -129,6 +129,9 @@ func TestParseRate(t *testing.T) {
 		{in: "10r/sec", wantErr: "unknown unit 'sec'"},
 		{in: "10/0s", wantErr: "interval '0s' must be positive"},
 		{in: "10/-1m", wantErr: "interval '-1m' must be positive"},
+		{in: "1/99999999999999h", wantErr: "interval '99999999999999h' is too long"},
+		{in: "1/9999999999999d", wantErr: "interval '9999999999999d' is too long"},
+		{in: "1/1e3s", wantErr: "unknown unit '1e3s'"},
 	} {
 		perSec, n, err := parseRate(tc.in)
 		if tc.wantErr != "" {
