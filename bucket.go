@@ -84,6 +84,16 @@ func (l limit) wholeTokens(debt time.Duration) int64 {
 	return min(max(int64((l.burstTime-debt)/l.tokenTime), 0), l.burst)
 }
 
+// nextToken is how long a bucket that owes debt needs to hold one more
+// whole token than it does: 0 when it is full.
+func (l limit) nextToken(debt time.Duration) time.Duration {
+	whole := l.wholeTokens(debt)
+	if whole >= l.burst {
+		return 0
+	}
+	return debt + time.Duration(whole+1)*l.tokenTime - l.burstTime
+}
+
 // wait is how long a bucket that owes debt needs before it can give cost.
 func (l limit) wait(debt, cost time.Duration) time.Duration {
 	return max(debt+cost-l.burstTime, 0)

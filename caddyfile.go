@@ -69,7 +69,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if err != nil {
 				return d.Errf("invalid burst '%s': expected a whole number", args[2])
 			}
-			if err := checkMin("burst", n, 1); err != nil {
+			if err := checkBurst(n); err != nil {
 				return d.WrapErr(err)
 			}
 			z.Burst = n
@@ -196,7 +196,7 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 			if z.Burst, err = intArg[int64](d); err != nil {
 				return err
 			}
-			err = checkMin("burst", z.Burst, 1)
+			err = checkBurst(z.Burst)
 		case "cost":
 			if z.Cost, err = intArg[int64](d); err != nil {
 				return err

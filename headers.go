@@ -57,6 +57,12 @@ func mostConstrained(reqs []request) *request {
 // the legacy X-RateLimit-* trio for the most constrained zone, and one
 // RateLimit and RateLimit-Policy item per zone. top is the most
 // constrained zone's request.
+//
+// RateLimit's t is, as draft-ietf-httpapi-ratelimit-headers-10 defines
+// it, the seconds until more quota is available: until the bucket holds
+// one more whole token than r (0 when it is full), which on a 429 is
+// never later than Retry-After. X-RateLimit-Reset is when the bucket is
+// full again.
 func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top *request) {
 	if h.headerMode == headersOff {
 		return
@@ -91,7 +97,7 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 			b = append(b, ";r="...)
 			b = strconv.AppendInt(b, q.remaining(), 10)
 			b = append(b, ";t="...)
-			b = strconv.AppendInt(b, ceilSeconds(q.debt), 10)
+			b = strconv.AppendInt(b, ceilSeconds(q.zone.limit.nextToken(q.debt)), 10)
 		}
 		ends[4] = len(b)
 	}

@@ -76,7 +76,7 @@ func TestBurstThen429(t *testing.T) {
 			"X-Ratelimit-Remaining": strconv.Itoa(3 - i),
 			"X-Ratelimit-Reset":     "?",
 			"Ratelimit-Policy":      `"default";q=3;w=180`,
-			"Ratelimit":             fmt.Sprintf(`"default";r=%d;t=%d`, 3-i, 60*i),
+			"Ratelimit":             fmt.Sprintf(`"default";r=%d;t=60`, 3-i), // the next token
 		})
 		checkReset(t, step, h, from, to, debt)
 		if i == 3 {
@@ -93,7 +93,7 @@ func TestBurstThen429(t *testing.T) {
 			"X-Ratelimit-Remaining": "0",
 			"X-Ratelimit-Reset":     "?",
 			"Ratelimit-Policy":      `"default";q=3;w=180`,
-			"Ratelimit":             `"default";r=0;t=180`,
+			"Ratelimit":             `"default";r=0;t=60`,
 			"Retry-After":           "60",
 		})
 		checkReset(t, step, h, from, to, 3*time.Minute)

@@ -122,15 +122,15 @@ func (z *Zone) parseLimit() (limit, error) {
 	}
 	burst, cost := z.Burst, z.Cost
 	if burst == 0 {
-		if n > float64(maxBurstTime) {
-			return limit{}, fmt.Errorf("invalid rate '%s': %g is too large a default burst", z.Rate, n)
+		if n > maxBurst {
+			return limit{}, fmt.Errorf("invalid rate '%s': %g is too large a default burst: set a burst of at most %d", z.Rate, n, int64(maxBurst))
 		}
 		burst = int64(math.Ceil(n))
 	}
 	if cost == 0 {
 		cost = 1
 	}
-	if err := cmp.Or(checkMin("burst", burst, 1), checkMin("cost", cost, 1), z.checkPrefixes()); err != nil {
+	if err := cmp.Or(checkBurst(burst), checkMin("cost", cost, 1), z.checkPrefixes()); err != nil {
 		return limit{}, err
 	}
 	if cost > burst {
@@ -140,6 +140,17 @@ func (z *Zone) parseLimit() (limit, error) {
 		return limit{}, fmt.Errorf("burst %d at rate %s takes more than 100 years to refill", burst, z.Rate)
 	}
 	return newLimit(perSec, burst), nil
+}
+
+// maxBurst is the largest burst: the headers carry it (RateLimit-Policy's
+// q), and a structured-field integer has at most 15 digits.
+const maxBurst = 999_999_999_999_999
+
+func checkBurst(n int64) error {
+	if n > maxBurst {
+		return fmt.Errorf("invalid burst %d: at most %d, the largest integer the RateLimit headers can carry", n, int64(maxBurst))
+	}
+	return checkMin("burst", n, 1)
 }
 
 // checkPrefixes checks the IP prefix lengths that are set.

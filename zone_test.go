@@ -36,6 +36,17 @@ func TestValidate(t *testing.T) {
 		{name: "negative rate", json: `{"zones":[{"name":"a","rate":"-1/1s"}]}`, wantErr: "zone a: invalid rate '-1/1s': must be positive"},
 		{name: "bad rate unit", json: `{"zones":[{"name":"a","rate":"10r/x"}]}`, wantErr: "zone a: invalid rate '10r/x': unknown unit 'x'"},
 		{name: "negative burst", json: `{"zones":[{"name":"a","rate":"1r/s","burst":-1}]}`, wantErr: "zone a: invalid burst -1: must be at least 1"},
+		{name: "burst of 15 digits", json: `{"zones":[{"name":"a","rate":"1000000000r/s","burst":999999999999999}]}`},
+		{
+			name:    "burst of 16 digits",
+			json:    `{"zones":[{"name":"a","rate":"1000000000r/s","burst":1000000000000000}]}`,
+			wantErr: "zone a: invalid burst 1000000000000000: at most 999999999999999, the largest integer the RateLimit headers can carry",
+		},
+		{
+			name:    "default burst of 16 digits",
+			json:    `{"zones":[{"name":"a","rate":"1e16/100000h"}]}`,
+			wantErr: "zone a: invalid rate '1e16/100000h': 1e+16 is too large a default burst: set a burst of at most 999999999999999",
+		},
 		{name: "negative cost", json: `{"zones":[{"name":"a","rate":"1r/s","cost":-2}]}`, wantErr: "zone a: invalid cost -2: must be at least 1"},
 		{name: "cost above burst", json: `{"zones":[{"name":"a","rate":"1r/s","burst":2,"cost":3}]}`, wantErr: "zone a: cost 3 exceeds burst 2"},
 		{name: "cost above default burst", json: `{"zones":[{"name":"a","rate":"2.5r/s","cost":4}]}`, wantErr: "zone a: cost 4 exceeds burst 3"},
