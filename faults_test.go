@@ -1,0 +1,262 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Fault and attack scenarios: what the plugin must hold to when Redis
+// fails, when the config reloads under a flood, and when clients choose
+// hostile keys or flood one key or many. See faults_helpers_test.go for
+// the short and the long version.
+
+var faultModes = []string{"local", "open", "closed"}
+
+// outageSite has one route per fail_mode, /local, /open and /closed, each
+// with its own handler, all on one Redis, through one client (and so one
+// circuit breaker), as one Caddy instance with one Redis has. Requests
+// with X-Key are limited at 10r/s, burst 20; requests with X-Probe only
+// by a zone that keeps their key in Redis for a minute, which shows
+// whether Redis decided them.
+func outageSite(addr string, timeout time.Duration) string {
+	var b strings.Builder
+	for _, mode := range faultModes {
+		fmt.Fprintf(&b, `	handle /%[1]s {
+		rate_limit {
+			zone outage_%[1]s {
+				key {http.request.header.X-Key}
+				rate 10r/s
+				burst 20
+			}
+			zone outage_probe_%[1]s {
+				key {http.request.header.X-Probe}
+				rate 1r/m
+				burst 5
+			}
+			store redis {
+				address %[2]s
+				key_prefix outage:
+				timeout %[3]s
+				fail_mode %[1]s
+			}
+		}
+		respond "ok"
+	}
+`, mode, addr, timeout)
+	}
+	return b.String()
+}
+
+// Redis killed, frozen, out of memory, asleep, asking for a password, or
+// demoted to a read-only replica, under load, with each fail_mode: no
+// request waits much longer than the timeout, Redis decides again soon
+// after it recovers although impatient clients cancel requests (and so
+// probes), and Caddy logs a few lines, with no keys and no headers.
+func TestFaultRedisOutages(t *testing.T) {
+	const timeout = 100 * time.Millisecond
+	var (
+		hold          = sized(time.Second, 5*time.Second)
+		sleep         = sized("1", "2") // DEBUG SLEEP, seconds
+		pace          = sized(5*time.Millisecond, 2*time.Millisecond)
+		latencyBound  = timeout + sized(150*time.Millisecond, 20*time.Millisecond)
+		recoveryBound = sized(1500*time.Millisecond, time.Second)
+	)
+	const maxLinesPerSecond = 5
+	requireRedis(t)
+	c := startFaultCaddy(t, `respond "idle"`, true)
+	report := newFaultReport(t, "Redis faults under load, per fail_mode",
+		"fault", "fail_mode", "requests", "statuses", "max latency", "Redis decides again after")
+	logReport := newFaultReport(t, "Redis faults: Caddy's log",
+		"fault", "log lines", "most in one second", "lines with a key or header")
+
+	faults := []struct {
+		name string
+		run  func(t *testing.T, r *redisServer) // starts the fault, holds it, ends it
+	}{
+		{"SIGKILL, restarted", func(t *testing.T, r *redisServer) {
+			r.kill()
+			time.Sleep(hold)
+			r.start()
+		}},
+		{"SIGSTOP", func(t *testing.T, r *redisServer) {
+			r.pause()
+			time.Sleep(hold)
+			r.resume()
+		}},
+		{"out of memory", func(t *testing.T, r *redisServer) {
+			fillRedis(t, r)
+			time.Sleep(hold)
+			r.cli("CONFIG", "SET", "maxmemory", "0")
+		}},
+		{"DEBUG SLEEP " + sleep, func(t *testing.T, r *redisServer) {
+			r.cli("DEBUG", "SLEEP", sleep)
+		}},
+		{"wrong password", func(t *testing.T, r *redisServer) {
+			r.cli("CONFIG", "SET", "requirepass", "pw-fault")
+			r.cli("-a", "pw-fault", "--no-auth-warning", "CLIENT", "KILL", "TYPE", "normal")
+			time.Sleep(hold)
+			r.cli("-a", "pw-fault", "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
+		}},
+		{"read-only replica", func(t *testing.T, r *redisServer) {
+			master := startRedis(t)
+			r.cli("REPLICAOF", "127.0.0.1", strconv.Itoa(master.port))
+			time.Sleep(hold)
+			r.cli("REPLICAOF", "NO", "ONE")
+		}},
+	}
+	for _, f := range faults {
+		t.Run(f.name, func(t *testing.T) {
+			r := startRedis(t, "--enable-debug-command", "yes")
+			c.load(outageSite(r.addr(), timeout))
+			check := newRedisClient(t, r.addr())
+
+			stop := make(chan struct{})
+			var waits []func()
+			patient := make([]*tally, len(faultModes))
+			for m, mode := range faultModes {
+				url := c.url + "/" + mode
+				patient[m] = newTally()
+				client, hasty := newFaultClient(t, 10*time.Second), newFaultClient(t, 50*time.Millisecond)
+				waits = append(waits,
+					loop(2, pace, stop, func(w, i int) { // one hot key
+						patient[m].note(send(client, url, "X-Key", "keysecret-hot", "X-Secret", "hunter2"))
+					}),
+					loop(2, pace, stop, func(w, i int) { // 100 keys, each under its limit
+						patient[m].note(send(client, url, "X-Key", fmt.Sprintf("keysecret-%d-%d", w, i%50), "X-Secret", "hunter2"))
+					}),
+					loop(2, pace, stop, func(w, i int) { // clients that give up after 50ms
+						send(hasty, url, "X-Key", fmt.Sprintf("keysecret-hasty-%d-%d", w, i%50), "X-Secret", "hunter2")
+					}),
+				)
+			}
+			time.Sleep(300 * time.Millisecond)
+			mark := c.logs.mark()
+
+			f.run(t, r)
+			over := time.Now()
+			back := make([]time.Duration, len(faultModes))
+			var wg sync.WaitGroup
+			for m, mode := range faultModes {
+				client := newFaultClient(t, 10*time.Second)
+				wg.Go(func() {
+					back[m] = -1
+					for n := 0; time.Since(over) < 10*time.Second; n++ {
+						key := fmt.Sprintf("probe-%d", n)
+						send(client, c.url+"/"+mode, "X-Probe", key)
+						if check.Exists(context.Background(), "outage:outage_probe_"+mode+":{"+key+"}").Val() == 1 {
+							back[m] = time.Since(over)
+							return
+						}
+						time.Sleep(20 * time.Millisecond)
+					}
+				})
+			}
+			wg.Wait()
+			time.Sleep(200 * time.Millisecond)
+			close(stop)
+			for _, wait := range waits {
+				wait()
+			}
+			lines := c.logs.since(mark)
+
+			for m, mode := range faultModes {
+				p := patient[m]
+				report.add(t, f.name, mode, p.total(), p.codesString(), ms(p.slowest), ms(back[m]))
+				if p.errs > 0 {
+					t.Errorf("%s: %d requests got no response: %v", mode, p.errs, p.firstErr)
+				}
+				if p.slowest > latencyBound {
+					t.Errorf("%s: a request took %v, more than the timeout %v and some slack (%v)", mode, p.slowest, timeout, latencyBound)
+				}
+				switch {
+				case back[m] < 0:
+					t.Errorf("%s: Redis did not decide again within 10s of its recovery", mode)
+				case back[m] > recoveryBound:
+					t.Errorf("%s: Redis decided again %v after its recovery, want within %v", mode, back[m], recoveryBound)
+				}
+				want := map[string][]int{"local": {200, 429}, "open": {200, 429}, "closed": {200, 429, 503}}[mode]
+				for code := range p.codes {
+					if !containsInt(want, code) {
+						t.Errorf("%s: %d × status %d, want only %v", mode, p.codes[code], code, want)
+					}
+				}
+				if mode == "closed" && p.codes[503] == 0 {
+					t.Errorf("closed: no 503 while Redis was failing: the fault did not reach the store")
+				}
+				if p.noRetryAfter > 0 {
+					t.Errorf("%s: %d × 503 without Retry-After: 1", mode, p.noRetryAfter)
+				}
+			}
+
+			leaked := leaks(lines, "hunter2", "keysecret")
+			logReport.add(t, f.name, len(lines), perSecond(lines), len(leaked))
+			if n := perSecond(lines); n > maxLinesPerSecond {
+				t.Errorf("%d log lines within one second, want at most %d", n, maxLinesPerSecond)
+			}
+			for _, l := range leaked {
+				t.Errorf("a log line holds a key or a request header: %s", l)
+			}
+			if t.Failed() || testing.Verbose() {
+				for _, l := range lines {
+					t.Logf("log: %.300s", l.text)
+				}
+			}
+		})
+	}
+}
+
+func containsInt(s []int, v int) bool {
+	for _, x := range s {
+		if x == v {
+			return true
+		}
+	}
+	return false
+}
+
+// fillRedis makes Redis refuse writes for lack of memory: a small
+// maxmemory without eviction, filled. Filling stops at the first refused
+// write, which leaves Redis just under its limit (the refused write's
+// own buffer tipped it over); the limit then goes 1 MB below what Redis
+// holds, as when other writers keep filling it, so that every write is
+// refused until the limit is lifted.
+func fillRedis(t *testing.T, r *redisServer) {
+	t.Helper()
+	c := redis.NewClient(&redis.Options{Addr: r.addr()})
+	defer c.Close()
+	ctx := context.Background()
+	r.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
+	r.cli("CONFIG", "SET", "maxmemory", strconv.FormatInt(usedMemory(r)+4<<20, 10))
+	value := strings.Repeat("x", 64<<10)
+	for i := 0; ; i++ {
+		err := c.Set(ctx, fmt.Sprintf("fill:%d", i), value, 0).Err()
+		if err != nil && strings.HasPrefix(err.Error(), "OOM") {
+			break
+		}
+		if err != nil || i == 1000 {
+			t.Fatalf("filling Redis: %d keys, %v", i, err)
+		}
+	}
+	r.cli("CONFIG", "SET", "maxmemory", strconv.FormatInt(usedMemory(r)-1<<20, 10))
+}
+
+func usedMemory(r *redisServer) int64 {
+	for line := range strings.SplitSeq(r.cli("INFO", "memory"), "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "used_memory:"); ok {
+			n, _ := strconv.ParseInt(v, 10, 64)
+			return n
+		}
+	}
+	r.t.Fatal("no used_memory in INFO memory")
+	return 0
+}
