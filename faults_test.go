@@ -6,6 +6,8 @@ package ratelimit
 import (
 	"context"
 	"fmt"
+	"net/http"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -259,4 +261,221 @@ func usedMemory(r *redisServer) int64 {
 	}
 	r.t.Fatal("no used_memory in INFO memory")
 	return 0
+}
+
+// Config reloads under a flood, with Redis healthy and with Redis frozen:
+// every request gets an HTTP response, nothing panics, no goroutine or
+// file descriptor is left behind, and a key that emptied its bucket stays
+// limited across the reloads, which keep its zone.
+func TestFaultReloadsUnderFlood(t *testing.T) {
+	reloads := sized(20, 200)
+	const slack = 10 // goroutines and file descriptors
+	requireRedis(t)
+	r := startRedis(t)
+	site := func(n int) string {
+		return fmt.Sprintf(`	rate_limit {
+		zone reload_flood {
+			key {http.request.header.X-Key}
+			rate 1r/m
+			burst 5
+		}
+		store redis {
+			address %s
+			key_prefix reload:
+			fail_mode local
+		}
+	}
+	respond "config %d"`, r.addr(), n)
+	}
+	// In this process, so that the race detector watches the reloads.
+	c := startFaultCaddy(t, site(0), false)
+	report := newFaultReport(t, "Reloads under a flood",
+		"Redis", "reloads", "requests", "statuses", "no response", "hot key allowed", "due",
+		"goroutines before → after", "fds before → after", "log lines with panic")
+	loaded := 0
+	for _, frozen := range []bool{false, true} {
+		name := map[bool]string{false: "healthy", true: "frozen"}[frozen]
+		t.Run(name, func(t *testing.T) {
+			client := newFaultClient(t, 10*time.Second)
+			send(client, c.url, "X-Key", "warm")
+			client.CloseIdleConnections()
+			time.Sleep(200 * time.Millisecond)
+			goroutines, fds := runtime.NumGoroutine(), c.fds()
+			mark := c.logs.mark()
+			if frozen {
+				r.pause()
+			}
+
+			all, hot := newTally(), newTally()
+			stop := make(chan struct{})
+			start := time.Now()
+			waitFlood := loop(6, time.Millisecond, stop, func(w, i int) {
+				all.note(send(client, c.url, "X-Key", fmt.Sprintf("flood-%d-%d", w, i%100)))
+			})
+			waitHot := loop(2, time.Millisecond, stop, func(w, i int) {
+				rep := send(client, c.url, "X-Key", "hot-"+name)
+				all.note(rep)
+				hot.note(rep)
+			})
+			for range reloads {
+				loaded++
+				c.load(site(loaded))
+				time.Sleep(sized(50*time.Millisecond, 20*time.Millisecond))
+			}
+			close(stop)
+			waitFlood()
+			waitHot()
+			elapsed := time.Since(start)
+			if frozen {
+				r.resume()
+			}
+			client.CloseIdleConnections()
+			goroutinesAfter, fdsAfter := 0, 0
+			deadline := time.Now().Add(10 * time.Second)
+			for {
+				goroutinesAfter, fdsAfter = runtime.NumGoroutine(), c.fds()
+				if goroutinesAfter <= goroutines+slack && fdsAfter <= fds+slack || time.Now().After(deadline) {
+					break
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+			var panics []string
+			for _, l := range c.logs.since(mark) {
+				if strings.Contains(strings.ToLower(l.text), "panic") {
+					panics = append(panics, l.text)
+				}
+			}
+
+			// A fresh bucket of 5, whose tokens come back at 1 a minute:
+			// in Redis, or, with Redis frozen, in the local buckets that
+			// fail_mode local keeps across reloads.
+			due := 5 + int(elapsed/time.Minute)
+			allowed := hot.codes[http.StatusOK]
+			report.add(t, name, reloads, all.total(), all.codesString(), all.errs, allowed, due,
+				fmt.Sprintf("%d → %d", goroutines, goroutinesAfter), fmt.Sprintf("%d → %d", fds, fdsAfter), len(panics))
+			if all.errs > 0 {
+				t.Errorf("%d requests got no HTTP response: %v", all.errs, all.firstErr)
+			}
+			for code, n := range all.codes {
+				if code != http.StatusOK && code != http.StatusTooManyRequests {
+					t.Errorf("%d × status %d", n, code)
+				}
+			}
+			if allowed != due {
+				t.Errorf("hot key: %d requests allowed across %d reloads, want the %d its bucket holds", allowed, reloads, due)
+			}
+			if goroutinesAfter > goroutines+slack {
+				t.Errorf("%d goroutines after the reloads, %d before", goroutinesAfter, goroutines)
+			}
+			if fdsAfter > fds+slack {
+				t.Errorf("%d file descriptors open after the reloads, %d before", fdsAfter, fds)
+			}
+			for _, l := range panics {
+				t.Errorf("log: %s", l)
+			}
+		})
+	}
+}
+
+// hostileKeys are keys that might end a cluster hash tag early, start
+// another, look like the escapes the store writes, or break a protocol.
+var hostileKeys = []string{
+	"}evil", "{", "}", "{}", ":", "%", "%7D", "a}", "a%7D", "%25", "%%7D",
+	"\r", "\n", "\x00", "a\r\nb", "\x00}{", strings.Repeat("k", 1<<20), strings.Repeat("k", 1<<20-1) + "}",
+}
+
+// A key of hostile bytes is limited exactly like a plain one, on one
+// Redis and on a cluster: its request's two zones are decided in one
+// call, in one slot, and distinct keys keep distinct buckets however
+// alike their escapes look.
+func TestFaultHostileKeys(t *testing.T) {
+	requireRedis(t)
+	const zones = `[
+		{"name":"hostile_a","key":"{http.request.header.X-Key}","rate":"1r/m","burst":2},
+		{"name":"hostile_b","key":"{http.request.header.X-Key}","rate":"1r/m","burst":3}]`
+	// Every request asks Redis, so that each is one script call.
+	const store = `"backend":"redis","fail_mode":"closed","disable_over_limit_cache":true`
+	report := newFaultReport(t, "Hostile keys", "Redis", "keys", "limited like a plain key", "script calls per request", "zones' keys in one slot")
+	single := startRedis(t)
+	nodes := startCluster(t)
+	for _, tc := range []struct {
+		name  string
+		nodes []*redisServer
+	}{
+		{"standalone", []*redisServer{single}},
+		{"cluster of 3", nodes},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var addrs []string
+			for _, n := range tc.nodes {
+				addrs = append(addrs, fmt.Sprintf("%q", n.addr()))
+				// Loaded on every node, the script takes one EVALSHA
+				// per decision, never a NOSCRIPT and an EVAL.
+				if err := tokenBucketScript.Load(context.Background(), newRedisClient(t, n.addr())).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{%s,"addresses":[%s]}}`, zones, store, strings.Join(addrs, ",")))
+			rs := h.store.(*RedisStore)
+			calls := func() int {
+				n := 0
+				for _, node := range tc.nodes {
+					n += node.calls()
+				}
+				return n
+			}
+			// Three requests: both zones allow twice, then hostile_a
+			// denies and hostile_b keeps the token it would have given.
+			run := func(key string) string {
+				var got []string
+				for range 3 {
+					code, hdr := serve(h, "192.0.2.1", "X-Key", key)
+					got = append(got, fmt.Sprint(code, " ", hdr.Get("Ratelimit"), " ", hdr.Get("Retry-After")))
+				}
+				return strings.Join(got, "; ")
+			}
+			want := run("plain")
+			if !strings.Contains(want, `429 "hostile_a";r=0;t=120, "hostile_b";r=1;t=120 60`) {
+				t.Fatalf("plain key: %s", want)
+			}
+			same, slots, total := 0, 0, 0
+			for _, key := range hostileKeys {
+				label := fmt.Sprintf("%.20q", key)
+				before := calls()
+				if got := run(key); got != want {
+					t.Errorf("key %s: %s; a plain key got %s", label, got, want)
+				} else {
+					same++
+				}
+				n := calls() - before
+				if total += n; n != 3 {
+					t.Errorf("key %s: %d script calls for 3 requests", label, n)
+				}
+				var redisKeys []string
+				for _, z := range h.Zones {
+					redisKeys = append(redisKeys, rs.redisKey(&request{zone: z, key: z.keyFor(key)}))
+				}
+				for _, k := range redisKeys {
+					if n, err := rs.client.Exists(context.Background(), k).Result(); err != nil || n != 1 {
+						t.Errorf("key %s: bucket %.40q not in Redis: %d, %v", label, k, n, err)
+					}
+				}
+				if rs.client.cluster {
+					a, errA := rs.client.ClusterKeySlot(context.Background(), redisKeys[0]).Result()
+					b, errB := rs.client.ClusterKeySlot(context.Background(), redisKeys[1]).Result()
+					if errA != nil || errB != nil || a != b {
+						t.Errorf("key %s: the zones' keys are in slots %d and %d (%v, %v)", label, a, b, errA, errB)
+					} else {
+						slots++
+					}
+				}
+			}
+			inSlot := "n/a"
+			if rs.client.cluster {
+				inSlot = fmt.Sprintf("%d of %d", slots, len(hostileKeys))
+			}
+			report.add(t, tc.name, len(hostileKeys), fmt.Sprintf("%d of %d", same, len(hostileKeys)),
+				fmt.Sprintf("%.2f", float64(total)/float64(3*len(hostileKeys))), inSlot)
+		})
+	}
 }
