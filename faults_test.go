@@ -5,12 +5,16 @@ package ratelimit
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"math"
 	"net/http"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -477,5 +481,189 @@ func TestFaultHostileKeys(t *testing.T) {
 			report.add(t, tc.name, len(hostileKeys), fmt.Sprintf("%d of %d", same, len(hostileKeys)),
 				fmt.Sprintf("%.2f", float64(total)/float64(3*len(hostileKeys))), inSlot)
 		})
+	}
+}
+
+// One key flooded at `10r/s burst 20` through many connections costs
+// Redis about one call per allowed request: the over-limit cache denies
+// the rest, and one request at a time asks for a bucket that may have
+// refilled.
+func TestFaultOneKeyFlood(t *testing.T) {
+	requireRedis(t)
+	r := startRedis(t)
+	c := startFaultCaddy(t, fmt.Sprintf(`	rate_limit {
+		zone flood_one {
+			key {http.request.header.X-Key}
+			rate 10r/s
+			burst 20
+		}
+		store redis {
+			address %s
+			key_prefix flood:
+		}
+	}
+	respond "ok"`, r.addr()), true)
+	report := newFaultReport(t, "One key flooded at 10r/s burst 20",
+		"connections", "seconds", "requests", "allowed", "due", "Redis calls", "calls/s", "calls in the first second", "most calls in a later second")
+	seconds := sized(3, 10)
+	for _, conns := range sized([]int{64}, []int{16, 256}) {
+		t.Run(fmt.Sprint(conns, " connections"), func(t *testing.T) {
+			client := newFaultClient(t, 10*time.Second)
+			key := fmt.Sprint("hot-", conns)
+			all := newTally()
+			stop := make(chan struct{})
+			before := r.calls()
+			start := time.Now()
+			wait := loop(conns, 0, stop, func(w, i int) { all.note(send(client, c.url, "X-Key", key)) })
+			var perSecond []int
+			last := before
+			for s := range seconds {
+				time.Sleep(time.Until(start.Add(time.Duration(s+1) * time.Second)))
+				n := r.calls()
+				perSecond = append(perSecond, n-last)
+				last = n
+			}
+			close(stop)
+			wait()
+			elapsed := time.Since(start)
+			calls := r.calls() - before
+			allowed := all.codes[http.StatusOK]
+			due := 20 + int(10*elapsed.Seconds())
+			steady := slices.Max(perSecond[1:])
+			report.add(t, conns, seconds, all.total(), allowed, due, calls,
+				fmt.Sprintf("%.1f", float64(calls)/elapsed.Seconds()), perSecond[0], steady)
+			if all.errs > 0 || len(all.codes) > 2 {
+				t.Errorf("statuses %s, want only 200 and 429", all.codesString())
+			}
+			if allowed > due+1 || allowed < due-5 {
+				t.Errorf("%d allowed in %v, want about %d", allowed, elapsed, due)
+			}
+			if steady > 20 {
+				t.Errorf("%d Redis calls within one second after the first, want at most 20", steady)
+			}
+			// The long version holds every call but ten to an allowed
+			// request. The short one lets each connection's first request
+			// ask Redis too: the over-limit cache holds only buckets
+			// that Redis has found short, so the first requests for a
+			// key all go to Redis at once.
+			if most := allowed + 10 + sized(conns, 0); calls > most {
+				t.Errorf("%d Redis calls for %d allowed requests, want at most %d", calls, allowed, most)
+			}
+		})
+	}
+}
+
+// A flood of one-off keys, many times max_keys, against two zones
+// (burst 1 at 1r/m, burst 10 at 10r/h), while one client keeps sending
+// with the same key to each: memory stays flat, and the hot key gets what
+// its bucket allows, not the fresh bucket an eviction would give it.
+func TestFaultRotatingKeys(t *testing.T) {
+	var (
+		maxKeys = sized(1000, 100_000)
+		flood   = sized(20_000, 2_000_000) // one-off keys, half to each zone
+		senders = sized(4, 16)
+	)
+	zones := []struct {
+		name, rate string
+		perSec     float64
+		burst      int
+	}{
+		{"evict_one", "1r/m", 1.0 / 60, 1},
+		{"evict_ten", "10r/h", 10.0 / 3600, 10},
+	}
+	var site strings.Builder
+	for _, z := range zones {
+		fmt.Fprintf(&site, `	handle /%[1]s {
+		rate_limit {
+			zone %[1]s {
+				key {http.request.header.X-Key}
+				rate %[2]s
+				burst %[3]d
+			}
+			store local {
+				max_keys %[4]d
+			}
+		}
+		respond "ok"
+	}
+`, z.name, z.rate, z.burst, maxKeys)
+	}
+	c := startFaultCaddy(t, site.String(), true)
+	report := newFaultReport(t, "Rotating keys against max_keys",
+		"zone", "max_keys", "one-off keys", "seconds", "tracked keys", "evictions", "hot key allowed", "due", "RSS before / full / end / peak")
+
+	client := newFaultClient(t, 10*time.Second)
+	rssStart := c.rssKB()
+	var sent atomic.Int64
+	stop := make(chan struct{})
+	all := newTally()
+	start := time.Now()
+	waitFlood := loop(senders, 0, stop, func(w, i int) {
+		n := sent.Add(1)
+		if n > int64(flood) {
+			return
+		}
+		all.note(send(client, c.url+"/"+zones[n%2].name, "X-Key", fmt.Sprint("one-off-", n)))
+	})
+	hot := make([]*tally, len(zones))
+	var waitHot []func()
+	for i, z := range zones {
+		hot[i] = newTally()
+		waitHot = append(waitHot, loop(1, 10*time.Millisecond, stop, func(int, int) {
+			hot[i].note(send(client, c.url+"/"+z.name, "X-Key", "hot"))
+		}))
+	}
+	// RSS once the tables are full, then at the end and at its peak.
+	var rssFull, rssPeak int64
+	for sent.Load() < int64(flood) {
+		time.Sleep(100 * time.Millisecond)
+		rss := c.rssKB()
+		rssPeak = max(rssPeak, rss)
+		if rssFull == 0 && sent.Load() >= int64(flood/10) && sent.Load() >= int64(4*maxKeys) {
+			rssFull = rss
+		}
+	}
+	close(stop)
+	waitFlood()
+	for _, wait := range waitHot {
+		wait()
+	}
+	elapsed := time.Since(start)
+	rssEnd := c.rssKB()
+	if all.errs > 0 || len(all.codes) > 2 {
+		t.Errorf("one-off keys: statuses %s", all.codesString())
+	}
+	for i, z := range zones {
+		var info struct {
+			TrackedKeys int    `json:"tracked_keys"`
+			Evictions   uint64 `json:"evictions"`
+		}
+		resp, err := c.client.Get("http://" + c.admin + "/rate_limit/" + z.name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = json.NewDecoder(resp.Body).Decode(&info)
+		resp.Body.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		due := float64(z.burst) + z.perSec*elapsed.Seconds()
+		allowed := hot[i].codes[http.StatusOK]
+		report.add(t, z.name, maxKeys, flood, fmt.Sprintf("%.0f", elapsed.Seconds()), info.TrackedKeys, info.Evictions,
+			allowed, fmt.Sprintf("%.1f", due), fmt.Sprintf("%d / %d / %d / %d MB", rssStart>>10, rssFull>>10, rssEnd>>10, rssPeak>>10))
+		if info.Evictions == 0 {
+			t.Errorf("%s: no evictions: the flood did not fill the zone", z.name)
+		}
+		if info.TrackedKeys > maxKeys {
+			t.Errorf("%s: %d keys tracked, max_keys %d", z.name, info.TrackedKeys, maxKeys)
+		}
+		if float64(allowed) > 1.1*due || float64(allowed) < max(float64(z.burst), math.Floor(0.9*due)) {
+			t.Errorf("%s: the hot key was allowed %d requests in %v, want within 10%% of %.1f", z.name, allowed, elapsed, due)
+		}
+	}
+	// In this process, the clients' garbage shares the heap: only a
+	// Caddy of its own shows Caddy's memory.
+	if longFaults() && float64(rssEnd) > 1.25*float64(rssFull) {
+		t.Errorf("RSS grew from %d MB with full tables to %d MB", rssFull>>10, rssEnd>>10)
 	}
 }
