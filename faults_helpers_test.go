@@ -66,6 +66,7 @@ func (r *faultReport) add(t *testing.T, cells ...any) {
 	r.rows = append(r.rows, row)
 	r.mu.Unlock()
 	var b strings.Builder
+	b.WriteString("figures: ")
 	for i, c := range row {
 		fmt.Fprintf(&b, "%s=%s ", r.head[i], c)
 	}
