@@ -176,13 +176,16 @@ func startFaultCaddy(t *testing.T, site string, ownProcess bool) *faultCaddy {
 	return c
 }
 
+// faultGlobal is the global options block. The grace period lets the
+// requests running at a reload finish, as in production: Caddy closes
+// the connections that outlive it.
 func faultGlobal(admin, port, tls int, output string) string {
 	return fmt.Sprintf(`{
 	skip_install_trust
 	admin localhost:%d
 	http_port %d
 	https_port %d
-	grace_period 1ns
+	grace_period 10s
 	persist_config off
 	log {
 		output %s

@@ -15,11 +15,13 @@ rm -f "$results.part"
 echo "building bench/bin/caddy ..."
 go build -o bench/bin/caddy ./cmd/caddy || exit 1
 caddy="$PWD/bench/bin/caddy"
+log=bench/bin/faults-test.log # the whole test log, for a closer look
+: >"$log"
 
 status=0
 run() {
 	echo "+ $*"
-	"$@" 2>&1 | tee -a "$tmp/test.log" | grep -E '^\s*(=== RUN|--- |faults_test.go:[0-9]+: figures:|ok|FAIL|PASS)' || true
+	"$@" 2>&1 | tee -a "$log" | grep -E '^\s*(=== RUN|--- |faults_test.go:[0-9]+: figures:|ok|FAIL|PASS)'
 	[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
 start=$(date +%s) load_before=$(cut -d' ' -f1-3 /proc/loadavg)
@@ -55,10 +57,10 @@ minutes=$(( ($(date +%s) - start + 59) / 60 )) load_after=$(cut -d' ' -f1-3 /pro
 		echo "## Failures"
 		echo
 		echo '```'
-		grep -E '^\s+faults_test.go:[0-9]+: ' "$tmp/test.log" | grep -vE 'faults_test.go:[0-9]+: (figures|log): ' | sed 's/^ *//' | sort | uniq -c | sort -rn | head -40
+		grep -E '^\s+faults_test.go:[0-9]+: ' "$log" | grep -vE 'faults_test.go:[0-9]+: (figures|log): ' | sed 's/^ *//' | sort | uniq -c | sort -rn | head -40
 		echo '```'
 	fi
 } >"$results"
 rm -f "$results.part"
-echo "results in $results"
+echo "results in $results, the whole test log in $log"
 exit $status
