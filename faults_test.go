@@ -92,7 +92,7 @@ func TestFaultRedisOutages(t *testing.T) {
 	logReport := newFaultReport(t, "Redis faults: Caddy's log",
 		"fault", "log lines", "most in one second", "lines with a key or header")
 	report := newFaultReport(t, "Redis faults under load, per fail_mode",
-		"fault", "fail_mode", "requests", "statuses", "max latency", "Redis decides again after")
+		"fault", "fail_mode", "requests", "statuses", "max latency", "Redis decides again after", "requests given up after 50 ms")
 
 	fillUp := func(t *testing.T, r *redisServer) {
 		fillRedis(t, r)
@@ -141,11 +141,11 @@ func TestFaultRedisOutages(t *testing.T) {
 
 			stop := make(chan struct{})
 			var waits []func()
-			patient := make([]*tally, len(faultModes))
+			patient, hasty := make([]*tally, len(faultModes)), make([]*tally, len(faultModes))
 			for m, mode := range faultModes {
 				url := c.url + "/" + mode
-				patient[m] = newTally()
-				client, hasty := newFaultClient(t, 10*time.Second), newFaultClient(t, 50*time.Millisecond)
+				patient[m], hasty[m] = newTally(), newTally()
+				client, hastyClient := newFaultClient(t, 10*time.Second), newFaultClient(t, 50*time.Millisecond)
 				waits = append(waits,
 					loop(2, pace, stop, func(w, i int) { // one hot key
 						patient[m].note(send(client, url, "X-Key", "keysecret-hot", "X-Secret", "hunter2"))
@@ -154,7 +154,7 @@ func TestFaultRedisOutages(t *testing.T) {
 						patient[m].note(send(client, url, "X-Key", fmt.Sprintf("keysecret-%d-%d", w, i%50), "X-Secret", "hunter2"))
 					}),
 					loop(2, pace, stop, func(w, i int) { // clients that give up after 50ms
-						send(hasty, url, "X-Key", fmt.Sprintf("keysecret-hasty-%d-%d", w, i%50), "X-Secret", "hunter2")
+						hasty[m].note(send(hastyClient, url, "X-Key", fmt.Sprintf("keysecret-hasty-%d-%d", w, i%50), "X-Secret", "hunter2"))
 					}),
 				)
 			}
@@ -190,7 +190,7 @@ func TestFaultRedisOutages(t *testing.T) {
 
 			for m, mode := range faultModes {
 				p := patient[m]
-				report.add(t, f.name, mode, p.total(), p.codesString(), ms(p.slowest), ms(back[m]))
+				report.add(t, f.name, mode, p.total(), p.codesString(), ms(p.slowest), ms(back[m]), hasty[m].errs)
 				if p.errs > 0 {
 					t.Errorf("%s: %d requests got no response: %v", mode, p.errs, p.firstErr)
 				}
@@ -205,7 +205,7 @@ func TestFaultRedisOutages(t *testing.T) {
 				}
 				want := map[string][]int{"local": {200, 429}, "open": {200, 429}, "closed": {200, 429, 503}}[mode]
 				for code := range p.codes {
-					if !containsInt(want, code) {
+					if !slices.Contains(want, code) {
 						t.Errorf("%s: %d × status %d, want only %v", mode, p.codes[code], code, want)
 					}
 				}
@@ -232,15 +232,6 @@ func TestFaultRedisOutages(t *testing.T) {
 			}
 		})
 	}
-}
-
-func containsInt(s []int, v int) bool {
-	for _, x := range s {
-		if x == v {
-			return true
-		}
-	}
-	return false
 }
 
 // fillRedis makes Redis refuse writes for lack of memory: a small
