@@ -274,6 +274,46 @@ func usedMemory(r *redisServer) int64 {
 	return 0
 }
 
+// Redis freezes as the over-limit cache's entry for a flooded key runs
+// out, and nothing else fails yet: the request that asks Redis about the
+// key and those that wait for its answer are each decided within the
+// timeout, although the circuit breaker is still closed.
+func TestFaultFrozenAsCachedDenialRunsOut(t *testing.T) {
+	const timeout = 100 * time.Millisecond
+	const waiting = 4 // requests for the key while Redis is frozen
+	// The long version holds every request to the timeout. The short
+	// one allows what the store does today: a request that waited for
+	// another's call, which failed, then makes its own (see
+	// bench/faults/RESULTS.md).
+	bound := sized(2*timeout+150*time.Millisecond, timeout+20*time.Millisecond)
+	requireRedis(t)
+	r := startRedis(t)
+	h := newTestHandler(t, redisConfig(r.addr(), "frozen_hot", "10r/s", 1, fmt.Sprintf(`,"timeout":%d`, timeout)))
+	report := newFaultReport(t, "Redis frozen as a flooded key's cached denial runs out",
+		"timeout", "requests at once", "statuses", "slowest")
+	serve(h, "192.0.2.9")
+	if code, _ := serve(h, "192.0.2.9"); code != http.StatusTooManyRequests {
+		t.Fatalf("second request: %d, want 429", code)
+	}
+	time.Sleep(150 * time.Millisecond) // the denial's entry runs out: a token is back
+	r.pause()
+	defer r.resume()
+	all := newTally()
+	var wg sync.WaitGroup
+	for range waiting {
+		wg.Go(func() {
+			start := time.Now()
+			code, _ := serve(h, "192.0.2.9")
+			all.note(reply{status: code, took: time.Since(start)})
+		})
+	}
+	wg.Wait()
+	report.add(t, timeout, waiting, all.codesString(), ms(all.slowest))
+	if all.slowest > bound {
+		t.Errorf("a request took %v with timeout %v, want at most %v", all.slowest, timeout, bound)
+	}
+}
+
 // Config reloads under a flood, with Redis healthy and with Redis frozen:
 // every request gets an HTTP response, nothing panics, no goroutine or
 // file descriptor is left behind, and a key that emptied its bucket stays

@@ -19,8 +19,23 @@ log=bench/bin/faults-test.log # the whole test log, for a closer look
 : >"$log"
 
 status=0
+cmds=()
+# quoted prints a command as a shell would read it back, paths relative
+# to the repository's root.
+quoted() {
+	local out=() a
+	for a in "$@"; do
+		a=${a//$PWD\//}
+		case $a in
+		*[!A-Za-z0-9_./=:-]*) out+=("'$a'") ;;
+		*) out+=("$a") ;;
+		esac
+	done
+	echo "${out[*]}"
+}
 run() {
-	echo "+ $*"
+	cmds+=("$(quoted "$@")")
+	echo "+ ${cmds[-1]}"
 	"$@" 2>&1 | tee -a "$log" | grep -E '^\s*(=== RUN|--- |faults_test.go:[0-9]+: figures:|ok|FAIL|PASS)'
 	[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 }
@@ -28,7 +43,7 @@ start=$(date +%s) load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 # Scenarios 1, 4 and 5 watch a Caddy process of their own; scenario 2
 # runs in the test binary under the race detector; scenario 3 needs no
 # Caddy.
-run env RATELIMIT_FAULTS_CADDY="$caddy" go test -count=1 -timeout 30m -v -run '^TestFaultRedisOutages$' .
+run env RATELIMIT_FAULTS_CADDY="$caddy" go test -count=1 -timeout 30m -v -run '^TestFault(RedisOutages|FrozenAsCachedDenialRunsOut)$' .
 run go test -race -count=1 -timeout 30m -v -run '^TestFaultReloadsUnderFlood$' .
 run go test -count=1 -timeout 30m -v -run '^TestFaultHostileKeys$' .
 run env RATELIMIT_FAULTS_CADDY="$caddy" go test -count=1 -timeout 30m -v -run '^TestFault(OneKeyFlood|RotatingKeys)$' .
@@ -39,13 +54,10 @@ minutes=$(( ($(date +%s) - start + 59) / 60 )) load_after=$(cut -d' ' -f1-3 /pro
 	echo
 	echo "Run with \`make faults\` (bench/faults/run.sh) on $(date -u +%Y-%m-%d), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!bench/faults' || echo ' plus uncommitted changes'), in about $minutes minutes."
 	echo "Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'); $(go version | cut -d' ' -f3); $(redis-server --version | cut -d' ' -f3 | tr -d 'v='); load average $load_before before the run, $load_after after."
-	echo "Commands, as the script runs them (RATELIMIT_FAULTS=long throughout, RATELIMIT_FAULTS_CADDY=bench/bin/caddy where a Caddy process is watched):"
+	echo "The commands it ran, each with RATELIMIT_FAULTS=long (the long version) and RATELIMIT_FAULTS_REPORT (this file), from the repository's root:"
 	echo
 	echo '```sh'
-	echo "RATELIMIT_FAULTS_CADDY=bench/bin/caddy go test -count=1 -v -run '^TestFaultRedisOutages\$' ."
-	echo "go test -race -count=1 -v -run '^TestFaultReloadsUnderFlood\$' ."
-	echo "go test -count=1 -v -run '^TestFaultHostileKeys\$' ."
-	echo "RATELIMIT_FAULTS_CADDY=bench/bin/caddy go test -count=1 -v -run '^TestFault(OneKeyFlood|RotatingKeys)\$' ."
+	printf '%s\n' "${cmds[@]}"
 	echo '```'
 	if [ $status -ne 0 ]; then
 		echo
