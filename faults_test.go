@@ -363,7 +363,7 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 			// that closes kept-alive connections. Such a request is sent
 			// once more (as browsers do); a second failure counts.
 			var resent atomic.Int64
-			sendOnce := func(key string) reply {
+			sendRetry := func(key string) reply {
 				rep := send(client, c.url, "X-Key", key)
 				if errors.Is(rep.err, io.EOF) || errors.Is(rep.err, syscall.ECONNRESET) {
 					resent.Add(1)
@@ -375,10 +375,10 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 			stop := make(chan struct{})
 			start := time.Now()
 			waitFlood := loop(6, time.Millisecond, stop, func(w, i int) {
-				all.note(sendOnce(fmt.Sprintf("flood-%d-%d", w, i%100)))
+				all.note(sendRetry(fmt.Sprintf("flood-%d-%d", w, i%100)))
 			})
 			waitHot := loop(2, time.Millisecond, stop, func(w, i int) {
-				rep := sendOnce("hot-" + name)
+				rep := sendRetry("hot-" + name)
 				all.note(rep)
 				hot.note(rep)
 			})
