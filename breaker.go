@@ -11,7 +11,7 @@ import (
 // breaker stops a store from waiting on a Redis that is down: after
 // tripAfter outages in a row it opens, and requests are decided by
 // fail_mode at once. Once the backoff has passed, one request at a time
-// probes Redis; the first success closes it.
+// probes Redis; the probe's success closes it.
 //
 // A call that allow lets through is either an ordinary call (the breaker
 // is closed) or the probe. Every way out of a call reports to the
@@ -51,17 +51,16 @@ func (b *breaker) allow(now time.Time) (ok, probe bool) {
 }
 
 // success records that Redis answered. It reports whether that closed
-// the breaker.
+// the breaker: only the probe closes it, as a call that started before
+// the breaker opened says nothing of Redis since.
 func (b *breaker) success(probe bool) bool {
 	b.failures.Store(0)
-	if b.openUntil.Load() == 0 {
+	if !probe {
 		return false
 	}
-	closed := b.openUntil.Swap(0) != 0
 	b.backoff.Store(0)
-	if probe || closed {
-		b.probing.Store(false)
-	}
+	closed := b.openUntil.Swap(0) != 0
+	b.probing.Store(false)
 	return closed
 }
 

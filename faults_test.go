@@ -281,11 +281,10 @@ func usedMemory(r *redisServer) int64 {
 func TestFaultFrozenAsCachedDenialRunsOut(t *testing.T) {
 	const timeout = 100 * time.Millisecond
 	const waiting = 4 // requests for the key while Redis is frozen
-	// The long version holds every request to the timeout. The short
-	// one allows what the store does today: a request that waited for
-	// another's call, which failed, then makes its own (see
-	// bench/faults/RESULTS.md).
-	bound := sized(2*timeout+150*time.Millisecond, timeout+20*time.Millisecond)
+	// Every request is held to the timeout, the time it waited for
+	// another's call included; the short version leaves room for a
+	// loaded CI machine.
+	bound := timeout + sized(150*time.Millisecond, 20*time.Millisecond)
 	requireRedis(t)
 	r := startRedis(t)
 	h := newTestHandler(t, redisConfig(r.addr(), "frozen_hot", "10r/s", 1, fmt.Sprintf(`,"timeout":%d`, timeout)))
@@ -500,7 +499,7 @@ func TestFaultHostileKeys(t *testing.T) {
 				return strings.Join(got, "; ")
 			}
 			want := run("plain")
-			if !strings.Contains(want, `429 "hostile_a";r=0;t=120, "hostile_b";r=1;t=120 60`) {
+			if !strings.Contains(want, `429 "hostile_a";r=0;t=60, "hostile_b";r=1;t=60 60`) {
 				t.Fatalf("plain key: %s", want)
 			}
 			same, slots, total := 0, 0, 0
@@ -608,17 +607,15 @@ func TestFaultOneKeyFlood(t *testing.T) {
 			if allowed > due+1 || allowed < due-5 {
 				t.Errorf("%d allowed in %v, want about %d", allowed, elapsed, due)
 			}
-			// The long version holds Redis to the bound the store is
-			// meant to keep: one call per allowed request and ten more,
-			// at most 20 a second once the first second is over. The
-			// short one checks only that the over-limit cache keeps the
-			// flood from Redis: the store falls short of that bound (see
-			// bench/faults/RESULTS.md), and by how much depends on the
-			// machine's speed.
+			// At most two calls per allowed request (a token's call may
+			// come a little early: the cache counts from when the last
+			// call was sent, Redis from when it ran), so at most 20 a
+			// second once the first second is over. The short version
+			// leaves room for a loaded CI machine.
 			if longFaults() && steady > 20 {
 				t.Errorf("%d Redis calls within one second after the first, want at most 20", steady)
 			}
-			if most := sized(5*allowed, allowed+10); calls > most {
+			if most := sized(3*allowed, 2*allowed+10); calls > most {
 				t.Errorf("%d Redis calls for %d allowed requests, want at most %d", calls, allowed, most)
 			}
 		})

@@ -193,6 +193,32 @@ type redisClient struct {
 	redis.UniversalClient
 	cluster bool
 	breaker breaker
+	// Each outage is logged when it starts and when it ends, at most one
+	// start every outageLogPeriod, so that a Redis that half works (the
+	// breaker opening and closing again) does not flood the log.
+	outageLogs throttle
+	outageSaid atomic.Bool // its start was logged, its end not yet
+}
+
+const outageLogPeriod = 10 * time.Second
+
+// logOutage logs that Redis went away, unless an outage was logged less
+// than outageLogPeriod ago; a probe that fails tries again.
+func (c *redisClient) logOutage(logger *zap.Logger, failMode string, err error) {
+	if c.outageSaid.Load() {
+		return
+	}
+	if _, ok := c.outageLogs.allow(outageLogPeriod); ok && c.outageSaid.CompareAndSwap(false, true) {
+		logger.Error("redis store unavailable: deciding by fail_mode until it answers again",
+			zap.String("fail_mode", failMode), zap.Error(err))
+	}
+}
+
+// logRecovery logs that Redis answers again, if its going was logged.
+func (c *redisClient) logRecovery(logger *zap.Logger) {
+	if c.outageSaid.CompareAndSwap(true, false) {
+		logger.Info("redis store available again")
+	}
 }
 
 // Destruct closes the client when no config uses it any more.
@@ -382,7 +408,7 @@ func (s *RedisStore) Cleanup() error {
 
 func (s *RedisStore) bind(zones []*Zone) error {
 	s.zones = zones
-	s.flights = &flights{m: make(map[flightKey]chan struct{})}
+	s.flights = &flights{m: make(map[flightKey]flight)}
 	s.keyErrors, s.repairs = new(throttle), new(throttle)
 	for _, z := range zones {
 		// A `{` in a zone name would start the hash tag early.
@@ -401,50 +427,54 @@ func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
 var errRedisDown = errors.New("redis is unavailable")
 
 func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (bool, error) {
+	// One timeout for the whole decision: a request that waits for the
+	// calls in flight for its buckets has that much less for its own.
+	budget := s.callTimeout
+	var flight flightKey
 	if s.cache != nil {
-		var land func()
+		arrived := now
 		var denied bool
-		if now, land, denied = s.fromCache(ctx, now, reqs); denied {
-			return false, nil
-		}
-		if land != nil {
-			defer land()
-		}
-		if err := ctx.Err(); err != nil {
+		var err error
+		if now, flight, denied, err = s.fromCache(ctx, now, reqs); denied || err != nil {
 			return false, err
 		}
+		defer s.flights.land(flight)
+		budget -= now.Sub(arrived)
 	}
+	waited := budget < s.callTimeout
 	b := &s.client.breaker
 	ok, probe := b.allow(now)
 	if !ok {
 		return false, errRedisDown
 	}
-	call, cancel := context.WithTimeout(ctx, s.callTimeout)
+	call, cancel := context.WithTimeout(ctx, budget)
 	allowed, err := s.decide(call, reqs)
+	late := call.Err() != nil
 	cancel()
 	switch kind := classify(err); {
 	case err == nil || kind == errAnswered:
 		if b.success(probe) {
-			s.logger.Info("redis store available again")
+			s.client.logRecovery(s.logger)
 		}
 		if err != nil {
 			s.keyErrors.warn(s.logger, "redis refused one decision: fail_mode decides that request", err)
 			return false, err
 		}
-	case ctx.Err() != nil || kind == errClosed:
-		// The client went away, or a reload closed this config's
-		// connections: nothing is known of Redis.
+	case ctx.Err() != nil || kind == errUnknown || waited && late:
+		// The client went away, a reload closed this config's
+		// connections, the pool had no connection free, or a call that
+		// had only what was left of the timeout ran out of it: nothing
+		// is known of Redis.
 		b.done(probe)
 		return false, err
 	default:
-		if b.outage(time.Now(), probe) {
-			s.logger.Error("redis store unavailable: deciding by fail_mode until it answers again",
-				zap.String("fail_mode", s.FailMode), zap.Error(err))
+		if b.outage(time.Now(), probe) || probe {
+			s.client.logOutage(s.logger, s.FailMode, err)
 		}
 		return false, err
 	}
 	if s.cache != nil {
-		s.remember(now, reqs)
+		s.remember(now, reqs, s.flights.waited(flight))
 	}
 	return allowed, nil
 }
@@ -453,7 +483,7 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 const (
 	errOutage   = iota // Redis is unreachable, slow, or cannot serve
 	errAnswered        // Redis answered, with an error about this call's keys
-	errClosed          // the client was closed under the call
+	errUnknown         // the call never reached Redis: the client was closed, or its pool full
 )
 
 // outageReplies are the error replies that say Redis cannot serve at all:
@@ -468,8 +498,8 @@ var outageReplies = []string{
 
 // classify says what kind of failure err is.
 func classify(err error) int {
-	if errors.Is(err, redis.ErrClosed) {
-		return errClosed
+	if errors.Is(err, redis.ErrClosed) || errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrPoolExhausted) {
+		return errUnknown
 	}
 	if errors.Is(err, errBadReply) {
 		return errAnswered
@@ -633,46 +663,64 @@ func escapeTag(s, chars string) string {
 // a bucket full at t+d: tokens only come back at the zone's rate, and
 // other instances only take them.
 //
-// Only buckets that Redis last found short are in the cache. When such a
-// bucket's instant passes, the first request to notice asks Redis, and
-// the requests for the same bucket that arrive meanwhile wait for that
-// answer and look again, rather than all asking at once: an attacker's
-// concurrency does not multiply the calls to Redis. fromCache returns the
-// instant to ask Redis at, the leader's land (to call when its answer is
-// in), and whether the request is denied.
-func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []request) (time.Time, func(), bool) {
-	// A request waits for others' calls no longer than it would wait for
-	// its own: past that, it asks.
+// The same bound says how many requests a bucket could let through now
+// (its whole burst when the cache knows nothing of it), and no more calls
+// than that go to Redis for the bucket at once: requests beyond it wait
+// for an answer and look again. An attacker's concurrency then does not
+// multiply the calls to Redis, for a fresh bucket or for one whose
+// cached instant has just passed. A request waits for the store's
+// timeout at most, then fail_mode decides it.
+//
+// fromCache returns the instant to ask Redis at and the flight it joined
+// (to land when the answer is in); or that the request is denied; or why
+// no answer came in time.
+func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []request) (time.Time, flightKey, bool, error) {
 	deadline := now.Add(s.callTimeout)
+	var timer *time.Timer
+	defer func() {
+		if timer != nil {
+			timer.Stop()
+		}
+	}()
 	for {
-		contended := -1
+		tight, most := 0, int64(math.MaxInt64)
 		for i := range reqs {
 			q := &reqs[i]
-			t := s.cache[q.zone.index]
+			t, l := s.cache[q.zone.index], q.zone.limit
 			fullAt, n := t.get(q.key), t.instant(now)
-			if fullAt != 0 && contended < 0 {
-				contended = i
-			}
-			l := q.zone.limit
 			_, q.ok = l.take(fullAt, n, q.zone.costTime)
 			q.debt = l.debt(fullAt, n)
+			if m := int64((l.burstTime - q.debt) / q.zone.costTime); m < most {
+				tight, most = i, m
+			}
 		}
-		if denied := s.cacheDenied(reqs); denied || contended < 0 || now.After(deadline) {
-			return now, nil, denied
+		if s.cacheDenied(reqs) {
+			return now, flightKey{}, true, nil
 		}
-		q := &reqs[contended]
-		f, land := s.flights.join(flightKey{q.zone.index, s.cache[q.zone.index].hash(q.key)})
-		if land != nil {
-			return now, land, false
+		q := &reqs[tight]
+		k := flightKey{q.zone.index, s.cache[q.zone.index].hash(q.key)}
+		landed := s.flights.join(k, max(most, 1))
+		if landed == nil {
+			return now, k, false, nil
 		}
+		if timer == nil {
+			timer = time.NewTimer(deadline.Sub(now))
+		}
+		waitStart := time.Now()
 		select {
-		case <-f:
+		case <-landed:
 		case <-ctx.Done():
-			return now, nil, false
+			return now, flightKey{}, false, ctx.Err()
+		case <-timer.C:
+			return now, flightKey{}, false, errNoAnswer
 		}
-		now = time.Now()
+		now = now.Add(time.Since(waitStart))
 	}
 }
+
+// errNoAnswer is a request that waited out its timeout for the calls in
+// flight for its buckets; they report Redis's health, this request not.
+var errNoAnswer = errors.New("redis: no answer within timeout")
 
 // cacheDenied counts the zones that the cache refused, and reports
 // whether there was one.
@@ -691,8 +739,10 @@ func (s *RedisStore) cacheDenied(reqs []request) bool {
 // left without the tokens for another such request; the request's other
 // buckets are noted too, so that a denial from the cache still reports
 // them in the headers. When Redis left them all with the tokens, the
-// cache forgets them: it only ever denies, so forgetting is always safe.
-func (s *RedisStore) remember(now time.Time, reqs []request) {
+// cache forgets them (it only ever denies, so forgetting is always safe),
+// unless other requests wait for this answer (contended): then they learn
+// from it how many of them may ask at once.
+func (s *RedisStore) remember(now time.Time, reqs []request, contended bool) {
 	short := false
 	for i := range reqs {
 		short = short || reqs[i].wait() > 0
@@ -700,7 +750,7 @@ func (s *RedisStore) remember(now time.Time, reqs []request) {
 	for i := range reqs {
 		q := &reqs[i]
 		t := s.cache[q.zone.index]
-		if !short {
+		if !short && !contended {
 			t.forget(q.key)
 			continue
 		}
@@ -709,11 +759,11 @@ func (s *RedisStore) remember(now time.Time, reqs []request) {
 	}
 }
 
-// flights are the Redis calls in flight for buckets that the over-limit
-// cache holds, one per bucket.
+// flights are the Redis calls in flight for the buckets of the requests
+// that the over-limit cache looks at.
 type flights struct {
 	mu sync.Mutex
-	m  map[flightKey]chan struct{} // closed when the call's answer is in
+	m  map[flightKey]flight
 }
 
 type flightKey struct {
@@ -721,23 +771,51 @@ type flightKey struct {
 	hash uint64
 }
 
-// join returns the call in flight for k to wait for, or, when there is
-// none, makes the caller its leader and returns the land to call when its
-// answer is in.
-func (fs *flights) join(k flightKey) (<-chan struct{}, func()) {
+// A flight is the calls in flight for one bucket.
+type flight struct {
+	calls  int64
+	landed chan struct{} // closed when a call lands; nil until a request waits
+}
+
+// join makes the caller one of k's calls in flight, if fewer than most
+// are, and returns nil: the caller lands k when its answer is in.
+// Otherwise it returns a channel closed when one of them lands.
+func (fs *flights) join(k flightKey, most int64) <-chan struct{} {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
-	if f, ok := fs.m[k]; ok {
-		return f, nil
+	f := fs.m[k]
+	if f.calls >= most {
+		if f.landed == nil {
+			f.landed = make(chan struct{})
+			fs.m[k] = f
+		}
+		return f.landed
 	}
-	f := make(chan struct{})
+	f.calls++
 	fs.m[k] = f
-	return nil, func() {
-		fs.mu.Lock()
-		delete(fs.m, k)
-		fs.mu.Unlock()
-		close(f)
+	return nil
+}
+
+// waited reports whether a request waits for one of k's calls.
+func (fs *flights) waited(k flightKey) bool {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	return fs.m[k].landed != nil
+}
+
+func (fs *flights) land(k flightKey) {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	f := fs.m[k]
+	if f.landed != nil {
+		close(f.landed)
+		f.landed = nil
 	}
+	if f.calls--; f.calls == 0 {
+		delete(fs.m, k)
+		return
+	}
+	fs.m[k] = f
 }
 
 // A throttle lets through at most one event per period, and counts the
