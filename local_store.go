@@ -130,6 +130,15 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 	return allowed, nil
 }
 
+// owe makes q's bucket owe debt at least, at now.
+func (s *LocalStore) owe(now time.Time, q *request, debt time.Duration) {
+	if debt > 0 {
+		t := s.tables[q.zone.index]
+		n := t.instant(now)
+		t.raise(q.key, n+debt, n)
+	}
+}
+
 func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
 	t := s.tables[q.zone.index]
 	q.debt = q.zone.limit.debt(t.get(q.key), t.instant(now))

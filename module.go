@@ -380,7 +380,8 @@ func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (outc
 	if h.storeErrors != nil {
 		h.storeErrors.Inc()
 	}
-	if _, ok := h.store.(fallible); !ok {
+	f, ok := h.store.(fallible)
+	if !ok {
 		for i := range reqs {
 			reqs[i].ok = false
 		}
@@ -388,6 +389,9 @@ func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (outc
 	}
 	switch h.failMode {
 	case failLocal:
+		for i := range reqs {
+			h.fallback.owe(now, &reqs[i], f.known(now, &reqs[i]))
+		}
 		allowed, err := h.fallback.take(ctx, now, reqs)
 		return verdict(allowed), err
 	case failOpen:

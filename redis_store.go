@@ -423,6 +423,15 @@ func (s *RedisStore) bind(zones []*Zone) error {
 
 func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
 
+// known is what the over-limit cache knows of q's bucket.
+func (s *RedisStore) known(now time.Time, q *request) time.Duration {
+	if s.cache == nil {
+		return 0
+	}
+	t := s.cache[q.zone.index]
+	return q.zone.limit.debt(t.get(q.key), t.instant(now))
+}
+
 // errRedisDown is returned while the circuit breaker is open.
 var errRedisDown = errors.New("redis is unavailable")
 

@@ -760,3 +760,40 @@ func TestGoRedisLogLines(t *testing.T) {
 		}
 	}
 }
+
+// When a call fails, fail_mode local's bucket starts from what Redis last
+// said of it: a client that emptied its bucket gets the tokens that came
+// back since, not a fresh burst.
+func TestRedisFailLocalStartsFromWhatRedisSaid(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, redisConfig(r.addr(), "carry", "2r/s", 3, `,"timeout":100000000`))
+	for i := range 3 {
+		if code, _ := serve(h, "192.0.2.8"); code != http.StatusOK {
+			t.Fatalf("request %d: %d, want 200", i, code)
+		}
+	}
+	if code, _ := serve(h, "192.0.2.8"); code != http.StatusTooManyRequests {
+		t.Fatalf("4th request: %d, want 429", code)
+	}
+	time.Sleep(600 * time.Millisecond) // one token back
+	r.kill()
+	allowed := 0
+	for range 3 {
+		if code, _ := serve(h, "192.0.2.8"); code == http.StatusOK {
+			allowed++
+		}
+	}
+	if allowed != 1 {
+		t.Errorf("%d of 3 allowed while Redis is down, want the 1 token that came back", allowed)
+	}
+	// A client Redis never saw gets its whole burst from fail_mode local.
+	allowed = 0
+	for range 4 {
+		if code, _ := serve(h, "192.0.2.9"); code == http.StatusOK {
+			allowed++
+		}
+	}
+	if allowed != 3 {
+		t.Errorf("a new client: %d of 4 allowed, want its burst of 3", allowed)
+	}
+}
