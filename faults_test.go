@@ -6,9 +6,7 @@ package ratelimit
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"math"
 	"net/http"
 	"runtime"
@@ -17,7 +15,6 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"testing"
 	"time"
 
@@ -95,7 +92,7 @@ func TestFaultRedisOutages(t *testing.T) {
 	logReport := newFaultReport(t, "Redis faults: Caddy's log",
 		"fault", "log lines", "most in one second", "lines with a key or header")
 	report := newFaultReport(t, "Redis faults under load, per fail_mode",
-		"fault", "fail_mode", "requests", "statuses", "max latency", "Redis decides again after", "requests given up after 50 ms")
+		"fault", "fail_mode", "requests", "statuses", "max latency", "Redis decides again after", "requests given up after 50 ms", "sent again")
 
 	fillUp := func(t *testing.T, r *redisServer) {
 		fillRedis(t, r)
@@ -145,16 +142,17 @@ func TestFaultRedisOutages(t *testing.T) {
 			stop := make(chan struct{})
 			var waits []func()
 			patient, hasty := make([]*tally, len(faultModes)), make([]*tally, len(faultModes))
+			resent := make([]atomic.Int64, len(faultModes))
 			for m, mode := range faultModes {
 				url := c.url + "/" + mode
 				patient[m], hasty[m] = newTally(), newTally()
 				client, hastyClient := newFaultClient(t, 10*time.Second), newFaultClient(t, 50*time.Millisecond)
 				waits = append(waits,
 					loop(2, pace, stop, func(w, i int) { // one hot key
-						patient[m].note(send(client, url, "X-Key", "keysecret-hot", "X-Secret", "hunter2"))
+						patient[m].note(sendOnceMore(client, &resent[m], url, "X-Key", "keysecret-hot", "X-Secret", "hunter2"))
 					}),
 					loop(2, pace, stop, func(w, i int) { // 100 keys, each under its limit
-						patient[m].note(send(client, url, "X-Key", fmt.Sprintf("keysecret-%d-%d", w, i%50), "X-Secret", "hunter2"))
+						patient[m].note(sendOnceMore(client, &resent[m], url, "X-Key", fmt.Sprintf("keysecret-%d-%d", w, i%50), "X-Secret", "hunter2"))
 					}),
 					loop(2, pace, stop, func(w, i int) { // clients that give up after 50ms
 						hasty[m].note(send(hastyClient, url, "X-Key", fmt.Sprintf("keysecret-hasty-%d-%d", w, i%50), "X-Secret", "hunter2"))
@@ -193,7 +191,7 @@ func TestFaultRedisOutages(t *testing.T) {
 
 			for m, mode := range faultModes {
 				p := patient[m]
-				report.add(t, f.name, mode, p.total(), p.codesString(), ms(p.slowest), ms(back[m]), hasty[m].errs)
+				report.add(t, f.name, mode, p.total(), p.codesString(), ms(p.slowest), ms(back[m]), hasty[m].errs, resent[m].Load())
 				if p.errs > 0 {
 					t.Errorf("%s: %d requests got no response: %v", mode, p.errs, p.firstErr)
 				}
@@ -358,17 +356,10 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 
 			// Caddy swaps servers at a reload, with or without this
 			// handler: a connection may be refused, or closed as a
-			// request is sent on it, as clients must expect of a server
-			// that closes kept-alive connections. Such a request is sent
-			// once more (as browsers do); a second failure counts.
+			// request is sent on it.
 			var resent atomic.Int64
 			sendRetry := func(key string) reply {
-				rep := send(client, c.url, "X-Key", key)
-				if errors.Is(rep.err, io.EOF) || errors.Is(rep.err, syscall.ECONNRESET) {
-					resent.Add(1)
-					rep = send(client, c.url, "X-Key", key)
-				}
-				return rep
+				return sendOnceMore(client, &resent, c.url, "X-Key", key)
 			}
 			all, hot := newTally(), newTally()
 			stop := make(chan struct{})

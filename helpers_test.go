@@ -278,3 +278,36 @@ func newRedisClient(t testing.TB, addr string) *redis.Client {
 	t.Cleanup(func() { c.Close() })
 	return c
 }
+
+// waitOneListener waits until one socket listens on port. A config load
+// opens the new config's listener beside the old one (SO_REUSEPORT) and
+// closes the old one shortly after: a connection that lands in the old
+// one meanwhile is reset, which a scenario must not count against the
+// handler.
+func waitOneListener(t *testing.T, port int) {
+	t.Helper()
+	suffix := fmt.Sprintf(":%04X", port)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		n := 0
+		for _, f := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+			b, err := os.ReadFile(f)
+			if err != nil {
+				return // not Linux: nothing to wait for
+			}
+			for _, line := range strings.Split(string(b), "\n")[1:] {
+				fields := strings.Fields(line)
+				if len(fields) > 3 && fields[3] == "0A" && strings.HasSuffix(fields[1], suffix) {
+					n++
+				}
+			}
+		}
+		if n <= 1 {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("%d sockets still listen on port %d", n, port)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}

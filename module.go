@@ -390,7 +390,7 @@ func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (outc
 	switch h.failMode {
 	case failLocal:
 		for i := range reqs {
-			h.fallback.owe(now, &reqs[i], f.known(now, &reqs[i]))
+			h.fallback.owe(now, &reqs[i], f.known(now, &reqs[i], err))
 		}
 		allowed, err := h.fallback.take(ctx, now, reqs)
 		return verdict(allowed), err

@@ -423,13 +423,19 @@ func (s *RedisStore) bind(zones []*Zone) error {
 
 func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
 
-// known is what the over-limit cache knows of q's bucket.
-func (s *RedisStore) known(now time.Time, q *request) time.Duration {
+// known is what the over-limit cache knows of q's bucket. When the
+// request gave up waiting for the calls in flight for its bucket
+// (errNoAnswer), those calls may yet take their tokens: they count too.
+func (s *RedisStore) known(now time.Time, q *request, err error) time.Duration {
 	if s.cache == nil {
 		return 0
 	}
 	t := s.cache[q.zone.index]
-	return q.zone.limit.debt(t.get(q.key), t.instant(now))
+	debt := q.zone.limit.debt(t.get(q.key), t.instant(now))
+	if errors.Is(err, errNoAnswer) {
+		debt += time.Duration(s.flights.calls(flightKey{q.zone.index, t.hash(q.key)})) * q.zone.costTime
+	}
+	return debt
 }
 
 // errRedisDown is returned while the circuit breaker is open.
@@ -803,6 +809,13 @@ func (fs *flights) join(k flightKey, most int64) <-chan struct{} {
 	f.calls++
 	fs.m[k] = f
 	return nil
+}
+
+// calls is the number of k's calls in flight.
+func (fs *flights) calls(k flightKey) int64 {
+	fs.mu.Lock()
+	defer fs.mu.Unlock()
+	return fs.m[k].calls
 }
 
 // waited reports whether a request waits for one of k's calls.

@@ -668,7 +668,7 @@ func TestRedisFloodAsksOncePerBucket(t *testing.T) {
 	var wg sync.WaitGroup
 	callsBefore := r.calls()
 	start := time.Now()
-	const run = 2500 * time.Millisecond
+	const warmUp, run = 500 * time.Millisecond, 2500 * time.Millisecond
 	for range 64 {
 		wg.Go(func() {
 			for time.Since(start) < run {
@@ -679,16 +679,27 @@ func TestRedisFloodAsksOncePerBucket(t *testing.T) {
 			}
 		})
 	}
+	time.Sleep(warmUp)
+	allowedWarm, callsWarm := allowed.Load(), r.calls()
 	wg.Wait()
 	calls := r.calls() - callsBefore
-	t.Logf("64 callers: %d requests, %d allowed, %d Redis calls", total.Load(), allowed.Load(), calls)
+	steadyAllowed, steadyCalls := allowed.Load()-allowedWarm, r.calls()-callsWarm
+	t.Logf("64 callers: %d requests, %d allowed, %d Redis calls; after the first %v: %d allowed, %d calls",
+		total.Load(), allowed.Load(), calls, warmUp, steadyAllowed, steadyCalls)
 	if most := 20 + 10*time.Since(start).Seconds() + 1; float64(allowed.Load()) > most {
 		t.Fatalf("allowed %d, more than the bucket's %.0f", allowed.Load(), most)
 	}
-	// A token's call may come a little early (the cache counts from when
-	// the last call was sent, Redis from when it ran): then one more.
-	if int64(calls) > 2*allowed.Load()+5 {
-		t.Fatalf("%d Redis calls for %d allowed requests: concurrent callers multiply the calls", calls, allowed.Load())
+	// The first wave, on a bucket Redis has not seen, asks no more than
+	// the burst at once.
+	if int64(calls) > 3*allowed.Load() {
+		t.Errorf("%d Redis calls for %d allowed requests: concurrent callers multiply the calls", calls, allowed.Load())
+	}
+	// Once steady, a token's call may come a little early (the cache
+	// counts from when the last call was sent, Redis from when it ran):
+	// then one more, about two calls a token; on a loaded machine, where
+	// round trips vary, a call may come early again.
+	if int64(steadyCalls) > 3*steadyAllowed+5 {
+		t.Errorf("steady: %d Redis calls for %d allowed requests", steadyCalls, steadyAllowed)
 	}
 }
 

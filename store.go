@@ -56,10 +56,11 @@ func (q *request) remaining() int64 {
 type fallible interface {
 	failMode() failMode
 	// known is how long q's bucket owes at least at now, from what the
-	// store last learnt of it (0 when it knows nothing): fail_mode
-	// local's buckets start from there, so that a client that emptied
-	// its bucket does not get a fresh one when a call fails.
-	known(now time.Time, q *request) time.Duration
+	// store last learnt of it (0 when it knows nothing), after the store
+	// failed with err: fail_mode local's buckets start from there, so
+	// that a client that emptied its bucket does not get a fresh one
+	// when a call fails.
+	known(now time.Time, q *request, err error) time.Duration
 }
 
 // A failMode is what the handler does when a fallible store fails.
