@@ -171,6 +171,7 @@ type persistence struct {
 	done  chan struct{}             // closed when the writing loop has ended
 	busy  atomic.Bool               // a write is in flight
 	fails atomic.Bool               // the last write failed (logged once)
+	wrote atomic.Bool               // a write succeeded: close may delete the snapshot
 }
 
 // persist makes t a persisted table: it loads t's snapshot in the
@@ -249,8 +250,10 @@ func (t *table) persistLoop() {
 
 // close stops persisting the table when no config uses it any more. When
 // Caddy exits, it writes the table; when a reload dropped it (its zone
-// is gone or has another rate or burst), it deletes the snapshot, as the
-// buckets are gone.
+// is gone or has another rate or burst), it deletes the snapshot it
+// wrote, as the buckets are gone. A config that never ran for a whole
+// interval (`caddy validate`, a start or a reload that failed) writes
+// and deletes nothing: the snapshot may be another process's.
 func (t *table) close(exiting bool) {
 	if t.p == nil {
 		return
@@ -267,6 +270,9 @@ func (t *table) close(exiting bool) {
 	}
 	if exiting {
 		_ = t.save(sn)
+		return
+	}
+	if !t.p.wrote.Load() {
 		return
 	}
 	name := sn.dir + "/" + t.p.name
@@ -290,6 +296,9 @@ func (t *table) save(sn *snapshots) error {
 		defer p.busy.Store(false)
 		return struct{}{}, sn.storage.Store(ctx, name, b)
 	})
+	if err == nil {
+		p.wrote.Store(true)
+	}
 	switch {
 	case err != nil && !p.fails.Swap(true):
 		sn.logger.Error("cannot save buckets", zap.String("storage_key", name), zap.Error(err))
