@@ -9,6 +9,8 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"reflect"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -96,13 +98,45 @@ func openSnapshots(ctx caddy.Context, interval time.Duration) *snapshots {
 		return nil
 	}
 	dir := "rate_limit/" + id.String()
-	key, err := loadHashKey(storage, dir+"/hash_key")
+	key, cached, err := hashKeys.get(storage, dir+"/hash_key")
 	if err != nil {
-		logger.Error("cannot read or create the hash key in storage: buckets start full and are not persisted",
-			zap.String("storage_key", dir+"/hash_key"), zap.Error(err))
+		if !cached {
+			logger.Error("cannot read or create the hash key in storage: buckets start full and are not persisted",
+				zap.String("storage_key", dir+"/hash_key"), zap.Error(err))
+		}
 		return nil
 	}
 	return &snapshots{storage: storage, dir: dir, key: key, interval: interval, logger: logger}
+}
+
+// hashKeys remembers the hash key of the last storage it was asked for,
+// or the error: every local store of a config (one per site, say) gets
+// the same storage, which is then asked once per config load, and a
+// storage that hangs delays a load by hashKeyTimeout once.
+var hashKeys hashKeyCache
+
+type hashKeyCache struct {
+	mu      sync.Mutex
+	storage certmagic.Storage
+	name    string
+	key     hashKey
+	err     error
+}
+
+// get returns the hash key stored at name, and whether it was cached.
+func (c *hashKeyCache) get(storage certmagic.Storage, name string) (hashKey, bool, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	// A storage of a type that cannot be compared is never cached.
+	comparable := reflect.TypeOf(storage).Comparable()
+	if comparable && c.storage == storage && c.name == name {
+		return c.key, true, c.err
+	}
+	key, err := loadHashKey(storage, name)
+	if comparable {
+		c.storage, c.name, c.key, c.err = storage, name, key, err
+	}
+	return key, false, err
 }
 
 // storageOf is the config's storage; nil for a Context made without a
