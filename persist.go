@@ -352,12 +352,7 @@ func (t *table) snapshot(now time.Time, fingerprint uint64) []byte {
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		for h, bk := range s.buckets {
-			if bk.fullAt > n {
-				b = binary.LittleEndian.AppendUint64(b, h)
-				b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(bk.fullAt-n)))
-			}
-		}
+		b = s.appendBuckets(b, n, wall)
 		s.mu.Unlock()
 	}
 	copy(b, snapshotMagic)
@@ -367,6 +362,18 @@ func (t *table) snapshot(now time.Time, fingerprint uint64) []byte {
 	binary.LittleEndian.PutUint64(b[24:], uint64(t.p.shape.burst))
 	binary.LittleEndian.PutUint64(b[32:], uint64(wall))
 	binary.LittleEndian.PutUint64(b[40:], uint64((len(b)-snapshotHeader)/snapshotEntry))
+	return b
+}
+
+// appendBuckets appends the shard's buckets that are not full at n (wall
+// on the wall clock) to a snapshot. Requires s.mu to be held.
+func (s *shard) appendBuckets(b []byte, n time.Duration, wall int64) []byte {
+	for h, bk := range s.buckets {
+		if bk.fullAt > n {
+			b = binary.LittleEndian.AppendUint64(b, h)
+			b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(bk.fullAt-n)))
+		}
+	}
 	return b
 }
 

@@ -486,6 +486,20 @@ func BenchmarkSnapshot(b *testing.B) {
 		}
 		b.ReportMetric(float64(len(snap)), "snapshot-bytes")
 	})
+	// What a request may wait for: one shard's copy, under its lock.
+	b.Run("one-shard-locked", func(b *testing.B) {
+		b.ReportAllocs()
+		buf := make([]byte, 0, 2*len(snap)/len(tab.shards))
+		n, wall := tab.instant(now), now.UnixNano()
+		i := 0
+		for b.Loop() {
+			s := &tab.shards[i%len(tab.shards)]
+			s.mu.Lock()
+			buf = s.appendBuckets(buf[:0], n, wall)
+			s.mu.Unlock()
+			i++
+		}
+	})
 	b.Run("load", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
