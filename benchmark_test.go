@@ -109,12 +109,14 @@ func BenchmarkServeHTTP(b *testing.B) {
 	for _, tc := range []struct{ name, zone string }{
 		{"allowed", `{"name":"bench-allowed","rate":"1000000000r/s"}`},
 		{"denied", `{"name":"bench-denied","rate":"1r/s"}`}, // Retry-After: 1
+		{"allowed_api_key", `{"name":"bench-api-key","key":"{http.request.header.X-API-Key}","rate":"1000000000r/s"}`},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, `{"zones":[`+tc.zone+`]}`)
 			h.logger = zap.NewNop() // Caddy's default level skips denial logs too
 			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
 			req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
+			req.Header.Set("X-API-Key", "an-api-key-of-32-bytes-abcdefghi")
 			vars := map[string]any{"client_ip": "192.0.2.1"}
 			req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, vars))
 			caddyhttp.NewTestReplacer(req)

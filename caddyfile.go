@@ -44,7 +44,9 @@ const anonymousZone = "default"
 //			dry_run
 //		}
 //		store local {
-//			max_keys <n>
+//			max_keys         <n>
+//			persist          on|off
+//			persist_interval <duration>
 //		}
 //		headers both|legacy|ietf|off
 //		jitter  <fraction>

@@ -191,6 +191,31 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 			},
 		},
 		{
+			name: "store local with persist off",
+			input: `rate_limit {client_ip} 1r/s {
+	store local {
+		persist off
+	}
+}`,
+			want: &Handler{
+				Zones:    []*Zone{{Name: "default", Key: "{client_ip}", Rate: "1r/s"}},
+				StoreRaw: json.RawMessage(`{"backend":"local","persist":false}`),
+			},
+		},
+		{
+			name: "store local with persist on and an interval",
+			input: `rate_limit {client_ip} 1r/s {
+	store local {
+		persist on
+		persist_interval 1m30s
+	}
+}`,
+			want: &Handler{
+				Zones:    []*Zone{{Name: "default", Key: "{client_ip}", Rate: "1r/s"}},
+				StoreRaw: json.RawMessage(`{"backend":"local","persist":true,"persist_interval":90000000000}`),
+			},
+		},
+		{
 			name: "store local without a block",
 			input: `rate_limit {client_ip} 1r/s {
 	store local
@@ -841,6 +866,79 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			line:    3,
 		},
 
+		{
+			name: "persist neither on nor off",
+			input: `rate_limit {client_ip} 1r/s {
+	store local {
+		persist no
+	}
+}`,
+			wantErr: "invalid persist 'no': expected on or off",
+			line:    3,
+		},
+		{
+			name: "persist without argument",
+			input: `rate_limit {client_ip} 1r/s {
+	store local {
+		persist
+	}
+}`,
+			wantErr: "wrong argument count",
+			line:    3,
+		},
+		{
+			name: "persist twice",
+			input: `rate_limit {client_ip} 1r/s {
+	store local {
+		persist on
+		persist off
+	}
+}`,
+			wantErr: "persist already specified",
+			line:    4,
+		},
+		{
+			name: "persist_interval not a duration",
+			input: `rate_limit {client_ip} 1r/s {
+	store local {
+		persist_interval often
+	}
+}`,
+			wantErr: "invalid persist_interval 'often': expected a duration such as 30s",
+			line:    3,
+		},
+		{
+			name: "persist_interval too short",
+			input: `rate_limit {client_ip} 1r/s {
+	store local {
+		persist_interval 10ms
+	}
+}`,
+			wantErr: "invalid persist_interval 10ms: must be at least 100ms",
+			line:    3,
+		},
+		{
+			name: "persist_interval twice",
+			input: `rate_limit {client_ip} 1r/s {
+	store local {
+		persist_interval 1s
+		persist_interval 2s
+	}
+}`,
+			wantErr: "persist_interval already specified",
+			line:    4,
+		},
+		{
+			name: "persist_interval with persist off",
+			input: `rate_limit {client_ip} 1r/s {
+	store local {
+		persist off
+		persist_interval 1s
+	}
+}`,
+			wantErr: "persist_interval set with persist off",
+			line:    5,
+		},
 		// Handler options.
 		{
 			name: "headers twice",

@@ -6,6 +6,7 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -29,8 +30,18 @@ type LocalStore struct {
 	// client gets a full bucket back) and counted. Default: 1000000.
 	MaxKeys int64 `json:"max_keys,omitempty"`
 
+	// Keep the buckets across restarts, in Caddy's storage (where
+	// certificates are kept): they are written when Caddy exits and
+	// every persist_interval, and loaded when it starts. Default: true.
+	Persist *bool `json:"persist,omitempty"`
+
+	// How often the buckets are written: how much of them a crash can
+	// lose. At least 100ms. Default: 30s.
+	PersistInterval caddy.Duration `json:"persist_interval,omitempty"`
+
 	tables   []*table // by zone index
 	acquired []tableID
+	snaps    *snapshots // where the tables are persisted; nil: they are not
 }
 
 const defaultMaxKeys = 1_000_000
@@ -56,10 +67,19 @@ func (LocalStore) CaddyModule() caddy.ModuleInfo {
 	}
 }
 
-// Provision sets defaults.
-func (s *LocalStore) Provision(caddy.Context) error {
+// Provision sets defaults, and finds where the buckets are persisted.
+func (s *LocalStore) Provision(ctx caddy.Context) error {
 	if s.MaxKeys == 0 {
 		s.MaxKeys = defaultMaxKeys
+	}
+	if s.PersistInterval == 0 {
+		s.PersistInterval = caddy.Duration(defaultPersistInterval)
+	}
+	if err := s.Validate(); err != nil {
+		return err
+	}
+	if s.Persist == nil || *s.Persist {
+		s.snaps = openSnapshots(ctx, time.Duration(s.PersistInterval))
 	}
 	return nil
 }
@@ -67,7 +87,19 @@ func (s *LocalStore) Provision(caddy.Context) error {
 // Validate checks the configuration.
 func (s *LocalStore) Validate() error {
 	if s.MaxKeys != 0 {
-		return checkMin("max_keys", s.MaxKeys, 1)
+		if err := checkMin("max_keys", s.MaxKeys, 1); err != nil {
+			return err
+		}
+	}
+	if s.PersistInterval != 0 {
+		return checkPersistInterval(time.Duration(s.PersistInterval))
+	}
+	return nil
+}
+
+func checkPersistInterval(d time.Duration) error {
+	if d < minPersistInterval {
+		return fmt.Errorf("invalid persist_interval %v: must be at least %v", d, minPersistInterval)
 	}
 	return nil
 }
@@ -81,6 +113,10 @@ func (s *LocalStore) bind(zones []*Zone) error {
 		v, _, err := localTables.LoadOrNew(id, func() (caddy.Destructor, error) {
 			t := newTable(s.MaxKeys, time.Now())
 			go t.sweepLoop()
+			if s.snaps != nil {
+				t.key = s.snaps.key
+				t.persist(s.snaps, id)
+			}
 			return t, nil
 		})
 		if err != nil {
@@ -89,6 +125,12 @@ func (s *LocalStore) bind(zones []*Zone) error {
 		s.acquired = append(s.acquired, id)
 		t := v.(*table)
 		t.maxKeys.Store(s.MaxKeys)
+		// The config that uses the table last says where it is kept; a
+		// store that was not provisioned (fail_mode local's fallback)
+		// has no say.
+		if s.snaps != nil || s.Persist != nil && !*s.Persist {
+			t.rebind(s.snaps)
+		}
 		s.tables = append(s.tables, t)
 	}
 	return nil
@@ -153,7 +195,9 @@ func (s *LocalStore) reset(_ context.Context, q *request) (bool, error) {
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
 //
 //	store local {
-//		max_keys <n>
+//		max_keys         <n>
+//		persist          on|off
+//		persist_interval <duration>
 //	}
 func (s *LocalStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume store name
@@ -174,9 +218,41 @@ func (s *LocalStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.WrapErr(err)
 			}
 			s.MaxKeys = n
+		case "persist":
+			if s.Persist != nil {
+				return d.Err("persist already specified")
+			}
+			var v string
+			if !d.AllArgs(&v) {
+				return d.ArgErr()
+			}
+			if v != "on" && v != "off" {
+				return d.Errf("invalid persist '%s': expected on or off", v)
+			}
+			on := v == "on"
+			s.Persist = &on
+		case "persist_interval":
+			if s.PersistInterval != 0 {
+				return d.Err("persist_interval already specified")
+			}
+			var v string
+			if !d.AllArgs(&v) {
+				return d.ArgErr()
+			}
+			dur, err := caddy.ParseDuration(v)
+			if err != nil {
+				return d.Errf("invalid persist_interval '%s': expected a duration such as 30s", v)
+			}
+			if err := checkPersistInterval(dur); err != nil {
+				return d.WrapErr(err)
+			}
+			s.PersistInterval = caddy.Duration(dur)
 		default:
 			return d.Errf("unrecognized store local subdirective '%s'", d.Val())
 		}
+	}
+	if s.Persist != nil && !*s.Persist && s.PersistInterval != 0 {
+		return d.Err("persist_interval set with persist off: remove one of them")
 	}
 	return nil
 }

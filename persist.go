@@ -1,0 +1,443 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io/fs"
+	"reflect"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/certmagic"
+	"go.uber.org/zap"
+)
+
+// The local store's buckets outlive a restart through Caddy's storage
+// (where certificates live: the file system by default, or Redis, Consul,
+// S3… as configured), so that a deploy or a crash does not hand every
+// client, the abusive ones included, a full bucket.
+//
+// Each table (a zone's buckets: name, rate and burst) is written as a
+// snapshot when Caddy exits (caddy stop, SIGINT, SIGTERM, the admin API's
+// /stop) and every persist_interval, so a crash loses at most that
+// interval. A snapshot holds only the buckets that are not full, each as
+// its key's hash and the wall-clock instant it is full again: 16 bytes.
+// Tables hash keys with a secret key of this Caddy instance, kept in the
+// storage beside the snapshots, so the hashes mean the same after a
+// restart and a loaded bucket simply goes back into the table.
+//
+// Loading never holds up startup: it runs in the background while the
+// table already serves, and merges, keeping the later instant of a bucket
+// used meanwhile, the emptier of the two. Buckets that have refilled in
+// the meantime are dropped. A snapshot of another shape (the zone's rate
+// or burst changed) has another name, so the zone starts full, as a
+// reload makes it start; and a table that a reload drops has its
+// snapshot deleted, as its buckets are.
+//
+// Storage layout, per instance (caddy.InstanceID, kept in Caddy's data
+// directory):
+//
+//	rate_limit/<instance id>/hash_key                   16 bytes: the hash key
+//	rate_limit/<instance id>/buckets/<zone>.<burst>.<ns per token>
+//
+// A snapshot is, little-endian: the magic "rlbk", a uint32 version (1),
+// the hash key's fingerprint (uint64), the token time in ns and the
+// burst (int64), the wall-clock instant it was written and the number of
+// buckets (int64, uint64), then per bucket its hash (uint64) and the Unix
+// time in ns it is full again (int64).
+
+const (
+	// defaultPersistInterval is how often tables are written: how much
+	// a crash can lose.
+	defaultPersistInterval = 30 * time.Second
+	// minPersistInterval keeps storages from being written in a loop.
+	minPersistInterval = 100 * time.Millisecond
+
+	// Storage calls give up after these, whether or not the storage
+	// honours its context: a storage that hangs must not hang Caddy.
+	hashKeyTimeout = 2 * time.Second // at provision, so in the config load
+	loadTimeout    = 30 * time.Second
+	saveTimeout    = 5 * time.Second
+
+	snapshotMagic   = "rlbk"
+	snapshotVersion = 1
+	snapshotHeader  = 48 // bytes before the buckets
+	snapshotEntry   = 16
+)
+
+// snapshots is where a local store's tables are kept: a Caddy storage,
+// this instance's folder in it, and the hash key stored there.
+type snapshots struct {
+	storage  certmagic.Storage
+	dir      string // rate_limit/<instance id>
+	key      hashKey
+	interval time.Duration
+	logger   *zap.Logger
+}
+
+// openSnapshots finds the storage and the hash key of this instance,
+// creating the key on the first start. It returns nil, and logs why,
+// when the buckets cannot be persisted: they then start full and live
+// in memory only.
+func openSnapshots(ctx caddy.Context, interval time.Duration) *snapshots {
+	logger := ctx.Logger()
+	storage := storageOf(ctx)
+	if storage == nil {
+		return nil
+	}
+	id, err := caddy.InstanceID()
+	if err != nil {
+		logger.Error("no instance ID: buckets are not persisted", zap.Error(err))
+		return nil
+	}
+	dir := "rate_limit/" + id.String()
+	key, cached, err := hashKeys.get(storage, dir+"/hash_key")
+	if err != nil {
+		if !cached {
+			logger.Error("cannot read or create the hash key in storage: buckets start full and are not persisted",
+				zap.String("storage_key", dir+"/hash_key"), zap.Error(err))
+		}
+		return nil
+	}
+	return &snapshots{storage: storage, dir: dir, key: key, interval: interval, logger: logger}
+}
+
+// hashKeys remembers the hash key of the last storage it was asked for,
+// or the error: every local store of a config (one per site, say) gets
+// the same storage, which is then asked once per config load, and a
+// storage that hangs delays a load by hashKeyTimeout once.
+var hashKeys hashKeyCache
+
+type hashKeyCache struct {
+	mu      sync.Mutex
+	storage certmagic.Storage
+	name    string
+	key     hashKey
+	err     error
+}
+
+// get returns the hash key stored at name, and whether it was cached.
+func (c *hashKeyCache) get(storage certmagic.Storage, name string) (hashKey, bool, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	// A storage of a type that cannot be compared is never cached.
+	comparable := reflect.TypeOf(storage).Comparable()
+	if comparable && c.storage == storage && c.name == name {
+		return c.key, true, c.err
+	}
+	key, err := loadHashKey(storage, name)
+	if comparable {
+		c.storage, c.name, c.key, c.err = storage, name, key, err
+	}
+	return key, false, err
+}
+
+// storageOf is the config's storage; nil for a Context made without a
+// config (caddy.NewContext, in tests and programs that embed Caddy),
+// whose Storage panics.
+func storageOf(ctx caddy.Context) (s certmagic.Storage) {
+	defer func() { _ = recover() }()
+	return ctx.Storage()
+}
+
+// loadHashKey reads the instance's hash key, or stores a new one if there
+// is none (or it is unreadable: snapshots hashed with another key are
+// then discarded, by their fingerprint).
+func loadHashKey(storage certmagic.Storage, name string) (hashKey, error) {
+	return call(hashKeyTimeout, func(ctx context.Context) (hashKey, error) {
+		b, err := storage.Load(ctx, name)
+		if err == nil && len(b) == 16 {
+			return hashKey{binary.LittleEndian.Uint64(b), binary.LittleEndian.Uint64(b[8:])}, nil
+		}
+		if err != nil && !errors.Is(err, fs.ErrNotExist) {
+			return hashKey{}, err
+		}
+		k := randomHashKey()
+		b = binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(nil, k[0]), k[1])
+		return k, storage.Store(ctx, name, b)
+	})
+}
+
+// call runs f with a deadline, and stops waiting for it when the deadline
+// passes, even if f goes on.
+func call[T any](timeout time.Duration, f func(context.Context) (T, error)) (T, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	type result struct {
+		v   T
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		v, err := f(ctx)
+		done <- result{v, err}
+	}()
+	select {
+	case r := <-done:
+		return r.v, r.err
+	case <-ctx.Done():
+		var zero T
+		return zero, fmt.Errorf("storage did not answer within %v", timeout)
+	}
+}
+
+// fingerprint identifies a hash key in snapshots without revealing it.
+func (k hashKey) fingerprint() uint64 { return sipHash(k, "rate_limit snapshot") }
+
+// snapshotName is the storage key of a table's snapshot, in dir.
+func (id tableID) snapshotName() string {
+	return fmt.Sprintf("buckets/%s.%d.%d", id.name, id.burst, int64(id.tokenTime))
+}
+
+// persistence is what a persisted table keeps for it.
+type persistence struct {
+	shape tableID
+	name  string                    // shape.snapshotName()
+	to    atomic.Pointer[snapshots] // where to write; nil: no longer persisted
+	ready chan struct{}             // closed when loading has ended
+	done  chan struct{}             // closed when the writing loop has ended
+	busy  atomic.Bool               // a write is in flight
+	fails atomic.Bool               // the last write failed (logged once)
+	wrote atomic.Bool               // a write succeeded: close may delete the snapshot
+}
+
+// persist makes t a persisted table: it loads t's snapshot in the
+// background and writes it every interval until t is destroyed. t must
+// be new, with sn's hash key.
+func (t *table) persist(sn *snapshots, shape tableID) {
+	p := &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
+	p.to.Store(sn)
+	t.p = p
+	go t.load(sn)
+	go t.persistLoop()
+}
+
+// rebind points a persisted table at the snapshots of the config that
+// now uses it (nil when that config turns persistence off). A table
+// hashed with another key (another storage) stops being persisted: its
+// snapshot could not be read back.
+func (t *table) rebind(sn *snapshots) {
+	if t.p == nil {
+		return
+	}
+	if sn != nil && sn.key != t.key {
+		sn.logger.Warn("zone's buckets are not persisted until the next start: they were hashed for another storage",
+			zap.String("zone", t.p.shape.name))
+		sn = nil
+	}
+	t.p.to.Store(sn)
+}
+
+// load merges the table's snapshot into it. It ends within loadTimeout.
+func (t *table) load(sn *snapshots) {
+	defer close(t.p.ready)
+	name := sn.dir + "/" + t.p.name
+	log := sn.logger.With(zap.String("zone", t.p.shape.name), zap.String("storage_key", name))
+	b, err := call(loadTimeout, func(ctx context.Context) ([]byte, error) { return sn.storage.Load(ctx, name) })
+	if errors.Is(err, fs.ErrNotExist) {
+		return
+	}
+	if err != nil {
+		log.Error("cannot load buckets: they start full", zap.Error(err))
+		return
+	}
+	kept, err := t.merge(b, sn.key.fingerprint(), time.Now())
+	if err != nil {
+		log.Warn("snapshot discarded", zap.Error(err))
+		return
+	}
+	log.Info("buckets loaded", zap.Int("buckets", kept))
+}
+
+// persistLoop writes the table every interval, once it has been loaded.
+func (t *table) persistLoop() {
+	defer close(t.p.done)
+	select {
+	case <-t.p.ready:
+	case <-t.stop:
+		return
+	}
+	for {
+		every := defaultPersistInterval
+		if sn := t.p.to.Load(); sn != nil {
+			every = sn.interval
+		}
+		timer := time.NewTimer(every)
+		select {
+		case <-t.stop:
+			timer.Stop()
+			return
+		case <-timer.C:
+		}
+		if sn := t.p.to.Load(); sn != nil {
+			_ = t.save(sn)
+		}
+	}
+}
+
+// close stops persisting the table when no config uses it any more. When
+// Caddy exits, it writes the table; when a reload dropped it (its zone
+// is gone or has another rate or burst), it deletes the snapshot it
+// wrote, as the buckets are gone. A config that never ran for a whole
+// interval (`caddy validate`, a start or a reload that failed) writes
+// and deletes nothing: the snapshot may be another process's.
+func (t *table) close(exiting bool) {
+	if t.p == nil {
+		return
+	}
+	<-t.p.done // after a write in flight, which ends within saveTimeout
+	sn := t.p.to.Load()
+	if sn == nil {
+		return
+	}
+	select {
+	case <-t.p.ready:
+	default:
+		return // the snapshot is still loading: writing now would lose it
+	}
+	if exiting {
+		_ = t.save(sn)
+		return
+	}
+	if !t.p.wrote.Load() {
+		return
+	}
+	name := sn.dir + "/" + t.p.name
+	if _, err := call(saveTimeout, func(ctx context.Context) (struct{}, error) {
+		return struct{}{}, sn.storage.Delete(ctx, name)
+	}); err != nil {
+		sn.logger.Warn("cannot delete the snapshot of a zone that is gone", zap.String("storage_key", name), zap.Error(err))
+	}
+}
+
+// save writes the table's snapshot. Failures are logged when they start
+// and when they end, not at every interval.
+func (t *table) save(sn *snapshots) error {
+	p := t.p
+	if !p.busy.CompareAndSwap(false, true) {
+		return errors.New("the last write has not ended") // a storage that hangs
+	}
+	b := t.snapshot(time.Now(), sn.key.fingerprint())
+	name := sn.dir + "/" + p.name
+	_, err := call(saveTimeout, func(ctx context.Context) (struct{}, error) {
+		defer p.busy.Store(false)
+		return struct{}{}, sn.storage.Store(ctx, name, b)
+	})
+	if err == nil {
+		p.wrote.Store(true)
+	}
+	switch {
+	case err != nil && !p.fails.Swap(true):
+		sn.logger.Error("cannot save buckets", zap.String("storage_key", name), zap.Error(err))
+	case err == nil && p.fails.Swap(false):
+		sn.logger.Info("buckets saved again", zap.String("storage_key", name))
+	}
+	return err
+}
+
+// snapshot encodes the buckets that are not full at now. Each shard is
+// locked only while its buckets are copied, which for a million buckets
+// in 64 shards is a fraction of a millisecond each.
+func (t *table) snapshot(now time.Time, fingerprint uint64) []byte {
+	n, wall := t.instant(now), now.UnixNano()
+	size := t.len()
+	b := make([]byte, snapshotHeader, snapshotHeader+snapshotEntry*(size+size/8))
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		b = s.appendBuckets(b, n, wall)
+		s.mu.Unlock()
+	}
+	copy(b, snapshotMagic)
+	binary.LittleEndian.PutUint32(b[4:], snapshotVersion)
+	binary.LittleEndian.PutUint64(b[8:], fingerprint)
+	binary.LittleEndian.PutUint64(b[16:], uint64(t.p.shape.tokenTime))
+	binary.LittleEndian.PutUint64(b[24:], uint64(t.p.shape.burst))
+	binary.LittleEndian.PutUint64(b[32:], uint64(wall))
+	binary.LittleEndian.PutUint64(b[40:], uint64((len(b)-snapshotHeader)/snapshotEntry))
+	return b
+}
+
+// appendBuckets appends the shard's buckets that are not full at n (wall
+// on the wall clock) to a snapshot. Requires s.mu to be held.
+func (s *shard) appendBuckets(b []byte, n time.Duration, wall int64) []byte {
+	for h, bk := range s.buckets {
+		if bk.fullAt > n {
+			b = binary.LittleEndian.AppendUint64(b, h)
+			b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(bk.fullAt-n)))
+		}
+	}
+	return b
+}
+
+// mergeChunk is how many buckets merge takes a shard's lock for at most.
+const mergeChunk = 1024
+
+// merge adds the buckets of a snapshot to the table, as of now: those
+// that have refilled since are dropped; a bucket the table already has
+// keeps the later of its two instants (the emptier bucket); none waits
+// longer than a whole bucket's refill (so a snapshot from a clock far
+// ahead cannot lock anyone out for longer). Loaded buckets only fill free
+// room: they evict none. It returns how many buckets it kept.
+func (t *table) merge(b []byte, fingerprint uint64, now time.Time) (int, error) {
+	if len(b) < snapshotHeader || string(b[:4]) != snapshotMagic {
+		return 0, errors.New("not a snapshot")
+	}
+	if v := binary.LittleEndian.Uint32(b[4:]); v != snapshotVersion {
+		return 0, fmt.Errorf("snapshot version %d, want %d", v, snapshotVersion)
+	}
+	if binary.LittleEndian.Uint64(b[8:]) != fingerprint {
+		return 0, errors.New("hashed with another key")
+	}
+	tokenTime := time.Duration(binary.LittleEndian.Uint64(b[16:]))
+	burst := int64(binary.LittleEndian.Uint64(b[24:]))
+	if tokenTime != t.p.shape.tokenTime || burst != t.p.shape.burst {
+		return 0, fmt.Errorf("zone's rate or burst changed")
+	}
+	count := binary.LittleEndian.Uint64(b[40:])
+	entries := b[snapshotHeader:]
+	if uint64(len(entries)) != count*snapshotEntry {
+		return 0, fmt.Errorf("%d bytes of buckets, want %d: truncated", len(entries), count*snapshotEntry)
+	}
+	n, wall := t.instant(now), now.UnixNano()
+	most := n + time.Duration(burst)*tokenTime
+	capacity := t.shardCap()
+	kept := 0
+	var locked *shard
+	for i := 0; len(entries) > 0; i, entries = i+1, entries[snapshotEntry:] {
+		h := binary.LittleEndian.Uint64(entries)
+		fullAt := n + time.Duration(int64(binary.LittleEndian.Uint64(entries[8:]))-wall)
+		if fullAt <= n {
+			continue // refilled
+		}
+		fullAt = min(fullAt, most)
+		if s := t.shard(h); s != locked || i%mergeChunk == 0 {
+			if locked != nil {
+				locked.mu.Unlock()
+			}
+			locked = s
+			s.mu.Lock()
+		}
+		if bk, ok := locked.buckets[h]; ok {
+			if fullAt > bk.fullAt {
+				locked.buckets[h] = bucket{fullAt, bk.usedAt}
+			}
+		} else if len(locked.buckets) < capacity {
+			locked.buckets[h] = bucket{fullAt, n}
+		} else {
+			continue
+		}
+		kept++
+	}
+	if locked != nil {
+		locked.mu.Unlock()
+	}
+	return kept, nil
+}

@@ -1,0 +1,657 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"bufio"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/certmagic"
+	"go.uber.org/zap"
+)
+
+// testStorage is a Caddy storage in memory, for tests: certmagic.Storage
+// is the module interface Caddy's storages (file system, Redis, Consul,
+// S3…) implement. With hang set, every call blocks forever, ignoring its
+// context, as a storage whose server stopped answering might; with fail
+// set, every call fails.
+type testStorage struct {
+	mu    sync.Mutex
+	loads int
+	files map[string][]byte
+	hang  chan struct{} // never closed
+	fail  error
+}
+
+func newTestStorage() *testStorage { return &testStorage{files: map[string][]byte{}} }
+
+func (s *testStorage) wait() error {
+	if s.hang != nil {
+		<-s.hang
+	}
+	return s.fail
+}
+
+func (s *testStorage) Store(_ context.Context, key string, value []byte) error {
+	if err := s.wait(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.files[key] = append([]byte(nil), value...)
+	return nil
+}
+
+func (s *testStorage) Load(_ context.Context, key string) ([]byte, error) {
+	s.mu.Lock()
+	s.loads++
+	s.mu.Unlock()
+	if err := s.wait(); err != nil {
+		return nil, err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, ok := s.files[key]
+	if !ok {
+		return nil, fs.ErrNotExist
+	}
+	return b, nil
+}
+
+func (s *testStorage) Delete(_ context.Context, key string) error {
+	if err := s.wait(); err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	delete(s.files, key)
+	return nil
+}
+
+func (s *testStorage) Exists(_ context.Context, key string) bool {
+	_, err := s.Load(context.Background(), key)
+	return err == nil
+}
+
+func (s *testStorage) List(context.Context, string, bool) ([]string, error) {
+	return nil, errors.New("not needed")
+}
+
+func (s *testStorage) Stat(context.Context, string) (certmagic.KeyInfo, error) {
+	return certmagic.KeyInfo{}, errors.New("not needed")
+}
+func (s *testStorage) Lock(context.Context, string) error   { return nil }
+func (s *testStorage) Unlock(context.Context, string) error { return nil }
+
+func (s *testStorage) file(key string) ([]byte, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, ok := s.files[key]
+	return b, ok
+}
+
+var testShape = tableID{name: "z", tokenTime: time.Second, burst: 10}
+
+// newPersistedTable is a table of testShape persisted to sn, without
+// its background loading and writing.
+func newPersistedTable(sn *snapshots) *table { return newPersistedTableOf(sn, 1000) }
+
+func newPersistedTableOf(sn *snapshots, maxKeys int64) *table {
+	t := newTable(maxKeys, t0)
+	t.key = sn.key
+	t.p = &persistence{shape: testShape, name: testShape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
+	t.p.to.Store(sn)
+	return t
+}
+
+func testSnapshots(storage certmagic.Storage) *snapshots {
+	return &snapshots{storage: storage, dir: "rate_limit/test", key: randomHashKey(), interval: time.Second, logger: zap.NewNop()}
+}
+
+// set makes k's bucket in t full again at fullAt.
+func set(t *table, k string, fullAt time.Time) {
+	t.raise(key(k), t.instant(fullAt), t.instant(t0))
+}
+
+// fullIn is how long k's bucket in t needs to be full again, seen at now.
+func fullIn(t *table, k string, now time.Time) time.Duration {
+	return max(t.get(key(k))-t.instant(now), 0)
+}
+
+func TestSnapshotRoundTrip(t *testing.T) {
+	sn := testSnapshots(newTestStorage())
+	a := newPersistedTable(sn)
+	set(a, "empty", t0.Add(10*time.Second))
+	set(a, "half", t0.Add(5*time.Second))
+	set(a, "soon", t0.Add(time.Second))
+	set(a, "full", t0) // refilled: not written
+	b := a.snapshot(t0, sn.key.fingerprint())
+	if got, want := len(b), snapshotHeader+3*snapshotEntry; got != want {
+		t.Fatalf("snapshot of 3 buckets that are not full: %d bytes, want %d", got, want)
+	}
+
+	// Loaded 2s later into a table of another epoch: "soon" has refilled.
+	later := t0.Add(2 * time.Second)
+	c := newPersistedTable(sn)
+	c.epoch = t0.Add(-time.Hour)
+	kept, err := c.merge(b, sn.key.fingerprint(), later)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if kept != 2 || c.len() != 2 {
+		t.Fatalf("kept %d, table holds %d; want 2 and 2", kept, c.len())
+	}
+	for k, want := range map[string]time.Duration{"empty": 8 * time.Second, "half": 3 * time.Second, "soon": 0, "full": 0} {
+		if got := fullIn(c, k, later); got != want {
+			t.Errorf("%s: full in %v, want %v", k, got, want)
+		}
+	}
+}
+
+// A snapshot of another shape, key or format is discarded whole.
+func TestSnapshotDiscarded(t *testing.T) {
+	sn := testSnapshots(newTestStorage())
+	a := newPersistedTable(sn)
+	set(a, "k", t0.Add(5*time.Second))
+	good := a.snapshot(t0, sn.key.fingerprint())
+
+	with := func(off int, v uint64) []byte {
+		b := append([]byte(nil), good...)
+		binary.LittleEndian.PutUint64(b[off:], v)
+		return b
+	}
+	for _, tc := range []struct {
+		name    string
+		b       []byte
+		wantErr string
+	}{
+		{"another rate", with(16, uint64(2*time.Second)), "rate or burst changed"},
+		{"another burst", with(24, 11), "rate or burst changed"},
+		{"another hash key", with(8, 1), "another key"},
+		{"truncated", good[:len(good)-1], "truncated"},
+		{"empty", nil, "not a snapshot"},
+		{"another format", append([]byte("RLBK"), good[4:]...), "not a snapshot"},
+		{"a later version", func() []byte {
+			b := append([]byte(nil), good...)
+			binary.LittleEndian.PutUint32(b[4:], 2)
+			return b
+		}(), "version 2"},
+	} {
+		c := newPersistedTable(sn)
+		_, err := c.merge(tc.b, sn.key.fingerprint(), t0)
+		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.wantErr)
+		}
+		if c.len() != 0 {
+			t.Errorf("%s: %d buckets loaded", tc.name, c.len())
+		}
+	}
+}
+
+// A bucket used since the start keeps the emptier of its two states; no
+// loaded bucket waits longer than a whole refill.
+func TestMergeKeepsLaterInstant(t *testing.T) {
+	sn := testSnapshots(newTestStorage())
+	a := newPersistedTable(sn)
+	set(a, "used more since", t0.Add(2*time.Second))
+	set(a, "used more before", t0.Add(8*time.Second))
+	set(a, "clock ahead", t0.Add(time.Hour))
+	b := a.snapshot(t0, sn.key.fingerprint())
+
+	c := newPersistedTable(sn)
+	set(c, "used more since", t0.Add(6*time.Second))
+	set(c, "used more before", t0.Add(3*time.Second))
+	if _, err := c.merge(b, sn.key.fingerprint(), t0); err != nil {
+		t.Fatal(err)
+	}
+	for k, want := range map[string]time.Duration{
+		"used more since":  6 * time.Second,
+		"used more before": 8 * time.Second,
+		"clock ahead":      10 * time.Second, // burst 10 at 1r/s
+	} {
+		if got := fullIn(c, k, t0); got != want {
+			t.Errorf("%s: full in %v, want %v", k, got, want)
+		}
+	}
+}
+
+// Loaded buckets fill free room only: a full table evicts nothing for them.
+func TestMergeEvictsNothing(t *testing.T) {
+	sn := testSnapshots(newTestStorage())
+	a := newPersistedTable(sn)
+	for i := range 10 {
+		set(a, fmt.Sprint("old", i), t0.Add(5*time.Second))
+	}
+	b := a.snapshot(t0, sn.key.fingerprint())
+	c := newPersistedTable(sn)
+	c.maxKeys.Store(4)
+	for i := range 3 {
+		set(c, fmt.Sprint("new", i), t0.Add(5*time.Second))
+	}
+	kept, err := c.merge(b, sn.key.fingerprint(), t0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if kept != 1 || c.len() != 4 {
+		t.Fatalf("kept %d, table holds %d; want 1 and 4", kept, c.len())
+	}
+	for i := range 3 {
+		if fullIn(c, fmt.Sprint("new", i), t0) == 0 {
+			t.Errorf("new%d was evicted", i)
+		}
+	}
+}
+
+// bindTestStore binds a local store persisted to sn to one zone, as a
+// provisioned store would be.
+func bindTestStore(t *testing.T, sn *snapshots, zone string) (*LocalStore, *Zone) {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	t.Cleanup(cancel)
+	z := &Zone{Name: zone, Rate: "1r/m", Burst: 2}
+	if err := z.provision(ctx); err != nil {
+		t.Fatal(err)
+	}
+	s := &LocalStore{MaxKeys: 1000, snaps: sn}
+	if err := s.bind([]*Zone{z}); err != nil {
+		t.Fatal(err)
+	}
+	return s, z
+}
+
+// spend takes a token of k's bucket in s's zone z and reports whether
+// the request was allowed.
+func spend(t *testing.T, s *LocalStore, z *Zone, k string) bool {
+	t.Helper()
+	reqs := []request{{zone: z, key: key(k)}}
+	ok, err := s.take(context.Background(), time.Now(), reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ok
+}
+
+// within fails the test unless f returns within a minute: the thing
+// under test must not wait for a storage that hangs.
+func within(t *testing.T, what string, f func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() { defer close(done); f() }()
+	select {
+	case <-done:
+	case <-time.After(time.Minute):
+		t.Fatalf("%s waited for a storage that hangs", what)
+	}
+}
+
+// A storage that hangs holds up neither the start, nor requests, nor the
+// stop: the table serves from full buckets meanwhile.
+func TestHangingStorageBlocksNothing(t *testing.T) {
+	storage := newTestStorage()
+	storage.hang = make(chan struct{})
+	var s *LocalStore
+	var z *Zone
+	within(t, "bind", func() { s, z = bindTestStore(t, testSnapshots(storage), "hanging") })
+	within(t, "requests", func() {
+		if !spend(t, s, z, "k") || !spend(t, s, z, "k") || spend(t, s, z, "k") {
+			t.Error("a bucket of 2 did not allow exactly 2 requests")
+		}
+	})
+	within(t, "cleanup", func() {
+		if err := s.Cleanup(); err != nil {
+			t.Error(err)
+		}
+	})
+	// The local stores of one config share its storage, which is asked
+	// once: a config of many sites is not held up once per site.
+	var cache hashKeyCache
+	for range 3 {
+		within(t, "reading the hash key", func() {
+			if _, _, err := cache.get(storage, "k"); err == nil {
+				t.Error("reading the hash key from a storage that hangs did not fail")
+			}
+		})
+	}
+	storage.mu.Lock()
+	defer storage.mu.Unlock()
+	if storage.loads != 2 { // the snapshot, and the hash key once
+		t.Errorf("the storage was read %d times, want 2", storage.loads)
+	}
+}
+
+// A storage that fails leaves the buckets full and in memory.
+func TestFailingStorage(t *testing.T) {
+	storage := newTestStorage()
+	storage.fail = errors.New("storage down")
+	s, z := bindTestStore(t, testSnapshots(storage), "failing")
+	if !spend(t, s, z, "k") {
+		t.Error("first request denied")
+	}
+	tab := s.tables[0]
+	<-tab.p.ready
+	if err := tab.save(tab.p.to.Load()); err == nil || !strings.Contains(err.Error(), "storage down") {
+		t.Errorf("save: %v, want the storage's error", err)
+	}
+	if _, err := loadHashKey(storage, "k"); err == nil {
+		t.Error("reading the hash key from a failing storage did not fail")
+	}
+	if err := s.Cleanup(); err != nil {
+		t.Error(err)
+	}
+}
+
+// The hash key is created once, then read back.
+func TestHashKeyStored(t *testing.T) {
+	storage := newTestStorage()
+	k1, err := loadHashKey(storage, "rate_limit/x/hash_key")
+	if err != nil {
+		t.Fatal(err)
+	}
+	k2, err := loadHashKey(storage, "rate_limit/x/hash_key")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if k1 != k2 || k1 == (hashKey{}) {
+		t.Errorf("keys %x then %x, want one nonzero key", k1, k2)
+	}
+}
+
+// The table is written every interval, loaded by the next table of its
+// shape, saved when Caddy exits and deleted when a reload drops it.
+func TestPersistLifecycle(t *testing.T) {
+	storage := newTestStorage()
+	sn := testSnapshots(storage)
+	sn.interval = minPersistInterval
+	s, z := bindTestStore(t, sn, "lifecycle")
+	spend(t, s, z, "k")
+	spend(t, s, z, "k")
+	name := sn.dir + "/" + s.tables[0].p.name
+	deadline := time.Now().Add(time.Minute)
+	for {
+		if b, ok := storage.file(name); ok && len(b) == snapshotHeader+snapshotEntry {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the table was not written within a minute")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// As at a restart: the table is saved as Caddy exits, and another
+	// of its shape loads it.
+	tab := s.tables[0]
+	tab.stopOnce.Do(func() {
+		close(tab.stop)
+		tab.close(true)
+	})
+	if err := s.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+
+	s2, z2 := bindTestStore(t, sn, "lifecycle")
+	<-s2.tables[0].p.ready
+	if spend(t, s2, z2, "k") {
+		t.Error("a bucket emptied before the restart allowed a request")
+	}
+	if !spend(t, s2, z2, "other") {
+		t.Error("another client was denied")
+	}
+	// A config that is dropped before it wrote (a failed start, caddy
+	// validate) leaves the snapshot alone; a reload that drops the zone
+	// after it wrote deletes it.
+	s2.tables[0].stopOnce.Do(func() {
+		close(s2.tables[0].stop)
+		s2.tables[0].close(false)
+	})
+	if _, ok := storage.file(name); !ok {
+		t.Error("a config that never wrote deleted the snapshot")
+	}
+	if err := s2.tables[0].save(sn); err != nil {
+		t.Fatal(err)
+	}
+	s2.tables[0].close(false)
+	if _, ok := storage.file(name); ok {
+		t.Error("the snapshot of a dropped zone was kept")
+	}
+	if err := s2.Cleanup(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// A reload that turns persistence off stops it for the tables it keeps.
+func TestPersistOffOnReload(t *testing.T) {
+	storage := newTestStorage()
+	s, z := bindTestStore(t, testSnapshots(storage), "off_on_reload")
+	tab := s.tables[0]
+	<-tab.p.ready
+	off := false
+	s2 := &LocalStore{MaxKeys: 1000, Persist: &off}
+	if err := s2.bind([]*Zone{z}); err != nil {
+		t.Fatal(err)
+	}
+	if s2.tables[0] != tab {
+		t.Fatal("the reload did not keep the table")
+	}
+	spend(t, s2, z, "k")
+	storage.mu.Lock()
+	clear(storage.files)
+	storage.mu.Unlock()
+	tab.stopOnce.Do(func() { // as Caddy exits
+		close(tab.stop)
+		tab.close(true)
+	})
+	storage.mu.Lock()
+	n := len(storage.files)
+	storage.mu.Unlock()
+	if n != 0 {
+		t.Errorf("persist off wrote %d files", n)
+	}
+	for _, st := range []*LocalStore{s, s2} {
+		if err := st.Cleanup(); err != nil {
+			t.Error(err)
+		}
+	}
+}
+
+// BenchmarkSnapshot is writing and loading a table of a million buckets
+// that are not full: time, bytes and allocations per snapshot.
+func BenchmarkSnapshot(b *testing.B) {
+	sn := testSnapshots(newTestStorage())
+	tab := newPersistedTableOf(sn, 2*manyKeys)
+	now := t0
+	for i, k := range ipKeys()[:1_000_000] {
+		h := tab.hash(k)
+		tab.shard(h).set(tab, h, tab.instant(now)+time.Duration(i+1)*time.Millisecond, 0)
+	}
+	var snap []byte
+	b.Run("write", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			snap = tab.snapshot(now, sn.key.fingerprint())
+		}
+		b.ReportMetric(float64(len(snap)), "snapshot-bytes")
+	})
+	// What a request may wait for: one shard's copy, under its lock.
+	b.Run("one-shard-locked", func(b *testing.B) {
+		b.ReportAllocs()
+		buf := make([]byte, 0, 2*len(snap)/len(tab.shards))
+		n, wall := tab.instant(now), now.UnixNano()
+		i := 0
+		for b.Loop() {
+			s := &tab.shards[i%len(tab.shards)]
+			s.mu.Lock()
+			buf = s.appendBuckets(buf[:0], n, wall)
+			s.mu.Unlock()
+			i++
+		}
+	})
+	b.Run("load", func(b *testing.B) {
+		b.ReportAllocs()
+		for b.Loop() {
+			b.StopTimer()
+			c := newPersistedTableOf(sn, 2*manyKeys)
+			b.StartTimer()
+			if _, err := c.merge(snap, sn.key.fingerprint(), now); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
+
+// TestRestartKeepsLimits runs Caddy itself, built from ./cmd/caddy, on the
+// default file-system storage: a client that emptied its bucket is still
+// limited after a graceful stop (caddy stop, then SIGTERM) and a restart,
+// and after a SIGKILL once the persist interval has passed.
+func TestRestartKeepsLimits(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs Caddy")
+	}
+	dir := t.TempDir()
+	bin := filepath.Join(dir, "caddy")
+	if out, err := exec.Command("go", "build", "-o", bin, "./cmd/caddy").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	admin, port := freePort(t, 0), freePort(t, 0)
+	config := writeFile(t, dir, "Caddyfile", fmt.Sprintf(`{
+	admin localhost:%d
+	http_port %d
+	storage file_system %s
+	persist_config off
+	grace_period 1s
+}
+
+http://127.0.0.1:%d {
+	rate_limit {remote_host} 1r/h 3 {
+		store local {
+			persist_interval 200ms
+		}
+	}
+	respond "ok"
+}
+`, admin, port, filepath.Join(dir, "storage"), port))
+	url := fmt.Sprintf("http://127.0.0.1:%d/", port)
+	env := append(os.Environ(), "HOME="+dir, "XDG_DATA_HOME="+filepath.Join(dir, "data"), "XDG_CONFIG_HOME="+filepath.Join(dir, "config"))
+
+	// start runs Caddy and returns once it answers, with its buckets
+	// loaded when the storage held some (loading does not hold up the
+	// start, so a request could come first).
+	start := func(wantLoaded bool) *exec.Cmd {
+		t.Helper()
+		cmd := exec.Command(bin, "run", "--config", config, "--adapter", "caddyfile")
+		cmd.Env = env
+		stderr, err := cmd.StderrPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+		ready, loaded := make(chan struct{}), make(chan struct{})
+		go func() {
+			sc := bufio.NewScanner(stderr)
+			var once, loadOnce sync.Once
+			for sc.Scan() {
+				line := sc.Text()
+				if strings.Contains(line, "serving initial configuration") {
+					once.Do(func() { close(ready) })
+				}
+				if strings.Contains(line, "buckets loaded") {
+					loadOnce.Do(func() { close(loaded) })
+				}
+				if testing.Verbose() {
+					t.Log(line)
+				}
+			}
+			_, _ = io.Copy(io.Discard, stderr)
+		}()
+		waitFor := []chan struct{}{ready}
+		if wantLoaded {
+			waitFor = append(waitFor, loaded)
+		}
+		for _, ch := range waitFor {
+			select {
+			case <-ch:
+			case <-time.After(time.Minute):
+				t.Fatal("Caddy did not start, or did not load the buckets, within a minute")
+			}
+		}
+		return cmd
+	}
+	status := func() int {
+		t.Helper()
+		resp, err := http.Get(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	wait := func(cmd *exec.Cmd) {
+		t.Helper()
+		done := make(chan error, 1)
+		go func() { done <- cmd.Wait() }()
+		select {
+		case <-done:
+		case <-time.After(time.Minute):
+			t.Fatal("Caddy did not exit within a minute")
+		}
+	}
+
+	cmd := start(false)
+	for i := range 3 {
+		if got := status(); got != 200 {
+			t.Fatalf("request %d: %d, want 200", i+1, got)
+		}
+	}
+	if got := status(); got != 429 {
+		t.Fatalf("4th request: %d, want 429", got)
+	}
+
+	// caddy stop: the admin API's /stop.
+	if out, err := exec.Command(bin, "stop", "--address", fmt.Sprintf("localhost:%d", admin)).CombinedOutput(); err != nil {
+		t.Fatalf("caddy stop: %v\n%s", err, out)
+	}
+	wait(cmd)
+	cmd = start(true)
+	if got := status(); got != 429 {
+		t.Fatalf("after caddy stop and a restart: %d, want 429", got)
+	}
+
+	// SIGTERM, which Caddy handles as gracefully.
+	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	wait(cmd)
+	cmd = start(true)
+	if got := status(); got != 429 {
+		t.Fatalf("after SIGTERM and a restart: %d, want 429", got)
+	}
+
+	// SIGKILL, which nothing can handle: what the last periodic write
+	// kept. A bucket loaded at the start is written at the next interval.
+	time.Sleep(time.Second)
+	if err := cmd.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	wait(cmd)
+	start(true)
+	if got := status(); got != 429 {
+		t.Fatalf("after SIGKILL and a restart: %d, want 429", got)
+	}
+}
