@@ -10,6 +10,8 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -431,5 +433,40 @@ func TestJitterCap(t *testing.T) {
 	}
 	if !longer {
 		t.Error("jitter 100 never lengthened Retry-After")
+	}
+}
+
+// TestDenialLogOfItsOwn: Caddy's log config keeps this module's DEBUG
+// denial lines, as the README shows for users of caddy-ratelimit's INFO
+// lines.
+func TestDenialLogOfItsOwn(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "rate_limit.log")
+	tester := startCaddy(t, fmt.Sprintf(`	log rate_limit {
+		include http.handlers.rate_limit
+		level DEBUG
+		output file %s
+	}
+`, file), `http://localhost:9080 {
+	rate_limit {
+		zone own_log {
+			rate 1r/m
+			burst 1
+		}
+	}
+	respond "ok"
+}
+`)
+	get(t, tester, "/", 200, "ok")
+	get(t, tester, "/", 429, "")
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		b, _ := os.ReadFile(file)
+		if strings.Contains(string(b), `"msg":"rate limit exceeded"`) && strings.Contains(string(b), `"zone":"own_log"`) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no denial in %s: %s", file, b)
+		}
+		time.Sleep(50 * time.Millisecond)
 	}
 }

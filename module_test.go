@@ -314,7 +314,7 @@ func TestCost(t *testing.T) {
 	respond "ok"
 }
 `)
-	for i, want := range []string{`"cost";r=3;t=120`, `"cost";r=1;t=240`} {
+	for i, want := range []string{`"cost";r=3;t=60`, `"cost";r=1;t=60`} {
 		h := get(t, tester, "/", 200, "ok")
 		if got := h.Get("Ratelimit"); got != want {
 			t.Errorf("request %d: Ratelimit %q, want %q", i+1, got, want)
@@ -328,7 +328,7 @@ func TestCost(t *testing.T) {
 		"X-Ratelimit-Remaining": "1",
 		"X-Ratelimit-Reset":     "?",
 		"Ratelimit-Policy":      `"cost";q=5;w=300`,
-		"Ratelimit":             `"cost";r=1;t=240`,
+		"Ratelimit":             `"cost";r=1;t=60`,
 		"Retry-After":           "60",
 	})
 }
@@ -452,7 +452,7 @@ func TestAllOrNothing(t *testing.T) {
 		"X-Ratelimit-Remaining": "1",
 		"X-Ratelimit-Reset":     "?",
 		"Ratelimit-Policy":      `"aon_b";q=3;w=180`,
-		"Ratelimit":             `"aon_b";r=1;t=120`,
+		"Ratelimit":             `"aon_b";r=1;t=60`,
 	})
 
 	// The other way round: D is drained first, then a request for C and
@@ -608,7 +608,7 @@ func TestReload(t *testing.T) {
 	reload(t, tester, "", config(keep, "two"))
 	get(t, tester, "/unlimited", 200, "two")
 	h := get(t, tester, "/", 429, "")
-	if got, want := h.Get("Ratelimit"), `"reload_keep";r=0;t=120`; got != want {
+	if got, want := h.Get("Ratelimit"), `"reload_keep";r=0;t=60`; got != want {
 		t.Errorf("after reload: Ratelimit %q, want %q", got, want)
 	}
 
@@ -616,7 +616,7 @@ func TestReload(t *testing.T) {
 	reload(t, tester, "", config(other+keep, "three"))
 	get(t, tester, "/unlimited", 200, "three")
 	h = get(t, tester, "/", 429, "")
-	if got, want := h.Get("Ratelimit"), `"reload_other";r=100;t=0, "reload_keep";r=0;t=120`; got != want {
+	if got, want := h.Get("Ratelimit"), `"reload_other";r=100;t=0, "reload_keep";r=0;t=60`; got != want {
 		t.Errorf("after adding a zone: Ratelimit %q, want %q", got, want)
 	}
 
