@@ -43,6 +43,8 @@ const anonymousZone = "default"
 //			ipv4_prefix <bits>
 //			ipv6_prefix <bits>
 //			dry_run
+//			window      <duration>  # with events: caddy-ratelimit's form of rate and burst
+//			events      <n>
 //		}
 //		store local {
 //			max_keys <n>
@@ -52,6 +54,7 @@ const anonymousZone = "default"
 //		log_key
 //		dry_run
 //		disable_metrics
+//		sweep_interval <duration>  # caddy-ratelimit's; ignored
 //	}
 //
 // The line form `rate_limit <key> <rate> [<burst>]` is a zone named
