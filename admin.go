@@ -116,7 +116,7 @@ func (ref zoneRef) info() zoneInfo {
 	info := zoneInfo{
 		Name:   z.Name,
 		Key:    z.Key,
-		Rate:   z.Rate,
+		Rate:   z.rateString(),
 		Burst:  z.limit.burst,
 		Cost:   z.Cost,
 		Store:  ref.h.storeName,

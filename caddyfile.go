@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -42,6 +43,8 @@ const anonymousZone = "default"
 //			ipv4_prefix <bits>
 //			ipv6_prefix <bits>
 //			dry_run
+//			window      <duration>  # with events: caddy-ratelimit's form of rate and burst
+//			events      <n>
 //		}
 //		store local {
 //			max_keys         <n>
@@ -53,12 +56,14 @@ const anonymousZone = "default"
 //		log_key
 //		dry_run
 //		disable_metrics
+//		sweep_interval <duration>  # caddy-ratelimit's; ignored
 //	}
 //
 // The line form `rate_limit <key> <rate> [<burst>]` is a zone named
 // "default". For zones written for github.com/mholt/caddy-ratelimit,
-// `window <duration>` with `events <n>` means `rate <n>/<duration>` and
-// `burst <n>`.
+// `window <duration>` with `events <n>` (instead of rate and burst) means
+// `rate <n>/<duration>` and `burst <n>`, with caddy-ratelimit's meaning of
+// the key; its `sweep_interval` is accepted and ignored.
 func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	d.Next() // consume directive name
 
@@ -132,7 +137,17 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 		case "storage":
 			return d.Err("'storage' is a github.com/mholt/caddy-ratelimit option: use 'store redis { ... }' to share limits between instances")
 		case "sweep_interval":
-			return d.Err("'sweep_interval' is a github.com/mholt/caddy-ratelimit option: refilled buckets are dropped automatically")
+			// caddy-ratelimit's; accepted and ignored: refilled buckets
+			// carry nothing, and the store drops them by itself.
+			var v string
+			if !d.AllArgs(&v) {
+				return d.ArgErr()
+			}
+			w, err := caddy.ParseDuration(v)
+			if err != nil || w < 0 {
+				return d.Errf("invalid sweep_interval '%s': expected a duration such as 1m", v)
+			}
+			h.SweepInterval = caddy.Duration(w)
 		default:
 			return d.Errf("unrecognized subdirective '%s'", sub)
 		}
@@ -175,7 +190,6 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 		return d.ArgErr()
 	}
 	z := &Zone{Name: name}
-	var window, events string
 	seen := make(map[string]bool)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
@@ -225,21 +239,20 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 			}
 			z.MatcherSetsRaw = append(z.MatcherSetsRaw, set)
 		case "window":
-			if !d.AllArgs(&window) {
+			var v string
+			if !d.AllArgs(&v) {
 				return d.ArgErr()
 			}
-			if w, err := caddy.ParseDuration(window); err != nil || w <= 0 {
-				return d.Errf("invalid window '%s': expected a positive duration such as 1m", window)
+			w, err := caddy.ParseDuration(v)
+			if err != nil || w <= 0 {
+				return d.Errf("invalid window '%s': expected a positive duration such as 1m", v)
 			}
+			z.Window = caddy.Duration(w)
 		case "events":
-			n, err := intArg[int64](d)
-			if err != nil {
+			if z.MaxEvents, err = intArg[int64](d); err != nil {
 				return err
 			}
-			events = d.Val()
-			if err := checkMin("events", n, 1); err != nil {
-				return d.WrapErr(err)
-			}
+			err = cmp.Or(checkMin("events", z.MaxEvents, 1), checkBurst(z.MaxEvents))
 		default:
 			return d.Errf("unrecognized zone subdirective '%s'", sub)
 		}
@@ -251,16 +264,13 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 	// caddy-ratelimit's window and events: events per window, all of them
 	// at once if the client was idle.
 	switch {
-	case window == "" && events == "":
+	case !z.windowForm():
 	case z.Rate != "":
 		return d.Errf("zone %s: use either rate or window and events, not both", name)
-	case window == "" || events == "":
+	case z.Window == 0 || z.MaxEvents == 0:
 		return d.Errf("zone %s: window and events go together", name)
 	case z.Burst != 0:
 		return d.Errf("zone %s: events is already the burst of window and events", name)
-	default:
-		z.Rate = events + "/" + window
-		z.Burst, _ = strconv.ParseInt(events, 10, 64)
 	}
 	if err := z.validate(); err != nil {
 		return d.Errf("zone %s: %v", name, err)

@@ -11,7 +11,9 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/caddytest"
@@ -281,7 +283,7 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 	}
 }`,
 			want: &Handler{Zones: []*Zone{
-				{Name: "legacy", Key: "{remote_host}", Rate: "30/1m", Burst: 30},
+				{Name: "legacy", Key: "{remote_host}", Window: caddy.Duration(time.Minute), MaxEvents: 30},
 			}},
 		},
 		{
@@ -294,7 +296,52 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 	}
 }`,
 			want: &Handler{Zones: []*Zone{
-				{Name: "legacy", Rate: "5/10s", Burst: 5, Cost: 5},
+				{Name: "legacy", Window: caddy.Duration(10 * time.Second), MaxEvents: 5, Cost: 5},
+			}},
+		},
+		{
+			name: "jitter above 1",
+			input: `rate_limit {client_ip} 1r/s {
+	jitter 10
+}`,
+			want: &Handler{Zones: []*Zone{{Name: "default", Key: "{client_ip}", Rate: "1r/s"}}, Jitter: 10},
+		},
+		{
+			name: "sweep_interval accepted and ignored",
+			input: `rate_limit {
+	zone a {
+		window 1m
+		events 10
+	}
+	sweep_interval 30s
+}`,
+			want: &Handler{Zones: []*Zone{{Name: "a", Window: caddy.Duration(time.Minute), MaxEvents: 10}}, SweepInterval: caddy.Duration(30 * time.Second)},
+		},
+		{
+			name: "names caddy-ratelimit accepts",
+			input: `rate_limit {
+	zone api:v1 {
+		window 1s
+		events 1
+	}
+	zone api/v1 {
+		window 1s
+		events 1
+	}
+	zone api@host {
+		window 1s
+		events 1
+	}
+	zone "a \"b\" é" {
+		window 1s
+		events 1
+	}
+}`,
+			want: &Handler{Zones: []*Zone{
+				{Name: "api:v1", Window: caddy.Duration(time.Second), MaxEvents: 1},
+				{Name: "api/v1", Window: caddy.Duration(time.Second), MaxEvents: 1},
+				{Name: "api@host", Window: caddy.Duration(time.Second), MaxEvents: 1},
+				{Name: `a "b" é`, Window: caddy.Duration(time.Second), MaxEvents: 1},
 			}},
 		},
 	} {
@@ -714,16 +761,6 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			line:    2,
 		},
 		{
-			name: "bad zone name",
-			input: `rate_limit {
-	zone "a b" {
-		rate 1r/s
-	}
-}`,
-			wantErr: "zone a b: invalid name 'a b'",
-			line:    4,
-		},
-		{
 			name: "zone without name",
 			input: `rate_limit {
 	zone {
@@ -995,15 +1032,15 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			input: `rate_limit {client_ip} 1r/s {
 	jitter -0.1
 }`,
-			wantErr: "invalid jitter -0.1: must be between 0 and 1",
+			wantErr: "invalid jitter -0.1: must be a number of at least 0",
 			line:    2,
 		},
 		{
-			name: "jitter above 1",
+			name: "jitter infinite",
 			input: `rate_limit {client_ip} 1r/s {
-	jitter 10
+	jitter +Inf
 }`,
-			wantErr: "invalid jitter 10: must be between 0 and 1",
+			wantErr: "invalid jitter +Inf: must be a number of at least 0",
 			line:    2,
 		},
 		{
@@ -1019,7 +1056,7 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			input: `rate_limit {client_ip} 1r/s {
 	jitter NaN
 }`,
-			wantErr: "invalid jitter NaN: must be between 0 and 1",
+			wantErr: "invalid jitter NaN: must be a number of at least 0",
 			line:    2,
 		},
 		{
@@ -1277,15 +1314,27 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			line:    5,
 		},
 		{
-			name: "sweep_interval",
+			name: "sweep_interval not a duration",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+	}
+	sweep_interval often
+}`,
+			wantErr: "invalid sweep_interval 'often': expected a duration such as 1m",
+			line:    5,
+		},
+		{
+			name: "sweep_interval twice",
 			input: `rate_limit {
 	zone a {
 		rate 1r/s
 	}
 	sweep_interval 1m
+	sweep_interval 2m
 }`,
-			wantErr: "'sweep_interval' is a github.com/mholt/caddy-ratelimit option",
-			line:    5,
+			wantErr: "sweep_interval already specified",
+			line:    6,
 		},
 
 		// No zones, and the one-line form's arguments.

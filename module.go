@@ -10,9 +10,11 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"math"
 	"math/rand/v2"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -55,6 +57,12 @@ type Handler struct {
 	// whose matchers match it.
 	Zones []*Zone `json:"zones,omitempty"`
 
+	// Zones keyed by name, as github.com/mholt/caddy-ratelimit writes
+	// them (`window`, `max_events`, `key`, `match`), so that its configs
+	// load unchanged. They join Zones in the order of their names; a name
+	// may not be in both.
+	RateLimits map[string]*Zone `json:"rate_limits,omitempty"`
+
 	// Where the buckets are kept. Default: `local` (in this process's
 	// memory).
 	StoreRaw json.RawMessage `json:"store,omitempty" caddy:"namespace=http.handlers.rate_limit.stores inline_key=backend"`
@@ -68,7 +76,9 @@ type Handler struct {
 
 	// Stretch each Retry-After by a random fraction of itself, up to this
 	// much (e.g. 0.1 for up to 10% later), so that denied clients do not
-	// all come back at once. Default: 0.
+	// all come back at once. Any fraction of at least 0; the added wait
+	// is at most the time the zone's bucket takes to refill from empty.
+	// Default: 0.
 	Jitter float64 `json:"jitter,omitempty"`
 
 	// Log the bucket key with denials. Keys often hold personal data
@@ -80,6 +90,15 @@ type Handler struct {
 
 	// Do not export this handler's zones as Prometheus metrics.
 	DisableMetrics bool `json:"disable_metrics,omitempty"`
+
+	// Accepted for caddy-ratelimit's configs and ignored: buckets that
+	// have refilled carry nothing and the store drops them by itself.
+	SweepInterval caddy.Duration `json:"sweep_interval,omitempty"`
+
+	// caddy-ratelimit's `distributed` and `storage` are refused with a
+	// pointer to the Redis store, which shares limits exactly.
+	Distributed json.RawMessage `json:"distributed,omitempty"`
+	Storage     json.RawMessage `json:"storage,omitempty"`
 
 	store      store
 	failMode   failMode
@@ -116,6 +135,9 @@ func (Handler) CaddyModule() caddy.ModuleInfo {
 func (h *Handler) Provision(ctx caddy.Context) error {
 	h.ctx = ctx
 	h.logger = ctx.Logger()
+	if err := h.mergeRateLimits(); err != nil {
+		return err
+	}
 	if err := h.Validate(); err != nil {
 		return err
 	}
@@ -225,6 +247,18 @@ func (h *Handler) Cleanup() error {
 
 // Validate checks the handler's configuration.
 func (h *Handler) Validate() error {
+	if err := h.mergeRateLimits(); err != nil {
+		return err
+	}
+	if h.Distributed != nil {
+		return errors.New(`'distributed' is a github.com/mholt/caddy-ratelimit option: use "store": {"backend": "redis", ...} to share limits between instances`)
+	}
+	if h.Storage != nil {
+		return errors.New(`'storage' is a github.com/mholt/caddy-ratelimit option: use "store": {"backend": "redis", ...} to share limits between instances`)
+	}
+	if h.SweepInterval < 0 {
+		return fmt.Errorf("invalid sweep_interval %s: must not be negative", time.Duration(h.SweepInterval))
+	}
 	if len(h.Zones) == 0 {
 		return errors.New("no zones: at least one zone is required")
 	}
@@ -262,9 +296,31 @@ func checkHeaderMode(s string) error {
 }
 
 func checkJitter(f float64) error {
-	if f < 0 || f > 1 || math.IsNaN(f) {
-		return fmt.Errorf("invalid jitter %v: must be between 0 and 1", f)
+	if !(f >= 0) || math.IsInf(f, 0) {
+		return fmt.Errorf("invalid jitter %v: must be a number of at least 0, such as 0.1 for up to 10%% longer", f)
 	}
+	return nil
+}
+
+// mergeRateLimits moves the zones of rate_limits into Zones, sorted by
+// name. It is idempotent: Provision and Validate both call it.
+func (h *Handler) mergeRateLimits() error {
+	names := slices.Sorted(maps.Keys(h.RateLimits))
+	for _, name := range names {
+		z := h.RateLimits[name]
+		if z == nil {
+			return fmt.Errorf("rate_limits: zone %s is null", name)
+		}
+		if z.Name != "" && z.Name != name {
+			return fmt.Errorf("rate_limits: zone %s has the name '%s': leave the name out, the key names it", name, z.Name)
+		}
+		if slices.ContainsFunc(h.Zones, func(o *Zone) bool { return o != nil && o.Name == name }) {
+			return fmt.Errorf("zone %s is both in zones and in rate_limits", name)
+		}
+		z.Name = name
+		h.Zones = append(h.Zones, z)
+	}
+	h.RateLimits = nil
 	return nil
 }
 
@@ -447,7 +503,10 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, q *request) error
 	z := q.zone
 	wait := q.wait()
 	if h.Jitter > 0 {
-		wait += time.Duration(float64(wait) * h.Jitter * rand.Float64())
+		// A client need never wait longer than a full refill beyond its
+		// due: that also bounds a large jitter far from overflow.
+		extra := float64(wait) * h.Jitter * rand.Float64()
+		wait += time.Duration(min(extra, float64(z.limit.burstTime)))
 	}
 	retryAfter := setRetryAfter(w.Header(), wait)
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {

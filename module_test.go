@@ -896,14 +896,24 @@ func TestLoadErrors(t *testing.T) {
 			wantErr: "zone le: invalid burst -1: must be at least 1",
 		},
 		{
-			name:    "bad zone name",
-			handler: `{"handler": "rate_limit", "zones": [{"name": "a b", "rate": "1r/s"}]}`,
-			wantErr: "invalid name 'a b'",
+			name:    "empty zone name",
+			handler: `{"handler": "rate_limit", "rate_limits": {"": {"window": "1s", "max_events": 1}}}`,
+			wantErr: "name is required",
 		},
 		{
 			name:    "jitter",
-			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "jitter": 2}`,
-			wantErr: "invalid jitter 2: must be between 0 and 1",
+			handler: `{"handler": "rate_limit", "zones": [{"name": "le", "rate": "1r/s"}], "jitter": -2}`,
+			wantErr: "invalid jitter -2: must be a number of at least 0",
+		},
+		{
+			name:    "max_events 0",
+			handler: `{"handler": "rate_limit", "rate_limits": {"le": {"window": "1m", "max_events": 0}}}`,
+			wantErr: "zone le: max_events is required with window, and at least 1",
+		},
+		{
+			name:    "distributed",
+			handler: `{"handler": "rate_limit", "rate_limits": {"le": {"window": "1m", "max_events": 1}}, "distributed": {}}`,
+			wantErr: "'distributed' is a github.com/mholt/caddy-ratelimit option: use",
 		},
 		{
 			name:    "max_keys",

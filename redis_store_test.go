@@ -18,6 +18,7 @@ import (
 	"net"
 	"net/http"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -806,5 +807,35 @@ func TestRedisFailLocalStartsFromWhatRedisSaid(t *testing.T) {
 	}
 	if allowed != 3 {
 		t.Errorf("a new client: %d of 4 allowed, want its burst of 3", allowed)
+	}
+}
+
+// Zone names hold any characters, yet a zone's keys never meet another
+// zone's: the name ends where the hash tag's '{' starts, and a '{' in a
+// name is escaped.
+func TestRedisZoneNamesDoNotCollide(t *testing.T) {
+	r := startRedis(t)
+	config := func(zone, key string) string {
+		return fmt.Sprintf(`{"rate_limits":{%q:{"key":%q,"window":"1m","max_events":1}},
+			"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, zone, key, r.addr())
+	}
+	a := newTestHandler(t, config("api:v1", "k"))
+	b := newTestHandler(t, config("api", "v1:k"))
+	c := newTestHandler(t, config("api{v1", "k"))
+	if code, _ := serve(a, "192.0.2.1"); code != http.StatusOK {
+		t.Fatalf("zone api:v1: status %d", code)
+	}
+	if code, _ := serve(a, "192.0.2.1"); code != http.StatusTooManyRequests {
+		t.Fatalf("zone api:v1: second request: status %d, want 429", code)
+	}
+	for _, h := range []*Handler{b, c} {
+		if code, _ := serve(h, "192.0.2.1"); code != http.StatusOK {
+			t.Errorf("zone %s: status %d: it shares api:v1's bucket", h.Zones[0].Name, code)
+		}
+	}
+	keys, _ := newRedisClient(t, r.addr()).Keys(context.Background(), "t:*").Result()
+	slices.Sort(keys)
+	if want := []string{"t:api%7Bv1:{k}", "t:api:v1:{k}", "t:api:{v1:k}"}; !slices.Equal(keys, want) {
+		t.Errorf("keys %q, want %q", keys, want)
 	}
 }

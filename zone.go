@@ -14,6 +14,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -26,14 +27,21 @@ import (
 // their buckets, also across sites and config reloads (as zones sharing a
 // Redis store do). Give zones that must be separate different names.
 type Zone struct {
-	// The zone's name, used in headers, logs and store keys. It may hold
-	// letters, digits, `_`, `-` and `.`. Required.
+	// The zone's name, used in headers, logs, metrics, the admin API and
+	// store keys: any non-empty UTF-8 string. In the RateLimit headers,
+	// bytes outside printable ASCII, and '%', are percent-encoded.
+	// Required (in `rate_limits`, the map's key is the name).
 	Name string `json:"name,omitempty"`
 
 	// What separates clients: a string with placeholders, e.g.
 	// `{http.request.header.X-API-Key}`. A request whose key expands to
 	// the empty string is not limited by this zone. Default:
 	// `{http.vars.client_ip}`.
+	//
+	// In a zone written with `window` and `max_events`, the key means
+	// what it means in github.com/mholt/caddy-ratelimit: a zone without
+	// a key is one bucket for all clients, and so is a key that expands
+	// to the empty string.
 	Key string `json:"key,omitempty"`
 
 	// How fast the bucket refills: `<n>r/s`, `<n>r/m`, `<n>r/h`, `<n>r/d`
@@ -49,6 +57,17 @@ type Zone struct {
 	// Default: 1.
 	Cost int64 `json:"cost,omitempty"`
 
+	// The limit as github.com/mholt/caddy-ratelimit writes it, instead of
+	// rate and burst: at most `max_events` requests per `window`, all at
+	// once after an idle spell. It is read as rate
+	// `<max_events>/<window>` with burst `<max_events>`, and gives the
+	// zone caddy-ratelimit's meaning of `key`, `ipv4_prefix` and
+	// `ipv6_prefix` (see Key and IPv6Prefix).
+	Window caddy.Duration `json:"window,omitempty"`
+
+	// Requests allowed per `window`: at least 1.
+	MaxEvents int64 `json:"max_events,omitempty"`
+
 	// Which requests the zone applies to. Default: all requests.
 	MatcherSetsRaw caddyhttp.RawMatcherSets `json:"match,omitempty" caddy:"namespace=http.matchers"`
 
@@ -58,7 +77,8 @@ type Zone struct {
 
 	// When the key is an IPv6 address, clients in the same network of
 	// this prefix length share a bucket. Default: 64 (the usual
-	// allocation to one subscriber).
+	// allocation to one subscriber); 128 (each address its own bucket) in
+	// a zone written with `window` and `max_events`, as in caddy-ratelimit.
 	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
 
 	// Compute, count and log decisions, and send the headers, but let
@@ -76,6 +96,9 @@ type Zone struct {
 	state       *zoneState
 	// inDryRun: this zone's DryRun, or the handler's.
 	inDryRun bool
+	// emptyShared: a key that expands to the empty string is one bucket
+	// (caddy-ratelimit's meaning), rather than an exemption.
+	emptyShared bool
 
 	// Built once, for every response the zone speaks in.
 	denial       error  // the caddyhttp.HandlerError returned when this zone denies
@@ -99,34 +122,43 @@ const defaultKey = "{http.vars.client_ip}"
 
 // validate checks a zone's configuration without changing it.
 func (z *Zone) validate() error {
-	if z.Name == "" {
-		return errors.New("name is required")
-	}
-	if strings.IndexFunc(z.Name, func(r rune) bool {
-		return !(r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '_' || r == '-' || r == '.')
-	}) >= 0 {
-		return fmt.Errorf("invalid name '%s': may hold only letters, digits, '_', '-' and '.'", z.Name)
+	if err := checkZoneName(z.Name); err != nil {
+		return err
 	}
 	_, err := z.parseLimit()
 	return err
 }
 
+// checkZoneName accepts any name that metrics labels can carry: a
+// non-empty UTF-8 string. Every other place that shows a name escapes it.
+func checkZoneName(name string) error {
+	if name == "" {
+		return errors.New("name is required")
+	}
+	if !utf8.ValidString(name) {
+		return fmt.Errorf("invalid name %q: must be UTF-8", name)
+	}
+	return nil
+}
+
+// windowForm reports whether the zone is written as caddy-ratelimit
+// writes it, with window and max_events.
+func (z *Zone) windowForm() bool { return z.Window != 0 || z.MaxEvents != 0 }
+
 // parseLimit checks the zone's numbers and returns its bucket's shape.
 func (z *Zone) parseLimit() (limit, error) {
-	if z.Rate == "" {
-		return limit{}, errors.New("rate is required")
+	var perSec float64
+	var burst int64
+	var err error
+	if z.windowForm() {
+		perSec, burst, err = z.windowLimit()
+	} else {
+		perSec, burst, err = z.rateLimit()
 	}
-	perSec, n, err := parseRate(z.Rate)
 	if err != nil {
 		return limit{}, err
 	}
-	burst, cost := z.Burst, z.Cost
-	if burst == 0 {
-		if n > maxBurst {
-			return limit{}, fmt.Errorf("invalid rate '%s': %g is too large a default burst: set a burst of at most %d", z.Rate, n, int64(maxBurst))
-		}
-		burst = int64(math.Ceil(n))
-	}
+	cost := z.Cost
 	if cost == 0 {
 		cost = 1
 	}
@@ -137,9 +169,59 @@ func (z *Zone) parseLimit() (limit, error) {
 		return limit{}, fmt.Errorf("cost %d exceeds burst %d: no request could ever pass", cost, burst)
 	}
 	if float64(burst)/perSec > maxBurstTime.Seconds() {
-		return limit{}, fmt.Errorf("burst %d at rate %s takes more than 100 years to refill", burst, z.Rate)
+		return limit{}, fmt.Errorf("burst %d at rate %s takes more than 100 years to refill", burst, z.rateString())
 	}
 	return newLimit(perSec, burst), nil
+}
+
+// rateLimit reads rate and burst: tokens per second and capacity.
+func (z *Zone) rateLimit() (perSec float64, burst int64, err error) {
+	if z.Rate == "" {
+		return 0, 0, errors.New("rate is required (or window and max_events)")
+	}
+	perSec, n, err := parseRate(z.Rate)
+	if err != nil {
+		return 0, 0, err
+	}
+	burst = z.Burst
+	if burst == 0 {
+		if n > maxBurst {
+			return 0, 0, fmt.Errorf("invalid rate '%s': %g is too large a default burst: set a burst of at most %d", z.Rate, n, int64(maxBurst))
+		}
+		burst = int64(math.Ceil(n))
+	}
+	return perSec, burst, nil
+}
+
+// windowLimit reads window and max_events as rate and burst.
+func (z *Zone) windowLimit() (perSec float64, burst int64, err error) {
+	switch {
+	case z.Rate != "" || z.Burst != 0:
+		return 0, 0, errors.New("use either rate and burst or window and max_events, not both")
+	case z.Window <= 0:
+		return 0, 0, fmt.Errorf("invalid window %s: must be a positive duration such as 1m", time.Duration(z.Window))
+	case z.MaxEvents == 0:
+		// caddy-ratelimit reads a missing max_events as 0 and refuses every
+		// request of the zone: a limit nobody meant, or a block better said
+		// with `error 429`.
+		return 0, 0, errors.New("max_events is required with window, and at least 1 (a zone of 0 events would refuse every request: to do that, use the error directive)")
+	}
+	if err := cmp.Or(checkMin("max_events", z.MaxEvents, 1), checkBurst(z.MaxEvents)); err != nil {
+		return 0, 0, err
+	}
+	perSec = float64(z.MaxEvents) / time.Duration(z.Window).Seconds()
+	if perSec > maxRate {
+		return 0, 0, fmt.Errorf("%d events per %s is more than %.0fr/s", z.MaxEvents, time.Duration(z.Window), maxRate)
+	}
+	return perSec, z.MaxEvents, nil
+}
+
+// rateString is the zone's rate as configured, for messages.
+func (z *Zone) rateString() string {
+	if z.windowForm() {
+		return fmt.Sprintf("%d/%s", z.MaxEvents, time.Duration(z.Window))
+	}
+	return z.Rate
 }
 
 // maxBurst is the largest burst: the headers carry it (RateLimit-Policy's
@@ -225,7 +307,10 @@ func isNumberWithUnit(s string) bool {
 
 // provision computes the zone's runtime state. The zone must be valid.
 func (z *Zone) provision(ctx caddy.Context) error {
-	if z.Key == "" {
+	// caddy-ratelimit's zones: no key is one bucket for all, an empty
+	// key is a shared bucket, and addresses are not grouped unless said.
+	z.emptyShared = z.windowForm()
+	if z.Key == "" && !z.emptyShared {
 		z.Key = defaultKey
 	}
 	if z.Cost == 0 {
@@ -236,12 +321,15 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	}
 	if z.IPv6Prefix == 0 {
 		z.IPv6Prefix = 64
+		if z.emptyShared {
+			z.IPv6Prefix = 128
+		}
 	}
 	var err error
 	if z.limit, err = z.parseLimit(); err != nil {
 		return err
 	}
-	if z.Burst == 0 {
+	if z.Burst == 0 && !z.windowForm() {
 		z.Burst = z.limit.burst
 	}
 	z.costTime = z.limit.costTime(z.Cost)
@@ -273,9 +361,30 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	}
 	z.boxedName = z.Name
 	z.wouldDenyVar = "http.rate_limit." + z.Name + ".would_deny"
-	z.quotedName = strconv.Quote(z.Name) // names are plain ASCII: a valid sf-string
+	z.quotedName = sfString(z.Name)
 	z.policy = fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, z.limit.burst, ceilSeconds(z.limit.burstTime))
 	return nil
+}
+
+// sfString writes a zone name as an RFC 9651 sf-string, which holds only
+// printable ASCII (0x20-0x7E): '"' and '\' are escaped with '\', and
+// every other byte, and '%' itself, is percent-encoded as %XX (upper-case
+// hex). Distinct names give distinct strings; plain names are unchanged.
+func sfString(name string) string {
+	const hex = "0123456789ABCDEF"
+	b := make([]byte, 0, len(name)+2)
+	b = append(b, '"')
+	for i := 0; i < len(name); i++ {
+		switch c := name[i]; {
+		case c == '"' || c == '\\':
+			b = append(b, '\\', c)
+		case c == '%' || c < 0x20 || c > 0x7e:
+			b = append(b, '%', hex[c>>4], hex[c&15])
+		default:
+			b = append(b, c)
+		}
+	}
+	return string(append(b, '"'))
 }
 
 // A bucketKey names one bucket within a zone: an IP network when the
@@ -296,7 +405,8 @@ func (k bucketKey) String() string {
 }
 
 // bucketKey expands the zone's key for r. It reports false when the key
-// is empty, which exempts the request from the zone.
+// is empty, which exempts the request from the zone (unless the zone
+// shares one bucket among empty keys).
 func (z *Zone) bucketKey(r *http.Request) (bucketKey, bool) {
 	var s string
 	switch z.keyKind {
@@ -313,7 +423,7 @@ func (z *Zone) bucketKey(r *http.Request) (bucketKey, bool) {
 		}
 		s = repl.ReplaceAll(z.Key, "")
 	}
-	if s == "" {
+	if s == "" && !z.emptyShared {
 		return bucketKey{}, false
 	}
 	return z.keyFor(s), true

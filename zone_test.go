@@ -28,9 +28,46 @@ func TestValidate(t *testing.T) {
 		{name: "empty zones", json: `{"zones":[]}`, wantErr: "no zones"},
 		{name: "null zone", json: `{"zones":[null]}`, wantErr: "zone is null"},
 		{name: "missing name", json: `{"zones":[{"rate":"1r/s"}]}`, wantErr: "name is required"},
-		{name: "name with space", json: `{"zones":[{"name":"a b","rate":"1r/s"}]}`, wantErr: "zone a b: invalid name 'a b'"},
-		{name: "name with quote", json: `{"zones":[{"name":"a\"b","rate":"1r/s"}]}`, wantErr: `invalid name 'a"b'`},
-		{name: "name with non-ASCII letter", json: `{"zones":[{"name":"zoné","rate":"1r/s"}]}`, wantErr: "invalid name 'zoné'"},
+		// Any name caddy-ratelimit accepts, but the empty one.
+		{name: "name with space", json: `{"zones":[{"name":"a b","rate":"1r/s"}]}`},
+		{name: "name with quote", json: `{"zones":[{"name":"a\"b","rate":"1r/s"}]}`},
+		{name: "name with non-ASCII letter", json: `{"zones":[{"name":"zoné","rate":"1r/s"}]}`},
+		{name: "names with : / @ % { }", json: `{"rate_limits":{"api:v1":{"window":"1s","max_events":1},"api/v1":{"window":"1s","max_events":1},` +
+			`"api@host":{"window":"1s","max_events":1},"100%{x}":{"window":"1s","max_events":1}}}`},
+		{name: "empty name in rate_limits", json: `{"rate_limits":{"":{"window":"1s","max_events":1}}}`, wantErr: "name is required"},
+
+		// caddy-ratelimit's JSON.
+		{
+			name: "caddy-ratelimit README example",
+			json: `{"rate_limits":{"static_example":{"match":[{"method":["GET"]}],"key":"static","window":"1m","max_events":100},` +
+				`"dynamic_example":{"key":"{http.request.remote.host}","window":"5s","max_events":2}},"jitter":0.2,"sweep_interval":"1m"}`,
+		},
+		{name: "rate_limits and zones", json: `{"zones":[{"name":"b","rate":"1r/s"}],"rate_limits":{"a":{"window":"1s","max_events":1}}}`},
+		{
+			name:    "name in both",
+			json:    `{"zones":[{"name":"a","rate":"1r/s"}],"rate_limits":{"a":{"window":"1s","max_events":1}}}`,
+			wantErr: "zone a is both in zones and in rate_limits",
+		},
+		{
+			name:    "other name inside rate_limits",
+			json:    `{"rate_limits":{"a":{"name":"b","window":"1s","max_events":1}}}`,
+			wantErr: "rate_limits: zone a has the name 'b'",
+		},
+		{name: "null in rate_limits", json: `{"rate_limits":{"a":null}}`, wantErr: "rate_limits: zone a is null"},
+		{name: "max_events 0", json: `{"rate_limits":{"a":{"window":"1m","max_events":0}}}`, wantErr: "zone a: max_events is required with window, and at least 1"},
+		{name: "max_events missing", json: `{"rate_limits":{"a":{"window":"1m"}}}`, wantErr: "zone a: max_events is required with window"},
+		{name: "max_events negative", json: `{"rate_limits":{"a":{"window":"1m","max_events":-1}}}`, wantErr: "zone a: invalid max_events -1: must be at least 1"},
+		{name: "window missing", json: `{"rate_limits":{"a":{"max_events":10}}}`, wantErr: "zone a: invalid window 0s: must be a positive duration"},
+		{name: "window negative", json: `{"rate_limits":{"a":{"window":"-1s","max_events":10}}}`, wantErr: "zone a: invalid window -1s"},
+		{name: "neither window nor rate", json: `{"rate_limits":{"a":{"key":"static"}}}`, wantErr: "zone a: rate is required (or window and max_events)"},
+		{name: "window and rate", json: `{"zones":[{"name":"a","rate":"1r/s","window":"1s","max_events":1}]}`, wantErr: "zone a: use either rate and burst or window and max_events"},
+		{name: "window and burst", json: `{"zones":[{"name":"a","burst":5,"window":"1s","max_events":1}]}`, wantErr: "zone a: use either rate and burst or window and max_events"},
+		{name: "max_events of 16 digits", json: `{"rate_limits":{"a":{"window":"1000h","max_events":1000000000000000}}}`, wantErr: "zone a: invalid burst 1000000000000000"},
+		{name: "window too long to refill", json: `{"rate_limits":{"a":{"window":"1000000h","max_events":1}}}`, wantErr: "takes more than 100 years to refill"},
+		{name: "window too fast", json: `{"rate_limits":{"a":{"window":"1ns","max_events":999999999999999}}}`, wantErr: "more than"},
+		{name: "distributed", json: `{"rate_limits":{"a":{"window":"1s","max_events":1}},"distributed":{}}`, wantErr: `'distributed' is a github.com/mholt/caddy-ratelimit option: use "store": {"backend": "redis"`},
+		{name: "storage", json: `{"rate_limits":{"a":{"window":"1s","max_events":1}},"storage":{"module":"file_system"}}`, wantErr: `'storage' is a github.com/mholt/caddy-ratelimit option`},
+		{name: "negative sweep_interval", json: `{"rate_limits":{"a":{"window":"1s","max_events":1}},"sweep_interval":"-1s"}`, wantErr: "invalid sweep_interval -1s"},
 		{name: "missing rate", json: `{"zones":[{"name":"a"}]}`, wantErr: "zone a: rate is required"},
 		{name: "zero rate", json: `{"zones":[{"name":"a","rate":"0r/s"}]}`, wantErr: "zone a: invalid rate '0r/s': must be positive"},
 		{name: "negative rate", json: `{"zones":[{"name":"a","rate":"-1/1s"}]}`, wantErr: "zone a: invalid rate '-1/1s': must be positive"},
@@ -66,7 +103,8 @@ func TestValidate(t *testing.T) {
 		},
 		{name: "bad headers", json: `{"zones":[{"name":"a","rate":"1r/s"}],"headers":"all"}`, wantErr: "invalid headers 'all'"},
 		{name: "negative jitter", json: `{"zones":[{"name":"a","rate":"1r/s"}],"jitter":-0.1}`, wantErr: "invalid jitter -0.1"},
-		{name: "jitter above 1", json: `{"zones":[{"name":"a","rate":"1r/s"}],"jitter":1.5}`, wantErr: "invalid jitter 1.5"},
+		{name: "jitter above 1", json: `{"zones":[{"name":"a","rate":"1r/s"}],"jitter":1.5}`},
+		{name: "jitter of 100", json: `{"zones":[{"name":"a","rate":"1r/s"}],"jitter":100}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var h Handler
