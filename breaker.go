@@ -11,7 +11,7 @@ import (
 // breaker stops a store from waiting on a Redis that is down: after
 // tripAfter outages in a row it opens, and requests are decided by
 // fail_mode at once. Once the backoff has passed, one request at a time
-// probes Redis; the probe's success closes it.
+// probes Redis; the first success closes it.
 //
 // A call that allow lets through is either an ordinary call (the breaker
 // is closed) or the probe. Every way out of a call reports to the
@@ -51,16 +51,20 @@ func (b *breaker) allow(now time.Time) (ok, probe bool) {
 }
 
 // success records that Redis answered. It reports whether that closed
-// the breaker: only the probe closes it, as a call that started before
-// the breaker opened says nothing of Redis since.
+// the breaker. Any answer closes it, a call's that started before the
+// breaker opened too: it came back after, so Redis answers now (after a
+// DEBUG SLEEP, say, the calls queued in Redis answer at once, where the
+// next probe might be a backoff away).
 func (b *breaker) success(probe bool) bool {
 	b.failures.Store(0)
-	if !probe {
+	if b.openUntil.Load() == 0 {
 		return false
 	}
-	b.backoff.Store(0)
 	closed := b.openUntil.Swap(0) != 0
-	b.probing.Store(false)
+	b.backoff.Store(0)
+	if probe || closed {
+		b.probing.Store(false)
+	}
 	return closed
 }
 

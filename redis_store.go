@@ -489,7 +489,7 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 		return false, err
 	}
 	if s.cache != nil {
-		s.remember(now, reqs, s.flights.waited(flight))
+		s.remember(now, reqs, flight)
 	}
 	return allowed, nil
 }
@@ -755,17 +755,18 @@ func (s *RedisStore) cacheDenied(reqs []request) bool {
 // buckets are noted too, so that a denial from the cache still reports
 // them in the headers. When Redis left them all with the tokens, the
 // cache forgets them (it only ever denies, so forgetting is always safe),
-// unless other requests wait for this answer (contended): then they learn
+// unless other requests wait for this answer in flight: then they learn
 // from it how many of them may ask at once.
-func (s *RedisStore) remember(now time.Time, reqs []request, contended bool) {
+func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
 	short := false
 	for i := range reqs {
 		short = short || reqs[i].wait() > 0
 	}
+	forget := !short && !s.flights.waited(flight)
 	for i := range reqs {
 		q := &reqs[i]
 		t := s.cache[q.zone.index]
-		if !short && !contended {
+		if forget {
 			t.forget(q.key)
 			continue
 		}
