@@ -17,6 +17,7 @@ import (
 	"math"
 	"os"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -142,7 +143,7 @@ type RedisStore struct {
 	callTimeout time.Duration // Timeout, or its default
 	zones       []*Zone
 	prefixes    []string  // per zone: KeyPrefix + name + ":{"
-	shapes      [][2]any  // per zone: the script's burst time and cost time, in µs, boxed once
+	shapes      [][2]any  // per zone: the script's burst time and cost time, in µs, formatted and boxed once
 	cache       []*table  // per zone: over-limit cache; nil when disabled
 	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *throttle // errors that Redis answered for one call's keys
@@ -625,8 +626,11 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 	return allowed == 1, nil
 }
 
-// micros converts a duration to the script's microseconds.
-func micros(d time.Duration) float64 { return float64(d) / 1000 }
+// micros converts a duration to the script's microseconds, formatted
+// as go-redis would format the float, once rather than per call.
+func micros(d time.Duration) string {
+	return strconv.FormatFloat(float64(d)/1000, 'f', -1, 64)
+}
 
 // errBadReply is a script reply this store cannot read: Redis answered,
 // so it says nothing of Redis's health.
