@@ -16,6 +16,7 @@ import (
 	"fmt"
 	"math"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -142,7 +143,7 @@ type RedisStore struct {
 	callTimeout time.Duration // Timeout, or its default
 	zones       []*Zone
 	prefixes    []string  // per zone: KeyPrefix + name + ":{"
-	shapes      [][2]any  // per zone: the script's burst time and cost time, in µs, boxed once
+	shapes      [][2]any  // per zone: the script's burst time and cost time, in µs, formatted and boxed once
 	cache       []*table  // per zone: over-limit cache; nil when disabled
 	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *throttle // errors that Redis answered for one call's keys
@@ -192,6 +193,7 @@ var redisClients = caddy.NewUsagePool()
 type redisClient struct {
 	redis.UniversalClient
 	cluster bool
+	pipe    *pipeline
 	breaker breaker
 	// Each outage is logged when it starts and when it ends, at most one
 	// start every outageLogPeriod, so that a Redis that half works (the
@@ -235,7 +237,9 @@ func makeRedisClient(opts *redis.UniversalOptions) (c *redisClient, err error) {
 	}()
 	uc := redis.NewUniversalClient(opts)
 	_, cluster := uc.(*redis.ClusterClient)
-	return &redisClient{UniversalClient: uc, cluster: cluster}, nil
+	poolSize := cmp.Or(opts.PoolSize, 10*runtime.GOMAXPROCS(0)) // go-redis's default
+	pipe := &pipeline{client: uc, maxFlights: maxFlights(poolSize)}
+	return &redisClient{UniversalClient: uc, cluster: cluster, pipe: pipe}, nil
 }
 
 // Provision expands placeholders, sets defaults and gets the client.
@@ -462,10 +466,17 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 	if !ok {
 		return false, errRedisDown
 	}
-	call, cancel := context.WithTimeout(ctx, budget)
-	allowed, err := s.decide(call, reqs)
-	late := call.Err() != nil
-	cancel()
+	// The pipeline times the call; a request that waited for others'
+	// calls brings a timer of its own (see (*pipeline).run).
+	deadline := time.Now().Add(budget)
+	call := ctx
+	if waited {
+		var cancel context.CancelFunc
+		call, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+	}
+	allowed, err := s.decide(call, deadline, reqs)
+	late := !time.Now().Before(deadline)
 	switch kind := classify(err); {
 	case err == nil || kind == errAnswered:
 		if b.success(probe) {
@@ -533,18 +544,18 @@ func classify(err error) int {
 // decide asks Redis. Zones whose keys share a hash tag go in one atomic
 // call. On a cluster, keys in different slots are taken one at a time, and
 // when one denies, the buckets already charged get their tokens back.
-func (s *RedisStore) decide(ctx context.Context, reqs []request) (bool, error) {
+func (s *RedisStore) decide(ctx context.Context, deadline time.Time, reqs []request) (bool, error) {
 	if !s.client.cluster || oneTag(reqs) {
-		return s.run(ctx, "take", reqs)
+		return s.run(ctx, deadline, "take", reqs)
 	}
 	for i := range reqs {
-		ok, err := s.run(ctx, "take", reqs[i:i+1])
+		ok, err := s.run(ctx, deadline, "take", reqs[i:i+1])
 		if err == nil && ok {
 			continue
 		}
 		// Denied, or failed: give back what the earlier zones took.
 		if i > 0 {
-			if _, rerr := s.run(ctx, "refund", reqs[:i]); rerr != nil {
+			if _, rerr := s.run(ctx, deadline, "refund", reqs[:i]); rerr != nil {
 				err = errors.Join(err, fmt.Errorf("refund: %w", rerr))
 			}
 		}
@@ -557,10 +568,11 @@ func (s *RedisStore) decide(ctx context.Context, reqs []request) (bool, error) {
 }
 
 func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
-	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
+	deadline := time.Now().Add(s.callTimeout)
+	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	reqs := []request{*q}
-	if _, err := s.run(ctx, "peek", reqs); err != nil {
+	if _, err := s.run(ctx, deadline, "peek", reqs); err != nil {
 		return err
 	}
 	q.debt = reqs[0].debt
@@ -591,7 +603,7 @@ func oneTag(reqs []request) bool {
 }
 
 // run calls the script for reqs and sets their ok and debt.
-func (s *RedisStore) run(ctx context.Context, mode string, reqs []request) (bool, error) {
+func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, reqs []request) (bool, error) {
 	keys := make([]string, len(reqs))
 	args := make([]any, 2, 2+2*len(reqs))
 	args[0], args[1] = mode, ""
@@ -604,7 +616,7 @@ func (s *RedisStore) run(ctx context.Context, mode string, reqs []request) (bool
 		shape := &s.shapes[q.zone.index]
 		args = append(args, shape[0], shape[1])
 	}
-	v, err := tokenBucketScript.Run(ctx, s.client, keys, args...).Slice()
+	v, err := s.client.pipe.run(ctx, deadline, keys, args)
 	if err != nil {
 		return false, err
 	}
@@ -618,20 +630,22 @@ func (s *RedisStore) run(ctx context.Context, mode string, reqs []request) (bool
 	}
 	allowed, _ := v[0].(int64)
 	for i := range reqs {
-		str, _ := v[i+1].(string)
-		us, err := strconv.ParseFloat(str, 64)
-		if err != nil {
-			return false, fmt.Errorf("%w: %q", errBadReply, v[i+1])
+		ns, ok := v[i+1].(int64)
+		if !ok {
+			return false, fmt.Errorf("%w: %v", errBadReply, v[i+1])
 		}
 		q := &reqs[i]
-		q.debt = time.Duration(math.Round(us * 1000))
+		q.debt = time.Duration(ns)
 		q.ok = allowed == 1 || q.wait() == 0
 	}
 	return allowed == 1, nil
 }
 
-// micros converts a duration to the script's microseconds.
-func micros(d time.Duration) float64 { return float64(d) / 1000 }
+// micros converts a duration to the script's microseconds, formatted
+// as go-redis would format the float, once rather than per call.
+func micros(d time.Duration) string {
+	return strconv.FormatFloat(float64(d)/1000, 'f', -1, 64)
+}
 
 // errBadReply is a script reply this store cannot read: Redis answered,
 // so it says nothing of Redis's health.

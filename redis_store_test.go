@@ -839,3 +839,58 @@ func TestRedisZoneNamesDoNotCollide(t *testing.T) {
 		t.Errorf("keys %q, want %q", keys, want)
 	}
 }
+
+// Concurrent decisions share pipelined batches: each still gets its own
+// exact answer, also right after a SCRIPT FLUSH (the batch's calls find no
+// script and are sent again with it), on one Redis and on a cluster.
+func TestRedisPipelinedDecisionsAreExact(t *testing.T) {
+	single := startRedis(t)
+	nodes := startCluster(t)
+	for _, tc := range []struct {
+		name  string
+		addrs []string
+		flush func()
+	}{
+		{"standalone", []string{single.addr()}, func() { single.cli("SCRIPT", "FLUSH") }},
+		{"cluster", []string{nodes[0].addr(), nodes[1].addr(), nodes[2].addr()}, func() {
+			for _, n := range nodes {
+				n.cli("SCRIPT", "FLUSH")
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			addrs, _ := json.Marshal(tc.addrs)
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"pipe","rate":"1r/h","burst":10}],
+				"store":{"backend":"redis","addresses":%s,"cluster":%v,"pool_size":4,"timeout":"5s","disable_over_limit_cache":true}}`,
+				addrs, tc.name == "cluster"))
+			const keys, callers, tries = 20, 64, 40
+			for round := range 2 {
+				tc.flush()
+				var allowed [keys]atomic.Int64
+				var wg sync.WaitGroup
+				for c := range callers {
+					wg.Go(func() {
+						for i := range tries {
+							k := (c + i) % keys
+							reqs := []request{{zone: h.Zones[0], key: bucketKey{s: fmt.Sprintf("r%d-k%d", round, k)}}}
+							ok, err := h.store.take(context.Background(), time.Now(), reqs)
+							if err != nil {
+								t.Error(err)
+								return
+							}
+							if ok {
+								allowed[k].Add(1)
+							}
+						}
+					})
+				}
+				wg.Wait()
+				for k := range allowed {
+					if n := allowed[k].Load(); n != 10 {
+						t.Fatalf("round %d: key %d allowed %d times, want its burst of 10", round, k, n)
+					}
+				}
+			}
+		})
+	}
+}

@@ -20,8 +20,8 @@
 -- peek    changes nothing
 --
 -- Returns {allowed (1|0), debt_1, ..., debt_n[, repaired]}, where debt_i
--- is how long in µs until KEYS[i] is full again after the decision, as a
--- string (Redis truncates Lua numbers to integers). Only take returns 0.
+-- is how long in nanoseconds (rounded, half up) until KEYS[i] is full
+-- again after the decision. Only take returns 0.
 --
 -- A bucket key that holds another type (or a value that is not an
 -- instant) is taken for a full bucket, and overwritten or deleted by take
@@ -93,7 +93,14 @@ for i = 1, n do
 	if bad[i] then
 		repaired = repaired + 1
 	end
-	reply[i + 1] = string.format('%.17g', debt)
+	-- Whole nanoseconds, as Redis replies integers: at most 100 years
+	-- (the longest burst), well within its 64 bits.
+	local ns = debt * 1000
+	local whole = math.floor(ns)
+	if ns - whole >= 0.5 then
+		whole = whole + 1
+	end
+	reply[i + 1] = whole
 end
 if repaired > 0 and mode ~= 'peek' then
 	reply[n + 2] = repaired

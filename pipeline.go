@@ -1,0 +1,143 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// A pipeline sends the script calls of concurrent decisions to Redis
+// together. A call that finds fewer than maxFlights calls or batches in
+// flight goes out at once, alone, as it would without a pipeline: one
+// caller at a time pays nothing for batching. Calls that arrive while
+// maxFlights are in flight queue up, and go out together, in one write
+// and one read, as soon as one of those lands. Each call keeps its own
+// reply and error.
+type pipeline struct {
+	client     redis.UniversalClient
+	maxFlights int
+
+	mu      sync.Mutex
+	flights int
+	queue   []*scriptCall
+}
+
+// A scriptCall is one call of the script, queued for a batch.
+type scriptCall struct {
+	keys     []string
+	args     []any
+	deadline time.Time
+	reply    []any
+	err      error
+	done     chan struct{}
+}
+
+// maxFlights is how many calls or batches of calls one client has in
+// flight at most: enough for Redis to read a batch while this client
+// writes the next, few enough that concurrent decisions share batches.
+// Never more than half the pool, so that other commands (resets, peeks)
+// find a connection.
+func maxFlights(poolSize int) int {
+	return max(1, min(2, poolSize/2))
+}
+
+// run calls the script with keys and args, and returns its reply by
+// deadline, or when ctx is done. A queued call goes in a batch that ends
+// by the earliest deadline of its calls: one timer for the batch. A
+// caller that waited for another's call before (its deadline is then
+// earlier than those of the calls in flight) passes a ctx that ends by
+// its own deadline.
+func (p *pipeline) run(ctx context.Context, deadline time.Time, keys []string, args []any) ([]any, error) {
+	p.mu.Lock()
+	if p.flights < p.maxFlights {
+		p.flights++
+		p.mu.Unlock()
+		ctx, cancel := context.WithDeadline(ctx, deadline)
+		reply, err := tokenBucketScript.Run(ctx, p.client, keys, args...).Slice()
+		cancel()
+		p.landed()
+		return reply, err
+	}
+	c := &scriptCall{keys: keys, args: args, deadline: deadline, done: make(chan struct{})}
+	p.queue = append(p.queue, c)
+	p.mu.Unlock()
+	select {
+	case <-c.done:
+		return c.reply, c.err
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// landed ends a flight: the calls queued meanwhile go out as the next
+// batch.
+func (p *pipeline) landed() {
+	p.mu.Lock()
+	if len(p.queue) == 0 {
+		p.flights--
+		p.mu.Unlock()
+		return
+	}
+	batch := p.queue
+	p.queue = nil
+	p.mu.Unlock()
+	go p.send(batch)
+}
+
+// send sends batches, as long as calls are queued, then ends its flight.
+func (p *pipeline) send(batch []*scriptCall) {
+	for {
+		p.exec(batch)
+		p.mu.Lock()
+		if len(p.queue) == 0 {
+			p.flights--
+			p.mu.Unlock()
+			return
+		}
+		batch = p.queue
+		p.queue = nil
+		p.mu.Unlock()
+	}
+}
+
+// exec sends one batch in one pipeline, by the earliest deadline of its
+// calls. Calls that find the script missing from Redis's cache (NOSCRIPT,
+// after a restart or a SCRIPT FLUSH) are sent again with the script.
+func (p *pipeline) exec(batch []*scriptCall) {
+	deadline := batch[0].deadline
+	for _, c := range batch[1:] {
+		if c.deadline.Before(deadline) {
+			deadline = c.deadline
+		}
+	}
+	ctx, cancel := context.WithDeadline(context.Background(), deadline)
+	defer cancel()
+	cmds := make([]*redis.Cmd, len(batch))
+	pipe := p.client.Pipeline()
+	for i, c := range batch {
+		cmds[i] = pipe.EvalSha(ctx, tokenBucketScript.Hash(), c.keys, c.args...)
+	}
+	_, _ = pipe.Exec(ctx) // each call's error is in its command
+	var again []int
+	for i, cmd := range cmds {
+		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+			again = append(again, i)
+		}
+	}
+	if len(again) > 0 {
+		pipe := p.client.Pipeline()
+		for _, i := range again {
+			cmds[i] = pipe.Eval(ctx, tokenBucketLua, batch[i].keys, batch[i].args...)
+		}
+		_, _ = pipe.Exec(ctx)
+	}
+	for i, c := range batch {
+		c.reply, c.err = cmds[i].Slice()
+		close(c.done)
+	}
+}
