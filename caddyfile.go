@@ -41,6 +41,7 @@ const anonymousZone = "default"
 //			match       { <matchers> }
 //			ipv4_prefix <bits>
 //			ipv6_prefix <bits>
+//			ban         <duration>
 //			dry_run
 //		}
 //		store local {
@@ -212,6 +213,16 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 				return err
 			}
 			err = checkIPv6Prefix(z.IPv6Prefix)
+		case "ban":
+			var v string
+			if !d.AllArgs(&v) {
+				return d.ArgErr()
+			}
+			b, perr := caddy.ParseDuration(v)
+			if perr != nil {
+				return d.Errf("invalid ban '%s': expected a duration such as 15m", v)
+			}
+			z.Ban, err = caddy.Duration(b), checkBan(b)
 		case "dry_run":
 			if err := flag(d, &z.DryRun); err != nil {
 				return err

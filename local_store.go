@@ -125,6 +125,7 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 	for i := range cs {
 		c := &cs[i]
 		reqs[c.req].ok = c.ok
+		reqs[c.req].ban = c.ban
 		reqs[c.req].debt = c.debt
 	}
 	return allowed, nil

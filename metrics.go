@@ -21,6 +21,7 @@ type zoneState struct {
 	dryRunDenied atomic.Uint64 // would have been refused (dry run)
 	storeErrors  atomic.Uint64 // the store failed; fail_mode decided
 	cacheHits    atomic.Uint64 // denied by the Redis store's over-limit cache
+	bans         atomic.Uint64 // denials that started a ban
 
 	// metered counts the handlers using the zone with metrics enabled;
 	// the zone is exported while it is above zero.
@@ -75,7 +76,7 @@ var (
 // collector exports what the zone states, bucket tables and Redis
 // clients count, read when Prometheus scrapes.
 type collector struct {
-	requests, cacheHits, keys, evictions, circuitOpen *prometheus.Desc
+	requests, cacheHits, bans, keys, evictions, circuitOpen *prometheus.Desc
 }
 
 func newCollector() *collector {
@@ -86,6 +87,9 @@ func newCollector() *collector {
 			[]string{"zone", "result"}, nil),
 		cacheHits: prometheus.NewDesc(name("over_limit_cache_hits_total"),
 			"Requests the Redis store denied from its over-limit cache, without asking Redis.",
+			[]string{"zone"}, nil),
+		bans: prometheus.NewDesc(name("bans_total"),
+			"Denials that started a ban: each ban is counted once, whichever instance started it.",
 			[]string{"zone"}, nil),
 		keys: prometheus.NewDesc(name("keys"),
 			"Buckets the local store tracks.",
@@ -102,6 +106,7 @@ func newCollector() *collector {
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.requests
 	ch <- c.cacheHits
+	ch <- c.bans
 	ch <- c.keys
 	ch <- c.evictions
 	ch <- c.circuitOpen
@@ -127,6 +132,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(c.requests, prometheus.CounterValue, float64(r.n.Load()), name, r.result)
 		}
 		ch <- prometheus.MustNewConstMetric(c.cacheHits, prometheus.CounterValue, float64(s.cacheHits.Load()), name)
+		ch <- prometheus.MustNewConstMetric(c.bans, prometheus.CounterValue, float64(s.bans.Load()), name)
 		return true
 	})
 

@@ -310,7 +310,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	out, err := h.decide(w, r, sc)
 	switch out {
 	case outcomeDeny:
-		err = h.deny(w, r, sc.top)
+		err = h.deny(w, r, sc)
 	case outcomeFailClosed:
 		w.Header()["Retry-After"] = []string{"1"}
 		if h.writeRefusals {
@@ -392,12 +392,12 @@ func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (outc
 		return verdict(allowed), err
 	case failOpen:
 		for i := range reqs {
-			reqs[i].ok, reqs[i].debt = true, 0
+			reqs[i].ok, reqs[i].ban, reqs[i].debt = true, false, 0
 		}
 		return outcomeFailOpen, nil
 	default:
 		for i := range reqs {
-			reqs[i].ok, reqs[i].debt = false, 0
+			reqs[i].ok, reqs[i].ban, reqs[i].debt = false, false, 0
 		}
 		return outcomeFailClosed, caddyhttp.HandlerError{StatusCode: http.StatusServiceUnavailable, Err: err}
 	}
@@ -423,6 +423,9 @@ func (h *Handler) count(reqs []request, out outcome) {
 	for i := range reqs {
 		q := &reqs[i]
 		st := q.zone.state
+		if q.ban {
+			st.bans.Add(1)
+		}
 		switch {
 		case q.wouldDeny:
 			st.dryRunDenied.Add(1)
@@ -436,10 +439,11 @@ func (h *Handler) count(reqs []request, out outcome) {
 	}
 }
 
-// deny answers a request that a zone refused; q is the most constrained
-// of its zones. It returns the 429 error, or nil when it wrote the 429
-// itself.
-func (h *Handler) deny(w http.ResponseWriter, r *http.Request, q *request) error {
+// deny answers a request that a zone refused; sc.top is the most
+// constrained of its zones. It returns the 429 error, or nil when it
+// wrote the 429 itself.
+func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) error {
+	q := sc.top
 	z := q.zone
 	wait := q.wait()
 	if h.Jitter > 0 {
@@ -454,10 +458,15 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, q *request) error
 		c.Write(h.logFields(r, q)...)
 	}
 	if h.events != nil && h.events.ShouldEmit(exceededEvent) {
+		ban := false
+		for i := range sc.reqs {
+			ban = ban || sc.reqs[i].ban
+		}
 		h.events.Emit(h.ctx, exceededEvent, map[string]any{
 			"zone":      z.Name,
 			"wait":      wait,
 			"remote_ip": clientIP(r),
+			"ban":       ban,
 		})
 	}
 	if h.writeRefusals {

@@ -1039,3 +1039,116 @@ func TestUnixSocketClientsAreLimited(t *testing.T) {
 		t.Fatalf("%d of 20 requests through the socket allowed (%v), want the bucket's 5", ok, codes)
 	}
 }
+
+// A denial in a zone with a ban refuses the key for the whole ban, says
+// so in Retry-After, the admin API and the metrics, counts the ban once,
+// and DELETE lifts it.
+func TestBan(t *testing.T) {
+	tester := startCaddy(t, "", `
+http://localhost:9080 {
+	rate_limit {
+		zone ban-login {
+			match {
+				path /login
+			}
+			rate 5/m
+			burst 2
+			ban 15m
+		}
+	}
+	respond "ok"
+}`)
+	get(t, tester, "/login", 200, "ok")
+	get(t, tester, "/login", 200, "ok")
+	// The ban, then the token the request needs: 900s + 12s.
+	hdr := get(t, tester, "/login", 429, "")
+	if got := hdr.Get("Retry-After"); got != "912" {
+		t.Errorf("Retry-After %q, want 912: the ban and a token at 5/m", got)
+	}
+	hdr = get(t, tester, "/login", 429, "")
+	if got, _ := strconv.Atoi(hdr.Get("Retry-After")); got < 911 || got > 912 {
+		t.Errorf("Retry-After %q during the ban, want 911 or 912: denials do not lengthen it", hdr.Get("Retry-After"))
+	}
+	get(t, tester, "/other", 200, "ok") // not in the zone
+
+	b := adminDo(t, tester, http.MethodGet, "/rate_limit/ban-login/127.0.0.1", 200)
+	if b["banned"] != true || b["tokens"] != 0.0 {
+		t.Errorf("admin: %v, want banned with 0 tokens", b)
+	}
+	if left, _ := b["banned_for"].(float64); left < 898 || left > 900 {
+		t.Errorf("admin: banned_for %v, want just under 900", b["banned_for"])
+	}
+	if z := adminDo(t, tester, http.MethodGet, "/rate_limit/ban-login", 200); z["ban"] != "15m0s" || z["bans"] != 1.0 {
+		t.Errorf("admin zone: ban %v, bans %v; want 15m0s, 1", z["ban"], z["bans"])
+	}
+	m := scrape(t, tester)
+	wantMetric(t, m, `caddy_rate_limit_bans_total{zone="ban-login"}`, 1)
+	wantMetric(t, m, `caddy_rate_limit_requests_total{result="denied",zone="ban-login"}`, 2)
+
+	adminDo(t, tester, http.MethodDelete, "/rate_limit/ban-login/127.0.0.1", 200)
+	get(t, tester, "/login", 200, "ok")
+}
+
+// Denials from many instances at once start one ban: only the denial that
+// finds the bucket not banned starts it, in the same atomic call.
+func TestRedisBanStartsOnce(t *testing.T) {
+	r := startRedis(t)
+	config := fmt.Sprintf(`{"zones":[{"name":"ban-once","rate":"1r/m","burst":3,"ban":"1h"}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.addr())
+	hs := []*Handler{newTestHandler(t, config), newTestHandler(t, config)}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	codes := map[int]int{}
+	for i := range 40 {
+		wg.Go(func() {
+			code, _ := serve(hs[i%2], "192.0.2.60")
+			mu.Lock()
+			codes[code]++
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	if codes[200] != 3 || codes[429] != 37 {
+		t.Fatalf("codes %v, want 3 × 200 and 37 × 429", codes)
+	}
+	if n := hs[0].Zones[0].state.bans.Load(); n != 1 {
+		t.Fatalf("%d bans started, want 1", n)
+	}
+	ttl := r.cli("PTTL", "t:ban-once:{192.0.2.60}")
+	if ms, _ := strconv.Atoi(ttl); ms < 3600_000 || ms > 3780_000 {
+		t.Fatalf("PTTL %s, want the ban and a refill: just under 3780000 ms", ttl)
+	}
+	// The over-limit cache learns the ban from a denial's reply: the
+	// denials after it ask Redis nothing. (Under the burst above, a late
+	// allowed reply may have made the cache forget, which is safe.)
+	serve(hs[0], "192.0.2.60")
+	calls := r.calls()
+	for range 3 {
+		if code, hdr := serve(hs[0], "192.0.2.60"); code != 429 || len(hdr.Get("Retry-After")) != 4 {
+			t.Fatalf("during the ban: %d, Retry-After %s, want 429 and about 3660", code, hdr.Get("Retry-After"))
+		}
+	}
+	if n := r.calls() - calls; n != 0 {
+		t.Fatalf("denials during a known ban asked Redis %d times", n)
+	}
+}
+
+// The exceeded event says whether the denial started a ban.
+func TestExceededEventBan(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"events-ban","rate":"1r/m","burst":1,"ban":"10m"}]}`)
+	app := new(caddyevents.App)
+	if err := app.Provision(h.ctx); err != nil {
+		t.Fatal(err)
+	}
+	sub := &eventRecorder{}
+	if err := app.On(exceededEvent, sub); err != nil {
+		t.Fatal(err)
+	}
+	h.events = app
+	for range 3 {
+		serve(h, "192.0.2.41")
+	}
+	if len(sub.events) != 2 || sub.events[0].Data["ban"] != true || sub.events[1].Data["ban"] != false {
+		t.Fatalf("events %v, want a denial that starts the ban, then one that does not", sub.events)
+	}
+}

@@ -61,6 +61,13 @@ type Zone struct {
 	// allocation to one subscriber).
 	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
 
+	// When the zone denies a key, refuse that key for this long, however
+	// soon its bucket would have tokens again; then its bucket refills
+	// from empty as usual. Only the denial that finds the key not banned
+	// starts a ban: the denials during it do not make it longer. Needs a
+	// rate. Default: no ban.
+	Ban caddy.Duration `json:"ban,omitempty"`
+
 	// Compute, count and log decisions, and send the headers, but let
 	// requests that this zone would refuse go on (uncharged by it). The
 	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
@@ -111,10 +118,25 @@ func (z *Zone) validate() error {
 	return err
 }
 
+func checkBan(d time.Duration) error {
+	if d <= 0 || d > maxBurstTime {
+		return fmt.Errorf("invalid ban %v: must be positive and at most 100 years", d)
+	}
+	return nil
+}
+
 // parseLimit checks the zone's numbers and returns its bucket's shape.
 func (z *Zone) parseLimit() (limit, error) {
 	if z.Rate == "" {
+		if z.Ban != 0 {
+			return limit{}, errors.New("ban needs a rate: it empties the zone's bucket")
+		}
 		return limit{}, errors.New("rate is required")
+	}
+	if z.Ban != 0 {
+		if err := checkBan(time.Duration(z.Ban)); err != nil {
+			return limit{}, err
+		}
 	}
 	perSec, n, err := parseRate(z.Rate)
 	if err != nil {
@@ -139,7 +161,9 @@ func (z *Zone) parseLimit() (limit, error) {
 	if float64(burst)/perSec > maxBurstTime.Seconds() {
 		return limit{}, fmt.Errorf("burst %d at rate %s takes more than 100 years to refill", burst, z.Rate)
 	}
-	return newLimit(perSec, burst), nil
+	l := newLimit(perSec, burst)
+	l.ban = time.Duration(z.Ban)
+	return l, nil
 }
 
 // maxBurst is the largest burst: the headers carry it (RateLimit-Policy's
