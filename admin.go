@@ -240,9 +240,9 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	}
 	l := ref.z.limit
 	return writeJSON(w, bucketInfo{
-		Zone:   name,
-		Key:    key,
-		Bucket: q.key.String(),
+		Zone:      name,
+		Key:       key,
+		Bucket:    q.key.String(),
 		Tokens:    max(l.tokens(q.debt), 0),
 		Burst:     l.burst,
 		FullIn:    q.debt.Seconds(),
