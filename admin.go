@@ -107,6 +107,7 @@ type zoneInfo struct {
 	DryRun   bool              `json:"dry_run"`
 	Requests map[string]uint64 `json:"requests"`
 	Bans     uint64            `json:"bans"`
+	Refunds  uint64            `json:"refunds"`
 
 	OverLimitCacheHits *uint64 `json:"over_limit_cache_hits,omitempty"` // Redis store
 	TrackedKeys        *int    `json:"tracked_keys,omitempty"`          // local store
@@ -129,7 +130,8 @@ func (ref zoneRef) info() zoneInfo {
 			"dry_run_denied": st.dryRunDenied.Load(),
 			"store_error":    st.storeErrors.Load(),
 		},
-		Bans: st.bans.Load(),
+		Bans:    st.bans.Load(),
+		Refunds: st.refunds.Load(),
 	}
 	if z.Ban != 0 {
 		info.Ban = time.Duration(z.Ban).String()

@@ -1274,6 +1274,53 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			line:    5,
 		},
 		{
+			name: "count without a matcher",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		count
+	}
+}`,
+			wantErr: "count needs a response matcher",
+			line:    4,
+		},
+		{
+			name: "count with a bad status",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		count {
+			status 4xx 1000
+		}
+	}
+}`,
+			wantErr: "invalid count status 1000",
+			line:    6,
+		},
+		{
+			name: "count with an unknown matcher",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		count {
+			path /login
+		}
+	}
+}`,
+			wantErr: "unrecognized response matcher path",
+			line:    5,
+		},
+		{
+			name: "count without a rate",
+			input: `rate_limit {
+	zone a {
+		count status 401
+	}
+}`,
+			wantErr: "zone a: count needs a rate",
+			line:    4,
+		},
+		{
 			name:    "one-line zero burst",
 			input:   `rate_limit {client_ip} 1r/s 0`,
 			wantErr: "invalid burst 0: must be at least 1",

@@ -131,6 +131,15 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 	return allowed, nil
 }
 
+func (s *LocalStore) refund(_ context.Context, now time.Time, reqs []request) error {
+	for i := range reqs {
+		q := &reqs[i]
+		t := s.tables[q.zone.index]
+		t.refund(q.key, q.zone.limit, q.zone.costTime, t.instant(now))
+	}
+	return nil
+}
+
 func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
 	t := s.tables[q.zone.index]
 	q.debt = q.zone.limit.debt(t.get(q.key), t.instant(now))

@@ -22,6 +22,7 @@ type zoneState struct {
 	storeErrors  atomic.Uint64 // the store failed; fail_mode decided
 	cacheHits    atomic.Uint64 // denied by the Redis store's over-limit cache
 	bans         atomic.Uint64 // denials that started a ban
+	refunds      atomic.Uint64 // allowed requests given their tokens back (count)
 
 	// metered counts the handlers using the zone with metrics enabled;
 	// the zone is exported while it is above zero.
@@ -76,7 +77,7 @@ var (
 // collector exports what the zone states, bucket tables and Redis
 // clients count, read when Prometheus scrapes.
 type collector struct {
-	requests, cacheHits, bans, keys, evictions, circuitOpen *prometheus.Desc
+	requests, cacheHits, bans, refunds, keys, evictions, circuitOpen *prometheus.Desc
 }
 
 func newCollector() *collector {
@@ -90,6 +91,9 @@ func newCollector() *collector {
 			[]string{"zone"}, nil),
 		bans: prometheus.NewDesc(name("bans_total"),
 			"Denials that started a ban: each ban is counted once, whichever instance started it.",
+			[]string{"zone"}, nil),
+		refunds: prometheus.NewDesc(name("refunds_total"),
+			"Allowed requests whose tokens a zone with count gave back, as their response did not match.",
 			[]string{"zone"}, nil),
 		keys: prometheus.NewDesc(name("keys"),
 			"Buckets the local store tracks.",
@@ -107,6 +111,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.requests
 	ch <- c.cacheHits
 	ch <- c.bans
+	ch <- c.refunds
 	ch <- c.keys
 	ch <- c.evictions
 	ch <- c.circuitOpen
@@ -133,6 +138,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(c.cacheHits, prometheus.CounterValue, float64(s.cacheHits.Load()), name)
 		ch <- prometheus.MustNewConstMetric(c.bans, prometheus.CounterValue, float64(s.bans.Load()), name)
+		ch <- prometheus.MustNewConstMetric(c.refunds, prometheus.CounterValue, float64(s.refunds.Load()), name)
 		return true
 	})
 

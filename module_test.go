@@ -1152,3 +1152,85 @@ func TestExceededEventBan(t *testing.T) {
 		t.Fatalf("events %v, want a denial that starts the ban, then one that does not", sub.events)
 	}
 }
+
+// With count, only the responses that match are charged: tokens are taken
+// before the request goes on, so concurrent wrong passwords get no more
+// tries than the burst, and given back after a response that does not
+// match. A later handler's error counts by its status.
+func TestCount(t *testing.T) {
+	r := startRedis(t)
+	for _, store := range []string{"local", "redis"} {
+		t.Run(store, func(t *testing.T) {
+			storeConfig := ""
+			if store == "redis" {
+				storeConfig = fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t}", r.addr())
+			}
+			zone := "count-" + store
+			tester := startCaddy(t, "", fmt.Sprintf(`
+http://localhost:9080 {
+	rate_limit {
+		zone %s {
+			rate 5/m
+			burst 5
+			ban 15m
+			count status 401
+		}
+		%s
+	}
+	respond /good "ok" 200
+	respond /bad 401
+	error /err "wrong password" 401
+}`, zone, storeConfig))
+			for range 20 {
+				get(t, tester, "/good", 200, "ok")
+			}
+			var wg sync.WaitGroup
+			var mu sync.Mutex
+			codes := map[int]int{}
+			for i := range 50 {
+				wg.Go(func() {
+					path := []string{"/bad", "/err"}[i%2]
+					resp, err := tester.Client.Get("http://localhost:9080" + path)
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					resp.Body.Close()
+					mu.Lock()
+					codes[resp.StatusCode]++
+					mu.Unlock()
+				})
+			}
+			wg.Wait()
+			if codes[401] != 5 || codes[429] != 45 {
+				t.Fatalf("50 concurrent wrong passwords: %v, want 5 × 401 (the burst), 45 × 429", codes)
+			}
+			hdr := get(t, tester, "/good", 429, "")
+			if got, _ := strconv.Atoi(hdr.Get("Retry-After")); got < 900 || got > 912 {
+				t.Errorf("Retry-After %q, want the ban's", hdr.Get("Retry-After"))
+			}
+			m := scrape(t, tester)
+			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_refunds_total{zone=%q}`, zone), 20)
+			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_bans_total{zone=%q}`, zone), 1)
+		})
+	}
+}
+
+// The writer that count wraps around the response still flushes, and a
+// response that does not match gives the tokens back at once.
+func TestCountKeepsFlushing(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"count-flush","rate":"1r/m","burst":1,"count":{"status_code":[401]}}]}`)
+	for i := range 3 {
+		req, rr := newRequest("192.0.2.70")
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			w.WriteHeader(http.StatusOK)
+			return http.NewResponseController(w).Flush()
+		})
+		if err := h.ServeHTTP(rr, req, next); err != nil || !rr.Flushed || rr.Code != 200 {
+			t.Fatalf("request %d: err %v, flushed %t, status %d; want nil, true, 200", i, err, rr.Flushed, rr.Code)
+		}
+	}
+	if n := h.Zones[0].state.refunds.Load(); n != 3 {
+		t.Fatalf("%d refunds, want 3", n)
+	}
+}

@@ -541,6 +541,34 @@ func (s *RedisStore) decide(ctx context.Context, reqs []request) (bool, error) {
 	return true, nil
 }
 
+// refund gives the requests' tokens back, in one call where their keys
+// share a slot, and makes this instance's over-limit cache forget them
+// (other instances' caches only deny a zone with count while its key is
+// banned, which a refund never changes).
+func (s *RedisStore) refund(ctx context.Context, _ time.Time, reqs []request) error {
+	for i := range reqs {
+		if s.cache != nil {
+			s.cache[reqs[i].zone.index].forget(reqs[i].key)
+		}
+	}
+	if s.client.breaker.openUntil.Load() != 0 {
+		return errRedisDown // refunds never probe: decisions do
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
+	defer cancel()
+	if !s.client.cluster || oneTag(reqs) {
+		_, err := s.run(ctx, "refund", reqs)
+		return err
+	}
+	var errs []error
+	for i := range reqs {
+		if _, err := s.run(ctx, "refund", reqs[i:i+1]); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
 func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
 	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
@@ -731,12 +759,15 @@ var errNoAnswer = errors.New("redis: no answer within timeout")
 // cacheDenied counts the zones that the cache refused, and reports
 // whether there was one. A zone with a ban whose bucket the cache finds
 // short but not banned sends the request to Redis instead: the denial
-// that starts a ban is Redis's to make, once for every instance.
+// that starts a ban is Redis's to make, once for every instance. So does
+// a zone with count: other instances' refunds give its tokens back faster
+// than its rate, so only a ban (which refunds never shorten) is a bound
+// the cache can deny by.
 func (s *RedisStore) cacheDenied(reqs []request) bool {
 	denied := false
 	for i := range reqs {
 		q := &reqs[i]
-		if !q.ok && q.zone.limit.ban > 0 && !q.zone.limit.banned(q.debt) {
+		if !q.ok && (q.zone.limit.ban > 0 || q.zone.Count != nil) && !q.zone.limit.banned(q.debt) {
 			return false
 		}
 		denied = denied || !q.ok

@@ -23,6 +23,10 @@ type store interface {
 	// now is the request's arrival; a store may keep its own clock.
 	take(ctx context.Context, now time.Time, reqs []request) (bool, error)
 
+	// refund gives each request's cost back to its bucket, which take
+	// charged, unless the bucket is banned: a ban is never shortened.
+	refund(ctx context.Context, now time.Time, reqs []request) error
+
 	// peek sets q.debt from the bucket's state, changing nothing.
 	peek(ctx context.Context, now time.Time, q *request) error
 

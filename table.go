@@ -195,6 +195,24 @@ func (t *table) raise(k bucketKey, fullAt, now time.Duration) {
 	}
 }
 
+// refund gives cost back to k's bucket, unless it is banned. now is the
+// current table instant.
+func (t *table) refund(k bucketKey, l limit, cost, now time.Duration) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, ok := s.buckets[h]
+	if !ok || l.banned(l.debt(b.fullAt, now)) {
+		return
+	}
+	if b.fullAt-cost <= now {
+		delete(s.buckets, h) // full again
+		return
+	}
+	s.buckets[h] = bucket{b.fullAt - cost, now}
+}
+
 // forget drops a bucket: it is full again. It returns the instant the
 // bucket was full at, 0 if it was not tracked.
 func (t *table) forget(k bucketKey) time.Duration {

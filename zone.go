@@ -68,6 +68,13 @@ type Zone struct {
 	// rate. Default: no ban.
 	Ban caddy.Duration `json:"ban,omitempty"`
 
+	// Charge only the requests whose response matches: a request still
+	// takes its tokens before it goes on (so concurrent requests cannot
+	// outrun the burst), and gets them back after a response that does
+	// not match, e.g. `{"status_code": [401, 403]}` to count failed
+	// logins only. Needs a rate. Default: every request counts.
+	Count *caddyhttp.ResponseMatcher `json:"count,omitempty"`
+
 	// Compute, count and log decisions, and send the headers, but let
 	// requests that this zone would refuse go on (uncharged by it). The
 	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
@@ -118,6 +125,18 @@ func (z *Zone) validate() error {
 	return err
 }
 
+func checkCount(m *caddyhttp.ResponseMatcher) error {
+	if len(m.StatusCode) == 0 && len(m.Headers) == 0 {
+		return errors.New("count needs a response matcher: status <codes> or header <field> [<value>]")
+	}
+	for _, c := range m.StatusCode {
+		if c < 1 || c > 5 && c < 100 || c > 599 {
+			return fmt.Errorf("invalid count status %d: expected a status code or a class such as 4xx", c)
+		}
+	}
+	return nil
+}
+
 func checkBan(d time.Duration) error {
 	if d <= 0 || d > maxBurstTime {
 		return fmt.Errorf("invalid ban %v: must be positive and at most 100 years", d)
@@ -131,10 +150,18 @@ func (z *Zone) parseLimit() (limit, error) {
 		if z.Ban != 0 {
 			return limit{}, errors.New("ban needs a rate: it empties the zone's bucket")
 		}
+		if z.Count != nil {
+			return limit{}, errors.New("count needs a rate: it gives tokens back")
+		}
 		return limit{}, errors.New("rate is required")
 	}
 	if z.Ban != 0 {
 		if err := checkBan(time.Duration(z.Ban)); err != nil {
+			return limit{}, err
+		}
+	}
+	if z.Count != nil {
+		if err := checkCount(z.Count); err != nil {
 			return limit{}, err
 		}
 	}
