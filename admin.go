@@ -29,7 +29,7 @@ func init() {
 //	GET    /rate_limit/<zone>         one zone
 //	GET    /rate_limit/<zone>/top     the keys the zone denies most
 //	GET    /rate_limit/<zone>/<key>   a key's bucket now
-//	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full
+//	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full, lifting its ban
 //
 // Keys are path-escaped (an IPv6 network's "/" as %2F). A key is taken as
 // a request's key would be: an IP address finds its network's bucket, and
@@ -102,9 +102,12 @@ type zoneInfo struct {
 	Rate     string            `json:"rate"`
 	Burst    int64             `json:"burst"`
 	Cost     int64             `json:"cost"`
+	Ban      string            `json:"ban,omitempty"`
 	Store    string            `json:"store"`
 	DryRun   bool              `json:"dry_run"`
 	Requests map[string]uint64 `json:"requests"`
+	Bans     uint64            `json:"bans"`
+	Refunds  uint64            `json:"refunds"`
 
 	OverLimitCacheHits *uint64 `json:"over_limit_cache_hits,omitempty"` // Redis store
 	TrackedKeys        *int    `json:"tracked_keys,omitempty"`          // local store
@@ -127,6 +130,11 @@ func (ref zoneRef) info() zoneInfo {
 			"dry_run_denied": st.dryRunDenied.Load(),
 			"store_error":    st.storeErrors.Load(),
 		},
+		Bans:    st.bans.Load(),
+		Refunds: st.refunds.Load(),
+	}
+	if z.Ban != 0 {
+		info.Ban = time.Duration(z.Ban).String()
 	}
 	switch s := ref.h.store.(type) {
 	case *LocalStore:
@@ -149,6 +157,9 @@ type bucketInfo struct {
 	Burst  int64   `json:"burst"`
 	// Seconds until the bucket is full again.
 	FullIn float64 `json:"full_in"`
+	// The key is banned (the zone's ban), for BannedFor seconds more.
+	Banned    bool    `json:"banned,omitempty"`
+	BannedFor float64 `json:"banned_for,omitempty"`
 }
 
 type topInfo struct {
@@ -231,12 +242,14 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	}
 	l := ref.z.limit
 	return writeJSON(w, bucketInfo{
-		Zone:   name,
-		Key:    key,
-		Bucket: q.key.String(),
-		Tokens: l.tokens(q.debt),
-		Burst:  l.burst,
-		FullIn: q.debt.Seconds(),
+		Zone:      name,
+		Key:       key,
+		Bucket:    q.key.String(),
+		Tokens:    max(l.tokens(q.debt), 0),
+		Burst:     l.burst,
+		FullIn:    q.debt.Seconds(),
+		Banned:    l.banned(q.debt),
+		BannedFor: l.banLeft(q.debt).Seconds(),
 	})
 }
 

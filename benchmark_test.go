@@ -108,6 +108,7 @@ func BenchmarkClock(b *testing.B) {
 func BenchmarkServeHTTP(b *testing.B) {
 	for _, tc := range []struct{ name, zone string }{
 		{"allowed", `{"name":"bench-allowed","rate":"1000000000r/s"}`},
+		{"allowed-ban", `{"name":"bench-allowed-ban","rate":"1000000000r/s","ban":"15m"}`},
 		{"denied", `{"name":"bench-denied","rate":"1r/s"}`}, // Retry-After: 1
 		{"allowed_api_key", `{"name":"bench-api-key","key":"{http.request.header.X-API-Key}","rate":"1000000000r/s"}`},
 	} {
@@ -142,19 +143,25 @@ func (w *headerSink) WriteHeader(int)             {}
 // comparison with redis_rate at 1 to 64 callers is in bench/compare.
 func BenchmarkRedisStore(b *testing.B) {
 	r := startRedis(b)
-	h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rb","rate":"1000000r/s"}],
-		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, r.addr()))
-	keys := make([]bucketKey, 10000)
-	for i := range keys {
-		keys[i] = bucketKey{s: "k" + strconv.Itoa(i)}
-	}
-	b.ReportAllocs()
-	i := 0
-	for b.Loop() {
-		reqs := [1]request{{zone: h.Zones[0], key: keys[i%len(keys)]}}
-		if _, err := h.store.take(context.Background(), time.Now(), reqs[:]); err != nil {
-			b.Fatal(err)
-		}
-		i++
+	for _, tc := range []struct{ name, ban string }{{"plain", ""}, {"ban", `,"ban":"15m"`}} {
+		b.Run(tc.name, func(b *testing.B) {
+			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rb-%s","rate":"1000000r/s"%s}],
+		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, tc.ban, r.addr()))
+			keys := make([]bucketKey, 10000)
+			for i := range keys {
+				keys[i] = bucketKey{s: "k" + strconv.Itoa(i)}
+			}
+			calls := r.calls()
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				reqs := [1]request{{zone: h.Zones[0], key: keys[i%len(keys)]}}
+				if _, err := h.store.take(context.Background(), time.Now(), reqs[:]); err != nil {
+					b.Fatal(err)
+				}
+				i++
+			}
+			b.ReportMetric(float64(r.calls()-calls)/float64(i), "calls/op")
+		})
 	}
 }

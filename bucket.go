@@ -33,6 +33,11 @@ type limit struct {
 	tokenTime time.Duration // 1/r: time to refill one token
 	burstTime time.Duration // C/r: time to refill the whole bucket from empty
 	burst     int64         // C: capacity in tokens
+	// ban: a denial of a bucket that is not banned yet empties it for
+	// this long (then it refills as usual): fullAt moves to now + ban +
+	// burstTime. 0: no ban. A bucket that owes more than burstTime is
+	// banned for the excess.
+	ban time.Duration
 }
 
 // maxBurstTime bounds C/r so that instants and sums of them never
@@ -56,21 +61,34 @@ func (l limit) costTime(n int64) time.Duration {
 }
 
 // debt is how long a bucket full at fullAt needs, seen at now, to be full
-// again: 0 when it is full, never more than l.burstTime (a clock that went
-// backwards must not leave a bucket owing more than a whole bucket).
+// again: 0 when it is full, never more than a whole bucket and a ban (a
+// clock that went backwards must not leave a bucket owing more).
 func (l limit) debt(fullAt, now time.Duration) time.Duration {
-	return min(max(fullAt-now, 0), l.burstTime)
+	return min(max(fullAt-now, 0), l.burstTime+l.ban)
 }
 
 // take charges cost (from l.costTime) to a bucket full at fullAt. It
-// returns the bucket's new instant and whether the tokens were there; when
-// they were not, fullAt is returned unchanged.
+// returns the bucket's new instant and whether the tokens were there. When
+// they were not, fullAt is returned unchanged, unless the limit bans and
+// the bucket was not banned yet: then the denial starts a ban.
 func (l limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 	d := l.debt(fullAt, now)
-	if d+cost > l.burstTime {
-		return fullAt, false
+	if d+cost <= l.burstTime {
+		return now + d + cost, true
 	}
-	return now + d + cost, true
+	if l.ban > 0 && !l.banned(d) {
+		return now + l.ban + l.burstTime, false
+	}
+	return fullAt, false
+}
+
+// banned reports whether a bucket that owes debt is banned: it owes more
+// than a whole bucket.
+func (l limit) banned(debt time.Duration) bool { return debt > l.burstTime }
+
+// banLeft is how long a bucket that owes debt stays banned.
+func (l limit) banLeft(debt time.Duration) time.Duration {
+	return max(debt-l.burstTime, 0)
 }
 
 // tokens is the number of tokens, possibly fractional, in a bucket that

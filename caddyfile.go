@@ -42,6 +42,8 @@ const anonymousZone = "default"
 //			match       { <matchers> }
 //			ipv4_prefix <bits>
 //			ipv6_prefix <bits>
+//			ban         <duration>
+//			count       { status <codes...>; header <field> [<value>] }
 //			dry_run
 //			window      <duration>  # with events: caddy-ratelimit's form of rate and burst
 //			events      <n>
@@ -228,6 +230,25 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 				return err
 			}
 			err = checkIPv6Prefix(z.IPv6Prefix)
+		case "ban":
+			var v string
+			if !d.AllArgs(&v) {
+				return d.ArgErr()
+			}
+			b, perr := caddy.ParseDuration(v)
+			if perr != nil {
+				return d.Errf("invalid ban '%s': expected a duration such as 15m", v)
+			}
+			z.Ban, err = caddy.Duration(b), checkBan(b)
+		case "count":
+			// The response matcher of handle_response and
+			// reverse_proxy, with count as its name.
+			m := make(map[string]caddyhttp.ResponseMatcher)
+			if err := caddyhttp.ParseNamedResponseMatcher(d.NewFromNextSegment(), m); err != nil {
+				return err
+			}
+			rm := m["count"]
+			z.Count, err = &rm, checkCount(&rm)
 		case "dry_run":
 			if err := flag(d, &z.DryRun); err != nil {
 				return err

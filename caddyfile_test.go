@@ -1377,6 +1377,97 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			line:    1,
 		},
 		{
+			name: "ban without a rate",
+			input: `rate_limit {
+	zone a {
+		ban 15m
+	}
+}`,
+			wantErr: "zone a: ban needs a rate",
+			line:    4,
+		},
+		{
+			name: "ban 0",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		ban 0s
+	}
+}`,
+			wantErr: "invalid ban 0s: must be positive",
+			line:    4,
+		},
+		{
+			name: "ban not a duration",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		ban forever
+	}
+}`,
+			wantErr: "invalid ban 'forever': expected a duration such as 15m",
+			line:    4,
+		},
+		{
+			name: "ban twice",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		ban 1m
+		ban 2m
+	}
+}`,
+			wantErr: "zone a: ban already specified",
+			line:    5,
+		},
+		{
+			name: "count without a matcher",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		count
+	}
+}`,
+			wantErr: "count needs a response matcher",
+			line:    4,
+		},
+		{
+			name: "count with a bad status",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		count {
+			status 4xx 1000
+		}
+	}
+}`,
+			wantErr: "invalid count status 1000",
+			line:    6,
+		},
+		{
+			name: "count with an unknown matcher",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		count {
+			path /login
+		}
+	}
+}`,
+			wantErr: "unrecognized response matcher path",
+			line:    5,
+		},
+		{
+			name: "count without a rate",
+			input: `rate_limit {
+	zone a {
+		count status 401
+	}
+}`,
+			wantErr: "zone a: count needs a rate",
+			line:    4,
+		},
+		{
 			name:    "one-line zero burst",
 			input:   `rate_limit {client_ip} 1r/s 0`,
 			wantErr: "invalid burst 0: must be at least 1",

@@ -46,7 +46,8 @@ func (h *Handler) shadow(r *http.Request, now time.Time, sc *scratch) (outcome, 
 	if len(charge) == 0 {
 		return outcomeAllow, nil
 	}
-	out, err := h.take(r.Context(), now, charge)
+	out, by, err := h.take(r.Context(), now, charge)
+	sc.by = by
 	for _, c := range charge {
 		for i := range sc.reqs {
 			if sc.reqs[i].zone == c.zone {

@@ -167,6 +167,7 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 	for i := range cs {
 		c := &cs[i]
 		reqs[c.req].ok = c.ok
+		reqs[c.req].ban = c.ban
 		reqs[c.req].debt = c.debt
 	}
 	return allowed, nil
@@ -179,6 +180,15 @@ func (s *LocalStore) owe(now time.Time, q *request, debt time.Duration) {
 		n := t.instant(now)
 		t.raise(q.key, n+debt, n)
 	}
+}
+
+func (s *LocalStore) refund(_ context.Context, now time.Time, reqs []request) error {
+	for i := range reqs {
+		q := &reqs[i]
+		t := s.tables[q.zone.index]
+		t.refund(q.key, q.zone.limit, q.zone.costTime, t.instant(now))
+	}
+	return nil
 }
 
 func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {

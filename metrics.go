@@ -21,6 +21,8 @@ type zoneState struct {
 	dryRunDenied atomic.Uint64 // would have been refused (dry run)
 	storeErrors  atomic.Uint64 // the store failed; fail_mode decided
 	cacheHits    atomic.Uint64 // denied by the Redis store's over-limit cache
+	bans         atomic.Uint64 // denials that started a ban
+	refunds      atomic.Uint64 // allowed requests given their tokens back (count)
 
 	// metered counts the handlers using the zone with metrics enabled;
 	// the zone is exported while it is above zero.
@@ -75,7 +77,7 @@ var (
 // collector exports what the zone states, bucket tables and Redis
 // clients count, read when Prometheus scrapes.
 type collector struct {
-	requests, cacheHits, keys, evictions, circuitOpen *prometheus.Desc
+	requests, cacheHits, bans, refunds, keys, evictions, circuitOpen *prometheus.Desc
 }
 
 func newCollector() *collector {
@@ -86,6 +88,12 @@ func newCollector() *collector {
 			[]string{"zone", "result"}, nil),
 		cacheHits: prometheus.NewDesc(name("over_limit_cache_hits_total"),
 			"Requests the Redis store denied from its over-limit cache, without asking Redis.",
+			[]string{"zone"}, nil),
+		bans: prometheus.NewDesc(name("bans_total"),
+			"Denials that started a ban: each ban is counted once, whichever instance started it.",
+			[]string{"zone"}, nil),
+		refunds: prometheus.NewDesc(name("refunds_total"),
+			"Allowed requests whose tokens a zone with count gave back, as their response did not match.",
 			[]string{"zone"}, nil),
 		keys: prometheus.NewDesc(name("keys"),
 			"Buckets the local store tracks.",
@@ -102,6 +110,8 @@ func newCollector() *collector {
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.requests
 	ch <- c.cacheHits
+	ch <- c.bans
+	ch <- c.refunds
 	ch <- c.keys
 	ch <- c.evictions
 	ch <- c.circuitOpen
@@ -127,6 +137,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			ch <- prometheus.MustNewConstMetric(c.requests, prometheus.CounterValue, float64(r.n.Load()), name, r.result)
 		}
 		ch <- prometheus.MustNewConstMetric(c.cacheHits, prometheus.CounterValue, float64(s.cacheHits.Load()), name)
+		ch <- prometheus.MustNewConstMetric(c.bans, prometheus.CounterValue, float64(s.bans.Load()), name)
+		ch <- prometheus.MustNewConstMetric(c.refunds, prometheus.CounterValue, float64(s.refunds.Load()), name)
 		return true
 	})
 

@@ -105,8 +105,11 @@ type Handler struct {
 	fallback   *LocalStore // decides when store fails, for fail_mode local
 	headerMode headerMode
 	anyDryRun  bool // some zone is in dry run
+	anyCount   bool // some zone counts only some responses
 	scratch    *sync.Pool
 	logger     *zap.Logger
+	// refundErrors throttles the warnings of refunds that failed.
+	refundErrors *throttle
 
 	latency     prometheus.Observer // nil without metrics
 	storeErrors prometheus.Counter  // nil without metrics
@@ -159,6 +162,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		z.state = st
 		z.inDryRun = z.DryRun || h.DryRun
 		h.anyDryRun = h.anyDryRun || z.inDryRun
+		h.anyCount = h.anyCount || z.Count != nil
 	}
 
 	if h.StoreRaw == nil {
@@ -212,6 +216,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 
 	n := len(h.Zones)
+	h.refundErrors = new(throttle)
 	h.scratch = &sync.Pool{New: func() any { return &scratch{reqs: make([]request, 0, n)} }}
 	registerHandler(h)
 	h.registered = true
@@ -347,6 +352,7 @@ type scratch struct {
 	retry []request // for dry runs
 	top   *request  // the most constrained of reqs
 	buf   []byte
+	by    store // the store that charged reqs
 }
 
 // An outcome is how the decision on a request ends.
@@ -366,7 +372,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	out, err := h.decide(w, r, sc)
 	switch out {
 	case outcomeDeny:
-		err = h.deny(w, r, sc.top)
+		err = h.deny(w, r, sc)
 	case outcomeFailClosed:
 		w.Header()["Retry-After"] = []string{"1"}
 		if h.writeRefusals {
@@ -374,10 +380,66 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			err = nil
 		}
 	}
-	sc.reqs, sc.retry, sc.top = sc.reqs[:0], sc.retry[:0], nil
-	h.scratch.Put(sc)
+	if out == outcomeAllow && h.anyCount && sc.by != nil && counted(sc.reqs) {
+		err = h.serveCounted(w, r, next, sc)
+		h.release(sc)
+		return err
+	}
+	h.release(sc)
 	if out == outcomeAllow || out == outcomeFailOpen {
 		return next.ServeHTTP(w, r)
+	}
+	return err
+}
+
+// counted reports whether a zone with count applies to the request.
+func counted(reqs []request) bool {
+	for i := range reqs {
+		if reqs[i].zone.Count != nil {
+			return true
+		}
+	}
+	return false
+}
+
+func (h *Handler) release(sc *scratch) {
+	sc.reqs, sc.retry, sc.top, sc.by = sc.reqs[:0], sc.retry[:0], nil, nil
+	h.scratch.Put(sc)
+}
+
+// serveCounted serves an allowed request that zones with count were
+// charged for, and gives those zones their tokens back when the response
+// does not match. The status is the one written, or, when a later handler
+// returns an error, the error's (as Caddy would answer it).
+func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, sc *scratch) error {
+	rec := caddyhttp.NewResponseRecorder(w, nil, nil)
+	err := next.ServeHTTP(rec, r)
+	status := rec.Status()
+	if err != nil {
+		status = http.StatusInternalServerError
+		if he, ok := errors.AsType[caddyhttp.HandlerError](err); ok && he.StatusCode != 0 {
+			status = he.StatusCode
+		}
+	} else if status == 0 {
+		status = http.StatusOK
+	}
+	back := sc.retry[:0]
+	for _, q := range sc.reqs {
+		if q.zone.Count != nil && q.ok && !q.wouldDeny && !q.zone.Count.Match(status, rec.Header()) {
+			back = append(back, q)
+		}
+	}
+	sc.retry = back
+	if len(back) == 0 {
+		return err
+	}
+	// The client may have gone: the tokens come back all the same.
+	if rerr := sc.by.refund(context.WithoutCancel(r.Context()), time.Now(), back); rerr != nil {
+		h.refundErrors.warn(h.logger, "rate limit: tokens not given back after a response that count does not match", rerr)
+	} else {
+		for _, q := range back {
+			q.zone.state.refunds.Add(1)
+		}
 	}
 	return err
 }
@@ -405,7 +467,8 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	}
 
 	now := time.Now()
-	out, err := h.take(r.Context(), now, sc.reqs)
+	out, by, err := h.take(r.Context(), now, sc.reqs)
+	sc.by = by
 	if out == outcomeDeny && h.anyDryRun {
 		out, err = h.shadow(r, now, sc)
 	}
@@ -421,14 +484,15 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	return out, nil
 }
 
-// take asks the store, and applies fail_mode when the store fails.
-func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (outcome, error) {
+// take asks the store, and applies fail_mode when the store fails. It
+// returns the store that charged reqs, nil if none did.
+func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (outcome, store, error) {
 	allowed, err := h.store.take(ctx, now, reqs)
 	if h.latency != nil {
 		h.latency.Observe(time.Since(now).Seconds())
 	}
 	if err == nil {
-		return verdict(allowed), nil
+		return verdict(allowed), h.store, nil
 	}
 	for i := range reqs {
 		reqs[i].zone.state.storeErrors.Add(1)
@@ -441,7 +505,7 @@ func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (outc
 		for i := range reqs {
 			reqs[i].ok = false
 		}
-		return outcomeFailed, caddyhttp.HandlerError{StatusCode: http.StatusInternalServerError, Err: err}
+		return outcomeFailed, nil, caddyhttp.HandlerError{StatusCode: http.StatusInternalServerError, Err: err}
 	}
 	switch h.failMode {
 	case failLocal:
@@ -449,17 +513,17 @@ func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (outc
 			h.fallback.owe(now, &reqs[i], f.known(now, &reqs[i], err))
 		}
 		allowed, err := h.fallback.take(ctx, now, reqs)
-		return verdict(allowed), err
+		return verdict(allowed), h.fallback, err
 	case failOpen:
 		for i := range reqs {
-			reqs[i].ok, reqs[i].debt = true, 0
+			reqs[i].ok, reqs[i].ban, reqs[i].debt = true, false, 0
 		}
-		return outcomeFailOpen, nil
+		return outcomeFailOpen, nil, nil
 	default:
 		for i := range reqs {
-			reqs[i].ok, reqs[i].debt = false, 0
+			reqs[i].ok, reqs[i].ban, reqs[i].debt = false, false, 0
 		}
-		return outcomeFailClosed, caddyhttp.HandlerError{StatusCode: http.StatusServiceUnavailable, Err: err}
+		return outcomeFailClosed, nil, caddyhttp.HandlerError{StatusCode: http.StatusServiceUnavailable, Err: err}
 	}
 }
 
@@ -483,6 +547,9 @@ func (h *Handler) count(reqs []request, out outcome) {
 	for i := range reqs {
 		q := &reqs[i]
 		st := q.zone.state
+		if q.ban {
+			st.bans.Add(1)
+		}
 		switch {
 		case q.wouldDeny:
 			st.dryRunDenied.Add(1)
@@ -496,10 +563,11 @@ func (h *Handler) count(reqs []request, out outcome) {
 	}
 }
 
-// deny answers a request that a zone refused; q is the most constrained
-// of its zones. It returns the 429 error, or nil when it wrote the 429
-// itself.
-func (h *Handler) deny(w http.ResponseWriter, r *http.Request, q *request) error {
+// deny answers a request that a zone refused; sc.top is the most
+// constrained of its zones. It returns the 429 error, or nil when it
+// wrote the 429 itself.
+func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) error {
+	q := sc.top
 	z := q.zone
 	wait := q.wait()
 	if h.Jitter > 0 {
@@ -517,10 +585,15 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, q *request) error
 		c.Write(h.logFields(r, q)...)
 	}
 	if h.events != nil && h.events.ShouldEmit(exceededEvent) {
+		ban := false
+		for i := range sc.reqs {
+			ban = ban || sc.reqs[i].ban
+		}
 		h.events.Emit(h.ctx, exceededEvent, map[string]any{
 			"zone":      z.Name,
 			"wait":      wait,
 			"remote_ip": clientIP(r),
+			"ban":       ban,
 		})
 	}
 	if h.writeRefusals {

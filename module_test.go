@@ -1051,3 +1051,198 @@ func TestUnixSocketClientsAreLimited(t *testing.T) {
 		t.Fatalf("%d of 20 requests through the socket allowed (%v), want the bucket's 5", ok, codes)
 	}
 }
+
+// A denial in a zone with a ban refuses the key for the whole ban, says
+// so in Retry-After, the admin API and the metrics, counts the ban once,
+// and DELETE lifts it.
+func TestBan(t *testing.T) {
+	tester := startCaddy(t, "", `
+http://localhost:9080 {
+	rate_limit {
+		zone ban-login {
+			match {
+				path /login
+			}
+			rate 5/m
+			burst 2
+			ban 15m
+		}
+	}
+	respond "ok"
+}`)
+	get(t, tester, "/login", 200, "ok")
+	get(t, tester, "/login", 200, "ok")
+	// The ban, then the token the request needs: 900s + 12s.
+	hdr := get(t, tester, "/login", 429, "")
+	if got := hdr.Get("Retry-After"); got != "912" {
+		t.Errorf("Retry-After %q, want 912: the ban and a token at 5/m", got)
+	}
+	hdr = get(t, tester, "/login", 429, "")
+	if got, _ := strconv.Atoi(hdr.Get("Retry-After")); got < 911 || got > 912 {
+		t.Errorf("Retry-After %q during the ban, want 911 or 912: denials do not lengthen it", hdr.Get("Retry-After"))
+	}
+	get(t, tester, "/other", 200, "ok") // not in the zone
+
+	b := adminDo(t, tester, http.MethodGet, "/rate_limit/ban-login/127.0.0.1", 200)
+	if b["banned"] != true || b["tokens"] != 0.0 {
+		t.Errorf("admin: %v, want banned with 0 tokens", b)
+	}
+	if left, _ := b["banned_for"].(float64); left < 898 || left > 900 {
+		t.Errorf("admin: banned_for %v, want just under 900", b["banned_for"])
+	}
+	if z := adminDo(t, tester, http.MethodGet, "/rate_limit/ban-login", 200); z["ban"] != "15m0s" || z["bans"] != 1.0 {
+		t.Errorf("admin zone: ban %v, bans %v; want 15m0s, 1", z["ban"], z["bans"])
+	}
+	m := scrape(t, tester)
+	wantMetric(t, m, `caddy_rate_limit_bans_total{zone="ban-login"}`, 1)
+	wantMetric(t, m, `caddy_rate_limit_requests_total{result="denied",zone="ban-login"}`, 2)
+
+	adminDo(t, tester, http.MethodDelete, "/rate_limit/ban-login/127.0.0.1", 200)
+	get(t, tester, "/login", 200, "ok")
+}
+
+// Denials from many instances at once start one ban: only the denial that
+// finds the bucket not banned starts it, in the same atomic call.
+func TestRedisBanStartsOnce(t *testing.T) {
+	r := startRedis(t)
+	config := fmt.Sprintf(`{"zones":[{"name":"ban-once","rate":"1r/m","burst":3,"ban":"1h"}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.addr())
+	hs := []*Handler{newTestHandler(t, config), newTestHandler(t, config)}
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	codes := map[int]int{}
+	for i := range 40 {
+		wg.Go(func() {
+			code, _ := serve(hs[i%2], "192.0.2.60")
+			mu.Lock()
+			codes[code]++
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	if codes[200] != 3 || codes[429] != 37 {
+		t.Fatalf("codes %v, want 3 × 200 and 37 × 429", codes)
+	}
+	if n := hs[0].Zones[0].state.bans.Load(); n != 1 {
+		t.Fatalf("%d bans started, want 1", n)
+	}
+	ttl := r.cli("PTTL", "t:ban-once:{192.0.2.60}")
+	if ms, _ := strconv.Atoi(ttl); ms < 3600_000 || ms > 3780_000 {
+		t.Fatalf("PTTL %s, want the ban and a refill: just under 3780000 ms", ttl)
+	}
+	// The over-limit cache learns the ban from a denial's reply: the
+	// denials after it ask Redis nothing. (Under the burst above, a late
+	// allowed reply may have made the cache forget, which is safe.)
+	serve(hs[0], "192.0.2.60")
+	calls := r.calls()
+	for range 3 {
+		if code, hdr := serve(hs[0], "192.0.2.60"); code != 429 || len(hdr.Get("Retry-After")) != 4 {
+			t.Fatalf("during the ban: %d, Retry-After %s, want 429 and about 3660", code, hdr.Get("Retry-After"))
+		}
+	}
+	if n := r.calls() - calls; n != 0 {
+		t.Fatalf("denials during a known ban asked Redis %d times", n)
+	}
+}
+
+// The exceeded event says whether the denial started a ban.
+func TestExceededEventBan(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"events-ban","rate":"1r/m","burst":1,"ban":"10m"}]}`)
+	app := new(caddyevents.App)
+	if err := app.Provision(h.ctx); err != nil {
+		t.Fatal(err)
+	}
+	sub := &eventRecorder{}
+	if err := app.On(exceededEvent, sub); err != nil {
+		t.Fatal(err)
+	}
+	h.events = app
+	for range 3 {
+		serve(h, "192.0.2.41")
+	}
+	if len(sub.events) != 2 || sub.events[0].Data["ban"] != true || sub.events[1].Data["ban"] != false {
+		t.Fatalf("events %v, want a denial that starts the ban, then one that does not", sub.events)
+	}
+}
+
+// With count, only the responses that match are charged: tokens are taken
+// before the request goes on, so concurrent wrong passwords get no more
+// tries than the burst, and given back after a response that does not
+// match. A later handler's error counts by its status.
+func TestCount(t *testing.T) {
+	r := startRedis(t)
+	for _, store := range []string{"local", "redis"} {
+		t.Run(store, func(t *testing.T) {
+			storeConfig := ""
+			if store == "redis" {
+				storeConfig = fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t}", r.addr())
+			}
+			zone := "count-" + store
+			tester := startCaddy(t, "", fmt.Sprintf(`
+http://localhost:9080 {
+	rate_limit {
+		zone %s {
+			rate 5/m
+			burst 5
+			ban 15m
+			count status 401
+		}
+		%s
+	}
+	respond /good "ok" 200
+	respond /bad 401
+	error /err "wrong password" 401
+}`, zone, storeConfig))
+			for range 20 {
+				get(t, tester, "/good", 200, "ok")
+			}
+			var wg sync.WaitGroup
+			var mu sync.Mutex
+			codes := map[int]int{}
+			for i := range 50 {
+				wg.Go(func() {
+					path := []string{"/bad", "/err"}[i%2]
+					resp, err := tester.Client.Get("http://localhost:9080" + path)
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					resp.Body.Close()
+					mu.Lock()
+					codes[resp.StatusCode]++
+					mu.Unlock()
+				})
+			}
+			wg.Wait()
+			if codes[401] != 5 || codes[429] != 45 {
+				t.Fatalf("50 concurrent wrong passwords: %v, want 5 × 401 (the burst), 45 × 429", codes)
+			}
+			hdr := get(t, tester, "/good", 429, "")
+			if got, _ := strconv.Atoi(hdr.Get("Retry-After")); got < 900 || got > 912 {
+				t.Errorf("Retry-After %q, want the ban's", hdr.Get("Retry-After"))
+			}
+			m := scrape(t, tester)
+			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_refunds_total{zone=%q}`, zone), 20)
+			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_bans_total{zone=%q}`, zone), 1)
+		})
+	}
+}
+
+// The writer that count wraps around the response still flushes, and a
+// response that does not match gives the tokens back at once.
+func TestCountKeepsFlushing(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"count-flush","rate":"1r/m","burst":1,"count":{"status_code":[401]}}]}`)
+	for i := range 3 {
+		req, rr := newRequest("192.0.2.70")
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+			w.WriteHeader(http.StatusOK)
+			return http.NewResponseController(w).Flush()
+		})
+		if err := h.ServeHTTP(rr, req, next); err != nil || !rr.Flushed || rr.Code != 200 {
+			t.Fatalf("request %d: err %v, flushed %t, status %d; want nil, true, 200", i, err, rr.Flushed, rr.Code)
+		}
+	}
+	if n := h.Zones[0].state.refunds.Load(); n != 3 {
+		t.Fatalf("%d refunds, want 3", n)
+	}
+}

@@ -143,7 +143,7 @@ type RedisStore struct {
 	callTimeout time.Duration // Timeout, or its default
 	zones       []*Zone
 	prefixes    []string  // per zone: KeyPrefix + name + ":{"
-	shapes      [][2]any  // per zone: the script's burst time and cost time, in µs, formatted and boxed once
+	shapes      [][3]any  // per zone: the script's burst, cost and ban times, in µs, formatted and boxed once
 	cache       []*table  // per zone: over-limit cache; nil when disabled
 	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *throttle // errors that Redis answered for one call's keys
@@ -417,7 +417,7 @@ func (s *RedisStore) bind(zones []*Zone) error {
 	for _, z := range zones {
 		// A `{` in a zone name would start the hash tag early.
 		s.prefixes = append(s.prefixes, s.KeyPrefix+escapeTag(z.Name, "%{}")+":{")
-		s.shapes = append(s.shapes, [2]any{micros(z.limit.burstTime), micros(z.costTime)})
+		s.shapes = append(s.shapes, [3]any{micros(z.limit.burstTime), micros(z.costTime), micros(z.limit.ban)})
 		if !s.DisableOverLimitCache {
 			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
 		}
@@ -567,6 +567,35 @@ func (s *RedisStore) decide(ctx context.Context, deadline time.Time, reqs []requ
 	return true, nil
 }
 
+// refund gives the requests' tokens back, in one call where their keys
+// share a slot, and makes this instance's over-limit cache forget them
+// (other instances' caches only deny a zone with count while its key is
+// banned, which a refund never changes).
+func (s *RedisStore) refund(ctx context.Context, _ time.Time, reqs []request) error {
+	for i := range reqs {
+		if s.cache != nil {
+			s.cache[reqs[i].zone.index].forget(reqs[i].key)
+		}
+	}
+	if s.client.breaker.openUntil.Load() != 0 {
+		return errRedisDown // refunds never probe: decisions do
+	}
+	deadline := time.Now().Add(s.callTimeout)
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	if !s.client.cluster || oneTag(reqs) {
+		_, err := s.run(ctx, deadline, "refund", reqs)
+		return err
+	}
+	var errs []error
+	for i := range reqs {
+		if _, err := s.run(ctx, deadline, "refund", reqs[i:i+1]); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
 func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
 	deadline := time.Now().Add(s.callTimeout)
 	ctx, cancel := context.WithDeadline(ctx, deadline)
@@ -605,7 +634,7 @@ func oneTag(reqs []request) bool {
 // run calls the script for reqs and sets their ok and debt.
 func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, reqs []request) (bool, error) {
 	keys := make([]string, len(reqs))
-	args := make([]any, 2, 2+2*len(reqs))
+	args := make([]any, 2, 2+3*len(reqs))
 	args[0], args[1] = mode, ""
 	if s.testClock != nil {
 		args[1] = s.testClock().UnixMicro()
@@ -614,19 +643,24 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 		q := &reqs[i]
 		keys[i] = s.redisKey(q)
 		shape := &s.shapes[q.zone.index]
-		args = append(args, shape[0], shape[1])
+		args = append(args, shape[0], shape[1], shape[2])
 	}
 	v, err := s.client.pipe.run(ctx, deadline, keys, args)
 	if err != nil {
 		return false, err
 	}
-	switch len(v) - len(reqs) {
-	case 1:
-	case 2:
-		s.repairs.warn(s.logger, "redis store: keys under key_prefix held another type: overwritten",
-			fmt.Errorf("%v in zone %s", v[len(v)-1], reqs[0].zone.Name))
-	default:
+	var bans string
+	switch extra := len(v) - len(reqs) - 1; {
+	case extra < 0 || extra > 2:
 		return false, fmt.Errorf("%w: %d replies for %d keys", errBadReply, len(v)-1, len(reqs))
+	case extra > 0:
+		if n, _ := v[len(reqs)+1].(int64); n > 0 {
+			s.repairs.warn(s.logger, "redis store: keys under key_prefix held another type: overwritten",
+				fmt.Errorf("%d in zone %s", n, reqs[0].zone.Name))
+		}
+		if extra == 2 {
+			bans, _ = v[len(reqs)+2].(string)
+		}
 	}
 	allowed, _ := v[0].(int64)
 	for i := range reqs {
@@ -637,6 +671,7 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 		q := &reqs[i]
 		q.debt = time.Duration(ns)
 		q.ok = allowed == 1 || q.wait() == 0
+		q.ban = i < len(bans) && bans[i] == '1'
 	}
 	return allowed == 1, nil
 }
@@ -752,13 +787,26 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 var errNoAnswer = errors.New("redis: no answer within timeout")
 
 // cacheDenied counts the zones that the cache refused, and reports
-// whether there was one.
+// whether there was one. A zone with a ban whose bucket the cache finds
+// short but not banned sends the request to Redis instead: the denial
+// that starts a ban is Redis's to make, once for every instance. So does
+// a zone with count: other instances' refunds give its tokens back faster
+// than its rate, so only a ban (which refunds never shorten) is a bound
+// the cache can deny by.
 func (s *RedisStore) cacheDenied(reqs []request) bool {
 	denied := false
 	for i := range reqs {
-		if q := &reqs[i]; !q.ok {
-			q.zone.state.cacheHits.Add(1)
-			denied = true
+		q := &reqs[i]
+		if !q.ok && (q.zone.limit.ban > 0 || q.zone.Count != nil) && !q.zone.limit.banned(q.debt) {
+			return false
+		}
+		denied = denied || !q.ok
+	}
+	if denied {
+		for i := range reqs {
+			if !reqs[i].ok {
+				reqs[i].zone.state.cacheHits.Add(1)
+			}
 		}
 	}
 	return denied

@@ -34,12 +34,14 @@ import (
 )
 
 // The zones of the shared step table: a 10r/s burst 3; b 1r/s burst 2;
-// c 2r/s burst 4, two tokens a request.
+// c 2r/s burst 4, two tokens a request; d 7r/s burst 7; e 1r/s burst 2
+// with a ban of 10s.
 const stepZones = `[
 	{"name":"a","rate":"10r/s","burst":3},
 	{"name":"b","rate":"1r/s","burst":2},
 	{"name":"c","rate":"2r/s","burst":4,"cost":2},
-	{"name":"d","rate":"7r/s","burst":7}]`
+	{"name":"d","rate":"7r/s","burst":7},
+	{"name":"e","rate":"1r/s","burst":2,"ban":"10s"}]`
 
 type storeStep struct {
 	at    time.Duration // since the table's start
@@ -47,40 +49,58 @@ type storeStep struct {
 	zones string // which zones the request matches, e.g. "ab"
 	ok    bool
 	rem   []int64 // whole tokens left per zone, after the decision
+	ban   string  // the zones whose ban the step started
 }
 
 var storeSteps = []storeStep{
-	{0, "k", "a", true, []int64{2}},
-	{0, "k", "a", true, []int64{1}},
-	{0, "k", "a", true, []int64{0}},
-	{0, "k", "a", false, []int64{0}},
-	{100 * time.Millisecond, "k", "a", true, []int64{0}},
+	{0, "k", "a", true, []int64{2}, ""},
+	{0, "k", "a", true, []int64{1}, ""},
+	{0, "k", "a", true, []int64{0}, ""},
+	{0, "k", "a", false, []int64{0}, ""},
+	{100 * time.Millisecond, "k", "a", true, []int64{0}, ""},
 	// a is empty: b must not be charged.
-	{100 * time.Millisecond, "k", "ab", false, []int64{0, 2}},
-	{100 * time.Millisecond, "k", "b", true, []int64{1}},
-	{100 * time.Millisecond, "k", "b", true, []int64{0}},
+	{100 * time.Millisecond, "k", "ab", false, []int64{0, 2}, ""},
+	{100 * time.Millisecond, "k", "b", true, []int64{1}, ""},
+	{100 * time.Millisecond, "k", "b", true, []int64{0}, ""},
 	// b is empty: a must not be charged.
-	{300 * time.Millisecond, "k", "ab", false, []int64{2, 0}},
-	{300 * time.Millisecond, "k", "a", true, []int64{1}},
-	{300 * time.Millisecond, "k", "c", true, []int64{2}},
-	{300 * time.Millisecond, "k", "c", true, []int64{0}},
-	{800 * time.Millisecond, "k", "c", false, []int64{1}},
-	{1300 * time.Millisecond, "k", "c", true, []int64{0}},
-	{1300 * time.Millisecond, "j", "abc", true, []int64{2, 1, 2}},
-	{1300 * time.Millisecond, "j", "abc", true, []int64{1, 0, 0}},
-	{1300 * time.Millisecond, "j", "abc", false, []int64{1, 0, 0}},
-	{100 * time.Second, "k", "abc", true, []int64{2, 1, 2}},
+	{300 * time.Millisecond, "k", "ab", false, []int64{2, 0}, ""},
+	{300 * time.Millisecond, "k", "a", true, []int64{1}, ""},
+	{300 * time.Millisecond, "k", "c", true, []int64{2}, ""},
+	{300 * time.Millisecond, "k", "c", true, []int64{0}, ""},
+	{800 * time.Millisecond, "k", "c", false, []int64{1}, ""},
+	{1300 * time.Millisecond, "k", "c", true, []int64{0}, ""},
+	{1300 * time.Millisecond, "j", "abc", true, []int64{2, 1, 2}, ""},
+	{1300 * time.Millisecond, "j", "abc", true, []int64{1, 0, 0}, ""},
+	{1300 * time.Millisecond, "j", "abc", false, []int64{1, 0, 0}, ""},
+	{100 * time.Second, "k", "abc", true, []int64{2, 1, 2}, ""},
 	// A whole burst at once, though a token is not a whole number of µs.
-	{0, "k", "d", true, []int64{6}},
-	{0, "k", "d", true, []int64{5}},
-	{0, "k", "d", true, []int64{4}},
-	{0, "k", "d", true, []int64{3}},
-	{0, "k", "d", true, []int64{2}},
-	{0, "k", "d", true, []int64{1}},
-	{0, "k", "d", true, []int64{0}},
-	{0, "k", "d", false, []int64{0}},
-	{142 * time.Millisecond, "k", "d", false, []int64{0}},
-	{143 * time.Millisecond, "k", "d", true, []int64{0}},
+	{0, "k", "d", true, []int64{6}, ""},
+	{0, "k", "d", true, []int64{5}, ""},
+	{0, "k", "d", true, []int64{4}, ""},
+	{0, "k", "d", true, []int64{3}, ""},
+	{0, "k", "d", true, []int64{2}, ""},
+	{0, "k", "d", true, []int64{1}, ""},
+	{0, "k", "d", true, []int64{0}, ""},
+	{0, "k", "d", false, []int64{0}, ""},
+	{142 * time.Millisecond, "k", "d", false, []int64{0}, ""},
+	{143 * time.Millisecond, "k", "d", true, []int64{0}, ""},
+	// A denial in e bans the key for 10s; denials during the ban start no
+	// other, and spend nothing in the request's other zones.
+	{200 * time.Second, "b", "e", true, []int64{1}, ""},
+	{200 * time.Second, "b", "e", true, []int64{0}, ""},
+	{200 * time.Second, "b", "e", false, []int64{0}, "e"},
+	{205 * time.Second, "b", "e", false, []int64{0}, ""},
+	{205 * time.Second, "b", "ae", false, []int64{3, 0}, ""},
+	{209900 * time.Millisecond, "b", "e", false, []int64{0}, ""},
+	// Then the bucket refills from empty: a token a second.
+	{211 * time.Second, "b", "e", true, []int64{0}, ""},
+	{211 * time.Second, "b", "e", false, []int64{0}, "e"},
+	// A request that another zone denies starts e's ban only if e denies
+	// it too.
+	{300 * time.Second, "c", "ae", true, []int64{2, 1}, ""},
+	{300 * time.Second, "c", "ae", true, []int64{1, 0}, ""},
+	{300 * time.Second, "c", "ae", false, []int64{1, 0}, "e"},
+	{300 * time.Second, "c", "a", true, []int64{0}, ""},
 }
 
 // runStoreSteps replays storeSteps against h's store, with the store's
@@ -110,8 +130,15 @@ func runStoreSteps(t *testing.T, h *Handler) {
 			t.Fatalf("step %d: allowed = %v, want %v", i, ok, s.ok)
 		}
 		for j := range reqs {
-			if got := reqs[j].remaining(); got != s.rem[j] {
-				t.Fatalf("step %d: zone %s has %d tokens left, want %d", i, reqs[j].zone.Name, got, s.rem[j])
+			q := &reqs[j]
+			if got := q.remaining(); got != s.rem[j] {
+				t.Fatalf("step %d: zone %s has %d tokens left, want %d", i, q.zone.Name, got, s.rem[j])
+			}
+			if want := strings.IndexByte(s.ban, s.zones[j]) >= 0; q.ban != want {
+				t.Fatalf("step %d: zone %s started a ban: %v, want %v", i, q.zone.Name, q.ban, want)
+			}
+			if q.ban && q.wait() != q.zone.limit.ban+q.zone.costTime {
+				t.Fatalf("step %d: zone %s: wait %v after a ban started, want the ban and a token", i, q.zone.Name, q.wait())
 			}
 		}
 	}

@@ -16,10 +16,16 @@ type store interface {
 	// from the handler's Provision, after the store's own.
 	bind(zones []*Zone) error
 
-	// take decides reqs together: it charges every bucket or none. It sets
-	// each request's ok and debt, and reports whether all were allowed.
+	// take decides reqs together: it charges every bucket or none, and
+	// starts the ban of a zone with a ban that denies a bucket not banned
+	// yet. It sets each request's ok, ban and debt, and reports whether
+	// all were allowed.
 	// now is the request's arrival; a store may keep its own clock.
 	take(ctx context.Context, now time.Time, reqs []request) (bool, error)
+
+	// refund gives each request's cost back to its bucket, which take
+	// charged, unless the bucket is banned: a ban is never shortened.
+	refund(ctx context.Context, now time.Time, reqs []request) error
 
 	// peek sets q.debt from the bucket's state, changing nothing.
 	peek(ctx context.Context, now time.Time, q *request) error
@@ -34,6 +40,7 @@ type request struct {
 	key  bucketKey
 
 	ok        bool          // the bucket had the tokens
+	ban       bool          // this denial started a ban
 	debt      time.Duration // how long until the bucket is full, after the decision
 	wouldDeny bool          // a dry-run zone that refused the request
 }

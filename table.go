@@ -216,6 +216,24 @@ func (t *table) raise(k bucketKey, fullAt, now time.Duration) {
 	}
 }
 
+// refund gives cost back to k's bucket, unless it is banned. now is the
+// current table instant.
+func (t *table) refund(k bucketKey, l limit, cost, now time.Duration) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, ok := s.buckets[h]
+	if !ok || l.banned(l.debt(b.fullAt, now)) {
+		return
+	}
+	if b.fullAt-cost <= now {
+		delete(s.buckets, h) // full again
+		return
+	}
+	s.buckets[h] = bucket{b.fullAt - cost, now}
+}
+
 // forget drops a bucket: it is full again. It returns the instant the
 // bucket was full at, 0 if it was not tracked.
 func (t *table) forget(k bucketKey) time.Duration {
@@ -290,24 +308,32 @@ type charge struct {
 
 	fullAt time.Duration // the bucket's instant, with this charge if ok
 	ok     bool
+	ban    bool          // this denial started a ban
 	debt   time.Duration // how long until the bucket is full, after the decision
+}
+
+// try decides c against a bucket full at fullAt.
+func (c *charge) try(fullAt time.Duration) {
+	c.fullAt, c.ok = c.l.take(fullAt, c.now, c.cost)
+	c.ban = !c.ok && c.fullAt != fullAt
 }
 
 // takeAll charges every bucket or none: a request denied by one bucket
 // spends nothing in the others. Shards are locked in one global order (by
-// table), so concurrent multi-zone requests cannot deadlock. It fills in
-// each charge's ok and debt and reports whether all were allowed.
+// table), so concurrent multi-zone requests cannot deadlock. A denial that
+// starts a ban is kept, in the bucket that denied. It fills in each
+// charge's ok, ban and debt and reports whether all were allowed.
 func takeAll(cs []charge) (allowed bool) {
 	if len(cs) == 1 { // the common case, with one map lookup less
 		c := &cs[0]
 		s := c.t.shard(c.h)
 		s.mu.Lock()
 		b, tracked := s.buckets[c.h]
-		c.fullAt, c.ok = c.l.take(b.fullAt, c.now, c.cost)
+		c.try(b.fullAt)
 		switch {
 		case tracked:
 			s.buckets[c.h] = bucket{c.fullAt, c.now}
-		case c.ok:
+		case c.ok || c.ban:
 			s.insert(c.t, c.h, c.fullAt, c.now)
 		}
 		s.mu.Unlock()
@@ -320,18 +346,19 @@ func takeAll(cs []charge) (allowed bool) {
 		c := &cs[i]
 		s := c.t.shard(c.h)
 		s.mu.Lock()
-		c.fullAt, c.ok = c.l.take(s.get(c.h), c.now, c.cost)
+		c.try(s.get(c.h))
 		allowed = allowed && c.ok
 	}
 	for i := range cs {
 		c := &cs[i]
 		s := c.t.shard(c.h)
-		if allowed {
+		switch {
+		case allowed || c.ban:
 			s.set(c.t, c.h, c.fullAt, c.now)
-		} else {
-			if c.ok {
-				c.fullAt = s.get(c.h) // not charged after all
-			}
+		case c.ok:
+			c.fullAt = s.get(c.h) // not charged after all
+			s.touch(c.h, c.fullAt, c.now)
+		default:
 			s.touch(c.h, c.fullAt, c.now)
 		}
 		c.debt = c.l.debt(c.fullAt, c.now)

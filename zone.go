@@ -81,6 +81,20 @@ type Zone struct {
 	// a zone written with `window` and `max_events`, as in caddy-ratelimit.
 	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
 
+	// When the zone denies a key, refuse that key for this long, however
+	// soon its bucket would have tokens again; then its bucket refills
+	// from empty as usual. Only the denial that finds the key not banned
+	// starts a ban: the denials during it do not make it longer. Needs a
+	// rate. Default: no ban.
+	Ban caddy.Duration `json:"ban,omitempty"`
+
+	// Charge only the requests whose response matches: a request still
+	// takes its tokens before it goes on (so concurrent requests cannot
+	// outrun the burst), and gets them back after a response that does
+	// not match, e.g. `{"status_code": [401, 403]}` to count failed
+	// logins only. Needs a rate. Default: every request counts.
+	Count *caddyhttp.ResponseMatcher `json:"count,omitempty"`
+
 	// Compute, count and log decisions, and send the headers, but let
 	// requests that this zone would refuse go on (uncharged by it). The
 	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
@@ -141,12 +155,49 @@ func checkZoneName(name string) error {
 	return nil
 }
 
+func checkCount(m *caddyhttp.ResponseMatcher) error {
+	if len(m.StatusCode) == 0 && len(m.Headers) == 0 {
+		return errors.New("count needs a response matcher: status <codes> or header <field> [<value>]")
+	}
+	for _, c := range m.StatusCode {
+		if c < 1 || c > 5 && c < 100 || c > 599 {
+			return fmt.Errorf("invalid count status %d: expected a status code or a class such as 4xx", c)
+		}
+	}
+	return nil
+}
+
+func checkBan(d time.Duration) error {
+	if d <= 0 || d > maxBurstTime {
+		return fmt.Errorf("invalid ban %v: must be positive and at most 100 years", d)
+	}
+	return nil
+}
+
 // windowForm reports whether the zone is written as caddy-ratelimit
 // writes it, with window and max_events.
 func (z *Zone) windowForm() bool { return z.Window != 0 || z.MaxEvents != 0 }
 
 // parseLimit checks the zone's numbers and returns its bucket's shape.
 func (z *Zone) parseLimit() (limit, error) {
+	if z.Rate == "" && !z.windowForm() {
+		switch {
+		case z.Ban != 0:
+			return limit{}, errors.New("ban needs a rate: it empties the zone's bucket")
+		case z.Count != nil:
+			return limit{}, errors.New("count needs a rate: it gives tokens back")
+		}
+	}
+	if z.Ban != 0 {
+		if err := checkBan(time.Duration(z.Ban)); err != nil {
+			return limit{}, err
+		}
+	}
+	if z.Count != nil {
+		if err := checkCount(z.Count); err != nil {
+			return limit{}, err
+		}
+	}
 	var perSec float64
 	var burst int64
 	var err error
@@ -171,7 +222,9 @@ func (z *Zone) parseLimit() (limit, error) {
 	if float64(burst)/perSec > maxBurstTime.Seconds() {
 		return limit{}, fmt.Errorf("burst %d at rate %s takes more than 100 years to refill", burst, z.rateString())
 	}
-	return newLimit(perSec, burst), nil
+	l := newLimit(perSec, burst)
+	l.ban = time.Duration(z.Ban)
+	return l, nil
 }
 
 // rateLimit reads rate and burst: tokens per second and capacity.

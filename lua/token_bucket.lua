@@ -12,20 +12,29 @@
 -- ARGV[1]      "take", "refund" or "peek"
 -- ARGV[2]      "" to read TIME. Caddy always sends ""; tests send an
 --              instant (µs since 1970) to replay a table of steps.
--- ARGV[1+2i]   full_i: µs to refill KEYS[i] from empty (burst / rate)
--- ARGV[2+2i]   cost_i: µs the request's tokens are worth (cost / rate)
+-- ARGV[3i]     full_i: µs to refill KEYS[i] from empty (burst / rate)
+-- ARGV[3i+1]   cost_i: µs the request's tokens are worth (cost / rate)
+-- ARGV[3i+2]   ban_i: µs a denial bans KEYS[i] for; 0 for no ban
 --
--- take    charges every bucket or none (all-or-nothing)
--- refund  gives cost_i back to every bucket, undoing an earlier take
+-- take    charges every bucket or none (all-or-nothing); when it denies,
+--         each bucket with a ban that lacked the tokens and was not
+--         banned yet is banned: it owes ban_i + full_i
+-- refund  gives cost_i back to every bucket that is not banned, undoing
+--         an earlier take
 -- peek    changes nothing
 --
--- Returns {allowed (1|0), debt_1, ..., debt_n[, repaired]}, where debt_i
--- is how long in nanoseconds (rounded, half up) until KEYS[i] is full
--- again after the decision. Only take returns 0.
+-- A bucket owes at most full_i + ban_i; one that owes more than full_i
+-- is banned for the excess.
+--
+-- Returns {allowed (1|0), debt_1, ..., debt_n[, repaired[, bans]]}, where
+-- debt_i is how long in nanoseconds (rounded, half up) until KEYS[i] is
+-- full again after the decision. Only take returns 0.
 --
 -- A bucket key that holds another type (or a value that is not an
 -- instant) is taken for a full bucket, and overwritten or deleted by take
--- and refund; the reply then ends with the number of such keys.
+-- and refund; repaired is the number of such keys. bans, present when
+-- this call started a ban, is a string of n flags, '1' for each key whose
+-- ban it started (repaired, then maybe 0, comes before it).
 
 local epoch = 1735689600 -- 2025-01-01T00:00:00Z, in seconds
 local slack = 1 -- µs
@@ -64,35 +73,44 @@ local n = #KEYS
 local reply = { 1 }
 local bad = {}
 local repaired = 0
+local short = {}
 for i = 1, n do
-	local full, cost = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
+	local full, cost, ban = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
 	local f
 	f, bad[i] = load(KEYS[i])
 	f = f or now
-	if mode == 'refund' and f > now then
+	if mode == 'refund' and f > now and f - now <= full then
 		f = f - cost
 	end
-	-- A clock that went back must not leave more than a whole bucket owed.
-	local debt = math.min(math.max(f - now, 0), full)
+	-- A clock that went back must not leave more than a whole bucket
+	-- and a ban owed.
+	local debt = math.min(math.max(f - now, 0), full + ban)
 	if mode == 'refund' then
 		save(KEYS[i], debt)
 	elseif mode == 'take' and debt + cost > full + slack then
 		reply[1] = 0
+		short[i] = ban > 0 and debt <= full
 	end
 	reply[i + 1] = debt
 end
 
+local bans, banned = {}, false
 for i = 1, n do
 	local debt = reply[i + 1]
 	if mode == 'take' and reply[1] == 1 then
-		debt = debt + ARGV[2 + 2 * i]
+		debt = debt + ARGV[3 * i + 1]
 		save(KEYS[i], debt)
+	elseif short[i] then
+		debt = ARGV[3 * i] + ARGV[3 * i + 2]
+		save(KEYS[i], debt)
+		banned = true
 	elseif bad[i] and mode == 'take' then
 		redis.call('DEL', KEYS[i]) -- a full bucket: no key
 	end
 	if bad[i] then
 		repaired = repaired + 1
 	end
+	bans[i] = short[i] and '1' or '0'
 	-- Whole nanoseconds, as Redis replies integers: at most 100 years
 	-- (the longest burst), well within its 64 bits.
 	local ns = debt * 1000
@@ -102,7 +120,10 @@ for i = 1, n do
 	end
 	reply[i + 1] = whole
 end
-if repaired > 0 and mode ~= 'peek' then
+if repaired > 0 and mode ~= 'peek' or banned then
 	reply[n + 2] = repaired
+end
+if banned then
+	reply[n + 3] = table.concat(bans)
 end
 return reply
