@@ -311,3 +311,16 @@ func waitOneListener(t *testing.T, port int) {
 		time.Sleep(10 * time.Millisecond)
 	}
 }
+
+// TestMain gives the test Caddy a storage of its own, so that the local
+// store's snapshots of one run never reach the next.
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "ratelimit-test-storage-")
+	if err != nil {
+		panic(err)
+	}
+	caddy.DefaultStorage.Path = dir
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
