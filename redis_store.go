@@ -199,7 +199,14 @@ type redisClient struct {
 	// start every outageLogPeriod, so that a Redis that half works (the
 	// breaker opening and closing again) does not flood the log.
 	outageLogs throttle
-	outageSaid atomic.Bool // its start was logged, its end not yet
+	outageSaid atomic.Bool  // its start was logged, its end not yet
+	rtt        atomic.Int64 // a moving average of the calls' round trips, in nanoseconds
+}
+
+// noteRTT adds a call's round trip to the moving average.
+func (c *redisClient) noteRTT(d time.Duration) {
+	old := c.rtt.Load()
+	c.rtt.Store(old + (int64(d)-old)/8)
 }
 
 const outageLogPeriod = 10 * time.Second
@@ -475,8 +482,12 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 		call, cancel = context.WithDeadline(ctx, deadline)
 		defer cancel()
 	}
+	sent := deadline.Add(-budget)
 	allowed, err := s.decide(call, deadline, reqs)
 	late := !time.Now().Before(deadline)
+	if err == nil {
+		s.client.noteRTT(time.Since(sent))
+	}
 	switch kind := classify(err); {
 	case err == nil || kind == errAnswered:
 		if b.success(probe) {
@@ -746,8 +757,13 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			timer.Stop()
 		}
 	}()
+	rtt := time.Duration(s.client.rtt.Load())
+	if s.testClock != nil {
+		rtt = 0 // replayed instants leave no room to wait
+	}
 	for {
 		tight, most := 0, int64(math.MaxInt64)
+		var pace time.Duration
 		for i := range reqs {
 			q := &reqs[i]
 			t, l := s.cache[q.zone.index], q.zone.limit
@@ -757,22 +773,37 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			if m := int64((l.burstTime - q.debt) / q.zone.costTime); m < most {
 				tight, most = i, m
 			}
+			// The bound counts from when the last call was sent, Redis
+			// from when it ran, up to a round trip later: a call sent
+			// within a round trip of the bound would mostly find the
+			// bucket still short. Wait out that round trip instead.
+			if fullAt != 0 {
+				pace = max(pace, fullAt-l.burstTime+q.zone.costTime+rtt-n)
+			}
 		}
 		if s.cacheDenied(reqs) {
 			return now, flightKey{}, true, nil
 		}
-		q := &reqs[tight]
-		k := flightKey{q.zone.index, s.cache[q.zone.index].hash(q.key)}
-		landed := s.flights.join(k, max(most, 1))
-		if landed == nil {
-			return now, k, false, nil
+		var landed <-chan struct{}
+		var k flightKey
+		if pace <= 0 || !now.Add(pace).Before(deadline) {
+			q := &reqs[tight]
+			k = flightKey{q.zone.index, s.cache[q.zone.index].hash(q.key)}
+			if landed = s.flights.join(k, max(most, 1)); landed == nil {
+				return now, k, false, nil
+			}
 		}
 		if timer == nil {
 			timer = time.NewTimer(deadline.Sub(now))
 		}
+		var paced <-chan time.Time
+		if landed == nil {
+			paced = time.After(pace)
+		}
 		waitStart := time.Now()
 		select {
 		case <-landed:
+		case <-paced:
 		case <-ctx.Done():
 			return now, flightKey{}, false, ctx.Err()
 		case <-timer.C:
