@@ -5,6 +5,7 @@ package ratelimit
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -13,6 +14,9 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 func TestSlotTable(t *testing.T) {
@@ -281,5 +285,84 @@ func TestConcurrencyOtherZoneDenies(t *testing.T) {
 	}
 	if h := get(t, tester, "/", 200, "ok"); h.Get("X-Ratelimit-Limit") != "" {
 		t.Errorf("X-RateLimit-Limit %q for a zone without a rate, want none", h.Get("X-Ratelimit-Limit"))
+	}
+}
+
+// TestConcurrencyDirect drives a handler without a server: slots come
+// back after an error and after a panic in the handlers that follow.
+func TestConcurrencyDirect(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"direct_conc","key":"{http.request.header.X-Key}","concurrency":2}],"headers":"ietf"}`)
+	release, arrived := make(chan struct{}), make(chan struct{}, 2)
+	blocking := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		arrived <- struct{}{}
+		<-release
+		return nil
+	})
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Go(func() {
+			req, rr := newRequest("10.0.0.1", "X-Key", "a")
+			if err := h.ServeHTTP(rr, req, blocking); err != nil {
+				t.Error(err)
+			}
+		})
+	}
+	waitArrivals(t, arrived, 2)
+	req, rr := newRequest("10.0.0.1", "X-Key", "a")
+	err := h.ServeHTTP(rr, req, okHandler)
+	if statusOf(err) != http.StatusTooManyRequests {
+		t.Fatalf("third request in flight: %v, want a 429", err)
+	}
+	if got := rr.Header().Get("Retry-After"); got != "1" {
+		t.Errorf("Retry-After %q, want 1", got)
+	}
+	close(release)
+	wg.Wait()
+
+	failing := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error {
+		return caddyhttp.Error(http.StatusBadGateway, io.ErrUnexpectedEOF)
+	})
+	panicking := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { panic("boom") })
+	for range 3 {
+		req, rr := newRequest("10.0.0.1", "X-Key", "a")
+		if err := h.ServeHTTP(rr, req, failing); statusOf(err) != http.StatusBadGateway {
+			t.Fatalf("failing handler: %v, want its 502", err)
+		}
+		func() {
+			defer func() {
+				if recover() == nil {
+					t.Error("the panic did not reach the caller")
+				}
+			}()
+			req, rr := newRequest("10.0.0.1", "X-Key", "a")
+			h.ServeHTTP(rr, req, panicking)
+		}()
+	}
+	req, rr = newRequest("10.0.0.1", "X-Key", "a")
+	if err := h.ServeHTTP(rr, req, okHandler); err != nil {
+		t.Fatalf("after errors and panics: %v", err)
+	}
+	if got, want := rr.Header().Get("Ratelimit"), `"direct_conc";r=1`; got != want {
+		t.Errorf("RateLimit %q, want %q", got, want)
+	}
+	if n := h.Zones[0].slots.len(); n != 0 {
+		t.Errorf("%d keys in flight with none running, want 0", n)
+	}
+}
+
+// TestConcurrencyRedisRefused: the Redis store has no slots yet, and says
+// so when the config loads.
+func TestConcurrencyRedisRefused(t *testing.T) {
+	r := startRedis(t)
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	defer cancel()
+	h := new(Handler)
+	if err := json.Unmarshal(fmt.Appendf(nil, `{"zones":[{"name":"redis_conc","concurrency":2}],"store":{"backend":"redis","addresses":[%q]}}`, r.addr()), h); err != nil {
+		t.Fatal(err)
+	}
+	err := h.Provision(ctx)
+	h.Cleanup()
+	if err == nil || !strings.Contains(err.Error(), "zone redis_conc: concurrency is not supported with store redis") {
+		t.Fatalf("provision: %v, want concurrency refused with store redis", err)
 	}
 }
