@@ -44,6 +44,8 @@ const anonymousZone = "default"
 //			ipv6_prefix <bits>
 //			ban         <duration>
 //			count       { status <codes...>; header <field> [<value>] }
+//			concurrency <n>         # requests in flight per key; a rate is then optional
+//			lease       <duration>  # with concurrency: how long a Redis slot is held
 //			dry_run
 //			window      <duration>  # with events: caddy-ratelimit's form of rate and burst
 //			events      <n>
@@ -249,6 +251,21 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 			}
 			rm := m["count"]
 			z.Count, err = &rm, checkCount(&rm)
+		case "concurrency":
+			if z.Concurrency, err = intArg[int64](d); err != nil {
+				return err
+			}
+			err = checkConcurrency(z.Concurrency)
+		case "lease":
+			var v string
+			if !d.AllArgs(&v) {
+				return d.ArgErr()
+			}
+			l, perr := caddy.ParseDuration(v)
+			if perr != nil {
+				return d.Errf("invalid lease '%s': expected a duration such as 60s", v)
+			}
+			z.Lease, err = caddy.Duration(l), checkLease(l)
 		case "dry_run":
 			if err := flag(d, &z.DryRun); err != nil {
 				return err

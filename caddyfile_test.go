@@ -1468,6 +1468,101 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			line:    4,
 		},
 		{
+			name: "concurrency 0",
+			input: `rate_limit {
+	zone a {
+		concurrency 0
+	}
+}`,
+			wantErr: "invalid concurrency 0: must be 1 to",
+			line:    3,
+		},
+		{
+			name: "negative concurrency",
+			input: `rate_limit {
+	zone a {
+		concurrency -2
+	}
+}`,
+			wantErr: "invalid concurrency -2: must be 1 to",
+			line:    3,
+		},
+		{
+			name: "fractional concurrency",
+			input: `rate_limit {
+	zone a {
+		concurrency 1.5
+	}
+}`,
+			wantErr: "invalid concurrency '1.5': expected a whole number",
+			line:    3,
+		},
+		{
+			name: "concurrency without a number",
+			input: `rate_limit {
+	zone a {
+		concurrency
+	}
+}`,
+			wantErr: "wrong argument count",
+			line:    3,
+		},
+		{
+			name: "lease without concurrency",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		lease 30s
+	}
+}`,
+			wantErr: "zone a: lease needs concurrency",
+			line:    5,
+		},
+		{
+			name: "lease 0",
+			input: `rate_limit {
+	zone a {
+		concurrency 2
+		lease 0s
+	}
+}`,
+			wantErr: "invalid lease 0s: must be positive",
+			line:    4,
+		},
+		{
+			name: "lease not a duration",
+			input: `rate_limit {
+	zone a {
+		concurrency 2
+		lease soon
+	}
+}`,
+			wantErr: "invalid lease 'soon': expected a duration such as 60s",
+			line:    4,
+		},
+		{
+			name: "burst with concurrency and no rate",
+			input: `rate_limit {
+	zone a {
+		concurrency 2
+		burst 5
+	}
+}`,
+			wantErr: "zone a: burst needs a rate",
+			line:    5,
+		},
+		{
+			name: "ban with concurrency and no rate",
+			input: `rate_limit {
+	zone a {
+		concurrency 2
+		ban 1m
+	}
+}`,
+			wantErr: "zone a: ban needs a rate",
+			line:    5,
+		},
+		{
 			name:    "one-line zero burst",
 			input:   `rate_limit {client_ip} 1r/s 0`,
 			wantErr: "invalid burst 0: must be at least 1",

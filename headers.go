@@ -72,7 +72,8 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 	// All values go into one buffer and become one string, sliced.
 	b := sc.buf[:0]
 	var ends [5]int
-	if h.headerMode != headersIETF {
+	legacy := h.headerMode != headersIETF && top != nil
+	if legacy {
 		b = strconv.AppendInt(b, top.zone.limit.burst, 10)
 		ends[0] = len(b)
 		b = strconv.AppendInt(b, top.remaining(), 10)
@@ -87,6 +88,12 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 			}
 			b = append(b, reqs[i].zone.policy...)
 		}
+		for i := range sc.slots {
+			if len(reqs) > 0 || i > 0 {
+				b = append(b, ", "...)
+			}
+			b = append(b, sc.slots[i].zone.slotPolicy...)
+		}
 		ends[3] = len(b)
 		for i := range reqs {
 			q := &reqs[i]
@@ -99,6 +106,15 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 			b = append(b, ";t="...)
 			b = strconv.AppendInt(b, ceilSeconds(q.zone.limit.nextToken(q.debt)), 10)
 		}
+		for i := range sc.slots {
+			q := &sc.slots[i]
+			if len(reqs) > 0 || i > 0 {
+				b = append(b, ", "...)
+			}
+			b = append(b, q.zone.quotedName...)
+			b = append(b, ";r="...)
+			b = strconv.AppendInt(b, q.free, 10)
+		}
 		ends[4] = len(b)
 	}
 	sc.buf = b
@@ -110,7 +126,7 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 		hdr[name] = vals[i : i+1 : i+1]
 		start = ends[i]
 	}
-	if h.headerMode != headersIETF {
+	if legacy {
 		set(0, "X-Ratelimit-Limit")
 		set(1, "X-Ratelimit-Remaining")
 		set(2, "X-Ratelimit-Reset")

@@ -5,6 +5,7 @@ package ratelimit
 
 import (
 	"errors"
+	"sync"
 	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2"
@@ -29,6 +30,9 @@ type zoneState struct {
 	metered atomic.Int64
 
 	top *topKeys
+
+	slotsOnce sync.Once
+	slots     *slotTable // requests in flight, for zones with concurrency
 }
 
 // Destruct is called when no config has the zone any more.
@@ -180,4 +184,14 @@ func registerMetrics(reg prometheus.Registerer) error {
 		}
 	}
 	return nil
+}
+
+// slotTable returns the zone's table of requests in flight, creating it
+// with room for maxKeys keys. It is kept with the zone's counters, so
+// that across a reload the new config counts the old one's requests
+// still running, which give their slots back to the same table.
+func (st *zoneState) slotTable(maxKeys int64) *slotTable {
+	st.slotsOnce.Do(func() { st.slots = newSlotTable(maxKeys) })
+	st.slots.maxKeys.Store(maxKeys)
+	return st.slots
 }

@@ -106,6 +106,7 @@ type Handler struct {
 	headerMode headerMode
 	anyDryRun  bool // some zone is in dry run
 	anyCount   bool // some zone counts only some responses
+	anySlots   bool // some zone limits requests in flight
 	scratch    *sync.Pool
 	logger     *zap.Logger
 	// refundErrors throttles the warnings of refunds that failed.
@@ -180,6 +181,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.store = st
+	if err := h.bindSlots(); err != nil {
+		return err
+	}
 	if f, ok := st.(fallible); ok {
 		h.failMode = f.failMode()
 		if h.failMode == failLocal {
@@ -220,6 +224,26 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	h.scratch = &sync.Pool{New: func() any { return &scratch{reqs: make([]request, 0, n)} }}
 	registerHandler(h)
 	h.registered = true
+	return nil
+}
+
+// bindSlots gives the zones with concurrency their tables of requests in
+// flight, which hold at most the local store's max_keys keys.
+func (h *Handler) bindSlots() error {
+	maxKeys := int64(defaultMaxKeys)
+	if ls, ok := h.store.(*LocalStore); ok {
+		maxKeys = ls.MaxKeys
+	}
+	for _, z := range h.Zones {
+		if z.Concurrency == 0 {
+			continue
+		}
+		if _, ok := h.store.(*RedisStore); ok {
+			return fmt.Errorf("zone %s: concurrency is not supported with store redis yet: use store local, or a rate", z.Name)
+		}
+		z.slots = z.state.slotTable(maxKeys)
+		h.anySlots = true
+	}
 	return nil
 }
 
@@ -353,6 +377,9 @@ type scratch struct {
 	top   *request  // the most constrained of reqs
 	buf   []byte
 	by    store // the store that charged reqs
+
+	slots    []slot // the zones with concurrency that apply
+	fullSlot *slot  // the one that had no slot free
 }
 
 // An outcome is how the decision on a request ends.
@@ -372,13 +399,29 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	out, err := h.decide(w, r, sc)
 	switch out {
 	case outcomeDeny:
-		err = h.deny(w, r, sc)
+		if sc.fullSlot != nil {
+			err = h.denySlot(w, r, sc.fullSlot)
+		} else {
+			err = h.deny(w, r, sc)
+		}
 	case outcomeFailClosed:
 		w.Header()["Retry-After"] = []string{"1"}
 		if h.writeRefusals {
 			w.WriteHeader(http.StatusServiceUnavailable)
 			err = nil
 		}
+	}
+	if len(sc.slots) > 0 {
+		// The slots come back when the handlers return, however they
+		// return: with an error, a panic, or a client gone.
+		defer h.releaseSlots(sc)
+		if out == outcomeAllow || out == outcomeFailOpen {
+			if h.anyCount && sc.by != nil && counted(sc.reqs) {
+				return h.serveCounted(w, r, next, sc)
+			}
+			return next.ServeHTTP(w, r)
+		}
+		return err
 	}
 	if out == outcomeAllow && h.anyCount && sc.by != nil && counted(sc.reqs) {
 		err = h.serveCounted(w, r, next, sc)
@@ -404,7 +447,19 @@ func counted(reqs []request) bool {
 
 func (h *Handler) release(sc *scratch) {
 	sc.reqs, sc.retry, sc.top, sc.by = sc.reqs[:0], sc.retry[:0], nil, nil
+	sc.slots, sc.fullSlot = sc.slots[:0], nil
 	h.scratch.Put(sc)
+}
+
+// releaseSlots gives back the slots the request took, and sc.
+func (h *Handler) releaseSlots(sc *scratch) {
+	for i := range sc.slots {
+		if q := &sc.slots[i]; q.table != nil {
+			q.table.release(q.key)
+			q.table = nil
+		}
+	}
+	h.release(sc)
 }
 
 // serveCounted serves an allowed request that zones with count were
@@ -459,29 +514,113 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 			}
 		}
 		if k, ok := z.bucketKey(r); ok {
-			sc.reqs = append(sc.reqs, request{zone: z, key: k})
+			if !z.rateless {
+				sc.reqs = append(sc.reqs, request{zone: z, key: k})
+			}
+			if z.slots != nil {
+				sc.slots = append(sc.slots, slot{zone: z, key: k})
+			}
 		}
 	}
-	if len(sc.reqs) == 0 {
+	if len(sc.reqs) == 0 && len(sc.slots) == 0 {
 		return outcomeAllow, nil
 	}
 
 	now := time.Now()
-	out, by, err := h.take(r.Context(), now, sc.reqs)
-	sc.by = by
-	if out == outcomeDeny && h.anyDryRun {
-		out, err = h.shadow(r, now, sc)
+	out := outcomeAllow
+	if len(sc.reqs) > 0 {
+		var by store
+		var err error
+		out, by, err = h.take(r.Context(), now, sc.reqs)
+		sc.by = by
+		if out == outcomeDeny && h.anyDryRun {
+			out, err = h.shadow(r, now, sc)
+		}
+		if (out == outcomeAllow || out == outcomeFailOpen) && len(sc.slots) > 0 && !h.takeSlots(r, now, sc) {
+			out = outcomeDeny
+		}
+		h.count(sc.reqs, out)
+		if out != outcomeAllow && out != outcomeDeny {
+			return out, err
+		}
+		if h.anyDryRun {
+			h.noteDryRunPassed(r, sc.reqs)
+		}
+		sc.top = mostConstrained(sc.reqs)
+	} else if !h.takeSlots(r, now, sc) {
+		out = outcomeDeny
 	}
-	h.count(sc.reqs, out)
-	if out != outcomeAllow && out != outcomeDeny {
-		return out, err
-	}
-	if h.anyDryRun {
-		h.noteDryRunPassed(r, sc.reqs)
-	}
-	sc.top = mostConstrained(sc.reqs)
 	h.writeHeaders(w.Header(), now, sc, sc.top)
 	return out, nil
+}
+
+// takeSlots takes a slot of every zone with concurrency that applies to
+// the request, after the rate zones allowed it: all of them, or none.
+// When a zone has no slot free, it gives back the slots taken and the
+// tokens of sc.reqs, sets sc.fullSlot, and reports false. A zone in dry
+// run lets the request go on without a slot.
+func (h *Handler) takeSlots(r *http.Request, now time.Time, sc *scratch) bool {
+	for i := range sc.slots {
+		q := &sc.slots[i]
+		free, ok := q.zone.slots.acquire(q.key, q.zone.Concurrency)
+		q.free = free
+		if ok {
+			q.table = q.zone.slots
+			continue
+		}
+		st := q.zone.state
+		st.top.add(q.key)
+		if q.zone.inDryRun {
+			st.dryRunDenied.Add(1)
+			if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+				repl.Set(q.zone.wouldDenyVar, true)
+			}
+			continue
+		}
+		st.denied.Add(1)
+		sc.fullSlot = q
+		for j := range i {
+			if p := &sc.slots[j]; p.table != nil {
+				p.table.release(p.key)
+				p.table = nil
+				p.free++
+			}
+		}
+		h.refundForSlot(r, now, sc)
+		return false
+	}
+	for i := range sc.slots {
+		if q := &sc.slots[i]; q.table != nil {
+			q.zone.state.allowed.Add(1)
+		}
+	}
+	return true
+}
+
+// refundForSlot gives back the tokens the rate zones took for a request
+// that a zone with concurrency then refused.
+func (h *Handler) refundForSlot(r *http.Request, now time.Time, sc *scratch) {
+	if sc.by == nil {
+		return
+	}
+	back := sc.retry[:0]
+	for _, q := range sc.reqs {
+		if q.ok && !q.wouldDeny {
+			back = append(back, q)
+		}
+	}
+	sc.retry = back
+	if len(back) == 0 {
+		return
+	}
+	if err := sc.by.refund(context.WithoutCancel(r.Context()), now, back); err != nil {
+		h.refundErrors.warn(h.logger, "rate limit: tokens not given back after a zone with concurrency refused the request", err)
+	}
+	for i := range sc.reqs {
+		if q := &sc.reqs[i]; q.ok && !q.wouldDeny {
+			q.debt = max(q.debt-q.zone.costTime, 0)
+		}
+	}
 }
 
 // take asks the store, and applies fail_mode when the store fails. It
@@ -594,6 +733,37 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) erro
 			"wait":      wait,
 			"remote_ip": clientIP(r),
 			"ban":       ban,
+		})
+	}
+	if h.writeRefusals {
+		w.WriteHeader(http.StatusTooManyRequests)
+		return nil
+	}
+	return z.denial
+}
+
+// denySlot answers a request that a zone with concurrency refused: no
+// slot was free. Retry-After is 1: a slot may be free at any moment.
+func (h *Handler) denySlot(w http.ResponseWriter, r *http.Request, q *slot) error {
+	z := q.zone
+	retryAfter := setRetryAfter(w.Header(), time.Second)
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Set("http.rate_limit.exceeded.name", z.boxedName)
+		repl.Set("http.rate_limit.exceeded.retry_after", retryAfter)
+	}
+	if c := h.logger.Check(zapcore.DebugLevel, "rate limit exceeded: no slot free"); c != nil {
+		fields := []zap.Field{zap.String("zone", z.Name), zap.Int64("concurrency", z.Concurrency), zap.String("remote_ip", clientIP(r))}
+		if h.LogKey {
+			fields = append(fields, zap.String("key", q.key.String()))
+		}
+		c.Write(fields...)
+	}
+	if h.events != nil && h.events.ShouldEmit(exceededEvent) {
+		h.events.Emit(h.ctx, exceededEvent, map[string]any{
+			"zone":      z.Name,
+			"wait":      time.Second,
+			"remote_ip": clientIP(r),
+			"ban":       false,
 		})
 	}
 	if h.writeRefusals {

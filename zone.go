@@ -95,6 +95,18 @@ type Zone struct {
 	// logins only. Needs a rate. Default: every request counts.
 	Count *caddyhttp.ResponseMatcher `json:"count,omitempty"`
 
+	// The most requests of one key in flight at once: a request takes a
+	// slot before it goes on, or is refused with 429 and `Retry-After: 1`,
+	// and gives the slot back when the handlers after this one return,
+	// however they return. A zone with concurrency needs no rate; with
+	// both, both apply. Default: no limit on requests in flight.
+	Concurrency int64 `json:"concurrency,omitempty"`
+
+	// How long a slot of a zone with concurrency is held at most, in a
+	// store shared between instances (Redis), where an instance that dies
+	// cannot give its slots back. Needs concurrency. Default: 60s.
+	Lease caddy.Duration `json:"lease,omitempty"`
+
 	// Compute, count and log decisions, and send the headers, but let
 	// requests that this zone would refuse go on (uncharged by it). The
 	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
@@ -120,6 +132,11 @@ type Zone struct {
 	wouldDenyVar string // http.rate_limit.<name>.would_deny
 	quotedName   string // the name as a structured-field string
 	policy       string // this zone's RateLimit-Policy item
+	// rateless: the zone limits only requests in flight (concurrency);
+	// it has no bucket, and the store never sees it.
+	rateless   bool
+	slotPolicy string // the RateLimit-Policy item of the concurrency limit
+	slots      *slotTable
 }
 
 // A keyKind is what a zone's key template needs to be expanded.
@@ -167,6 +184,23 @@ func checkCount(m *caddyhttp.ResponseMatcher) error {
 	return nil
 }
 
+func checkConcurrency(n int64) error {
+	if n < 1 || n > maxBurst {
+		return fmt.Errorf("invalid concurrency %d: must be 1 to %d", n, int64(maxBurst))
+	}
+	return nil
+}
+
+func checkLease(d time.Duration) error {
+	if d <= 0 || d > maxBurstTime {
+		return fmt.Errorf("invalid lease %v: must be positive and at most 100 years", d)
+	}
+	return nil
+}
+
+// defaultLease is how long a Redis slot is held when lease is not set.
+const defaultLease = 60 * time.Second
+
 func checkBan(d time.Duration) error {
 	if d <= 0 || d > maxBurstTime {
 		return fmt.Errorf("invalid ban %v: must be positive and at most 100 years", d)
@@ -178,14 +212,44 @@ func checkBan(d time.Duration) error {
 // writes it, with window and max_events.
 func (z *Zone) windowForm() bool { return z.Window != 0 || z.MaxEvents != 0 }
 
+// hasRate reports whether the zone has a bucket: a rate, or window and
+// max_events.
+func (z *Zone) hasRate() bool { return z.Rate != "" || z.windowForm() }
+
+// placeholderLimit is the bucket shape of a zone without a rate, which
+// the stores bind but are never asked about.
+var placeholderLimit = newLimit(1, 1)
+
 // parseLimit checks the zone's numbers and returns its bucket's shape.
 func (z *Zone) parseLimit() (limit, error) {
+	if z.Concurrency != 0 {
+		if err := checkConcurrency(z.Concurrency); err != nil {
+			return limit{}, err
+		}
+	}
+	if z.Lease != 0 {
+		if z.Concurrency == 0 {
+			return limit{}, errors.New("lease needs concurrency: it is how long a slot is held")
+		}
+		if err := checkLease(time.Duration(z.Lease)); err != nil {
+			return limit{}, err
+		}
+	}
 	if z.Rate == "" && !z.windowForm() {
 		switch {
 		case z.Ban != 0:
 			return limit{}, errors.New("ban needs a rate: it empties the zone's bucket")
 		case z.Count != nil:
 			return limit{}, errors.New("count needs a rate: it gives tokens back")
+		case z.Burst != 0 && z.Concurrency != 0:
+			return limit{}, errors.New("burst needs a rate")
+		case z.Cost != 0 && z.Cost != 1 && z.Concurrency != 0:
+			return limit{}, errors.New("cost needs a rate: a request in flight takes one slot")
+		case z.Concurrency != 0:
+			if err := z.checkPrefixes(); err != nil {
+				return limit{}, err
+			}
+			return placeholderLimit, nil
 		}
 	}
 	if z.Ban != 0 {
@@ -230,7 +294,7 @@ func (z *Zone) parseLimit() (limit, error) {
 // rateLimit reads rate and burst: tokens per second and capacity.
 func (z *Zone) rateLimit() (perSec float64, burst int64, err error) {
 	if z.Rate == "" {
-		return 0, 0, errors.New("rate is required (or window and max_events)")
+		return 0, 0, errors.New("rate is required (or window and max_events, or concurrency)")
 	}
 	perSec, n, err := parseRate(z.Rate)
 	if err != nil {
@@ -382,8 +446,12 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	if z.limit, err = z.parseLimit(); err != nil {
 		return err
 	}
-	if z.Burst == 0 && !z.windowForm() {
+	z.rateless = !z.hasRate()
+	if z.Burst == 0 && !z.windowForm() && !z.rateless {
 		z.Burst = z.limit.burst
+	}
+	if z.Concurrency != 0 && z.Lease == 0 {
+		z.Lease = caddy.Duration(defaultLease)
 	}
 	z.costTime = z.limit.costTime(z.Cost)
 
@@ -416,6 +484,9 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	z.wouldDenyVar = "http.rate_limit." + z.Name + ".would_deny"
 	z.quotedName = sfString(z.Name)
 	z.policy = fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, z.limit.burst, ceilSeconds(z.limit.burstTime))
+	if z.Concurrency != 0 {
+		z.slotPolicy = fmt.Sprintf("%s;q=%d", z.quotedName, z.Concurrency)
+	}
 	return nil
 }
 

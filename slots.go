@@ -1,0 +1,96 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"hash/maphash"
+	"sync"
+	"sync/atomic"
+)
+
+// slotTable counts the requests in flight of each key of a zone with
+// concurrency. A key is in it only while it has requests in flight, so
+// its size is the number of keys with requests running, and it holds at
+// most maxKeys of them: a key that would be one more is refused.
+type slotTable struct {
+	seed    maphash.Seed
+	keys    atomic.Int64 // keys in the table
+	maxKeys atomic.Int64
+	shards  [slotShards]slotShard
+}
+
+const slotShards = 64
+
+type slotShard struct {
+	mu sync.Mutex
+	m  map[bucketKey]int64
+	_  [40]byte // keep shards on separate cache lines
+}
+
+func newSlotTable(maxKeys int64) *slotTable {
+	t := &slotTable{seed: maphash.MakeSeed()}
+	t.maxKeys.Store(maxKeys)
+	for i := range t.shards {
+		t.shards[i].m = make(map[bucketKey]int64)
+	}
+	return t
+}
+
+func (t *slotTable) shard(k bucketKey) *slotShard {
+	return &t.shards[maphash.Comparable(t.seed, k)%slotShards]
+}
+
+// acquire takes one of n slots of key k. It reports whether it did, and
+// how many slots are free after the decision.
+func (t *slotTable) acquire(k bucketKey, n int64) (free int64, ok bool) {
+	s := t.shard(k)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c, held := s.m[k]
+	if c >= n {
+		return 0, false
+	}
+	if !held {
+		if t.keys.Add(1) > t.maxKeys.Load() {
+			t.keys.Add(-1)
+			return 0, false
+		}
+	}
+	s.m[k] = c + 1
+	return n - c - 1, true
+}
+
+// free is how many of n slots of key k are free, changing nothing.
+func (t *slotTable) free(k bucketKey, n int64) int64 {
+	s := t.shard(k)
+	s.mu.Lock()
+	c := s.m[k]
+	s.mu.Unlock()
+	return max(n-c, 0)
+}
+
+// release gives back a slot of key k that acquire took.
+func (t *slotTable) release(k bucketKey) {
+	s := t.shard(k)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	switch c := s.m[k]; {
+	case c > 1:
+		s.m[k] = c - 1
+	case c == 1:
+		delete(s.m, k)
+		t.keys.Add(-1)
+	}
+}
+
+// len is the number of keys with requests in flight.
+func (t *slotTable) len() int64 { return t.keys.Load() }
+
+// A slot is a request's claim on a zone with concurrency.
+type slot struct {
+	zone  *Zone
+	key   bucketKey
+	table *slotTable // where it was taken; nil: not taken
+	free  int64      // slots free after the decision
+}
