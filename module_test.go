@@ -987,15 +987,7 @@ func TestLoadErrors(t *testing.T) {
 // github.com/mholt/caddy-ratelimit sends.
 func TestExceededEvent(t *testing.T) {
 	h := newTestHandler(t, `{"zones":[{"name":"events","rate":"1r/m","burst":1}]}`)
-	app := new(caddyevents.App)
-	if err := app.Provision(h.ctx); err != nil {
-		t.Fatal(err)
-	}
-	sub := &eventRecorder{}
-	if err := app.On(exceededEvent, sub); err != nil {
-		t.Fatal(err)
-	}
-	h.events = app
+	sub := recordEvents(t, h)
 	serve(h, "192.0.2.40")
 	serve(h, "192.0.2.40")
 	got := sub.events
@@ -1148,15 +1140,7 @@ func TestRedisBanStartsOnce(t *testing.T) {
 // The exceeded event says whether the denial started a ban.
 func TestExceededEventBan(t *testing.T) {
 	h := newTestHandler(t, `{"zones":[{"name":"events-ban","rate":"1r/m","burst":1,"ban":"10m"}]}`)
-	app := new(caddyevents.App)
-	if err := app.Provision(h.ctx); err != nil {
-		t.Fatal(err)
-	}
-	sub := &eventRecorder{}
-	if err := app.On(exceededEvent, sub); err != nil {
-		t.Fatal(err)
-	}
-	h.events = app
+	sub := recordEvents(t, h)
 	for range 3 {
 		serve(h, "192.0.2.41")
 	}
@@ -1245,4 +1229,20 @@ func TestCountKeepsFlushing(t *testing.T) {
 	if n := h.Zones[0].state.refunds.Load(); n != 3 {
 		t.Fatalf("%d refunds, want 3", n)
 	}
+}
+
+// recordEvents gives h an events app whose rate_limit_exceeded events
+// the returned recorder keeps.
+func recordEvents(t *testing.T, h *Handler) *eventRecorder {
+	t.Helper()
+	app := new(caddyevents.App)
+	if err := app.Provision(h.ctx); err != nil {
+		t.Fatal(err)
+	}
+	sub := &eventRecorder{}
+	if err := app.On(exceededEvent, sub); err != nil {
+		t.Fatal(err)
+	}
+	h.events = app
+	return sub
 }
