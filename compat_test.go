@@ -170,7 +170,7 @@ func TestCaddyRatelimitREADME(t *testing.T) {
 		sendExpect(t, loopback(first+60), "POST", "/", post)
 	}
 	t.Run("json", func(t *testing.T) {
-		caddytest.NewTester(t).InitServer(jsonServer(readmeJSON), "json")
+		loadJSON(t, jsonServer(readmeJSON))
 		check(t, 2, true)
 	})
 	t.Run("caddyfile", func(t *testing.T) {
@@ -196,7 +196,7 @@ func TestCaddyRatelimitTestRateLimits(t *testing.T) {
 		sendExpect(t, loopback(20), "POST", "/", 200)
 	}
 	t.Run("json", func(t *testing.T) {
-		caddytest.NewTester(t).InitServer(jsonServer(`{
+		loadJSON(t, jsonServer(`{
 	"handler": "rate_limit",
 	"rate_limits": {
 		"zone1": {
@@ -210,7 +210,7 @@ func TestCaddyRatelimitTestRateLimits(t *testing.T) {
 {
 	"handler": "static_response",
 	"status_code": 200
-}`), "json")
+}`))
 		check(t)
 	})
 	t.Run("caddyfile", func(t *testing.T) {
@@ -236,7 +236,7 @@ respond 200
 // caddy-ratelimit's TestDistinctZonesAndKeys: zones by method, keys by
 // path, each counted on its own.
 func TestCaddyRatelimitDistinctZonesAndKeys(t *testing.T) {
-	caddytest.NewTester(t).InitServer(jsonServer(`{
+	loadJSON(t, jsonServer(`{
 	"handler": "rate_limit",
 	"rate_limits": {
 		"zone1": {
@@ -256,7 +256,7 @@ func TestCaddyRatelimitDistinctZonesAndKeys(t *testing.T) {
 {
 	"handler": "static_response",
 	"status_code": 200
-}`), "json")
+}`))
 	for _, method := range []string{"GET", "DELETE"} {
 		for _, path := range []string{"/path1", "/path2"} {
 			for i := range 10 {
@@ -309,7 +309,7 @@ func TestWindowZonesShareBuckets(t *testing.T) {
 			}
 			return fmt.Sprintf(`"%s_j": {"match": [{"path": ["/%[1]s_j"]}], %s"window": "1m", "max_events": 1%s}`, name, key, extra)
 		}
-		caddytest.NewTester(t).InitServer(jsonServer(`{
+		loadJSON(t, jsonServer(`{
 	"handler": "rate_limit",
 	"rate_limits": {`+strings.Join([]string{
 			zone("nokey", "", ""),
@@ -322,7 +322,7 @@ func TestWindowZonesShareBuckets(t *testing.T) {
 		{"name": "native_v6_j", "match": [{"path": ["/native_v6_j"]}], "rate": "1r/m"}
 	]
 },
-{"handler": "static_response", "body": "ok"}`), "json")
+{"handler": "static_response", "body": "ok"}`))
 		check(t, "_j")
 	})
 
@@ -347,8 +347,7 @@ func TestWindowZonesShareBuckets(t *testing.T) {
 // plugin once refused, and finds them in the headers, the admin API and
 // the metrics.
 func TestOddZoneNames(t *testing.T) {
-	tester := caddytest.NewTester(t)
-	tester.InitServer(jsonServer(`{
+	loadJSON(t, jsonServer(`{
 	"handler": "rate_limit",
 	"rate_limits": {
 		"api:v1": {"key": "static", "window": "1m", "max_events": 2},
@@ -357,7 +356,7 @@ func TestOddZoneNames(t *testing.T) {
 		"a \"b\" é%": {"key": "static", "window": "1m", "max_events": 1}
 	}
 },
-{"handler": "static_response", "body": "ok"}`), "json")
+{"handler": "static_response", "body": "ok"}`))
 
 	h := sendExpect(t, loopback(2), "GET", "/", 200)
 	wantPolicy := `"a \"b\" %C3%A9%25";q=1;w=60, "api/v1";q=2;w=60, "api:v1";q=2;w=60, "api@host";q=2;w=60`
@@ -469,4 +468,17 @@ func TestDenialLogOfItsOwn(t *testing.T) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// loadJSON loads a JSON config into the test Caddy and waits until only
+// its listener is left.
+func loadJSON(t *testing.T, config string) *caddytest.Tester {
+	t.Helper()
+	tester := caddytest.NewTester(t)
+	tester.InitServer(config, "json")
+	if t.Failed() {
+		t.FailNow()
+	}
+	waitOneListener(t, 9080)
+	return tester
 }
