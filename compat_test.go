@@ -24,29 +24,6 @@ import (
 // there. Only the listener's port differs (9080, the tests' port), and the
 // README's `distributed`, which is refused here (see TestLoadErrors).
 
-// jsonServer is a JSON config of the test Caddy whose one route runs
-// handlers; the server trusts loopback proxies' X-Forwarded-For.
-func jsonServer(handlers string) string {
-	return `{
-	"admin": {"listen": "localhost:2999", "config": {"persist": false}},
-	"apps": {
-		"http": {
-			"http_port": 9080,
-			"https_port": 9443,
-			"grace_period": 1,
-			"servers": {
-				"demo": {
-					"listen": [":9080"],
-					"trusted_proxies": {"source": "static", "ranges": ["127.0.0.0/8"]},
-					"routes": [{"handle": [` + handlers + `]}]
-				}
-			}
-		},
-		"pki": {"certificate_authorities": {"local": {"install_trust": false}}}
-	}
-}`
-}
-
 // loopback is a client whose connections come from the loopback address
 // 127.0.0.<n>, so that the server sees a client of its own.
 func loopback(n int) *http.Client {

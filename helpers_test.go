@@ -324,3 +324,26 @@ func TestMain(m *testing.M) {
 	os.RemoveAll(dir)
 	os.Exit(code)
 }
+
+// jsonServer is a JSON config of the test Caddy whose one route runs
+// handlers; the server trusts loopback proxies' X-Forwarded-For.
+func jsonServer(handlers string) string {
+	return `{
+	"admin": {"listen": "localhost:2999", "config": {"persist": false}},
+	"apps": {
+		"http": {
+			"http_port": 9080,
+			"https_port": 9443,
+			"grace_period": 1,
+			"servers": {
+				"demo": {
+					"listen": [":9080"],
+					"trusted_proxies": {"source": "static", "ranges": ["127.0.0.0/8"]},
+					"routes": [{"handle": [` + handlers + `]}]
+				}
+			}
+		},
+		"pki": {"certificate_authorities": {"local": {"install_trust": false}}}
+	}
+}`
+}

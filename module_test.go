@@ -869,23 +869,7 @@ func TestCaddyfileExample(t *testing.T) {
 // handler's own error, and keep running.
 func TestLoadErrors(t *testing.T) {
 	config := func(handler string) string {
-		return `{
-	"admin": {"listen": "localhost:2999", "config": {"persist": false}},
-	"apps": {
-		"http": {
-			"http_port": 9080,
-			"https_port": 9443,
-			"grace_period": 1,
-			"servers": {
-				"srv0": {
-					"listen": [":9080"],
-					"routes": [{"handle": [` + handler + `, {"handler": "static_response", "body": "ok"}]}]
-				}
-			}
-		},
-		"pki": {"certificate_authorities": {"local": {"install_trust": false}}}
-	}
-}`
+		return jsonServer(handler + `, {"handler": "static_response", "body": "ok"}`)
 	}
 	for _, tc := range []struct {
 		name, handler, wantErr string
