@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"context"
 	"encoding/base64"
 	"fmt"
 	"io"
@@ -408,5 +409,86 @@ func TestCountDryRun(t *testing.T) {
 			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_refunds_total{zone=%q}`, zone), 5)
 			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_bans_total{zone=%q}`, zone), 1)
 		})
+	}
+}
+
+// count reads the final status however the response is written: 1xx
+// responses before it are informational, a body without a status is a
+// 200, a later handler's error counts by its status.
+func TestCountReadsTheFinalStatus(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"count-status","rate":"1r/m","burst":100,"count":{"status_code":[401]}}]}`)
+	for _, tc := range []struct {
+		name    string
+		next    caddyhttp.HandlerFunc
+		refunds uint64 // given back: the response did not match
+	}{
+		{"early hints, then 401", func(w http.ResponseWriter, _ *http.Request) error {
+			w.WriteHeader(http.StatusEarlyHints)
+			w.WriteHeader(http.StatusUnauthorized)
+			return nil
+		}, 0},
+		{"early hints, then 200", func(w http.ResponseWriter, _ *http.Request) error {
+			w.WriteHeader(http.StatusEarlyHints)
+			w.WriteHeader(http.StatusOK)
+			return nil
+		}, 1},
+		{"401, then a body", func(w http.ResponseWriter, _ *http.Request) error {
+			w.WriteHeader(http.StatusUnauthorized)
+			_, err := w.Write([]byte("no"))
+			return err
+		}, 0},
+		{"a body alone", func(w http.ResponseWriter, _ *http.Request) error {
+			_, err := w.Write([]byte("yes"))
+			return err
+		}, 1},
+		{"a body copied", func(w http.ResponseWriter, _ *http.Request) error {
+			_, err := io.Copy(w, strings.NewReader("yes"))
+			return err
+		}, 1},
+		{"nothing written", func(http.ResponseWriter, *http.Request) error { return nil }, 1},
+		{"an error 401", func(http.ResponseWriter, *http.Request) error {
+			return caddyhttp.Error(http.StatusUnauthorized, nil)
+		}, 0},
+		{"an error 500", func(http.ResponseWriter, *http.Request) error { return fmt.Errorf("broken") }, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := h.Zones[0].state.refunds.Load()
+			req, rr := newRequest("192.0.2.80")
+			_ = h.ServeHTTP(rr, req, tc.next)
+			if got := h.Zones[0].state.refunds.Load() - before; got != tc.refunds {
+				t.Fatalf("%d refunds, want %d", got, tc.refunds)
+			}
+		})
+	}
+	// The 3 responses that matched kept their tokens.
+	if code, hdr := serve(h, "192.0.2.80"); code != 200 || !strings.Contains(hdr.Get("Ratelimit"), "r=96;") {
+		t.Fatalf("%d, RateLimit %q; want 200 with 96 left", code, hdr.Get("Ratelimit"))
+	}
+}
+
+// A client that leaves before its response gets the tokens of a response
+// that does not match back all the same, from Redis too.
+func TestCountRefundsWhenClientGone(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"count-gone","rate":"1r/m","burst":2,"count":{"status_code":[401]}}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.addr()))
+	for i := range 3 {
+		req, rr := newRequest("192.0.2.81")
+		ctx, cancel := context.WithCancel(req.Context())
+		req = req.WithContext(ctx)
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+			cancel() // the client goes
+			w.WriteHeader(http.StatusOK)
+			return nil
+		})
+		if err := h.ServeHTTP(rr, req, next); err != nil || rr.Code != 200 {
+			t.Fatalf("request %d: %v, %d", i, err, rr.Code)
+		}
+	}
+	if n := h.Zones[0].state.refunds.Load(); n != 3 {
+		t.Fatalf("%d refunds, want 3", n)
+	}
+	if keys := r.cli("DBSIZE"); keys != "0" {
+		t.Fatalf("%s keys in Redis, want none: every bucket is full again", keys)
 	}
 }

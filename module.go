@@ -10,6 +10,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"math"
 	"math/rand/v2"
@@ -380,6 +381,8 @@ type scratch struct {
 
 	slots    []slot // the zones with concurrency that apply
 	fullSlot *slot  // the one that had no slot free
+
+	rec statusWriter // the response writer of a request that count applies to
 }
 
 // An outcome is how the decision on a request ends.
@@ -448,6 +451,7 @@ func counted(reqs []request) bool {
 func (h *Handler) release(sc *scratch) {
 	sc.reqs, sc.retry, sc.top, sc.by = sc.reqs[:0], sc.retry[:0], nil, nil
 	sc.slots, sc.fullSlot = sc.slots[:0], nil
+	sc.rec = statusWriter{}
 	h.scratch.Put(sc)
 }
 
@@ -467,9 +471,10 @@ func (h *Handler) releaseSlots(sc *scratch) {
 // does not match. The status is the one written, or, when a later handler
 // returns an error, the error's (as Caddy would answer it).
 func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, sc *scratch) error {
-	rec := caddyhttp.NewResponseRecorder(w, nil, nil)
+	rec := &sc.rec
+	rec.ResponseWriter, rec.status = w, 0
 	err := next.ServeHTTP(rec, r)
-	status := rec.Status()
+	status := rec.status
 	if err != nil {
 		status = http.StatusInternalServerError
 		if he, ok := errors.AsType[caddyhttp.HandlerError](err); ok && he.StatusCode != 0 {
@@ -488,8 +493,7 @@ func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next cadd
 	if len(back) == 0 {
 		return err
 	}
-	// The client may have gone: the tokens come back all the same.
-	if rerr := sc.by.refund(context.WithoutCancel(r.Context()), time.Now(), back); rerr != nil {
+	if rerr := sc.by.refund(r.Context(), time.Now(), back); rerr != nil {
 		h.refundErrors.warn(h.logger, "rate limit: tokens not given back after a response that count does not match", rerr)
 	} else {
 		for _, q := range back {
@@ -497,6 +501,38 @@ func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next cadd
 		}
 	}
 	return err
+}
+
+// statusWriter passes a response through and notes its status, for
+// count. It lives in the request's pooled scratch, so that counting
+// allocates nothing: like any ResponseWriter, it must not be used after
+// the handler that got it has returned. Flush, Hijack and the rest reach
+// the writer it wraps through Unwrap (http.ResponseController).
+type statusWriter struct {
+	caddyhttp.ResponseWriterWrapper
+	status int // the final status written; 0 until then
+}
+
+// WriteHeader notes the first final status: 1xx are informational.
+func (w *statusWriter) WriteHeader(status int) {
+	if w.status == 0 && (status < 100 || status > 199) {
+		w.status = status
+	}
+	w.ResponseWriter.WriteHeader(status)
+}
+
+func (w *statusWriter) Write(p []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(p)
+}
+
+func (w *statusWriter) ReadFrom(src io.Reader) (int64, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriterWrapper.ReadFrom(src)
 }
 
 // decide takes tokens for r from the buckets of every matching zone, and
@@ -613,7 +649,7 @@ func (h *Handler) refundForSlot(r *http.Request, now time.Time, sc *scratch) {
 	if len(back) == 0 {
 		return
 	}
-	if err := sc.by.refund(context.WithoutCancel(r.Context()), now, back); err != nil {
+	if err := sc.by.refund(r.Context(), now, back); err != nil {
 		h.refundErrors.warn(h.logger, "rate limit: tokens not given back after a zone with concurrency refused the request", err)
 	}
 	for i := range sc.reqs {

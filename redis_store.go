@@ -591,8 +591,9 @@ func (s *RedisStore) refund(ctx context.Context, _ time.Time, reqs []request) er
 	if s.client.breaker.openUntil.Load() != 0 {
 		return errRedisDown // refunds never probe: decisions do
 	}
+	// The client may have gone: the tokens come back all the same.
 	deadline := time.Now().Add(s.callTimeout)
-	ctx, cancel := context.WithDeadline(ctx, deadline)
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer cancel()
 	if !s.client.cluster || oneTag(reqs) {
 		_, err := s.run(ctx, deadline, "refund", reqs)

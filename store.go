@@ -25,6 +25,7 @@ type store interface {
 
 	// refund gives each request's cost back to its bucket, which take
 	// charged, unless the bucket is banned: a ban is never shortened.
+	// ctx is the request's: a refund completes when the client has gone.
 	refund(ctx context.Context, now time.Time, reqs []request) error
 
 	// peek sets q.debt from the bucket's state, changing nothing.
