@@ -69,8 +69,13 @@ func (l limit) debt(fullAt, now time.Duration) time.Duration {
 
 // take charges cost (from l.costTime) to a bucket full at fullAt. It
 // returns the bucket's new instant and whether the tokens were there. When
-// they were not, fullAt is returned unchanged, unless the limit bans and
-// the bucket was not banned yet: then the denial starts a ban.
+// they were not, the bucket is unchanged, unless the limit bans and the
+// bucket was not banned yet: then the denial starts a ban.
+//
+// Either way the instant returned is clamped to now plus a whole bucket
+// (and a ban): a bucket that owed more, under a larger limit (its key's
+// plan changed, see plans.go) or a clock that went back, is from now on
+// an empty bucket of this limit, refilling at its rate.
 func (l limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 	d := l.debt(fullAt, now)
 	if d+cost <= l.burstTime {
@@ -79,7 +84,16 @@ func (l limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 	if l.ban > 0 && !l.banned(d) {
 		return now + l.ban + l.burstTime, false
 	}
-	return fullAt, false
+	return l.clamp(fullAt, now), false
+}
+
+// clamp is the instant of a bucket full at fullAt, seen at now, owing no
+// more than a whole bucket and a ban.
+func (l limit) clamp(fullAt, now time.Duration) time.Duration {
+	if fullAt <= now {
+		return fullAt
+	}
+	return now + l.debt(fullAt, now)
 }
 
 // banned reports whether a bucket that owes debt is banned: it owes more

@@ -74,7 +74,7 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 	var ends [5]int
 	legacy := h.headerMode != headersIETF && top != nil
 	if legacy {
-		b = strconv.AppendInt(b, top.zone.limit.burst, 10)
+		b = strconv.AppendInt(b, top.plan().limit.burst, 10)
 		ends[0] = len(b)
 		b = strconv.AppendInt(b, top.remaining(), 10)
 		ends[1] = len(b)
@@ -86,7 +86,7 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 			if i > 0 {
 				b = append(b, ", "...)
 			}
-			b = append(b, reqs[i].zone.policy...)
+			b = append(b, reqs[i].plan().policy...)
 		}
 		for i := range sc.slots {
 			if len(reqs) > 0 || i > 0 {
@@ -104,7 +104,7 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 			b = append(b, ";r="...)
 			b = strconv.AppendInt(b, q.remaining(), 10)
 			b = append(b, ";t="...)
-			b = strconv.AppendInt(b, ceilSeconds(q.zone.limit.nextToken(q.debt)), 10)
+			b = strconv.AppendInt(b, ceilSeconds(q.plan().limit.nextToken(q.debt)), 10)
 		}
 		for i := range sc.slots {
 			q := &sc.slots[i]

@@ -154,9 +154,10 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 	for i := range reqs {
 		q := &reqs[i]
 		t := s.tables[q.zone.index]
+		p := q.plan()
 		cs = append(cs, charge{
-			l:    q.zone.limit,
-			cost: q.zone.costTime,
+			l:    p.limit,
+			cost: p.costTime,
 			t:    t,
 			h:    t.hash(q.key),
 			now:  t.instant(now),
@@ -186,14 +187,15 @@ func (s *LocalStore) refund(_ context.Context, now time.Time, reqs []request) er
 	for i := range reqs {
 		q := &reqs[i]
 		t := s.tables[q.zone.index]
-		t.refund(q.key, q.zone.limit, q.zone.costTime, t.instant(now))
+		p := q.plan()
+		t.refund(q.key, p.limit, p.costTime, t.instant(now))
 	}
 	return nil
 }
 
 func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
 	t := s.tables[q.zone.index]
-	q.debt = q.zone.limit.debt(t.get(q.key), t.instant(now))
+	q.debt = q.plan().limit.debt(t.get(q.key), t.instant(now))
 	return nil
 }
 

@@ -394,6 +394,7 @@ const (
 	outcomeFailOpen                  // the store failed; fail_mode open lets the request through
 	outcomeFailClosed                // the store failed; fail_mode closed answers 503
 	outcomeFailed                    // the request cannot be decided: 500
+	outcomeBadLimit                  // a zone has no valid limit for the request: 500, logged by the zone
 )
 
 // ServeHTTP implements caddyhttp.MiddlewareHandler.
@@ -411,6 +412,12 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 		w.Header()["Retry-After"] = []string{"1"}
 		if h.writeRefusals {
 			w.WriteHeader(http.StatusServiceUnavailable)
+			err = nil
+		}
+	case outcomeBadLimit:
+		// The zone logged the values once: Caddy would log every one.
+		if h.writeRefusals {
+			w.WriteHeader(http.StatusInternalServerError)
 			err = nil
 		}
 	}
@@ -551,7 +558,13 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 		}
 		if k, ok := z.bucketKey(r); ok {
 			if !z.rateless {
-				sc.reqs = append(sc.reqs, request{zone: z, key: k})
+				q := request{zone: z, key: k}
+				if z.plans != nil {
+					if q.pl = z.planFor(r); q.pl == nil {
+						return outcomeBadLimit, z.badLimit
+					}
+				}
+				sc.reqs = append(sc.reqs, q)
 			}
 			if z.slots != nil {
 				sc.slots = append(sc.slots, slot{zone: z, key: k})
@@ -654,7 +667,7 @@ func (h *Handler) refundForSlot(r *http.Request, now time.Time, sc *scratch) {
 	}
 	for i := range sc.reqs {
 		if q := &sc.reqs[i]; q.ok && !q.wouldDeny {
-			q.debt = max(q.debt-q.zone.costTime, 0)
+			q.debt = max(q.debt-q.plan().costTime, 0)
 		}
 	}
 }
@@ -749,7 +762,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) erro
 		// A client need never wait longer than a full refill beyond its
 		// due: that also bounds a large jitter far from overflow.
 		extra := float64(wait) * h.Jitter * rand.Float64()
-		wait += time.Duration(min(extra, float64(z.limit.burstTime)))
+		wait += time.Duration(min(extra, float64(q.plan().limit.burstTime)))
 	}
 	retryAfter := setRetryAfter(w.Header(), wait)
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {

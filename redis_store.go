@@ -143,7 +143,7 @@ type RedisStore struct {
 	callTimeout time.Duration // Timeout, or its default
 	zones       []*Zone
 	prefixes    []string  // per zone: KeyPrefix + name + ":{"
-	shapes      [][3]any  // per zone: the script's burst, cost and ban times, in µs, formatted and boxed once
+	shapes      [][3]any  // per zone: the script's burst, cost and ban times, in µs, formatted and boxed once (burst and cost from the request's plan where the limit depends on the request)
 	cache       []*table  // per zone: over-limit cache; nil when disabled
 	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *throttle // errors that Redis answered for one call's keys
@@ -441,10 +441,10 @@ func (s *RedisStore) known(now time.Time, q *request, err error) time.Duration {
 	if s.cache == nil {
 		return 0
 	}
-	t := s.cache[q.zone.index]
-	debt := q.zone.limit.debt(t.get(q.key), t.instant(now))
+	t, p := s.cache[q.zone.index], q.plan()
+	debt := p.limit.debt(t.get(q.key), t.instant(now))
 	if errors.Is(err, errNoAnswer) {
-		debt += time.Duration(s.flights.calls(flightKey{q.zone.index, t.hash(q.key)})) * q.zone.costTime
+		debt += time.Duration(s.flights.calls(flightKey{q.zone.index, t.hash(q.key)})) * p.costTime
 	}
 	return debt
 }
@@ -655,7 +655,11 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 		q := &reqs[i]
 		keys[i] = s.redisKey(q)
 		shape := &s.shapes[q.zone.index]
-		args = append(args, shape[0], shape[1], shape[2])
+		full, cost := shape[0], shape[1]
+		if q.pl != nil {
+			full, cost = q.pl.fullMicros, q.pl.costMicros
+		}
+		args = append(args, full, cost, shape[2])
 	}
 	v, err := s.client.pipe.run(ctx, deadline, keys, args)
 	if err != nil {
@@ -767,11 +771,18 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 		var pace time.Duration
 		for i := range reqs {
 			q := &reqs[i]
-			t, l := s.cache[q.zone.index], q.zone.limit
+			p := q.plan()
+			t, l := s.cache[q.zone.index], p.limit
 			fullAt, n := t.get(q.key), t.instant(now)
-			_, q.ok = l.take(fullAt, n, q.zone.costTime)
+			if fullAt-n > l.burstTime+l.ban {
+				// The bucket owes more than the request's limit holds:
+				// its plan changed. Redis clamps it to the new burst
+				// (which no bound from the old plan foresees): ask.
+				fullAt = 0
+			}
+			_, q.ok = l.take(fullAt, n, p.costTime)
 			q.debt = l.debt(fullAt, n)
-			if m := int64((l.burstTime - q.debt) / q.zone.costTime); m < most {
+			if m := int64((l.burstTime - q.debt) / p.costTime); m < most {
 				tight, most = i, m
 			}
 			// The bound counts from when the last call was sent, Redis
@@ -779,7 +790,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			// within a round trip of the bound would mostly find the
 			// bucket still short. Wait out that round trip instead.
 			if fullAt != 0 {
-				pace = max(pace, fullAt-l.burstTime+q.zone.costTime+rtt-n)
+				pace = max(pace, fullAt-l.burstTime+p.costTime+rtt-n)
 			}
 		}
 		if s.cacheDenied(reqs) {
@@ -829,7 +840,7 @@ func (s *RedisStore) cacheDenied(reqs []request) bool {
 	denied := false
 	for i := range reqs {
 		q := &reqs[i]
-		if !q.ok && (q.zone.limit.ban > 0 || q.zone.Count != nil) && !q.zone.limit.banned(q.debt) {
+		if l := q.plan().limit; !q.ok && (l.ban > 0 || q.zone.Count != nil) && !l.banned(q.debt) {
 			return false
 		}
 		denied = denied || !q.ok
@@ -865,6 +876,9 @@ func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
 			continue
 		}
 		n := t.instant(now)
+		if l := q.plan().limit; q.zone.plans != nil && t.get(q.key)-n > l.burstTime+l.ban {
+			t.forget(q.key) // learnt under another plan: Redis clamped it
+		}
 		t.raise(q.key, n+q.debt, n)
 	}
 }

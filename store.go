@@ -39,6 +39,9 @@ type store interface {
 type request struct {
 	zone *Zone
 	key  bucketKey
+	// pl is the limit the request is decided by: its plan, in a zone
+	// whose limit depends on the request; nil stands for the zone's own.
+	pl *plan
 
 	ok        bool          // the bucket had the tokens
 	ban       bool          // this denial started a ban
@@ -49,15 +52,24 @@ type request struct {
 // denied reports whether the request's zone refused it, dry runs aside.
 func (q *request) denied() bool { return !q.ok && !q.wouldDeny }
 
+// plan is the limit the request is decided by.
+func (q *request) plan() *plan {
+	if q.pl != nil {
+		return q.pl
+	}
+	return q.zone.plan
+}
+
 // wait is how long the request's bucket needs before it can give the
 // tokens.
 func (q *request) wait() time.Duration {
-	return q.zone.limit.wait(q.debt, q.zone.costTime)
+	p := q.plan()
+	return p.limit.wait(q.debt, p.costTime)
 }
 
 // remaining is the number of whole tokens left in the request's bucket.
 func (q *request) remaining() int64 {
-	return q.zone.limit.wholeTokens(q.debt)
+	return q.plan().limit.wholeTokens(q.debt)
 }
 
 // fallible is a store that can fail, and says what to do then.

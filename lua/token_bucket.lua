@@ -24,7 +24,9 @@
 -- peek    changes nothing
 --
 -- A bucket owes at most full_i + ban_i; one that owes more than full_i
--- is banned for the excess.
+-- is banned for the excess. take saves a bucket found owing more (its
+-- key's plan changed to a smaller limit) as owing just that: from then
+-- on an empty bucket of the request's limit.
 --
 -- Returns {allowed (1|0), debt_1, ..., debt_n[, repaired[, bans]]}, where
 -- debt_i is how long in nanoseconds (rounded, half up) until KEYS[i] is
@@ -74,6 +76,7 @@ local reply = { 1 }
 local bad = {}
 local repaired = 0
 local short = {}
+local clamped = {}
 for i = 1, n do
 	local full, cost, ban = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
 	local f
@@ -82,9 +85,10 @@ for i = 1, n do
 	if mode == 'refund' and f > now and f - now <= full then
 		f = f - cost
 	end
-	-- A clock that went back must not leave more than a whole bucket
-	-- and a ban owed.
+	-- A clock that went back, or a plan that changed to a smaller limit,
+	-- must not leave more than a whole bucket and a ban owed.
 	local debt = math.min(math.max(f - now, 0), full + ban)
+	clamped[i] = f - now > full + ban
 	if mode == 'refund' then
 		save(KEYS[i], debt)
 	elseif mode == 'take' and debt + cost > full + slack then
@@ -104,6 +108,8 @@ for i = 1, n do
 		debt = ARGV[3 * i] + ARGV[3 * i + 2]
 		save(KEYS[i], debt)
 		banned = true
+	elseif clamped[i] and mode == 'take' then
+		save(KEYS[i], debt)
 	elseif bad[i] and mode == 'take' then
 		redis.call('DEL', KEYS[i]) -- a full bucket: no key
 	end
