@@ -163,6 +163,77 @@ func TestStoresAgree(t *testing.T) {
 			stepZones, nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
 		runStoreSteps(t, h)
 	})
+
+	// The plan steps: a zone whose limit comes with each request.
+	t.Run("plans/local", func(t *testing.T) {
+		runPlanSteps(t, newTestHandler(t, `{"zones":`+strings.ReplaceAll(planZones, `"name":"`, `"name":"agree-`)+`}`))
+	})
+	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
+		t.Run("plans/redis"+store, func(t *testing.T) {
+			runPlanSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
+				planZones, r.addr(), t.Name()+":", store)))
+		})
+	}
+}
+
+// The zone of the plan steps, whose rate and burst come with each
+// request: plan free is 1r/s burst 2 (full in 2s), pro 10r/s burst 5
+// (full in 500ms).
+const planZones = `[{"name":"p","rate":"{http.vars.rate}","burst":"{http.vars.burst}"}]`
+
+var planValues = map[string]planKey{"free": {rate: "1r/s", burst: "2"}, "pro": {rate: "10r/s", burst: "5"}}
+
+type planStep struct {
+	at   time.Duration
+	plan string
+	ok   bool
+	rem  int64
+}
+
+var planSteps = []planStep{
+	{0, "free", true, 1},
+	{0, "free", true, 0},
+	{0, "free", false, 0}, // owes 2s
+	// Now pro: the bucket owes a whole pro bucket, from now on…
+	{0, "pro", false, 0},
+	// …so a pro token comes back at pro's rate, not after free's 2s.
+	{100 * time.Millisecond, "pro", true, 0},
+	// Back to free, the debt carries over as is: 500ms of free's 2s.
+	{100 * time.Millisecond, "free", true, 0},
+	{100 * time.Millisecond, "free", false, 0},
+	{100 * time.Millisecond, "pro", false, 0}, // clamped again: full at 600ms
+	{700 * time.Millisecond, "pro", true, 4},
+	{700 * time.Millisecond, "free", true, 0},
+}
+
+// runPlanSteps replays planSteps against h's store, as runStoreSteps
+// replays storeSteps.
+func runPlanSteps(t *testing.T, h *Handler) {
+	t.Helper()
+	start := time.Now()
+	var now time.Time
+	if rs, ok := h.store.(*RedisStore); ok {
+		rs.testClock = func() time.Time { return now }
+	}
+	z := h.Zones[0]
+	for i, s := range planSteps {
+		now = start.Add(s.at)
+		p, err := z.parsePlan(planValues[s.plan])
+		if err != nil {
+			t.Fatal(err)
+		}
+		reqs := []request{{zone: z, key: bucketKey{s: "k"}, pl: p}}
+		ok, err := h.store.take(context.Background(), now, reqs)
+		if err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+		if ok != s.ok {
+			t.Fatalf("step %d (%s): allowed = %v, want %v", i, s.plan, ok, s.ok)
+		}
+		if got := reqs[0].remaining(); got != s.rem {
+			t.Fatalf("step %d (%s): %d tokens left, want %d", i, s.plan, got, s.rem)
+		}
+	}
 }
 
 func TestRedisKeysAndTTL(t *testing.T) {
