@@ -216,3 +216,36 @@ func BenchmarkServeHTTPRedis(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkServeHTTPPlan is the allowed path of a zone whose rate and
+// burst come with the request (plans.go), beside the same zone with
+// fixed numbers: `benchstat -col /rate`. The values come from
+// {http.vars.*}, as an authentication handler would set them, or from
+// request headers.
+func BenchmarkServeHTTPPlan(b *testing.B) {
+	for _, tc := range []struct{ name, zone string }{
+		{"rate=fixed", `{"name":"bench-plan-fixed","rate":"1000000000r/s","burst":1000000000}`},
+		{"rate=vars", `{"name":"bench-plan-vars","rate":"{http.vars.plan_rate}","burst":"{http.vars.plan_burst}"}`},
+		{"rate=header", `{"name":"bench-plan-header","rate":"{http.request.header.X-Rate}","burst":"{http.request.header.X-Burst}"}`},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			h := newTestHandler(b, `{"zones":[`+tc.zone+`]}`)
+			h.logger = zap.NewNop()
+			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+			req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
+			req.Header.Set("X-Rate", "1000000000r/s")
+			req.Header.Set("X-Burst", "1000000000")
+			vars := map[string]any{"client_ip": "192.0.2.1", "plan_rate": "1000000000r/s", "plan_burst": "1000000000"}
+			req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, vars))
+			caddyhttp.NewTestReplacer(req)
+			w := &headerSink{h: make(http.Header)}
+			b.ReportAllocs()
+			for b.Loop() {
+				clear(w.h)
+				if err := h.ServeHTTP(w, req, next); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

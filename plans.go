@@ -12,6 +12,7 @@ import (
 	"maps"
 	"math"
 	"net/http"
+	"net/textproto"
 	"strconv"
 	"strings"
 	"sync"
@@ -19,6 +20,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
 
@@ -76,22 +78,37 @@ const maxRefusalsLogged = 100
 // request.
 type valueVar struct {
 	template string // "" for a fixed value
-	name     string // the placeholder's name when the template is just one
+	// When the template is just one placeholder: its name, and, for the
+	// common ones read without the replacer's search, what it reads.
+	name   string
+	varName   string // http.vars.<varName>
+	header string // http.request.header.<header>, canonical
 }
 
 func newValueVar(s string) valueVar {
 	v := valueVar{template: s}
 	if len(s) > 2 && s[0] == '{' && s[len(s)-1] == '}' && !strings.ContainsAny(s[1:len(s)-1], "{}\\") {
 		v.name = s[1 : len(s)-1]
+		if name, ok := strings.CutPrefix(v.name, "http.vars."); ok {
+			v.varName = name
+		} else if name, ok := strings.CutPrefix(v.name, "http.request.header."); ok {
+			v.header = textproto.CanonicalMIMEHeaderKey(name)
+		}
 	}
 	return v
 }
 
-// expand is the value for a request: "" for a fixed value.
-func (v *valueVar) expand(repl *caddy.Replacer) string {
+// expand is the value for r: "" for a fixed value. Variables and request
+// headers are read as Caddy's replacer reads them, without its search
+// through every placeholder it knows.
+func (v *valueVar) expand(r *http.Request, repl *caddy.Replacer) string {
 	switch {
 	case v.template == "":
 		return ""
+	case v.varName != "":
+		return caddy.ToString(caddyhttp.GetVar(r.Context(), v.varName))
+	case v.header != "":
+		return strings.Join(r.Header[v.header], ",")
 	case v.name != "":
 		s, _ := repl.GetString(v.name)
 		return s
@@ -275,7 +292,7 @@ func (z *Zone) planFor(r *http.Request) *plan {
 	if repl == nil {
 		return nil
 	}
-	k := planKey{z.rateVar.expand(repl), z.burstVar.expand(repl), z.costVar.expand(repl)}
+	k := planKey{z.rateVar.expand(r, repl), z.burstVar.expand(r, repl), z.costVar.expand(r, repl)}
 	if p := (*z.plans.m.Load())[k]; p != nil {
 		return p
 	}

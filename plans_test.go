@@ -244,6 +244,12 @@ func TestPlansThroughCaddy(t *testing.T) {
 			call("free-key", "free", 200, "")
 			call("free-key", "free", 429, "60")
 
+			if tc.name == "redis" {
+				if got := r.cli("EXISTS", "plans:plans-redis:{free-key}"); strings.TrimSpace(got) != "1" {
+					t.Fatalf("the free key's bucket is not in Redis: EXISTS said %q", got)
+				}
+			}
+
 			// A value that makes no limit: 500, logged once.
 			for range 3 {
 				call("broken-key", "broken", 500, "")
