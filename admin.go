@@ -226,6 +226,9 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 		return apiError(http.StatusBadRequest, "bad key in path: %q", keyEsc)
 	}
 	q := request{zone: ref.z, key: ref.z.adminKey(key)}
+	if ref.z.plans != nil {
+		q.pl = unknownPlan
+	}
 	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 	defer cancel()
 	if method == http.MethodDelete {
@@ -240,17 +243,15 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if err := ref.h.store.peek(ctx, time.Now(), &q); err != nil {
 		return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
 	}
-	l := ref.z.limit
-	return writeJSON(w, bucketInfo{
-		Zone:      name,
-		Key:       key,
-		Bucket:    q.key.String(),
-		Tokens:    max(l.tokens(q.debt), 0),
-		Burst:     l.burst,
-		FullIn:    q.debt.Seconds(),
-		Banned:    l.banned(q.debt),
-		BannedFor: l.banLeft(q.debt).Seconds(),
-	})
+	info := bucketInfo{Zone: name, Key: key, Bucket: q.key.String(), FullIn: q.debt.Seconds()}
+	if ref.z.plans == nil {
+		// A zone whose limit depends on the request has no tokens or
+		// ban to tell apart without a request: only when it is full.
+		l := ref.z.limit
+		info.Tokens, info.Burst = max(l.tokens(q.debt), 0), l.burst
+		info.Banned, info.BannedFor = l.banned(q.debt), l.banLeft(q.debt).Seconds()
+	}
+	return writeJSON(w, info)
 }
 
 // reset fills a bucket again, in the store and in the local buckets that

@@ -860,7 +860,7 @@ func TestCaddyfileExample(t *testing.T) {
 	for _, z := range h.Zones {
 		names = append(names, z.Name)
 	}
-	if got, want := strings.Join(names, ","), "api,login"; got != want {
+	if got, want := strings.Join(names, ","), "api,login,per_key"; got != want {
 		t.Errorf("zones %s, want %s", got, want)
 	}
 }

@@ -65,6 +65,15 @@ func (z *Zone) newPlan(l limit, cost int64) *plan {
 	}
 }
 
+// unknownPlan reads the bucket of a zone whose limit depends on the
+// request, where no request says which (the admin API): it clamps
+// nothing, and tells only when the bucket is full again.
+var unknownPlan = &plan{
+	limit:      limit{tokenTime: maxBurstTime, burstTime: maxBurstTime, burst: 1},
+	fullMicros: micros(maxBurstTime),
+	costMicros: micros(maxBurstTime),
+}
+
 // maxPlans is the most distinct limits a zone with placeholders keeps:
 // beyond them, a request with yet another limit answers 500. It bounds
 // the memory that values a client can choose could take.
@@ -80,9 +89,9 @@ type valueVar struct {
 	template string // "" for a fixed value
 	// When the template is just one placeholder: its name, and, for the
 	// common ones read without the replacer's search, what it reads.
-	name   string
-	varName   string // http.vars.<varName>
-	header string // http.request.header.<header>, canonical
+	name    string
+	varName string // http.vars.<varName>
+	header  string // http.request.header.<header>, canonical
 }
 
 func newValueVar(s string) valueVar {

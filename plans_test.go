@@ -244,6 +244,11 @@ func TestPlansThroughCaddy(t *testing.T) {
 			call("free-key", "free", 200, "")
 			call("free-key", "free", 429, "60")
 
+			// The admin API tells when the bucket is full again.
+			v := adminDo(t, tester, http.MethodGet, "/rate_limit/plans-"+tc.name+"/free-key", http.StatusOK)
+			if fullIn, _ := v["full_in"].(float64); fullIn <= 110 || fullIn > 120 {
+				t.Errorf("admin API: full_in %v, want free's whole bucket, 120s", v["full_in"])
+			}
 			if tc.name == "redis" {
 				if got := r.cli("EXISTS", "plans:plans-redis:{free-key}"); strings.TrimSpace(got) != "1" {
 					t.Fatalf("the free key's bucket is not in Redis: EXISTS said %q", got)
