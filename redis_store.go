@@ -74,7 +74,7 @@ var tokenBucketScript = redis.NewScript(tokenBucketLua)
 //
 // Buckets live many to a Redis hash: the bucket of a key in a zone is the
 // field `<zone>:<key>` of the hash `<key_prefix>{<group>}`, where the
-// group is one of 65536, chosen by the key alone. So the zones of one
+// group is one of 16384, chosen by the key alone. So the zones of one
 // client share a hash and a slot and are decided in one call even on
 // Redis Cluster, and a bucket costs Redis about a quarter of what a key
 // of its own would. A hash expires when its last bucket is full again;
@@ -717,16 +717,23 @@ func (s *RedisStore) redisKey(q *request) string {
 	return s.KeyPrefix + "{" + string(tag[:]) + "}" + s.fields[q.zone.index] + k
 }
 
+// bucketGroups is how many hashes the buckets are spread over. Redis
+// keeps a hash of up to 512 short fields as one compact list
+// (hash-max-listpack-entries), so buckets cost least from 100k to a few
+// million of them: 50 B each at 100k, 31 B at 1M and 3M (Redis 7.0);
+// under 10k, about what a key of their own would.
+const bucketGroups = 1 << 14
+
 // bucketGroup is the group of a key's buckets: the 32-bit FNV-1a hash of
-// the key, folded to 16 bits. Buckets written by one version must be
-// found by the next: this never changes.
+// the key, folded. Buckets written by one version must be found by the
+// next: this never changes.
 func bucketGroup(k string) uint16 {
 	h := uint32(2166136261)
 	for i := 0; i < len(k); i++ {
 		h ^= uint32(k[i])
 		h *= 16777619
 	}
-	return uint16(h>>16 ^ h)
+	return uint16(h>>16^h) & (bucketGroups - 1)
 }
 
 // splitBucket splits what redisKey names into the hash and the field.

@@ -16,6 +16,7 @@ import (
 	"math/big"
 	"net"
 	"net/http"
+	"os"
 	"os/exec"
 	"slices"
 	"strconv"
@@ -999,4 +1000,100 @@ func TestRedisPipelinedDecisionsAreExact(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Memory per bucket in Redis, as the README states it: what INFO's
+// used_memory grows by per bucket, written through the store with 64
+// callers, must stay under 100 B. 100k IPv4 keys by default (a long
+// minute under -race); RATE_LIMIT_MEMORY_KEYS=1000000 for the README's
+// figure. Logged with -v: MEMORY USAGE of sample hashes per bucket, and,
+// for the same keys, what the layout before buckets shared hashes costs
+// (a string key per bucket holding a 17-digit float, with PX), written
+// as that version's script wrote it.
+func TestRedisMemoryPerKey(t *testing.T) {
+	if testing.Short() {
+		t.Skip("writes 100k keys")
+	}
+	n := 100_000
+	if v := os.Getenv("RATE_LIMIT_MEMORY_KEYS"); v != "" {
+		var err error
+		if n, err = strconv.Atoi(v); err != nil || n < 1 || n > 1<<24 {
+			t.Fatalf("RATE_LIMIT_MEMORY_KEYS=%q", v)
+		}
+	}
+	r := startRedis(t)
+	c := newRedisClient(t, r.addr())
+	ctx := context.Background()
+	used := func() int64 {
+		info := r.cli("INFO", "memory")
+		for _, line := range strings.Split(info, "\n") {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(line), "used_memory:"); ok {
+				n, _ := strconv.ParseInt(v, 10, 64)
+				return n
+			}
+		}
+		t.Fatalf("no used_memory in %q", info)
+		return 0
+	}
+	ip := func(i int) string { return fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255) }
+
+	// 7r/h: a token is not a whole number of microseconds, as with most
+	// rates, so the layout before stored a fraction; and the buckets last
+	// the whole test.
+	h := newTestHandler(t, redisConfig(r.addr(), "rb", "7r/h", 10, `,"timeout":"10s"`))
+	rs, z := h.store.(*RedisStore), h.Zones[0]
+	before := used()
+	start := time.Now()
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Go(func() {
+			for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
+				ok, err := rs.take(ctx, time.Now(), []request{{zone: z, key: z.keyFor(ip(i))}})
+				if err != nil || !ok {
+					t.Errorf("key %d: %v, %v", i, ok, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	took := time.Since(start)
+	grown := used() - before
+	var samples []string
+	for i := 0; i < n; i += n/5 + 1 {
+		{
+			hash, _ := bucketOf(h, 0, ip(i))
+			mu, _ := c.MemoryUsage(ctx, hash, 0).Result()
+			hl, _ := c.HLen(ctx, hash).Result()
+			samples = append(samples, fmt.Sprintf("%d B / %d = %.1f", mu, hl, float64(mu)/float64(hl)))
+		}
+	}
+	hashes, _ := c.DBSize(ctx).Result()
+	t.Logf("%d buckets through the store in %v, in %d hashes: used_memory +%d B, %.1f B per bucket", n, took.Round(time.Millisecond), hashes, grown, float64(grown)/float64(n))
+	t.Logf("MEMORY USAGE of sample hashes, per bucket: %s", strings.Join(samples, "; "))
+	if ok, _ := c.HExists(ctx, pair(bucketOf(h, 0, ip(n-1)))[0], pair(bucketOf(h, 0, ip(n-1)))[1]).Result(); !ok {
+		t.Fatal("the last bucket is not in Redis")
+	}
+	if per := float64(grown) / float64(n); per > 100 {
+		t.Errorf("%.1f B per bucket in Redis, more than 100", per)
+	}
+
+	// The layout before, for the same keys: `t:rb:{<ip>}` holding the
+	// instant as Redis writes a Lua number, expiring with PX.
+	const old = `local t = redis.call('TIME')
+		local now = (t[1] - 1735689600) * 1000000 + t[2]
+		for i = tonumber(ARGV[1]), tonumber(ARGV[2]) do
+			local key = string.format('t:rb:{10.%d.%d.%d}', math.floor(i / 65536) % 256, math.floor(i / 256) % 256, i % 256)
+			redis.call('SET', key, now + 3600000000 / 7, 'PX', 514286)
+		end`
+	before = used()
+	for i := 0; i < n; i += 10_000 {
+		if err := c.Eval(ctx, old, nil, i, min(i+10_000, n)-1).Err(); err != nil && err != redis.Nil {
+			t.Fatal(err)
+		}
+	}
+	grownOld := used() - before
+	mu, _ := c.MemoryUsage(ctx, "t:rb:{"+ip(n/2)+"}", 0).Result()
+	t.Logf("the layout before, same keys: used_memory +%d B, %.1f B per bucket; MEMORY USAGE of one key %d B", grownOld, float64(grownOld)/float64(n), mu)
 }
