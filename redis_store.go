@@ -76,7 +76,7 @@ var tokenBucketScript = redis.NewScript(tokenBucketLua)
 // field `<zone>:<key>` of the hash `<key_prefix>{<group>}`, where the
 // group is one of 16384, chosen by the key alone. So the zones of one
 // client share a hash and a slot and are decided in one call even on
-// Redis Cluster, and a bucket costs Redis about a quarter of what a key
+// Redis Cluster, and a bucket costs Redis about a fifth of what a key
 // of its own would. A hash expires when its last bucket is full again;
 // an idle client costs Redis nothing.
 //

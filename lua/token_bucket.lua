@@ -8,7 +8,7 @@
 -- a quarter). A bucket may give its tokens up to 1 µs early, which absorbs
 -- what rounding is left.
 --
--- Buckets live many to a Redis hash, which costs Redis about a quarter of
+-- Buckets live many to a Redis hash, which costs Redis about a fifth of
 -- a key each: KEYS[i] is `<hash><field>`, the hash's name ending at its
 -- first '}' (`<prefix>{<group>}`), so that KEYS[i] has the hash's slot.
 -- A bucket is a field, its instant a whole number of nanoseconds since
