@@ -107,22 +107,45 @@ func newValueVar(s string) valueVar {
 	return v
 }
 
-// expand is the value for r: "" for a fixed value. Variables and request
-// headers are read as Caddy's replacer reads them, without its search
-// through every placeholder it knows.
-func (v *valueVar) expand(r *http.Request, repl *caddy.Replacer) string {
+// A source is where a request's values come from, each looked up in
+// its context once, when first needed.
+type source struct {
+	r        *http.Request
+	vars     map[string]any
+	repl     *caddy.Replacer
+	varsRead bool
+}
+
+func (src *source) replacer() *caddy.Replacer {
+	if src.repl == nil {
+		src.repl, _ = src.r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+		if src.repl == nil {
+			src.repl = caddy.NewReplacer()
+		}
+	}
+	return src.repl
+}
+
+// expand is the value for a request: "" for a fixed value. Variables and
+// request headers are read as Caddy's replacer reads them, without its
+// search through every placeholder it knows.
+func (v *valueVar) expand(src *source) string {
 	switch {
 	case v.template == "":
 		return ""
 	case v.varName != "":
-		return caddy.ToString(caddyhttp.GetVar(r.Context(), v.varName))
+		if !src.varsRead {
+			src.vars, _ = src.r.Context().Value(caddyhttp.VarsCtxKey).(map[string]any)
+			src.varsRead = true
+		}
+		return caddy.ToString(src.vars[v.varName])
 	case v.header != "":
-		return strings.Join(r.Header[v.header], ",")
+		return strings.Join(src.r.Header[v.header], ",")
 	case v.name != "":
-		s, _ := repl.GetString(v.name)
+		s, _ := src.replacer().GetString(v.name)
 		return s
 	}
-	return repl.ReplaceAll(v.template, "")
+	return src.replacer().ReplaceAll(v.template, "")
 }
 
 // hasPlaceholders reports whether a configured value is a template.
@@ -297,11 +320,8 @@ func newPlans(logger *zap.Logger) *plans {
 // planFor is the plan of r in a zone with placeholders, or nil when r's
 // values make no valid limit, or a limit more than the zone keeps.
 func (z *Zone) planFor(r *http.Request) *plan {
-	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
-	if repl == nil {
-		return nil
-	}
-	k := planKey{z.rateVar.expand(r, repl), z.burstVar.expand(r, repl), z.costVar.expand(r, repl)}
+	src := source{r: r}
+	k := planKey{z.rateVar.expand(&src), z.burstVar.expand(&src), z.costVar.expand(&src)}
 	if p := (*z.plans.m.Load())[k]; p != nil {
 		return p
 	}
