@@ -155,7 +155,7 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 		q := &reqs[i]
 		t := s.tables[q.zone.index]
 		cs = append(cs, charge{
-			l:    q.zone.limit,
+			l:    q.limit(),
 			cost: q.zone.costTime,
 			t:    t,
 			h:    t.hash(q.key),
