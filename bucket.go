@@ -46,6 +46,10 @@ type limit struct {
 	// 0: no delay. A limit has a ban or a delay, never both: both read a
 	// debt beyond burstTime, one as a ban, the other as reservations.
 	delay time.Duration
+	// noDelay: take as if the delay were 0 (the handler lets no more
+	// requests wait); the bucket may still owe what earlier takes
+	// reserved.
+	noDelay bool
 }
 
 // maxBurstTime bounds C/r so that instants and sums of them never
@@ -82,13 +86,22 @@ func (l limit) debt(fullAt, now time.Duration) time.Duration {
 // was not banned yet: then the denial starts a ban.
 func (l limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 	d := l.debt(fullAt, now)
-	if d+cost <= l.burstTime+l.delay {
+	if d+cost <= l.reach() {
 		return now + d + cost, true
 	}
 	if l.ban > 0 && !l.banned(d) {
 		return now + l.ban + l.burstTime, false
 	}
 	return fullAt, false
+}
+
+// reach is the most a take may leave the bucket owing: a whole bucket,
+// and the delay unless noDelay.
+func (l limit) reach() time.Duration {
+	if l.noDelay {
+		return l.burstTime
+	}
+	return l.burstTime + l.delay
 }
 
 // banned reports whether a bucket that owes debt is banned: the limit
@@ -134,5 +147,5 @@ func (l limit) nextToken(debt time.Duration) time.Duration {
 // succeeds: before it can give cost, less the delay that the take may
 // wait out itself.
 func (l limit) wait(debt, cost time.Duration) time.Duration {
-	return max(debt+cost-l.burstTime-l.delay, 0)
+	return max(debt+cost-l.reach(), 0)
 }

@@ -144,7 +144,7 @@ type RedisStore struct {
 	callTimeout time.Duration // Timeout, or its default
 	zones       []*Zone
 	prefixes    []string  // per zone: KeyPrefix + name + ":{"
-	shapes      [][4]any  // per zone: the script's burst, cost, ban and delay times, in µs, formatted and boxed once
+	shapes      [][5]any  // per zone: the script's burst, cost, ban and delay times (and the delay negated, for noDelay), in µs, formatted and boxed once
 	cache       []*table  // per zone: over-limit cache; nil when disabled
 	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *throttle // errors that Redis answered for one call's keys
@@ -425,7 +425,8 @@ func (s *RedisStore) bind(zones []*Zone) error {
 	for _, z := range zones {
 		// A `{` in a zone name would start the hash tag early.
 		s.prefixes = append(s.prefixes, s.KeyPrefix+escapeTag(z.Name, "%{}")+":{")
-		s.shapes = append(s.shapes, [4]any{micros(z.limit.burstTime), micros(z.costTime), micros(z.limit.ban), micros(z.limit.delay)})
+		s.shapes = append(s.shapes, [5]any{micros(z.limit.burstTime), micros(z.costTime), micros(z.limit.ban),
+			micros(z.limit.delay), micros(-z.limit.delay)})
 		if !s.DisableOverLimitCache {
 			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
 		}
@@ -656,8 +657,8 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 		keys[i] = s.redisKey(q)
 		shape := &s.shapes[q.zone.index]
 		delay := shape[3]
-		if q.noDelay {
-			delay = noDelay
+		if q.noDelay && q.zone.limit.delay > 0 {
+			delay = shape[4]
 		}
 		args = append(args, shape[0], shape[1], shape[2], delay)
 	}
@@ -691,10 +692,6 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 	}
 	return allowed == 1, nil
 }
-
-// noDelay is the script's delay of a request decided as if its zone had
-// none.
-var noDelay any = "0"
 
 // micros converts a duration to the script's microseconds, formatted
 // as go-redis would format the float, once rather than per call.
@@ -783,7 +780,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			fullAt, n := t.get(q.key), t.instant(now)
 			_, q.ok = l.take(fullAt, n, q.zone.costTime)
 			q.debt = l.debt(fullAt, n)
-			if m := int64((l.burstTime + l.delay - q.debt) / q.zone.costTime); m < most {
+			if m := int64((l.reach() - q.debt) / q.zone.costTime); m < most {
 				tight, most = i, m
 			}
 			// The bound counts from when the last call was sent, Redis
@@ -791,7 +788,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			// within a round trip of the bound would mostly find the
 			// bucket still short. Wait out that round trip instead.
 			if fullAt != 0 {
-				pace = max(pace, fullAt-l.burstTime-l.delay+q.zone.costTime+rtt-n)
+				pace = max(pace, fullAt-l.reach()+q.zone.costTime+rtt-n)
 			}
 		}
 		if s.cacheDenied(reqs) {

@@ -48,13 +48,11 @@ type request struct {
 	noDelay bool
 }
 
-// limit is the shape the request is decided by: its zone's, without the
-// delay when noDelay.
+// limit is the shape the request is decided by: its zone's, taking as if
+// without the delay when noDelay.
 func (q *request) limit() limit {
 	l := q.zone.limit
-	if q.noDelay {
-		l.delay = 0
-	}
+	l.noDelay = q.noDelay
 	return l
 }
 

@@ -16,7 +16,8 @@
 -- ARGV[4i]     cost_i: µs the request's tokens are worth (cost / rate)
 -- ARGV[4i+1]   ban_i: µs a denial bans KEYS[i] for; 0 for no ban
 -- ARGV[4i+2]   delay_i: µs a request may wait for KEYS[i]'s tokens; 0 for
---              none (never with a ban)
+--              none (never with a ban). Negative: the zone's delay is
+--              -delay_i, but this request may not wait (take as if 0)
 --
 -- take    charges every bucket or none (all-or-nothing): a bucket gives
 --         cost_i if it would hold it within delay_i (the request then
@@ -81,6 +82,8 @@ local short = {}
 for i = 1, n do
 	local a = 4 * i - 1
 	local full, cost, ban, delay = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+	local wait = math.max(delay, 0) -- how long this request may wait
+	delay = math.abs(delay)
 	local f
 	f, bad[i] = load(KEYS[i])
 	f = f or now
@@ -92,7 +95,7 @@ for i = 1, n do
 	local debt = math.min(math.max(f - now, 0), full + ban + delay)
 	if mode == 'refund' then
 		save(KEYS[i], debt)
-	elseif mode == 'take' and debt + cost > full + delay + slack then
+	elseif mode == 'take' and debt + cost > full + wait + slack then
 		reply[1] = 0
 		short[i] = ban > 0 and debt <= full
 	end
