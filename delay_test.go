@@ -432,20 +432,35 @@ func testDelaySpacing(t *testing.T, up *delayUpstream, zone string) {
 		t.Fatalf("the upstream saw %d requests, want %d", len(at), n+let)
 	}
 	slices.SortFunc(at, func(a, b time.Time) int { return a.Compare(b) })
-	// By τ after the first, the bucket has taken 101 + τ/100ms requests:
-	// the extras allowed found room that time had made.
-	if most := 1 + int(decidedAt.Sub(at[0])/spacing); let > most {
-		t.Errorf("%d more requests allowed %v after the first, want at most %d", let, decidedAt.Sub(at[0]), most)
+	// The first request goes on at once, at the busiest moment (the 100
+	// arriving): it can reach the upstream late. The others wait for
+	// their slots: t0 is the slot of the first as they place it.
+	t0 := at[1].Add(-spacing)
+	// By τ after t0, the bucket has taken 101 + τ/100ms requests: the
+	// more requests allowed found room that time had made.
+	if most := 1 + int(decidedAt.Sub(t0)/spacing); let > most {
+		t.Errorf("%d more requests allowed %v after the first, want at most %d", let, decidedAt.Sub(t0), most)
 	}
-	worst := time.Duration(0)
-	for k, a := range at {
-		off := a.Sub(at[0]) - time.Duration(k)*spacing
+	// Each within 5% of the spacing of its slot; on a loaded machine (the
+	// tests run under -race beside others), a timer may fire late: two
+	// such, by at most a quarter of the spacing, are let pass.
+	worst, off5 := time.Duration(0), 0
+	for k, a := range at[1:] {
+		k++
+		off := a.Sub(t0) - time.Duration(k)*spacing
 		worst = max(worst, off.Abs())
 		if off.Abs() > spacing/20 {
-			t.Errorf("request %d reached the upstream %v after the first, want %v ± 5ms", k, a.Sub(at[0]), time.Duration(k)*spacing)
+			off5++
+			t.Logf("request %d reached the upstream %v after the first's slot, want %v ± 5ms", k, a.Sub(t0), time.Duration(k)*spacing)
 		}
 	}
-	t.Logf("%d requests reached the upstream 100ms apart, the farthest %v off its slot", len(at), worst)
+	if off5 > 2 || worst > spacing/4 {
+		t.Errorf("%d requests more than 5ms off their slots, the farthest %v", off5, worst)
+	}
+	if late := at[0].Sub(t0); late > time.Second || late < -spacing/20 {
+		t.Errorf("the first request reached the upstream %v after its slot", late)
+	}
+	t.Logf("%d requests waited for their slots 100ms apart, the farthest %v off; the first, which did not wait, came %v after its slot", len(at)-1, worst, at[0].Sub(t0))
 }
 
 // A client that leaves while its request waits gets its tokens back: the
