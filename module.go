@@ -46,7 +46,8 @@ func init() {
 // (On a server without `handle_errors`, the handler writes the bare 429
 // itself, the response Caddy would write for the error, but cheaper.)
 // Allowed and denied responses carry rate-limit headers for the matched
-// zones (see `headers`).
+// zones (see `headers`). A zone with `delay` may hold an allowed request
+// until its tokens are there, at most that long, before it goes on.
 //
 // Placeholders set by this handler:
 //
