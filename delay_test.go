@@ -433,9 +433,15 @@ func testDelaySpacing(t *testing.T, up *delayUpstream, zone string) {
 	}
 	slices.SortFunc(at, func(a, b time.Time) int { return a.Compare(b) })
 	// The first request goes on at once, at the busiest moment (the 100
-	// arriving): it can reach the upstream late. The others wait for
-	// their slots: t0 is the slot of the first as they place it.
-	t0 := at[1].Add(-spacing)
+	// arriving): it can reach the upstream late, and so can the first
+	// that wait. t0 is the first's slot as the waiting requests place it:
+	// the median of their arrivals less their slots.
+	offs := make([]time.Duration, 0, len(at)-1)
+	for k, a := range at[1:] {
+		offs = append(offs, a.Sub(at[0])-time.Duration(k+1)*spacing)
+	}
+	slices.Sort(offs)
+	t0 := at[0].Add(offs[len(offs)/2])
 	// By τ after t0, the bucket has taken 101 + τ/100ms requests: the
 	// more requests allowed found room that time had made.
 	if most := 1 + int(decidedAt.Sub(t0)/spacing); let > most {
