@@ -103,6 +103,7 @@ type zoneInfo struct {
 	Burst    int64             `json:"burst"`
 	Cost     int64             `json:"cost"`
 	Ban      string            `json:"ban,omitempty"`
+	Delay    string            `json:"delay,omitempty"`
 	Store    string            `json:"store"`
 	DryRun   bool              `json:"dry_run"`
 	Requests map[string]uint64 `json:"requests"`
@@ -135,6 +136,12 @@ func (ref zoneRef) info() zoneInfo {
 	}
 	if z.Ban != 0 {
 		info.Ban = time.Duration(z.Ban).String()
+	}
+	if z.Delay != 0 {
+		info.Delay = time.Duration(z.Delay).String()
+		info.Requests["delayed"] = st.delayed.Load()
+		info.Requests["delay_abandoned"] = st.delayAbandoned.Load()
+		info.Requests["delay_refused"] = st.delayRefused.Load()
 	}
 	switch s := ref.h.store.(type) {
 	case *LocalStore:

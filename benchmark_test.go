@@ -113,6 +113,7 @@ func BenchmarkServeHTTP(b *testing.B) {
 		// then given its token back.
 		{"allowed-count", `{"name":"bench-allowed-count","rate":"1000000000r/s","count":{"status_code":[401]}}`},
 		{"allowed-concurrency", `{"name":"bench-allowed-concurrency","rate":"1000000000r/s","concurrency":100}`},
+		{"allowed-delay", `{"name":"bench-allowed-delay","rate":"1000000000r/s","delay":"1s"}`},
 		{"denied", `{"name":"bench-denied","rate":"1r/s"}`}, // Retry-After: 1
 		{"allowed_api_key", `{"name":"bench-api-key","key":"{http.request.header.X-API-Key}","rate":"1000000000r/s"}`},
 	} {
@@ -150,7 +151,7 @@ func (w *headerSink) WriteHeader(int)             {}
 // comparison with redis_rate at 1 to 64 callers is in bench/compare.
 func BenchmarkRedisStore(b *testing.B) {
 	r := startRedis(b)
-	for _, tc := range []struct{ name, ban string }{{"plain", ""}, {"ban", `,"ban":"15m"`}} {
+	for _, tc := range []struct{ name, ban string }{{"plain", ""}, {"ban", `,"ban":"15m"`}, {"delay", `,"delay":"1s"`}} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rb-%s","rate":"1000000r/s"%s}],
 		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, tc.ban, r.addr()))

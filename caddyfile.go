@@ -44,6 +44,7 @@ const anonymousZone = "default"
 //			ipv4_prefix <bits>
 //			ipv6_prefix <bits>
 //			ban         <duration>
+//			delay       <duration>  # wait up to this long for tokens instead of a 429
 //			count       { status <codes...>; header <field> [<value>] }
 //			concurrency <n>         # requests in flight per key; a rate is then optional
 //			lease       <duration>  # with concurrency: how long a Redis slot is held
@@ -58,6 +59,7 @@ const anonymousZone = "default"
 //		}
 //		headers both|legacy|ietf|off
 //		jitter  <fraction>
+//		max_delayed <n>  # requests waiting for zones with delay at once
 //		log_key
 //		dry_run
 //		disable_metrics
@@ -130,6 +132,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("invalid jitter '%s': expected a fraction such as 0.1", v)
 			}
 			err = checkJitter(h.Jitter)
+		case "max_delayed":
+			if h.MaxDelayed, err = intArg[int64](d); err != nil {
+				return err
+			}
+			err = checkMaxDelayed(h.MaxDelayed)
 		case "log_key":
 			if err := flag(d, &h.LogKey); err != nil {
 				return err
@@ -167,6 +174,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	if len(h.Zones) == 0 {
 		return d.Err("no zones: use 'rate_limit <key> <rate> [<burst>]' or a 'zone <name> { ... }' block")
+	}
+	if err := h.checkMaxDelayedUse(); err != nil {
+		return d.Err(err.Error())
 	}
 	return nil
 }
@@ -256,6 +266,16 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 				return d.Errf("invalid ban '%s': expected a duration such as 15m", v)
 			}
 			z.Ban, err = caddy.Duration(b), checkBan(b)
+		case "delay":
+			var v string
+			if !d.AllArgs(&v) {
+				return d.ArgErr()
+			}
+			dl, perr := caddy.ParseDuration(v)
+			if perr != nil {
+				return d.Errf("invalid delay '%s': expected a duration such as 2s", v)
+			}
+			z.Delay, err = caddy.Duration(dl), checkDelay(dl)
 		case "count":
 			// The response matcher of handle_response and
 			// reverse_proxy, with count as its name.

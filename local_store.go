@@ -156,7 +156,7 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 		t := s.tables[q.zone.index]
 		p := q.plan()
 		cs = append(cs, charge{
-			l:    p.limit,
+			l:    q.limit(),
 			cost: p.costTime,
 			t:    t,
 			h:    t.hash(q.key),

@@ -6,6 +6,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -17,6 +18,7 @@ import (
 	"net/http"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -45,7 +47,8 @@ func init() {
 // (On a server without `handle_errors`, the handler writes the bare 429
 // itself, the response Caddy would write for the error, but cheaper.)
 // Allowed and denied responses carry rate-limit headers for the matched
-// zones (see `headers`).
+// zones (see `headers`). A zone with `delay` may hold an allowed request
+// until its tokens are there, at most that long, before it goes on.
 //
 // Placeholders set by this handler:
 //
@@ -89,6 +92,13 @@ type Handler struct {
 	// Put every zone in dry run (see Zone.DryRun).
 	DryRun bool `json:"dry_run,omitempty"`
 
+	// The most requests that wait at once in this handler for the tokens
+	// of zones with delay. Beyond it, a request that would have to wait
+	// is decided as if its zones had no delay (refused with 429 when its
+	// tokens are short), so that a flood cannot pile up waiting requests.
+	// Needs a zone with delay. Default: 10000.
+	MaxDelayed int64 `json:"max_delayed,omitempty"`
+
 	// Do not export this handler's zones as Prometheus metrics.
 	DisableMetrics bool `json:"disable_metrics,omitempty"`
 
@@ -108,6 +118,11 @@ type Handler struct {
 	anyDryRun  bool // some zone is in dry run
 	anyCount   bool // some zone counts only some responses
 	anySlots   bool // some zone limits requests in flight
+	anyDelay   bool // some zone, not in dry run, lets requests wait
+	// waiting counts the requests that wait out a delay, or may (see
+	// enterWaiting): at most maxDelayed.
+	waiting    *atomic.Int64
+	maxDelayed int64
 	scratch    *sync.Pool
 	logger     *zap.Logger
 	// refundErrors throttles the warnings of refunds that failed.
@@ -165,7 +180,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		z.inDryRun = z.DryRun || h.DryRun
 		h.anyDryRun = h.anyDryRun || z.inDryRun
 		h.anyCount = h.anyCount || z.Count != nil
+		h.anyDelay = h.anyDelay || z.limit.delay > 0 && !z.inDryRun
+		if z.limit.delay > 0 {
+			st.delayZone.Store(true)
+		}
 	}
+	h.waiting = new(atomic.Int64)
+	h.maxDelayed = cmp.Or(h.MaxDelayed, defaultMaxDelayed)
 
 	if h.StoreRaw == nil {
 		h.StoreRaw = json.RawMessage(`{"backend":"local"}`)
@@ -207,6 +228,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		for _, z := range h.Zones {
 			z.state.metered.Add(1)
 			h.metered = append(h.metered, z.state)
+			if z.limit.delay > 0 {
+				z.delays = delaySeconds.WithLabelValues(z.Name)
+			}
 		}
 	}
 	// Without error routes on the server, Caddy would answer the 429
@@ -256,8 +280,10 @@ func (h *Handler) Cleanup() error {
 		unregisterHandler(h)
 		h.registered = false
 	}
-	for _, st := range h.metered {
-		st.metered.Add(-1)
+	for i, st := range h.metered {
+		if st.metered.Add(-1) == 0 && i < len(h.Zones) && h.Zones[i].delays != nil {
+			delaySeconds.DeleteLabelValues(h.Zones[i].Name) // the zone is gone
+		}
 	}
 	h.metered = nil
 	var errs []error
@@ -292,6 +318,9 @@ func (h *Handler) Validate() error {
 	if len(h.Zones) == 0 {
 		return errors.New("no zones: at least one zone is required")
 	}
+	if err := h.checkMaxDelayedUse(); err != nil {
+		return err
+	}
 	names := make(map[string]bool, len(h.Zones))
 	for _, z := range h.Zones {
 		if z == nil {
@@ -321,6 +350,27 @@ func (h *Handler) Validate() error {
 func checkHeaderMode(s string) error {
 	if _, ok := headerModes[s]; !ok {
 		return fmt.Errorf("invalid headers '%s': expected both, legacy, ietf or off", s)
+	}
+	return nil
+}
+
+// defaultMaxDelayed is max_delayed's default: enough for a busy server's
+// short excesses, few enough goroutines and connections to hold.
+const defaultMaxDelayed = 10_000
+
+func checkMaxDelayed(n int64) error { return checkMin("max_delayed", n, 1) }
+
+// checkMaxDelayedUse checks a max_delayed that is set, and that a zone has
+// a delay for it to bound.
+func (h *Handler) checkMaxDelayedUse() error {
+	if h.MaxDelayed == 0 {
+		return nil
+	}
+	if err := checkMaxDelayed(h.MaxDelayed); err != nil {
+		return err
+	}
+	if !slices.ContainsFunc(h.Zones, func(z *Zone) bool { return z != nil && z.Delay != 0 }) {
+		return errors.New("max_delayed needs a zone with delay: it bounds the requests waiting for one")
 	}
 	return nil
 }
@@ -383,6 +433,9 @@ type scratch struct {
 	fullSlot *slot  // the one that had no slot free
 
 	rec statusWriter // the response writer of a request that count applies to
+
+	waiter bool          // holds a place among the handler's waiting requests
+	delay  time.Duration // how long the allowed request waits for its tokens
 }
 
 // An outcome is how the decision on a request ends.
@@ -395,12 +448,16 @@ const (
 	outcomeFailClosed                // the store failed; fail_mode closed answers 503
 	outcomeFailed                    // the request cannot be decided: 500
 	outcomeBadLimit                  // a zone has no valid limit for the request: 500, logged by the zone
+	outcomeGone                      // the client left while the request waited out a delay
 )
 
 // ServeHTTP implements caddyhttp.MiddlewareHandler.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	sc := h.scratch.Get().(*scratch)
 	out, err := h.decide(w, r, sc)
+	if sc.waiter && !h.await(r, sc) {
+		out = outcomeGone
+	}
 	switch out {
 	case outcomeDeny:
 		if sc.fullSlot != nil {
@@ -420,6 +477,11 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			w.WriteHeader(http.StatusInternalServerError)
 			err = nil
 		}
+	case outcomeGone:
+		// Nobody reads the answer: 499 for the access log, as
+		// reverse_proxy records a client that left.
+		w.WriteHeader(499)
+		err = nil
 	}
 	if len(sc.slots) > 0 {
 		// The slots come back when the handlers return, however they
@@ -459,6 +521,7 @@ func (h *Handler) release(sc *scratch) {
 	sc.reqs, sc.retry, sc.top, sc.by = sc.reqs[:0], sc.retry[:0], nil, nil
 	sc.slots, sc.fullSlot = sc.slots[:0], nil
 	sc.rec = statusWriter{}
+	sc.waiter, sc.delay = false, 0
 	h.scratch.Put(sc)
 }
 
@@ -578,6 +641,9 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	now := time.Now()
 	out := outcomeAllow
 	if len(sc.reqs) > 0 {
+		if h.anyDelay {
+			sc.waiter = h.enterWaiting(sc.reqs)
+		}
 		var by store
 		var err error
 		out, by, err = h.take(r.Context(), now, sc.reqs)
@@ -587,6 +653,9 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 		}
 		if (out == outcomeAllow || out == outcomeFailOpen) && len(sc.slots) > 0 && !h.takeSlots(r, now, sc) {
 			out = outcomeDeny
+		}
+		if h.anyDelay {
+			h.noteDelay(sc, out)
 		}
 		h.count(sc.reqs, out)
 		if out != outcomeAllow && out != outcomeDeny {

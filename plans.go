@@ -289,6 +289,7 @@ func (z *Zone) parsePlan(k planKey) (*plan, error) {
 		return nil, err
 	}
 	l.ban = time.Duration(z.Ban)
+	l.delay = time.Duration(z.Delay)
 	return z.newPlan(l, cost), nil
 }
 

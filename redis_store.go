@@ -136,8 +136,9 @@ type RedisStore struct {
 	// until tokens can have come back, which is exact (tokens only arrive
 	// at the zone's rate) and spares Redis most of a flood; but a bucket
 	// reset through another instance's admin API is seen here only when
-	// the cached entry runs out. Set this where such resets must take
-	// effect everywhere at once.
+	// the cached entry runs out; so are the tokens given back on another
+	// instance by a client that left while waiting out a zone's delay.
+	// Set this where these must take effect everywhere at once.
 	DisableOverLimitCache bool `json:"disable_over_limit_cache,omitempty"`
 
 	client      *redisClient
@@ -146,7 +147,7 @@ type RedisStore struct {
 	callTimeout time.Duration // Timeout, or its default
 	zones       []*Zone
 	fields      []string  // per zone: the start of its buckets' fields, the name and ":"
-	shapes      [][3]any  // per zone: the script's burst, cost and ban times, in µs, formatted and boxed once (burst and cost from the request's plan where the limit depends on the request)
+	shapes      [][5]any  // per zone: the script's burst, cost, ban and delay times (and the delay negated, for noDelay), in µs, formatted and boxed once (burst and cost from the request's plan where the limit depends on the request)
 	cache       []*table  // per zone: over-limit cache; nil when disabled
 	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *throttle // errors that Redis answered for one call's keys
@@ -427,7 +428,8 @@ func (s *RedisStore) bind(zones []*Zone) error {
 	for _, z := range zones {
 		// A `:` in a zone name would make its fields another zone's.
 		s.fields = append(s.fields, escapeTag(z.Name, "%:")+":")
-		s.shapes = append(s.shapes, [3]any{micros(z.limit.burstTime), micros(z.costTime), micros(z.limit.ban)})
+		s.shapes = append(s.shapes, [5]any{micros(z.limit.burstTime), micros(z.costTime), micros(z.limit.ban),
+			micros(z.limit.delay), micros(-z.limit.delay)})
 		if !s.DisableOverLimitCache {
 			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
 		}
@@ -650,7 +652,7 @@ func oneTag(reqs []request) bool {
 // run calls the script for reqs and sets their ok and debt.
 func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, reqs []request) (bool, error) {
 	keys := make([]string, len(reqs))
-	args := make([]any, 2, 2+3*len(reqs))
+	args := make([]any, 2, 2+4*len(reqs))
 	args[0], args[1] = mode, ""
 	if s.testClock != nil {
 		args[1] = s.testClock().UnixMicro()
@@ -663,7 +665,11 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 		if q.pl != nil {
 			full, cost = q.pl.fullMicros, q.pl.costMicros
 		}
-		args = append(args, full, cost, shape[2])
+		delay := shape[3]
+		if q.noDelay && q.zone.limit.delay > 0 {
+			delay = shape[4]
+		}
+		args = append(args, full, cost, shape[2], delay)
 	}
 	v, err := s.client.pipe.run(ctx, deadline, keys, args)
 	if err != nil {
@@ -773,7 +779,11 @@ func escapeTag(s, chars string) string {
 // buckets is known to lack the tokens. When Redis last answered for a
 // bucket at local instant t with debt d, the bucket cannot be fuller than
 // a bucket full at t+d: tokens only come back at the zone's rate, and
-// other instances only take them.
+// other instances only take them. With a delay, the bound is the same
+// and the take's condition moves by the delay, as in Redis. (One give-back
+// escapes it: a client that leaves while its request waits out a delay
+// on another instance gets its tokens back there, which this cache
+// learns when its entry runs out, as it learns of an admin reset.)
 //
 // The same bound says how many requests a bucket could let through now
 // (its whole burst when the cache knows nothing of it), and no more calls
@@ -804,9 +814,9 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 		for i := range reqs {
 			q := &reqs[i]
 			p := q.plan()
-			t, l := s.cache[q.zone.index], p.limit
+			t, l := s.cache[q.zone.index], q.limit()
 			fullAt, n := t.get(q.key), t.instant(now)
-			if fullAt-n > l.burstTime+l.ban {
+			if fullAt-n > l.burstTime+l.ban+l.delay {
 				// The bucket owes more than the request's limit holds:
 				// its plan changed. Redis clamps it to the new burst
 				// (which no bound from the old plan foresees): ask.
@@ -814,7 +824,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			}
 			_, q.ok = l.take(fullAt, n, p.costTime)
 			q.debt = l.debt(fullAt, n)
-			if m := int64((l.burstTime - q.debt) / p.costTime); m < most {
+			if m := int64((l.reach() - q.debt) / p.costTime); m < most {
 				tight, most = i, m
 			}
 			// The bound counts from when the last call was sent, Redis
@@ -822,7 +832,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			// within a round trip of the bound would mostly find the
 			// bucket still short. Wait out that round trip instead.
 			if fullAt != 0 {
-				pace = max(pace, fullAt-l.burstTime+p.costTime+rtt-n)
+				pace = max(pace, fullAt-l.reach()+p.costTime+rtt-n)
 			}
 		}
 		if s.cacheDenied(reqs) {

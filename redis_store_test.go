@@ -35,13 +35,14 @@ import (
 
 // The zones of the shared step table: a 10r/s burst 3; b 1r/s burst 2;
 // c 2r/s burst 4, two tokens a request; d 7r/s burst 7; e 1r/s burst 2
-// with a ban of 10s.
+// with a ban of 10s; f 10r/s burst 2 with a delay of 300ms (delaySteps).
 const stepZones = `[
 	{"name":"a","rate":"10r/s","burst":3},
 	{"name":"b","rate":"1r/s","burst":2},
 	{"name":"c","rate":"2r/s","burst":4,"cost":2},
 	{"name":"d","rate":"7r/s","burst":7},
-	{"name":"e","rate":"1r/s","burst":2,"ban":"10s"}]`
+	{"name":"e","rate":"1r/s","burst":2,"ban":"10s"},
+	{"name":"f","rate":"10r/s","burst":2,"delay":"300ms"}]`
 
 type storeStep struct {
 	at    time.Duration // since the table's start
@@ -118,17 +119,7 @@ func runStoreSteps(t *testing.T, h *Handler) {
 	}
 	for i, s := range storeSteps {
 		now = start.Add(s.at)
-		var reqs []request
-		for _, c := range []byte(s.zones) {
-			reqs = append(reqs, request{zone: zones[c], key: bucketKey{s: s.key}})
-		}
-		ok, err := h.store.take(context.Background(), now, reqs)
-		if err != nil {
-			t.Fatalf("step %d: %v", i, err)
-		}
-		if ok != s.ok {
-			t.Fatalf("step %d: allowed = %v, want %v", i, ok, s.ok)
-		}
+		reqs := runStoreStep(t, h, zones, now, i, s, false)
 		for j := range reqs {
 			q := &reqs[j]
 			if got := q.remaining(); got != s.rem[j] {
@@ -142,6 +133,30 @@ func runStoreSteps(t *testing.T, h *Handler) {
 			}
 		}
 	}
+	runDelaySteps(t, h, zones, start, func(t time.Time) { now = t })
+}
+
+// runStoreStep takes the tokens of step i (or, with noDelay, as if its
+// zones had no delay) and checks the decision and the tokens left.
+func runStoreStep(t *testing.T, h *Handler, zones map[byte]*Zone, now time.Time, i int, s storeStep, noDelay bool) []request {
+	t.Helper()
+	var reqs []request
+	for _, c := range []byte(s.zones) {
+		reqs = append(reqs, request{zone: zones[c], key: bucketKey{s: s.key}, noDelay: noDelay})
+	}
+	ok, err := h.store.take(context.Background(), now, reqs)
+	if err != nil {
+		t.Fatalf("step %d: %v", i, err)
+	}
+	if ok != s.ok {
+		t.Fatalf("step %d: allowed = %v, want %v", i, ok, s.ok)
+	}
+	for j := range reqs {
+		if q := &reqs[j]; q.remaining() != s.rem[j] {
+			t.Fatalf("step %d: zone %s has %d tokens left, want %d", i, q.zone.Name, q.remaining(), s.rem[j])
+		}
+	}
+	return reqs
 }
 
 // One table of steps gives the same decisions on every store.

@@ -47,6 +47,17 @@ type request struct {
 	ban       bool          // this denial started a ban
 	debt      time.Duration // how long until the bucket is full, after the decision
 	wouldDeny bool          // a dry-run zone that refused the request
+	// noDelay: the zone's delay does not apply (the handler's waiting
+	// room is full): the request is decided as if the delay were 0.
+	noDelay bool
+}
+
+// limit is the shape the request is decided by: its plan's, taking as if
+// without the delay when noDelay.
+func (q *request) limit() limit {
+	l := q.plan().limit
+	l.noDelay = q.noDelay
+	return l
 }
 
 // denied reports whether the request's zone refused it, dry runs aside.
@@ -61,10 +72,19 @@ func (q *request) plan() *plan {
 }
 
 // wait is how long the request's bucket needs before it can give the
-// tokens.
+// tokens (or, with a delay, before a take of them would wait no longer
+// than the delay).
 func (q *request) wait() time.Duration {
 	p := q.plan()
-	return p.limit.wait(q.debt, p.costTime)
+	return q.limit().wait(q.debt, p.costTime)
+}
+
+// delayed is how long an allowed request waits for this zone's tokens.
+func (q *request) delayed() time.Duration {
+	if !q.ok || q.wouldDeny || q.noDelay {
+		return 0
+	}
+	return q.plan().limit.delayed(q.debt)
 }
 
 // remaining is the number of whole tokens left in the request's bucket.

@@ -18,6 +18,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Zone is one token-bucket limit. Every distinct value of Key gets its
@@ -101,6 +102,18 @@ type Zone struct {
 	// rate. Default: no ban.
 	Ban caddy.Duration `json:"ban,omitempty"`
 
+	// Let a request that finds too few tokens, but would have them within
+	// this long, wait for them instead of being refused: it reserves its
+	// tokens at once and goes on when they are there, so that a short
+	// excess over the rate is smoothed rather than refused (nginx's
+	// `limit_req ... delay`). A request that would wait longer is refused
+	// as without a delay, and charged nothing; one whose client leaves
+	// while it waits gets its tokens back. A request that several zones
+	// delay waits the longest of their waits. A zone in dry run never
+	// makes a request wait. Needs a rate; not with ban. At most 1h.
+	// Default: no delay (refuse at once).
+	Delay caddy.Duration `json:"delay,omitempty"`
+
 	// Charge only the requests whose response matches: a request still
 	// takes its tokens before it goes on (so concurrent requests cannot
 	// outrun the burst), and gets them back after a response that does
@@ -157,6 +170,9 @@ type Zone struct {
 	rateless   bool
 	slotPolicy string // the RateLimit-Policy item of the concurrency limit
 	slots      *slotTable
+	// delays observes the waits of a zone with delay; nil without
+	// metrics.
+	delays prometheus.Observer
 }
 
 // A keyKind is what a zone's key template needs to be expanded.
@@ -218,6 +234,17 @@ func checkLease(d time.Duration) error {
 	return nil
 }
 
+// maxDelay bounds a zone's delay: a waiting request holds its connection
+// and a goroutine, and a client rarely waits longer.
+const maxDelay = time.Hour
+
+func checkDelay(d time.Duration) error {
+	if d <= 0 || d > maxDelay {
+		return fmt.Errorf("invalid delay %v: must be positive and at most 1h", d)
+	}
+	return nil
+}
+
 // defaultLease is how long a Redis slot is held when lease is not set.
 const defaultLease = 60 * time.Second
 
@@ -259,6 +286,8 @@ func (z *Zone) parseLimit() (limit, error) {
 		switch {
 		case z.Ban != 0:
 			return limit{}, errors.New("ban needs a rate: it empties the zone's bucket")
+		case z.Delay != 0:
+			return limit{}, errors.New("delay needs a rate: requests wait for the zone's tokens")
 		case z.Count != nil:
 			return limit{}, errors.New("count needs a rate: it gives tokens back")
 		case (z.Burst != 0 || z.burstVar.template != "") && z.Concurrency != 0:
@@ -275,6 +304,16 @@ func (z *Zone) parseLimit() (limit, error) {
 	if z.Ban != 0 {
 		if err := checkBan(time.Duration(z.Ban)); err != nil {
 			return limit{}, err
+		}
+	}
+	if z.Delay != 0 {
+		if err := checkDelay(time.Duration(z.Delay)); err != nil {
+			return limit{}, err
+		}
+		if z.Ban != 0 {
+			// Both would read a bucket that owes more than a whole
+			// bucket: as a ban, or as requests waiting for their tokens.
+			return limit{}, errors.New("ban and delay exclude each other: a zone either refuses an excess for a while (ban) or lets it wait (delay)")
 		}
 	}
 	if z.Count != nil {
@@ -313,6 +352,7 @@ func (z *Zone) parseLimit() (limit, error) {
 		return limit{}, err
 	}
 	l.ban = time.Duration(z.Ban)
+	l.delay = time.Duration(z.Delay)
 	return l, nil
 }
 

@@ -22,21 +22,26 @@
 -- ARGV[1]      "take", "refund" or "peek"
 -- ARGV[2]      "" to read TIME. Caddy always sends ""; tests send an
 --              instant (µs since 1970) to replay a table of steps.
--- ARGV[3i]     full_i: µs to refill KEYS[i] from empty (burst / rate)
--- ARGV[3i+1]   cost_i: µs the request's tokens are worth (cost / rate)
--- ARGV[3i+2]   ban_i: µs a denial bans KEYS[i] for; 0 for no ban
+-- ARGV[4i-1]   full_i: µs to refill KEYS[i] from empty (burst / rate)
+-- ARGV[4i]     cost_i: µs the request's tokens are worth (cost / rate)
+-- ARGV[4i+1]   ban_i: µs a denial bans KEYS[i] for; 0 for no ban
+-- ARGV[4i+2]   delay_i: µs a request may wait for KEYS[i]'s tokens; 0 for
+--              none (never with a ban). Negative: the zone's delay is
+--              -delay_i, but this request may not wait (take as if 0)
 --
--- take    charges every bucket or none (all-or-nothing); when it denies,
---         each bucket with a ban that lacked the tokens and was not
---         banned yet is banned: it owes ban_i + full_i
+-- take    charges every bucket or none (all-or-nothing): a bucket gives
+--         cost_i if it would hold it within delay_i (the request then
+--         waits out debt_i - full_i); when it denies, each bucket with a
+--         ban that lacked the tokens and was not banned yet is banned: it
+--         owes ban_i + full_i
 -- refund  gives cost_i back to every bucket that is not banned, undoing
 --         an earlier take
 -- peek    changes nothing
 --
--- A bucket owes at most full_i + ban_i; one that owes more than full_i
--- is banned for the excess. take saves a bucket found owing more (its
--- key's plan changed to a smaller limit) as owing just that: from then
--- on an empty bucket of the request's limit.
+-- A bucket owes at most full_i + ban_i + delay_i; with a ban, one that
+-- owes more than full_i is banned for the excess. take saves a bucket
+-- found owing more (its key's plan changed to a smaller limit) as owing
+-- just that: from then on an empty bucket of the request's limit.
 --
 -- Returns {allowed (1|0), debt_1, ..., debt_n[, repaired[, bans]]}, where
 -- debt_i is how long in nanoseconds (rounded, half up) until KEYS[i] is
@@ -160,20 +165,23 @@ local repaired = 0
 local short = {}
 local clamped = {}
 for i = 1, n do
-	local full, cost, ban = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+	local a = 4 * i - 1
+	local full, cost, ban, delay = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+	local wait = math.max(delay, 0) -- how long this request may wait
+	delay = math.abs(delay)
 	local f
 	f, bad[i] = load(KEYS[i])
 	f = f or now
-	if mode == 'refund' and f > now and f - now <= full then
+	if mode == 'refund' and f > now and f - now <= full + delay then
 		f = f - cost
 	end
 	-- A clock that went back, or a plan that changed to a smaller limit,
-	-- must not leave more than a whole bucket and a ban owed.
-	local debt = math.min(math.max(f - now, 0), full + ban)
-	clamped[i] = f - now > full + ban
+	-- must not leave more than a whole bucket and a ban or a delay owed.
+	local debt = math.min(math.max(f - now, 0), full + ban + delay)
+	clamped[i] = f - now > full + ban + delay
 	if mode == 'refund' then
 		save(KEYS[i], debt)
-	elseif mode == 'take' and debt + cost > full + slack then
+	elseif mode == 'take' and debt + cost > full + wait + slack then
 		reply[1] = 0
 		short[i] = ban > 0 and debt <= full
 	end
@@ -184,10 +192,10 @@ local bans, banned = {}, false
 for i = 1, n do
 	local debt = reply[i + 1]
 	if mode == 'take' and reply[1] == 1 then
-		debt = debt + ARGV[3 * i + 1]
+		debt = debt + ARGV[4 * i]
 		save(KEYS[i], debt)
 	elseif short[i] then
-		debt = ARGV[3 * i] + ARGV[3 * i + 2]
+		debt = ARGV[4 * i - 1] + ARGV[4 * i + 1]
 		save(KEYS[i], debt)
 		banned = true
 	elseif clamped[i] and mode == 'take' then
