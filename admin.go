@@ -97,20 +97,20 @@ func lookupZone(name string) (zoneRef, bool) {
 
 // zoneInfo describes a zone in the admin API.
 type zoneInfo struct {
-	Name     string            `json:"name"`
-	Key      string            `json:"key"`
-	Rate     string            `json:"rate,omitempty"`  // none for a zone with concurrency only
-	Burst    int64             `json:"burst,omitempty"` // none for a zone with concurrency only
-	Cost     int64             `json:"cost"`
-	Ban      string            `json:"ban,omitempty"`
+	Name  string `json:"name"`
+	Key   string `json:"key"`
+	Rate  string `json:"rate,omitempty"`  // none for a zone with concurrency only
+	Burst int64  `json:"burst,omitempty"` // none for a zone with concurrency only
+	Cost  int64  `json:"cost"`
+	Ban   string `json:"ban,omitempty"`
 	// Requests in flight per key, and how long a Redis slot is held.
-	Concurrency int64  `json:"concurrency,omitempty"`
-	Lease       string `json:"lease,omitempty"`
-	Store    string            `json:"store"`
-	DryRun   bool              `json:"dry_run"`
-	Requests map[string]uint64 `json:"requests"`
-	Bans     uint64            `json:"bans"`
-	Refunds  uint64            `json:"refunds"`
+	Concurrency int64             `json:"concurrency,omitempty"`
+	Lease       string            `json:"lease,omitempty"`
+	Store       string            `json:"store"`
+	DryRun      bool              `json:"dry_run"`
+	Requests    map[string]uint64 `json:"requests"`
+	Bans        uint64            `json:"bans"`
+	Refunds     uint64            `json:"refunds"`
 
 	OverLimitCacheHits *uint64 `json:"over_limit_cache_hits,omitempty"` // Redis store
 	TrackedKeys        *int    `json:"tracked_keys,omitempty"`          // local store
