@@ -165,3 +165,39 @@ func BenchmarkRedisStore(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkRedisServeHTTP is the handler's whole cost for one allowed
+// request on the Redis store, one caller at a time: a token-bucket zone,
+// a zone with concurrency (its slot taken in the decision's call and
+// given back in a second one when the handlers return), and both. calls/op
+// is the script calls per request.
+func BenchmarkRedisServeHTTP(b *testing.B) {
+	r := startRedis(b)
+	for _, tc := range []struct{ name, zones string }{
+		{"rate", `{"name":"rsh-rate","rate":"1000000000r/s"}`},
+		{"concurrency", `{"name":"rsh-conc","concurrency":1000}`},
+		{"rate+concurrency", `{"name":"rsh-both","rate":"1000000000r/s","concurrency":1000}`},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			h := newTestHandler(b, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.zones, r.addr()))
+			h.logger = zap.NewNop()
+			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+			req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
+			vars := map[string]any{"client_ip": "192.0.2.1"}
+			req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, vars))
+			caddyhttp.NewTestReplacer(req)
+			w := &headerSink{h: make(http.Header)}
+			calls := r.calls()
+			n := 0
+			b.ReportAllocs()
+			for b.Loop() {
+				clear(w.h)
+				if err := h.ServeHTTP(w, req, next); err != nil {
+					b.Fatal(err)
+				}
+				n++
+			}
+			b.ReportMetric(float64(r.calls()-calls)/float64(n), "calls/op")
+		})
+	}
+}
