@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
@@ -796,6 +797,41 @@ func TestConcurrencyAdmin(t *testing.T) {
 			h.releaseSlots(req, sc)
 			if got := admin("/rate_limit/" + tc.name + "/a"); got["in_flight"] != 0.0 || got["free"] != 3.0 {
 				t.Fatalf("after release: %v", got)
+			}
+		})
+	}
+}
+
+// A zone with concurrency in dry run lets a request that finds no slot
+// free go on without one, and says so, on both stores.
+func TestConcurrencyDryRunBothStores(t *testing.T) {
+	r := startRedis(t)
+	for _, tc := range []struct{ name, store string }{
+		{"dry_conc_local", ``},
+		{"dry_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"dry:"}`, r.addr())},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":%q,"key":"static","concurrency":1,"dry_run":true}]%s}`, tc.name, tc.store))
+			req, rr := newRequest("10.0.0.1")
+			sc := h.scratch.Get().(*scratch)
+			if out, err := h.decide(rr, req, sc); out != outcomeAllow || err != nil {
+				t.Fatalf("first: %v %v", out, err)
+			}
+			req2, rr2 := newRequest("10.0.0.1")
+			if err := h.ServeHTTP(rr2, req2, okHandler); err != nil || rr2.Code != http.StatusOK {
+				t.Fatalf("second, no slot free in dry run: %v %d, want 200", err, rr2.Code)
+			}
+			repl := req2.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+			if v, _ := repl.Get("http.rate_limit." + tc.name + ".would_deny"); v != true {
+				t.Fatalf("would_deny %v, want true", v)
+			}
+			st := h.Zones[0].state
+			if st.dryRunDenied.Load() != 1 || st.allowed.Load() != 1 {
+				t.Fatalf("dry_run_denied %d, allowed %d; want 1, 1", st.dryRunDenied.Load(), st.allowed.Load())
+			}
+			h.releaseSlots(req, sc)
+			if code, _ := serve(h, "10.0.0.1"); code != http.StatusOK || st.allowed.Load() != 2 {
+				t.Fatalf("after release: %d, allowed %d", code, st.allowed.Load())
 			}
 		})
 	}

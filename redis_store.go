@@ -790,7 +790,11 @@ func (s *RedisStore) slotsInUse(ctx context.Context, q *slot) (int64, error) {
 // debt, and the slots' free, full and lease.
 func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, reqs []request, slots []slot) (bool, error) {
 	keys := make([]string, len(reqs), len(reqs)+len(slots))
-	args := make([]any, 2, 3+3*len(reqs)+3*len(slots)+1)
+	n := 3 + 3*len(reqs) // mode, clock, the buckets', the slot count
+	if len(slots) > 0 {
+		n += 3*len(slots) + 1 // the slots', the lease ID
+	}
+	args := make([]any, 2, n)
 	args[0], args[1] = mode, ""
 	if s.testClock != nil {
 		args[1] = s.testClock().UnixMicro()
