@@ -836,3 +836,24 @@ func TestConcurrencyDryRunBothStores(t *testing.T) {
 		})
 	}
 }
+
+// A slot key of another type under the store's prefix is repaired by the
+// next decision, as bucket keys are, and is no store error.
+func TestConcurrencyRedisWrongTypeSlotKey(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"wrong_conc","key":"static","concurrency":1}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"wt:","fail_mode":"closed"}}`, r.addr()))
+	key := "wt:wrong_conc:{static}:s"
+	r.cli("SET", key, "not a set")
+	for i := range 2 {
+		if code, _ := serve(h, "10.0.0.1"); code != http.StatusOK {
+			t.Fatalf("request %d: %d, want 200", i, code)
+		}
+	}
+	if st := h.Zones[0].state; st.storeErrors.Load() != 0 {
+		t.Fatalf("%d store errors", st.storeErrors.Load())
+	}
+	if n := r.cli("EXISTS", key); n != "0" {
+		t.Fatalf("slot key left: type %s", r.cli("TYPE", key))
+	}
+}

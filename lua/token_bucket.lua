@@ -10,7 +10,7 @@
 --
 -- KEYS[i]      bucket keys (in one cluster slot), i = 1..n; the last m
 --              KEYS are slot keys (see the slot section below)
--- ARGV[1]      "take", "refund" or "peek"
+-- ARGV[1]      "take", "refund", "peek" or "release"
 -- ARGV[2]      "" to read TIME. Caddy always sends ""; tests send an
 --              instant (µs since 1970) to replay a table of steps.
 -- ARGV[3i]     full_i: µs to refill KEYS[i] from empty (burst / rate)
