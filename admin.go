@@ -28,7 +28,7 @@ func init() {
 //	GET    /rate_limit/               the zones, their limits and counters
 //	GET    /rate_limit/<zone>         one zone
 //	GET    /rate_limit/<zone>/top     the keys the zone denies most
-//	GET    /rate_limit/<zone>/<key>   a key's bucket now
+//	GET    /rate_limit/<zone>/<key>   a key's bucket now, and its slots in use (concurrency)
 //	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full, lifting its ban
 //
 // Keys are path-escaped (an IPv6 network's "/" as %2F). A key is taken as
@@ -97,18 +97,21 @@ func lookupZone(name string) (zoneRef, bool) {
 
 // zoneInfo describes a zone in the admin API.
 type zoneInfo struct {
-	Name     string            `json:"name"`
-	Key      string            `json:"key"`
-	Rate     string            `json:"rate"`
-	Burst    int64             `json:"burst"`
-	Cost     int64             `json:"cost"`
-	Ban      string            `json:"ban,omitempty"`
-	Delay    string            `json:"delay,omitempty"`
-	Store    string            `json:"store"`
-	DryRun   bool              `json:"dry_run"`
-	Requests map[string]uint64 `json:"requests"`
-	Bans     uint64            `json:"bans"`
-	Refunds  uint64            `json:"refunds"`
+	Name  string `json:"name"`
+	Key   string `json:"key"`
+	Rate  string `json:"rate,omitempty"`  // none for a zone with concurrency only
+	Burst int64  `json:"burst,omitempty"` // none for a zone with concurrency only
+	Cost  int64  `json:"cost"`
+	Ban   string `json:"ban,omitempty"`
+	Delay string `json:"delay,omitempty"`
+	// Requests in flight per key, and how long a Redis slot is held.
+	Concurrency int64             `json:"concurrency,omitempty"`
+	Lease       string            `json:"lease,omitempty"`
+	Store       string            `json:"store"`
+	DryRun      bool              `json:"dry_run"`
+	Requests    map[string]uint64 `json:"requests"`
+	Bans        uint64            `json:"bans"`
+	Refunds     uint64            `json:"refunds"`
 
 	OverLimitCacheHits *uint64 `json:"over_limit_cache_hits,omitempty"` // Redis store
 	TrackedKeys        *int    `json:"tracked_keys,omitempty"`          // local store
@@ -143,6 +146,15 @@ func (ref zoneRef) info() zoneInfo {
 		info.Requests["delay_abandoned"] = st.delayAbandoned.Load()
 		info.Requests["delay_refused"] = st.delayRefused.Load()
 	}
+	if z.rateless {
+		info.Rate, info.Burst = "", 0
+	}
+	if z.Concurrency != 0 {
+		info.Concurrency = z.Concurrency
+		if ref.h.keeper != nil {
+			info.Lease = time.Duration(z.Lease).String()
+		}
+	}
 	switch s := ref.h.store.(type) {
 	case *LocalStore:
 		t := s.tables[z.index]
@@ -167,6 +179,23 @@ type bucketInfo struct {
 	// The key is banned (the zone's ban), for BannedFor seconds more.
 	Banned    bool    `json:"banned,omitempty"`
 	BannedFor float64 `json:"banned_for,omitempty"`
+	slotsInfo
+}
+
+// slotsInfo describes the slots of one key of a zone with concurrency:
+// alone for a zone without a rate, with the bucket for a zone with both.
+type slotsInfo struct {
+	Concurrency int64  `json:"concurrency,omitempty"`
+	InFlight    *int64 `json:"in_flight,omitempty"` // slots held (leases not ended, in Redis)
+	Free        *int64 `json:"free,omitempty"`
+}
+
+// ratelessInfo is a key of a zone with concurrency only.
+type ratelessInfo struct {
+	Zone   string `json:"zone"`
+	Key    string `json:"key"`
+	Bucket string `json:"bucket"`
+	slotsInfo
 }
 
 type topInfo struct {
@@ -247,6 +276,22 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 			return apiError(http.StatusNotFound, "nothing to reset: key %q has a full bucket in zone %q", key, name)
 		}
 	}
+	var slots slotsInfo
+	if z := ref.z; z.Concurrency != 0 {
+		var inUse int64
+		if ref.h.keeper != nil {
+			if inUse, err = ref.h.keeper.slotsInUse(ctx, &slot{zone: z, key: q.key}); err != nil {
+				return apiError(http.StatusBadGateway, "reading the slots: %v", err)
+			}
+		} else {
+			inUse = z.Concurrency - z.slots.free(q.key, z.Concurrency)
+		}
+		free := max(z.Concurrency-inUse, 0)
+		slots = slotsInfo{Concurrency: z.Concurrency, InFlight: &inUse, Free: &free}
+		if z.rateless {
+			return writeJSON(w, ratelessInfo{Zone: name, Key: key, Bucket: q.key.String(), slotsInfo: slots})
+		}
+	}
 	if err := ref.h.store.peek(ctx, time.Now(), &q); err != nil {
 		return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
 	}
@@ -258,6 +303,7 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 		info.Tokens, info.Burst = max(l.tokens(q.debt), 0), l.burst
 		info.Banned, info.BannedFor = l.banned(q.debt), l.banLeft(q.debt).Seconds()
 	}
+	info.slotsInfo = slots
 	return writeJSON(w, info)
 }
 

@@ -184,6 +184,10 @@ func BenchmarkServeHTTPRedis(b *testing.B) {
 		{"allowed-ban", `"rate":"1000000r/s","ban":"15m"`},
 		// The response, a 200, does not match: the tokens go back.
 		{"allowed-count", `"rate":"1000000r/s","count":{"status_code":[401]}`},
+		// A slot taken in the decision's call, given back in a second
+		// one when the handlers return.
+		{"allowed-concurrency", `"concurrency":1000`},
+		{"allowed-rate+concurrency", `"rate":"1000000r/s","concurrency":1000`},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rh-%s",%s}],

@@ -8,10 +8,13 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -350,19 +353,507 @@ func TestConcurrencyDirect(t *testing.T) {
 	}
 }
 
-// TestConcurrencyRedisRefused: the Redis store has no slots yet, and says
-// so when the config loads.
-func TestConcurrencyRedisRefused(t *testing.T) {
-	r := startRedis(t)
-	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-	defer cancel()
-	h := new(Handler)
-	if err := json.Unmarshal(fmt.Appendf(nil, `{"zones":[{"name":"redis_conc","concurrency":2}],"store":{"backend":"redis","addresses":[%q]}}`, r.addr()), h); err != nil {
-		t.Fatal(err)
+// The zones of the slot steps: r 1r/m burst 3 and s concurrency 2 on
+// header X-Key, u concurrency 1 on header X-User (another hash tag: a
+// cluster decides it apart). Each applies when header X-<zone> is 1.
+const slotStepZones = `[
+	{"name":"%[1]sr","key":"{http.request.header.X-Key}","rate":"1r/m","burst":3,"match":[{"header":{"X-R":["1"]}}]},
+	{"name":"%[1]ss","key":"{http.request.header.X-Key}","concurrency":2,"match":[{"header":{"X-S":["1"]}}]},
+	{"name":"%[1]su","key":"{http.request.header.X-User}","concurrency":1,"match":[{"header":{"X-U":["1"]}}]}]`
+
+type slotStep struct {
+	zones     string // the zones the request matches, e.g. "rs"; "" releases the slots of step release
+	key, user string
+	release   int
+	ok        bool
+	rem       int64   // whole tokens left in r; -1 when r does not apply
+	free      []int64 // slots free after the decision, per slot zone; nil: not checked
+}
+
+var slotSteps = []slotStep{
+	0: {zones: "s", key: "k", ok: true, rem: -1, free: []int64{1}},
+	1: {zones: "s", key: "k", ok: true, rem: -1, free: []int64{0}},
+	2: {zones: "s", key: "k", ok: false, rem: -1, free: []int64{0}},
+	// s is full: r must not be charged.
+	3:  {zones: "rs", key: "k", ok: false, rem: 3, free: []int64{0}},
+	4:  {release: 0},
+	5:  {zones: "rs", key: "k", ok: true, rem: 2, free: []int64{0}},
+	6:  {zones: "rs", key: "k", ok: false, rem: 2, free: []int64{0}},
+	7:  {release: 1},
+	8:  {release: 5},
+	9:  {zones: "rs", key: "k", ok: true, rem: 1, free: []int64{1}},
+	10: {zones: "r", key: "k", ok: true, rem: 0},
+	// r is empty: no slot of s is taken, as the next two steps show.
+	11: {zones: "rs", key: "k", ok: false, rem: 0},
+	12: {zones: "s", key: "k", ok: true, rem: -1, free: []int64{0}},
+	13: {zones: "s", key: "k", ok: false, rem: -1, free: []int64{0}},
+	// u is full: no slot of s is taken.
+	14: {zones: "su", key: "k2", user: "x", ok: true, rem: -1, free: []int64{1, 0}},
+	15: {zones: "su", key: "k2", user: "x", ok: false, rem: -1, free: []int64{1, 0}},
+	16: {zones: "s", key: "k2", ok: true, rem: -1, free: []int64{0}},
+	17: {zones: "s", key: "k2", ok: false, rem: -1, free: []int64{0}},
+	18: {release: 14},
+	19: {zones: "su", key: "k3", user: "x", ok: true, rem: -1, free: []int64{1, 0}},
+}
+
+// runSlotSteps replays slotSteps through h's decision, holding the slots
+// of each allowed step until a release step gives them back, and then
+// gives back all that are left.
+func runSlotSteps(t *testing.T, h *Handler) {
+	t.Helper()
+	type held struct {
+		r  *http.Request
+		sc *scratch
 	}
-	err := h.Provision(ctx)
-	h.Cleanup()
-	if err == nil || !strings.Contains(err.Error(), "zone redis_conc: concurrency is not supported with store redis") {
-		t.Fatalf("provision: %v, want concurrency refused with store redis", err)
+	holding := map[int]held{}
+	for i, s := range slotSteps {
+		if s.zones == "" {
+			hd, ok := holding[s.release]
+			if !ok {
+				t.Fatalf("step %d: step %d holds nothing", i, s.release)
+			}
+			h.releaseSlots(hd.r, hd.sc)
+			delete(holding, s.release)
+			continue
+		}
+		header := []string{"X-Key", s.key, "X-User", s.user}
+		for _, c := range s.zones {
+			header = append(header, "X-"+strings.ToUpper(string(c)), "1")
+		}
+		req, rr := newRequest("10.0.0.1", header...)
+		sc := h.scratch.Get().(*scratch)
+		out, err := h.decide(rr, req, sc)
+		if err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+		if got := out == outcomeAllow; got != s.ok {
+			t.Fatalf("step %d: allowed = %v, want %v", i, got, s.ok)
+		}
+		if s.rem >= 0 {
+			if len(sc.reqs) != 1 {
+				t.Fatalf("step %d: %d rate zones applied, want 1", i, len(sc.reqs))
+			}
+			if got := sc.reqs[0].remaining(); got != s.rem {
+				t.Fatalf("step %d: r has %d tokens left, want %d", i, got, s.rem)
+			}
+		}
+		if s.free != nil {
+			if len(sc.slots) != len(s.free) {
+				t.Fatalf("step %d: %d zones with concurrency applied, want %d", i, len(sc.slots), len(s.free))
+			}
+			for j, want := range s.free {
+				if got := sc.slots[j].free; got != want {
+					t.Fatalf("step %d: zone %s has %d slots free, want %d", i, sc.slots[j].zone.Name, got, want)
+				}
+			}
+		}
+		if out == outcomeAllow {
+			holding[i] = held{req, sc}
+		} else {
+			h.releaseSlots(req, sc)
+		}
+	}
+	for _, hd := range holding {
+		h.releaseSlots(hd.r, hd.sc)
+	}
+}
+
+// One table of slot steps gives the same decisions with the local slot
+// tables and with Redis's leases, alone and on a cluster (where u's key
+// is in another slot than r's and s's), with and without the over-limit
+// cache; and nothing is left held after.
+func TestSlotStepsAgree(t *testing.T) {
+	t.Run("local", func(t *testing.T) {
+		h := newTestHandler(t, `{"zones":`+fmt.Sprintf(slotStepZones, "agree-slots-")+`}`)
+		runSlotSteps(t, h)
+		for _, z := range h.Zones[1:] {
+			if n := z.slots.len(); n != 0 {
+				t.Errorf("zone %s: %d keys in flight after all came back", z.Name, n)
+			}
+		}
+	})
+	r := startRedis(t)
+	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
+		t.Run("redis"+store, func(t *testing.T) {
+			prefix := t.Name() + ":"
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
+				fmt.Sprintf(slotStepZones, ""), r.addr(), prefix, store))
+			runSlotSteps(t, h)
+			c := newRedisClient(t, r.addr())
+			keys, err := c.Keys(context.Background(), prefix+"*:s").Result()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(keys) != 0 {
+				t.Errorf("slot keys left after all came back: %v", keys)
+			}
+			for _, z := range h.Zones[1:] {
+				if n := z.slots.len(); n != 0 {
+					t.Errorf("zone %s: %d keys in the local tables, which only fail_mode local uses", z.Name, n)
+				}
+			}
+		})
+	}
+	t.Run("cluster", func(t *testing.T) {
+		nodes := startCluster(t)
+		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q]}}`,
+			fmt.Sprintf(slotStepZones, ""), nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
+		rs := h.store.(*RedisStore)
+		k := rs.slotKey(&slot{zone: h.Zones[1], key: h.Zones[1].keyFor("k2")})
+		u := rs.slotKey(&slot{zone: h.Zones[2], key: h.Zones[2].keyFor("x")})
+		ks, _ := rs.client.ClusterKeySlot(context.Background(), k).Result()
+		us, _ := rs.client.ClusterKeySlot(context.Background(), u).Result()
+		if ks == us {
+			t.Fatalf("%s and %s share cluster slot %d: the steps would not cross slots", k, u, ks)
+		}
+		runSlotSteps(t, h)
+	})
+}
+
+// Three instances (a Caddy server and two handlers with their own
+// connections) share the slots of one Redis: with concurrency 4, hundreds
+// of concurrent clients never have a fifth request in flight upstream,
+// and every slot comes back.
+func TestConcurrencyRedisInstances(t *testing.T) {
+	r := startRedis(t)
+	var inFlight, most, served atomic.Int64
+	work := func() {
+		n := inFlight.Add(1)
+		for {
+			m := most.Load()
+			if n <= m || most.CompareAndSwap(m, n) {
+				break
+			}
+		}
+		time.Sleep(2 * time.Millisecond)
+		served.Add(1)
+		inFlight.Add(-1)
+	}
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		work()
+		io.WriteString(w, "up")
+	}))
+	defer up.Close()
+	store := `store redis {
+			address %s
+			key_prefix inst:
+			timeout 5s
+			fail_mode closed
+		}`
+	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	rate_limit {
+		zone inst_conc {
+			key static
+			concurrency 4
+		}
+		`+store+`
+	}
+	reverse_proxy %s
+}
+`, r.addr(), strings.TrimPrefix(up.URL, "http://")))
+	var handlers []*Handler
+	for _, pool := range []int{7, 9} { // distinct pools: distinct clients
+		handlers = append(handlers, newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"inst_conc","key":"static","concurrency":4}],
+			"store":{"backend":"redis","addresses":[%q],"key_prefix":"inst:","timeout":"5s","fail_mode":"closed","pool_size":%d}}`, r.addr(), pool)))
+	}
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		work()
+		return nil
+	})
+
+	const clients, each = 100, 5
+	var statuses sync.Map // status -> *atomic.Int64
+	note := func(code int) {
+		v, _ := statuses.LoadOrStore(code, new(atomic.Int64))
+		v.(*atomic.Int64).Add(1)
+	}
+	client := &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: clients}}
+	var wg sync.WaitGroup
+	for c := range 3 * clients {
+		wg.Go(func() {
+			for range each {
+				if c%3 == 2 {
+					resp, err := client.Get("http://localhost:9080/")
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					io.Copy(io.Discard, resp.Body)
+					resp.Body.Close()
+					note(resp.StatusCode)
+					continue
+				}
+				req, rr := newRequest("10.0.0.1")
+				if err := handlers[c%3].ServeHTTP(rr, req, next); err != nil {
+					note(statusOf(err))
+				} else {
+					note(rr.Code)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	counts := map[int]int64{}
+	statuses.Range(func(k, v any) bool {
+		counts[k.(int)] = v.(*atomic.Int64).Load()
+		return true
+	})
+	t.Logf("statuses %v, at most %d in flight, %d served", counts, most.Load(), served.Load())
+	if m := most.Load(); m > 4 || m < 2 {
+		t.Fatalf("at most %d requests in flight upstream, want 2 to 4", m)
+	}
+	if counts[200]+counts[429] != 3*clients*each || counts[200] == 0 || counts[429] == 0 {
+		t.Fatalf("statuses %v: want only 200s and 429s, of each some", counts)
+	}
+	if counts[200] != served.Load() {
+		t.Fatalf("%d allowed, %d served", counts[200], served.Load())
+	}
+	if n := r.cli("EXISTS", "inst:inst_conc:{static}:s"); n != "0" {
+		t.Fatalf("the slot key is left with slots held: %s", r.cli("ZRANGE", "inst:inst_conc:{static}:s", "0", "-1", "WITHSCORES"))
+	}
+}
+
+// An instance that dies holding slots (here: takes them and never gives
+// them back) holds them until their lease ends; the key expires with the
+// last lease.
+func TestConcurrencyRedisLease(t *testing.T) {
+	r := startRedis(t)
+	const lease = 700 * time.Millisecond
+	config := func(pool int) string {
+		return fmt.Sprintf(`{"zones":[{"name":"lease_conc","key":"{http.request.header.X-Key}","concurrency":2,"lease":%d}],
+			"store":{"backend":"redis","addresses":[%q],"key_prefix":"lease:","pool_size":%d}}`, lease, r.addr(), pool)
+	}
+	dead, alive := newTestHandler(t, config(5)), newTestHandler(t, config(6))
+	start := time.Now()
+	for i := range 2 {
+		req, rr := newRequest("10.0.0.1", "X-Key", "a")
+		sc := dead.scratch.Get().(*scratch)
+		if out, err := dead.decide(rr, req, sc); out != outcomeAllow || err != nil {
+			t.Fatalf("slot %d: %v %v", i, out, err)
+		}
+		// Never released: the instance is gone.
+	}
+	key := "lease:lease_conc:{a}:s"
+	if pttl, _ := strconv.Atoi(r.cli("PTTL", key)); pttl <= 0 || pttl > int(lease/time.Millisecond) {
+		t.Fatalf("PTTL %d of the slot key, want up to the lease, %v", pttl, lease)
+	}
+	if code, hdr := serve(alive, "10.0.0.1", "X-Key", "a"); code != http.StatusTooManyRequests || hdr.Get("Retry-After") != "1" {
+		t.Fatalf("with both slots held elsewhere: %d, Retry-After %q; want 429, 1", code, hdr.Get("Retry-After"))
+	}
+	if code, _ := serve(alive, "10.0.0.1", "X-Key", "b"); code != http.StatusOK {
+		t.Fatalf("another key: %d", code)
+	}
+	time.Sleep(time.Until(start.Add(lease + 50*time.Millisecond)))
+	code, hdr := serve(alive, "10.0.0.1", "X-Key", "a")
+	if code != http.StatusOK {
+		t.Fatalf("after the lease: %d, want 200", code)
+	}
+	if got := hdr.Get("Ratelimit"); got != `"lease_conc";r=1` {
+		t.Fatalf("after the lease: RateLimit %q: the dead instance's leases still count", got)
+	}
+	if n := r.cli("EXISTS", key); n != "0" {
+		t.Fatalf("slot key left after its leases ended and the last came back: %s", r.cli("ZRANGE", key, "0", "-1", "WITHSCORES"))
+	}
+}
+
+// A rate zone and a zone with concurrency are decided in one script call,
+// all or nothing: a full zone spends no token, a denying rate takes no
+// slot. An allowed request costs two calls: the decision and the release.
+func TestConcurrencyRedisOneCall(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
+		{"name":"one_rate","key":"{http.request.header.X-Key}","rate":"1r/m","burst":3},
+		{"name":"one_conc","key":"{http.request.header.X-Key}","concurrency":1}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"one:"}}`, r.addr()))
+	release, arrived := make(chan struct{}), make(chan struct{}, 1)
+	blocking := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		arrived <- struct{}{}
+		<-release
+		return nil
+	})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		req, rr := newRequest("10.0.0.1", "X-Key", "a")
+		if err := h.ServeHTTP(rr, req, blocking); err != nil {
+			t.Error(err)
+		}
+	}()
+	waitArrivals(t, arrived, 1)
+	calls := r.calls()
+	for range 3 {
+		code, hdr := serve(h, "10.0.0.1", "X-Key", "a")
+		if code != http.StatusTooManyRequests {
+			t.Fatalf("slot held: %d, want 429", code)
+		}
+		if got, want := hdr.Get("Ratelimit"), `"one_rate";r=2;t=60, "one_conc";r=0`; got != want {
+			t.Fatalf("RateLimit %q, want %q: the full zone must spend no token", got, want)
+		}
+	}
+	if n := r.calls() - calls; n != 3 {
+		t.Fatalf("%d script calls for 3 refused requests, want 3", n)
+	}
+	close(release)
+	<-done
+
+	calls = r.calls()
+	for i := range 2 {
+		if code, _ := serve(h, "10.0.0.1", "X-Key", "a"); code != http.StatusOK {
+			t.Fatalf("request %d: %d", i, code)
+		}
+	}
+	if n := r.calls() - calls; n != 4 {
+		t.Fatalf("%d script calls for 2 allowed requests, want 4 (a decision and a release each)", n)
+	}
+	// The rate is empty: the next request takes no slot.
+	if code, _ := serve(h, "10.0.0.1", "X-Key", "a"); code != http.StatusTooManyRequests {
+		t.Fatalf("rate empty: %d, want 429", code)
+	}
+	if n := r.cli("EXISTS", "one:one_conc:{a}:s"); n != "0" {
+		t.Fatalf("a slot is held after a request the rate zone refused: %s", r.cli("ZRANGE", "one:one_conc:{a}:s", "0", "-1"))
+	}
+}
+
+// When Redis fails, fail_mode decides the slots too: local uses this
+// instance's slot tables, open lets requests through, closed answers 503.
+func TestConcurrencyRedisFailModes(t *testing.T) {
+	for _, mode := range []string{"local", "open", "closed"} {
+		t.Run(mode, func(t *testing.T) {
+			r := startRedis(t)
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"fail_conc_%s","key":"static","concurrency":1}],
+				"store":{"backend":"redis","addresses":[%q],"fail_mode":%q,"timeout":"50ms"}}`, mode, r.addr(), mode))
+			r.kill()
+			release, arrived := make(chan struct{}), make(chan struct{}, 1)
+			blocking := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+				arrived <- struct{}{}
+				<-release
+				return nil
+			})
+			first := make(chan int, 1)
+			go func() {
+				req, rr := newRequest("10.0.0.1")
+				if err := h.ServeHTTP(rr, req, blocking); err != nil {
+					first <- statusOf(err)
+					arrived <- struct{}{}
+					return
+				}
+				first <- rr.Code
+			}()
+			waitArrivals(t, arrived, 1)
+			second, _ := serve(h, "10.0.0.1")
+			close(release)
+			want := map[string][2]int{"local": {200, 429}, "open": {200, 200}, "closed": {503, 503}}[mode]
+			if got := [2]int{<-first, second}; got != want {
+				t.Fatalf("with Redis down, one request in flight: statuses %v, want %v", got, want)
+			}
+			if n := h.Zones[0].slots.len(); n != 0 {
+				t.Fatalf("%d keys left in the local slot table", n)
+			}
+		})
+	}
+}
+
+// The admin API shows a key's slots in use and free, on both stores.
+func TestConcurrencyAdmin(t *testing.T) {
+	r := startRedis(t)
+	for _, tc := range []struct{ name, store, lease string }{
+		{"adm_conc_local", ``, ""},
+		{"adm_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"adm:"}`, r.addr()), "1m0s"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":[
+				{"name":%q,"key":"{http.request.header.X-Key}","concurrency":3},
+				{"name":"%s_both","key":"{http.request.header.X-Key}","rate":"1r/m","burst":5,"concurrency":2}]%s}`, tc.name, tc.name, tc.store))
+			req, rr := newRequest("10.0.0.1", "X-Key", "a")
+			sc := h.scratch.Get().(*scratch)
+			if out, err := h.decide(rr, req, sc); out != outcomeAllow || err != nil {
+				t.Fatalf("%v %v", out, err)
+			}
+			admin := func(path string) map[string]any {
+				t.Helper()
+				rec := httptest.NewRecorder()
+				if err := (adminAPI{}).serve(rec, httptest.NewRequest(http.MethodGet, path, nil)); err != nil {
+					t.Fatalf("GET %s: %v", path, err)
+				}
+				var v map[string]any
+				if err := json.Unmarshal(rec.Body.Bytes(), &v); err != nil {
+					t.Fatal(err)
+				}
+				return v
+			}
+			got := admin("/rate_limit/" + tc.name + "/a")
+			if got["in_flight"] != 1.0 || got["free"] != 2.0 || got["concurrency"] != 3.0 || got["tokens"] != nil {
+				t.Fatalf("key a: %v, want 1 in flight, 2 free, no bucket", got)
+			}
+			got = admin("/rate_limit/" + tc.name + "_both/a")
+			if tokens, _ := got["tokens"].(float64); got["in_flight"] != 1.0 || got["free"] != 1.0 || math.Abs(tokens-4) > 0.01 {
+				t.Fatalf("key a of the zone with both: %v, want 1 in flight, 1 free, 4 tokens", got)
+			}
+			got = admin("/rate_limit/" + tc.name)
+			lease, _ := got["lease"].(string)
+			if _, ok := got["rate"]; ok || got["concurrency"] != 3.0 || lease != tc.lease {
+				t.Fatalf("zone: %v, want concurrency 3, no rate, lease %q", got, tc.lease)
+			}
+			h.releaseSlots(req, sc)
+			if got := admin("/rate_limit/" + tc.name + "/a"); got["in_flight"] != 0.0 || got["free"] != 3.0 {
+				t.Fatalf("after release: %v", got)
+			}
+		})
+	}
+}
+
+// A zone with concurrency in dry run lets a request that finds no slot
+// free go on without one, and says so, on both stores.
+func TestConcurrencyDryRunBothStores(t *testing.T) {
+	r := startRedis(t)
+	for _, tc := range []struct{ name, store string }{
+		{"dry_conc_local", ``},
+		{"dry_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"dry:"}`, r.addr())},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":%q,"key":"static","concurrency":1,"dry_run":true}]%s}`, tc.name, tc.store))
+			req, rr := newRequest("10.0.0.1")
+			sc := h.scratch.Get().(*scratch)
+			if out, err := h.decide(rr, req, sc); out != outcomeAllow || err != nil {
+				t.Fatalf("first: %v %v", out, err)
+			}
+			req2, rr2 := newRequest("10.0.0.1")
+			if err := h.ServeHTTP(rr2, req2, okHandler); err != nil || rr2.Code != http.StatusOK {
+				t.Fatalf("second, no slot free in dry run: %v %d, want 200", err, rr2.Code)
+			}
+			repl := req2.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+			if v, _ := repl.Get("http.rate_limit." + tc.name + ".would_deny"); v != true {
+				t.Fatalf("would_deny %v, want true", v)
+			}
+			st := h.Zones[0].state
+			if st.dryRunDenied.Load() != 1 || st.allowed.Load() != 1 {
+				t.Fatalf("dry_run_denied %d, allowed %d; want 1, 1", st.dryRunDenied.Load(), st.allowed.Load())
+			}
+			h.releaseSlots(req, sc)
+			if code, _ := serve(h, "10.0.0.1"); code != http.StatusOK || st.allowed.Load() != 2 {
+				t.Fatalf("after release: %d, allowed %d", code, st.allowed.Load())
+			}
+		})
+	}
+}
+
+// A slot key of another type under the store's prefix is repaired by the
+// next decision, as bucket keys are, and is no store error.
+func TestConcurrencyRedisWrongTypeSlotKey(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"wrong_conc","key":"static","concurrency":1}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"wt:","fail_mode":"closed"}}`, r.addr()))
+	key := "wt:wrong_conc:{static}:s"
+	r.cli("SET", key, "not a set")
+	for i := range 2 {
+		if code, _ := serve(h, "10.0.0.1"); code != http.StatusOK {
+			t.Fatalf("request %d: %d, want 200", i, code)
+		}
+	}
+	if st := h.Zones[0].state; st.storeErrors.Load() != 0 {
+		t.Fatalf("%d store errors", st.storeErrors.Load())
+	}
+	if n := r.cli("EXISTS", key); n != "0" {
+		t.Fatalf("slot key left: type %s", r.cli("TYPE", key))
 	}
 }

@@ -21,7 +21,10 @@ import (
 // dry-run zones refused it, they are noted as such, and the request is
 // charged to the other zones and goes on; if an enforced zone refused it,
 // it stays refused.
-func (h *Handler) shadow(r *http.Request, now time.Time, sc *scratch) (outcome, error) {
+//
+// slots, for a store that keeps slots, were not taken (the store takes
+// all or nothing): they are taken with the second charge.
+func (h *Handler) shadow(r *http.Request, now time.Time, sc *scratch, slots []slot) (outcome, error) {
 	enforced := true
 	for i := range sc.reqs {
 		if q := &sc.reqs[i]; !q.ok {
@@ -43,10 +46,10 @@ func (h *Handler) shadow(r *http.Request, now time.Time, sc *scratch) (outcome, 
 		}
 	}
 	sc.retry = charge
-	if len(charge) == 0 {
+	if len(charge) == 0 && len(slots) == 0 {
 		return outcomeAllow, nil
 	}
-	out, by, err := h.take(r.Context(), now, charge)
+	out, by, err := h.take(r.Context(), now, charge, slots)
 	sc.by = by
 	for _, c := range charge {
 		for i := range sc.reqs {
@@ -57,6 +60,9 @@ func (h *Handler) shadow(r *http.Request, now time.Time, sc *scratch) (outcome, 
 	}
 	if out != outcomeDeny {
 		return out, err
+	}
+	if by == h.store && slotRefused(slots) {
+		return outcomeDeny, nil // refused by a zone with concurrency
 	}
 	// The buckets changed in between. Refused by an enforced zone, the
 	// request is refused; by dry-run zones only, it goes on uncharged.

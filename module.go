@@ -114,6 +114,7 @@ type Handler struct {
 	store      store
 	failMode   failMode
 	fallback   *LocalStore // decides when store fails, for fail_mode local
+	keeper     slotKeeper  // the store, when it keeps the slots of zones with concurrency
 	headerMode headerMode
 	anyDryRun  bool // some zone is in dry run
 	anyCount   bool // some zone counts only some responses
@@ -253,7 +254,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 }
 
 // bindSlots gives the zones with concurrency their tables of requests in
-// flight, which hold at most the local store's max_keys keys.
+// flight, which hold at most the local store's max_keys keys. A store
+// that keeps slots itself (Redis) decides them; the tables then serve
+// fail_mode local.
 func (h *Handler) bindSlots() error {
 	maxKeys := int64(defaultMaxKeys)
 	if ls, ok := h.store.(*LocalStore); ok {
@@ -263,11 +266,11 @@ func (h *Handler) bindSlots() error {
 		if z.Concurrency == 0 {
 			continue
 		}
-		if _, ok := h.store.(*RedisStore); ok {
-			return fmt.Errorf("zone %s: concurrency is not supported with store redis yet: use store local, or a rate", z.Name)
-		}
 		z.slots = z.state.slotTable(maxKeys)
 		h.anySlots = true
+	}
+	if k, ok := h.store.(slotKeeper); ok && h.anySlots {
+		h.keeper = k
 	}
 	return nil
 }
@@ -486,7 +489,7 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if len(sc.slots) > 0 {
 		// The slots come back when the handlers return, however they
 		// return: with an error, a panic, or a client gone.
-		defer h.releaseSlots(sc)
+		defer h.releaseSlots(r, sc)
 		if out == outcomeAllow || out == outcomeFailOpen {
 			if h.anyCount && sc.by != nil && counted(sc.reqs) {
 				return h.serveCounted(w, r, next, sc)
@@ -525,12 +528,26 @@ func (h *Handler) release(sc *scratch) {
 	h.scratch.Put(sc)
 }
 
-// releaseSlots gives back the slots the request took, and sc.
-func (h *Handler) releaseSlots(sc *scratch) {
+// releaseSlots gives back the slots the request took, and sc. The store's
+// leases go back in one call before the response is done, so that the
+// client's next request finds its slot free; the client may have gone,
+// and a release that fails is covered by the lease.
+func (h *Handler) releaseSlots(r *http.Request, sc *scratch) {
+	leased := false
 	for i := range sc.slots {
-		if q := &sc.slots[i]; q.table != nil {
+		q := &sc.slots[i]
+		if q.table != nil {
 			q.table.release(q.key)
 			q.table = nil
+		}
+		leased = leased || q.lease != ""
+	}
+	if leased {
+		if err := h.keeper.releaseSlots(context.WithoutCancel(r.Context()), sc.slots); err != nil {
+			h.refundErrors.warn(h.logger, "rate limit: slots not given back: they come back when their lease ends", err)
+		}
+		for i := range sc.slots {
+			sc.slots[i].lease = ""
 		}
 	}
 	h.release(sc)
@@ -640,18 +657,29 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 
 	now := time.Now()
 	out := outcomeAllow
-	if len(sc.reqs) > 0 {
+	// shared: the store decides the slots with the buckets, in one call.
+	var shared []slot
+	if h.keeper != nil {
+		shared = sc.slots
+	}
+	if len(sc.reqs) > 0 || len(shared) > 0 {
 		if h.anyDelay {
 			sc.waiter = h.enterWaiting(sc.reqs)
 		}
 		var by store
 		var err error
-		out, by, err = h.take(r.Context(), now, sc.reqs)
+		out, by, err = h.take(r.Context(), now, sc.reqs, shared)
 		sc.by = by
-		if out == outcomeDeny && h.anyDryRun {
-			out, err = h.shadow(r, now, sc)
+		if out == outcomeDeny && h.anyDryRun && !(by == h.store && slotRefused(shared)) {
+			out, err = h.shadow(r, now, sc, shared)
 		}
-		if (out == outcomeAllow || out == outcomeFailOpen) && len(sc.slots) > 0 && !h.takeSlots(r, now, sc) {
+		switch {
+		case len(shared) > 0 && sc.by == h.store:
+			if !h.noteSlots(r, sc) {
+				out = outcomeDeny
+			}
+		case out == outcomeAllow && len(sc.slots) > 0 && !h.takeSlots(r, now, sc):
+			// The local tables: the local store's, or fail_mode local's.
 			out = outcomeDeny
 		}
 		if h.anyDelay {
@@ -664,7 +692,9 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 		if h.anyDryRun {
 			h.noteDryRunPassed(r, sc.reqs)
 		}
-		sc.top = mostConstrained(sc.reqs)
+		if len(sc.reqs) > 0 {
+			sc.top = mostConstrained(sc.reqs)
+		}
 	} else if !h.takeSlots(r, now, sc) {
 		out = outcomeDeny
 	}
@@ -715,6 +745,44 @@ func (h *Handler) takeSlots(r *http.Request, now time.Time, sc *scratch) bool {
 	return true
 }
 
+// slotRefused reports whether a slotKeeper refused the request for want
+// of a slot, in a zone not in dry run.
+func slotRefused(slots []slot) bool {
+	for i := range slots {
+		if slots[i].full && !slots[i].zone.inDryRun {
+			return true
+		}
+	}
+	return false
+}
+
+// noteSlots counts what the store decided for the zones with concurrency,
+// as takeSlots does for the local tables. When a zone had no slot free
+// (and the buckets allowed the request), it sets sc.fullSlot and reports
+// false.
+func (h *Handler) noteSlots(r *http.Request, sc *scratch) bool {
+	for i := range sc.slots {
+		q := &sc.slots[i]
+		st := q.zone.state
+		switch {
+		case q.lease != "":
+			st.allowed.Add(1)
+		case !q.full:
+		case q.zone.inDryRun:
+			st.top.add(q.key)
+			st.dryRunDenied.Add(1)
+			if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+				repl.Set(q.zone.wouldDenyVar, true)
+			}
+		case sc.fullSlot == nil:
+			st.top.add(q.key)
+			st.denied.Add(1)
+			sc.fullSlot = q
+		}
+	}
+	return sc.fullSlot == nil
+}
+
 // refundForSlot gives back the tokens the rate zones took for a request
 // that a zone with concurrency then refused.
 func (h *Handler) refundForSlot(r *http.Request, now time.Time, sc *scratch) {
@@ -742,9 +810,17 @@ func (h *Handler) refundForSlot(r *http.Request, now time.Time, sc *scratch) {
 }
 
 // take asks the store, and applies fail_mode when the store fails. It
-// returns the store that charged reqs, nil if none did.
-func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (outcome, store, error) {
-	allowed, err := h.store.take(ctx, now, reqs)
+// returns the store that charged reqs, nil if none did. slots, for a
+// store that keeps slots, are decided with reqs: when the store that
+// charged reqs is h.store, it decided them too.
+func (h *Handler) take(ctx context.Context, now time.Time, reqs []request, slots []slot) (outcome, store, error) {
+	var allowed bool
+	var err error
+	if len(slots) > 0 {
+		allowed, err = h.keeper.takeWithSlots(ctx, now, reqs, slots)
+	} else {
+		allowed, err = h.store.take(ctx, now, reqs)
+	}
 	if h.latency != nil {
 		h.latency.Observe(time.Since(now).Seconds())
 	}
@@ -768,6 +844,9 @@ func (h *Handler) take(ctx context.Context, now time.Time, reqs []request) (outc
 	case failLocal:
 		for i := range reqs {
 			h.fallback.owe(now, &reqs[i], f.known(now, &reqs[i], err))
+		}
+		if len(reqs) == 0 {
+			return outcomeAllow, h.fallback, nil
 		}
 		allowed, err := h.fallback.take(ctx, now, reqs)
 		return verdict(allowed), h.fallback, err

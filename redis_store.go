@@ -6,10 +6,12 @@ package ratelimit
 import (
 	"cmp"
 	"context"
+	"crypto/rand"
 	"crypto/sha256"
 	"crypto/tls"
 	"crypto/x509"
 	_ "embed"
+	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"errors"
@@ -148,6 +150,8 @@ type RedisStore struct {
 	zones       []*Zone
 	fields      []string  // per zone: the start of its buckets' fields, the name and ":"
 	shapes      [][5]any  // per zone: the script's burst, cost, ban and delay times (and the delay negated, for noDelay), in µs, formatted and boxed once (burst and cost from the request's plan where the limit depends on the request)
+	slotShapes  [][3]any  // per zone with concurrency: the script's limit, lease (µs) and dry-run flag
+	leaseIDs    string    // what this store's lease IDs start with: unique among instances
 	cache       []*table  // per zone: over-limit cache; nil when disabled
 	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *throttle // errors that Redis answered for one call's keys
@@ -425,11 +429,19 @@ func (s *RedisStore) bind(zones []*Zone) error {
 	s.zones = zones
 	s.flights = &flights{m: make(map[flightKey]flight)}
 	s.keyErrors, s.repairs = new(throttle), new(throttle)
+	var id [9]byte
+	_, _ = rand.Read(id[:])
+	s.leaseIDs = base64.RawURLEncoding.EncodeToString(id[:]) + ":"
 	for _, z := range zones {
 		// A `:` in a zone name would make its fields another zone's.
 		s.fields = append(s.fields, escapeTag(z.Name, "%:")+":")
 		s.shapes = append(s.shapes, [5]any{micros(z.limit.burstTime), micros(z.costTime), micros(z.limit.ban),
 			micros(z.limit.delay), micros(-z.limit.delay)})
+		dry := "0"
+		if z.inDryRun {
+			dry = "1"
+		}
+		s.slotShapes = append(s.slotShapes, [3]any{strconv.FormatInt(z.Concurrency, 10), micros(time.Duration(z.Lease)), dry})
 		if !s.DisableOverLimitCache {
 			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
 		}
@@ -458,15 +470,47 @@ func (s *RedisStore) known(now time.Time, q *request, err error) time.Duration {
 var errRedisDown = errors.New("redis is unavailable")
 
 func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (bool, error) {
+	return s.takeWithSlots(ctx, now, reqs, nil)
+}
+
+// takeWithSlots decides the buckets of reqs and the slots together, in
+// one call where their keys share a slot. Each slot taken is a lease
+// (see lua/token_bucket.lua): a member of a sorted set whose score is the
+// instant, on Redis's clock, when it ends. A lease is not renewed: a
+// request that runs longer than its zone's lease loses its slot then, so
+// that a slot held by an instance that died comes back after the lease
+// however it died, with no timers or writes for the requests in flight.
+func (s *RedisStore) takeWithSlots(ctx context.Context, now time.Time, reqs []request, slots []slot) (bool, error) {
+	if len(slots) > 0 {
+		id := s.leaseIDs + strconv.FormatUint(leaseSeq.Add(1), 36)
+		for i := range slots {
+			slots[i].lease, slots[i].full, slots[i].free = id, false, 0
+		}
+		allowed, err := s.takeAll(ctx, now, reqs, slots)
+		for i := range slots {
+			if err != nil || slots[i].free < 0 {
+				slots[i].lease, slots[i].free = "", 0
+			}
+		}
+		return allowed, err
+	}
+	return s.takeAll(ctx, now, reqs, nil)
+}
+
+func (s *RedisStore) takeAll(ctx context.Context, now time.Time, reqs []request, slots []slot) (bool, error) {
 	// One timeout for the whole decision: a request that waits for the
 	// calls in flight for its buckets has that much less for its own.
 	budget := s.callTimeout
 	var flight flightKey
-	if s.cache != nil {
+	cached := s.cache != nil && len(reqs) > 0
+	if cached {
 		arrived := now
 		var denied bool
 		var err error
 		if now, flight, denied, err = s.fromCache(ctx, now, reqs); denied || err != nil {
+			for i := range slots {
+				slots[i].free = -1 // not asked
+			}
 			return false, err
 		}
 		defer s.flights.land(flight)
@@ -488,7 +532,7 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 		defer cancel()
 	}
 	sent := deadline.Add(-budget)
-	allowed, err := s.decide(call, deadline, reqs)
+	allowed, err := s.decide(call, deadline, reqs, slots)
 	late := !time.Now().Before(deadline)
 	if err == nil {
 		s.client.noteRTT(time.Since(sent))
@@ -515,7 +559,7 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 		}
 		return false, err
 	}
-	if s.cache != nil {
+	if cached {
 		s.remember(now, reqs, flight)
 	}
 	return allowed, nil
@@ -559,19 +603,55 @@ func classify(err error) int {
 
 // decide asks Redis. Zones whose keys share a hash tag go in one atomic
 // call. On a cluster, keys in different slots are taken one at a time, and
-// when one denies, the buckets already charged get their tokens back.
-func (s *RedisStore) decide(ctx context.Context, deadline time.Time, reqs []request) (bool, error) {
-	if !s.client.cluster || oneTag(reqs) {
-		return s.run(ctx, deadline, "take", reqs)
+// when one denies, the buckets already charged get their tokens back, and
+// the slots already taken are given back.
+func (s *RedisStore) decide(ctx context.Context, deadline time.Time, reqs []request, slots []slot) (bool, error) {
+	if !s.client.cluster || oneTag(reqs, slots) {
+		return s.run(ctx, deadline, "take", reqs, slots)
 	}
+	if ok, err := s.decideEach(ctx, deadline, reqs); !ok || err != nil {
+		for i := range slots {
+			slots[i].free = -1 // not asked
+		}
+		return ok, err
+	}
+	for i := range slots {
+		ok, err := s.run(ctx, deadline, "take", nil, slots[i:i+1])
+		if err == nil && ok {
+			continue
+		}
+		if i > 0 {
+			if rerr := s.release(ctx, deadline, slots[:i]); rerr != nil {
+				err = errors.Join(err, fmt.Errorf("release: %w", rerr))
+			}
+		}
+		for j := range i {
+			slots[j].lease, slots[j].free = "", slots[j].free+1
+		}
+		for j := i + 1; j < len(slots); j++ {
+			slots[j].free = -1 // not asked
+		}
+		if len(reqs) > 0 {
+			if rerr := s.refund(ctx, time.Now(), reqs); rerr != nil {
+				err = errors.Join(err, fmt.Errorf("refund: %w", rerr))
+			}
+		}
+		return false, err
+	}
+	return true, nil
+}
+
+// decideEach takes the buckets of reqs one call each, giving back what
+// the earlier ones took when one denies.
+func (s *RedisStore) decideEach(ctx context.Context, deadline time.Time, reqs []request) (bool, error) {
 	for i := range reqs {
-		ok, err := s.run(ctx, deadline, "take", reqs[i:i+1])
+		ok, err := s.run(ctx, deadline, "take", reqs[i:i+1], nil)
 		if err == nil && ok {
 			continue
 		}
 		// Denied, or failed: give back what the earlier zones took.
 		if i > 0 {
-			if _, rerr := s.run(ctx, deadline, "refund", reqs[:i]); rerr != nil {
+			if _, rerr := s.run(ctx, deadline, "refund", reqs[:i], nil); rerr != nil {
 				err = errors.Join(err, fmt.Errorf("refund: %w", rerr))
 			}
 		}
@@ -600,13 +680,13 @@ func (s *RedisStore) refund(ctx context.Context, _ time.Time, reqs []request) er
 	deadline := time.Now().Add(s.callTimeout)
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer cancel()
-	if !s.client.cluster || oneTag(reqs) {
-		_, err := s.run(ctx, deadline, "refund", reqs)
+	if !s.client.cluster || oneTag(reqs, nil) {
+		_, err := s.run(ctx, deadline, "refund", reqs, nil)
 		return err
 	}
 	var errs []error
 	for i := range reqs {
-		if _, err := s.run(ctx, deadline, "refund", reqs[i:i+1]); err != nil {
+		if _, err := s.run(ctx, deadline, "refund", reqs[i:i+1], nil); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -618,7 +698,7 @@ func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	reqs := []request{*q}
-	if _, err := s.run(ctx, deadline, "peek", reqs); err != nil {
+	if _, err := s.run(ctx, deadline, "peek", reqs, nil); err != nil {
 		return err
 	}
 	q.debt = reqs[0].debt
@@ -639,20 +719,89 @@ func (s *RedisStore) reset(ctx context.Context, q *request) (bool, error) {
 	return n > 0, err
 }
 
-// oneTag reports whether all requests share one hash tag, so one slot.
-func oneTag(reqs []request) bool {
-	for i := 1; i < len(reqs); i++ {
-		if reqs[i].key != reqs[0].key {
+// oneTag reports whether all requests and slots share one hash tag, so
+// one cluster slot.
+func oneTag(reqs []request, slots []slot) bool {
+	var first bucketKey
+	switch {
+	case len(reqs) > 0:
+		first = reqs[0].key
+	case len(slots) > 0:
+		first = slots[0].key
+	}
+	for i := range reqs {
+		if reqs[i].key != first {
+			return false
+		}
+	}
+	for i := range slots {
+		if slots[i].key != first {
 			return false
 		}
 	}
 	return true
 }
 
-// run calls the script for reqs and sets their ok and debt.
-func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, reqs []request) (bool, error) {
-	keys := make([]string, len(reqs))
-	args := make([]any, 2, 2+4*len(reqs))
+// releaseSlots gives back the slots that takeWithSlots took, in one call
+// where their keys share a cluster slot. A slot whose release fails comes
+// back when its lease ends.
+func (s *RedisStore) releaseSlots(ctx context.Context, slots []slot) error {
+	if s.client.breaker.openUntil.Load() != 0 {
+		return errRedisDown // the leases will end
+	}
+	deadline := time.Now().Add(s.callTimeout)
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	return s.release(ctx, deadline, slots)
+}
+
+func (s *RedisStore) release(ctx context.Context, deadline time.Time, slots []slot) error {
+	held := 0
+	for i := range slots {
+		if slots[i].lease != "" {
+			held++
+		}
+	}
+	if held == 0 {
+		return nil
+	}
+	if held == len(slots) && (!s.client.cluster || oneTag(nil, slots)) {
+		_, err := s.run(ctx, deadline, "release", nil, slots)
+		return err
+	}
+	var errs []error
+	for i := range slots {
+		if slots[i].lease == "" {
+			continue
+		}
+		if _, err := s.run(ctx, deadline, "release", nil, slots[i:i+1]); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// slotsInUse asks Redis how many leases of q's key have not ended.
+func (s *RedisStore) slotsInUse(ctx context.Context, q *slot) (int64, error) {
+	deadline := time.Now().Add(s.callTimeout)
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	slots := []slot{*q}
+	if _, err := s.run(ctx, deadline, "peek", nil, slots); err != nil {
+		return 0, err
+	}
+	return q.zone.Concurrency - slots[0].free, nil
+}
+
+// run calls the script for reqs and slots, and sets the requests' ok and
+// debt, and the slots' free, full and lease.
+func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, reqs []request, slots []slot) (bool, error) {
+	keys := make([]string, len(reqs), len(reqs)+len(slots))
+	n := 3 + 4*len(reqs) // mode, clock, the buckets', the slot count
+	if len(slots) > 0 {
+		n += 3*len(slots) + 1 // the slots', the lease ID
+	}
+	args := make([]any, 2, n)
 	args[0], args[1] = mode, ""
 	if s.testClock != nil {
 		args[1] = s.testClock().UnixMicro()
@@ -671,9 +820,29 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 		}
 		args = append(args, full, cost, shape[2], delay)
 	}
+	if len(slots) == 0 {
+		args = append(args, noSlots)
+	} else {
+		for i := range slots {
+			keys = append(keys, s.slotKey(&slots[i]))
+			shape := &s.slotShapes[slots[i].zone.index]
+			args = append(args, shape[0], shape[1], shape[2])
+		}
+		args = append(args, slots[0].lease, len(slots))
+	}
 	v, err := s.client.pipe.run(ctx, deadline, keys, args)
 	if err != nil {
 		return false, err
+	}
+	if len(slots) > 0 {
+		sv, ok := v[len(v)-1].([]any)
+		if !ok || len(sv) != len(slots)+1 {
+			return false, fmt.Errorf("%w: %v for %d slot keys", errBadReply, v[len(v)-1], len(slots))
+		}
+		v = v[:len(v)-1]
+		if err := s.readSlots(mode, v, reqs, sv, slots); err != nil {
+			return false, err
+		}
 	}
 	var bans string
 	switch extra := len(v) - len(reqs) - 1; {
@@ -702,6 +871,46 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 	return allowed == 1, nil
 }
 
+// leaseSeq numbers the leases this process takes.
+var leaseSeq atomic.Uint64
+
+// noSlots is the script's slot count for a call without slots.
+var noSlots any = "0"
+
+// readSlots reads the slot section of a reply: which slots the call took,
+// and how many are free. A slot is full when the buckets allowed the
+// request and the slot had none free.
+func (s *RedisStore) readSlots(mode string, v []any, reqs []request, sv []any, slots []slot) error {
+	held, _ := sv[0].(string)
+	if len(held) != len(slots) {
+		return fmt.Errorf("%w: slot flags %q for %d slot keys", errBadReply, held, len(slots))
+	}
+	if mode == "release" {
+		return nil // the caller knows what it gave back
+	}
+	buckets := true
+	if allowed, _ := v[0].(int64); allowed != 1 {
+		for i := range reqs {
+			if ns, _ := v[i+1].(int64); reqs[i].zone.limit.wait(time.Duration(ns), reqs[i].zone.costTime) > 0 {
+				buckets = false
+			}
+		}
+	}
+	for i := range slots {
+		free, ok := sv[i+1].(int64)
+		if !ok {
+			return fmt.Errorf("%w: %v", errBadReply, sv[i+1])
+		}
+		q := &slots[i]
+		q.free = free
+		if held[i] != '1' {
+			q.lease = ""
+			q.full = mode == "take" && buckets && free == 0
+		}
+	}
+	return nil
+}
+
 // micros converts a duration to the script's microseconds, formatted
 // as go-redis would format the float, once rather than per call.
 func micros(d time.Duration) string {
@@ -717,7 +926,18 @@ var errBadReply = errors.New("redis script: bad reply")
 // key never chooses its slot: the hash tag is the group, four hex digits
 // of a fixed hash of the key, whatever the key's bytes.
 func (s *RedisStore) redisKey(q *request) string {
-	k := q.key.String()
+	return s.key(q.zone, q.key, "")
+}
+
+// slotKey is the key of the sorted set of a zone's slots,
+// `<key_prefix>{<group>}<zone>:<key>:s`: the bucket's hash tag, and a
+// name that no hash of buckets has (they end with the tag).
+func (s *RedisStore) slotKey(q *slot) string {
+	return s.key(q.zone, q.key, ":s")
+}
+
+func (s *RedisStore) key(z *Zone, key bucketKey, end string) string {
+	k := key.String()
 	if s.HashKeys || len(k) > hashKeysLongerThan {
 		sum := sha256.Sum256([]byte(k))
 		k = hex.EncodeToString(sum[:16])
@@ -725,7 +945,7 @@ func (s *RedisStore) redisKey(q *request) string {
 	g := bucketGroup(k)
 	const digits = "0123456789abcdef"
 	tag := [4]byte{digits[g>>12], digits[g>>8&15], digits[g>>4&15], digits[g&15]}
-	return s.KeyPrefix + "{" + string(tag[:]) + "}" + s.fields[q.zone.index] + k
+	return s.KeyPrefix + "{" + string(tag[:]) + "}" + s.fields[z.index] + k + end
 }
 
 // bucketGroups is how many hashes the buckets are spread over. Redis
@@ -1154,4 +1374,5 @@ var (
 	_ caddyfile.Unmarshaler = (*RedisStore)(nil)
 	_ store                 = (*RedisStore)(nil)
 	_ fallible              = (*RedisStore)(nil)
+	_ slotKeeper            = (*RedisStore)(nil)
 )

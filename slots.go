@@ -93,4 +93,6 @@ type slot struct {
 	key   bucketKey
 	table *slotTable // where it was taken; nil: not taken
 	free  int64      // slots free after the decision
+	lease string     // the lease a slotKeeper holds for it; "": none
+	full  bool       // a slotKeeper found no slot free, the buckets having allowed the request
 }

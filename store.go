@@ -92,6 +92,24 @@ func (q *request) remaining() int64 {
 	return q.plan().limit.wholeTokens(q.debt)
 }
 
+// A slotKeeper is a store that keeps the slots of zones with concurrency
+// itself, shared as its buckets are, and decides them in the same call as
+// the buckets. (The handler keeps the slots of other stores in memory.)
+type slotKeeper interface {
+	// takeWithSlots is take, with a slot of every zone of slots: it
+	// charges every bucket and takes every slot, or does neither. A zone
+	// in dry run whose slots are all held lets the request go on without
+	// one. It sets each slot's free, full and lease.
+	takeWithSlots(ctx context.Context, now time.Time, reqs []request, slots []slot) (bool, error)
+
+	// releaseSlots gives back the slots that takeWithSlots took (those
+	// with a lease).
+	releaseSlots(ctx context.Context, slots []slot) error
+
+	// slotsInUse is how many slots of q's key are held now.
+	slotsInUse(ctx context.Context, q *slot) (int64, error)
+}
+
 // fallible is a store that can fail, and says what to do then.
 type fallible interface {
 	failMode() failMode

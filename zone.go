@@ -125,12 +125,18 @@ type Zone struct {
 	// slot before it goes on, or is refused with 429 and `Retry-After: 1`,
 	// and gives the slot back when the handlers after this one return,
 	// however they return. A zone with concurrency needs no rate; with
-	// both, both apply. Default: no limit on requests in flight.
+	// both, both apply. With the Redis store, the slots are shared by
+	// every instance (see Lease). Default: no limit on requests in flight.
 	Concurrency int64 `json:"concurrency,omitempty"`
 
 	// How long a slot of a zone with concurrency is held at most, in a
 	// store shared between instances (Redis), where an instance that dies
-	// cannot give its slots back. Needs concurrency. Default: 60s.
+	// cannot give its slots back: its slots come back when their leases
+	// end. A lease is not renewed: a request that runs longer than its
+	// lease loses its slot then (renewing would cost a timer and a Redis
+	// write per request in flight, and keep the slots of an instance that
+	// is stuck), so set it above the longest request. Unused by the local
+	// store. Needs concurrency. Default: 60s.
 	Lease caddy.Duration `json:"lease,omitempty"`
 
 	// Compute, count and log decisions, and send the headers, but let

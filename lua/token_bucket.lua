@@ -18,8 +18,9 @@
 -- any such among three others taken at random, which keeps them to about
 -- a third of a hash.
 --
--- KEYS[i]      buckets (in one cluster slot)
--- ARGV[1]      "take", "refund" or "peek"
+-- KEYS[i]      buckets (in one cluster slot), i = 1..n; the last m KEYS
+--              are slot keys (see the slot section below)
+-- ARGV[1]      "take", "refund", "peek" or "release"
 -- ARGV[2]      "" to read TIME. Caddy always sends ""; tests send an
 --              instant (µs since 1970) to replay a table of steps.
 -- ARGV[4i-1]   full_i: µs to refill KEYS[i] from empty (burst / rate)
@@ -28,6 +29,7 @@
 -- ARGV[4i+2]   delay_i: µs a request may wait for KEYS[i]'s tokens; 0 for
 --              none (never with a ban). Negative: the zone's delay is
 --              -delay_i, but this request may not wait (take as if 0)
+-- ARGV[#ARGV]  m: the number of slot keys, 0 for none (slot section)
 --
 -- take    charges every bucket or none (all-or-nothing): a bucket gives
 --         cost_i if it would hold it within delay_i (the request then
@@ -37,6 +39,7 @@
 -- refund  gives cost_i back to every bucket that is not banned, undoing
 --         an earlier take
 -- peek    changes nothing
+-- release gives back the slots of id (slot section); no buckets
 --
 -- A bucket owes at most full_i + ban_i + delay_i; with a ban, one that
 -- owes more than full_i is banned for the excess. take saves a bucket
@@ -51,7 +54,8 @@
 -- instant) is taken for a full bucket, and overwritten or deleted by take
 -- and refund; repaired is the number of such keys. bans, present when
 -- this call started a ban, is a string of n flags, '1' for each key whose
--- ban it started (repaired, then maybe 0, comes before it).
+-- ban it started (repaired, then maybe 0, comes before it). With slot
+-- keys, the reply ends with one more element, the slot section's reply.
 
 local epoch = 1735689600 -- 2025-01-01T00:00:00Z, in seconds
 local slack = 1 -- µs
@@ -158,7 +162,8 @@ local function load(key)
 	return f, not f
 end
 
-local n = #KEYS
+local m = tonumber(ARGV[#ARGV])
+local n = #KEYS - m
 local reply = { 1 }
 local bad = {}
 local repaired = 0
@@ -187,6 +192,92 @@ for i = 1, n do
 	end
 	reply[i + 1] = debt
 end
+
+-- Slots of the zones with concurrency, kept apart from the buckets: a
+-- sorted set per key, whose members are the requests holding a slot and
+-- whose scores are the instants (µs, as the buckets') their leases end.
+-- A lease that has ended is a slot free again, whatever became of the
+-- instance that took it; the key itself expires with its last lease.
+--
+-- KEYS[n+j]            slot keys, j = 1..m (in the buckets' cluster slot)
+-- ARGV[s+3j-2]         limit_j: how many slots KEYS[n+j] has
+-- ARGV[s+3j-1]         lease_j: µs a slot is held at most
+-- ARGV[s+3j]           dry_j: '1' when a full KEYS[n+j] does not refuse
+--                      the request (dry run)
+-- ARGV[#ARGV-1]        id: the request's member, unique among instances
+-- ARGV[#ARGV]          m
+-- where s = #ARGV - 2 - 3m.
+--
+-- take     takes a slot of every key when the buckets allow, or none
+--          when one that is not dry is full; a dry key that is full is
+--          left as it is
+-- peek     changes nothing
+-- release  removes id from every key
+--
+-- The section's reply is {held, free_1, ..., free_m}: held is a string
+-- of m flags, '1' for each key where id now holds a slot; free_j is how
+-- many slots of KEYS[n+j] are free after the decision. A key that is
+-- full shows 0 free and no slot held.
+
+local slot_base = #ARGV - 2 - 3 * m
+local slot_id = ARGV[#ARGV - 1]
+
+local function slot_arg(j, k)
+	return tonumber(ARGV[slot_base + 3 * j - 3 + k])
+end
+
+-- take_slots counts the live leases of every slot key, trimming the
+-- ended ones, and refuses the request (reply[1] = 0) when a key that is
+-- not dry is full and the buckets allowed it. It returns the counts.
+local function take_slots()
+	local used = {}
+	for j = 1, m do
+		local key = KEYS[n + j]
+		if mode == 'take' then
+			-- A key of another type is taken for a key with no slot
+			-- held, and deleted: the keys under the prefix are ours.
+			local trimmed = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
+			if type(trimmed) == 'table' and trimmed.err then
+				redis.call('DEL', key)
+			end
+			used[j] = redis.call('ZCARD', key)
+		elseif mode == 'peek' and redis.call('TYPE', key).ok == 'zset' then
+			used[j] = redis.call('ZCOUNT', key, '(' .. now, '+inf')
+		else
+			used[j] = 0
+		end
+		if mode == 'take' and reply[1] == 1 and used[j] >= slot_arg(j, 1) and ARGV[slot_base + 3 * j] ~= '1' then
+			reply[1] = 0
+		end
+	end
+	return used
+end
+
+-- commit_slots takes the slots when the request is allowed, or gives
+-- them back (release), and returns the section's reply.
+local function commit_slots(used)
+	local held, out = {}, {}
+	for j = 1, m do
+		local key, limit = KEYS[n + j], slot_arg(j, 1)
+		held[j] = '0'
+		if mode == 'release' then
+			redis.call('ZREM', key, slot_id)
+		elseif mode == 'take' and reply[1] == 1 and used[j] < limit then
+			local lease = slot_arg(j, 2)
+			redis.call('ZADD', key, now + lease, slot_id)
+			used[j] = used[j] + 1
+			held[j] = '1'
+			-- The key lives as long as its longest lease.
+			local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+			redis.call('PEXPIRE', key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1))
+		end
+		out[j + 1] = math.max(limit - used[j], 0)
+	end
+	out[1] = table.concat(held)
+	return out
+end
+
+local slots = take_slots()
 
 local bans, banned = {}, false
 for i = 1, n do
@@ -221,5 +312,8 @@ if repaired > 0 and mode ~= 'peek' or banned then
 end
 if banned then
 	reply[n + 3] = table.concat(bans)
+end
+if m > 0 then
+	reply[#reply + 1] = commit_slots(slots)
 end
 return reply
