@@ -173,7 +173,8 @@ func TestFaultRedisOutages(t *testing.T) {
 					for n := 0; time.Since(over) < 10*time.Second; n++ {
 						key := fmt.Sprintf("probe-%d", n)
 						send(client, c.url+"/"+mode, "X-Probe", key)
-						if check.Exists(context.Background(), "outage:outage_probe_"+mode+":{"+key+"}").Val() == 1 {
+						hash, field := bucketName("outage:", "outage_probe_"+mode, key)
+						if check.HExists(context.Background(), hash, field).Val() {
 							back[m] = time.Since(over)
 							return
 						}

@@ -303,6 +303,13 @@ func bucketOf(h *Handler, i int, key string) (hash, field string) {
 	return splitBucket(h.store.(*RedisStore).redisKey(&request{zone: z, key: z.keyFor(key)}))
 }
 
+// bucketName names the Redis hash and field of a bucket, as a store with
+// key_prefix prefix writes it for key (not an IP, not hashed) in zone.
+func bucketName(prefix, zone, key string) (hash, field string) {
+	s := &RedisStore{KeyPrefix: prefix, fields: []string{escapeTag(zone, "%:") + ":"}}
+	return splitBucket(s.redisKey(&request{zone: &Zone{}, key: bucketKey{s: key}}))
+}
+
 // pair is two strings as a slice, for a command's arguments.
 func pair(a, b string) []string { return []string{a, b} }
 
