@@ -492,3 +492,30 @@ func TestCountRefundsWhenClientGone(t *testing.T) {
 		t.Fatalf("%s keys in Redis, want none: every bucket is full again", keys)
 	}
 }
+
+// The writer that count wraps around the response offers what the writer
+// it wraps offers, to handlers that check for it themselves.
+func TestCountWriterInterfaces(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"count-writer","rate":"1r/m","burst":1,"count":{"status_code":[401]}}]}`)
+	req, rr := newRequest("192.0.2.82")
+	var checked bool
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+		f, flusher := w.(http.Flusher)
+		hj, hijacker := w.(http.Hijacker)
+		_, unwraps := w.(interface{ Unwrap() http.ResponseWriter })
+		if !flusher || !hijacker || !unwraps {
+			t.Fatalf("flusher %t, hijacker %t, unwraps %t; want all", flusher, hijacker, unwraps)
+		}
+		w.WriteHeader(http.StatusOK)
+		f.Flush()
+		// httptest's recorder cannot be hijacked: the error says so.
+		if _, _, err := hj.Hijack(); err == nil {
+			t.Fatal("hijacked a writer that cannot be")
+		}
+		checked = true
+		return nil
+	})
+	if err := h.ServeHTTP(rr, req, next); err != nil || !checked || !rr.Flushed {
+		t.Fatalf("err %v, checked %t, flushed %t", err, checked, rr.Flushed)
+	}
+}

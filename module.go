@@ -6,6 +6,7 @@
 package ratelimit
 
 import (
+	"bufio"
 	"cmp"
 	"context"
 	"encoding/json"
@@ -15,6 +16,7 @@ import (
 	"maps"
 	"math"
 	"math/rand/v2"
+	"net"
 	"net/http"
 	"slices"
 	"sync"
@@ -593,19 +595,31 @@ func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next cadd
 // statusWriter passes a response through and notes its status, for
 // count. It lives in the request's pooled scratch, so that counting
 // allocates nothing: like any ResponseWriter, it must not be used after
-// the handler that got it has returned. Flush, Hijack and the rest reach
-// the writer it wraps through Unwrap (http.ResponseController).
+// the handler that got it has returned. Flushing and hijacking reach the
+// writer it wraps, whether a handler asks http.ResponseController (which
+// unwraps) or checks for http.Flusher or http.Hijacker itself.
 type statusWriter struct {
 	caddyhttp.ResponseWriterWrapper
 	status int // the final status written; 0 until then
 }
 
-// WriteHeader notes the first final status: 1xx are informational.
+// WriteHeader notes the first final status: other 1xx are informational,
+// 101 Switching Protocols ends the exchange.
 func (w *statusWriter) WriteHeader(status int) {
-	if w.status == 0 && (status < 100 || status > 199) {
+	if w.status == 0 && (status < 100 || status > 199 || status == http.StatusSwitchingProtocols) {
 		w.status = status
 	}
 	w.ResponseWriter.WriteHeader(status)
+}
+
+func (w *statusWriter) FlushError() error {
+	return http.NewResponseController(w.ResponseWriter).Flush()
+}
+
+func (w *statusWriter) Flush() { _ = w.FlushError() }
+
+func (w *statusWriter) Hijack() (net.Conn, *bufio.ReadWriter, error) {
+	return http.NewResponseController(w.ResponseWriter).Hijack()
 }
 
 func (w *statusWriter) Write(p []byte) (int, error) {
