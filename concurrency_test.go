@@ -608,8 +608,8 @@ func TestConcurrencyRedisInstances(t *testing.T) {
 	if counts[200] != served.Load() {
 		t.Fatalf("%d allowed, %d served", counts[200], served.Load())
 	}
-	if n := r.cli("EXISTS", "inst:inst_conc:{static}:s"); n != "0" {
-		t.Fatalf("the slot key is left with slots held: %s", r.cli("ZRANGE", "inst:inst_conc:{static}:s", "0", "-1", "WITHSCORES"))
+	if n := r.cli("EXISTS", slotKeyName("inst:", "inst_conc", "static")); n != "0" {
+		t.Fatalf("the slot key is left with slots held: %s", r.cli("ZRANGE", slotKeyName("inst:", "inst_conc", "static"), "0", "-1", "WITHSCORES"))
 	}
 }
 
@@ -633,7 +633,7 @@ func TestConcurrencyRedisLease(t *testing.T) {
 		}
 		// Never released: the instance is gone.
 	}
-	key := "lease:lease_conc:{a}:s"
+	key := slotKeyName("lease:", "lease_conc", "a")
 	if pttl, _ := strconv.Atoi(r.cli("PTTL", key)); pttl <= 0 || pttl > int(lease/time.Millisecond) {
 		t.Fatalf("PTTL %d of the slot key, want up to the lease, %v", pttl, lease)
 	}
@@ -709,8 +709,8 @@ func TestConcurrencyRedisOneCall(t *testing.T) {
 	if code, _ := serve(h, "10.0.0.1", "X-Key", "a"); code != http.StatusTooManyRequests {
 		t.Fatalf("rate empty: %d, want 429", code)
 	}
-	if n := r.cli("EXISTS", "one:one_conc:{a}:s"); n != "0" {
-		t.Fatalf("a slot is held after a request the rate zone refused: %s", r.cli("ZRANGE", "one:one_conc:{a}:s", "0", "-1"))
+	if n := r.cli("EXISTS", slotKeyName("one:", "one_conc", "a")); n != "0" {
+		t.Fatalf("a slot is held after a request the rate zone refused: %s", r.cli("ZRANGE", slotKeyName("one:", "one_conc", "a"), "0", "-1"))
 	}
 }
 
@@ -843,7 +843,7 @@ func TestConcurrencyRedisWrongTypeSlotKey(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"wrong_conc","key":"static","concurrency":1}],
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"wt:","fail_mode":"closed"}}`, r.addr()))
-	key := "wt:wrong_conc:{static}:s"
+	key := slotKeyName("wt:", "wrong_conc", "static")
 	r.cli("SET", key, "not a set")
 	for i := range 2 {
 		if code, _ := serve(h, "10.0.0.1"); code != http.StatusOK {

@@ -250,8 +250,9 @@ func TestPlansThroughCaddy(t *testing.T) {
 				t.Errorf("admin API: full_in %v, want free's whole bucket, 120s", v["full_in"])
 			}
 			if tc.name == "redis" {
-				if got := r.cli("EXISTS", "plans:plans-redis:{free-key}"); strings.TrimSpace(got) != "1" {
-					t.Fatalf("the free key's bucket is not in Redis: EXISTS said %q", got)
+				hash, field := bucketName("plans:", "plans-redis", "free-key")
+				if got := r.cli("HEXISTS", hash, field); strings.TrimSpace(got) != "1" {
+					t.Fatalf("the free key's bucket is not in Redis: HEXISTS said %q", got)
 				}
 			}
 

@@ -649,9 +649,10 @@ func (s *RedisStore) decideEach(ctx context.Context, deadline time.Time, reqs []
 		if err == nil && ok {
 			continue
 		}
-		// Denied, or failed: give back what the earlier zones took.
-		if i > 0 {
-			if _, rerr := s.run(ctx, deadline, "refund", reqs[:i], nil); rerr != nil {
+		// Denied, or failed: give back what the earlier zones took, each
+		// in its own call, as their keys live in different slots.
+		for j := range i {
+			if _, rerr := s.run(ctx, deadline, "refund", reqs[j:j+1], nil); rerr != nil {
 				err = errors.Join(err, fmt.Errorf("refund: %w", rerr))
 			}
 		}

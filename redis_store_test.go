@@ -310,6 +310,13 @@ func bucketName(prefix, zone, key string) (hash, field string) {
 	return splitBucket(s.redisKey(&request{zone: &Zone{}, key: bucketKey{s: key}}))
 }
 
+// slotKeyName is the key that RedisStore.slotKey names for a key's slots
+// in a zone, with key_prefix prefix.
+func slotKeyName(prefix, zone, key string) string {
+	s := &RedisStore{KeyPrefix: prefix, fields: []string{escapeTag(zone, "%:") + ":"}}
+	return s.slotKey(&slot{zone: &Zone{}, key: bucketKey{s: key}})
+}
+
 // pair is two strings as a slice, for a command's arguments.
 func pair(a, b string) []string { return []string{a, b} }
 
@@ -674,6 +681,48 @@ func TestRedisCluster(t *testing.T) {
 	}
 	if _, hdr := serve(h, ip); !strings.Contains(hdr.Get("Ratelimit"), `"ip";r=3`) {
 		t.Fatalf("RateLimit %q: want 3 left in zone ip", hdr.Get("Ratelimit"))
+	}
+}
+
+// A request with three zones in three slots, which the last one denies
+// (Redis, not the over-limit cache), gets its tokens back in the first two: each refunded in its own call,
+// as one call for keys in two slots would be refused (CROSSSLOT).
+func TestRedisClusterRefundsEachSlot(t *testing.T) {
+	nodes := startCluster(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
+		{"name":"ip","rate":"1r/m","burst":5},
+		{"name":"api","key":"{http.request.header.X-Key}","rate":"1r/m","burst":5},
+		{"name":"user","key":"{http.request.header.X-User}","rate":"1r/m","burst":1}],
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`, nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
+	slotOf := func(zone, key string) string {
+		hash, _ := bucketName("", zone, key)
+		return nodes[0].cli("CLUSTER", "KEYSLOT", hash)
+	}
+	ip, user := "10.2.0.1", "bob"
+	key := ""
+	for i := 0; key == ""; i++ {
+		k := fmt.Sprintf("key-%d", i)
+		if s := slotOf("api", k); s != slotOf("ip", ip) && s != slotOf("user", user) && slotOf("ip", ip) != slotOf("user", user) {
+			key = k
+		}
+		if i > 1000 {
+			t.Fatal("no key in a third slot")
+		}
+	}
+	if code, _ := serve(h, ip, "X-Key", key, "X-User", user); code != http.StatusOK {
+		t.Fatalf("first: %d", code)
+	}
+	code, hdr := serve(h, ip, "X-Key", key, "X-User", user)
+	if code != http.StatusTooManyRequests {
+		t.Fatalf("second: %d", code)
+	}
+	for _, want := range []string{`"ip";r=4`, `"api";r=4`} {
+		if got := hdr.Get("Ratelimit"); !strings.Contains(got, want) {
+			t.Fatalf("RateLimit %q, want %s: the denied request kept tokens", got, want)
+		}
+	}
+	if _, hdr := serve(h, ip, "X-Key", key); !strings.Contains(hdr.Get("Ratelimit"), `"ip";r=3`) || !strings.Contains(hdr.Get("Ratelimit"), `"api";r=3`) {
+		t.Fatalf("RateLimit %q: want 3 left in zones ip and api", hdr.Get("Ratelimit"))
 	}
 }
 

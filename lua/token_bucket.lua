@@ -135,7 +135,12 @@ local function save(key, debt)
 	local v = encode(now + debt)
 	local added = redis.pcall('HSET', h, field, v)
 	if type(added) == 'table' then
-		redis.call('DEL', h)
+		-- Only a key of another type is ours to repair: any other error
+		-- (OOM, READONLY) fails the call, rather than deleting a hash of
+		-- other clients' buckets to make room.
+		if redis.call('TYPE', h).ok ~= 'hash' then
+			redis.call('DEL', h)
+		end
 		added = redis.call('HSET', h, field, v)
 	end
 	local ms = math.ceil(debt / 1000)
