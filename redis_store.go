@@ -144,6 +144,7 @@ type RedisStore struct {
 	zones       []*Zone
 	prefixes    []string  // per zone: KeyPrefix + name + ":{"
 	shapes      [][3]any  // per zone: the script's burst, cost and ban times, in µs, formatted and boxed once
+	quotaArgs   [][2]any  // per zone: the script's quota limit and cost, formatted and boxed once
 	cache       []*table  // per zone: over-limit cache; nil when disabled
 	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *throttle // errors that Redis answered for one call's keys
@@ -425,6 +426,11 @@ func (s *RedisStore) bind(zones []*Zone) error {
 		// A `{` in a zone name would start the hash tag early.
 		s.prefixes = append(s.prefixes, s.KeyPrefix+escapeTag(z.Name, "%{}")+":{")
 		s.shapes = append(s.shapes, [3]any{micros(z.limit.burstTime), micros(z.costTime), micros(z.limit.ban)})
+		var qa [2]any
+		if z.quota != nil {
+			qa = [2]any{strconv.FormatInt(z.quota.limit, 10), strconv.FormatInt(z.Cost, 10)}
+		}
+		s.quotaArgs = append(s.quotaArgs, qa)
 		if !s.DisableOverLimitCache {
 			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
 		}
@@ -438,7 +444,7 @@ func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
 // request gave up waiting for the calls in flight for its bucket
 // (errNoAnswer), those calls may yet take their tokens: they count too.
 func (s *RedisStore) known(now time.Time, q *request, err error) time.Duration {
-	if s.cache == nil {
+	if s.cache == nil || q.win != nil {
 		return 0
 	}
 	t := s.cache[q.zone.index]
@@ -457,7 +463,7 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 	// calls in flight for its buckets has that much less for its own.
 	budget := s.callTimeout
 	var flight flightKey
-	if s.cache != nil {
+	if s.cache != nil && !onlyQuotas(reqs) {
 		arrived := now
 		var denied bool
 		var err error
@@ -510,10 +516,21 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 		}
 		return false, err
 	}
-	if s.cache != nil {
+	if s.cache != nil && !onlyQuotas(reqs) {
 		s.remember(now, reqs, flight)
 	}
 	return allowed, nil
+}
+
+// onlyQuotas reports whether reqs are all for calendar quotas, which the
+// over-limit cache knows nothing of.
+func onlyQuotas(reqs []request) bool {
+	for i := range reqs {
+		if reqs[i].win == nil {
+			return false
+		}
+	}
+	return true
 }
 
 // The kinds of error a call to Redis can end with.
@@ -615,7 +632,7 @@ func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
 	if _, err := s.run(ctx, deadline, "peek", reqs); err != nil {
 		return err
 	}
-	q.debt = reqs[0].debt
+	q.debt, q.used = reqs[0].debt, reqs[0].used
 	return nil
 }
 
@@ -628,7 +645,11 @@ func (s *RedisStore) reset(ctx context.Context, q *request) (bool, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
-	n, err := s.client.Del(ctx, s.redisKey(q)).Result()
+	key := s.redisKey(q)
+	if q.win != nil {
+		key = s.quotaKey(q)
+	}
+	n, err := s.client.Del(ctx, key).Result()
 	return n > 0, err
 }
 
@@ -642,47 +663,83 @@ func oneTag(reqs []request) bool {
 	return true
 }
 
-// run calls the script for reqs and sets their ok and debt.
+// run calls the script for reqs and sets their ok and debt (and a
+// quota's count). The buckets' keys go first, the quotas' after them.
 func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, reqs []request) (bool, error) {
-	keys := make([]string, len(reqs))
-	args := make([]any, 2, 2+3*len(reqs))
+	nq := 0
+	for i := range reqs {
+		if reqs[i].win != nil {
+			nq++
+		}
+	}
+	nb := len(reqs) - nq
+	keys := make([]string, 0, len(reqs))
+	args := make([]any, 2, 3+3*nb+5*nq)
 	args[0], args[1] = mode, ""
 	if s.testClock != nil {
 		args[1] = s.testClock().UnixMicro()
 	}
 	for i := range reqs {
-		q := &reqs[i]
-		keys[i] = s.redisKey(q)
-		shape := &s.shapes[q.zone.index]
-		args = append(args, shape[0], shape[1], shape[2])
+		if q := &reqs[i]; q.win == nil {
+			keys = append(keys, s.redisKey(q))
+			shape := &s.shapes[q.zone.index]
+			args = append(args, shape[0], shape[1], shape[2])
+		}
 	}
+	if nq > 0 {
+		for i := range reqs {
+			if q := &reqs[i]; q.win != nil {
+				keys = append(keys, s.quotaKey(q))
+				qa := &s.quotaArgs[q.zone.index]
+				args = append(args, qa[0], qa[1], q.win.bounds[0], q.win.bounds[1], q.win.bounds[2])
+			}
+		}
+	}
+	args = append(args, nq) // the quota section's length: always sent
 	v, err := s.client.pipe.run(ctx, deadline, keys, args)
 	if err != nil {
 		return false, err
 	}
 	var bans string
-	switch extra := len(v) - len(reqs) - 1; {
-	case extra < 0 || extra > 2:
+	switch extra := len(v) - nb - 1; {
+	case nq > 0 && extra != 2+2*nq, nq == 0 && (extra < 0 || extra > 2):
 		return false, fmt.Errorf("%w: %d replies for %d keys", errBadReply, len(v)-1, len(reqs))
 	case extra > 0:
-		if n, _ := v[len(reqs)+1].(int64); n > 0 {
+		if n, _ := v[nb+1].(int64); n > 0 {
 			s.repairs.warn(s.logger, "redis store: keys under key_prefix held another type: overwritten",
 				fmt.Errorf("%d in zone %s", n, reqs[0].zone.Name))
 		}
-		if extra == 2 {
-			bans, _ = v[len(reqs)+2].(string)
+		if extra >= 2 {
+			bans, _ = v[nb+2].(string)
 		}
 	}
 	allowed, _ := v[0].(int64)
+	b, j := 0, 0 // the bucket's and the quota's place in the reply
 	for i := range reqs {
-		ns, ok := v[i+1].(int64)
-		if !ok {
-			return false, fmt.Errorf("%w: %v", errBadReply, v[i+1])
-		}
 		q := &reqs[i]
+		if q.win != nil {
+			used, ok1 := v[nb+3+2*j].(int64)
+			ms, ok2 := v[nb+4+2*j].(int64)
+			if !ok1 || !ok2 {
+				return false, fmt.Errorf("%w: %v %v", errBadReply, v[nb+3+2*j], v[nb+4+2*j])
+			}
+			j++
+			q.used, q.debt = used, 0
+			if used > 0 {
+				q.debt = time.Duration(ms) * time.Millisecond
+			}
+			q.ok = allowed == 1 || used+q.zone.Cost <= q.zone.quota.limit
+			q.ban = false
+			continue
+		}
+		ns, ok := v[b+1].(int64)
+		if !ok {
+			return false, fmt.Errorf("%w: %v", errBadReply, v[b+1])
+		}
 		q.debt = time.Duration(ns)
 		q.ok = allowed == 1 || q.wait() == 0
-		q.ban = i < len(bans) && bans[i] == '1'
+		q.ban = b < len(bans) && bans[b] == '1'
+		b++
 	}
 	return allowed == 1, nil
 }
@@ -708,6 +765,13 @@ func (s *RedisStore) redisKey(q *request) string {
 		k = hex.EncodeToString(sum[:16])
 	}
 	return s.prefixes[q.zone.index] + escapeTag(k, "%}") + "}"
+}
+
+// quotaKey is the key of a calendar quota's counter: its bucket key
+// (which a zone with a quota alone never uses) with `:quota` after the
+// hash tag, so that it is in the slot of the request's other keys.
+func (s *RedisStore) quotaKey(q *request) string {
+	return s.redisKey(q) + ":quota"
 }
 
 // escapeTag percent-escapes the bytes of chars (which hold '%') in s, so
@@ -766,6 +830,12 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 		var pace time.Duration
 		for i := range reqs {
 			q := &reqs[i]
+			if q.win != nil {
+				// The cache keeps buckets only: a quota is Redis's to
+				// decide.
+				q.ok, q.debt, q.used = true, 0, 0
+				continue
+			}
 			t, l := s.cache[q.zone.index], q.zone.limit
 			fullAt, n := t.get(q.key), t.instant(now)
 			_, q.ok = l.take(fullAt, n, q.zone.costTime)
@@ -853,11 +923,14 @@ func (s *RedisStore) cacheDenied(reqs []request) bool {
 func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
 	short := false
 	for i := range reqs {
-		short = short || reqs[i].wait() > 0
+		short = short || reqs[i].win == nil && reqs[i].wait() > 0
 	}
 	forget := !short && !s.flights.waited(flight)
 	for i := range reqs {
 		q := &reqs[i]
+		if q.win != nil {
+			continue
+		}
 		t := s.cache[q.zone.index]
 		if forget {
 			t.forget(q.key)

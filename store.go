@@ -34,16 +34,23 @@ type store interface {
 	reset(ctx context.Context, q *request) (bool, error)
 }
 
-// A request asks a store for a zone's cost in tokens from one bucket.
+// A request asks a store for a zone's cost in tokens from one bucket,
+// or, for a zone's calendar quota, for its cost in units of the key's
+// counter in the current window (see quota.go).
 type request struct {
 	zone *Zone
 	key  bucketKey
+	win  *quotaWindow // a quota's window by this instance's clock; nil: a bucket
 
 	ok        bool          // the bucket had the tokens
 	ban       bool          // this denial started a ban
 	debt      time.Duration // how long until the bucket is full, after the decision
 	wouldDeny bool          // a dry-run zone that refused the request
+	used      int64         // a quota's count in its window, after the decision
 }
+
+// isQuota reports whether the request is for the zone's calendar quota.
+func (q *request) isQuota() bool { return q.win != nil }
 
 // denied reports whether the request's zone refused it, dry runs aside.
 func (q *request) denied() bool { return !q.ok && !q.wouldDeny }
@@ -51,12 +58,38 @@ func (q *request) denied() bool { return !q.ok && !q.wouldDeny }
 // wait is how long the request's bucket needs before it can give the
 // tokens.
 func (q *request) wait() time.Duration {
+	if q.win != nil {
+		if q.used+q.zone.Cost > q.zone.quota.limit {
+			return q.debt
+		}
+		return 0
+	}
 	return q.zone.limit.wait(q.debt, q.zone.costTime)
 }
 
 // remaining is the number of whole tokens left in the request's bucket.
 func (q *request) remaining() int64 {
+	if q.win != nil {
+		return max(q.zone.quota.limit-q.used, 0)
+	}
 	return q.zone.limit.wholeTokens(q.debt)
+}
+
+// capacity is the most the request's bucket or quota window holds.
+func (q *request) capacity() int64 {
+	if q.win != nil {
+		return q.zone.quota.limit
+	}
+	return q.zone.limit.burst
+}
+
+// nextUnit is how long until the request's bucket holds one more whole
+// token, or its quota is whole again: 0 when either is full.
+func (q *request) nextUnit() time.Duration {
+	if q.win != nil {
+		return q.debt
+	}
+	return q.zone.limit.nextToken(q.debt)
 }
 
 // fallible is a store that can fail, and says what to do then.

@@ -35,6 +35,40 @@
 -- and refund; repaired is the number of such keys. bans, present when
 -- this call started a ban, is a string of n flags, '1' for each key whose
 -- ban it started (repaired, then maybe 0, comes before it).
+--
+-- Calendar quotas, a section of their own: a counter per key and window
+-- (a day, a week or a month in a time zone), decided in the same call,
+-- all or nothing with the buckets. Lua knows no time zones, so Caddy
+-- computes, by its own clock and in the zone's time zone, the window
+-- that holds its now: its start b0 and end b1, and the next window's end
+-- b2. The script takes Redis's TIME (or ARGV[2]) and picks the window
+-- that holds it: the one ending at b0 (Caddy's clock is ahead, into the
+-- next window), at b1, or at b2 (Caddy's clock is behind). So every
+-- instance counts in the window of Redis's one clock, whatever its own
+-- clock's skew up to a whole window; a TIME past b2 is an error, which
+-- fail_mode decides. Only boundaries travel, never an instant that
+-- decides: no instance can move a window by its clock.
+--
+-- A counter is a hash {w = its window's end, n = its count}, expiring at
+-- w (PEXPIREAT): a counter of an ended window, or none, is 0. The window
+-- is held in the key rather than named by it, so a key is one key per
+-- client whatever the window, and a window of a counter found older than
+-- the picked one starts again from 0.
+--
+-- KEYS[n+j]         quota counter keys, after the n bucket keys
+-- ARGV[#ARGV]       m, the number of quota keys (always sent, 0 for none);
+--                   the bucket keys are the other #KEYS - m
+-- ARGV[a+1 .. a+5]  for quota j, where a = #ARGV - 1 - 5(m - j + 1):
+--                   limit_j, cost_j, b0_j, b1_j, b2_j (ms since 1970)
+--
+-- take    a quota that lacks cost_j refuses (reply[1] = 0, nothing
+--         charged); an allowed request adds cost_j to every counter
+-- refund  takes cost_j off a counter of the window that holds now
+-- peek    changes nothing
+--
+-- With m > 0 the reply always has repaired and bans (an empty string
+-- when no ban started), then for each quota j its count after the
+-- decision and the milliseconds until its window ends.
 
 local epoch = 1735689600 -- 2025-01-01T00:00:00Z, in seconds
 local slack = 1 -- µs
@@ -69,7 +103,48 @@ local function load(key)
 	return f, v and not f
 end
 
-local n = #KEYS
+-- Calendar quotas, decided before the buckets charge anything.
+local m = tonumber(ARGV[#ARGV]) or 0
+local n = #KEYS - m
+local qnow = math.floor(now / 1000) + epoch * 1000 -- ms since 1970
+local qdeny = false
+local qkeys, qused, qend, qcost, qstale, qbad = {}, {}, {}, {}, {}, 0
+for j = 1, m do
+	local a = #ARGV - 1 - 5 * (m - j + 1)
+	local limit, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+	local e
+	for k = 3, 5 do
+		local b = tonumber(ARGV[a + k])
+		if qnow < b then
+			e = b
+			break
+		end
+	end
+	if not e then
+		return redis.error_reply('ERR quota window: Redis TIME is past the windows Caddy sent (clocks more than a window apart)')
+	end
+	local key = KEYS[n + j]
+	local v = redis.pcall('HMGET', key, 'w', 'n')
+	local w, used = nil, 0
+	if type(v) == 'table' and v.err then
+		qbad = qbad + 1
+		if mode ~= 'peek' then
+			redis.call('DEL', key)
+		end
+	else
+		w, used = tonumber(v[1]), tonumber(v[2]) or 0
+	end
+	if w and w >= e then
+		e = w -- a window Redis's clock already counted in
+	else
+		used, qstale[j] = 0, true
+	end
+	if mode == 'take' and used + cost > limit then
+		qdeny = true
+	end
+	qkeys[j], qused[j], qend[j], qcost[j] = key, used, e, cost
+end
+
 local reply = { 1 }
 local bad = {}
 local repaired = 0
@@ -92,6 +167,10 @@ for i = 1, n do
 		short[i] = ban > 0 and debt <= full
 	end
 	reply[i + 1] = debt
+end
+
+if qdeny then
+	reply[1] = 0 -- a quota refuses: no bucket is charged
 end
 
 local bans, banned = {}, false
@@ -125,5 +204,32 @@ if repaired > 0 and mode ~= 'peek' or banned then
 end
 if banned then
 	reply[n + 3] = table.concat(bans)
+end
+
+-- Calendar quotas: count, and reply.
+if m > 0 then
+	reply[n + 2] = repaired + qbad
+	reply[n + 3] = banned and table.concat(bans) or ''
+	for j = 1, m do
+		local key, used, e = qkeys[j], qused[j], qend[j]
+		if mode == 'take' and reply[1] == 1 then
+			used = used + qcost[j]
+			if qstale[j] then
+				redis.call('HSET', key, 'w', e, 'n', used)
+			else
+				redis.call('HINCRBY', key, 'n', qcost[j])
+			end
+			redis.call('PEXPIREAT', key, e)
+		elseif mode == 'refund' and not qstale[j] and used > 0 then
+			used = math.max(used - qcost[j], 0)
+			if used == 0 then
+				redis.call('DEL', key)
+			else
+				redis.call('HSET', key, 'n', used)
+			end
+		end
+		reply[n + 2 + 2 * j] = used
+		reply[n + 3 + 2 * j] = e - qnow
+	end
 end
 return reply
