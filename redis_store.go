@@ -146,6 +146,7 @@ type RedisStore struct {
 	shapes      [][3]any  // per zone: the script's burst, cost and ban times, in µs, formatted and boxed once
 	quotaArgs   [][2]any  // per zone: the script's quota limit and cost, formatted and boxed once
 	cache       []*table  // per zone: over-limit cache; nil when disabled
+	quotaCache  []*table  // per zone: the quota counts Redis last gave (see fromCache); nil without a quota
 	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *throttle // errors that Redis answered for one call's keys
 	repairs     *throttle // keys of another type that the script overwrote
@@ -433,6 +434,11 @@ func (s *RedisStore) bind(zones []*Zone) error {
 		s.quotaArgs = append(s.quotaArgs, qa)
 		if !s.DisableOverLimitCache {
 			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
+			var qt *table
+			if z.quota != nil {
+				qt = newTable(overLimitCacheKeys, time.Now())
+			}
+			s.quotaCache = append(s.quotaCache, qt)
 		}
 	}
 	return nil
@@ -463,7 +469,7 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 	// calls in flight for its buckets has that much less for its own.
 	budget := s.callTimeout
 	var flight flightKey
-	if s.cache != nil && !onlyQuotas(reqs) {
+	if s.cache != nil {
 		arrived := now
 		var denied bool
 		var err error
@@ -516,21 +522,10 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (b
 		}
 		return false, err
 	}
-	if s.cache != nil && !onlyQuotas(reqs) {
+	if s.cache != nil {
 		s.remember(now, reqs, flight)
 	}
 	return allowed, nil
-}
-
-// onlyQuotas reports whether reqs are all for calendar quotas, which the
-// over-limit cache knows nothing of.
-func onlyQuotas(reqs []request) bool {
-	for i := range reqs {
-		if reqs[i].win == nil {
-			return false
-		}
-	}
-	return true
 }
 
 // The kinds of error a call to Redis can end with.
@@ -602,7 +597,7 @@ func (s *RedisStore) decide(ctx context.Context, deadline time.Time, reqs []requ
 func (s *RedisStore) refund(ctx context.Context, _ time.Time, reqs []request) error {
 	for i := range reqs {
 		if s.cache != nil {
-			s.cache[reqs[i].zone.index].forget(reqs[i].key)
+			s.cacheOf(&reqs[i]).forget(reqs[i].key)
 		}
 	}
 	if s.client.breaker.openUntil.Load() != 0 {
@@ -641,7 +636,7 @@ func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
 // runs out; until then they may still deny that key.
 func (s *RedisStore) reset(ctx context.Context, q *request) (bool, error) {
 	if s.cache != nil {
-		s.cache[q.zone.index].forget(q.key)
+		s.cacheOf(q).forget(q.key)
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
@@ -651,6 +646,14 @@ func (s *RedisStore) reset(ctx context.Context, q *request) (bool, error) {
 	}
 	n, err := s.client.Del(ctx, key).Result()
 	return n > 0, err
+}
+
+// cacheOf is the over-limit cache table of q's bucket or quota.
+func (s *RedisStore) cacheOf(q *request) *table {
+	if q.win != nil {
+		return s.quotaCache[q.zone.index]
+	}
+	return s.cache[q.zone.index]
 }
 
 // oneTag reports whether all requests share one hash tag, so one slot.
@@ -831,9 +834,14 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 		for i := range reqs {
 			q := &reqs[i]
 			if q.win != nil {
-				// The cache keeps buckets only: a quota is Redis's to
-				// decide.
-				q.ok, q.debt, q.used = true, 0, 0
+				// A quota's counter only grows in its window (but for
+				// refunds, and resets), so the count Redis last gave is
+				// a bound too.
+				t := s.quotaCache[q.zone.index]
+				n := t.instant(now)
+				used, endAt := t.count(q.key, n)
+				q.used, q.debt = used, max(endAt-n, 0)
+				q.ok = used+q.zone.Cost <= q.zone.quota.limit
 				continue
 			}
 			t, l := s.cache[q.zone.index], q.zone.limit
@@ -853,6 +861,9 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 		}
 		if s.cacheDenied(reqs) {
 			return now, flightKey{}, true, nil
+		}
+		if reqs[tight].win != nil {
+			return now, noFlight, false, nil // quotas alone: no bucket to fly for
 		}
 		var landed <-chan struct{}
 		var k flightKey
@@ -898,7 +909,10 @@ func (s *RedisStore) cacheDenied(reqs []request) bool {
 	denied := false
 	for i := range reqs {
 		q := &reqs[i]
-		if !q.ok && (q.zone.limit.ban > 0 || q.zone.Count != nil) && !q.zone.limit.banned(q.debt) {
+		if !q.ok && q.win != nil && q.zone.Count != nil {
+			return false
+		}
+		if !q.ok && q.win == nil && (q.zone.limit.ban > 0 || q.zone.Count != nil) && !q.zone.limit.banned(q.debt) {
 			return false
 		}
 		denied = denied || !q.ok
@@ -923,12 +937,13 @@ func (s *RedisStore) cacheDenied(reqs []request) bool {
 func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
 	short := false
 	for i := range reqs {
-		short = short || reqs[i].win == nil && reqs[i].wait() > 0
+		short = short || reqs[i].wait() > 0
 	}
 	forget := !short && !s.flights.waited(flight)
 	for i := range reqs {
 		q := &reqs[i]
 		if q.win != nil {
+			s.rememberCount(now, q)
 			continue
 		}
 		t := s.cache[q.zone.index]
@@ -940,6 +955,29 @@ func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
 		t.raise(q.key, n+q.debt, n)
 	}
 }
+
+// rememberCount notes the count Redis gave for a quota, sent at now, in
+// the window that ends debt after: no sooner than that, since Redis
+// decided after now (and a millisecond sooner, as it counts in whole
+// ones). A count of 0 is forgotten.
+func (s *RedisStore) rememberCount(now time.Time, q *request) {
+	t := s.quotaCache[q.zone.index]
+	if q.used <= 0 || q.debt <= time.Millisecond {
+		t.forget(q.key)
+		return
+	}
+	h, n := t.hash(q.key), t.instant(now)
+	sh := t.shard(h)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if b, ok := sh.buckets[h]; ok && b.fullAt > n && int64(b.usedAt) > q.used {
+		return // a later answer came in first
+	}
+	sh.setCount(t, h, n+q.debt-time.Millisecond, q.used, n)
+}
+
+// noFlight is the flight of a request with no bucket to fly for.
+var noFlight = flightKey{zone: -1}
 
 // flights are the Redis calls in flight for the buckets of the requests
 // that the over-limit cache looks at.
@@ -993,6 +1031,9 @@ func (fs *flights) waited(k flightKey) bool {
 }
 
 func (fs *flights) land(k flightKey) {
+	if k == noFlight {
+		return
+	}
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	f := fs.m[k]
