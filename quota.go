@@ -90,13 +90,15 @@ type quota struct {
 }
 
 // A quotaWindow is a quota window by this instance's clock, with the
-// next one: what a store needs to pick the window by its own clock.
+// ones before and after: what a store needs to pick the window by its
+// own clock.
 type quotaWindow struct {
-	start, end, next time.Time // the window is [start, end); the next one [end, next)
-	seconds          int64     // its length, for RateLimit-Policy's w
-	// The Redis script's window boundaries: start, end and next, in
-	// milliseconds since 1970, formatted and boxed once.
-	bounds [3]any
+	start, end time.Time // the window is [start, end)
+	seconds    int64     // its length, for RateLimit-Policy's w
+	// The Redis script's window boundaries, in milliseconds since 1970,
+	// formatted and boxed once: the previous window's start, the
+	// window's start and end, and the next window's end.
+	bounds [4]any
 }
 
 // window returns the window that holds now. Windows change once a day at
@@ -112,16 +114,17 @@ func (qt *quota) window(now time.Time) *quotaWindow {
 
 // windowAt computes the window that holds now.
 func (qt *quota) windowAt(now time.Time) *quotaWindow {
-	var start, end, next time.Time
+	var prev, start, end, next time.Time
 	if qt.every > 0 {
 		start = time.Unix(0, now.UnixNano()/int64(qt.every)*int64(qt.every))
-		end, next = start.Add(qt.every), start.Add(2*qt.every)
+		prev, end, next = start.Add(-qt.every), start.Add(qt.every), start.Add(2*qt.every)
 	} else {
 		start, end = qt.period.window(now, qt.loc)
+		prev, _ = qt.period.window(start.Add(-time.Nanosecond), qt.loc)
 		_, next = qt.period.window(end, qt.loc)
 	}
-	w := &quotaWindow{start: start, end: end, next: next, seconds: ceilSeconds(end.Sub(start))}
-	for i, t := range [3]time.Time{start, end, next} {
+	w := &quotaWindow{start: start, end: end, seconds: ceilSeconds(end.Sub(start))}
+	for i, t := range [4]time.Time{prev, start, end, next} {
 		w.bounds[i] = strconv.FormatInt(t.UnixMilli(), 10)
 	}
 	return w

@@ -677,7 +677,7 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 	}
 	nb := len(reqs) - nq
 	keys := make([]string, 0, len(reqs))
-	args := make([]any, 2, 3+3*nb+5*nq)
+	args := make([]any, 2, 3+3*nb+6*nq)
 	args[0], args[1] = mode, ""
 	if s.testClock != nil {
 		args[1] = s.testClock().UnixMicro()
@@ -694,7 +694,7 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 			if q := &reqs[i]; q.win != nil {
 				keys = append(keys, s.quotaKey(q))
 				qa := &s.quotaArgs[q.zone.index]
-				args = append(args, qa[0], qa[1], q.win.bounds[0], q.win.bounds[1], q.win.bounds[2])
+				args = append(args, qa[0], qa[1], q.win.bounds[0], q.win.bounds[1], q.win.bounds[2], q.win.bounds[3])
 			}
 		}
 	}

@@ -40,14 +40,15 @@
 -- (a day, a week or a month in a time zone), decided in the same call,
 -- all or nothing with the buckets. Lua knows no time zones, so Caddy
 -- computes, by its own clock and in the zone's time zone, the window
--- that holds its now: its start b0 and end b1, and the next window's end
--- b2. The script takes Redis's TIME (or ARGV[2]) and picks the window
--- that holds it: the one ending at b0 (Caddy's clock is ahead, into the
--- next window), at b1, or at b2 (Caddy's clock is behind). So every
--- instance counts in the window of Redis's one clock, whatever its own
--- clock's skew up to a whole window; a TIME past b2 is an error, which
--- fail_mode decides. Only boundaries travel, never an instant that
--- decides: no instance can move a window by its clock.
+-- that holds its now, [b1, b2), with the one before, [b0, b1), and the
+-- one after, [b2, b3). The script takes Redis's TIME (or ARGV[2]) and
+-- picks the one of the three that holds it: the one before when Caddy's
+-- clock is ahead, across a boundary Redis's has not reached, the one
+-- after when it is behind. So every instance counts in the window of
+-- Redis's one clock, whatever its own clock's skew up to a whole window;
+-- a TIME outside the three is an error, which fail_mode decides. Only
+-- boundaries travel, never an instant that decides: no instance can move
+-- a window by its clock.
 --
 -- A counter is a hash {w = its window's end, n = its count}, expiring at
 -- w (PEXPIREAT): a counter of an ended window, or none, is 0. The window
@@ -58,8 +59,8 @@
 -- KEYS[n+j]         quota counter keys, after the n bucket keys
 -- ARGV[#ARGV]       m, the number of quota keys (always sent, 0 for none);
 --                   the bucket keys are the other #KEYS - m
--- ARGV[a+1 .. a+5]  for quota j, where a = #ARGV - 1 - 5(m - j + 1):
---                   limit_j, cost_j, b0_j, b1_j, b2_j (ms since 1970)
+-- ARGV[a+1 .. a+6]  for quota j, where a = #ARGV - 1 - 6(m - j + 1):
+--                   limit_j, cost_j, b0_j, b1_j, b2_j, b3_j (ms since 1970)
 --
 -- take    a quota that lacks cost_j refuses (reply[1] = 0, nothing
 --         charged); an allowed request adds cost_j to every counter
@@ -110,18 +111,20 @@ local qnow = math.floor(now / 1000) + epoch * 1000 -- ms since 1970
 local qdeny = false
 local qkeys, qused, qend, qcost, qstale, qbad = {}, {}, {}, {}, {}, 0
 for j = 1, m do
-	local a = #ARGV - 1 - 5 * (m - j + 1)
+	local a = #ARGV - 1 - 6 * (m - j + 1)
 	local limit, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
 	local e
-	for k = 3, 5 do
-		local b = tonumber(ARGV[a + k])
-		if qnow < b then
-			e = b
-			break
+	if qnow >= tonumber(ARGV[a + 3]) then
+		for k = 4, 6 do
+			local b = tonumber(ARGV[a + k])
+			if qnow < b then
+				e = b
+				break
+			end
 		end
 	end
 	if not e then
-		return redis.error_reply('ERR quota window: Redis TIME is past the windows Caddy sent (clocks more than a window apart)')
+		return redis.error_reply('ERR quota window: Redis TIME is outside the windows Caddy sent (clocks more than a window apart)')
 	end
 	local key = KEYS[n + j]
 	local v = redis.pcall('HMGET', key, 'w', 'n')
