@@ -69,12 +69,25 @@ func (p period) window(t time.Time, loc *time.Location) (start, end time.Time) {
 	switch p {
 	case periodWeek:
 		d -= (int(time.Date(y, m, d, 12, 0, 0, 0, loc).Weekday()) + 6) % 7 // back to Monday
-		return time.Date(y, m, d, 0, 0, 0, 0, loc), time.Date(y, m, d+7, 0, 0, 0, 0, loc)
+		return midnight(y, m, d, loc), midnight(y, m, d+7, loc)
 	case periodMonth:
-		return time.Date(y, m, 1, 0, 0, 0, 0, loc), time.Date(y, m+1, 1, 0, 0, 0, 0, loc)
+		return midnight(y, m, 1, loc), midnight(y, m+1, 1, loc)
 	default:
-		return time.Date(y, m, d, 0, 0, 0, 0, loc), time.Date(y, m, d+1, 0, 0, 0, 0, loc)
+		return midnight(y, m, d, loc), midnight(y, m, d+1, loc)
 	}
+}
+
+// midnight is the first instant of a day in loc (d may overflow the
+// month, as time.Date allows). Where a change of offset skips midnight
+// (as America/Santiago's did), time.Date may give an instant of the day
+// before: the day then starts at the change.
+func midnight(y int, m time.Month, d int, loc *time.Location) time.Time {
+	t := time.Date(y, m, d, 0, 0, 0, 0, loc)
+	wy, wm, wd := time.Date(y, m, d, 0, 0, 0, 0, time.UTC).Date()
+	if ty, tm, td := t.In(loc).Date(); ty != wy || tm != wm || td != wd {
+		_, t = t.ZoneBounds()
+	}
+	return t
 }
 
 // A quota is a zone's calendar quota, ready to use.

@@ -175,10 +175,10 @@ func (z *Zone) validate() error {
 	if err := checkZoneName(z.Name); err != nil {
 		return err
 	}
-	if _, err := z.parseLimit(); err != nil {
+	if _, err := z.quotaLimit(); err != nil {
 		return err
 	}
-	_, err := z.quotaLimit()
+	_, err := z.parseLimit()
 	return err
 }
 
