@@ -100,7 +100,7 @@ func newCollector() *collector {
 			"Allowed requests whose tokens a zone with count gave back, as their response did not match.",
 			[]string{"zone"}, nil),
 		keys: prometheus.NewDesc(name("keys"),
-			"Buckets the local store tracks.",
+			"Buckets and calendar quota counters the local store tracks.",
 			[]string{"zone"}, nil),
 		evictions: prometheus.NewDesc(name("evictions_total"),
 			"Buckets the local store evicted before they refilled, to stay within max_keys.",

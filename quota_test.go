@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -478,5 +479,95 @@ func TestRedisQuotaCluster(t *testing.T) {
 		if code, _ := serve(h, "192.0.2.1", "K", "a", "R", fmt.Sprint("y", i)); code != want {
 			t.Fatalf("request %d: %d, want %d", i, code, want)
 		}
+	}
+}
+
+// TestQuotaSnapshot: a quota table's counters go to the snapshot with
+// their counts; loaded, those of ended windows are dropped, and a
+// counter used since the start adds the snapshot's count to its own.
+func TestQuotaSnapshot(t *testing.T) {
+	sn := testSnapshots(newTestStorage())
+	shape := tableID{name: "zq", quota: "month@Europe/Paris"}
+	if got := shape.snapshotName(); got != "quotas/zq.month@Europe-Paris" {
+		t.Fatalf("snapshot name %q", got)
+	}
+	newQuotaTable := func() *table {
+		qt := newTable(1000, t0)
+		qt.key = sn.key
+		qt.p = &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
+		return qt
+	}
+	setCount := func(qt *table, k string, used int64, end time.Time) {
+		h := qt.hash(key(k))
+		s := qt.shard(h)
+		s.mu.Lock()
+		s.setCount(qt, h, qt.instant(end), used, qt.instant(t0))
+		s.mu.Unlock()
+	}
+	a := newQuotaTable()
+	setCount(a, "month", 7, t0.Add(10*24*time.Hour))
+	setCount(a, "both", 2, t0.Add(10*24*time.Hour))
+	setCount(a, "ending", 5, t0.Add(time.Second))
+	b := a.snapshot(t0, sn.key.fingerprint())
+	if got, want := len(b), snapshotHeader+3*(snapshotEntry+8); got != want {
+		t.Fatalf("snapshot of 3 counters: %d bytes, want %d", got, want)
+	}
+
+	later := t0.Add(2 * time.Second) // "ending"'s window has ended
+	c := newQuotaTable()
+	c.epoch = t0.Add(-time.Hour)
+	setCount(c, "both", 3, t0.Add(10*24*time.Hour))
+	kept, err := c.merge(b, sn.key.fingerprint(), later)
+	if err != nil || kept != 2 {
+		t.Fatalf("kept %d, %v; want 2", kept, err)
+	}
+	for k, want := range map[string]int64{"month": 7, "both": 5, "ending": 0} {
+		used, end := c.count(key(k), c.instant(later))
+		if used != want {
+			t.Errorf("%s: count %d, want %d", k, used, want)
+		}
+		if used > 0 && end != c.instant(t0.Add(10*24*time.Hour)) {
+			t.Errorf("%s: window ends at %v", k, end)
+		}
+	}
+}
+
+// TestQuotaCountAndDryRun: with count, a request whose response does
+// not match is given back to the quota; in dry run, a quota that would
+// refuse lets the request through and says so.
+func TestQuotaCountAndDryRun(t *testing.T) {
+	r := startRedis(t)
+	for _, backend := range []string{"local", "redis"} {
+		t.Run(backend, func(t *testing.T) {
+			store := `{"backend":"local","persist":false}`
+			if backend == "redis" {
+				store = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"cdr:"}`, r.addr())
+			}
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":[
+				{"name":"qc-%s","quota":2,"quota_period":"day","count":{"status_code":[5]}},
+				{"name":"qd-%s","quota":1,"quota_period":"week","dry_run":true,"match":[{"path":["/dry"]}]}],"store":%s}`, backend, backend, store))
+			// 200s are given back: the quota of 2 never runs out.
+			for i := range 5 {
+				if code, _ := serve(h, "192.0.2.1"); code != 200 {
+					t.Fatalf("request %d: %d", i, code)
+				}
+			}
+			q := request{zone: h.Zones[0], key: bucketKey{s: "192.0.2.1"}, win: h.Zones[0].quota.window(time.Now())}
+			if err := h.store.peek(context.Background(), time.Now(), &q); err != nil || q.used != 0 {
+				t.Fatalf("count %d, %v; want 0: every response was given back", q.used, err)
+			}
+			// Dry run: the second request in the week would be refused.
+			for i, want := range []bool{false, true} {
+				req, rr := newRequest("192.0.2.2")
+				req.URL.Path = "/dry"
+				if err := h.ServeHTTP(rr, req, okHandler); err != nil || rr.Code != 200 {
+					t.Fatalf("dry run %d: %v %d", i, err, rr.Code)
+				}
+				repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+				if v, _ := repl.Get("http.rate_limit.qd-" + backend + ".would_deny"); v != want {
+					t.Fatalf("dry run %d: would_deny %v, want %v", i, v, want)
+				}
+			}
+		})
 	}
 }

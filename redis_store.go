@@ -836,11 +836,14 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			if q.win != nil {
 				// A quota's counter only grows in its window (but for
 				// refunds, and resets), so the count Redis last gave is
-				// a bound too.
+				// a bound too, for a while (see rememberCount).
 				t := s.quotaCache[q.zone.index]
 				n := t.instant(now)
-				used, endAt := t.count(q.key, n)
-				q.used, q.debt = used, max(endAt-n, 0)
+				used, _ := t.count(q.key, n)
+				q.used, q.debt = used, 0
+				if used > 0 {
+					q.debt = max(q.win.end.Sub(now), 0)
+				}
 				q.ok = used+q.zone.Cost <= q.zone.quota.limit
 				continue
 			}
@@ -956,10 +959,16 @@ func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
 	}
 }
 
-// rememberCount notes the count Redis gave for a quota, sent at now, in
-// the window that ends debt after: no sooner than that, since Redis
-// decided after now (and a millisecond sooner, as it counts in whole
-// ones). A count of 0 is forgotten.
+// quotaCacheFor is how long this instance refuses an exhausted quota by
+// itself, without asking Redis. A count only grows in its window, but a
+// reset through another instance's admin API lowers it, and a window
+// lasts up to a month: such a reset is seen here within this time.
+const quotaCacheFor = 5 * time.Second
+
+// rememberCount notes the count Redis gave for a quota, sent at now, for
+// quotaCacheFor at most, and never past the window that ends debt after:
+// no sooner than that, since Redis decided after now (and a millisecond
+// sooner, as it counts in whole ones). A count of 0 is forgotten.
 func (s *RedisStore) rememberCount(now time.Time, q *request) {
 	t := s.quotaCache[q.zone.index]
 	if q.used <= 0 || q.debt <= time.Millisecond {
@@ -973,7 +982,7 @@ func (s *RedisStore) rememberCount(now time.Time, q *request) {
 	if b, ok := sh.buckets[h]; ok && b.fullAt > n && int64(b.usedAt) > q.used {
 		return // a later answer came in first
 	}
-	sh.setCount(t, h, n+q.debt-time.Millisecond, q.used, n)
+	sh.setCount(t, h, n+min(q.debt-time.Millisecond, quotaCacheFor), q.used, n)
 }
 
 // noFlight is the flight of a request with no bucket to fly for.
