@@ -2,7 +2,7 @@
 #   apt-get install redis-server wrk
 # make bench NOTE="machine shared with CI" adds a note to the results.
 
-.PHONY: bench bench-quick faults
+.PHONY: bench bench-quick faults masters
 
 bench:
 	bench/run.sh full $(if $(NOTE),-note "$(NOTE)")
@@ -15,3 +15,14 @@ bench-quick:
 # bench/faults/RESULTS.md.
 faults:
 	bench/faults/run.sh
+
+# How decisions spread over the masters of a 3-master Redis Cluster, and
+# the decisions/s of one master pinned to core 1, loaded by the store from
+# core 0 (README, "Performance", "Redis"); needs Go, redis-server and
+# taskset. RUNS=n runs each load n times (default 5); SCRIPT=<file> runs
+# another version of lua/token_bucket.lua for comparison. Writes
+# bench/results/masters.log.
+masters:
+	RATE_LIMIT_MASTERS=1 RATE_LIMIT_MASTERS_RUNS=$(RUNS) RATE_LIMIT_SCRIPT=$(SCRIPT) \
+		taskset -c 0 go test -count=1 -run '^(TestRedisClusterSpread|TestMastersThroughput)$$' -v . \
+		| grep -E '^(---|ok|FAIL|\s+masters_test)' | tee bench/results/masters.log

@@ -103,6 +103,7 @@ type zoneInfo struct {
 	Burst    int64             `json:"burst"`
 	Cost     int64             `json:"cost"`
 	Ban      string            `json:"ban,omitempty"`
+	Delay    string            `json:"delay,omitempty"`
 	Quota    int64             `json:"quota,omitempty"`
 	Per      string            `json:"quota_period,omitempty"`
 	Timezone string            `json:"timezone,omitempty"`
@@ -141,6 +142,12 @@ func (ref zoneRef) info() zoneInfo {
 	}
 	if z.quota != nil {
 		info.Quota, info.Per, info.Timezone = z.quota.limit, z.QuotaPeriod, z.quota.loc.String()
+	}
+	if z.Delay != 0 {
+		info.Delay = time.Duration(z.Delay).String()
+		info.Requests["delayed"] = st.delayed.Load()
+		info.Requests["delay_abandoned"] = st.delayAbandoned.Load()
+		info.Requests["delay_refused"] = st.delayRefused.Load()
 	}
 	switch s := ref.h.store.(type) {
 	case *LocalStore:
@@ -253,6 +260,9 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	}
 	z := ref.z
 	q := request{zone: z, key: z.adminKey(key)}
+	if z.plans != nil {
+		q.pl = unknownPlan
+	}
 	var qq *request // the key's quota
 	if z.quota != nil {
 		qq = &request{zone: z, key: q.key, win: z.quota.window(time.Now())}
@@ -288,18 +298,15 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if err := ref.h.store.peek(ctx, time.Now(), &q); err != nil {
 		return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
 	}
-	l := ref.z.limit
-	return writeJSON(w, bucketInfo{
-		Quota:     quota,
-		Zone:      name,
-		Key:       key,
-		Bucket:    q.key.String(),
-		Tokens:    max(l.tokens(q.debt), 0),
-		Burst:     l.burst,
-		FullIn:    q.debt.Seconds(),
-		Banned:    l.banned(q.debt),
-		BannedFor: l.banLeft(q.debt).Seconds(),
-	})
+	info := bucketInfo{Zone: name, Key: key, Bucket: q.key.String(), FullIn: q.debt.Seconds(), Quota: quota}
+	if ref.z.plans == nil {
+		// A zone whose limit depends on the request has no tokens or
+		// ban to tell apart without a request: only when it is full.
+		l := ref.z.limit
+		info.Tokens, info.Burst = max(l.tokens(q.debt), 0), l.burst
+		info.Banned, info.BannedFor = l.banned(q.debt), l.banLeft(q.debt).Seconds()
+	}
+	return writeJSON(w, info)
 }
 
 // reset fills a bucket again, in the store and in the local buckets that

@@ -109,6 +109,11 @@ func BenchmarkServeHTTP(b *testing.B) {
 	for _, tc := range []struct{ name, zone string }{
 		{"allowed", `{"name":"bench-allowed","rate":"1000000000r/s"}`},
 		{"allowed-ban", `{"name":"bench-allowed-ban","rate":"1000000000r/s","ban":"15m"}`},
+		// count 401, and the response a 200: every request is charged,
+		// then given its token back.
+		{"allowed-count", `{"name":"bench-allowed-count","rate":"1000000000r/s","count":{"status_code":[401]}}`},
+		{"allowed-concurrency", `{"name":"bench-allowed-concurrency","rate":"1000000000r/s","concurrency":100}`},
+		{"allowed-delay", `{"name":"bench-allowed-delay","rate":"1000000000r/s","delay":"1s"}`},
 		{"denied", `{"name":"bench-denied","rate":"1r/s"}`}, // Retry-After: 1
 		{"allowed_api_key", `{"name":"bench-api-key","key":"{http.request.header.X-API-Key}","rate":"1000000000r/s"}`},
 		{"allowed-quota", `{"name":"bench-quota","quota":999999999999999,"quota_period":"month"}`},
@@ -117,7 +122,10 @@ func BenchmarkServeHTTP(b *testing.B) {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, `{"zones":[`+tc.zone+`]}`)
 			h.logger = zap.NewNop() // Caddy's default level skips denial logs too
-			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+				w.WriteHeader(http.StatusOK)
+				return nil
+			})
 			req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
 			req.Header.Set("X-API-Key", "an-api-key-of-32-bytes-abcdefghi")
 			vars := map[string]any{"client_ip": "192.0.2.1"}
@@ -145,7 +153,7 @@ func (w *headerSink) WriteHeader(int)             {}
 // comparison with redis_rate at 1 to 64 callers is in bench/compare.
 func BenchmarkRedisStore(b *testing.B) {
 	r := startRedis(b)
-	for _, tc := range []struct{ name, ban string }{{"plain", ""}, {"ban", `,"ban":"15m"`},
+	for _, tc := range []struct{ name, ban string }{{"plain", ""}, {"ban", `,"ban":"15m"`}, {"delay", `,"delay":"1s"`},
 		{"quota", `,"quota":999999999999999,"quota_period":"month"`}} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rb-%s","rate":"1000000r/s"%s}],
@@ -169,6 +177,83 @@ func BenchmarkRedisStore(b *testing.B) {
 				i++
 			}
 			b.ReportMetric(float64(r.calls()-calls)/float64(i), "calls/op")
+		})
+	}
+}
+
+// BenchmarkServeHTTPRedis is the handler's whole cost for one request
+// with the Redis store, one caller at a time, on keys that never run out:
+// allocations, and calls to Redis per request.
+func BenchmarkServeHTTPRedis(b *testing.B) {
+	r := startRedis(b)
+	for _, tc := range []struct{ name, zone string }{
+		{"allowed", `"rate":"1000000r/s"`},
+		{"allowed-ban", `"rate":"1000000r/s","ban":"15m"`},
+		// The response, a 200, does not match: the tokens go back.
+		{"allowed-count", `"rate":"1000000r/s","count":{"status_code":[401]}`},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rh-%s",%s}],
+		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, tc.zone, r.addr()))
+			h.logger = zap.NewNop()
+			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+				w.WriteHeader(http.StatusOK)
+				return nil
+			})
+			ips := make([]any, 10000) // boxed once: the loop allocates nothing of its own
+			for i := range ips {
+				ips[i] = fmt.Sprintf("10.%d.%d.1", i>>8, i&0xff)
+			}
+			req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
+			vars := map[string]any{"client_ip": ips[0]}
+			req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, vars))
+			caddyhttp.NewTestReplacer(req)
+			w := &headerSink{h: make(http.Header)}
+			calls := r.calls()
+			b.ReportAllocs()
+			i := 0
+			for b.Loop() {
+				vars["client_ip"] = ips[i%len(ips)]
+				clear(w.h)
+				if err := h.ServeHTTP(w, req, next); err != nil {
+					b.Fatal(err)
+				}
+				i++
+			}
+			b.ReportMetric(float64(r.calls()-calls)/float64(i), "calls/op")
+		})
+	}
+}
+
+// BenchmarkServeHTTPPlan is the allowed path of a zone whose rate and
+// burst come with the request (plans.go), beside the same zone with
+// fixed numbers: `benchstat -col /rate`. The values come from
+// {http.vars.*}, as an authentication handler would set them, or from
+// request headers.
+func BenchmarkServeHTTPPlan(b *testing.B) {
+	for _, tc := range []struct{ name, zone string }{
+		{"rate=fixed", `{"name":"bench-plan-fixed","rate":"1000000000r/s","burst":1000000000}`},
+		{"rate=vars", `{"name":"bench-plan-vars","rate":"{http.vars.plan_rate}","burst":"{http.vars.plan_burst}"}`},
+		{"rate=header", `{"name":"bench-plan-header","rate":"{http.request.header.X-Rate}","burst":"{http.request.header.X-Burst}"}`},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			h := newTestHandler(b, `{"zones":[`+tc.zone+`]}`)
+			h.logger = zap.NewNop()
+			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+			req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
+			req.Header.Set("X-Rate", "1000000000r/s")
+			req.Header.Set("X-Burst", "1000000000")
+			vars := map[string]any{"client_ip": "192.0.2.1", "plan_rate": "1000000000r/s", "plan_burst": "1000000000"}
+			req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, vars))
+			caddyhttp.NewTestReplacer(req)
+			w := &headerSink{h: make(http.Header)}
+			b.ReportAllocs()
+			for b.Loop() {
+				clear(w.h)
+				if err := h.ServeHTTP(w, req, next); err != nil {
+					b.Fatal(err)
+				}
+			}
 		})
 	}
 }

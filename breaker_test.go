@@ -27,7 +27,7 @@ func TestRedisCancelledRequestsKeepBreakerClosed(t *testing.T) {
 		t.Fatal("cancelled requests opened the circuit breaker")
 	}
 	serve(h, "192.0.2.60")
-	if r.cli("EXISTS", "t:cancel:{192.0.2.60}") != "1" {
+	if r.cli(append([]string{"HEXISTS"}, pair(bucketOf(h, 0, "192.0.2.60"))...)...) != "1" {
 		t.Fatal("the next request was not decided by Redis")
 	}
 }
@@ -104,7 +104,7 @@ func TestRedisCancelledProbeDoesNotStickBreaker(t *testing.T) {
 		rs.take(ctx, time.Now(), []request{{zone: h.Zones[0], key: bucketKey{s: "impatient"}}})
 	}
 	deadline := time.Now().Add(maxBackoff + 500*time.Millisecond)
-	for r.cli("EXISTS", "t:probe:{192.0.2.81}") != "1" {
+	for r.cli(append([]string{"HEXISTS"}, pair(bucketOf(h, 0, "192.0.2.81"))...)...) != "1" {
 		if time.Now().After(deadline) {
 			t.Fatal("Redis is back, but the breaker never let a request through again")
 		}

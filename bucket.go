@@ -15,7 +15,9 @@ import (
 // instant fullAt at which it will be full again (GCRA's "theoretical
 // arrival time"). At instant now it holds C − r·max(0, fullAt−now) tokens;
 // taking n tokens moves fullAt to max(fullAt, now) + n/r, which is allowed
-// while the result lies no further than C/r ahead of now. A bucket with
+// while the result lies no further than C/r ahead of now (with a delay
+// d, C/r + d: the request then waits until it lies C/r ahead, so that its
+// tokens are there when it goes on). A bucket with
 // fullAt ≤ now is full and carries no information, so it can be forgotten
 // without changing any decision.
 //
@@ -38,6 +40,16 @@ type limit struct {
 	// burstTime. 0: no ban. A bucket that owes more than burstTime is
 	// banned for the excess.
 	ban time.Duration
+	// delay: a take that finds too few tokens but would have them within
+	// delay reserves them now, so the bucket may owe up to burstTime +
+	// delay, and its request waits out the excess before it goes on.
+	// 0: no delay. A limit has a ban or a delay, never both: both read a
+	// debt beyond burstTime, one as a ban, the other as reservations.
+	delay time.Duration
+	// noDelay: take as if the delay were 0 (the handler lets no more
+	// requests wait); the bucket may still owe what earlier takes
+	// reserved.
+	noDelay bool
 }
 
 // maxBurstTime bounds C/r so that instants and sums of them never
@@ -61,34 +73,67 @@ func (l limit) costTime(n int64) time.Duration {
 }
 
 // debt is how long a bucket full at fullAt needs, seen at now, to be full
-// again: 0 when it is full, never more than a whole bucket and a ban (a
-// clock that went backwards must not leave a bucket owing more).
+// again: 0 when it is full, never more than a whole bucket and a ban or a
+// delay (a clock that went backwards must not leave a bucket owing more).
 func (l limit) debt(fullAt, now time.Duration) time.Duration {
-	return min(max(fullAt-now, 0), l.burstTime+l.ban)
+	return min(max(fullAt-now, 0), l.burstTime+l.ban+l.delay)
 }
 
 // take charges cost (from l.costTime) to a bucket full at fullAt. It
-// returns the bucket's new instant and whether the tokens were there. When
-// they were not, fullAt is returned unchanged, unless the limit bans and
-// the bucket was not banned yet: then the denial starts a ban.
+// returns the bucket's new instant and whether the tokens were there, or,
+// with a delay, will be there within it (see delayed). When they were
+// not, the bucket is unchanged, unless the limit bans and the bucket was
+// not banned yet: then the denial starts a ban.
+//
+// Either way the instant returned is clamped to now plus a whole bucket
+// (and a ban or a delay): a bucket that owed more, under a larger limit
+// (its key's plan changed, see plans.go) or a clock that went back, is
+// from now on an empty bucket of this limit, refilling at its rate.
 func (l limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 	d := l.debt(fullAt, now)
-	if d+cost <= l.burstTime {
+	if d+cost <= l.reach() {
 		return now + d + cost, true
 	}
 	if l.ban > 0 && !l.banned(d) {
 		return now + l.ban + l.burstTime, false
 	}
-	return fullAt, false
+	return l.clamp(fullAt, now), false
 }
 
-// banned reports whether a bucket that owes debt is banned: it owes more
-// than a whole bucket.
-func (l limit) banned(debt time.Duration) bool { return debt > l.burstTime }
+// clamp is the instant of a bucket full at fullAt, seen at now, owing no
+// more than a whole bucket and a ban.
+func (l limit) clamp(fullAt, now time.Duration) time.Duration {
+	if fullAt <= now {
+		return fullAt
+	}
+	return now + l.debt(fullAt, now)
+}
+
+// reach is the most a take may leave the bucket owing: a whole bucket,
+// and the delay unless noDelay.
+func (l limit) reach() time.Duration {
+	if l.noDelay {
+		return l.burstTime
+	}
+	return l.burstTime + l.delay
+}
+
+// banned reports whether a bucket that owes debt is banned: the limit
+// bans, and the bucket owes more than a whole bucket.
+func (l limit) banned(debt time.Duration) bool { return l.ban > 0 && debt > l.burstTime }
 
 // banLeft is how long a bucket that owes debt stays banned.
 func (l limit) banLeft(debt time.Duration) time.Duration {
+	if l.ban == 0 {
+		return 0
+	}
 	return max(debt-l.burstTime, 0)
+}
+
+// delayed is how long a request waits whose take left its bucket owing
+// debt: the time its tokens are still short, at most the delay.
+func (l limit) delayed(debt time.Duration) time.Duration {
+	return min(max(debt-l.burstTime, 0), l.delay)
 }
 
 // tokens is the number of tokens, possibly fractional, in a bucket that
@@ -112,7 +157,9 @@ func (l limit) nextToken(debt time.Duration) time.Duration {
 	return debt + time.Duration(whole+1)*l.tokenTime - l.burstTime
 }
 
-// wait is how long a bucket that owes debt needs before it can give cost.
+// wait is how long a bucket that owes debt needs before a take of cost
+// succeeds: before it can give cost, less the delay that the take may
+// wait out itself.
 func (l limit) wait(debt, cost time.Duration) time.Duration {
-	return max(debt+cost-l.burstTime, 0)
+	return max(debt+cost-l.reach(), 0)
 }

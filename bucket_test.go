@@ -40,7 +40,7 @@ func runSteps(t *testing.T, l limit, steps []step) {
 		if ok != s.ok {
 			t.Fatalf("step %d: ok = %v, want %v", i, ok, s.ok)
 		}
-		if !ok && nf != f {
+		if !ok && nf != l.clamp(f, now) {
 			t.Fatalf("step %d: a denied request moved the bucket from %d to %d", i, f, nf)
 		}
 		f = nf
@@ -76,10 +76,12 @@ func TestBucketMath(t *testing.T) {
 			{t: t3, n: 1, ok: true, remaining: 1},
 			{t: t9, n: 1, ok: true, remaining: 1}, // capped at burst before taking
 		}},
+		// A clock that went back leaves the bucket owing a whole bucket
+		// at most, from the instant it was seen.
 		{"clock going backwards", 10, 2, []step{
 			{t: t5, n: 2, ok: true, remaining: 0},
 			{t: t0, n: 1, ok: false, remaining: 0, wait: 100 * time.Millisecond},
-			{t: t5.Add(100 * time.Millisecond), n: 1, ok: true, remaining: 0},
+			{t: t2, n: 1, ok: true, remaining: 1},
 		}},
 		{"fractional rate", 0.5, 1, []step{
 			{t: t0, n: 1, ok: true, remaining: 0},
@@ -151,4 +153,39 @@ func TestNewLimitMaxBurstTime(t *testing.T) {
 	if !ok || f <= 0 {
 		t.Fatalf("take at a far instant: f = %d, ok = %v", f, ok)
 	}
+}
+
+// A bucket keeps its instant when its key's plan changes: under a smaller
+// limit it owes at most that limit's whole bucket, from the change on,
+// and refills at the new rate; under a larger one it keeps its debt, in
+// time.
+func TestBucketPlanChange(t *testing.T) {
+	free, pro := newLimit(1, 2), newLimit(60, 5) // full in 2s; in 83.3ms
+	var f time.Duration
+	take := func(l limit, now time.Duration, want bool) {
+		t.Helper()
+		var ok bool
+		if f, ok = l.take(f, now, l.costTime(1)); ok != want {
+			t.Fatalf("at %v: ok = %v, want %v", now, ok, want)
+		}
+	}
+	take(free, 0, true)
+	take(free, 0, true)
+	take(free, 0, false) // free is empty: full at 2s
+	// Now pro: clamped to pro's whole bucket, from now on.
+	take(pro, 0, false)
+	if f != pro.burstTime {
+		t.Fatalf("after the change the bucket is full at %v, want %v", f, pro.burstTime)
+	}
+	take(pro, pro.tokenTime-1, false)
+	take(pro, pro.tokenTime, true) // a token at pro's rate, not after free's 2s
+	if d := pro.debt(f, pro.tokenTime); d != pro.burstTime {
+		t.Fatalf("debt %v, want a whole pro bucket", d)
+	}
+	// Back to free: the debt carries over as is (83.3ms of 2s: 1.9 tokens).
+	if got := free.wholeTokens(free.debt(f, pro.tokenTime)); got != 1 {
+		t.Fatalf("free has %d whole tokens after the change, want 1", got)
+	}
+	take(free, pro.tokenTime, true)
+	take(free, pro.tokenTime, false)
 }

@@ -5,6 +5,7 @@ package ratelimit
 
 import (
 	"cmp"
+	"fmt"
 	"strconv"
 
 	"github.com/caddyserver/caddy/v2"
@@ -36,13 +37,14 @@ const anonymousZone = "default"
 //	rate_limit [<matcher>] [<key> <rate> [<burst>]] {
 //		zone <name> {
 //			key         <template>
-//			rate        <rate>
-//			burst       <n>
-//			cost        <n>
+//			rate        <rate>|<placeholders>
+//			burst       <n>|<placeholders>
+//			cost        <n>|<placeholders>
 //			match       { <matchers> }
 //			ipv4_prefix <bits>
 //			ipv6_prefix <bits>
 //			ban         <duration>
+//			delay       <duration>  # wait up to this long for tokens instead of a 429
 //			count       { status <codes...>; header <field> [<value>] }
 //			concurrency <n>         # requests in flight per key; a rate is then optional
 //			lease       <duration>  # with concurrency: how long a Redis slot is held
@@ -59,6 +61,7 @@ const anonymousZone = "default"
 //		}
 //		headers both|legacy|ietf|off
 //		jitter  <fraction>
+//		max_delayed <n>  # requests waiting for zones with delay at once
 //		log_key
 //		dry_run
 //		disable_metrics
@@ -77,15 +80,20 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	case 0:
 	case 2, 3:
 		z := &Zone{Name: anonymousZone, Key: args[0], Rate: args[1]}
-		if len(args) == 3 {
-			n, err := strconv.ParseInt(args[2], 10, 64)
-			if err != nil {
-				return d.Errf("invalid burst '%s': expected a whole number", args[2])
-			}
-			if err := checkBurst(n); err != nil {
+		if hasPlaceholders(args[1]) {
+			if err := checkRateTemplate(args[1]); err != nil {
 				return d.WrapErr(err)
 			}
-			z.Burst = n
+		}
+		if len(args) == 3 {
+			if err := wholeOrVar("burst", args[2], &z.Burst, &z.burstVar); err != nil {
+				return d.WrapErr(err)
+			}
+			if z.burstVar.template == "" {
+				if err := checkBurst(z.Burst); err != nil {
+					return d.WrapErr(err)
+				}
+			}
 		}
 		if err := z.validate(); err != nil {
 			return d.WrapErr(err)
@@ -126,6 +134,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("invalid jitter '%s': expected a fraction such as 0.1", v)
 			}
 			err = checkJitter(h.Jitter)
+		case "max_delayed":
+			if h.MaxDelayed, err = intArg[int64](d); err != nil {
+				return err
+			}
+			err = checkMaxDelayed(h.MaxDelayed)
 		case "log_key":
 			if err := flag(d, &h.LogKey); err != nil {
 				return err
@@ -163,6 +176,9 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	}
 	if len(h.Zones) == 0 {
 		return d.Err("no zones: use 'rate_limit <key> <rate> [<burst>]' or a 'zone <name> { ... }' block")
+	}
+	if err := h.checkMaxDelayedUse(); err != nil {
+		return d.Err(err.Error())
 	}
 	return nil
 }
@@ -213,17 +229,25 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 			if !d.AllArgs(&z.Rate) {
 				return d.ArgErr()
 			}
-			_, _, err = parseRate(z.Rate)
+			if hasPlaceholders(z.Rate) {
+				err = checkRateTemplate(z.Rate)
+			} else {
+				_, _, err = parseRate(z.Rate)
+			}
 		case "burst":
-			if z.Burst, err = intArg[int64](d); err != nil {
+			if err := limitArg(d, &z.Burst, &z.burstVar); err != nil {
 				return err
 			}
-			err = checkBurst(z.Burst)
+			if z.burstVar.template == "" {
+				err = checkBurst(z.Burst)
+			}
 		case "cost":
-			if z.Cost, err = intArg[int64](d); err != nil {
+			if err := limitArg(d, &z.Cost, &z.costVar); err != nil {
 				return err
 			}
-			err = checkMin("cost", z.Cost, 1)
+			if z.costVar.template == "" {
+				err = checkMin("cost", z.Cost, 1)
+			}
 		case "ipv4_prefix":
 			if z.IPv4Prefix, err = intArg[int](d); err != nil {
 				return err
@@ -244,6 +268,16 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 				return d.Errf("invalid ban '%s': expected a duration such as 15m", v)
 			}
 			z.Ban, err = caddy.Duration(b), checkBan(b)
+		case "delay":
+			var v string
+			if !d.AllArgs(&v) {
+				return d.ArgErr()
+			}
+			dl, perr := caddy.ParseDuration(v)
+			if perr != nil {
+				return d.Errf("invalid delay '%s': expected a duration such as 2s", v)
+			}
+			z.Delay, err = caddy.Duration(dl), checkDelay(dl)
 		case "count":
 			// The response matcher of handle_response and
 			// reverse_proxy, with count as its name.
@@ -325,7 +359,7 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 		return d.Errf("zone %s: use either rate or window and events, not both", name)
 	case z.Window == 0 || z.MaxEvents == 0:
 		return d.Errf("zone %s: window and events go together", name)
-	case z.Burst != 0:
+	case z.Burst != 0 || z.burstVar.template != "":
 		return d.Errf("zone %s: events is already the burst of window and events", name)
 	}
 	if err := z.validate(); err != nil {
@@ -349,6 +383,38 @@ func intArg[T ~int | ~int64](d *caddyfile.Dispenser) (T, error) {
 		return 0, d.ArgErr()
 	}
 	return T(n), nil
+}
+
+// limitArg reads the one argument of burst or cost: a whole number, or
+// placeholders that give one per request.
+func limitArg(d *caddyfile.Dispenser, n *int64, v *valueVar) error {
+	sub := d.Val()
+	var s string
+	if !d.AllArgs(&s) {
+		return d.ArgErr()
+	}
+	if err := wholeOrVar(sub, s, n, v); err != nil {
+		return d.WrapErr(err)
+	}
+	return nil
+}
+
+// wholeOrVar reads s, the value of field, as a whole number into n, or,
+// when it holds placeholders, as a template into v.
+func wholeOrVar(field, s string, n *int64, v *valueVar) error {
+	if hasPlaceholders(s) {
+		if err := checkWholeTemplate(field, s); err != nil {
+			return err
+		}
+		*v = newValueVar(s)
+		return nil
+	}
+	x, err := strconv.ParseInt(s, 10, 64)
+	if err != nil {
+		return fmt.Errorf("invalid %s '%s': expected a whole number, or placeholders such as {plan_%s}", field, s, field)
+	}
+	*n = x
+	return nil
 }
 
 // flag reads a subdirective without arguments that turns v on.

@@ -511,8 +511,9 @@ func TestFaultHostileKeys(t *testing.T) {
 					redisKeys = append(redisKeys, rs.redisKey(&request{zone: z, key: z.keyFor(key)}))
 				}
 				for _, k := range redisKeys {
-					if n, err := rs.client.Exists(context.Background(), k).Result(); err != nil || n != 1 {
-						t.Errorf("key %s: bucket %.40q not in Redis: %d, %v", label, k, n, err)
+					hash, field := splitBucket(k)
+					if ok, err := rs.client.HExists(context.Background(), hash, field).Result(); err != nil || !ok {
+						t.Errorf("key %s: bucket %.40q not in Redis: %v, %v", label, k, ok, err)
 					}
 				}
 				if rs.client.cluster {

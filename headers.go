@@ -98,7 +98,7 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 				b = append(b, ";w="...)
 				b = strconv.AppendInt(b, q.win.seconds, 10)
 			} else {
-				b = append(b, q.zone.policy...)
+				b = append(b, q.plan().policy...)
 			}
 		}
 		for i := range sc.slots {

@@ -188,9 +188,10 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 			continue
 		}
 		t := s.tables[q.zone.index]
+		p := q.plan()
 		cs = append(cs, charge{
-			l:    q.zone.limit,
-			cost: q.zone.costTime,
+			l:    q.limit(),
+			cost: p.costTime,
 			t:    t,
 			h:    t.hash(q.key),
 			now:  t.instant(now),
@@ -226,7 +227,8 @@ func (s *LocalStore) refund(_ context.Context, now time.Time, reqs []request) er
 			continue
 		}
 		t := s.tables[q.zone.index]
-		t.refund(q.key, q.zone.limit, q.zone.costTime, t.instant(now))
+		p := q.plan()
+		t.refund(q.key, p.limit, p.costTime, t.instant(now))
 	}
 	return nil
 }
@@ -240,7 +242,7 @@ func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
 		return nil
 	}
 	t := s.tables[q.zone.index]
-	q.debt = q.zone.limit.debt(t.get(q.key), t.instant(now))
+	q.debt = q.plan().limit.debt(t.get(q.key), t.instant(now))
 	return nil
 }
 

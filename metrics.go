@@ -25,6 +25,11 @@ type zoneState struct {
 	bans         atomic.Uint64 // denials that started a ban
 	refunds      atomic.Uint64 // allowed requests given their tokens back (count)
 
+	delayed        atomic.Uint64 // waited for this zone's tokens (delay), then went on
+	delayAbandoned atomic.Uint64 // waited, but the client left: tokens given back
+	delayRefused   atomic.Uint64 // would have waited, but max_delayed requests waited already
+	delayZone      atomic.Bool   // a zone of this name has a delay: export the three above
+
 	// metered counts the handlers using the zone with metrics enabled;
 	// the zone is exported while it is above zero.
 	metered atomic.Int64
@@ -75,13 +80,21 @@ var (
 		Help:      "Requests for which the store failed and fail_mode decided.",
 	}, []string{"store"})
 
+	delaySeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: metricsNamespace,
+		Subsystem: metricsSubsystem,
+		Name:      "delay_seconds",
+		Help:      "Time requests waited for a zone's tokens (delay), by zone.",
+		Buckets:   []float64{0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600},
+	}, []string{"zone"})
+
 	zoneCollector = newCollector()
 )
 
 // collector exports what the zone states, bucket tables and Redis
 // clients count, read when Prometheus scrapes.
 type collector struct {
-	requests, cacheHits, bans, refunds, keys, evictions, circuitOpen *prometheus.Desc
+	requests, cacheHits, bans, refunds, delayed, keys, evictions, circuitOpen *prometheus.Desc
 }
 
 func newCollector() *collector {
@@ -99,6 +112,9 @@ func newCollector() *collector {
 		refunds: prometheus.NewDesc(name("refunds_total"),
 			"Allowed requests whose tokens a zone with count gave back, as their response did not match.",
 			[]string{"zone"}, nil),
+		delayed: prometheus.NewDesc(name("delayed_total"),
+			"Requests a zone with delay let wait for its tokens, by how the wait ended: served (went on), abandoned (the client left; tokens given back) or refused (max_delayed requests waited already: 429).",
+			[]string{"zone", "result"}, nil),
 		keys: prometheus.NewDesc(name("keys"),
 			"Buckets and calendar quota counters the local store tracks.",
 			[]string{"zone"}, nil),
@@ -116,6 +132,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.cacheHits
 	ch <- c.bans
 	ch <- c.refunds
+	ch <- c.delayed
 	ch <- c.keys
 	ch <- c.evictions
 	ch <- c.circuitOpen
@@ -143,6 +160,11 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(c.cacheHits, prometheus.CounterValue, float64(s.cacheHits.Load()), name)
 		ch <- prometheus.MustNewConstMetric(c.bans, prometheus.CounterValue, float64(s.bans.Load()), name)
 		ch <- prometheus.MustNewConstMetric(c.refunds, prometheus.CounterValue, float64(s.refunds.Load()), name)
+		if s.delayZone.Load() {
+			ch <- prometheus.MustNewConstMetric(c.delayed, prometheus.CounterValue, float64(s.delayed.Load()), name, "served")
+			ch <- prometheus.MustNewConstMetric(c.delayed, prometheus.CounterValue, float64(s.delayAbandoned.Load()), name, "abandoned")
+			ch <- prometheus.MustNewConstMetric(c.delayed, prometheus.CounterValue, float64(s.delayRefused.Load()), name, "refused")
+		}
 		return true
 	})
 
@@ -176,7 +198,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 // new at every config load. Registering again in the same registry (a
 // second handler) is fine.
 func registerMetrics(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{storeLatency, storeErrors, zoneCollector} {
+	for _, c := range []prometheus.Collector{storeLatency, storeErrors, delaySeconds, zoneCollector} {
 		if err := reg.Register(c); err != nil {
 			if _, ok := errors.AsType[prometheus.AlreadyRegisteredError](err); !ok {
 				return err

@@ -6,16 +6,19 @@
 package ratelimit
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"math"
 	"math/rand/v2"
 	"net/http"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -44,7 +47,8 @@ func init() {
 // (On a server without `handle_errors`, the handler writes the bare 429
 // itself, the response Caddy would write for the error, but cheaper.)
 // Allowed and denied responses carry rate-limit headers for the matched
-// zones (see `headers`).
+// zones (see `headers`). A zone with `delay` may hold an allowed request
+// until its tokens are there, at most that long, before it goes on.
 //
 // Placeholders set by this handler:
 //
@@ -88,6 +92,13 @@ type Handler struct {
 	// Put every zone in dry run (see Zone.DryRun).
 	DryRun bool `json:"dry_run,omitempty"`
 
+	// The most requests that wait at once in this handler for the tokens
+	// of zones with delay. Beyond it, a request that would have to wait
+	// is decided as if its zones had no delay (refused with 429 when its
+	// tokens are short), so that a flood cannot pile up waiting requests.
+	// Needs a zone with delay. Default: 10000.
+	MaxDelayed int64 `json:"max_delayed,omitempty"`
+
 	// Do not export this handler's zones as Prometheus metrics.
 	DisableMetrics bool `json:"disable_metrics,omitempty"`
 
@@ -107,6 +118,11 @@ type Handler struct {
 	anyDryRun  bool // some zone is in dry run
 	anyCount   bool // some zone counts only some responses
 	anySlots   bool // some zone limits requests in flight
+	anyDelay   bool // some zone, not in dry run, lets requests wait
+	// waiting counts the requests that wait out a delay, or may (see
+	// enterWaiting): at most maxDelayed.
+	waiting    *atomic.Int64
+	maxDelayed int64
 	scratch    *sync.Pool
 	logger     *zap.Logger
 	// refundErrors throttles the warnings of refunds that failed.
@@ -164,7 +180,13 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		z.inDryRun = z.DryRun || h.DryRun
 		h.anyDryRun = h.anyDryRun || z.inDryRun
 		h.anyCount = h.anyCount || z.Count != nil
+		h.anyDelay = h.anyDelay || z.limit.delay > 0 && !z.inDryRun
+		if z.limit.delay > 0 {
+			st.delayZone.Store(true)
+		}
 	}
+	h.waiting = new(atomic.Int64)
+	h.maxDelayed = cmp.Or(h.MaxDelayed, defaultMaxDelayed)
 
 	if h.StoreRaw == nil {
 		h.StoreRaw = json.RawMessage(`{"backend":"local"}`)
@@ -206,6 +228,9 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		for _, z := range h.Zones {
 			z.state.metered.Add(1)
 			h.metered = append(h.metered, z.state)
+			if z.limit.delay > 0 {
+				z.delays = delaySeconds.WithLabelValues(z.Name)
+			}
 		}
 	}
 	// Without error routes on the server, Caddy would answer the 429
@@ -255,8 +280,10 @@ func (h *Handler) Cleanup() error {
 		unregisterHandler(h)
 		h.registered = false
 	}
-	for _, st := range h.metered {
-		st.metered.Add(-1)
+	for i, st := range h.metered {
+		if st.metered.Add(-1) == 0 && i < len(h.Zones) && h.Zones[i].delays != nil {
+			delaySeconds.DeleteLabelValues(h.Zones[i].Name) // the zone is gone
+		}
 	}
 	h.metered = nil
 	var errs []error
@@ -291,6 +318,9 @@ func (h *Handler) Validate() error {
 	if len(h.Zones) == 0 {
 		return errors.New("no zones: at least one zone is required")
 	}
+	if err := h.checkMaxDelayedUse(); err != nil {
+		return err
+	}
 	names := make(map[string]bool, len(h.Zones))
 	for _, z := range h.Zones {
 		if z == nil {
@@ -320,6 +350,27 @@ func (h *Handler) Validate() error {
 func checkHeaderMode(s string) error {
 	if _, ok := headerModes[s]; !ok {
 		return fmt.Errorf("invalid headers '%s': expected both, legacy, ietf or off", s)
+	}
+	return nil
+}
+
+// defaultMaxDelayed is max_delayed's default: enough for a busy server's
+// short excesses, few enough goroutines and connections to hold.
+const defaultMaxDelayed = 10_000
+
+func checkMaxDelayed(n int64) error { return checkMin("max_delayed", n, 1) }
+
+// checkMaxDelayedUse checks a max_delayed that is set, and that a zone has
+// a delay for it to bound.
+func (h *Handler) checkMaxDelayedUse() error {
+	if h.MaxDelayed == 0 {
+		return nil
+	}
+	if err := checkMaxDelayed(h.MaxDelayed); err != nil {
+		return err
+	}
+	if !slices.ContainsFunc(h.Zones, func(z *Zone) bool { return z != nil && z.Delay != 0 }) {
+		return errors.New("max_delayed needs a zone with delay: it bounds the requests waiting for one")
 	}
 	return nil
 }
@@ -380,6 +431,11 @@ type scratch struct {
 
 	slots    []slot // the zones with concurrency that apply
 	fullSlot *slot  // the one that had no slot free
+
+	rec statusWriter // the response writer of a request that count applies to
+
+	waiter bool          // holds a place among the handler's waiting requests
+	delay  time.Duration // how long the allowed request waits for its tokens
 }
 
 // An outcome is how the decision on a request ends.
@@ -391,12 +447,17 @@ const (
 	outcomeFailOpen                  // the store failed; fail_mode open lets the request through
 	outcomeFailClosed                // the store failed; fail_mode closed answers 503
 	outcomeFailed                    // the request cannot be decided: 500
+	outcomeBadLimit                  // a zone has no valid limit for the request: 500, logged by the zone
+	outcomeGone                      // the client left while the request waited out a delay
 )
 
 // ServeHTTP implements caddyhttp.MiddlewareHandler.
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	sc := h.scratch.Get().(*scratch)
 	out, err := h.decide(w, r, sc)
+	if sc.waiter && !h.await(r, sc) {
+		out = outcomeGone
+	}
 	switch out {
 	case outcomeDeny:
 		if sc.fullSlot != nil {
@@ -410,6 +471,17 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 			w.WriteHeader(http.StatusServiceUnavailable)
 			err = nil
 		}
+	case outcomeBadLimit:
+		// The zone logged the values once: Caddy would log every one.
+		if h.writeRefusals {
+			w.WriteHeader(http.StatusInternalServerError)
+			err = nil
+		}
+	case outcomeGone:
+		// Nobody reads the answer: 499 for the access log, as
+		// reverse_proxy records a client that left.
+		w.WriteHeader(499)
+		err = nil
 	}
 	if len(sc.slots) > 0 {
 		// The slots come back when the handlers return, however they
@@ -448,6 +520,8 @@ func counted(reqs []request) bool {
 func (h *Handler) release(sc *scratch) {
 	sc.reqs, sc.retry, sc.top, sc.by = sc.reqs[:0], sc.retry[:0], nil, nil
 	sc.slots, sc.fullSlot = sc.slots[:0], nil
+	sc.rec = statusWriter{}
+	sc.waiter, sc.delay = false, 0
 	h.scratch.Put(sc)
 }
 
@@ -467,9 +541,10 @@ func (h *Handler) releaseSlots(sc *scratch) {
 // does not match. The status is the one written, or, when a later handler
 // returns an error, the error's (as Caddy would answer it).
 func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, sc *scratch) error {
-	rec := caddyhttp.NewResponseRecorder(w, nil, nil)
+	rec := &sc.rec
+	rec.ResponseWriter, rec.status = w, 0
 	err := next.ServeHTTP(rec, r)
-	status := rec.Status()
+	status := rec.status
 	if err != nil {
 		status = http.StatusInternalServerError
 		if he, ok := errors.AsType[caddyhttp.HandlerError](err); ok && he.StatusCode != 0 {
@@ -488,8 +563,7 @@ func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next cadd
 	if len(back) == 0 {
 		return err
 	}
-	// The client may have gone: the tokens come back all the same.
-	if rerr := sc.by.refund(context.WithoutCancel(r.Context()), time.Now(), back); rerr != nil {
+	if rerr := sc.by.refund(r.Context(), time.Now(), back); rerr != nil {
 		h.refundErrors.warn(h.logger, "rate limit: tokens not given back after a response that count does not match", rerr)
 	} else {
 		for _, q := range back {
@@ -497,6 +571,38 @@ func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next cadd
 		}
 	}
 	return err
+}
+
+// statusWriter passes a response through and notes its status, for
+// count. It lives in the request's pooled scratch, so that counting
+// allocates nothing: like any ResponseWriter, it must not be used after
+// the handler that got it has returned. Flush, Hijack and the rest reach
+// the writer it wraps through Unwrap (http.ResponseController).
+type statusWriter struct {
+	caddyhttp.ResponseWriterWrapper
+	status int // the final status written; 0 until then
+}
+
+// WriteHeader notes the first final status: 1xx are informational.
+func (w *statusWriter) WriteHeader(status int) {
+	if w.status == 0 && (status < 100 || status > 199) {
+		w.status = status
+	}
+	w.ResponseWriter.WriteHeader(status)
+}
+
+func (w *statusWriter) Write(p []byte) (int, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriter.Write(p)
+}
+
+func (w *statusWriter) ReadFrom(src io.Reader) (int64, error) {
+	if w.status == 0 {
+		w.status = http.StatusOK
+	}
+	return w.ResponseWriterWrapper.ReadFrom(src)
 }
 
 // decide takes tokens for r from the buckets of every matching zone, and
@@ -516,7 +622,13 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 		}
 		if k, ok := z.bucketKey(r); ok {
 			if !z.rateless {
-				sc.reqs = append(sc.reqs, request{zone: z, key: k})
+				q := request{zone: z, key: k}
+				if z.plans != nil {
+					if q.pl = z.planFor(r); q.pl == nil {
+						return outcomeBadLimit, z.badLimit
+					}
+				}
+				sc.reqs = append(sc.reqs, q)
 			}
 			if z.quota != nil {
 				if now.IsZero() {
@@ -539,6 +651,9 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	}
 	out := outcomeAllow
 	if len(sc.reqs) > 0 {
+		if h.anyDelay {
+			sc.waiter = h.enterWaiting(sc.reqs)
+		}
 		var by store
 		var err error
 		out, by, err = h.take(r.Context(), now, sc.reqs)
@@ -548,6 +663,9 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 		}
 		if (out == outcomeAllow || out == outcomeFailOpen) && len(sc.slots) > 0 && !h.takeSlots(r, now, sc) {
 			out = outcomeDeny
+		}
+		if h.anyDelay {
+			h.noteDelay(sc, out)
 		}
 		h.count(sc.reqs, out)
 		if out != outcomeAllow && out != outcomeDeny {
@@ -623,7 +741,7 @@ func (h *Handler) refundForSlot(r *http.Request, now time.Time, sc *scratch) {
 	if len(back) == 0 {
 		return
 	}
-	if err := sc.by.refund(context.WithoutCancel(r.Context()), now, back); err != nil {
+	if err := sc.by.refund(r.Context(), now, back); err != nil {
 		h.refundErrors.warn(h.logger, "rate limit: tokens not given back after a zone with concurrency refused the request", err)
 	}
 	for i := range sc.reqs {
@@ -634,7 +752,7 @@ func (h *Handler) refundForSlot(r *http.Request, now time.Time, sc *scratch) {
 				}
 				continue
 			}
-			q.debt = max(q.debt-q.zone.costTime, 0)
+			q.debt = max(q.debt-q.plan().costTime, 0)
 		}
 	}
 }
@@ -739,7 +857,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) erro
 		// A client need never wait longer than a full refill beyond its
 		// due: that also bounds a large jitter far from overflow.
 		extra := float64(wait) * h.Jitter * rand.Float64()
-		wait += time.Duration(min(extra, float64(z.limit.burstTime)))
+		wait += time.Duration(min(extra, float64(q.plan().limit.burstTime)))
 	}
 	retryAfter := setRetryAfter(w.Header(), wait)
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {

@@ -860,7 +860,7 @@ func TestCaddyfileExample(t *testing.T) {
 	for _, z := range h.Zones {
 		names = append(names, z.Name)
 	}
-	if got, want := strings.Join(names, ","), "api,login"; got != want {
+	if got, want := strings.Join(names, ","), "api,login,per_key"; got != want {
 		t.Errorf("zones %s, want %s", got, want)
 	}
 }
@@ -1102,7 +1102,8 @@ func TestRedisBanStartsOnce(t *testing.T) {
 	if n := hs[0].Zones[0].state.bans.Load(); n != 1 {
 		t.Fatalf("%d bans started, want 1", n)
 	}
-	ttl := r.cli("PTTL", "t:ban-once:{192.0.2.60}")
+	hash, _ := bucketOf(hs[0], 0, "192.0.2.60")
+	ttl := r.cli("PTTL", hash)
 	if ms, _ := strconv.Atoi(ttl); ms < 3600_000 || ms > 3780_000 {
 		t.Fatalf("PTTL %s, want the ban and a refill: just under 3780000 ms", ttl)
 	}

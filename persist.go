@@ -48,6 +48,9 @@ import (
 //	rate_limit/<instance id>/hash_key                   16 bytes: the hash key
 //	rate_limit/<instance id>/buckets/<zone>.<burst>.<ns per token>
 //
+// A zone whose limit depends on the request (plans.go) has one table
+// whatever its plans, named and written with a burst and token time of 0.
+//
 // A snapshot is, little-endian: the magic "rlbk", a uint32 version (1),
 // the hash key's fingerprint (uint64), the token time in ns and the
 // burst (int64), the wall-clock instant it was written and the number of
@@ -430,6 +433,11 @@ func (t *table) merge(b []byte, fingerprint uint64, now time.Time) (int, error) 
 		return t.mergeCounts(entries, n, wall), nil
 	}
 	most := n + time.Duration(burst)*tokenTime
+	if burst == 0 {
+		// A zone whose limit depends on the request (plans.go): each
+		// take clamps its bucket to the request's own burst.
+		most = n + maxBurstTime
+	}
 	capacity := t.shardCap()
 	kept := 0
 	var locked *shard

@@ -174,6 +174,8 @@ func (z *Zone) quotaLimit() (*quota, error) {
 		return nil, errors.New("ban does not combine with quota: a quota refuses until its window ends already; put the rate with the ban in a zone of its own")
 	case z.Concurrency != 0:
 		return nil, errors.New("concurrency does not combine with quota: a zone with concurrency counts requests in flight; give the quota a zone of its own")
+	case z.costVar.template != "":
+		return nil, errors.New("a cost with placeholders does not combine with quota: a quota counts a fixed cost per request")
 	case z.Cost > z.Quota:
 		return nil, fmt.Errorf("cost %d exceeds quota %d: no request could ever pass", z.Cost, z.Quota)
 	}

@@ -405,7 +405,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 			}
 			if backend == "redis" {
 				c := newRedisClient(t, r.addr())
-				key := "short:short-redis:{k}:quota"
+				key := h.store.(*RedisStore).quotaKey(&request{zone: z, key: bucketKey{s: "k"}})
 				ttl, err := c.PTTL(context.Background(), key).Result()
 				if err != nil || ttl <= 0 || ttl > 2*time.Second {
 					t.Fatalf("PTTL %s = %v, %v; want the time left in the window", key, ttl, err)

@@ -72,10 +72,13 @@ var tokenBucketScript = redis.NewScript(tokenBucketLua)
 // share one exact limit per key. Each decision is one atomic script call
 // that uses Redis's clock.
 //
-// Bucket keys are `<key_prefix><zone>:{<key>}`: the key is a cluster hash
-// tag, so the zones of one client share a slot and are decided in one
-// call even on Redis Cluster. A key expires when its bucket is full
-// again; an idle client costs Redis nothing.
+// Buckets live many to a Redis hash: the bucket of a key in a zone is the
+// field `<zone>:<key>` of the hash `<key_prefix>{<group>}`, where the
+// group is one of 16384, chosen by the key alone. So the zones of one
+// client share a hash and a slot and are decided in one call even on
+// Redis Cluster, and a bucket costs Redis about a fifth of what a key
+// of its own would. A hash expires when its last bucket is full again;
+// an idle client costs Redis nothing.
 //
 // When Redis cannot answer within `timeout`, `fail_mode` decides. After
 // repeated failures a circuit breaker stops waiting for Redis and probes it
@@ -133,8 +136,9 @@ type RedisStore struct {
 	// until tokens can have come back, which is exact (tokens only arrive
 	// at the zone's rate) and spares Redis most of a flood; but a bucket
 	// reset through another instance's admin API is seen here only when
-	// the cached entry runs out. Set this where such resets must take
-	// effect everywhere at once.
+	// the cached entry runs out; so are the tokens given back on another
+	// instance by a client that left while waiting out a zone's delay.
+	// Set this where these must take effect everywhere at once.
 	DisableOverLimitCache bool `json:"disable_over_limit_cache,omitempty"`
 
 	client      *redisClient
@@ -142,8 +146,8 @@ type RedisStore struct {
 	released    bool          // Cleanup gave the client back
 	callTimeout time.Duration // Timeout, or its default
 	zones       []*Zone
-	prefixes    []string  // per zone: KeyPrefix + name + ":{"
-	shapes      [][3]any  // per zone: the script's burst, cost and ban times, in µs, formatted and boxed once
+	fields      []string  // per zone: the start of its buckets' fields, the name and ":"
+	shapes      [][5]any  // per zone: the script's burst, cost, ban and delay times (and the delay negated, for noDelay), in µs, formatted and boxed once (burst and cost from the request's plan where the limit depends on the request)
 	quotaArgs   [][2]any  // per zone: the script's quota limit and cost, formatted and boxed once
 	cache       []*table  // per zone: over-limit cache; nil when disabled
 	quotaCache  []*table  // per zone: the quota counts Redis last gave (see fromCache); nil without a quota
@@ -424,9 +428,10 @@ func (s *RedisStore) bind(zones []*Zone) error {
 	s.flights = &flights{m: make(map[flightKey]flight)}
 	s.keyErrors, s.repairs = new(throttle), new(throttle)
 	for _, z := range zones {
-		// A `{` in a zone name would start the hash tag early.
-		s.prefixes = append(s.prefixes, s.KeyPrefix+escapeTag(z.Name, "%{}")+":{")
-		s.shapes = append(s.shapes, [3]any{micros(z.limit.burstTime), micros(z.costTime), micros(z.limit.ban)})
+		// A `:` in a zone name would make its fields another zone's.
+		s.fields = append(s.fields, escapeTag(z.Name, "%:")+":")
+		s.shapes = append(s.shapes, [5]any{micros(z.limit.burstTime), micros(z.costTime), micros(z.limit.ban),
+			micros(z.limit.delay), micros(-z.limit.delay)})
 		var qa [2]any
 		if z.quota != nil {
 			qa = [2]any{strconv.FormatInt(z.quota.limit, 10), strconv.FormatInt(z.Cost, 10)}
@@ -453,10 +458,10 @@ func (s *RedisStore) known(now time.Time, q *request, err error) time.Duration {
 	if s.cache == nil || q.win != nil {
 		return 0
 	}
-	t := s.cache[q.zone.index]
-	debt := q.zone.limit.debt(t.get(q.key), t.instant(now))
+	t, p := s.cache[q.zone.index], q.plan()
+	debt := p.limit.debt(t.get(q.key), t.instant(now))
 	if errors.Is(err, errNoAnswer) {
-		debt += time.Duration(s.flights.calls(flightKey{q.zone.index, t.hash(q.key)})) * q.zone.costTime
+		debt += time.Duration(s.flights.calls(flightKey{q.zone.index, t.hash(q.key)})) * p.costTime
 	}
 	return debt
 }
@@ -603,8 +608,9 @@ func (s *RedisStore) refund(ctx context.Context, _ time.Time, reqs []request) er
 	if s.client.breaker.openUntil.Load() != 0 {
 		return errRedisDown // refunds never probe: decisions do
 	}
+	// The client may have gone: the tokens come back all the same.
 	deadline := time.Now().Add(s.callTimeout)
-	ctx, cancel := context.WithDeadline(ctx, deadline)
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer cancel()
 	if !s.client.cluster || oneTag(reqs) {
 		_, err := s.run(ctx, deadline, "refund", reqs)
@@ -631,7 +637,7 @@ func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
 	return nil
 }
 
-// reset deletes the bucket's key, and what this instance's over-limit
+// reset deletes the bucket, and what this instance's over-limit
 // cache knew of it. Other instances' caches learn it when their entry
 // runs out; until then they may still deny that key.
 func (s *RedisStore) reset(ctx context.Context, q *request) (bool, error) {
@@ -640,11 +646,14 @@ func (s *RedisStore) reset(ctx context.Context, q *request) (bool, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
-	key := s.redisKey(q)
+	var n int64
+	var err error
 	if q.win != nil {
-		key = s.quotaKey(q)
+		n, err = s.client.Del(ctx, s.quotaKey(q)).Result()
+	} else {
+		hash, field := splitBucket(s.redisKey(q))
+		n, err = s.client.HDel(ctx, hash, field).Result()
 	}
-	n, err := s.client.Del(ctx, key).Result()
 	return n > 0, err
 }
 
@@ -677,17 +686,27 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 	}
 	nb := len(reqs) - nq
 	keys := make([]string, 0, len(reqs))
-	args := make([]any, 2, 3+3*nb+6*nq)
+	args := make([]any, 2, 3+4*nb+6*nq)
 	args[0], args[1] = mode, ""
 	if s.testClock != nil {
 		args[1] = s.testClock().UnixMicro()
 	}
 	for i := range reqs {
-		if q := &reqs[i]; q.win == nil {
-			keys = append(keys, s.redisKey(q))
-			shape := &s.shapes[q.zone.index]
-			args = append(args, shape[0], shape[1], shape[2])
+		q := &reqs[i]
+		if q.win != nil {
+			continue
 		}
+		keys = append(keys, s.redisKey(q))
+		shape := &s.shapes[q.zone.index]
+		full, cost := shape[0], shape[1]
+		if q.pl != nil {
+			full, cost = q.pl.fullMicros, q.pl.costMicros
+		}
+		delay := shape[3]
+		if q.noDelay && q.zone.limit.delay > 0 {
+			delay = shape[4]
+		}
+		args = append(args, full, cost, shape[2], delay)
 	}
 	if nq > 0 {
 		for i := range reqs {
@@ -757,17 +776,45 @@ func micros(d time.Duration) string {
 // so it says nothing of Redis's health.
 var errBadReply = errors.New("redis script: bad reply")
 
-// redisKey is `<key_prefix><zone>:{<key>}`, the key hashed if so asked.
-// The key is the cluster hash tag: escaped so that no key, whatever its
-// bytes, ends the tag early (a `}`) and so moves its bucket to another
-// slot than its request's other zones.
+// redisKey names q's bucket for the script: `<key_prefix>{<group>}`, the
+// hash, then `<zone>:<key>`, the field, the key hashed if so asked. The
+// key never chooses its slot: the hash tag is the group, four hex digits
+// of a fixed hash of the key, whatever the key's bytes.
 func (s *RedisStore) redisKey(q *request) string {
 	k := q.key.String()
 	if s.HashKeys || len(k) > hashKeysLongerThan {
 		sum := sha256.Sum256([]byte(k))
 		k = hex.EncodeToString(sum[:16])
 	}
-	return s.prefixes[q.zone.index] + escapeTag(k, "%}") + "}"
+	g := bucketGroup(k)
+	const digits = "0123456789abcdef"
+	tag := [4]byte{digits[g>>12], digits[g>>8&15], digits[g>>4&15], digits[g&15]}
+	return s.KeyPrefix + "{" + string(tag[:]) + "}" + s.fields[q.zone.index] + k
+}
+
+// bucketGroups is how many hashes the buckets are spread over. Redis
+// keeps a hash of up to 512 short fields as one compact list
+// (hash-max-listpack-entries), so buckets cost least from 100k to a few
+// million of them: 50 B each at 100k, 31 B at 1M and 3M (Redis 7.0);
+// under 10k, about what a key of their own would.
+const bucketGroups = 1 << 14
+
+// bucketGroup is the group of a key's buckets: the 32-bit FNV-1a hash of
+// the key, folded. Buckets written by one version must be found by the
+// next: this never changes.
+func bucketGroup(k string) uint16 {
+	h := uint32(2166136261)
+	for i := 0; i < len(k); i++ {
+		h ^= uint32(k[i])
+		h *= 16777619
+	}
+	return uint16(h>>16^h) & (bucketGroups - 1)
+}
+
+// splitBucket splits what redisKey names into the hash and the field.
+func splitBucket(name string) (hash, field string) {
+	i := strings.IndexByte(name, '}')
+	return name[:i+1], name[i+1:]
 }
 
 // quotaKey is the key of a calendar quota's counter: its bucket key
@@ -803,7 +850,11 @@ func escapeTag(s, chars string) string {
 // buckets is known to lack the tokens. When Redis last answered for a
 // bucket at local instant t with debt d, the bucket cannot be fuller than
 // a bucket full at t+d: tokens only come back at the zone's rate, and
-// other instances only take them.
+// other instances only take them. With a delay, the bound is the same
+// and the take's condition moves by the delay, as in Redis. (One give-back
+// escapes it: a client that leaves while its request waits out a delay
+// on another instance gets its tokens back there, which this cache
+// learns when its entry runs out, as it learns of an admin reset.)
 //
 // The same bound says how many requests a bucket could let through now
 // (its whole burst when the cache knows nothing of it), and no more calls
@@ -847,11 +898,18 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 				q.ok = used+q.zone.Cost <= q.zone.quota.limit
 				continue
 			}
-			t, l := s.cache[q.zone.index], q.zone.limit
+			p := q.plan()
+			t, l := s.cache[q.zone.index], q.limit()
 			fullAt, n := t.get(q.key), t.instant(now)
-			_, q.ok = l.take(fullAt, n, q.zone.costTime)
+			if fullAt-n > l.burstTime+l.ban+l.delay {
+				// The bucket owes more than the request's limit holds:
+				// its plan changed. Redis clamps it to the new burst
+				// (which no bound from the old plan foresees): ask.
+				fullAt = 0
+			}
+			_, q.ok = l.take(fullAt, n, p.costTime)
 			q.debt = l.debt(fullAt, n)
-			if m := int64((l.burstTime - q.debt) / q.zone.costTime); m < most {
+			if m := int64((l.reach() - q.debt) / p.costTime); m < most {
 				tight, most = i, m
 			}
 			// The bound counts from when the last call was sent, Redis
@@ -859,7 +917,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			// within a round trip of the bound would mostly find the
 			// bucket still short. Wait out that round trip instead.
 			if fullAt != 0 {
-				pace = max(pace, fullAt-l.burstTime+q.zone.costTime+rtt-n)
+				pace = max(pace, fullAt-l.reach()+p.costTime+rtt-n)
 			}
 		}
 		if s.cacheDenied(reqs) {
@@ -915,7 +973,7 @@ func (s *RedisStore) cacheDenied(reqs []request) bool {
 		if !q.ok && q.win != nil && q.zone.Count != nil {
 			return false
 		}
-		if !q.ok && q.win == nil && (q.zone.limit.ban > 0 || q.zone.Count != nil) && !q.zone.limit.banned(q.debt) {
+		if l := q.plan().limit; !q.ok && q.win == nil && (l.ban > 0 || q.zone.Count != nil) && !l.banned(q.debt) {
 			return false
 		}
 		denied = denied || !q.ok
@@ -955,6 +1013,9 @@ func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
 			continue
 		}
 		n := t.instant(now)
+		if l := q.plan().limit; q.zone.plans != nil && t.get(q.key)-n > l.burstTime+l.ban {
+			t.forget(q.key) // learnt under another plan: Redis clamped it
+		}
 		t.raise(q.key, n+q.debt, n)
 	}
 }

@@ -25,6 +25,7 @@ type store interface {
 
 	// refund gives each request's cost back to its bucket, which take
 	// charged, unless the bucket is banned: a ban is never shortened.
+	// ctx is the request's: a refund completes when the client has gone.
 	refund(ctx context.Context, now time.Time, reqs []request) error
 
 	// peek sets q.debt from the bucket's state, changing nothing.
@@ -40,13 +41,27 @@ type store interface {
 type request struct {
 	zone *Zone
 	key  bucketKey
-	win  *quotaWindow // a quota's window by this instance's clock; nil: a bucket
+	// pl is the limit the request is decided by: its plan, in a zone
+	// whose limit depends on the request; nil stands for the zone's own.
+	pl  *plan
+	win *quotaWindow // a quota's window by this instance's clock; nil: a bucket
 
 	ok        bool          // the bucket had the tokens
 	ban       bool          // this denial started a ban
 	debt      time.Duration // how long until the bucket is full, after the decision
 	wouldDeny bool          // a dry-run zone that refused the request
 	used      int64         // a quota's count in its window, after the decision
+	// noDelay: the zone's delay does not apply (the handler's waiting
+	// room is full): the request is decided as if the delay were 0.
+	noDelay bool
+}
+
+// limit is the shape the request is decided by: its plan's, taking as if
+// without the delay when noDelay.
+func (q *request) limit() limit {
+	l := q.plan().limit
+	l.noDelay = q.noDelay
+	return l
 }
 
 // isQuota reports whether the request is for the zone's calendar quota.
@@ -55,8 +70,17 @@ func (q *request) isQuota() bool { return q.win != nil }
 // denied reports whether the request's zone refused it, dry runs aside.
 func (q *request) denied() bool { return !q.ok && !q.wouldDeny }
 
+// plan is the limit the request is decided by.
+func (q *request) plan() *plan {
+	if q.pl != nil {
+		return q.pl
+	}
+	return q.zone.plan
+}
+
 // wait is how long the request's bucket needs before it can give the
-// tokens.
+// tokens (or, with a delay, before a take of them would wait no longer
+// than the delay).
 func (q *request) wait() time.Duration {
 	if q.win != nil {
 		if q.used+q.zone.Cost > q.zone.quota.limit {
@@ -64,7 +88,17 @@ func (q *request) wait() time.Duration {
 		}
 		return 0
 	}
-	return q.zone.limit.wait(q.debt, q.zone.costTime)
+	p := q.plan()
+	return q.limit().wait(q.debt, p.costTime)
+}
+
+// delayed is how long an allowed request waits for this zone's tokens
+// (a quota never delays).
+func (q *request) delayed() time.Duration {
+	if !q.ok || q.wouldDeny || q.noDelay || q.win != nil {
+		return 0
+	}
+	return q.plan().limit.delayed(q.debt)
 }
 
 // remaining is the number of whole tokens left in the request's bucket.
@@ -72,7 +106,7 @@ func (q *request) remaining() int64 {
 	if q.win != nil {
 		return max(q.zone.quota.limit-q.used, 0)
 	}
-	return q.zone.limit.wholeTokens(q.debt)
+	return q.plan().limit.wholeTokens(q.debt)
 }
 
 // capacity is the most the request's bucket or quota window holds.
@@ -80,7 +114,7 @@ func (q *request) capacity() int64 {
 	if q.win != nil {
 		return q.zone.quota.limit
 	}
-	return q.zone.limit.burst
+	return q.plan().limit.burst
 }
 
 // nextUnit is how long until the request's bucket holds one more whole
@@ -89,7 +123,7 @@ func (q *request) nextUnit() time.Duration {
 	if q.win != nil {
 		return q.debt
 	}
-	return q.zone.limit.nextToken(q.debt)
+	return q.plan().limit.nextToken(q.debt)
 }
 
 // fallible is a store that can fail, and says what to do then.

@@ -394,7 +394,7 @@ func (t *table) uncount(k bucketKey, units int64, now time.Duration) {
 // try decides c against a bucket full at fullAt.
 func (c *charge) try(fullAt time.Duration) {
 	c.fullAt, c.ok = c.l.take(fullAt, c.now, c.cost)
-	c.ban = !c.ok && c.fullAt != fullAt
+	c.ban = !c.ok && c.l.ban > 0 && !c.l.banned(c.l.debt(fullAt, c.now))
 }
 
 // takeAll charges every bucket or none: a request denied by one bucket
@@ -457,7 +457,7 @@ func takeAll(cs []charge) (allowed bool) {
 		case allowed || c.ban:
 			s.set(c.t, c.h, c.fullAt, c.now)
 		case c.ok:
-			c.fullAt = s.get(c.h) // not charged after all
+			c.fullAt = c.l.clamp(s.get(c.h), c.now) // not charged after all
 			s.touch(c.h, c.fullAt, c.now)
 		default:
 			s.touch(c.h, c.fullAt, c.now)

@@ -18,6 +18,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Zone is one token-bucket limit. Every distinct value of Key gets its
@@ -47,14 +48,27 @@ type Zone struct {
 	// How fast the bucket refills: `<n>r/s`, `<n>r/m`, `<n>r/h`, `<n>r/d`
 	// or `<n>/<duration>` (e.g. `100/10s`). n may be fractional.
 	// Required.
+	//
+	// Rate, burst and cost may hold placeholders, e.g. `{plan_rate}` set
+	// by a `map` of the client's plan: each request is then limited by
+	// the values it brings, and a key keeps its bucket when its plan
+	// changes (clamped to the new burst). A zone keeps at most 1000
+	// distinct limits; a request whose values make no valid limit, or one
+	// more, is answered 500 (and the values logged once). A value the
+	// client sets itself must not decide its limit.
 	Rate string `json:"rate,omitempty"`
 
 	// The bucket's capacity: how many tokens a client that has been idle
-	// can spend at once. Default: the n of the rate, rounded up.
+	// can spend at once. A whole number, or a string with placeholders
+	// that give one per request (see Rate). Default: the n of the rate,
+	// rounded up.
 	Burst int64 `json:"burst,omitempty"`
 
-	// How many tokens one request takes. It cannot exceed the burst.
-	// Default: 1.
+	// How many tokens one request takes. It cannot exceed the burst. A
+	// whole number, or a string with placeholders that give one per
+	// request, e.g. `{http.request.header.X-Cost}` set by a trusted
+	// upstream: never a value the client sets, or the client decides its
+	// own limit. Default: 1.
 	Cost int64 `json:"cost,omitempty"`
 
 	// The limit as github.com/mholt/caddy-ratelimit writes it, instead of
@@ -87,6 +101,18 @@ type Zone struct {
 	// starts a ban: the denials during it do not make it longer. Needs a
 	// rate. Default: no ban.
 	Ban caddy.Duration `json:"ban,omitempty"`
+
+	// Let a request that finds too few tokens, but would have them within
+	// this long, wait for them instead of being refused: it reserves its
+	// tokens at once and goes on when they are there, so that a short
+	// excess over the rate is smoothed rather than refused (nginx's
+	// `limit_req ... delay`). A request that would wait longer is refused
+	// as without a delay, and charged nothing; one whose client leaves
+	// while it waits gets its tokens back. A request that several zones
+	// delay waits the longest of their waits. A zone in dry run never
+	// makes a request wait. Needs a rate; not with ban. At most 1h.
+	// Default: no delay (refuse at once).
+	Delay caddy.Duration `json:"delay,omitempty"`
 
 	// Charge only the requests whose response matches: a request still
 	// takes its tokens before it goes on (so concurrent requests cannot
@@ -131,9 +157,16 @@ type Zone struct {
 	// that the upstream can be told. Lets a new limit be tried safely.
 	DryRun bool `json:"dry_run,omitempty"`
 
-	index       int // in Handler.Zones
-	limit       limit
-	costTime    time.Duration // what Cost tokens are worth: limit.costTime(Cost)
+	index    int // in Handler.Zones
+	limit    limit
+	costTime time.Duration // what Cost tokens are worth: limit.costTime(Cost)
+	// Burst and Cost when they hold placeholders, and Rate's.
+	burstVar, costVar, rateVar valueVar
+	// plan is the zone's limit when it is fixed; plans, the limits met
+	// so far when it depends on the request (see plans.go).
+	plan        *plan
+	plans       *plans
+	badLimit    error // the caddyhttp.HandlerError of a request without a valid limit
 	keyKind     keyKind
 	matcherSets caddyhttp.MatcherSets
 	state       *zoneState
@@ -156,6 +189,9 @@ type Zone struct {
 	slotPolicy string // the RateLimit-Policy item of the concurrency limit
 	slots      *slotTable
 	quota      *quota // nil: no calendar quota
+	// delays observes the waits of a zone with delay; nil without
+	// metrics.
+	delays prometheus.Observer
 }
 
 // A keyKind is what a zone's key template needs to be expanded.
@@ -220,6 +256,17 @@ func checkLease(d time.Duration) error {
 	return nil
 }
 
+// maxDelay bounds a zone's delay: a waiting request holds its connection
+// and a goroutine, and a client rarely waits longer.
+const maxDelay = time.Hour
+
+func checkDelay(d time.Duration) error {
+	if d <= 0 || d > maxDelay {
+		return fmt.Errorf("invalid delay %v: must be positive and at most 1h", d)
+	}
+	return nil
+}
+
 // defaultLease is how long a Redis slot is held when lease is not set.
 const defaultLease = 60 * time.Second
 
@@ -274,11 +321,13 @@ func (z *Zone) parseLimit() (limit, error) {
 			return placeholderLimit, nil
 		case z.Ban != 0:
 			return limit{}, errors.New("ban needs a rate: it empties the zone's bucket")
+		case z.Delay != 0:
+			return limit{}, errors.New("delay needs a rate: requests wait for the zone's tokens")
 		case z.Count != nil:
 			return limit{}, errors.New("count needs a rate: it gives tokens back")
-		case z.Burst != 0 && z.Concurrency != 0:
+		case (z.Burst != 0 || z.burstVar.template != "") && z.Concurrency != 0:
 			return limit{}, errors.New("burst needs a rate")
-		case z.Cost != 0 && z.Cost != 1 && z.Concurrency != 0:
+		case (z.Cost != 0 && z.Cost != 1 || z.costVar.template != "") && z.Concurrency != 0:
 			return limit{}, errors.New("cost needs a rate: a request in flight takes one slot")
 		case z.Concurrency != 0:
 			if err := z.checkPrefixes(); err != nil {
@@ -292,10 +341,28 @@ func (z *Zone) parseLimit() (limit, error) {
 			return limit{}, err
 		}
 	}
+	if z.Delay != 0 {
+		if err := checkDelay(time.Duration(z.Delay)); err != nil {
+			return limit{}, err
+		}
+		if z.Ban != 0 {
+			// Both would read a bucket that owes more than a whole
+			// bucket: as a ban, or as requests waiting for their tokens.
+			return limit{}, errors.New("ban and delay exclude each other: a zone either refuses an excess for a while (ban) or lets it wait (delay)")
+		}
+	}
 	if z.Count != nil {
 		if err := checkCount(z.Count); err != nil {
 			return limit{}, err
 		}
+	}
+	if z.perRequest() {
+		// The limit is known per request (plans.go): its bucket table
+		// and the stores' fixed arguments have no shape of their own.
+		if err := cmp.Or(z.checkVars(), z.checkPrefixes()); err != nil {
+			return limit{}, err
+		}
+		return limit{ban: time.Duration(z.Ban)}, nil
 	}
 	var perSec float64
 	var burst int64
@@ -312,17 +379,15 @@ func (z *Zone) parseLimit() (limit, error) {
 	if cost == 0 {
 		cost = 1
 	}
-	if err := cmp.Or(checkBurst(burst), checkMin("cost", cost, 1), z.checkPrefixes()); err != nil {
+	l, err := checkLimit(z.rateString(), perSec, burst, cost)
+	if err == nil {
+		err = z.checkPrefixes()
+	}
+	if err != nil {
 		return limit{}, err
 	}
-	if cost > burst {
-		return limit{}, fmt.Errorf("cost %d exceeds burst %d: no request could ever pass", cost, burst)
-	}
-	if float64(burst)/perSec > maxBurstTime.Seconds() {
-		return limit{}, fmt.Errorf("burst %d at rate %s takes more than 100 years to refill", burst, z.rateString())
-	}
-	l := newLimit(perSec, burst)
 	l.ban = time.Duration(z.Ban)
+	l.delay = time.Duration(z.Delay)
 	return l, nil
 }
 
@@ -522,6 +587,18 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	z.wouldDenyVar = "http.rate_limit." + z.Name + ".would_deny"
 	z.quotedName = sfString(z.Name)
 	z.policy = fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, z.limit.burst, ceilSeconds(z.limit.burstTime))
+	if z.perRequest() {
+		if hasPlaceholders(z.Rate) {
+			z.rateVar = newValueVar(z.Rate)
+		}
+		z.plans = newPlans(ctx.Logger())
+		z.badLimit = caddyhttp.HandlerError{
+			StatusCode: http.StatusInternalServerError,
+			Err:        fmt.Errorf("rate limit: no valid limit for the request in zone %s", z.Name),
+		}
+	} else {
+		z.plan = z.newPlan(z.limit, z.Cost)
+	}
 	if z.Concurrency != 0 {
 		z.slotPolicy = fmt.Sprintf("%s;q=%d", z.quotedName, z.Concurrency)
 	}

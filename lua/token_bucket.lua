@@ -8,23 +8,40 @@
 -- a quarter). A bucket may give its tokens up to 1 µs early, which absorbs
 -- what rounding is left.
 --
--- KEYS[i]      bucket keys (in one cluster slot)
+-- Buckets live many to a Redis hash, which costs Redis about a fifth of
+-- a key each: KEYS[i] is `<hash><field>`, the hash's name ending at its
+-- first '}' (`<prefix>{<group>}`), so that KEYS[i] has the hash's slot.
+-- A bucket is a field, its instant a whole number of nanoseconds since
+-- the epoch, in decimal (Redis keeps it as an integer). A hash expires
+-- when the last of its buckets is full; until then a bucket that is full
+-- again stays (it carries no information), and every new bucket removes
+-- any such among three others taken at random, which keeps them to about
+-- a third of a hash.
+--
+-- KEYS[i]      buckets (in one cluster slot)
 -- ARGV[1]      "take", "refund" or "peek"
 -- ARGV[2]      "" to read TIME. Caddy always sends ""; tests send an
 --              instant (µs since 1970) to replay a table of steps.
--- ARGV[3i]     full_i: µs to refill KEYS[i] from empty (burst / rate)
--- ARGV[3i+1]   cost_i: µs the request's tokens are worth (cost / rate)
--- ARGV[3i+2]   ban_i: µs a denial bans KEYS[i] for; 0 for no ban
+-- ARGV[4i-1]   full_i: µs to refill KEYS[i] from empty (burst / rate)
+-- ARGV[4i]     cost_i: µs the request's tokens are worth (cost / rate)
+-- ARGV[4i+1]   ban_i: µs a denial bans KEYS[i] for; 0 for no ban
+-- ARGV[4i+2]   delay_i: µs a request may wait for KEYS[i]'s tokens; 0 for
+--              none (never with a ban). Negative: the zone's delay is
+--              -delay_i, but this request may not wait (take as if 0)
 --
--- take    charges every bucket or none (all-or-nothing); when it denies,
---         each bucket with a ban that lacked the tokens and was not
---         banned yet is banned: it owes ban_i + full_i
+-- take    charges every bucket or none (all-or-nothing): a bucket gives
+--         cost_i if it would hold it within delay_i (the request then
+--         waits out debt_i - full_i); when it denies, each bucket with a
+--         ban that lacked the tokens and was not banned yet is banned: it
+--         owes ban_i + full_i
 -- refund  gives cost_i back to every bucket that is not banned, undoing
 --         an earlier take
 -- peek    changes nothing
 --
--- A bucket owes at most full_i + ban_i; one that owes more than full_i
--- is banned for the excess.
+-- A bucket owes at most full_i + ban_i + delay_i; with a ban, one that
+-- owes more than full_i is banned for the excess. take saves a bucket
+-- found owing more (its key's plan changed to a smaller limit) as owing
+-- just that: from then on an empty bucket of the request's limit.
 --
 -- Returns {allowed (1|0), debt_1, ..., debt_n[, repaired[, bans]]}, where
 -- debt_i is how long in nanoseconds (rounded, half up) until KEYS[i] is
@@ -83,25 +100,97 @@ else
 	now = (t[1] - epoch) * 1000000 + t[2]
 end
 
--- save stores a bucket that owes debt µs. (Redis writes a Lua number
--- with 17 significant digits: no precision is lost.)
+-- split names a bucket's hash and field.
+local function split(key)
+	local e = string.find(key, '}', 1, true) or #key
+	return string.sub(key, 1, e), string.sub(key, e + 1)
+end
+
+-- encode writes instant f (µs) in whole nanoseconds, exactly: the
+-- instants are sums of whole microseconds (TIME) and whole nanoseconds
+-- (the zones' times), and f is within half a nanosecond of its sum.
+-- Doubles cannot hold the nanoseconds since the epoch, so the digits are
+-- written in two parts.
+local function encode(f)
+	local sign = ''
+	if f < 0 then
+		sign, f = '-', -f
+	end
+	local us = math.floor(f)
+	local ns = math.floor((f - us) * 1000 + 0.5)
+	if ns == 1000 then
+		us, ns = us + 1, 0
+	end
+	if us == 0 then
+		return sign .. string.format('%d', ns)
+	end
+	return sign .. string.format('%d%03d', us, ns)
+end
+
+-- decode reads what encode wrote, back to the same f; nil for anything
+-- else.
+local function decode(v)
+	local sign, digits = string.match(v, '^(%-?)(%d+)$')
+	if not digits then
+		return nil
+	end
+	local f = (tonumber(string.sub(digits, 1, -4)) or 0) + tonumber(string.sub(digits, -3)) / 1000
+	if sign == '-' then
+		f = -f
+	end
+	return f
+end
+
+-- purge removes the buckets that are full again among three of hash h's,
+-- taken at random, and any that do not hold an instant.
+local function purge(h)
+	local r = redis.call('HRANDFIELD', h, 3, 'WITHVALUES')
+	for j = 1, #r, 2 do
+		local f = decode(r[j + 1])
+		if not f or f <= now then
+			redis.call('HDEL', h, r[j])
+		end
+	end
+end
+
+-- save stores a bucket that owes debt µs; debt <= 0 deletes it. A hash
+-- of another type is deleted first.
 local function save(key, debt)
+	local h, field = split(key)
 	if debt <= 0 then
-		redis.call('DEL', key)
-	else
-		redis.call('SET', key, now + debt, 'PX', math.ceil(debt / 1000))
+		if type(redis.pcall('HDEL', h, field)) == 'table' then
+			redis.call('DEL', h)
+		end
+		return
+	end
+	local v = encode(now + debt)
+	local added = redis.pcall('HSET', h, field, v)
+	if type(added) == 'table' then
+		redis.call('DEL', h)
+		added = redis.call('HSET', h, field, v)
+	end
+	local ms = math.ceil(debt / 1000)
+	if redis.call('PTTL', h) < ms then
+		redis.call('PEXPIRE', h, ms)
+	end
+	if added == 1 then
+		purge(h)
 	end
 end
 
 -- load returns a bucket's instant, or nil for a full bucket; bad says the
--- key held something else.
+-- bucket held something else, or its hash was of another type.
 local function load(key)
-	local v = redis.pcall('GET', key)
+	local h, field = split(key)
+	local v = redis.pcall('HGET', h, field)
 	if type(v) == 'table' and v.err then
 		return nil, true
 	end
-	local f = tonumber(v)
-	return f, v and not f
+	if not v then
+		return nil, false
+	end
+	local f = decode(v)
+	return f, not f
 end
 
 -- Calendar quotas, decided before the buckets charge anything.
@@ -152,20 +241,25 @@ local reply = { 1 }
 local bad = {}
 local repaired = 0
 local short = {}
+local clamped = {}
 for i = 1, n do
-	local full, cost, ban = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+	local a = 4 * i - 1
+	local full, cost, ban, delay = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+	local wait = math.max(delay, 0) -- how long this request may wait
+	delay = math.abs(delay)
 	local f
 	f, bad[i] = load(KEYS[i])
 	f = f or now
-	if mode == 'refund' and f > now and f - now <= full then
+	if mode == 'refund' and f > now and f - now <= full + delay then
 		f = f - cost
 	end
-	-- A clock that went back must not leave more than a whole bucket
-	-- and a ban owed.
-	local debt = math.min(math.max(f - now, 0), full + ban)
+	-- A clock that went back, or a plan that changed to a smaller limit,
+	-- must not leave more than a whole bucket and a ban or a delay owed.
+	local debt = math.min(math.max(f - now, 0), full + ban + delay)
+	clamped[i] = f - now > full + ban + delay
 	if mode == 'refund' then
 		save(KEYS[i], debt)
-	elseif mode == 'take' and debt + cost > full + slack then
+	elseif mode == 'take' and debt + cost > full + wait + slack then
 		reply[1] = 0
 		short[i] = ban > 0 and debt <= full
 	end
@@ -180,14 +274,16 @@ local bans, banned = {}, false
 for i = 1, n do
 	local debt = reply[i + 1]
 	if mode == 'take' and reply[1] == 1 then
-		debt = debt + ARGV[3 * i + 1]
+		debt = debt + ARGV[4 * i]
 		save(KEYS[i], debt)
 	elseif short[i] then
-		debt = ARGV[3 * i] + ARGV[3 * i + 2]
+		debt = ARGV[4 * i - 1] + ARGV[4 * i + 1]
 		save(KEYS[i], debt)
 		banned = true
+	elseif clamped[i] and mode == 'take' then
+		save(KEYS[i], debt)
 	elseif bad[i] and mode == 'take' then
-		redis.call('DEL', KEYS[i]) -- a full bucket: no key
+		save(KEYS[i], 0) -- a full bucket: no field
 	end
 	if bad[i] then
 		repaired = repaired + 1

@@ -1,0 +1,494 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/base64"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// The defences against password guessing, through a real Caddy: bans,
+// and counting only the responses that say the guess was wrong.
+
+func init() {
+	caddy.RegisterModule(passCounter{})
+}
+
+// passCounter is a handler for tests that counts the requests reaching
+// it, so that a test knows what the handlers after it saw.
+type passCounter struct {
+	// The counter's name, for passed.
+	Name string `json:"name"`
+}
+
+var passes sync.Map // name → *atomic.Int64
+
+// passed is the number of requests that reached the passCounter
+// handlers named name.
+func passed(name string) *atomic.Int64 {
+	v, _ := passes.LoadOrStore(name, new(atomic.Int64))
+	return v.(*atomic.Int64)
+}
+
+func (passCounter) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.rate_limit_test_pass_counter",
+		New: func() caddy.Module { return new(passCounter) },
+	}
+}
+
+func (p *passCounter) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	passed(p.Name).Add(1)
+	return next.ServeHTTP(w, r)
+}
+
+// aliceHash is the bcrypt hash (cost 4, cheap for tests) of alice's
+// password, "right-password".
+const aliceHash = "$2a$04$y2ldnWvya6B.N76lJ5bFie1sdWRJroZP5scTca.wUnCmgcMqWxyhS"
+
+// basicAuth is basic_auth's JSON: one account, alice.
+const basicAuth = `{"handler":"authentication","providers":{"http_basic":{
+	"hash":{"algorithm":"bcrypt"},
+	"accounts":[{"username":"alice","password":"` + aliceHash + `"}]}}}`
+
+// password is the Authorization header of alice with password pw.
+func password(pw string) string {
+	return "Basic " + base64.StdEncoding.EncodeToString([]byte("alice:"+pw))
+}
+
+// storeJSON is the handler's store config: local, or Redis on addrs.
+func storeJSON(addrs ...string) string {
+	if len(addrs) == 0 {
+		return `{"backend":"local"}`
+	}
+	quoted := make([]string, len(addrs))
+	for i, a := range addrs {
+		quoted[i] = strconv.Quote(a)
+	}
+	return `{"backend":"redis","addresses":[` + strings.Join(quoted, ",") + `]}`
+}
+
+// hit sends one request to the test site from client IP ip (the server
+// trusts loopback's X-Forwarded-For) with header name/value pairs, and
+// returns the status, the body and the Retry-After seconds (0 if none).
+func hit(t *testing.T, c *http.Client, path, ip string, header ...string) (int, string, int) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("X-Forwarded-For", ip)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	retry, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+	return resp.StatusCode, string(body), retry
+}
+
+// 10,000 wrong passwords sent at once, 500 in flight, to basic_auth behind
+// `count { status 401 }` with a burst of 5 and a ban: basic_auth sees 5 of
+// them, and the 6th starts the ban, which then refuses the right password
+// too. basic_auth answers a wrong password with an error, not a written
+// response: count reads its status from the error.
+func TestCountWrongPasswordFlood(t *testing.T) {
+	total, inFlight := 10000, 500
+	r := startRedis(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", storeJSON()},
+		// A timeout for a loaded test machine, not the default 100ms:
+		// a call that times out would let fail_mode decide, and its
+		// local buckets would start a ban of their own.
+		{"redis", strings.Replace(storeJSON(r.addr()), "}", `,"timeout":"5s"}`, 1)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			zone := "flood-" + tc.name
+			tester := loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[{"name":"`+zone+`",
+				"rate":"5/h","burst":5,"ban":"1h","count":{"status_code":[401]}}],"store":`+tc.store+`},
+				{"handler":"rate_limit_test_pass_counter","name":"`+zone+`"},
+				`+basicAuth+`,
+				{"handler":"static_response","body":"welcome"}`))
+			c := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{
+				MaxConnsPerHost: inFlight, MaxIdleConnsPerHost: inFlight,
+			}}
+			defer c.CloseIdleConnections()
+			const ip = "198.51.100.7"
+
+			start := time.Now()
+			var codes [600]atomic.Int64
+			var failed atomic.Int64
+			var next atomic.Int64
+			var wg sync.WaitGroup
+			gate := make(chan struct{})
+			for range inFlight {
+				wg.Go(func() {
+					<-gate
+					for i := next.Add(1); i <= int64(total); i = next.Add(1) {
+						req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080/", nil)
+						req.Header.Set("X-Forwarded-For", ip)
+						req.Header.Set("Authorization", password("guess-"+strconv.FormatInt(i, 10)))
+						resp, err := c.Do(req)
+						if err != nil {
+							if failed.Add(1) == 1 {
+								t.Errorf("request %d: %v", i, err)
+							}
+							continue
+						}
+						resp.Body.Close()
+						codes[min(resp.StatusCode, len(codes)-1)].Add(1)
+					}
+				})
+			}
+			close(gate)
+			wg.Wait()
+			elapsed := time.Since(start)
+			t.Logf("%d wrong passwords, %d in flight: %v", total, inFlight, elapsed)
+
+			seen := passed(zone).Load()
+			if n401, n429 := codes[401].Load(), codes[429].Load(); seen != 5 || n401 != 5 || n429 != int64(total-5) || failed.Load() != 0 {
+				t.Fatalf("basic_auth saw %d guesses; clients got %d × 401, %d × 429, %d errors; want 5 seen, 5 × 401, %d × 429",
+					seen, n401, n429, failed.Load(), total-5)
+			}
+			// The ban holds the right password out too: an hour and a
+			// token (720s at 5/h), less the time the flood took.
+			code, _, retry := hit(t, c, "/", ip, "Authorization", password("right-password"))
+			if code != 429 || retry < 4320-int(elapsed.Seconds())-2 || retry > 4320 {
+				t.Fatalf("right password during the ban: %d, Retry-After %d; want 429 and about 4320", code, retry)
+			}
+			if n := passed(zone).Load(); n != 5 {
+				t.Fatalf("basic_auth saw %d requests, want still 5", n)
+			}
+			m := scrape(t, tester)
+			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_bans_total{zone=%q}`, zone), 1)
+			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_requests_total{result="denied",zone=%q}`, zone), float64(total-4))
+			// Another client logs in.
+			if code, body, _ := hit(t, c, "/", "198.51.100.8", "Authorization", password("right-password")); code != 200 || body != "welcome" {
+				t.Fatalf("another client with the right password: %d %q", code, body)
+			}
+		})
+	}
+}
+
+// banZone is the JSON of a zone that bans for an hour: 5/h (a token every
+// 720s), burst 2. A denial's Retry-After is then 4320s: the ban and a
+// token.
+func banZone(name string) string {
+	return `{"name":"` + name + `","rate":"5/h","burst":2,"ban":"1h"}`
+}
+
+// A ban survives a config reload: the local store keeps a zone's buckets
+// across configs by its name, Redis keeps them anyway.
+func TestBanSurvivesReload(t *testing.T) {
+	r := startRedis(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", storeJSON()},
+		{"redis", storeJSON(r.addr())},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			zone := "reload-ban-" + tc.name
+			config := func(zones, body string) string {
+				return jsonServer(`{"handler":"rate_limit","zones":[` + zones + `],"store":` + tc.store + `},
+					{"handler":"static_response","body":"` + body + `"}`)
+			}
+			loadJSON(t, config(banZone(zone), "one"))
+			c := &http.Client{Timeout: 10 * time.Second}
+			const ip = "198.51.100.20"
+			for i := range 2 {
+				if code, body, _ := hit(t, c, "/", ip); code != 200 || body != "one" {
+					t.Fatalf("request %d: %d %q", i, code, body)
+				}
+			}
+			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry != 4320 {
+				t.Fatalf("the denial that bans: %d, Retry-After %d; want 429, 4320", code, retry)
+			}
+
+			// A new config, with another zone before the one that banned.
+			loadJSON(t, config(`{"name":"`+zone+`-other","rate":"100r/m"},`+banZone(zone), "two"))
+			if code, body, _ := hit(t, c, "/", "198.51.100.21"); code != 200 || body != "two" {
+				t.Fatalf("another client after the reload: %d %q, want 200 from the new config", code, body)
+			}
+			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry < 4318 || retry > 4320 {
+				t.Fatalf("after the reload: %d, Retry-After %d; want 429 and the ban's time left", code, retry)
+			}
+		})
+	}
+}
+
+// A ban holds across instances that share a Redis: a key banned through
+// one is refused by the other, with the Retry-After of the ban's time
+// left, and the other's denials start no ban of their own. The instances
+// are a Caddy and a handler with a connection pool of its own (another
+// timeout) and an over-limit cache of its own.
+func TestBanAcrossInstances(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		addrs func(t *testing.T) []string
+	}{
+		{"redis", func(t *testing.T) []string { return []string{startRedis(t).addr()} }},
+		{"cluster", func(t *testing.T) []string {
+			var addrs []string
+			for _, n := range startCluster(t) {
+				addrs = append(addrs, n.addr())
+			}
+			return addrs
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			addrs := tc.addrs(t)
+			zone := "shared-ban-" + tc.name
+			loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+banZone(zone)+`],"store":`+storeJSON(addrs...)+`},
+				{"handler":"static_response","body":"ok"}`))
+			other := newTestHandler(t, `{"zones":[`+banZone(zone)+`],"store":`+
+				strings.Replace(storeJSON(addrs...), "}", `,"timeout":"2s"}`, 1)+`}`)
+			bans := &other.Zones[0].state.bans // both instances' zone (one process)
+			c := &http.Client{Timeout: 10 * time.Second}
+
+			// Banned through Caddy, refused by the other instance.
+			const ip = "198.51.100.30"
+			hit(t, c, "/", ip)
+			hit(t, c, "/", ip)
+			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry != 4320 {
+				t.Fatalf("the denial that bans: %d, Retry-After %d; want 429, 4320", code, retry)
+			}
+			time.Sleep(2 * time.Second)
+			for i := range 3 {
+				code, hdr := serve(other, ip)
+				if retry, _ := strconv.Atoi(hdr.Get("Retry-After")); code != 429 || retry < 4317 || retry > 4318 {
+					t.Fatalf("other instance, request %d: %d, Retry-After %q; want 429 and 4318: the ban's time left", i, code, hdr.Get("Retry-After"))
+				}
+			}
+			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry < 4317 || retry > 4318 {
+				t.Fatalf("Caddy after the other's denials: %d, Retry-After %d; want 429 and 4318: they did not lengthen the ban", code, retry)
+			}
+			if n := bans.Load(); n != 1 {
+				t.Fatalf("%d bans started, want 1", n)
+			}
+
+			// And the other way round.
+			const ip2 = "198.51.100.31"
+			for i, want := range []int{200, 200, 429} {
+				if code, _ := serve(other, ip2); code != want {
+					t.Fatalf("other instance, request %d: %d, want %d", i, code, want)
+				}
+			}
+			if code, _, retry := hit(t, c, "/", ip2); code != 429 || retry < 4319 || retry > 4320 {
+				t.Fatalf("Caddy, for a key the other banned: %d, Retry-After %d; want 429 and 4320", code, retry)
+			}
+			if n := bans.Load(); n != 2 {
+				t.Fatalf("%d bans started, want 2", n)
+			}
+		})
+	}
+}
+
+// count on a Redis Cluster, with two zones whose keys are in different
+// slots, so taken zone by zone: responses that do not match give the
+// tokens back in both, and a request that the second zone denies gives
+// back what the first took.
+func TestCountCluster(t *testing.T) {
+	var addrs []string
+	for _, n := range startCluster(t) {
+		addrs = append(addrs, n.addr())
+	}
+	tester := loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
+			{"name":"count-user","key":"{http.request.header.X-User}","rate":"5/h","burst":10,"count":{"status_code":[401]}},
+			{"name":"count-ip","rate":"5/h","burst":3,"count":{"status_code":[401]}}],
+		"store":`+storeJSON(addrs...)+`},
+		{"handler":"subroute","routes":[
+			{"match":[{"path":["/bad"]}],"handle":[{"handler":"static_response","status_code":401}]},
+			{"handle":[{"handler":"static_response","body":"ok"}]}]}`))
+	c := &http.Client{Timeout: 10 * time.Second}
+	const ip = "198.51.100.40"
+	ratelimit := func(path, ip, user string) (int, string) {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
+		req.Header.Set("X-Forwarded-For", ip)
+		req.Header.Set("X-User", user)
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode, resp.Header.Get("RateLimit")
+	}
+	for i := range 10 {
+		code, rl := ratelimit("/good", ip, "alice")
+		if code != 200 || !strings.Contains(rl, `"count-user";r=9;`) || !strings.Contains(rl, `"count-ip";r=2;`) {
+			t.Fatalf("good request %d: %d, RateLimit %q; want 200 with 9 and 2 left: the others gave their tokens back", i, code, rl)
+		}
+	}
+
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	codes := map[int]int{}
+	for range 20 {
+		wg.Go(func() {
+			code, _ := ratelimit("/bad", ip, "alice")
+			mu.Lock()
+			codes[code]++
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	if codes[401] != 3 || codes[429] != 17 {
+		t.Fatalf("20 concurrent wrong passwords: %v, want 3 × 401 (the ip zone's burst), 17 × 429", codes)
+	}
+	// alice's bucket paid for the 3 wrong passwords that went on, and
+	// for nothing that the ip zone denied.
+	if code, rl := ratelimit("/good", "198.51.100.41", "alice"); code != 200 || !strings.Contains(rl, `"count-user";r=6;`) {
+		t.Fatalf("alice from another address: %d, RateLimit %q; want 200 with 6 left", code, rl)
+	}
+	if code, _ := ratelimit("/good", ip, "bob"); code != 429 {
+		t.Fatalf("bob from the address that guessed: %d, want 429", code)
+	}
+	m := scrape(t, tester)
+	wantMetric(t, m, `caddy_rate_limit_refunds_total{zone="count-user"}`, 11)
+	wantMetric(t, m, `caddy_rate_limit_refunds_total{zone="count-ip"}`, 11)
+}
+
+// count in dry run: the responses that match are charged and the others
+// given back, as when enforced, but nothing is refused; the placeholder
+// says which requests would have been. The ban a denial starts is noted.
+func TestCountDryRun(t *testing.T) {
+	r := startRedis(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", storeJSON()},
+		{"redis", storeJSON(r.addr())},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			zone := "count-dry-" + tc.name
+			tester := loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[{"name":"`+zone+`",
+					"rate":"5/h","burst":2,"ban":"1h","count":{"status_code":[401]},"dry_run":true}],"store":`+tc.store+`},
+				{"handler":"headers","response":{"set":{"X-Would-Deny":["{http.rate_limit.`+zone+`.would_deny}"]}}},
+				{"handler":"subroute","routes":[
+					{"match":[{"path":["/bad"]}],"handle":[{"handler":"static_response","status_code":401}]},
+					{"handle":[{"handler":"static_response","body":"ok"}]}]}`))
+			c := &http.Client{Timeout: 10 * time.Second}
+			const ip = "198.51.100.50"
+			step := func(i int, path string, wantCode int, wantWouldDeny string) {
+				t.Helper()
+				req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
+				req.Header.Set("X-Forwarded-For", ip)
+				resp, err := c.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp.Body.Close()
+				if got := resp.Header.Get("X-Would-Deny"); resp.StatusCode != wantCode || got != wantWouldDeny {
+					t.Fatalf("step %d %s: %d, would deny %q; want %d, %q", i, path, resp.StatusCode, got, wantCode, wantWouldDeny)
+				}
+			}
+			for i := range 5 { // given back: the bucket stays full
+				step(i, "/good", 200, "false")
+			}
+			for i, want := range []string{"false", "false", "true", "true", "true"} {
+				step(5+i, "/bad", 401, want)
+			}
+			step(10, "/good", 200, "true")
+			m := scrape(t, tester)
+			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_requests_total{result="dry_run_denied",zone=%q}`, zone), 4)
+			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_requests_total{result="denied",zone=%q}`, zone), 0)
+			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_refunds_total{zone=%q}`, zone), 5)
+			wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_bans_total{zone=%q}`, zone), 1)
+		})
+	}
+}
+
+// count reads the final status however the response is written: 1xx
+// responses before it are informational, a body without a status is a
+// 200, a later handler's error counts by its status.
+func TestCountReadsTheFinalStatus(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"count-status","rate":"1r/m","burst":100,"count":{"status_code":[401]}}]}`)
+	for _, tc := range []struct {
+		name    string
+		next    caddyhttp.HandlerFunc
+		refunds uint64 // given back: the response did not match
+	}{
+		{"early hints, then 401", func(w http.ResponseWriter, _ *http.Request) error {
+			w.WriteHeader(http.StatusEarlyHints)
+			w.WriteHeader(http.StatusUnauthorized)
+			return nil
+		}, 0},
+		{"early hints, then 200", func(w http.ResponseWriter, _ *http.Request) error {
+			w.WriteHeader(http.StatusEarlyHints)
+			w.WriteHeader(http.StatusOK)
+			return nil
+		}, 1},
+		{"401, then a body", func(w http.ResponseWriter, _ *http.Request) error {
+			w.WriteHeader(http.StatusUnauthorized)
+			_, err := w.Write([]byte("no"))
+			return err
+		}, 0},
+		{"a body alone", func(w http.ResponseWriter, _ *http.Request) error {
+			_, err := w.Write([]byte("yes"))
+			return err
+		}, 1},
+		{"a body copied", func(w http.ResponseWriter, _ *http.Request) error {
+			_, err := io.Copy(w, strings.NewReader("yes"))
+			return err
+		}, 1},
+		{"nothing written", func(http.ResponseWriter, *http.Request) error { return nil }, 1},
+		{"an error 401", func(http.ResponseWriter, *http.Request) error {
+			return caddyhttp.Error(http.StatusUnauthorized, nil)
+		}, 0},
+		{"an error 500", func(http.ResponseWriter, *http.Request) error { return fmt.Errorf("broken") }, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			before := h.Zones[0].state.refunds.Load()
+			req, rr := newRequest("192.0.2.80")
+			_ = h.ServeHTTP(rr, req, tc.next)
+			if got := h.Zones[0].state.refunds.Load() - before; got != tc.refunds {
+				t.Fatalf("%d refunds, want %d", got, tc.refunds)
+			}
+		})
+	}
+	// The 3 responses that matched kept their tokens.
+	if code, hdr := serve(h, "192.0.2.80"); code != 200 || !strings.Contains(hdr.Get("Ratelimit"), "r=96;") {
+		t.Fatalf("%d, RateLimit %q; want 200 with 96 left", code, hdr.Get("Ratelimit"))
+	}
+}
+
+// A client that leaves before its response gets the tokens of a response
+// that does not match back all the same, from Redis too.
+func TestCountRefundsWhenClientGone(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"count-gone","rate":"1r/m","burst":2,"count":{"status_code":[401]}}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.addr()))
+	for i := range 3 {
+		req, rr := newRequest("192.0.2.81")
+		ctx, cancel := context.WithCancel(req.Context())
+		req = req.WithContext(ctx)
+		next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+			cancel() // the client goes
+			w.WriteHeader(http.StatusOK)
+			return nil
+		})
+		if err := h.ServeHTTP(rr, req, next); err != nil || rr.Code != 200 {
+			t.Fatalf("request %d: %v, %d", i, err, rr.Code)
+		}
+	}
+	if n := h.Zones[0].state.refunds.Load(); n != 3 {
+		t.Fatalf("%d refunds, want 3", n)
+	}
+	if keys := r.cli("DBSIZE"); keys != "0" {
+		t.Fatalf("%s keys in Redis, want none: every bucket is full again", keys)
+	}
+}

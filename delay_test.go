@@ -1,0 +1,554 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// The math of a delay: a bucket of 10r/s, burst 2, delay 300ms lets a
+// request wait for up to three tokens it lacks, and no more.
+func TestBucketDelay(t *testing.T) {
+	l := newLimit(10, 2)
+	l.delay = 300 * time.Millisecond
+	cost := l.costTime(1)
+	var f time.Duration
+	for i, want := range []time.Duration{0, 0, 100, 200, 300} {
+		var ok bool
+		if f, ok = l.take(f, 0, cost); !ok {
+			t.Fatalf("take %d refused", i)
+		}
+		if got := l.delayed(l.debt(f, 0)); got != want*time.Millisecond {
+			t.Fatalf("take %d waits %v, want %v", i, got, want*time.Millisecond)
+		}
+	}
+	if nf, ok := l.take(f, 0, cost); ok || nf != f {
+		t.Fatalf("take beyond the delay: ok %v, instant %v (was %v)", ok, nf, f)
+	}
+	if got := l.wait(l.debt(f, 0), cost); got != 100*time.Millisecond {
+		t.Fatalf("wait %v, want 100ms: then the request waits the whole delay", got)
+	}
+	// Owing more than a whole bucket is a reservation, not a ban.
+	if l.banned(l.debt(f, 0)) || l.banLeft(l.debt(f, 0)) != 0 {
+		t.Fatal("a delayed bucket reads as banned")
+	}
+	// A clock that went back leaves the bucket owing at most a whole
+	// bucket and the delay.
+	if got := l.debt(f+time.Hour, 0); got != l.burstTime+l.delay {
+		t.Fatalf("debt %v, want %v", got, l.burstTime+l.delay)
+	}
+}
+
+// delayStep is a step of zone f (10r/s, burst 2, delay 300ms) and the
+// zones beside it, run after storeSteps against every store.
+type delayStep struct {
+	storeStep
+	delays  []time.Duration // per zone, of an allowed request: how long it waits for that zone
+	wait    time.Duration   // of a denied request: until its zones would take it
+	refund  bool            // give the step's tokens back instead of taking them
+	noDelay bool            // decide as if the zones had no delay (max_delayed reached)
+}
+
+var delaySteps = []delayStep{
+	{storeStep: storeStep{400 * time.Second, "k", "f", true, []int64{1}, ""}, delays: []time.Duration{0}},
+	{storeStep: storeStep{400 * time.Second, "k", "f", true, []int64{0}, ""}, delays: []time.Duration{0}},
+	// The bucket is empty: requests wait for the tokens to come, up to
+	// the delay.
+	{storeStep: storeStep{400 * time.Second, "k", "f", true, []int64{0}, ""}, delays: []time.Duration{100 * time.Millisecond}},
+	{storeStep: storeStep{400 * time.Second, "k", "f", true, []int64{0}, ""}, delays: []time.Duration{200 * time.Millisecond}},
+	{storeStep: storeStep{400 * time.Second, "k", "f", true, []int64{0}, ""}, delays: []time.Duration{300 * time.Millisecond}},
+	{storeStep: storeStep{400 * time.Second, "k", "f", false, []int64{0}, ""}, wait: 100 * time.Millisecond},
+	{storeStep: storeStep{400*time.Second + 50*time.Millisecond, "k", "f", false, []int64{0}, ""}, wait: 50 * time.Millisecond},
+	{storeStep: storeStep{400*time.Second + 100*time.Millisecond, "k", "f", true, []int64{0}, ""}, delays: []time.Duration{300 * time.Millisecond}},
+	// A client that leaves gives its tokens back: the next request
+	// waits as long as it would have.
+	{storeStep: storeStep{400*time.Second + 100*time.Millisecond, "k", "f", true, []int64{0}, ""}, refund: true},
+	{storeStep: storeStep{400*time.Second + 100*time.Millisecond, "k", "f", true, []int64{0}, ""}, delays: []time.Duration{300 * time.Millisecond}},
+	{storeStep: storeStep{400*time.Second + 100*time.Millisecond, "k", "f", false, []int64{0}, ""}, wait: 100 * time.Millisecond},
+	// Decided as if without the delay, a request that would wait is
+	// refused, and charged nothing.
+	{storeStep: storeStep{402 * time.Second, "n", "f", true, []int64{1}, ""}, delays: []time.Duration{0}},
+	{storeStep: storeStep{402 * time.Second, "n", "f", true, []int64{0}, ""}, delays: []time.Duration{0}},
+	{storeStep: storeStep{402 * time.Second, "n", "f", false, []int64{0}, ""}, wait: 100 * time.Millisecond, noDelay: true},
+	{storeStep: storeStep{402 * time.Second, "n", "f", true, []int64{0}, ""}, delays: []time.Duration{100 * time.Millisecond}},
+	// The reservations made stay owed: 300ms now, and such a request
+	// lacks 200ms.
+	{storeStep: storeStep{402 * time.Second, "n", "f", false, []int64{0}, ""}, wait: 200 * time.Millisecond, noDelay: true},
+	{storeStep: storeStep{402 * time.Second, "n", "f", true, []int64{0}, ""}, delays: []time.Duration{200 * time.Millisecond}},
+	// All or nothing: a refuses (it has no delay), and f, which would
+	// have let the request wait, is not charged.
+	{storeStep: storeStep{404 * time.Second, "m", "af", true, []int64{2, 1}, ""}, delays: []time.Duration{0, 0}},
+	{storeStep: storeStep{404 * time.Second, "m", "af", true, []int64{1, 0}, ""}, delays: []time.Duration{0, 0}},
+	{storeStep: storeStep{404 * time.Second, "m", "af", true, []int64{0, 0}, ""}, delays: []time.Duration{0, 100 * time.Millisecond}},
+	{storeStep: storeStep{404 * time.Second, "m", "af", false, []int64{0, 0}, ""}, wait: 100 * time.Millisecond},
+	{storeStep: storeStep{404 * time.Second, "m", "f", true, []int64{0}, ""}, delays: []time.Duration{200 * time.Millisecond}},
+	{storeStep: storeStep{404*time.Second + 100*time.Millisecond, "m", "af", true, []int64{0, 0}, ""}, delays: []time.Duration{0, 200 * time.Millisecond}},
+}
+
+// runDelaySteps replays delaySteps against h's store; setNow sets the
+// store's clock.
+func runDelaySteps(t *testing.T, h *Handler, zones map[byte]*Zone, start time.Time, setNow func(time.Time)) {
+	t.Helper()
+	for i, s := range delaySteps {
+		now := start.Add(s.at)
+		setNow(now)
+		if s.refund {
+			var reqs []request
+			for _, c := range []byte(s.zones) {
+				reqs = append(reqs, request{zone: zones[c], key: bucketKey{s: s.key}})
+			}
+			if err := h.store.refund(context.Background(), now, reqs); err != nil {
+				t.Fatalf("delay step %d: refund: %v", i, err)
+			}
+			continue
+		}
+		reqs := runStoreStep(t, h, zones, now, i, s.storeStep, s.noDelay)
+		for j := range reqs {
+			q := &reqs[j]
+			if s.ok && q.delayed() != s.delays[j] {
+				t.Fatalf("delay step %d: zone %s delays %v, want %v", i, q.zone.Name, q.delayed(), s.delays[j])
+			}
+			if !s.ok && !q.ok && q.wait() != s.wait {
+				t.Fatalf("delay step %d: zone %s: wait %v, want %v", i, q.zone.Name, q.wait(), s.wait)
+			}
+		}
+	}
+}
+
+func TestDelayValidate(t *testing.T) {
+	for _, tc := range []struct{ name, json, wantErr string }{
+		{"delay", `{"zones":[{"name":"a","rate":"1r/s","delay":"2s"}]}`, ""},
+		{"with window", `{"zones":[{"name":"a","window":"1m","max_events":10,"delay":"2s"}],"max_delayed":5}`, ""},
+		{"with count", `{"zones":[{"name":"a","rate":"1r/s","delay":"2s","count":{"status_code":[401]}}]}`, ""},
+		{"in dry run", `{"zones":[{"name":"a","rate":"1r/s","delay":"2s","dry_run":true}]}`, ""},
+		{"without a rate", `{"zones":[{"name":"a","concurrency":2,"delay":"2s"}]}`, "zone a: delay needs a rate"},
+		{"negative", `{"zones":[{"name":"a","rate":"1r/s","delay":"-1s"}]}`, "zone a: invalid delay -1s: must be positive and at most 1h"},
+		{"too long", `{"zones":[{"name":"a","rate":"1r/s","delay":"2h"}]}`, "zone a: invalid delay 2h0m0s"},
+		{"with ban", `{"zones":[{"name":"a","rate":"1r/s","delay":"2s","ban":"1m"}]}`, "zone a: ban and delay exclude each other"},
+		{"max_delayed negative", `{"zones":[{"name":"a","rate":"1r/s","delay":"2s"}],"max_delayed":-1}`, "invalid max_delayed -1: must be at least 1"},
+		{"max_delayed without delay", `{"zones":[{"name":"a","rate":"1r/s"}],"max_delayed":10}`, "max_delayed needs a zone with delay"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var h Handler
+			dec := json.NewDecoder(strings.NewReader(tc.json))
+			dec.DisallowUnknownFields()
+			if err := dec.Decode(&h); err != nil {
+				t.Fatalf("decoding %s: %v", tc.json, err)
+			}
+			err := h.Validate()
+			switch {
+			case tc.wantErr == "" && err != nil:
+				t.Errorf("unexpected error: %v", err)
+			case tc.wantErr != "" && err == nil:
+				t.Errorf("expected error containing %q, got none", tc.wantErr)
+			case tc.wantErr != "" && !strings.Contains(err.Error(), tc.wantErr):
+				t.Errorf("error %q does not contain %q", err, tc.wantErr)
+			}
+		})
+	}
+}
+
+func TestDelayCaddyfileErrors(t *testing.T) {
+	for _, tc := range []struct {
+		name, input, wantErr string
+		line                 int
+	}{
+		{"not a duration", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tdelay soon\n\t}\n}", "invalid delay 'soon': expected a duration such as 2s", 4},
+		{"zero", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tdelay 0s\n\t}\n}", "invalid delay 0s: must be positive", 4},
+		{"no argument", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tdelay\n\t}\n}", "wrong argument count", 4},
+		{"with ban", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tban 1m\n\t\tdelay 2s\n\t}\n}", "zone a: ban and delay exclude each other", 6},
+		{"max_delayed 0", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tdelay 2s\n\t}\n\tmax_delayed 0\n}", "invalid max_delayed 0: must be at least 1", 6},
+		{"max_delayed twice", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tdelay 2s\n\t}\n\tmax_delayed 5\n\tmax_delayed 6\n}", "max_delayed already specified", 7},
+		{"max_delayed without delay", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t}\n\tmax_delayed 5\n}", "max_delayed needs a zone with delay", 6},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := new(Handler).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input))
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Fatalf("error %v, want one containing %q", err, tc.wantErr)
+			}
+			if suffix := fmt.Sprintf(", at Testfile:%d", tc.line); !strings.HasSuffix(err.Error(), suffix) {
+				t.Errorf("error %q does not end in %q", err, suffix)
+			}
+		})
+	}
+}
+
+// A zone in dry run never makes a request wait: it goes on at once.
+func TestDelayDryRun(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"delay-dry","rate":"1r/s","burst":1,"delay":"5s","dry_run":true}]}`)
+	if h.anyDelay {
+		t.Fatal("a handler whose only zone with delay is in dry run counts as delaying")
+	}
+	for i := range 3 {
+		start := time.Now()
+		if code, _ := serve(h, "192.0.2.9"); code != http.StatusOK {
+			t.Fatalf("request %d: status %d", i, code)
+		}
+		if d := time.Since(start); d > 500*time.Millisecond {
+			t.Fatalf("request %d took %v: a dry-run zone made it wait", i, d)
+		}
+	}
+}
+
+// delayUpstream records when each request reached it, by path prefix.
+type delayUpstream struct {
+	mu       sync.Mutex
+	arrivals map[string][]time.Time
+}
+
+func newDelayUpstream(t *testing.T) (*delayUpstream, string) {
+	u := &delayUpstream{arrivals: make(map[string][]time.Time)}
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		now := time.Now()
+		u.mu.Lock()
+		p := strings.Split(r.URL.Path, "/")[1]
+		u.arrivals[p] = append(u.arrivals[p], now)
+		u.mu.Unlock()
+		io.WriteString(w, "up")
+	}))
+	t.Cleanup(srv.Close)
+	return u, strings.TrimPrefix(srv.URL, "http://")
+}
+
+func (u *delayUpstream) at(path string) []time.Time {
+	u.mu.Lock()
+	defer u.mu.Unlock()
+	return slices.Clone(u.arrivals[path])
+}
+
+// delaySite has three rate_limit handlers with delay: /spacing (10r/s,
+// burst 1, delay 10s), /leave (1r/s, burst 1, delay 5s) and /max (the
+// same as /leave, with max_delayed 3), their zone names ending in -name.
+func delaySite(name, store, upstream string) string {
+	return fmt.Sprintf(`http://localhost:9080 {
+	handle /spacing* {
+		rate_limit {
+			zone spacing-%[1]s {
+				key {http.request.header.X-Key}
+				rate 10r/s
+				burst 1
+				delay 10s
+			}
+			%[2]s
+		}
+		reverse_proxy %[3]s
+	}
+	handle /leave* {
+		rate_limit {
+			zone leave-%[1]s {
+				key {http.request.header.X-Key}
+				rate 1r/s
+				burst 1
+				delay 5s
+			}
+			%[2]s
+		}
+		reverse_proxy %[3]s
+	}
+	handle /max* {
+		rate_limit {
+			zone max-%[1]s {
+				key {http.request.header.X-Key}
+				rate 1r/s
+				burst 1
+				delay 10s
+			}
+			max_delayed 3
+			%[2]s
+		}
+		reverse_proxy %[3]s
+	}
+}
+`, name, store, upstream)
+}
+
+// delayReply is what a client got.
+type delayReply struct {
+	code int
+	hdr  http.Header
+	took time.Duration
+	err  error
+}
+
+func delayGet(ctx context.Context, path string) delayReply {
+	return delayGetKey(ctx, path, "k")
+}
+
+func delayGetKey(ctx context.Context, path, key string) delayReply {
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://localhost:9080"+path, nil)
+	req.Header.Set("X-Key", key)
+	start := time.Now()
+	resp, err := delayClient.Do(req)
+	if err != nil {
+		return delayReply{err: err, took: time.Since(start)}
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	return delayReply{code: resp.StatusCode, hdr: resp.Header, took: time.Since(start)}
+}
+
+// delayClient opens as many connections as the test has requests.
+var delayClient = &http.Client{Transport: &http.Transport{MaxIdleConnsPerHost: 256}}
+
+// zoneRefOf finds the running zone of that name.
+func zoneRefOf(t *testing.T, name string) zoneRef {
+	t.Helper()
+	ref, ok := lookupZone(name)
+	if !ok {
+		t.Fatalf("zone %s is not running", name)
+	}
+	return ref
+}
+
+// debtOf is how long the bucket of key k in ref's zone owes now.
+func debtOf(t *testing.T, ref zoneRef) time.Duration {
+	t.Helper()
+	q := request{zone: ref.z, key: ref.z.keyFor("k")}
+	if err := ref.h.store.peek(context.Background(), time.Now(), &q); err != nil {
+		t.Fatal(err)
+	}
+	return q.debt
+}
+
+// TestDelay runs the delay scenarios through Caddy on each store.
+func TestDelay(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits for seconds")
+	}
+	r := startRedis(t)
+	nodes := startCluster(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", ""},
+		{"redis", fmt.Sprintf("store redis {\n\t\t\t\taddress %s\n\t\t\t}", r.addr())},
+		{"cluster", fmt.Sprintf("store redis {\n\t\t\t\taddress %s %s %s\n\t\t\t}", nodes[0].addr(), nodes[1].addr(), nodes[2].addr())},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			up, upstream := newDelayUpstream(t)
+			tester := startCaddy(t, "", delaySite(tc.name, tc.store, upstream))
+			t.Run("spacing", func(t *testing.T) { testDelaySpacing(t, up, "spacing-"+tc.name) })
+			t.Run("client leaves", func(t *testing.T) { testDelayClientLeaves(t, up, "leave-"+tc.name) })
+			t.Run("max_delayed", func(t *testing.T) { testDelayMaxDelayed(t, "max-"+tc.name) })
+			m := scrape(t, tester)
+			spacing := "spacing-" + tc.name
+			served := m[`caddy_rate_limit_delayed_total{result="served",zone="`+spacing+`"}`]
+			if served < 99 {
+				t.Errorf("delayed_total served = %v, want at least 99", served)
+			}
+			if got := m[`caddy_rate_limit_delay_seconds_count{zone="`+spacing+`"}`]; got != served {
+				t.Errorf("delay_seconds_count = %v, want %v (each delayed request once)", got, served)
+			}
+			wantMetric(t, m, `caddy_rate_limit_delayed_total{result="abandoned",zone="leave-`+tc.name+`"}`, 1)
+			wantMetric(t, m, `caddy_rate_limit_delayed_total{result="refused",zone="max-`+tc.name+`"}`, 1)
+			wantMetric(t, m, `caddy_rate_limit_delayed_total{result="abandoned",zone="max-`+tc.name+`"}`, 3)
+		})
+	}
+}
+
+// 100 concurrent requests at 10r/s, burst 1, delay 10s all go on, one
+// every 100ms; a request that would wait longer than 10s is refused.
+func testDelaySpacing(t *testing.T, up *delayUpstream, zone string) {
+	const n, spacing = 100, 100 * time.Millisecond
+	st := zoneRefOf(t, zone).z.state
+	// A first request of another key connects to the store (and loads
+	// Redis's script), so that the first of the 100 is not late.
+	if rep := delayGetKey(context.Background(), "/spacing", "warm"); rep.code != http.StatusOK {
+		t.Fatalf("warm-up request: %d %v", rep.code, rep.err)
+	}
+	base := st.allowed.Load()
+	allowed := func() int { return int(st.allowed.Load() - base) }
+	replies := make([]delayReply, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() { replies[i] = delayGet(context.Background(), "/spacing") })
+	}
+	waitFor(t, 10*time.Second, "the 100 requests decided", func() bool { return allowed()+int(st.denied.Load()) >= n })
+	if d := st.denied.Load(); d != 0 {
+		t.Fatalf("%d of the 100 requests refused", d)
+	}
+
+	// The bucket holds 101 requests' worth (burst 1, 10s of delay), and
+	// one more every 100ms: of ten more requests at once, those beyond
+	// are refused as they would wait more than 10s, at once and charged
+	// nothing.
+	const more = 10
+	extras := make([]delayReply, more)
+	var ewg sync.WaitGroup
+	for i := range more {
+		ewg.Go(func() { extras[i] = delayGet(context.Background(), "/spacing") })
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for allowed()+int(st.denied.Load()) < n+more {
+		if time.Now().After(deadline) {
+			t.Fatal("the ten more requests not decided")
+		}
+		time.Sleep(time.Millisecond)
+	}
+	decidedAt := time.Now()
+	let := allowed() - n
+	if let == more {
+		t.Fatal("none of the ten more requests refused")
+	}
+	wg.Wait()
+	for i, rep := range replies {
+		if rep.err != nil || rep.code != http.StatusOK {
+			t.Fatalf("request %d: %d %v", i, rep.code, rep.err)
+		}
+		if rl := rep.hdr.Get("Ratelimit"); !strings.Contains(rl, `"`+zone+`";r=0;`) {
+			t.Errorf("request %d: RateLimit %q, want r=0", i, rl)
+		}
+	}
+	ewg.Wait()
+	refused := 0
+	for i, rep := range extras {
+		switch {
+		case rep.code == http.StatusTooManyRequests:
+			refused++
+			if rep.took > time.Second || rep.hdr.Get("Retry-After") != "1" {
+				t.Errorf("refusal %d took %v with Retry-After %q; want at once, and 1", i, rep.took, rep.hdr.Get("Retry-After"))
+			}
+		case rep.code != http.StatusOK:
+			t.Fatalf("extra request %d: %d %v", i, rep.code, rep.err)
+		}
+	}
+	if refused != more-let {
+		t.Fatalf("%d of the ten more refused, %d counted", refused, more-let)
+	}
+
+	at := up.at("spacing")[1:] // after the warm-up request
+	if len(at) != n+let {
+		t.Fatalf("the upstream saw %d requests, want %d", len(at), n+let)
+	}
+	slices.SortFunc(at, func(a, b time.Time) int { return a.Compare(b) })
+	// The first request goes on at once, at the busiest moment (the 100
+	// arriving): it can reach the upstream late, and so can the first
+	// that wait. t0 is the first's slot as the waiting requests place it:
+	// the median of their arrivals less their slots.
+	offs := make([]time.Duration, 0, len(at)-1)
+	for k, a := range at[1:] {
+		offs = append(offs, a.Sub(at[0])-time.Duration(k+1)*spacing)
+	}
+	slices.Sort(offs)
+	t0 := at[0].Add(offs[len(offs)/2])
+	// By τ after t0, the bucket has taken 101 + τ/100ms requests: the
+	// more requests allowed found room that time had made.
+	if most := 1 + int(decidedAt.Sub(t0)/spacing); let > most {
+		t.Errorf("%d more requests allowed %v after the first, want at most %d", let, decidedAt.Sub(t0), most)
+	}
+	// Never early (that would be a request ahead of its token), and each
+	// within 5% of the spacing of its slot. On a loaded machine (the tests
+	// run under -race beside others), a timer may fire late: up to 5 such,
+	// by at most half the spacing, are let pass.
+	worst, late := time.Duration(0), 0
+	for k, a := range at[1:] {
+		k++
+		off := a.Sub(t0) - time.Duration(k)*spacing
+		worst = max(worst, off.Abs())
+		switch {
+		case off < -spacing/20:
+			t.Errorf("request %d reached the upstream %v after the first's slot, before its own slot %v", k, a.Sub(t0), time.Duration(k)*spacing)
+		case off > spacing/20:
+			late++
+			t.Logf("request %d reached the upstream %v after the first's slot, want %v ± 5ms", k, a.Sub(t0), time.Duration(k)*spacing)
+		}
+	}
+	if late > 5 || worst > spacing/2 {
+		t.Errorf("%d requests more than 5ms late, the latest %v", late, worst)
+	}
+	if late := at[0].Sub(t0); late > time.Second || late < -spacing/20 {
+		t.Errorf("the first request reached the upstream %v after its slot", late)
+	}
+	t.Logf("%d requests waited for their slots 100ms apart, the farthest %v off; the first, which did not wait, came %v after its slot", len(at)-1, worst, at[0].Sub(t0))
+}
+
+// A client that leaves while its request waits gets its tokens back: the
+// request never reaches the upstream, and the next one waits only for
+// the tokens that the first request took.
+func testDelayClientLeaves(t *testing.T, up *delayUpstream, zone string) {
+	ref := zoneRefOf(t, zone)
+	st := ref.z.state
+	if rep := delayGet(context.Background(), "/leave"); rep.code != http.StatusOK {
+		t.Fatalf("first request: %d %v", rep.code, rep.err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan delayReply, 1)
+	go func() { done <- delayGet(ctx, "/leave") }()
+	waitFor(t, 5*time.Second, "the second request decided", func() bool { return st.allowed.Load() == 2 })
+	if d := debtOf(t, ref); d < 1500*time.Millisecond {
+		t.Fatalf("the waiting request holds no tokens: the bucket owes %v", d)
+	}
+	time.Sleep(200 * time.Millisecond)
+	cancel()
+	if rep := <-done; rep.err == nil {
+		t.Fatalf("the client that left got %d", rep.code)
+	}
+	waitFor(t, 5*time.Second, "the tokens given back", func() bool { return st.delayAbandoned.Load() == 1 })
+	if d := debtOf(t, ref); d <= 0 || d > 800*time.Millisecond {
+		t.Fatalf("after the client left the bucket owes %v, want what the first request left: under 800ms", d)
+	}
+	rep := delayGet(context.Background(), "/leave")
+	if rep.code != http.StatusOK || rep.took < 300*time.Millisecond || rep.took > 1100*time.Millisecond {
+		t.Fatalf("third request: %d after %v, want 200 after about 700ms", rep.code, rep.took)
+	}
+	if n := len(up.at("leave")); n != 2 {
+		t.Fatalf("the upstream saw %d requests, want 2: the one whose client left never went on", n)
+	}
+	if w := ref.h.waiting.Load(); w != 0 {
+		t.Fatalf("%d requests still counted as waiting", w)
+	}
+}
+
+// max_delayed 3: with three requests waiting, a fourth that would wait is
+// refused as if the zone had no delay, and charged nothing.
+func testDelayMaxDelayed(t *testing.T, zone string) {
+	ref := zoneRefOf(t, zone)
+	st := ref.z.state
+	if rep := delayGet(context.Background(), "/max"); rep.code != http.StatusOK {
+		t.Fatalf("first request: %d %v", rep.code, rep.err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var wg sync.WaitGroup
+	for range 3 {
+		wg.Go(func() { delayGet(ctx, "/max") })
+	}
+	waitFor(t, 5*time.Second, "three requests waiting", func() bool { return st.allowed.Load() == 4 })
+	if w := ref.h.waiting.Load(); w != 3 {
+		t.Fatalf("%d requests waiting, want 3", w)
+	}
+	rep := delayGet(context.Background(), "/max")
+	if rep.code != http.StatusTooManyRequests || rep.took > time.Second {
+		t.Fatalf("fourth waiting request: %d after %v, want 429 at once", rep.code, rep.took)
+	}
+	// Retry-After as without a delay: the 4s until its token is there.
+	if got := rep.hdr.Get("Retry-After"); got != "4" {
+		t.Errorf("Retry-After %q, want 4", got)
+	}
+	if st.delayRefused.Load() != 1 {
+		t.Errorf("delay refusals %d, want 1", st.delayRefused.Load())
+	}
+	if d := debtOf(t, ref); d > 4*time.Second || d < 3*time.Second {
+		t.Errorf("the bucket owes %v, want under 4s: the refused request took nothing", d)
+	}
+	cancel()
+	wg.Wait()
+	waitFor(t, 5*time.Second, "the three given back", func() bool { return st.delayAbandoned.Load() == 3 })
+	if w := ref.h.waiting.Load(); w != 0 {
+		t.Fatalf("%d requests still counted as waiting", w)
+	}
+	if d := debtOf(t, ref); d > time.Second {
+		t.Errorf("the bucket owes %v after the three left, want under 1s", d)
+	}
+}
