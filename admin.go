@@ -28,8 +28,8 @@ func init() {
 //	GET    /rate_limit/               the zones, their limits and counters
 //	GET    /rate_limit/<zone>         one zone
 //	GET    /rate_limit/<zone>/top     the keys the zone denies most
-//	GET    /rate_limit/<zone>/<key>   a key's bucket now, and its slots in use (concurrency)
-//	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full, lifting its ban
+//	GET    /rate_limit/<zone>/<key>   a key's bucket (and quota) now, and its slots in use (concurrency)
+//	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full, lifting its ban, and its quota's count to 0
 //
 // Keys are path-escaped (an IPv6 network's "/" as %2F). A key is taken as
 // a request's key would be: an IP address finds its network's bucket, and
@@ -99,19 +99,23 @@ func lookupZone(name string) (zoneRef, bool) {
 type zoneInfo struct {
 	Name  string `json:"name"`
 	Key   string `json:"key"`
-	Rate  string `json:"rate,omitempty"`  // none for a zone with concurrency only
-	Burst int64  `json:"burst,omitempty"` // none for a zone with concurrency only
+	Rate  string `json:"rate,omitempty"`  // none for a zone with concurrency or a quota only
+	Burst int64  `json:"burst,omitempty"` // none for a zone with concurrency or a quota only
 	Cost  int64  `json:"cost"`
 	Ban   string `json:"ban,omitempty"`
 	Delay string `json:"delay,omitempty"`
 	// Requests in flight per key, and how long a Redis slot is held.
-	Concurrency int64             `json:"concurrency,omitempty"`
-	Lease       string            `json:"lease,omitempty"`
-	Store       string            `json:"store"`
-	DryRun      bool              `json:"dry_run"`
-	Requests    map[string]uint64 `json:"requests"`
-	Bans        uint64            `json:"bans"`
-	Refunds     uint64            `json:"refunds"`
+	Concurrency int64  `json:"concurrency,omitempty"`
+	Lease       string `json:"lease,omitempty"`
+	// The calendar quota per key.
+	Quota    int64             `json:"quota,omitempty"`
+	Per      string            `json:"quota_period,omitempty"`
+	Timezone string            `json:"timezone,omitempty"`
+	Store    string            `json:"store"`
+	DryRun   bool              `json:"dry_run"`
+	Requests map[string]uint64 `json:"requests"`
+	Bans     uint64            `json:"bans"`
+	Refunds  uint64            `json:"refunds"`
 
 	OverLimitCacheHits *uint64 `json:"over_limit_cache_hits,omitempty"` // Redis store
 	TrackedKeys        *int    `json:"tracked_keys,omitempty"`          // local store
@@ -139,6 +143,9 @@ func (ref zoneRef) info() zoneInfo {
 	}
 	if z.Ban != 0 {
 		info.Ban = time.Duration(z.Ban).String()
+	}
+	if z.quota != nil {
+		info.Quota, info.Per, info.Timezone = z.quota.limit, z.QuotaPeriod, z.quota.loc.String()
 	}
 	if z.Delay != 0 {
 		info.Delay = time.Duration(z.Delay).String()
@@ -179,6 +186,8 @@ type bucketInfo struct {
 	// The key is banned (the zone's ban), for BannedFor seconds more.
 	Banned    bool    `json:"banned,omitempty"`
 	BannedFor float64 `json:"banned_for,omitempty"`
+	// The key's calendar quota, in a zone with one.
+	Quota *quotaInfo `json:"quota,omitempty"`
 	slotsInfo
 }
 
@@ -196,6 +205,24 @@ type ratelessInfo struct {
 	Key    string `json:"key"`
 	Bucket string `json:"bucket"`
 	slotsInfo
+}
+
+// quotaInfo describes a key's calendar quota in the admin API.
+type quotaInfo struct {
+	Limit int64 `json:"limit"`
+	Used  int64 `json:"used"`
+	Left  int64 `json:"left"`
+	// Seconds until the window ends and the count starts again from 0;
+	// 0 when nothing is counted.
+	ResetIn float64 `json:"reset_in"`
+}
+
+// keyInfo describes a key of a zone with a quota alone.
+type keyInfo struct {
+	Zone   string     `json:"zone"`
+	Key    string     `json:"key"`
+	Bucket string     `json:"bucket"`
+	Quota  *quotaInfo `json:"quota"`
 }
 
 type topInfo struct {
@@ -261,16 +288,28 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if err != nil || key == "" {
 		return apiError(http.StatusBadRequest, "bad key in path: %q", keyEsc)
 	}
-	q := request{zone: ref.z, key: ref.z.adminKey(key)}
-	if ref.z.plans != nil {
+	z := ref.z
+	q := request{zone: z, key: z.adminKey(key)}
+	if z.plans != nil {
 		q.pl = unknownPlan
+	}
+	var qq *request // the key's quota
+	if z.quota != nil {
+		qq = &request{zone: z, key: q.key, win: z.quota.window(time.Now())}
 	}
 	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 	defer cancel()
 	if method == http.MethodDelete {
-		found, err := ref.h.reset(ctx, &q)
-		if err != nil {
-			return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
+		var found bool
+		for _, p := range []*request{&q, qq} {
+			if p == nil || p == &q && z.rateless {
+				continue
+			}
+			f, err := ref.h.reset(ctx, p)
+			if err != nil {
+				return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
+			}
+			found = found || f
 		}
 		if !found {
 			return apiError(http.StatusNotFound, "nothing to reset: key %q has a full bucket in zone %q", key, name)
@@ -292,10 +331,20 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 			return writeJSON(w, ratelessInfo{Zone: name, Key: key, Bucket: q.key.String(), slotsInfo: slots})
 		}
 	}
+	var quota *quotaInfo
+	if qq != nil {
+		if err := ref.h.store.peek(ctx, time.Now(), qq); err != nil {
+			return apiError(http.StatusBadGateway, "reading the quota: %v", err)
+		}
+		quota = &quotaInfo{Limit: z.quota.limit, Used: qq.used, Left: qq.remaining(), ResetIn: qq.debt.Seconds()}
+		if z.rateless {
+			return writeJSON(w, keyInfo{Zone: name, Key: key, Bucket: q.key.String(), Quota: quota})
+		}
+	}
 	if err := ref.h.store.peek(ctx, time.Now(), &q); err != nil {
 		return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
 	}
-	info := bucketInfo{Zone: name, Key: key, Bucket: q.key.String(), FullIn: q.debt.Seconds()}
+	info := bucketInfo{Zone: name, Key: key, Bucket: q.key.String(), FullIn: q.debt.Seconds(), Quota: quota}
 	if ref.z.plans == nil {
 		// A zone whose limit depends on the request has no tokens or
 		// ban to tell apart without a request: only when it is full.

@@ -116,6 +116,8 @@ func BenchmarkServeHTTP(b *testing.B) {
 		{"allowed-delay", `{"name":"bench-allowed-delay","rate":"1000000000r/s","delay":"1s"}`},
 		{"denied", `{"name":"bench-denied","rate":"1r/s"}`}, // Retry-After: 1
 		{"allowed_api_key", `{"name":"bench-api-key","key":"{http.request.header.X-API-Key}","rate":"1000000000r/s"}`},
+		{"allowed-quota", `{"name":"bench-quota","quota":999999999999999,"quota_period":"month"}`},
+		{"allowed-rate-quota", `{"name":"bench-rate-quota","rate":"1000000000r/s","quota":999999999999999,"quota_period":"month"}`},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, `{"zones":[`+tc.zone+`]}`)
@@ -151,7 +153,8 @@ func (w *headerSink) WriteHeader(int)             {}
 // comparison with redis_rate at 1 to 64 callers is in bench/compare.
 func BenchmarkRedisStore(b *testing.B) {
 	r := startRedis(b)
-	for _, tc := range []struct{ name, ban string }{{"plain", ""}, {"ban", `,"ban":"15m"`}, {"delay", `,"delay":"1s"`}} {
+	for _, tc := range []struct{ name, ban string }{{"plain", ""}, {"ban", `,"ban":"15m"`}, {"delay", `,"delay":"1s"`},
+		{"quota", `,"quota":999999999999999,"quota_period":"month"`}} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rb-%s","rate":"1000000r/s"%s}],
 		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, tc.ban, r.addr()))
@@ -163,8 +166,12 @@ func BenchmarkRedisStore(b *testing.B) {
 			b.ReportAllocs()
 			i := 0
 			for b.Loop() {
-				reqs := [1]request{{zone: h.Zones[0], key: keys[i%len(keys)]}}
-				if _, err := h.store.take(context.Background(), time.Now(), reqs[:]); err != nil {
+				reqs := [2]request{{zone: h.Zones[0], key: keys[i%len(keys)]}}
+				n := 1
+				if z := h.Zones[0]; z.quota != nil {
+					reqs[1], n = request{zone: z, key: reqs[0].key, win: z.quota.window(time.Now())}, 2
+				}
+				if _, err := h.store.take(context.Background(), time.Now(), reqs[:n]); err != nil {
 					b.Fatal(err)
 				}
 				i++

@@ -48,6 +48,8 @@ const anonymousZone = "default"
 //			count       { status <codes...>; header <field> [<value>] }
 //			concurrency <n>         # requests in flight per key; a rate is then optional
 //			lease       <duration>  # with concurrency: how long a Redis slot is held
+//			quota       <n> per day|week|month  # a calendar quota per key; a rate is then optional
+//			timezone    <IANA zone>             # where the quota's days start; default UTC
 //			dry_run
 //			window      <duration>  # with events: caddy-ratelimit's form of rate and burst
 //			events      <n>
@@ -300,6 +302,22 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 				return d.Errf("invalid lease '%s': expected a duration such as 60s", v)
 			}
 			z.Lease, err = caddy.Duration(l), checkLease(l)
+		case "quota":
+			// quota <n> per <day|week|month>
+			var n, per, p string
+			if !d.AllArgs(&n, &per, &p) || per != "per" {
+				return d.Err("quota needs a number and a period: quota <n> per day|week|month")
+			}
+			if z.Quota, err = strconv.ParseInt(n, 10, 64); err != nil {
+				return d.Errf("invalid quota '%s': expected a whole number", n)
+			}
+			z.QuotaPeriod = p
+			err = cmp.Or(checkQuota(z.Quota), checkQuotaPeriod(p))
+		case "timezone":
+			if !d.AllArgs(&z.Timezone) {
+				return d.ArgErr()
+			}
+			_, err = loadTimezone(z.Timezone)
 		case "dry_run":
 			if err := flag(d, &z.DryRun); err != nil {
 				return err

@@ -53,8 +53,8 @@ func (h *Handler) shadow(r *http.Request, now time.Time, sc *scratch, slots []sl
 	sc.by = by
 	for _, c := range charge {
 		for i := range sc.reqs {
-			if sc.reqs[i].zone == c.zone {
-				sc.reqs[i].ok, sc.reqs[i].debt = c.ok, c.debt
+			if sc.reqs[i].zone == c.zone && sc.reqs[i].isQuota() == c.isQuota() {
+				sc.reqs[i].ok, sc.reqs[i].debt, sc.reqs[i].used = c.ok, c.debt, c.used
 			}
 		}
 	}

@@ -62,7 +62,9 @@ func mostConstrained(reqs []request) *request {
 // it, the seconds until more quota is available: until the bucket holds
 // one more whole token than r (0 when it is full), which on a 429 is
 // never later than Retry-After. X-RateLimit-Reset is when the bucket is
-// full again.
+// full again. A calendar quota's t is the seconds until its window ends
+// (0 while nothing is counted), and its RateLimit-Policy w the length of
+// its current window.
 func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top *request) {
 	if h.headerMode == headersOff {
 		return
@@ -74,7 +76,7 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 	var ends [5]int
 	legacy := h.headerMode != headersIETF && top != nil
 	if legacy {
-		b = strconv.AppendInt(b, top.plan().limit.burst, 10)
+		b = strconv.AppendInt(b, top.capacity(), 10)
 		ends[0] = len(b)
 		b = strconv.AppendInt(b, top.remaining(), 10)
 		ends[1] = len(b)
@@ -86,7 +88,18 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 			if i > 0 {
 				b = append(b, ", "...)
 			}
-			b = append(b, reqs[i].plan().policy...)
+			if q := &reqs[i]; q.win != nil {
+				// A quota's policy: its limit and its window's length,
+				// which for a month or a day with a change of daylight
+				// saving time is that window's own.
+				b = append(b, q.zone.quotedName...)
+				b = append(b, ";q="...)
+				b = strconv.AppendInt(b, q.zone.quota.limit, 10)
+				b = append(b, ";w="...)
+				b = strconv.AppendInt(b, q.win.seconds, 10)
+			} else {
+				b = append(b, q.plan().policy...)
+			}
 		}
 		for i := range sc.slots {
 			if len(reqs) > 0 || i > 0 {
@@ -104,7 +117,7 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 			b = append(b, ";r="...)
 			b = strconv.AppendInt(b, q.remaining(), 10)
 			b = append(b, ";t="...)
-			b = strconv.AppendInt(b, ceilSeconds(q.plan().limit.nextToken(q.debt)), 10)
+			b = strconv.AppendInt(b, ceilSeconds(q.nextUnit()), 10)
 		}
 		for i := range sc.slots {
 			q := &sc.slots[i]

@@ -40,6 +40,7 @@ type LocalStore struct {
 	PersistInterval caddy.Duration `json:"persist_interval,omitempty"`
 
 	tables   []*table // by zone index
+	quotas   []*table // by zone index: the calendar quotas' counters; nil for a zone without
 	acquired []tableID
 	snaps    *snapshots // where the tables are persisted; nil: they are not
 }
@@ -57,6 +58,9 @@ type tableID struct {
 	name      string
 	tokenTime time.Duration
 	burst     int64
+	// quota, for the table of a zone's calendar quota counters, is its
+	// period and time zone (see Zone.quotaID): its limit may change.
+	quota string
 }
 
 // CaddyModule returns the Caddy module information.
@@ -109,31 +113,47 @@ func (s *LocalStore) bind(zones []*Zone) error {
 		return errors.New("local store is already in use by another handler")
 	}
 	for _, z := range zones {
-		id := tableID{name: z.Name, tokenTime: z.limit.tokenTime, burst: z.limit.burst}
-		v, _, err := localTables.LoadOrNew(id, func() (caddy.Destructor, error) {
-			t := newTable(s.MaxKeys, time.Now())
-			go t.sweepLoop()
-			if s.snaps != nil {
-				t.key = s.snaps.key
-				t.persist(s.snaps, id)
-			}
-			return t, nil
-		})
+		t, err := s.acquire(tableID{name: z.Name, tokenTime: z.limit.tokenTime, burst: z.limit.burst})
 		if err != nil {
 			return err
 		}
-		s.acquired = append(s.acquired, id)
-		t := v.(*table)
-		t.maxKeys.Store(s.MaxKeys)
-		// The config that uses the table last says where it is kept; a
-		// store that was not provisioned (fail_mode local's fallback)
-		// has no say.
-		if s.snaps != nil || s.Persist != nil && !*s.Persist {
-			t.rebind(s.snaps)
-		}
 		s.tables = append(s.tables, t)
+		var qt *table
+		if z.quota != nil {
+			if qt, err = s.acquire(tableID{name: z.Name, quota: z.quotaID()}); err != nil {
+				return err
+			}
+		}
+		s.quotas = append(s.quotas, qt)
 	}
 	return nil
+}
+
+// acquire gets the table of id, shared with the other configs that use
+// it.
+func (s *LocalStore) acquire(id tableID) (*table, error) {
+	v, _, err := localTables.LoadOrNew(id, func() (caddy.Destructor, error) {
+		t := newTable(s.MaxKeys, time.Now())
+		go t.sweepLoop()
+		if s.snaps != nil {
+			t.key = s.snaps.key
+			t.persist(s.snaps, id)
+		}
+		return t, nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	s.acquired = append(s.acquired, id)
+	t := v.(*table)
+	t.maxKeys.Store(s.MaxKeys)
+	// The config that uses the table last says where it is kept; a
+	// store that was not provisioned (fail_mode local's fallback)
+	// has no say.
+	if s.snaps != nil || s.Persist != nil && !*s.Persist {
+		t.rebind(s.snaps)
+	}
+	return t, nil
 }
 
 // Cleanup releases the tables, which stop when no config uses them.
@@ -153,6 +173,20 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 	cs := buf[:0]
 	for i := range reqs {
 		q := &reqs[i]
+		if q.win != nil {
+			t := s.quotas[q.zone.index]
+			n := t.instant(now)
+			cs = append(cs, charge{
+				t:      t,
+				h:      t.hash(q.key),
+				now:    n,
+				req:    i,
+				quota:  q.zone.quota,
+				units:  q.zone.Cost,
+				fullAt: n + q.win.end.Sub(now), // should a new window start
+			})
+			continue
+		}
 		t := s.tables[q.zone.index]
 		p := q.plan()
 		cs = append(cs, charge{
@@ -170,13 +204,14 @@ func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (boo
 		reqs[c.req].ok = c.ok
 		reqs[c.req].ban = c.ban
 		reqs[c.req].debt = c.debt
+		reqs[c.req].used = c.used
 	}
 	return allowed, nil
 }
 
 // owe makes q's bucket owe debt at least, at now.
 func (s *LocalStore) owe(now time.Time, q *request, debt time.Duration) {
-	if debt > 0 {
+	if debt > 0 && q.win == nil {
 		t := s.tables[q.zone.index]
 		n := t.instant(now)
 		t.raise(q.key, n+debt, n)
@@ -186,6 +221,11 @@ func (s *LocalStore) owe(now time.Time, q *request, debt time.Duration) {
 func (s *LocalStore) refund(_ context.Context, now time.Time, reqs []request) error {
 	for i := range reqs {
 		q := &reqs[i]
+		if q.win != nil {
+			t := s.quotas[q.zone.index]
+			t.uncount(q.key, q.zone.Cost, t.instant(now))
+			continue
+		}
 		t := s.tables[q.zone.index]
 		p := q.plan()
 		t.refund(q.key, p.limit, p.costTime, t.instant(now))
@@ -194,6 +234,13 @@ func (s *LocalStore) refund(_ context.Context, now time.Time, reqs []request) er
 }
 
 func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
+	if q.win != nil {
+		t := s.quotas[q.zone.index]
+		n := t.instant(now)
+		used, endAt := t.count(q.key, n)
+		q.used, q.debt = used, max(endAt-n, 0)
+		return nil
+	}
 	t := s.tables[q.zone.index]
 	q.debt = q.plan().limit.debt(t.get(q.key), t.instant(now))
 	return nil
@@ -201,6 +248,9 @@ func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
 
 func (s *LocalStore) reset(_ context.Context, q *request) (bool, error) {
 	t := s.tables[q.zone.index]
+	if q.win != nil {
+		t = s.quotas[q.zone.index]
+	}
 	return t.forget(q.key) > t.instant(time.Now()), nil
 }
 

@@ -116,7 +116,7 @@ func newCollector() *collector {
 			"Requests a zone with delay let wait for its tokens, by how the wait ended: served (went on), abandoned (the client left; tokens given back) or refused (max_delayed requests waited already: 429).",
 			[]string{"zone", "result"}, nil),
 		keys: prometheus.NewDesc(name("keys"),
-			"Buckets the local store tracks.",
+			"Buckets and calendar quota counters the local store tracks.",
 			[]string{"zone"}, nil),
 		evictions: prometheus.NewDesc(name("evictions_total"),
 			"Buckets the local store evicted before they refilled, to stay within max_keys.",

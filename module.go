@@ -640,6 +640,7 @@ func (w *statusWriter) ReadFrom(src io.Reader) (int64, error) {
 // sets the response headers. The error says why a request that failed
 // cannot go on.
 func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (outcome, error) {
+	var now time.Time // read once, when needed
 	for _, z := range h.Zones {
 		if len(z.matcherSets) > 0 {
 			match, err := z.matcherSets.AnyMatchWithError(r)
@@ -660,6 +661,13 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 				}
 				sc.reqs = append(sc.reqs, q)
 			}
+			if z.quota != nil {
+				if now.IsZero() {
+					now = time.Now()
+				}
+				// Right after the zone's bucket, if it has one.
+				sc.reqs = append(sc.reqs, request{zone: z, key: k, win: z.quota.window(now)})
+			}
 			if z.slots != nil {
 				sc.slots = append(sc.slots, slot{zone: z, key: k})
 			}
@@ -669,7 +677,9 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 		return outcomeAllow, nil
 	}
 
-	now := time.Now()
+	if now.IsZero() {
+		now = time.Now()
+	}
 	out := outcomeAllow
 	// shared: the store decides the slots with the buckets, in one call.
 	var shared []slot
@@ -818,6 +828,12 @@ func (h *Handler) refundForSlot(r *http.Request, now time.Time, sc *scratch) {
 	}
 	for i := range sc.reqs {
 		if q := &sc.reqs[i]; q.ok && !q.wouldDeny {
+			if q.win != nil {
+				if q.used = max(q.used-q.zone.Cost, 0); q.used == 0 {
+					q.debt = 0
+				}
+				continue
+			}
 			q.debt = max(q.debt-q.plan().costTime, 0)
 		}
 	}
@@ -900,11 +916,21 @@ func (h *Handler) count(reqs []request, out outcome) {
 		if q.ban {
 			st.bans.Add(1)
 		}
+		wouldDeny, ok := q.wouldDeny, q.ok
+		if i+1 < len(reqs) && reqs[i+1].zone == q.zone {
+			// A zone's bucket and its quota are one decision of the
+			// zone: counted once, with the quota's request next.
+			continue
+		}
+		if i > 0 && reqs[i-1].zone == q.zone {
+			p := &reqs[i-1]
+			wouldDeny, ok = p.wouldDeny || q.wouldDeny, p.ok && q.ok
+		}
 		switch {
-		case q.wouldDeny:
+		case wouldDeny:
 			st.dryRunDenied.Add(1)
 			st.top.add(q.key)
-		case !q.ok:
+		case !ok:
 			st.denied.Add(1)
 			st.top.add(q.key)
 		case allowed:

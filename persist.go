@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io/fs"
 	"reflect"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -196,7 +197,19 @@ func (k hashKey) fingerprint() uint64 { return sipHash(k, "rate_limit snapshot")
 
 // snapshotName is the storage key of a table's snapshot, in dir.
 func (id tableID) snapshotName() string {
+	if id.quota != "" {
+		return fmt.Sprintf("quotas/%s.%s", id.name, strings.ReplaceAll(id.quota, "/", "-"))
+	}
 	return fmt.Sprintf("buckets/%s.%d.%d", id.name, id.burst, int64(id.tokenTime))
+}
+
+// entrySize is the size of one of the table's snapshot entries: a
+// quota's counter has its count after its window's end.
+func (id tableID) entrySize() int {
+	if id.quota != "" {
+		return snapshotEntry + 8
+	}
+	return snapshotEntry
 }
 
 // persistence is what a persisted table keeps for it.
@@ -351,11 +364,12 @@ func (t *table) save(sn *snapshots) error {
 func (t *table) snapshot(now time.Time, fingerprint uint64) []byte {
 	n, wall := t.instant(now), now.UnixNano()
 	size := t.len()
-	b := make([]byte, snapshotHeader, snapshotHeader+snapshotEntry*(size+size/8))
+	entry, counts := t.p.shape.entrySize(), t.p.shape.quota != ""
+	b := make([]byte, snapshotHeader, snapshotHeader+entry*(size+size/8))
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		b = s.appendBuckets(b, n, wall)
+		b = s.appendBuckets(b, n, wall, counts)
 		s.mu.Unlock()
 	}
 	copy(b, snapshotMagic)
@@ -364,17 +378,21 @@ func (t *table) snapshot(now time.Time, fingerprint uint64) []byte {
 	binary.LittleEndian.PutUint64(b[16:], uint64(t.p.shape.tokenTime))
 	binary.LittleEndian.PutUint64(b[24:], uint64(t.p.shape.burst))
 	binary.LittleEndian.PutUint64(b[32:], uint64(wall))
-	binary.LittleEndian.PutUint64(b[40:], uint64((len(b)-snapshotHeader)/snapshotEntry))
+	binary.LittleEndian.PutUint64(b[40:], uint64((len(b)-snapshotHeader)/entry))
 	return b
 }
 
 // appendBuckets appends the shard's buckets that are not full at n (wall
-// on the wall clock) to a snapshot. Requires s.mu to be held.
-func (s *shard) appendBuckets(b []byte, n time.Duration, wall int64) []byte {
+// on the wall clock) to a snapshot, or with counts, a quota's counters
+// whose window has not ended. Requires s.mu to be held.
+func (s *shard) appendBuckets(b []byte, n time.Duration, wall int64, counts bool) []byte {
 	for h, bk := range s.buckets {
 		if bk.fullAt > n {
 			b = binary.LittleEndian.AppendUint64(b, h)
 			b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(bk.fullAt-n)))
+			if counts {
+				b = binary.LittleEndian.AppendUint64(b, uint64(bk.usedAt))
+			}
 		}
 	}
 	return b
@@ -406,10 +424,14 @@ func (t *table) merge(b []byte, fingerprint uint64, now time.Time) (int, error) 
 	}
 	count := binary.LittleEndian.Uint64(b[40:])
 	entries := b[snapshotHeader:]
-	if uint64(len(entries)) != count*snapshotEntry {
-		return 0, fmt.Errorf("%d bytes of buckets, want %d: truncated", len(entries), count*snapshotEntry)
+	entry := t.p.shape.entrySize()
+	if uint64(len(entries)) != count*uint64(entry) {
+		return 0, fmt.Errorf("%d bytes of buckets, want %d: truncated", len(entries), count*uint64(entry))
 	}
 	n, wall := t.instant(now), now.UnixNano()
+	if t.p.shape.quota != "" {
+		return t.mergeCounts(entries, n, wall), nil
+	}
 	most := n + time.Duration(burst)*tokenTime
 	if burst == 0 {
 		// A zone whose limit depends on the request (plans.go): each
@@ -448,4 +470,33 @@ func (t *table) merge(b []byte, fingerprint uint64, now time.Time) (int, error) 
 		locked.mu.Unlock()
 	}
 	return kept, nil
+}
+
+// mergeCounts adds a snapshot's quota counters to the table: those of
+// windows that have ended are dropped; a counter the table has already,
+// counted since the start, gets the snapshot's count added (they count
+// different requests of one window). Loaded counters only fill free
+// room. It returns how many it kept.
+func (t *table) mergeCounts(entries []byte, n time.Duration, wall int64) int {
+	capacity := t.shardCap()
+	kept := 0
+	for ; len(entries) > 0; entries = entries[snapshotEntry+8:] {
+		h := binary.LittleEndian.Uint64(entries)
+		endAt := n + time.Duration(int64(binary.LittleEndian.Uint64(entries[8:]))-wall)
+		used := time.Duration(binary.LittleEndian.Uint64(entries[16:]))
+		if endAt <= n || used <= 0 {
+			continue // its window has ended
+		}
+		s := t.shard(h)
+		s.mu.Lock()
+		if bk, ok := s.buckets[h]; ok && bk.fullAt > n {
+			s.buckets[h] = bucket{bk.fullAt, bk.usedAt + used}
+			kept++
+		} else if ok || len(s.buckets) < capacity {
+			s.buckets[h] = bucket{endAt, used}
+			kept++
+		}
+		s.mu.Unlock()
+	}
+	return kept
 }

@@ -495,7 +495,7 @@ func BenchmarkSnapshot(b *testing.B) {
 		for b.Loop() {
 			s := &tab.shards[i%len(tab.shards)]
 			s.mu.Lock()
-			buf = s.appendBuckets(buf[:0], n, wall)
+			buf = s.appendBuckets(buf[:0], n, wall, false)
 			s.mu.Unlock()
 			i++
 		}

@@ -152,7 +152,9 @@ type RedisStore struct {
 	shapes      [][5]any  // per zone: the script's burst, cost, ban and delay times (and the delay negated, for noDelay), in µs, formatted and boxed once (burst and cost from the request's plan where the limit depends on the request)
 	slotShapes  [][3]any  // per zone with concurrency: the script's limit, lease (µs) and dry-run flag
 	leaseIDs    string    // what this store's lease IDs start with: unique among instances
+	quotaArgs   [][2]any  // per zone: the script's quota limit and cost, formatted and boxed once
 	cache       []*table  // per zone: over-limit cache; nil when disabled
+	quotaCache  []*table  // per zone: the quota counts Redis last gave (see fromCache); nil without a quota
 	flights     *flights  // calls in flight for the buckets in cache
 	keyErrors   *throttle // errors that Redis answered for one call's keys
 	repairs     *throttle // keys of another type that the script overwrote
@@ -442,8 +444,18 @@ func (s *RedisStore) bind(zones []*Zone) error {
 			dry = "1"
 		}
 		s.slotShapes = append(s.slotShapes, [3]any{strconv.FormatInt(z.Concurrency, 10), micros(time.Duration(z.Lease)), dry})
+		var qa [2]any
+		if z.quota != nil {
+			qa = [2]any{strconv.FormatInt(z.quota.limit, 10), strconv.FormatInt(z.Cost, 10)}
+		}
+		s.quotaArgs = append(s.quotaArgs, qa)
 		if !s.DisableOverLimitCache {
 			s.cache = append(s.cache, newTable(overLimitCacheKeys, time.Now()))
+			var qt *table
+			if z.quota != nil {
+				qt = newTable(overLimitCacheKeys, time.Now())
+			}
+			s.quotaCache = append(s.quotaCache, qt)
 		}
 	}
 	return nil
@@ -455,7 +467,7 @@ func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
 // request gave up waiting for the calls in flight for its bucket
 // (errNoAnswer), those calls may yet take their tokens: they count too.
 func (s *RedisStore) known(now time.Time, q *request, err error) time.Duration {
-	if s.cache == nil {
+	if s.cache == nil || q.win != nil {
 		return 0
 	}
 	t, p := s.cache[q.zone.index], q.plan()
@@ -671,7 +683,7 @@ func (s *RedisStore) decideEach(ctx context.Context, deadline time.Time, reqs []
 func (s *RedisStore) refund(ctx context.Context, _ time.Time, reqs []request) error {
 	for i := range reqs {
 		if s.cache != nil {
-			s.cache[reqs[i].zone.index].forget(reqs[i].key)
+			s.cacheOf(&reqs[i]).forget(reqs[i].key)
 		}
 	}
 	if s.client.breaker.openUntil.Load() != 0 {
@@ -702,7 +714,7 @@ func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
 	if _, err := s.run(ctx, deadline, "peek", reqs, nil); err != nil {
 		return err
 	}
-	q.debt = reqs[0].debt
+	q.debt, q.used = reqs[0].debt, reqs[0].used
 	return nil
 }
 
@@ -711,13 +723,27 @@ func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
 // runs out; until then they may still deny that key.
 func (s *RedisStore) reset(ctx context.Context, q *request) (bool, error) {
 	if s.cache != nil {
-		s.cache[q.zone.index].forget(q.key)
+		s.cacheOf(q).forget(q.key)
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
-	hash, field := splitBucket(s.redisKey(q))
-	n, err := s.client.HDel(ctx, hash, field).Result()
+	var n int64
+	var err error
+	if q.win != nil {
+		n, err = s.client.Del(ctx, s.quotaKey(q)).Result()
+	} else {
+		hash, field := splitBucket(s.redisKey(q))
+		n, err = s.client.HDel(ctx, hash, field).Result()
+	}
 	return n > 0, err
+}
+
+// cacheOf is the over-limit cache table of q's bucket or quota.
+func (s *RedisStore) cacheOf(q *request) *table {
+	if q.win != nil {
+		return s.quotaCache[q.zone.index]
+	}
+	return s.cache[q.zone.index]
 }
 
 // oneTag reports whether all requests and slots share one hash tag, so
@@ -794,11 +820,19 @@ func (s *RedisStore) slotsInUse(ctx context.Context, q *slot) (int64, error) {
 	return q.zone.Concurrency - slots[0].free, nil
 }
 
-// run calls the script for reqs and slots, and sets the requests' ok and
-// debt, and the slots' free, full and lease.
+// run calls the script for reqs and slots, and sets the requests' ok
+// and debt (and a quota's count), and the slots' free, full and lease.
+// The buckets' keys go first, then the quotas', then the slots'.
 func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, reqs []request, slots []slot) (bool, error) {
-	keys := make([]string, len(reqs), len(reqs)+len(slots))
-	n := 3 + 4*len(reqs) // mode, clock, the buckets', the slot count
+	nq := 0
+	for i := range reqs {
+		if reqs[i].win != nil {
+			nq++
+		}
+	}
+	nb := len(reqs) - nq
+	keys := make([]string, 0, len(reqs)+len(slots))
+	n := 4 + 4*nb + 6*nq // mode, clock, the buckets', the quotas', their count, the slot count
 	if len(slots) > 0 {
 		n += 3*len(slots) + 1 // the slots', the lease ID
 	}
@@ -809,7 +843,10 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 	}
 	for i := range reqs {
 		q := &reqs[i]
-		keys[i] = s.redisKey(q)
+		if q.win != nil {
+			continue
+		}
+		keys = append(keys, s.redisKey(q))
 		shape := &s.shapes[q.zone.index]
 		full, cost := shape[0], shape[1]
 		if q.pl != nil {
@@ -821,6 +858,16 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 		}
 		args = append(args, full, cost, shape[2], delay)
 	}
+	if nq > 0 {
+		for i := range reqs {
+			if q := &reqs[i]; q.win != nil {
+				keys = append(keys, s.quotaKey(q))
+				qa := &s.quotaArgs[q.zone.index]
+				args = append(args, qa[0], qa[1], q.win.bounds[0], q.win.bounds[1], q.win.bounds[2], q.win.bounds[3])
+			}
+		}
+	}
+	args = append(args, nq) // the quota section's length: always sent
 	if len(slots) == 0 {
 		args = append(args, noSlots)
 	} else {
@@ -835,39 +882,59 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 	if err != nil {
 		return false, err
 	}
+	var sv []any
 	if len(slots) > 0 {
-		sv, ok := v[len(v)-1].([]any)
-		if !ok || len(sv) != len(slots)+1 {
+		var ok bool
+		if sv, ok = v[len(v)-1].([]any); !ok || len(sv) != len(slots)+1 {
 			return false, fmt.Errorf("%w: %v for %d slot keys", errBadReply, v[len(v)-1], len(slots))
 		}
 		v = v[:len(v)-1]
-		if err := s.readSlots(mode, v, reqs, sv, slots); err != nil {
-			return false, err
-		}
 	}
 	var bans string
-	switch extra := len(v) - len(reqs) - 1; {
-	case extra < 0 || extra > 2:
+	switch extra := len(v) - nb - 1; {
+	case nq > 0 && extra != 2+2*nq, nq == 0 && (extra < 0 || extra > 2):
 		return false, fmt.Errorf("%w: %d replies for %d keys", errBadReply, len(v)-1, len(reqs))
 	case extra > 0:
-		if n, _ := v[len(reqs)+1].(int64); n > 0 {
+		if n, _ := v[nb+1].(int64); n > 0 {
 			s.repairs.warn(s.logger, "redis store: keys under key_prefix held another type: overwritten",
 				fmt.Errorf("%d in zone %s", n, reqs[0].zone.Name))
 		}
-		if extra == 2 {
-			bans, _ = v[len(reqs)+2].(string)
+		if extra >= 2 {
+			bans, _ = v[nb+2].(string)
 		}
 	}
 	allowed, _ := v[0].(int64)
+	b, j := 0, 0 // the bucket's and the quota's place in the reply
 	for i := range reqs {
-		ns, ok := v[i+1].(int64)
-		if !ok {
-			return false, fmt.Errorf("%w: %v", errBadReply, v[i+1])
-		}
 		q := &reqs[i]
+		if q.win != nil {
+			used, ok1 := v[nb+3+2*j].(int64)
+			ms, ok2 := v[nb+4+2*j].(int64)
+			if !ok1 || !ok2 {
+				return false, fmt.Errorf("%w: %v %v", errBadReply, v[nb+3+2*j], v[nb+4+2*j])
+			}
+			j++
+			q.used, q.debt = used, 0
+			if used > 0 {
+				q.debt = time.Duration(ms) * time.Millisecond
+			}
+			q.ok = allowed == 1 || used+q.zone.Cost <= q.zone.quota.limit
+			q.ban = false
+			continue
+		}
+		ns, ok := v[b+1].(int64)
+		if !ok {
+			return false, fmt.Errorf("%w: %v", errBadReply, v[b+1])
+		}
 		q.debt = time.Duration(ns)
 		q.ok = allowed == 1 || q.wait() == 0
-		q.ban = i < len(bans) && bans[i] == '1'
+		q.ban = b < len(bans) && bans[b] == '1'
+		b++
+	}
+	if len(slots) > 0 {
+		if err := s.readSlots(mode, reqs, sv, slots); err != nil {
+			return false, err
+		}
 	}
 	return allowed == 1, nil
 }
@@ -881,7 +948,7 @@ var noSlots any = "0"
 // readSlots reads the slot section of a reply: which slots the call took,
 // and how many are free. A slot is full when the buckets allowed the
 // request and the slot had none free.
-func (s *RedisStore) readSlots(mode string, v []any, reqs []request, sv []any, slots []slot) error {
+func (s *RedisStore) readSlots(mode string, reqs []request, sv []any, slots []slot) error {
 	held, _ := sv[0].(string)
 	if len(held) != len(slots) {
 		return fmt.Errorf("%w: slot flags %q for %d slot keys", errBadReply, held, len(slots))
@@ -889,13 +956,9 @@ func (s *RedisStore) readSlots(mode string, v []any, reqs []request, sv []any, s
 	if mode == "release" {
 		return nil // the caller knows what it gave back
 	}
-	buckets := true
-	if allowed, _ := v[0].(int64); allowed != 1 {
-		for i := range reqs {
-			if ns, _ := v[i+1].(int64); reqs[i].zone.limit.wait(time.Duration(ns), reqs[i].zone.costTime) > 0 {
-				buckets = false
-			}
-		}
+	buckets := true // every bucket and quota had what the request takes
+	for i := range reqs {
+		buckets = buckets && reqs[i].ok
 	}
 	for i := range slots {
 		free, ok := sv[i+1].(int64)
@@ -974,6 +1037,13 @@ func splitBucket(name string) (hash, field string) {
 	return name[:i+1], name[i+1:]
 }
 
+// quotaKey is the key of a calendar quota's counter: its bucket key
+// (which a zone with a quota alone never uses) with `:quota` after the
+// hash tag, so that it is in the slot of the request's other keys.
+func (s *RedisStore) quotaKey(q *request) string {
+	return s.redisKey(q) + ":quota"
+}
+
 // escapeTag percent-escapes the bytes of chars (which hold '%') in s, so
 // that the escaped strings of distinct s differ. The empty string, which
 // would make an empty hash tag (and so no tag at all), becomes "%", which
@@ -1034,6 +1104,20 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 		var pace time.Duration
 		for i := range reqs {
 			q := &reqs[i]
+			if q.win != nil {
+				// A quota's counter only grows in its window (but for
+				// refunds, and resets), so the count Redis last gave is
+				// a bound too, for a while (see rememberCount).
+				t := s.quotaCache[q.zone.index]
+				n := t.instant(now)
+				used, _ := t.count(q.key, n)
+				q.used, q.debt = used, 0
+				if used > 0 {
+					q.debt = max(q.win.end.Sub(now), 0)
+				}
+				q.ok = used+q.zone.Cost <= q.zone.quota.limit
+				continue
+			}
 			p := q.plan()
 			t, l := s.cache[q.zone.index], q.limit()
 			fullAt, n := t.get(q.key), t.instant(now)
@@ -1058,6 +1142,9 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 		}
 		if s.cacheDenied(reqs) {
 			return now, flightKey{}, true, nil
+		}
+		if reqs[tight].win != nil {
+			return now, noFlight, false, nil // quotas alone: no bucket to fly for
 		}
 		var landed <-chan struct{}
 		var k flightKey
@@ -1103,7 +1190,10 @@ func (s *RedisStore) cacheDenied(reqs []request) bool {
 	denied := false
 	for i := range reqs {
 		q := &reqs[i]
-		if l := q.plan().limit; !q.ok && (l.ban > 0 || q.zone.Count != nil) && !l.banned(q.debt) {
+		if !q.ok && q.win != nil && q.zone.Count != nil {
+			return false
+		}
+		if l := q.plan().limit; !q.ok && q.win == nil && (l.ban > 0 || q.zone.Count != nil) && !l.banned(q.debt) {
 			return false
 		}
 		denied = denied || !q.ok
@@ -1133,6 +1223,10 @@ func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
 	forget := !short && !s.flights.waited(flight)
 	for i := range reqs {
 		q := &reqs[i]
+		if q.win != nil {
+			s.rememberCount(now, q)
+			continue
+		}
 		t := s.cache[q.zone.index]
 		if forget {
 			t.forget(q.key)
@@ -1145,6 +1239,35 @@ func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
 		t.raise(q.key, n+q.debt, n)
 	}
 }
+
+// quotaCacheFor is how long this instance refuses an exhausted quota by
+// itself, without asking Redis. A count only grows in its window, but a
+// reset through another instance's admin API lowers it, and a window
+// lasts up to a month: such a reset is seen here within this time.
+const quotaCacheFor = 5 * time.Second
+
+// rememberCount notes the count Redis gave for a quota, sent at now, for
+// quotaCacheFor at most, and never past the window that ends debt after:
+// no sooner than that, since Redis decided after now (and a millisecond
+// sooner, as it counts in whole ones). A count of 0 is forgotten.
+func (s *RedisStore) rememberCount(now time.Time, q *request) {
+	t := s.quotaCache[q.zone.index]
+	if q.used <= 0 || q.debt <= time.Millisecond {
+		t.forget(q.key)
+		return
+	}
+	h, n := t.hash(q.key), t.instant(now)
+	sh := t.shard(h)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if b, ok := sh.buckets[h]; ok && b.fullAt > n && int64(b.usedAt) > q.used {
+		return // a later answer came in first
+	}
+	sh.setCount(t, h, n+min(q.debt-time.Millisecond, quotaCacheFor), q.used, n)
+}
+
+// noFlight is the flight of a request with no bucket to fly for.
+var noFlight = flightKey{zone: -1}
 
 // flights are the Redis calls in flight for the buckets of the requests
 // that the over-limit cache looks at.
@@ -1198,6 +1321,9 @@ func (fs *flights) waited(k flightKey) bool {
 }
 
 func (fs *flights) land(k flightKey) {
+	if k == noFlight {
+		return
+	}
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	f := fs.m[k]

@@ -35,14 +35,24 @@ import (
 
 // The zones of the shared step table: a 10r/s burst 3; b 1r/s burst 2;
 // c 2r/s burst 4, two tokens a request; d 7r/s burst 7; e 1r/s burst 2
-// with a ban of 10s; f 10r/s burst 2 with a delay of 300ms (delaySteps).
+// with a ban of 10s; f 10r/s burst 2 with a delay of 300ms (delaySteps);
+// q a quota of 3 alone; r 1r/s burst 2 with a quota of 3. The quotas'
+// windows are 100s long in the steps (stepQuotaWindow), and a step's
+// quota is its zone's letter in upper case: "rR" is zone r's bucket and
+// quota.
 const stepZones = `[
 	{"name":"a","rate":"10r/s","burst":3},
 	{"name":"b","rate":"1r/s","burst":2},
 	{"name":"c","rate":"2r/s","burst":4,"cost":2},
 	{"name":"d","rate":"7r/s","burst":7},
 	{"name":"e","rate":"1r/s","burst":2,"ban":"10s"},
-	{"name":"f","rate":"10r/s","burst":2,"delay":"300ms"}]`
+	{"name":"f","rate":"10r/s","burst":2,"delay":"300ms"},
+	{"name":"q","quota":3,"quota_period":"day"},
+	{"name":"r","rate":"1r/s","burst":2,"quota":3,"quota_period":"month","timezone":"Europe/Paris"}]`
+
+// stepQuotaWindow is the length of the quotas' windows in the steps,
+// which start at a window's start.
+const stepQuotaWindow = 100 * time.Second
 
 type storeStep struct {
 	at    time.Duration // since the table's start
@@ -102,13 +112,43 @@ var storeSteps = []storeStep{
 	{300 * time.Second, "c", "ae", true, []int64{1, 0}, ""},
 	{300 * time.Second, "c", "ae", false, []int64{1, 0}, "e"},
 	{300 * time.Second, "c", "a", true, []int64{0}, ""},
+	// A quota counts per window, and a request it refuses takes no
+	// tokens from the request's buckets.
+	{0, "q", "Q", true, []int64{2}, ""},
+	{0, "q", "Q", true, []int64{1}, ""},
+	{0, "q", "aQ", true, []int64{2, 0}, ""},
+	{0, "q", "aQ", false, []int64{2, 0}, ""},
+	{0, "q", "a", true, []int64{1}, ""},
+	{99 * time.Second, "q", "Q", false, []int64{0}, ""},
+	// The next window starts from 0.
+	{100 * time.Second, "q", "Q", true, []int64{2}, ""},
+	{150 * time.Second, "q", "Q", true, []int64{1}, ""},
+	{250 * time.Second, "q", "Q", true, []int64{2}, ""},
+	// A request a bucket refuses is not counted.
+	{0, "p", "a", true, []int64{2}, ""},
+	{0, "p", "a", true, []int64{1}, ""},
+	{0, "p", "a", true, []int64{0}, ""},
+	{0, "p", "aQ", false, []int64{0, 3}, ""},
+	{0, "p", "Q", true, []int64{2}, ""},
+	// A zone with a rate and a quota: both apply, all or nothing.
+	{0, "r", "rR", true, []int64{1, 2}, ""},
+	{0, "r", "rR", true, []int64{0, 1}, ""},
+	{0, "r", "rR", false, []int64{0, 1}, ""},
+	{time.Second, "r", "rR", true, []int64{0, 0}, ""},
+	{2 * time.Second, "r", "rR", false, []int64{1, 0}, ""},
+	{2 * time.Second, "r", "r", true, []int64{0}, ""},
+	{3 * time.Second, "r", "rRbQ", false, []int64{1, 0, 2, 3}, ""},
+	{3 * time.Second, "r", "bQ", true, []int64{1, 2}, ""},
 }
 
 // runStoreSteps replays storeSteps against h's store, with the store's
 // clock replaced by the steps' instants.
 func runStoreSteps(t *testing.T, h *Handler) {
 	t.Helper()
-	start := time.Now()
+	// The steps start at the start of a quota window, in the future:
+	// Redis expires a quota's counter at its window's end by its own
+	// clock.
+	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
 	var now time.Time
 	if rs, ok := h.store.(*RedisStore); ok {
 		rs.testClock = func() time.Time { return now }
@@ -116,6 +156,9 @@ func runStoreSteps(t *testing.T, h *Handler) {
 	zones := map[byte]*Zone{}
 	for _, z := range h.Zones {
 		zones[z.Name[len(z.Name)-1]] = z
+		if z.quota != nil {
+			z.quota.every = stepQuotaWindow
+		}
 	}
 	for i, s := range storeSteps {
 		now = start.Add(s.at)
@@ -131,6 +174,14 @@ func runStoreSteps(t *testing.T, h *Handler) {
 			if q.ban && q.wait() != q.zone.limit.ban+q.zone.costTime {
 				t.Fatalf("step %d: zone %s: wait %v after a ban started, want the ban and a token", i, q.zone.Name, q.wait())
 			}
+			// A quota that counts waits for its window's end (Redis
+			// counts in whole milliseconds, its over-limit cache a
+			// millisecond less).
+			if q.isQuota() && q.used > 0 {
+				if want := q.win.end.Sub(now); q.debt > want || q.debt <= want-2*time.Millisecond {
+					t.Fatalf("step %d: zone %s's quota: %v to its window's end, want %v", i, q.zone.Name, q.debt, want)
+				}
+			}
 		}
 	}
 	runDelaySteps(t, h, zones, start, func(t time.Time) { now = t })
@@ -142,6 +193,11 @@ func runStoreStep(t *testing.T, h *Handler, zones map[byte]*Zone, now time.Time,
 	t.Helper()
 	var reqs []request
 	for _, c := range []byte(s.zones) {
+		if c >= 'A' && c <= 'Z' { // the quota of the zone of that letter
+			z := zones[c-'A'+'a']
+			reqs = append(reqs, request{zone: z, key: bucketKey{s: s.key}, win: z.quota.window(now)})
+			continue
+		}
 		reqs = append(reqs, request{zone: zones[c], key: bucketKey{s: s.key}, noDelay: noDelay})
 	}
 	ok, err := h.store.take(context.Background(), now, reqs)

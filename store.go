@@ -35,18 +35,22 @@ type store interface {
 	reset(ctx context.Context, q *request) (bool, error)
 }
 
-// A request asks a store for a zone's cost in tokens from one bucket.
+// A request asks a store for a zone's cost in tokens from one bucket,
+// or, for a zone's calendar quota, for its cost in units of the key's
+// counter in the current window (see quota.go).
 type request struct {
 	zone *Zone
 	key  bucketKey
 	// pl is the limit the request is decided by: its plan, in a zone
 	// whose limit depends on the request; nil stands for the zone's own.
-	pl *plan
+	pl  *plan
+	win *quotaWindow // a quota's window by this instance's clock; nil: a bucket
 
 	ok        bool          // the bucket had the tokens
 	ban       bool          // this denial started a ban
 	debt      time.Duration // how long until the bucket is full, after the decision
 	wouldDeny bool          // a dry-run zone that refused the request
+	used      int64         // a quota's count in its window, after the decision
 	// noDelay: the zone's delay does not apply (the handler's waiting
 	// room is full): the request is decided as if the delay were 0.
 	noDelay bool
@@ -59,6 +63,9 @@ func (q *request) limit() limit {
 	l.noDelay = q.noDelay
 	return l
 }
+
+// isQuota reports whether the request is for the zone's calendar quota.
+func (q *request) isQuota() bool { return q.win != nil }
 
 // denied reports whether the request's zone refused it, dry runs aside.
 func (q *request) denied() bool { return !q.ok && !q.wouldDeny }
@@ -75,13 +82,20 @@ func (q *request) plan() *plan {
 // tokens (or, with a delay, before a take of them would wait no longer
 // than the delay).
 func (q *request) wait() time.Duration {
+	if q.win != nil {
+		if q.used+q.zone.Cost > q.zone.quota.limit {
+			return q.debt
+		}
+		return 0
+	}
 	p := q.plan()
 	return q.limit().wait(q.debt, p.costTime)
 }
 
-// delayed is how long an allowed request waits for this zone's tokens.
+// delayed is how long an allowed request waits for this zone's tokens
+// (a quota never delays).
 func (q *request) delayed() time.Duration {
-	if !q.ok || q.wouldDeny || q.noDelay {
+	if !q.ok || q.wouldDeny || q.noDelay || q.win != nil {
 		return 0
 	}
 	return q.plan().limit.delayed(q.debt)
@@ -89,7 +103,27 @@ func (q *request) delayed() time.Duration {
 
 // remaining is the number of whole tokens left in the request's bucket.
 func (q *request) remaining() int64 {
+	if q.win != nil {
+		return max(q.zone.quota.limit-q.used, 0)
+	}
 	return q.plan().limit.wholeTokens(q.debt)
+}
+
+// capacity is the most the request's bucket or quota window holds.
+func (q *request) capacity() int64 {
+	if q.win != nil {
+		return q.zone.quota.limit
+	}
+	return q.plan().limit.burst
+}
+
+// nextUnit is how long until the request's bucket holds one more whole
+// token, or its quota is whole again: 0 when either is full.
+func (q *request) nextUnit() time.Duration {
+	if q.win != nil {
+		return q.debt
+	}
+	return q.plan().limit.nextToken(q.debt)
 }
 
 // A slotKeeper is a store that keeps the slots of zones with concurrency

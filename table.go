@@ -310,6 +310,85 @@ type charge struct {
 	ok     bool
 	ban    bool          // this denial started a ban
 	debt   time.Duration // how long until the bucket is full, after the decision
+
+	// A charge to a calendar quota's counter (quota set) keeps its
+	// window's end in fullAt and its count in usedAt: a counter whose
+	// window has ended carries nothing, as a full bucket, and eviction
+	// takes the smallest counts first (they forgive the least).
+	quota *quota
+	units int64 // the request's cost
+	used  int64 // the count after the decision
+}
+
+// tryQuota decides c against a counter b (tracked or not); endAt is the
+// instant the current window ends, should the counter start again.
+func (c *charge) tryQuota(b bucket, tracked bool, endAt time.Duration) {
+	used := int64(0)
+	if tracked && b.fullAt > c.now {
+		used, endAt = int64(b.usedAt), b.fullAt
+	}
+	c.ok = used+c.units <= c.quota.limit
+	if c.ok {
+		used += c.units
+	}
+	c.used, c.fullAt = used, endAt
+	c.setQuotaDebt()
+}
+
+// uncharge undoes what tryQuota counted, for a request denied elsewhere.
+func (c *charge) uncharge() {
+	if c.ok {
+		c.used -= c.units
+		c.setQuotaDebt()
+	}
+}
+
+func (c *charge) setQuotaDebt() {
+	c.debt = 0
+	if c.used > 0 {
+		c.debt = c.fullAt - c.now
+	}
+}
+
+// setCount records a quota's count in a window that ends at endAt.
+// Requires s.mu to be held.
+func (s *shard) setCount(t *table, h uint64, endAt time.Duration, used int64, now time.Duration) {
+	if _, ok := s.buckets[h]; !ok {
+		s.insert(t, h, endAt, now)
+	}
+	s.buckets[h] = bucket{endAt, time.Duration(used)}
+}
+
+// count returns a quota's count at now and the instant its window ends
+// (0, 0 when nothing is counted).
+func (t *table) count(k bucketKey, now time.Duration) (int64, time.Duration) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, ok := s.buckets[h]
+	if !ok || b.fullAt <= now {
+		return 0, 0
+	}
+	return int64(b.usedAt), b.fullAt
+}
+
+// uncount takes units off a quota's count, in the window that counted
+// them, if it is still running at now.
+func (t *table) uncount(k bucketKey, units int64, now time.Duration) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, ok := s.buckets[h]
+	if !ok || b.fullAt <= now {
+		return
+	}
+	if used := int64(b.usedAt) - units; used > 0 {
+		s.buckets[h] = bucket{b.fullAt, time.Duration(used)}
+	} else {
+		delete(s.buckets, h)
+	}
 }
 
 // try decides c against a bucket full at fullAt.
@@ -329,6 +408,14 @@ func takeAll(cs []charge) (allowed bool) {
 		s := c.t.shard(c.h)
 		s.mu.Lock()
 		b, tracked := s.buckets[c.h]
+		if c.quota != nil {
+			c.tryQuota(b, tracked, c.fullAt)
+			if c.ok {
+				s.setCount(c.t, c.h, c.fullAt, c.used, c.now)
+			}
+			s.mu.Unlock()
+			return c.ok
+		}
 		c.try(b.fullAt)
 		switch {
 		case tracked:
@@ -346,12 +433,26 @@ func takeAll(cs []charge) (allowed bool) {
 		c := &cs[i]
 		s := c.t.shard(c.h)
 		s.mu.Lock()
-		c.try(s.get(c.h))
+		if c.quota != nil {
+			b, tracked := s.buckets[c.h]
+			c.tryQuota(b, tracked, c.fullAt)
+		} else {
+			c.try(s.get(c.h))
+		}
 		allowed = allowed && c.ok
 	}
 	for i := range cs {
 		c := &cs[i]
 		s := c.t.shard(c.h)
+		if c.quota != nil {
+			if allowed {
+				s.setCount(c.t, c.h, c.fullAt, c.used, c.now)
+			} else {
+				c.uncharge()
+			}
+			s.mu.Unlock()
+			continue
+		}
 		switch {
 		case allowed || c.ban:
 			s.set(c.t, c.h, c.fullAt, c.now)

@@ -139,6 +139,23 @@ type Zone struct {
 	// store. Needs concurrency. Default: 60s.
 	Lease caddy.Duration `json:"lease,omitempty"`
 
+	// A calendar quota: at most this many units (a request counts its
+	// `cost`) per key in each window of quota_period, counted only for
+	// requests that every zone allows, and refused with a Retry-After of
+	// the time left until the window ends. With a rate, both apply; a
+	// zone may also have a quota alone. At most 999999999999999. Default:
+	// no quota.
+	Quota int64 `json:"quota,omitempty"`
+
+	// The quota's calendar window: `day`, `week` (ISO weeks, from Monday)
+	// or `month`, starting at midnight in `timezone`. Required with quota.
+	QuotaPeriod string `json:"quota_period,omitempty"`
+
+	// The IANA time zone whose midnights start the quota's windows, such
+	// as `Europe/Paris` (daylight saving time included: such a day lasts
+	// 23 or 25 hours). Needs quota. Default: `UTC`.
+	Timezone string `json:"timezone,omitempty"`
+
 	// Compute, count and log decisions, and send the headers, but let
 	// requests that this zone would refuse go on (uncharged by it). The
 	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
@@ -171,11 +188,13 @@ type Zone struct {
 	wouldDenyVar string // http.rate_limit.<name>.would_deny
 	quotedName   string // the name as a structured-field string
 	policy       string // this zone's RateLimit-Policy item
-	// rateless: the zone limits only requests in flight (concurrency);
-	// it has no bucket, and the store never sees it.
+	// rateless: the zone limits only requests in flight (concurrency)
+	// or per calendar window (quota); it has no bucket, and the store
+	// never sees one.
 	rateless   bool
 	slotPolicy string // the RateLimit-Policy item of the concurrency limit
 	slots      *slotTable
+	quota      *quota // nil: no calendar quota
 	// delays observes the waits of a zone with delay; nil without
 	// metrics.
 	delays prometheus.Observer
@@ -196,6 +215,9 @@ const defaultKey = "{http.vars.client_ip}"
 // validate checks a zone's configuration without changing it.
 func (z *Zone) validate() error {
 	if err := checkZoneName(z.Name); err != nil {
+		return err
+	}
+	if _, err := z.quotaLimit(); err != nil {
 		return err
 	}
 	_, err := z.parseLimit()
@@ -290,6 +312,19 @@ func (z *Zone) parseLimit() (limit, error) {
 	}
 	if z.Rate == "" && !z.windowForm() {
 		switch {
+		case z.Quota != 0:
+			if z.Burst != 0 {
+				return limit{}, errors.New("burst needs a rate")
+			}
+			if z.Count != nil {
+				if err := checkCount(z.Count); err != nil {
+					return limit{}, err
+				}
+			}
+			if err := z.checkPrefixes(); err != nil {
+				return limit{}, err
+			}
+			return placeholderLimit, nil
 		case z.Ban != 0:
 			return limit{}, errors.New("ban needs a rate: it empties the zone's bucket")
 		case z.Delay != 0:
@@ -365,7 +400,7 @@ func (z *Zone) parseLimit() (limit, error) {
 // rateLimit reads rate and burst: tokens per second and capacity.
 func (z *Zone) rateLimit() (perSec float64, burst int64, err error) {
 	if z.Rate == "" {
-		return 0, 0, errors.New("rate is required (or window and max_events, or concurrency)")
+		return 0, 0, errors.New("rate is required (or window and max_events, concurrency or quota)")
 	}
 	perSec, n, err := parseRate(z.Rate)
 	if err != nil {
@@ -523,6 +558,9 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	}
 	if z.Concurrency != 0 && z.Lease == 0 {
 		z.Lease = caddy.Duration(defaultLease)
+	}
+	if z.quota, err = z.quotaLimit(); err != nil {
+		return err
 	}
 	z.costTime = z.limit.costTime(z.Cost)
 

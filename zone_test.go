@@ -59,7 +59,7 @@ func TestValidate(t *testing.T) {
 		{name: "max_events negative", json: `{"rate_limits":{"a":{"window":"1m","max_events":-1}}}`, wantErr: "zone a: invalid max_events -1: must be at least 1"},
 		{name: "window missing", json: `{"rate_limits":{"a":{"max_events":10}}}`, wantErr: "zone a: invalid window 0s: must be a positive duration"},
 		{name: "window negative", json: `{"rate_limits":{"a":{"window":"-1s","max_events":10}}}`, wantErr: "zone a: invalid window -1s"},
-		{name: "neither window nor rate", json: `{"rate_limits":{"a":{"key":"static"}}}`, wantErr: "zone a: rate is required (or window and max_events, or concurrency)"},
+		{name: "neither window nor rate", json: `{"rate_limits":{"a":{"key":"static"}}}`, wantErr: "zone a: rate is required (or window and max_events, concurrency or quota)"},
 		{name: "window and rate", json: `{"zones":[{"name":"a","rate":"1r/s","window":"1s","max_events":1}]}`, wantErr: "zone a: use either rate and burst or window and max_events"},
 		{name: "window and burst", json: `{"zones":[{"name":"a","burst":5,"window":"1s","max_events":1}]}`, wantErr: "zone a: use either rate and burst or window and max_events"},
 		{name: "max_events of 16 digits", json: `{"rate_limits":{"a":{"window":"1000h","max_events":1000000000000000}}}`, wantErr: "zone a: invalid burst 1000000000000000"},

@@ -18,8 +18,8 @@
 -- any such among three others taken at random, which keeps them to about
 -- a third of a hash.
 --
--- KEYS[i]      buckets (in one cluster slot), i = 1..n; the last m KEYS
---              are slot keys (see the slot section below)
+-- KEYS[i]      buckets (in one cluster slot), i = 1..n; after them come
+--              mq quota keys and ms slot keys (see their sections)
 -- ARGV[1]      "take", "refund", "peek" or "release"
 -- ARGV[2]      "" to read TIME. Caddy always sends ""; tests send an
 --              instant (µs since 1970) to replay a table of steps.
@@ -29,7 +29,7 @@
 -- ARGV[4i+2]   delay_i: µs a request may wait for KEYS[i]'s tokens; 0 for
 --              none (never with a ban). Negative: the zone's delay is
 --              -delay_i, but this request may not wait (take as if 0)
--- ARGV[#ARGV]  m: the number of slot keys, 0 for none (slot section)
+-- ARGV[#ARGV]  ms: the number of slot keys, 0 for none (slot section)
 --
 -- take    charges every bucket or none (all-or-nothing): a bucket gives
 --         cost_i if it would hold it within delay_i (the request then
@@ -56,6 +56,44 @@
 -- this call started a ban, is a string of n flags, '1' for each key whose
 -- ban it started (repaired, then maybe 0, comes before it). With slot
 -- keys, the reply ends with one more element, the slot section's reply.
+--
+-- Calendar quotas, a section of their own: a counter per key and window
+-- (a day, a week or a month in a time zone), decided in the same call,
+-- all or nothing with the buckets. Lua knows no time zones, so Caddy
+-- computes, by its own clock and in the zone's time zone, the window
+-- that holds its now, [b1, b2), with the one before, [b0, b1), and the
+-- one after, [b2, b3). The script takes Redis's TIME (or ARGV[2]) and
+-- picks the one of the three that holds it: the one before when Caddy's
+-- clock is ahead, across a boundary Redis's has not reached, the one
+-- after when it is behind. So every instance counts in the window of
+-- Redis's one clock, whatever its own clock's skew up to a whole window;
+-- a TIME outside the three is an error, which fail_mode decides. Only
+-- boundaries travel, never an instant that decides: no instance can move
+-- a window by its clock.
+--
+-- A counter is a hash {w = its window's end, n = its count}, expiring at
+-- w (PEXPIREAT): a counter of an ended window, or none, is 0. The window
+-- is held in the key rather than named by it, so a key is one key per
+-- client whatever the window, and a window of a counter found older than
+-- the picked one starts again from 0.
+--
+-- KEYS[n+j]         quota counter keys, j = 1..mq, after the n bucket
+--                   keys (and before the slot keys)
+-- ARGV[top]         mq, the number of quota keys (always sent, 0 for
+--                   none), just before the slot section: top is #ARGV - 1
+--                   without slot keys, #ARGV - 2 - 3ms with ms of them
+-- ARGV[a+1 .. a+6]  for quota j, where a = top - 6(mq - j + 1):
+--                   limit_j, cost_j, b0_j, b1_j, b2_j, b3_j (ms since 1970)
+--
+-- take    a quota that lacks cost_j refuses (reply[1] = 0, nothing
+--         charged); an allowed request adds cost_j to every counter
+-- refund  takes cost_j off a counter of the window that holds now
+-- peek    changes nothing
+--
+-- With mq > 0 the reply always has repaired and bans (an empty string
+-- when no ban started), then for each quota j its count after the
+-- decision and the milliseconds until its window ends (before the slot
+-- section's reply, which is always last).
 
 local epoch = 1735689600 -- 2025-01-01T00:00:00Z, in seconds
 local slack = 1 -- µs
@@ -167,8 +205,52 @@ local function load(key)
 	return f, not f
 end
 
-local m = tonumber(ARGV[#ARGV])
-local n = #KEYS - m
+-- Calendar quotas, decided before the buckets charge anything.
+local ms = tonumber(ARGV[#ARGV]) or 0 -- slot keys, the last of KEYS
+local qtop = ms > 0 and #ARGV - 2 - 3 * ms or #ARGV - 1
+local mq = tonumber(ARGV[qtop]) or 0 -- quota keys, before the slot keys
+local n = #KEYS - mq - ms
+local qnow = math.floor(now / 1000) + epoch * 1000 -- ms since 1970
+local qdeny = false
+local qkeys, qused, qend, qcost, qstale, qbad = {}, {}, {}, {}, {}, 0
+for j = 1, mq do
+	local a = qtop - 6 * (mq - j + 1)
+	local limit, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+	local e
+	if qnow >= tonumber(ARGV[a + 3]) then
+		for k = 4, 6 do
+			local b = tonumber(ARGV[a + k])
+			if qnow < b then
+				e = b
+				break
+			end
+		end
+	end
+	if not e then
+		return redis.error_reply('ERR quota window: Redis TIME is outside the windows Caddy sent (clocks more than a window apart)')
+	end
+	local key = KEYS[n + j]
+	local v = redis.pcall('HMGET', key, 'w', 'n')
+	local w, used = nil, 0
+	if type(v) == 'table' and v.err then
+		qbad = qbad + 1
+		if mode ~= 'peek' then
+			redis.call('DEL', key)
+		end
+	else
+		w, used = tonumber(v[1]), tonumber(v[2]) or 0
+	end
+	if w and w >= e then
+		e = w -- a window Redis's clock already counted in
+	else
+		used, qstale[j] = 0, true
+	end
+	if mode == 'take' and used + cost > limit then
+		qdeny = true
+	end
+	qkeys[j], qused[j], qend[j], qcost[j] = key, used, e, cost
+end
+
 local reply = { 1 }
 local bad = {}
 local repaired = 0
@@ -198,20 +280,24 @@ for i = 1, n do
 	reply[i + 1] = debt
 end
 
+if qdeny then
+	reply[1] = 0 -- a quota refuses: no bucket is charged
+end
+
 -- Slots of the zones with concurrency, kept apart from the buckets: a
 -- sorted set per key, whose members are the requests holding a slot and
 -- whose scores are the instants (µs, as the buckets') their leases end.
 -- A lease that has ended is a slot free again, whatever became of the
 -- instance that took it; the key itself expires with its last lease.
 --
--- KEYS[n+j]            slot keys, j = 1..m (in the buckets' cluster slot)
--- ARGV[s+3j-2]         limit_j: how many slots KEYS[n+j] has
+-- KEYS[n+mq+j]         slot keys, j = 1..ms (in the buckets' cluster slot)
+-- ARGV[s+3j-2]         limit_j: how many slots KEYS[n+mq+j] has
 -- ARGV[s+3j-1]         lease_j: µs a slot is held at most
--- ARGV[s+3j]           dry_j: '1' when a full KEYS[n+j] does not refuse
+-- ARGV[s+3j]           dry_j: '1' when a full KEYS[n+mq+j] does not refuse
 --                      the request (dry run)
 -- ARGV[#ARGV-1]        id: the request's member, unique among instances
--- ARGV[#ARGV]          m
--- where s = #ARGV - 2 - 3m.
+-- ARGV[#ARGV]          ms
+-- where s = #ARGV - 2 - 3ms.
 --
 -- take     takes a slot of every key when the buckets allow, or none
 --          when one that is not dry is full; a dry key that is full is
@@ -219,12 +305,12 @@ end
 -- peek     changes nothing
 -- release  removes id from every key
 --
--- The section's reply is {held, free_1, ..., free_m}: held is a string
--- of m flags, '1' for each key where id now holds a slot; free_j is how
--- many slots of KEYS[n+j] are free after the decision. A key that is
+-- The section's reply is {held, free_1, ..., free_ms}: held is a string
+-- of ms flags, '1' for each key where id now holds a slot; free_j is how
+-- many slots of KEYS[n+mq+j] are free after the decision. A key that is
 -- full shows 0 free and no slot held.
 
-local slot_base = #ARGV - 2 - 3 * m
+local slot_base = #ARGV - 2 - 3 * ms
 local slot_id = ARGV[#ARGV - 1]
 
 local function slot_arg(j, k)
@@ -236,8 +322,8 @@ end
 -- not dry is full and the buckets allowed it. It returns the counts.
 local function take_slots()
 	local used = {}
-	for j = 1, m do
-		local key = KEYS[n + j]
+	for j = 1, ms do
+		local key = KEYS[n + mq + j]
 		if mode == 'take' then
 			-- A key of another type is taken for a key with no slot
 			-- held, and deleted: the keys under the prefix are ours.
@@ -262,8 +348,8 @@ end
 -- them back (release), and returns the section's reply.
 local function commit_slots(used)
 	local held, out = {}, {}
-	for j = 1, m do
-		local key, limit = KEYS[n + j], slot_arg(j, 1)
+	for j = 1, ms do
+		local key, limit = KEYS[n + mq + j], slot_arg(j, 1)
 		held[j] = '0'
 		if mode == 'release' then
 			redis.call('ZREM', key, slot_id)
@@ -318,7 +404,34 @@ end
 if banned then
 	reply[n + 3] = table.concat(bans)
 end
-if m > 0 then
+
+-- Calendar quotas: count, and reply.
+if mq > 0 then
+	reply[n + 2] = repaired + qbad
+	reply[n + 3] = banned and table.concat(bans) or ''
+	for j = 1, mq do
+		local key, used, e = qkeys[j], qused[j], qend[j]
+		if mode == 'take' and reply[1] == 1 then
+			used = used + qcost[j]
+			if qstale[j] then
+				redis.call('HSET', key, 'w', e, 'n', used)
+			else
+				redis.call('HINCRBY', key, 'n', qcost[j])
+			end
+			redis.call('PEXPIREAT', key, e)
+		elseif mode == 'refund' and not qstale[j] and used > 0 then
+			used = math.max(used - qcost[j], 0)
+			if used == 0 then
+				redis.call('DEL', key)
+			else
+				redis.call('HSET', key, 'n', used)
+			end
+		end
+		reply[n + 2 + 2 * j] = used
+		reply[n + 3 + 2 * j] = e - qnow
+	end
+end
+if ms > 0 then
 	reply[#reply + 1] = commit_slots(slots)
 end
 return reply

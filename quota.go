@@ -1,0 +1,193 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"strconv"
+	"sync/atomic"
+	"time"
+)
+
+// A calendar quota is the one limit that is not a token bucket: a counter
+// per key and calendar window (a day, an ISO week or a month in the
+// zone's time zone), which a request adds its cost to when every zone
+// that applies allows it, and which starts again from 0 when the window
+// ends. Each store keeps it beside its buckets and decides it in the same
+// all-or-nothing take; a request carries the window its instance's clock
+// sees, and the store's own clock picks the window (see
+// lua/token_bucket.lua).
+//
+// In a request, a quota's debt is how long until its window ends (its
+// counter is 0 again), 0 while nothing is counted: the same meaning as a
+// bucket's, the time until it is full again.
+
+// A period is the length of a quota's calendar window.
+type period uint8
+
+const (
+	periodDay period = iota + 1
+	periodWeek
+	periodMonth
+)
+
+var periods = map[string]period{"day": periodDay, "week": periodWeek, "month": periodMonth}
+
+func checkQuota(n int64) error {
+	if n < 1 || n > maxBurst {
+		return fmt.Errorf("invalid quota %d: must be 1 to %d", n, int64(maxBurst))
+	}
+	return nil
+}
+
+func checkQuotaPeriod(s string) error {
+	if _, ok := periods[s]; !ok {
+		return fmt.Errorf("invalid quota period '%s': expected day, week or month", s)
+	}
+	return nil
+}
+
+func loadTimezone(s string) (*time.Location, error) {
+	if s == "" {
+		return time.UTC, nil
+	}
+	loc, err := time.LoadLocation(s)
+	if err != nil {
+		return nil, fmt.Errorf("unknown timezone '%s': expected an IANA time zone such as Europe/Paris", s)
+	}
+	return loc, nil
+}
+
+// window returns the calendar window of p that holds t, in loc: from
+// midnight of its first day to midnight of the next window's first day.
+// Around a change of daylight saving time a day has 23 or 25 hours; a
+// midnight that the change skips is the first instant of that day.
+func (p period) window(t time.Time, loc *time.Location) (start, end time.Time) {
+	y, m, d := t.In(loc).Date()
+	switch p {
+	case periodWeek:
+		d -= (int(time.Date(y, m, d, 12, 0, 0, 0, loc).Weekday()) + 6) % 7 // back to Monday
+		return midnight(y, m, d, loc), midnight(y, m, d+7, loc)
+	case periodMonth:
+		return midnight(y, m, 1, loc), midnight(y, m+1, 1, loc)
+	default:
+		return midnight(y, m, d, loc), midnight(y, m, d+1, loc)
+	}
+}
+
+// midnight is the first instant of a day in loc (d may overflow the
+// month, as time.Date allows). Where a change of offset skips midnight
+// (as America/Santiago's did), time.Date may give an instant of the day
+// before: the day then starts at the change.
+func midnight(y int, m time.Month, d int, loc *time.Location) time.Time {
+	t := time.Date(y, m, d, 0, 0, 0, 0, loc)
+	wy, wm, wd := time.Date(y, m, d, 0, 0, 0, 0, time.UTC).Date()
+	if ty, tm, td := t.In(loc).Date(); ty != wy || tm != wm || td != wd {
+		_, t = t.ZoneBounds()
+	}
+	return t
+}
+
+// A quota is a zone's calendar quota, ready to use.
+type quota struct {
+	limit  int64 // units per window
+	period period
+	loc    *time.Location
+	// every, when set, replaces the calendar with windows of this length
+	// from the Unix epoch. Only tests set it: calendar windows last a day
+	// at least.
+	every time.Duration
+	cur   atomic.Pointer[quotaWindow] // the window last seen
+}
+
+// A quotaWindow is a quota window by this instance's clock, with the
+// ones before and after: what a store needs to pick the window by its
+// own clock.
+type quotaWindow struct {
+	start, end time.Time // the window is [start, end)
+	seconds    int64     // its length, for RateLimit-Policy's w
+	// The Redis script's window boundaries, in milliseconds since 1970,
+	// formatted and boxed once: the previous window's start, the
+	// window's start and end, and the next window's end.
+	bounds [4]any
+}
+
+// window returns the window that holds now. Windows change once a day at
+// most, so the last one is kept: the common request allocates nothing.
+func (qt *quota) window(now time.Time) *quotaWindow {
+	if w := qt.cur.Load(); w != nil && !now.Before(w.start) && now.Before(w.end) {
+		return w
+	}
+	w := qt.windowAt(now)
+	qt.cur.Store(w)
+	return w
+}
+
+// windowAt computes the window that holds now.
+func (qt *quota) windowAt(now time.Time) *quotaWindow {
+	var prev, start, end, next time.Time
+	if qt.every > 0 {
+		start = time.Unix(0, now.UnixNano()/int64(qt.every)*int64(qt.every))
+		prev, end, next = start.Add(-qt.every), start.Add(qt.every), start.Add(2*qt.every)
+	} else {
+		start, end = qt.period.window(now, qt.loc)
+		prev, _ = qt.period.window(start.Add(-time.Nanosecond), qt.loc)
+		_, next = qt.period.window(end, qt.loc)
+	}
+	w := &quotaWindow{start: start, end: end, seconds: ceilSeconds(end.Sub(start))}
+	for i, t := range [4]time.Time{prev, start, end, next} {
+		w.bounds[i] = strconv.FormatInt(t.UnixMilli(), 10)
+	}
+	return w
+}
+
+// quotaLimit parses the zone's quota fields; nil when it has none.
+func (z *Zone) quotaLimit() (*quota, error) {
+	if z.Quota == 0 {
+		switch {
+		case z.QuotaPeriod != "":
+			return nil, errors.New("quota_period needs a quota")
+		case z.Timezone != "":
+			return nil, errors.New("timezone needs a quota: it says when the quota's windows start")
+		}
+		return nil, nil
+	}
+	if err := checkQuota(z.Quota); err != nil {
+		return nil, err
+	}
+	if z.QuotaPeriod == "" {
+		return nil, errors.New("quota needs a period: quota_period day, week or month")
+	}
+	if err := checkQuotaPeriod(z.QuotaPeriod); err != nil {
+		return nil, err
+	}
+	loc, err := loadTimezone(z.Timezone)
+	if err != nil {
+		return nil, err
+	}
+	switch {
+	case z.windowForm():
+		return nil, errors.New("quota does not combine with window and max_events: write the zone's limit as rate and burst")
+	case z.Ban != 0:
+		return nil, errors.New("ban does not combine with quota: a quota refuses until its window ends already; put the rate with the ban in a zone of its own")
+	case z.Concurrency != 0:
+		return nil, errors.New("concurrency does not combine with quota: a zone with concurrency counts requests in flight; give the quota a zone of its own")
+	case z.costVar.template != "":
+		return nil, errors.New("a cost with placeholders does not combine with quota: a quota counts a fixed cost per request")
+	case z.Cost > z.Quota:
+		return nil, fmt.Errorf("cost %d exceeds quota %d: no request could ever pass", z.Cost, z.Quota)
+	}
+	return &quota{limit: z.Quota, period: periods[z.QuotaPeriod], loc: loc}, nil
+}
+
+// quotaID names a quota's counters in the local store: a quota keeps them
+// while its period and time zone stay (its limit may change).
+func (z *Zone) quotaID() string {
+	tz := z.Timezone
+	if tz == "" {
+		tz = "UTC"
+	}
+	return z.QuotaPeriod + "@" + tz
+}

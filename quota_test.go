@@ -1,0 +1,573 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+func mustLoad(t *testing.T, name string) *time.Location {
+	t.Helper()
+	loc, err := time.LoadLocation(name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return loc
+}
+
+// TestQuotaWindows checks the calendar windows at the boundaries that
+// make calendars hard: month ends, leap years, year ends, ISO weeks
+// across years, and days of 23 and 25 hours.
+func TestQuotaWindows(t *testing.T) {
+	paris := mustLoad(t, "Europe/Paris")
+	newYork := mustLoad(t, "America/New_York")
+	utc := time.UTC
+	at := func(loc *time.Location, s string) time.Time {
+		tm, err := time.ParseInLocation("2006-01-02 15:04:05.999999999", s, loc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tm
+	}
+	for _, tc := range []struct {
+		name       string
+		p          period
+		loc        *time.Location
+		at         string // in loc
+		start, end string // in loc
+		hours      float64
+	}{
+		{"day", periodDay, utc, "2026-12-01 04:38:45", "2026-12-01 00:00:00", "2026-12-02 00:00:00", 24},
+		{"day's first instant", periodDay, utc, "2026-12-01 00:00:00", "2026-12-01 00:00:00", "2026-12-02 00:00:00", 24},
+		{"day's last instant", periodDay, utc, "2026-12-01 23:59:59.999999999", "2026-12-01 00:00:00", "2026-12-02 00:00:00", 24},
+		{"month of 31 days", periodMonth, utc, "2026-01-31 23:59:59", "2026-01-01 00:00:00", "2026-02-01 00:00:00", 31 * 24},
+		{"February", periodMonth, utc, "2026-02-14 12:00:00", "2026-02-01 00:00:00", "2026-03-01 00:00:00", 28 * 24},
+		{"February of a leap year", periodMonth, utc, "2028-02-29 12:00:00", "2028-02-01 00:00:00", "2028-03-01 00:00:00", 29 * 24},
+		{"December", periodMonth, utc, "2026-12-31 23:59:59", "2026-12-01 00:00:00", "2027-01-01 00:00:00", 31 * 24},
+		{"new year", periodMonth, utc, "2027-01-01 00:00:00", "2027-01-01 00:00:00", "2027-02-01 00:00:00", 31 * 24},
+		{"week from Monday", periodWeek, utc, "2026-12-01 10:00:00", "2026-11-30 00:00:00", "2026-12-07 00:00:00", 7 * 24},
+		{"week on its Monday", periodWeek, utc, "2026-11-30 00:00:00", "2026-11-30 00:00:00", "2026-12-07 00:00:00", 7 * 24},
+		{"week on its Sunday", periodWeek, utc, "2026-12-06 23:59:59", "2026-11-30 00:00:00", "2026-12-07 00:00:00", 7 * 24},
+		// ISO week 1 of 2026 starts on Monday 29 December 2025.
+		{"week across a year end", periodWeek, utc, "2026-01-01 12:00:00", "2025-12-29 00:00:00", "2026-01-05 00:00:00", 7 * 24},
+		{"week across a year end, Sunday", periodWeek, utc, "2027-01-03 12:00:00", "2026-12-28 00:00:00", "2027-01-04 00:00:00", 7 * 24},
+		// Paris: summer time starts on 29 March 2026 (23 hours) and
+		// ends on 25 October 2026 (25 hours).
+		{"day of 23 hours", periodDay, paris, "2026-03-29 12:00:00", "2026-03-29 00:00:00", "2026-03-30 00:00:00", 23},
+		{"day of 25 hours", periodDay, paris, "2026-10-25 02:30:00", "2026-10-25 00:00:00", "2026-10-26 00:00:00", 25},
+		{"week with a day of 23 hours", periodWeek, paris, "2026-03-29 23:00:00", "2026-03-23 00:00:00", "2026-03-30 00:00:00", 7*24 - 1},
+		{"month with a day of 25 hours", periodMonth, paris, "2026-10-31 23:59:00", "2026-10-01 00:00:00", "2026-11-01 00:00:00", 31*24 + 1},
+		{"new year in Paris", periodMonth, paris, "2026-12-31 23:30:00", "2026-12-01 00:00:00", "2027-01-01 00:00:00", 31 * 24},
+		{"New York's day of 23 hours", periodDay, newYork, "2026-03-08 03:00:00", "2026-03-08 00:00:00", "2026-03-09 00:00:00", 23},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			now := at(tc.loc, tc.at)
+			start, end := tc.p.window(now, tc.loc)
+			if want := at(tc.loc, tc.start); !start.Equal(want) {
+				t.Errorf("start %v, want %v", start, want)
+			}
+			if want := at(tc.loc, tc.end); !end.Equal(want) {
+				t.Errorf("end %v, want %v", end, want)
+			}
+			if got := end.Sub(start).Hours(); got != tc.hours {
+				t.Errorf("%v hours, want %v", got, tc.hours)
+			}
+			// The same instant seen from UTC gives the same window.
+			if s2, e2 := tc.p.window(now.UTC(), tc.loc); !s2.Equal(start) || !e2.Equal(end) {
+				t.Errorf("from UTC: %v-%v", s2, e2)
+			}
+		})
+	}
+}
+
+// TestQuotaWindowsTile walks two years hour by hour, in zones whose
+// midnights can be skipped or repeated, and checks that the windows hold
+// their instants, start at a local midnight (or the day's first instant
+// when a change skips midnight), and follow one another without gap or
+// overlap.
+func TestQuotaWindowsTile(t *testing.T) {
+	for _, name := range []string{"UTC", "Europe/Paris", "America/Santiago", "America/Havana", "Asia/Kolkata", "Pacific/Apia", "Australia/Lord_Howe"} {
+		loc := mustLoad(t, name)
+		for _, p := range []period{periodDay, periodWeek, periodMonth} {
+			var lastEnd time.Time
+			for tm := time.Date(2011, 12, 25, 0, 0, 0, 0, time.UTC); tm.Year() < 2013; tm = tm.Add(time.Hour) {
+				start, end := p.window(tm, loc)
+				if tm.Before(start) || !tm.Before(end) {
+					t.Fatalf("%s %d: %v not in [%v, %v)", name, p, tm, start, end)
+				}
+				if !lastEnd.IsZero() && start.After(lastEnd) {
+					t.Fatalf("%s %d: gap between %v and %v", name, p, lastEnd, start)
+				}
+				if !lastEnd.IsZero() && !start.Equal(lastEnd) && start.Before(lastEnd) && !tm.Before(lastEnd) {
+					t.Fatalf("%s %d: window %v-%v overlaps the last, which ended %v", name, p, start, end, lastEnd)
+				}
+				if h, m, _ := start.In(loc).Clock(); m != 0 || h > 1 {
+					t.Fatalf("%s %d: window starts at %v, not at the day's start", name, p, start.In(loc))
+				}
+				if d := end.Sub(start); d < 22*time.Hour || d > 32*24*time.Hour {
+					t.Fatalf("%s %d: window of %v", name, p, d)
+				}
+				lastEnd = end
+			}
+		}
+	}
+}
+
+// TestQuotaWindowCache: the window of the last request is kept, and
+// replaced at its end.
+func TestQuotaWindowCache(t *testing.T) {
+	qt := &quota{limit: 1, period: periodDay, loc: time.UTC}
+	now := time.Date(2026, 12, 1, 23, 59, 59, 0, time.UTC)
+	w := qt.window(now)
+	if qt.window(now.Add(time.Second-1)) != w {
+		t.Fatal("a window was computed again within it")
+	}
+	next := qt.window(now.Add(time.Second))
+	if next == w || !next.start.Equal(w.end) || next.seconds != 86400 {
+		t.Fatalf("next window %+v after %+v", next, w)
+	}
+	if got := next.bounds; got[0] != strconv.FormatInt(w.start.UnixMilli(), 10) || got[1] != strconv.FormatInt(w.end.UnixMilli(), 10) ||
+		got[3] != strconv.FormatInt(w.end.Add(48*time.Hour).UnixMilli(), 10) {
+		t.Fatalf("bounds %v", got)
+	}
+}
+
+func TestQuotaValidation(t *testing.T) {
+	for _, tc := range []struct {
+		json, wantErr string
+	}{
+		{`{"name":"q","quota":10,"quota_period":"month"}`, ""},
+		{`{"name":"q","quota":10,"quota_period":"week","timezone":"Asia/Tokyo","cost":10,"count":{"status_code":[200]},"dry_run":true}`, ""},
+		{`{"name":"q","rate":"1r/s","quota":10,"quota_period":"day"}`, ""},
+		{`{"name":"q","quota":0,"quota_period":"day"}`, "quota_period needs a quota"},
+		{`{"name":"q","quota":-1,"quota_period":"day"}`, "invalid quota -1: must be 1 to"},
+		{`{"name":"q","quota":10}`, "quota needs a period"},
+		{`{"name":"q","quota":10,"quota_period":"year"}`, "invalid quota period 'year': expected day, week or month"},
+		{`{"name":"q","quota":10,"quota_period":"day","timezone":"Mars/Olympus"}`, "unknown timezone 'Mars/Olympus'"},
+		{`{"name":"q","rate":"1r/s","timezone":"UTC"}`, "timezone needs a quota"},
+		{`{"name":"q","quota":10,"quota_period":"day","cost":11}`, "cost 11 exceeds quota 10"},
+		{`{"name":"q","quota":10,"quota_period":"day","burst":3}`, "burst needs a rate"},
+		{`{"name":"q","rate":"1r/s","quota":10,"quota_period":"day","ban":"1m"}`, "ban does not combine with quota"},
+		{`{"name":"q","quota":10,"quota_period":"day","concurrency":2}`, "concurrency does not combine with quota"},
+		{`{"name":"q","window":"1m","max_events":5,"quota":10,"quota_period":"day"}`, "quota does not combine with window and max_events"},
+		{`{"name":"q","quota":10,"quota_period":"day","count":{}}`, "count needs a response matcher"},
+	} {
+		h := new(Handler)
+		if err := json.Unmarshal([]byte(`{"zones":[`+tc.json+`]}`), h); err != nil {
+			t.Fatal(err)
+		}
+		err := h.Validate()
+		switch {
+		case tc.wantErr == "" && err != nil:
+			t.Errorf("%s: %v", tc.json, err)
+		case tc.wantErr != "" && (err == nil || !strings.Contains(err.Error(), tc.wantErr)):
+			t.Errorf("%s: error %v, want %q", tc.json, err, tc.wantErr)
+		}
+	}
+}
+
+func TestQuotaCaddyfile(t *testing.T) {
+	h := new(Handler)
+	err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(`rate_limit {
+	zone monthly {
+		key      {http.request.header.X-API-Key}
+		quota    10000 per month
+		timezone America/New_York
+	}
+}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if z := h.Zones[0]; z.Quota != 10000 || z.QuotaPeriod != "month" || z.Timezone != "America/New_York" || z.Rate != "" {
+		t.Fatalf("zone %+v", z)
+	}
+	for _, tc := range []struct {
+		body, wantErr string
+		line          int
+	}{
+		{"quota 0 per day", "invalid quota 0: must be 1 to", 3},
+		{"quota ten per day", "invalid quota 'ten': expected a whole number", 3},
+		{"quota 10 per year", "invalid quota period 'year': expected day, week or month", 3},
+		{"quota 10 a day", "quota <n> per day|week|month", 3},
+		{"quota 10 per", "quota <n> per day|week|month", 3},
+		{"quota 10 per day\n\t\ttimezone Europe/Nowhere", "unknown timezone 'Europe/Nowhere'", 4},
+		{"quota 10 per day\n\t\ttimezone", "wrong argument count", 4},
+		{"rate 1r/s\n\t\ttimezone UTC", "timezone needs a quota", 5},
+		{"quota 10 per day\n\t\tban 1m\n\t\trate 1r/s", "ban does not combine with quota", 6},
+	} {
+		err := new(Handler).UnmarshalCaddyfile(caddyfile.NewTestDispenser("rate_limit {\n\tzone q {\n\t\t" + tc.body + "\n\t}\n}"))
+		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+			t.Errorf("%q: error %v, want %q", tc.body, err, tc.wantErr)
+			continue
+		}
+		if suffix := fmt.Sprintf(", at Testfile:%d", tc.line); !strings.HasSuffix(err.Error(), suffix) {
+			t.Errorf("%q: error %q does not end with %q", tc.body, err, suffix)
+		}
+	}
+}
+
+// TestQuotaLocalEvictsSmallestCounts: a full quota table drops counters
+// of ended windows first, then the smallest counts among those sampled,
+// and keeps within max_keys.
+func TestQuotaLocalTable(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"quota-table","quota":100,"quota_period":"day"}],"store":{"backend":"local","max_keys":50,"persist":false}}`)
+	z := h.Zones[0]
+	s := h.store.(*LocalStore)
+	now := time.Now()
+	take := func(key string, n int) {
+		for range n {
+			reqs := []request{{zone: z, key: bucketKey{s: key}, win: z.quota.window(now)}}
+			if ok, _ := s.take(context.Background(), now, reqs); !ok {
+				t.Fatalf("key %s refused", key)
+			}
+		}
+	}
+	take("heavy", 50)
+	for i := range 200 {
+		take(fmt.Sprint("once-", i), 1)
+	}
+	qt := s.quotas[z.index]
+	if n := qt.len(); n > 50 {
+		t.Fatalf("%d counters kept, max_keys 50", n)
+	}
+	if used, _ := qt.count(bucketKey{s: "heavy"}, qt.instant(now)); used != 50 {
+		t.Fatalf("the heaviest counter was evicted: used %d", used)
+	}
+	// A counter of a window that has ended carries nothing.
+	later := now.Add(25 * time.Hour)
+	if used, _ := qt.count(bucketKey{s: "heavy"}, qt.instant(later)); used != 0 {
+		t.Fatalf("used %d in the next window", used)
+	}
+	qt.sweep(later)
+	if n := qt.len(); n != 0 {
+		t.Fatalf("%d counters left after their windows ended", n)
+	}
+}
+
+// quotaHeaders are a response's quota headers.
+func checkQuotaHeaders(t *testing.T, resp *http.Response, zone string, limit, left int64, win *quotaWindow) {
+	t.Helper()
+	policy := fmt.Sprintf(`"%s";q=%d;w=%d`, zone, limit, win.seconds)
+	if got := resp.Header.Get("RateLimit-Policy"); !strings.Contains(got, policy) {
+		t.Errorf("RateLimit-Policy %q, want %q in it", got, policy)
+	}
+	got := resp.Header.Get("RateLimit")
+	prefix := fmt.Sprintf(`"%s";r=%d;t=`, zone, left)
+	i := strings.Index(got, prefix)
+	if i < 0 {
+		t.Fatalf("RateLimit %q, want %q in it", got, prefix)
+	}
+	secs, _ := strconv.ParseInt(strings.SplitN(got[i+len(prefix):], ",", 2)[0], 10, 64)
+	if want := ceilSeconds(time.Until(win.end)); secs < want-2 || secs > want+1 {
+		t.Errorf("RateLimit t=%d, want about %d: the seconds until the window ends", secs, want)
+	}
+}
+
+func adminJSON(t *testing.T, method, path string, v any) int {
+	t.Helper()
+	req, _ := http.NewRequest(method, "http://localhost:2999"+path, nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if v != nil && resp.StatusCode == http.StatusOK {
+		if err := json.Unmarshal(b, v); err != nil {
+			t.Fatalf("%s: %v", b, err)
+		}
+	}
+	return resp.StatusCode
+}
+
+// TestQuotaThroughCaddy runs a monthly quota and a zone with a rate and
+// a daily quota through a real Caddy, on each store: the counts, the
+// headers, the Retry-After of a refusal, all or nothing with the rate,
+// and the admin API's view and reset.
+func TestQuotaThroughCaddy(t *testing.T) {
+	r := startRedis(t)
+	for _, store := range []string{`{"backend":"local","persist":false}`, fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"thru:"}`, r.addr())} {
+		backend := "local"
+		if strings.Contains(store, "redis") {
+			backend = "redis"
+		}
+		t.Run(backend, func(t *testing.T) {
+			monthly, api := "monthly-"+backend, "api-"+backend
+			loadJSON(t, jsonServer(fmt.Sprintf(`{"handler":"rate_limit","headers":"ietf","store":%s,"zones":[
+				{"name":%q,"key":"{http.request.header.X-API-Key}","quota":3,"quota_period":"month","timezone":"Europe/Paris"},
+				{"name":%q,"key":"{http.request.header.X-API-Key}","match":[{"path":["/api/*"]}],"rate":"1r/m","burst":2,"quota":5,"quota_period":"day","cost":2}
+			]},{"handler":"static_response","body":"ok"}`, store, monthly, api)))
+			paris := mustLoad(t, "Europe/Paris")
+			mwin := (&quota{period: periodMonth, loc: paris}).windowAt(time.Now())
+			send := func(key, path string, want int) *http.Response {
+				t.Helper()
+				req, _ := http.NewRequest("GET", "http://localhost:9080"+path, nil)
+				req.Header.Set("X-API-Key", key)
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				io.Copy(io.Discard, resp.Body)
+				resp.Body.Close()
+				if resp.StatusCode != want {
+					t.Fatalf("%s %s: status %d, want %d", key, path, resp.StatusCode, want)
+				}
+				return resp
+			}
+			for i := range int64(3) {
+				checkQuotaHeaders(t, send("alice", "/", 200), monthly, 3, 2-i, mwin)
+			}
+			resp := send("alice", "/", 429)
+			checkQuotaHeaders(t, resp, monthly, 3, 0, mwin)
+			ra, _ := strconv.ParseInt(resp.Header.Get("Retry-After"), 10, 64)
+			if want := ceilSeconds(time.Until(mwin.end)); ra < want-2 || ra > want+1 {
+				t.Fatalf("Retry-After %d, want about %d: until the month ends in Paris", ra, want)
+			}
+			send("bob", "/", 200) // another key, another count
+
+			var info bucketInfo
+			if code := adminJSON(t, "GET", "/rate_limit/"+monthly+"/alice", &info); code != 200 || info.Quota == nil ||
+				info.Quota.Used != 3 || info.Quota.Left != 0 || info.Quota.ResetIn < time.Until(mwin.end).Seconds()-2 {
+				t.Fatalf("admin GET: %d %+v %+v", code, info, info.Quota)
+			}
+			if code := adminJSON(t, "DELETE", "/rate_limit/"+monthly+"/alice", nil); code != 200 {
+				t.Fatalf("admin DELETE: %d", code)
+			}
+			checkQuotaHeaders(t, send("alice", "/", 200), monthly, 3, 2, mwin)
+
+			// api: 1r/m burst 2, 5 a day, 2 a request. carol's first
+			// request takes 2 of each zone's (monthly: 1 of 3).
+			dwin := (&quota{period: periodDay, loc: time.UTC}).windowAt(time.Now())
+			checkQuotaHeaders(t, send("carol", "/api/x", 200), api, 5, 3, dwin)
+			// The bucket refuses: neither quota counts the request.
+			send("carol", "/api/x", 429)
+			var ci bucketInfo
+			adminJSON(t, "GET", "/rate_limit/"+api+"/carol", &ci)
+			if ci.Quota == nil || ci.Quota.Used != 2 || ci.Tokens >= 1 {
+				t.Fatalf("after a refusal by the bucket: %+v %+v", ci, ci.Quota)
+			}
+			var mi keyInfo
+			adminJSON(t, "GET", "/rate_limit/"+monthly+"/carol", &mi)
+			if mi.Quota == nil || mi.Quota.Used != 1 {
+				t.Fatalf("monthly after a refusal by api's bucket: %+v", mi.Quota)
+			}
+			// The monthly quota refuses: api's bucket and quota keep
+			// what they had.
+			send("carol", "/", 200)
+			send("carol", "/", 200)
+			adminJSON(t, "DELETE", "/rate_limit/"+api+"/carol", nil) // a full bucket again, and 0 counted
+			send("carol", "/api/x", 429)
+			adminJSON(t, "GET", "/rate_limit/"+api+"/carol", &ci)
+			if ci.Quota == nil || ci.Quota.Used != 0 || ci.Tokens != 2 {
+				t.Fatalf("after a refusal by the monthly quota: %+v %+v", ci, ci.Quota)
+			}
+		})
+	}
+}
+
+// TestRedisQuotaWindowEnds runs a quota with windows of 2 seconds on
+// Redis's own clock: the counter expires at its window's end, and the
+// next window starts from 0. Calendar windows last a day at least, so
+// the test shortens them.
+func TestRedisQuotaWindowEnds(t *testing.T) {
+	r := startRedis(t)
+	for _, backend := range []string{"local", "redis"} {
+		t.Run(backend, func(t *testing.T) {
+			store := `{"backend":"local","persist":false}`
+			if backend == "redis" {
+				store = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"short:"}`, r.addr())
+			}
+			h := newTestHandler(t, `{"zones":[{"name":"short-`+backend+`","key":"{http.request.header.K}","quota":2,"quota_period":"day"}],"store":`+store+`}`)
+			z := h.Zones[0]
+			z.quota.every = 2 * time.Second
+			// Start just after a window starts.
+			time.Sleep(time.Until(time.Now().Truncate(2 * time.Second).Add(2*time.Second + 50*time.Millisecond)))
+			for i, want := range []int{200, 200, 429} {
+				code, hdr := serve(h, "192.0.2.1", "K", "k")
+				if code != want {
+					t.Fatalf("request %d: %d, want %d", i, code, want)
+				}
+				if want == 429 && hdr.Get("Retry-After") != "2" {
+					t.Fatalf("Retry-After %q, want 2", hdr.Get("Retry-After"))
+				}
+			}
+			if backend == "redis" {
+				c := newRedisClient(t, r.addr())
+				key := h.store.(*RedisStore).quotaKey(&request{zone: z, key: bucketKey{s: "k"}})
+				ttl, err := c.PTTL(context.Background(), key).Result()
+				if err != nil || ttl <= 0 || ttl > 2*time.Second {
+					t.Fatalf("PTTL %s = %v, %v; want the time left in the window", key, ttl, err)
+				}
+				n, _ := c.HGet(context.Background(), key, "n").Int64()
+				if n != 2 {
+					t.Fatalf("count %d in Redis, want 2", n)
+				}
+				time.Sleep(ttl + 50*time.Millisecond)
+				if n, _ := c.Exists(context.Background(), key).Result(); n != 0 {
+					t.Fatal("counter outlived its window")
+				}
+			} else {
+				time.Sleep(time.Until(time.Now().Truncate(2 * time.Second).Add(2*time.Second + 50*time.Millisecond)))
+			}
+			if code, _ := serve(h, "192.0.2.1", "K", "k"); code != 200 {
+				t.Fatalf("next window: %d, want 200", code)
+			}
+		})
+	}
+}
+
+// TestRedisQuotaClockSkew: instances whose clocks are up to a window
+// ahead or behind Redis's count in Redis's window; further apart, the
+// call fails (and fail_mode decides) rather than counting in another.
+func TestRedisQuotaClockSkew(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"skew","quota":3,"quota_period":"day"}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"skew:","disable_over_limit_cache":true}}`, r.addr()))
+	z := h.Zones[0]
+	z.quota.every = time.Hour
+	now := time.Now()
+	if now.Add(time.Minute).Truncate(time.Hour) != now.Truncate(time.Hour) {
+		t.Skip("too close to a window's end")
+	}
+	for i, skew := range []time.Duration{-59 * time.Minute, 0, 59 * time.Minute, 0} {
+		reqs := []request{{zone: z, key: bucketKey{s: "k"}, win: z.quota.windowAt(now.Add(skew))}}
+		ok, err := h.store.take(context.Background(), now, reqs)
+		if err != nil || ok != (i < 3) || reqs[0].used != min(int64(i+1), 3) {
+			t.Fatalf("skew %v: ok %v used %d err %v", skew, ok, reqs[0].used, err)
+		}
+	}
+	reqs := []request{{zone: z, key: bucketKey{s: "k"}, win: z.quota.windowAt(now.Add(2 * time.Hour))}}
+	if _, err := h.store.take(context.Background(), now, reqs); err == nil || !strings.Contains(err.Error(), "quota window") {
+		t.Fatalf("two windows ahead: err %v", err)
+	}
+}
+
+// TestRedisQuotaCluster: on Redis Cluster, a zone's quota and the
+// request's buckets share the key's slot and one call; zones of other
+// keys are taken one by one and given back.
+func TestRedisQuotaCluster(t *testing.T) {
+	nodes := startCluster(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
+		{"name":"cq","key":"{http.request.header.K}","quota":2,"quota_period":"week","timezone":"Asia/Tokyo"},
+		{"name":"cr","key":"{http.request.header.R}","rate":"1r/m","burst":1}],
+		"store":{"backend":"redis","addresses":[%q,%q,%q]}}`, nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
+	// cq's key and cr's key are in different slots: the call is split.
+	if code, _ := serve(h, "192.0.2.1", "K", "a", "R", "x"); code != 200 {
+		t.Fatalf("first: %d", code)
+	}
+	// cr refuses: cq's count is given back.
+	if code, _ := serve(h, "192.0.2.1", "K", "a", "R", "x"); code != 429 {
+		t.Fatalf("second: %d", code)
+	}
+	q := request{zone: h.Zones[0], key: bucketKey{s: "a"}, win: h.Zones[0].quota.window(time.Now())}
+	if err := h.store.peek(context.Background(), time.Now(), &q); err != nil || q.used != 1 {
+		t.Fatalf("count %d, %v; want 1: a refused request is not counted", q.used, err)
+	}
+	for i, want := range []int{200, 429} {
+		if code, _ := serve(h, "192.0.2.1", "K", "a", "R", fmt.Sprint("y", i)); code != want {
+			t.Fatalf("request %d: %d, want %d", i, code, want)
+		}
+	}
+}
+
+// TestQuotaSnapshot: a quota table's counters go to the snapshot with
+// their counts; loaded, those of ended windows are dropped, and a
+// counter used since the start adds the snapshot's count to its own.
+func TestQuotaSnapshot(t *testing.T) {
+	sn := testSnapshots(newTestStorage())
+	shape := tableID{name: "zq", quota: "month@Europe/Paris"}
+	if got := shape.snapshotName(); got != "quotas/zq.month@Europe-Paris" {
+		t.Fatalf("snapshot name %q", got)
+	}
+	newQuotaTable := func() *table {
+		qt := newTable(1000, t0)
+		qt.key = sn.key
+		qt.p = &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
+		return qt
+	}
+	setCount := func(qt *table, k string, used int64, end time.Time) {
+		h := qt.hash(key(k))
+		s := qt.shard(h)
+		s.mu.Lock()
+		s.setCount(qt, h, qt.instant(end), used, qt.instant(t0))
+		s.mu.Unlock()
+	}
+	a := newQuotaTable()
+	setCount(a, "month", 7, t0.Add(10*24*time.Hour))
+	setCount(a, "both", 2, t0.Add(10*24*time.Hour))
+	setCount(a, "ending", 5, t0.Add(time.Second))
+	b := a.snapshot(t0, sn.key.fingerprint())
+	if got, want := len(b), snapshotHeader+3*(snapshotEntry+8); got != want {
+		t.Fatalf("snapshot of 3 counters: %d bytes, want %d", got, want)
+	}
+
+	later := t0.Add(2 * time.Second) // "ending"'s window has ended
+	c := newQuotaTable()
+	c.epoch = t0.Add(-time.Hour)
+	setCount(c, "both", 3, t0.Add(10*24*time.Hour))
+	kept, err := c.merge(b, sn.key.fingerprint(), later)
+	if err != nil || kept != 2 {
+		t.Fatalf("kept %d, %v; want 2", kept, err)
+	}
+	for k, want := range map[string]int64{"month": 7, "both": 5, "ending": 0} {
+		used, end := c.count(key(k), c.instant(later))
+		if used != want {
+			t.Errorf("%s: count %d, want %d", k, used, want)
+		}
+		if used > 0 && end != c.instant(t0.Add(10*24*time.Hour)) {
+			t.Errorf("%s: window ends at %v", k, end)
+		}
+	}
+}
+
+// TestQuotaCountAndDryRun: with count, a request whose response does
+// not match is given back to the quota; in dry run, a quota that would
+// refuse lets the request through and says so.
+func TestQuotaCountAndDryRun(t *testing.T) {
+	r := startRedis(t)
+	for _, backend := range []string{"local", "redis"} {
+		t.Run(backend, func(t *testing.T) {
+			store := `{"backend":"local","persist":false}`
+			if backend == "redis" {
+				store = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"cdr:"}`, r.addr())
+			}
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":[
+				{"name":"qc-%s","quota":2,"quota_period":"day","count":{"status_code":[5]}},
+				{"name":"qd-%s","quota":1,"quota_period":"week","dry_run":true,"match":[{"path":["/dry"]}]}],"store":%s}`, backend, backend, store))
+			// 200s are given back: the quota of 2 never runs out.
+			for i := range 5 {
+				if code, _ := serve(h, "192.0.2.1"); code != 200 {
+					t.Fatalf("request %d: %d", i, code)
+				}
+			}
+			q := request{zone: h.Zones[0], key: bucketKey{s: "192.0.2.1"}, win: h.Zones[0].quota.window(time.Now())}
+			if err := h.store.peek(context.Background(), time.Now(), &q); err != nil || q.used != 0 {
+				t.Fatalf("count %d, %v; want 0: every response was given back", q.used, err)
+			}
+			// Dry run: the second request in the week would be refused.
+			for i, want := range []bool{false, true} {
+				req, rr := newRequest("192.0.2.2")
+				req.URL.Path = "/dry"
+				if err := h.ServeHTTP(rr, req, okHandler); err != nil || rr.Code != 200 {
+					t.Fatalf("dry run %d: %v %d", i, err, rr.Code)
+				}
+				repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+				if v, _ := repl.Get("http.rate_limit.qd-" + backend + ".would_deny"); v != want {
+					t.Fatalf("dry run %d: would_deny %v, want %v", i, v, want)
+				}
+			}
+		})
+	}
+}
