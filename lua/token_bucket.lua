@@ -82,7 +82,7 @@
 -- ARGV[top]         mq, the number of quota keys (always sent, 0 for
 --                   none), just before the slot section: top is #ARGV - 1
 --                   without slot keys, #ARGV - 2 - 3ms with ms of them
--- ARGV[a+1 .. a+6]  for quota j, where a = top - 6(mq - j + 1):
+-- ARGV[a+1 .. a+6]  for quota j, where a = top - 1 - 6(mq - j + 1):
 --                   limit_j, cost_j, b0_j, b1_j, b2_j, b3_j (ms since 1970)
 --
 -- take    a quota that lacks cost_j refuses (reply[1] = 0, nothing
@@ -214,7 +214,7 @@ local qnow = math.floor(now / 1000) + epoch * 1000 -- ms since 1970
 local qdeny = false
 local qkeys, qused, qend, qcost, qstale, qbad = {}, {}, {}, {}, {}, 0
 for j = 1, mq do
-	local a = qtop - 6 * (mq - j + 1)
+	local a = qtop - 1 - 6 * (mq - j + 1)
 	local limit, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
 	local e
 	if qnow >= tonumber(ARGV[a + 3]) then
