@@ -160,27 +160,23 @@ local function purge(h)
 	end
 end
 
+-- wrong holds the hashes that load found of another type.
+local wrong = {}
+
 -- save stores a bucket that owes debt µs; debt <= 0 deletes it. A hash
--- of another type is deleted first.
+-- of another type is deleted first. Any other error (a Redis out of
+-- memory) ends the script, before it has written anything.
 local function save(key, debt)
 	local h, field = split(key)
+	if wrong[h] then
+		redis.call('DEL', h)
+		wrong[h] = nil
+	end
 	if debt <= 0 then
-		if type(redis.pcall('HDEL', h, field)) == 'table' then
-			redis.call('DEL', h)
-		end
+		redis.call('HDEL', h, field)
 		return
 	end
-	local v = encode(now + debt)
-	local added = redis.pcall('HSET', h, field, v)
-	if type(added) == 'table' then
-		-- Only a key of another type is ours to repair: any other error
-		-- (OOM, READONLY) fails the call, rather than deleting a hash of
-		-- other clients' buckets to make room.
-		if redis.call('TYPE', h).ok ~= 'hash' then
-			redis.call('DEL', h)
-		end
-		added = redis.call('HSET', h, field, v)
-	end
+	local added = redis.call('HSET', h, field, encode(now + debt))
 	local ms = math.ceil(debt / 1000)
 	if redis.call('PTTL', h) < ms then
 		redis.call('PEXPIRE', h, ms)
@@ -196,6 +192,7 @@ local function load(key)
 	local h, field = split(key)
 	local v = redis.pcall('HGET', h, field)
 	if type(v) == 'table' and v.err then
+		wrong[h] = true
 		return nil, true
 	end
 	if not v then
