@@ -857,3 +857,33 @@ func TestConcurrencyRedisWrongTypeSlotKey(t *testing.T) {
 		t.Fatalf("slot key left: type %s", r.cli("TYPE", key))
 	}
 }
+
+// A request that a zone with a quota and a zone with concurrency both
+// apply to is decided in one script call, whose quota and slot sections
+// both hold arguments: the quota counts only the requests it allows, and
+// a request the quota refuses holds no slot.
+func TestConcurrencyRedisWithQuota(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
+		{"name":"qs_quota","quota":2,"quota_period":"day"},
+		{"name":"qs_conc","concurrency":1}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"qs:"}}`, r.addr()))
+	calls := r.calls()
+	for i, want := range []int{http.StatusOK, http.StatusOK, http.StatusTooManyRequests} {
+		code, hdr := serve(h, "10.0.0.1")
+		if code != want {
+			t.Fatalf("request %d: %d, want %d (RateLimit %q)", i, code, want, hdr.Get("Ratelimit"))
+		}
+		if want == http.StatusOK && !strings.Contains(hdr.Get("Ratelimit"), fmt.Sprintf(`"qs_quota";r=%d`, 1-i)) {
+			t.Fatalf("request %d: RateLimit %q, want %d left of the quota", i, hdr.Get("Ratelimit"), 1-i)
+		}
+	}
+	// Two allowed requests: a decision and a release each; the refused
+	// one: a decision.
+	if n := r.calls() - calls; n != 5 {
+		t.Fatalf("%d script calls, want 5", n)
+	}
+	if n := r.cli("EXISTS", slotKeyName("qs:", "qs_conc", "10.0.0.1")); n != "0" {
+		t.Fatalf("a slot is held after the requests ended")
+	}
+}
