@@ -347,3 +347,25 @@ func jsonServer(handlers string) string {
 	}
 }`
 }
+
+// checkValidate decodes a handler's JSON, refusing unknown fields, and
+// checks that Validate fails with an error containing wantErr, or
+// succeeds when wantErr is "".
+func checkValidate(t *testing.T, in, wantErr string) {
+	t.Helper()
+	var h Handler
+	dec := json.NewDecoder(strings.NewReader(in))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&h); err != nil {
+		t.Fatalf("decoding %s: %v", in, err)
+	}
+	err := h.Validate()
+	switch {
+	case wantErr == "" && err != nil:
+		t.Errorf("unexpected error: %v", err)
+	case wantErr != "" && err == nil:
+		t.Errorf("expected error containing %q, got none", wantErr)
+	case wantErr != "" && !strings.Contains(err.Error(), wantErr):
+		t.Errorf("error %q does not contain %q", err, wantErr)
+	}
+}

@@ -113,21 +113,7 @@ func TestValidate(t *testing.T) {
 		{name: "jitter of 100", json: `{"zones":[{"name":"a","rate":"1r/s"}],"jitter":100}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			var h Handler
-			dec := json.NewDecoder(strings.NewReader(tc.json))
-			dec.DisallowUnknownFields()
-			if err := dec.Decode(&h); err != nil {
-				t.Fatalf("decoding %s: %v", tc.json, err)
-			}
-			err := h.Validate()
-			switch {
-			case tc.wantErr == "" && err != nil:
-				t.Errorf("unexpected error: %v", err)
-			case tc.wantErr != "" && err == nil:
-				t.Errorf("expected error containing %q, got none", tc.wantErr)
-			case tc.wantErr != "" && !strings.Contains(err.Error(), tc.wantErr):
-				t.Errorf("error %q does not contain %q", err, tc.wantErr)
-			}
+			checkValidate(t, tc.json, tc.wantErr)
 		})
 	}
 }
