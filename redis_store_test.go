@@ -376,6 +376,36 @@ func slotKeyName(prefix, zone, key string) string {
 // pair is two strings as a slice, for a command's arguments.
 func pair(a, b string) []string { return []string{a, b} }
 
+// A bucket's instant is whole nanoseconds however far from 2025: read
+// back in 2090, each token of 7r/s (not a whole number of microseconds)
+// still adds 1/7 s to the nanosecond, and the hash holds the instant the
+// replies say.
+func TestRedisInstantsStayExact(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, redisConfig(r.addr(), "late", "7r/s", 5, ""))
+	rs := h.store.(*RedisStore)
+	now := time.Date(2090, 6, 1, 0, 0, 0, 123_456_000, time.UTC)
+	rs.testClock = func() time.Time { return now }
+	var debts []time.Duration
+	for range 4 {
+		reqs := []request{{zone: h.Zones[0], key: bucketKey{s: "k"}}}
+		if ok, err := rs.take(context.Background(), now, reqs); !ok || err != nil {
+			t.Fatalf("take %d: %v, %v", len(debts)+1, ok, err)
+		}
+		debts = append(debts, reqs[0].debt)
+	}
+	for i := 1; i < len(debts); i++ {
+		if d := debts[i] - debts[i-1]; d < 142857142 || d > 142857143 {
+			t.Fatalf("debts %v: token %d added %v, want 1/7 s to the nanosecond", debts, i+1, d)
+		}
+	}
+	hash, field := bucketOf(h, 0, "k")
+	want := now.Sub(time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)) + debts[3]
+	if v := r.cli("HGET", hash, field); v != strconv.FormatInt(int64(want), 10) {
+		t.Fatalf("stored instant %s, want %d", v, want)
+	}
+}
+
 // Buckets that are full again stay in their hash until it expires, or
 // until new buckets find them: each new one looks at three others. So
 // clients that come and go, while the hash never goes quiet, leave it

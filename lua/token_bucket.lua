@@ -1,12 +1,15 @@
 -- Token buckets kept as one number each: the instant the bucket is full
--- again, in microseconds of Redis's own clock, so every Caddy instance that
--- shares this Redis shares one clock. An absent key is a full bucket: keys
+-- again, on Redis's own clock, so every Caddy instance that shares this
+-- Redis shares one clock. An absent key is a full bucket: keys
 -- expire exactly when their bucket has refilled.
 --
--- Instants count from 2025-01-01 rather than 1970, as redis_rate does, so
--- that Lua's doubles keep them to a hundredth of a microsecond (instead of
--- a quarter). A bucket may give its tokens up to 1 µs early, which absorbs
--- what rounding is left.
+-- Instants count from 2025-01-01, in whole nanoseconds. The script never
+-- holds one in a double: Redis's clock is whole microseconds, and a bucket
+-- read is turned into what it owes from now, a duration that a double
+-- holds to far below a nanosecond. So a bucket is written back exact to
+-- the nanosecond, and never drifts, however many requests it serves. A
+-- bucket may give its tokens up to 1 µs early, which absorbs what
+-- rounding is left.
 --
 -- Buckets live many to a Redis hash, which costs Redis about a fifth of
 -- a key each: KEYS[i] is `<hash><field>`, the hash's name ending at its
@@ -22,7 +25,7 @@
 --              mq quota keys and ms slot keys (see their sections)
 -- ARGV[1]      "take", "refund", "peek" or "release"
 -- ARGV[2]      "" to read TIME. Caddy always sends ""; tests send an
---              instant (µs since 1970) to replay a table of steps.
+--              instant (whole µs since 1970) to replay a table of steps.
 -- ARGV[4i-1]   full_i: µs to refill KEYS[i] from empty (burst / rate)
 -- ARGV[4i]     cost_i: µs the request's tokens are worth (cost / rate)
 -- ARGV[4i+1]   ban_i: µs a denial bans KEYS[i] for; 0 for no ban
@@ -98,6 +101,11 @@
 local epoch = 1735689600 -- 2025-01-01T00:00:00Z, in seconds
 local slack = 1 -- µs
 
+-- The script runs once per decision, and Redis pays for every function
+-- and table it makes: the common path (buckets only) makes no function
+-- and a table per bucket at most, and the quota and slot sections run
+-- only for calls that have such keys.
+
 local mode = ARGV[1]
 local now = tonumber(ARGV[2])
 if now then
@@ -106,175 +114,107 @@ else
 	local t = redis.call('TIME')
 	now = (t[1] - epoch) * 1000000 + t[2]
 end
+local take = mode == 'take'
 
--- split names a bucket's hash and field.
-local function split(key)
-	local e = string.find(key, '}', 1, true) or #key
-	return string.sub(key, 1, e), string.sub(key, e + 1)
-end
-
--- encode writes instant f (µs) in whole nanoseconds, exactly: the
--- instants are sums of whole microseconds (TIME) and whole nanoseconds
--- (the zones' times), and f is within half a nanosecond of its sum.
--- Doubles cannot hold the nanoseconds since the epoch, so the digits are
--- written in two parts.
-local function encode(f)
-	local sign = ''
-	if f < 0 then
-		sign, f = '-', -f
-	end
-	local us = math.floor(f)
-	local ns = math.floor((f - us) * 1000 + 0.5)
-	if ns == 1000 then
-		us, ns = us + 1, 0
-	end
-	if us == 0 then
-		return sign .. string.format('%d', ns)
-	end
-	return sign .. string.format('%d%03d', us, ns)
-end
-
--- decode reads what encode wrote, back to the same f; nil for anything
--- else.
-local function decode(v)
-	local sign, digits = string.match(v, '^(%-?)(%d+)$')
-	if not digits then
-		return nil
-	end
-	local f = (tonumber(string.sub(digits, 1, -4)) or 0) + tonumber(string.sub(digits, -3)) / 1000
-	if sign == '-' then
-		f = -f
-	end
-	return f
-end
-
--- purge removes the buckets that are full again among three of hash h's,
--- taken at random, and any that do not hold an instant.
-local function purge(h)
-	local r = redis.call('HRANDFIELD', h, 3, 'WITHVALUES')
-	for j = 1, #r, 2 do
-		local f = decode(r[j + 1])
-		if not f or f <= now then
-			redis.call('HDEL', h, r[j])
-		end
-	end
-end
-
--- wrong holds the hashes that load found of another type.
-local wrong = {}
-
--- save stores a bucket that owes debt µs; debt <= 0 deletes it. A hash
--- of another type is deleted first. Any other error (a Redis out of
--- memory) ends the script, before it has written anything.
-local function save(key, debt)
-	local h, field = split(key)
-	if wrong[h] then
-		redis.call('DEL', h)
-		wrong[h] = nil
-	end
-	if debt <= 0 then
-		redis.call('HDEL', h, field)
-		return
-	end
-	local added = redis.call('HSET', h, field, encode(now + debt))
-	local ms = math.ceil(debt / 1000)
-	if redis.call('PTTL', h) < ms then
-		redis.call('PEXPIRE', h, ms)
-	end
-	if added == 1 then
-		purge(h)
-	end
-end
-
--- load returns a bucket's instant, or nil for a full bucket; bad says the
--- bucket held something else, or its hash was of another type.
-local function load(key)
-	local h, field = split(key)
-	local v = redis.pcall('HGET', h, field)
-	if type(v) == 'table' and v.err then
-		wrong[h] = true
-		return nil, true
-	end
-	if not v then
-		return nil, false
-	end
-	local f = decode(v)
-	return f, not f
-end
-
--- Calendar quotas, decided before the buckets charge anything.
 local ms = tonumber(ARGV[#ARGV]) or 0 -- slot keys, the last of KEYS
 local qtop = ms > 0 and #ARGV - 2 - 3 * ms or #ARGV - 1
 local mq = tonumber(ARGV[qtop]) or 0 -- quota keys, before the slot keys
 local n = #KEYS - mq - ms
-local qnow = math.floor(now / 1000) + epoch * 1000 -- ms since 1970
-local qdeny = false
-local qkeys, qused, qend, qcost, qstale, qbad = {}, {}, {}, {}, {}, 0
-for j = 1, mq do
-	local a = qtop - 1 - 6 * (mq - j + 1)
-	local limit, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-	local e
-	if qnow >= tonumber(ARGV[a + 3]) then
-		for k = 4, 6 do
-			local b = tonumber(ARGV[a + k])
-			if qnow < b then
-				e = b
-				break
+
+-- Calendar quotas, decided before the buckets charge anything.
+local qnow, qdeny, qbad = 0, false, 0
+local qkeys, qused, qend, qcost, qstale
+if mq > 0 then
+	qnow = math.floor(now / 1000) + epoch * 1000 -- ms since 1970
+	qkeys, qused, qend, qcost, qstale = {}, {}, {}, {}, {}
+	for j = 1, mq do
+		local a = qtop - 1 - 6 * (mq - j + 1)
+		local limit, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+		local e
+		if qnow >= tonumber(ARGV[a + 3]) then
+			for k = 4, 6 do
+				local b = tonumber(ARGV[a + k])
+				if qnow < b then
+					e = b
+					break
+				end
 			end
 		end
-	end
-	if not e then
-		return redis.error_reply('ERR quota window: Redis TIME is outside the windows Caddy sent (clocks more than a window apart)')
-	end
-	local key = KEYS[n + j]
-	local v = redis.pcall('HMGET', key, 'w', 'n')
-	local w, used = nil, 0
-	if type(v) == 'table' and v.err then
-		qbad = qbad + 1
-		if mode ~= 'peek' then
-			redis.call('DEL', key)
+		if not e then
+			return redis.error_reply('ERR quota window: Redis TIME is outside the windows Caddy sent (clocks more than a window apart)')
 		end
-	else
-		w, used = tonumber(v[1]), tonumber(v[2]) or 0
+		local key = KEYS[n + j]
+		local v = redis.pcall('HMGET', key, 'w', 'n')
+		local w, used = nil, 0
+		if type(v) == 'table' and v.err then
+			qbad = qbad + 1
+			if mode ~= 'peek' then
+				redis.call('DEL', key)
+			end
+		else
+			w, used = tonumber(v[1]), tonumber(v[2]) or 0
+		end
+		if w and w >= e then
+			e = w -- a window Redis's clock already counted in
+		else
+			used, qstale[j] = 0, true
+		end
+		if take and used + cost > limit then
+			qdeny = true
+		end
+		qkeys[j], qused[j], qend[j], qcost[j] = key, used, e, cost
 	end
-	if w and w >= e then
-		e = w -- a window Redis's clock already counted in
-	else
-		used, qstale[j] = 0, true
-	end
-	if mode == 'take' and used + cost > limit then
-		qdeny = true
-	end
-	qkeys[j], qused[j], qend[j], qcost[j] = key, used, e, cost
 end
 
-local reply = { 1 }
-local bad = {}
-local repaired = 0
-local short = {}
-local clamped = {}
+-- Buckets: each is read, and what the call does to it decided, before
+-- any is written. A bucket's state is its hash, field and flag: flag is
+-- 'bad' (it held no instant, or its hash was of another type: a full
+-- bucket, repaired), 'short' (it lacked the tokens and starts a ban),
+-- 'clamped' (it owed more than it may) or nil.
+local reply = { 1, 0 }
+local state = { false, false, false } -- hash, field and flag of bucket i at 3i-2, 3i-1, 3i
+local wrong -- the hashes found of another type, deleted before a write
 for i = 1, n do
 	local a = 4 * i - 1
 	local full, cost, ban, delay = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
 	local wait = math.max(delay, 0) -- how long this request may wait
 	delay = math.abs(delay)
-	local f
-	f, bad[i] = load(KEYS[i])
-	f = f or now
-	if mode == 'refund' and f > now and f - now <= full + delay then
-		f = f - cost
+	local key = KEYS[i]
+	local e = string.find(key, '}', 1, true) or #key
+	local h, field = string.sub(key, 1, e), string.sub(key, e + 1)
+	local v = redis.pcall('HGET', h, field)
+	local d, flag = 0, nil -- µs the bucket owes: an absent one owes none
+	if type(v) == 'table' then
+		wrong = wrong or {}
+		wrong[h], flag = true, 'bad'
+	elseif v then
+		-- The instant is whole nanoseconds. x, their double, is within
+		-- a few hundred of them until 2098, so its microseconds come out
+		-- exact once the last three digits are taken off and rounded.
+		local x, ns = tonumber(v), tonumber(string.sub(v, -3))
+		if x and ns and x >= 0 and x % 1 == 0 then
+			d = (math.floor((x - ns) / 1000 + 0.5) - now) + ns / 1000
+		else
+			flag = 'bad'
+		end
+	end
+	if mode == 'refund' and d > 0 and d <= full + delay then
+		d = d - cost
 	end
 	-- A clock that went back, or a plan that changed to a smaller limit,
 	-- must not leave more than a whole bucket and a ban or a delay owed.
-	local debt = math.min(math.max(f - now, 0), full + ban + delay)
-	clamped[i] = f - now > full + ban + delay
-	if mode == 'refund' then
-		save(KEYS[i], debt)
-	elseif mode == 'take' and debt + cost > full + wait + slack then
+	local debt = math.min(math.max(d, 0), full + ban + delay)
+	if d > full + ban + delay then
+		flag = 'clamped'
+	end
+	if take and debt + cost > full + wait + slack then
 		reply[1] = 0
-		short[i] = ban > 0 and debt <= full
+		if ban > 0 and debt <= full then
+			flag = flag == 'bad' and 'bad short' or 'short'
+		end
 	end
 	reply[i + 1] = debt
+	state[3 * i - 2], state[3 * i - 1], state[3 * i] = h, field, flag
 end
 
 if qdeny then
@@ -306,86 +246,97 @@ end
 -- of ms flags, '1' for each key where id now holds a slot; free_j is how
 -- many slots of KEYS[n+mq+j] are free after the decision. A key that is
 -- full shows 0 free and no slot held.
-
 local slot_base = #ARGV - 2 - 3 * ms
-local slot_id = ARGV[#ARGV - 1]
-
-local function slot_arg(j, k)
-	return tonumber(ARGV[slot_base + 3 * j - 3 + k])
-end
-
--- take_slots counts the live leases of every slot key, trimming the
--- ended ones, and refuses the request (reply[1] = 0) when a key that is
--- not dry is full and the buckets allowed it. It returns the counts.
-local function take_slots()
-	local used = {}
-	for j = 1, ms do
-		local key = KEYS[n + mq + j]
-		if mode == 'take' then
-			-- A key of another type is taken for a key with no slot
-			-- held, and deleted: the keys under the prefix are ours.
-			local trimmed = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
-			if type(trimmed) == 'table' and trimmed.err then
-				redis.call('DEL', key)
-			end
-			used[j] = redis.call('ZCARD', key)
-		elseif mode == 'peek' and redis.call('TYPE', key).ok == 'zset' then
-			used[j] = redis.call('ZCOUNT', key, '(' .. now, '+inf')
-		else
-			used[j] = 0
+local slots_used = ms > 0 and {} or nil
+for j = 1, ms do
+	-- Count the live leases of every slot key, trimming the ended ones,
+	-- and refuse the request when a key that is not dry is full and the
+	-- buckets allowed it.
+	local key = KEYS[n + mq + j]
+	local used = 0
+	if take then
+		-- A key of another type is taken for a key with no slot held,
+		-- and deleted: the keys under the prefix are ours.
+		local trimmed = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
+		if type(trimmed) == 'table' and trimmed.err then
+			redis.call('DEL', key)
 		end
-		if mode == 'take' and reply[1] == 1 and used[j] >= slot_arg(j, 1) and ARGV[slot_base + 3 * j] ~= '1' then
-			reply[1] = 0
-		end
+		used = redis.call('ZCARD', key)
+	elseif mode == 'peek' and redis.call('TYPE', key).ok == 'zset' then
+		used = redis.call('ZCOUNT', key, '(' .. now, '+inf')
 	end
-	return used
-end
-
--- commit_slots takes the slots when the request is allowed, or gives
--- them back (release), and returns the section's reply.
-local function commit_slots(used)
-	local held, out = {}, {}
-	for j = 1, ms do
-		local key, limit = KEYS[n + mq + j], slot_arg(j, 1)
-		held[j] = '0'
-		if mode == 'release' then
-			redis.call('ZREM', key, slot_id)
-		elseif mode == 'take' and reply[1] == 1 and used[j] < limit then
-			local lease = slot_arg(j, 2)
-			redis.call('ZADD', key, now + lease, slot_id)
-			used[j] = used[j] + 1
-			held[j] = '1'
-			-- The key lives as long as its longest lease.
-			local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-			redis.call('PEXPIRE', key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1))
-		end
-		out[j + 1] = math.max(limit - used[j], 0)
+	if take and reply[1] == 1 and used >= tonumber(ARGV[slot_base + 3 * j - 2]) and ARGV[slot_base + 3 * j] ~= '1' then
+		reply[1] = 0
 	end
-	out[1] = table.concat(held)
-	return out
+	slots_used[j] = used
 end
 
-local slots = take_slots()
-
-local bans, banned = {}, false
+-- Buckets: write. A bucket that owes debt µs is saved as the instant
+-- now + debt, rounded to whole nanoseconds, written as the microseconds
+-- (now's, which are whole, and debt's) then three digits of nanoseconds.
+-- debt <= 0 deletes the bucket. A hash of another type is deleted first.
+-- Any other error (a Redis out of memory) ends the script, before it has
+-- written anything.
+local nowdigits -- now in the instants' digits, for purges
+local bans, banned = '', false
+local repaired = 0
 for i = 1, n do
+	local flag = state[3 * i]
 	local debt = reply[i + 1]
-	if mode == 'take' and reply[1] == 1 then
+	local write = true
+	if mode == 'refund' then
+		-- debt as it is: the tokens were given back above
+	elseif take and reply[1] == 1 then
 		debt = debt + ARGV[4 * i]
-		save(KEYS[i], debt)
-	elseif short[i] then
+	elseif flag == 'short' or flag == 'bad short' then
 		debt = ARGV[4 * i - 1] + ARGV[4 * i + 1]
-		save(KEYS[i], debt)
 		banned = true
-	elseif clamped[i] and mode == 'take' then
-		save(KEYS[i], debt)
-	elseif bad[i] and mode == 'take' then
-		save(KEYS[i], 0) -- a full bucket: no field
+	elseif take and flag == 'clamped' then
+		-- saved as owing no more than it may
+	elseif take and flag == 'bad' then
+		debt = 0 -- a full bucket: no field
+	else
+		write = false
 	end
-	if bad[i] then
+	if write then
+		local h, field = state[3 * i - 2], state[3 * i - 1]
+		if wrong and wrong[h] then
+			redis.call('DEL', h)
+			wrong[h] = nil
+		end
+		if debt <= 0 then
+			redis.call('HDEL', h, field)
+		else
+			local us = math.floor(debt)
+			local ns = math.floor((debt - us) * 1000 + 0.5)
+			if ns == 1000 then
+				us, ns = us + 1, 0
+			end
+			local added = redis.call('HSET', h, field, string.format('%d%03d', now + us, ns))
+			local ttl = math.ceil(debt / 1000)
+			if redis.call('PTTL', h) < ttl then
+				redis.call('PEXPIRE', h, ttl)
+			end
+			if added == 1 then
+				-- A new bucket: remove the buckets full again among
+				-- three of the hash's, taken at random. Instants of as
+				-- many digits compare as strings.
+				if not nowdigits then
+					nowdigits = string.format('%d000', math.floor(now))
+				end
+				local r = redis.call('HRANDFIELD', h, 3, 'WITHVALUES')
+				for j = 2, #r, 2 do
+					local w = r[j]
+					if #w < #nowdigits or #w == #nowdigits and w <= nowdigits then
+						redis.call('HDEL', h, r[j - 1])
+					end
+				end
+			end
+		end
+	end
+	if flag == 'bad' or flag == 'bad short' then
 		repaired = repaired + 1
 	end
-	bans[i] = short[i] and '1' or '0'
 	-- Whole nanoseconds, as Redis replies integers: at most 100 years
 	-- (the longest burst), well within its 64 bits.
 	local ns = debt * 1000
@@ -395,20 +346,26 @@ for i = 1, n do
 	end
 	reply[i + 1] = whole
 end
+if banned then
+	for i = 1, n do
+		local flag = state[3 * i]
+		bans = bans .. ((flag == 'short' or flag == 'bad short') and '1' or '0')
+	end
+end
 if repaired > 0 and mode ~= 'peek' or banned then
 	reply[n + 2] = repaired
 end
 if banned then
-	reply[n + 3] = table.concat(bans)
+	reply[n + 3] = bans
 end
 
 -- Calendar quotas: count, and reply.
 if mq > 0 then
 	reply[n + 2] = repaired + qbad
-	reply[n + 3] = banned and table.concat(bans) or ''
+	reply[n + 3] = bans
 	for j = 1, mq do
 		local key, used, e = qkeys[j], qused[j], qend[j]
-		if mode == 'take' and reply[1] == 1 then
+		if take and reply[1] == 1 then
 			used = used + qcost[j]
 			if qstale[j] then
 				redis.call('HSET', key, 'w', e, 'n', used)
@@ -428,7 +385,29 @@ if mq > 0 then
 		reply[n + 3 + 2 * j] = e - qnow
 	end
 end
+
+-- Slots: take or give back, and reply.
 if ms > 0 then
-	reply[#reply + 1] = commit_slots(slots)
+	local slot_id = ARGV[#ARGV - 1]
+	local held, out = {}, {}
+	for j = 1, ms do
+		local key, limit = KEYS[n + mq + j], tonumber(ARGV[slot_base + 3 * j - 2])
+		local used = slots_used[j]
+		held[j] = '0'
+		if mode == 'release' then
+			redis.call('ZREM', key, slot_id)
+		elseif take and reply[1] == 1 and used < limit then
+			local lease = tonumber(ARGV[slot_base + 3 * j - 1])
+			redis.call('ZADD', key, now + lease, slot_id)
+			used = used + 1
+			held[j] = '1'
+			-- The key lives as long as its longest lease.
+			local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+			redis.call('PEXPIRE', key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1))
+		end
+		out[j + 1] = math.max(limit - used, 0)
+	end
+	out[1] = table.concat(held)
+	reply[#reply + 1] = out
 end
 return reply
