@@ -434,8 +434,9 @@ func testDelaySpacing(t *testing.T, up *delayUpstream, zone string) {
 	}
 	// Never early (that would be a request ahead of its token), and each
 	// within 5% of the spacing of its slot. On a loaded machine (the tests
-	// run under -race beside others), a timer may fire late: up to 5 such,
-	// by at most half the spacing, are let pass.
+	// run under -race beside others), a timer may fire late, or a batch of
+	// replies come late, making its requests wait from later: up to a
+	// tenth, by at most half the spacing, are let pass.
 	worst, late := time.Duration(0), 0
 	for k, a := range at[1:] {
 		k++
@@ -449,7 +450,7 @@ func testDelaySpacing(t *testing.T, up *delayUpstream, zone string) {
 			t.Logf("request %d reached the upstream %v after the first's slot, want %v ± 5ms", k, a.Sub(t0), time.Duration(k)*spacing)
 		}
 	}
-	if late > 5 || worst > spacing/2 {
+	if late > len(at)/10 || worst > spacing/2 {
 		t.Errorf("%d requests more than 5ms late, the latest %v", late, worst)
 	}
 	if late := at[0].Sub(t0); late > time.Second || late < -spacing/20 {

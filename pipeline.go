@@ -5,6 +5,7 @@ package ratelimit
 
 import (
 	"context"
+	"fmt"
 	"sync"
 	"time"
 
@@ -31,10 +32,34 @@ type pipeline struct {
 type scriptCall struct {
 	keys     []string
 	args     []any
+	alike    bool          // a take that identical calls may share (see twin)
+	twins    []*scriptCall // identical calls decided with this one
 	deadline time.Time
 	reply    []any
 	err      error
 	done     chan struct{}
+}
+
+// twin reports whether c is a take that b can decide with its own: the
+// same keys and arguments. Such requests (a flood on one key, or a zone
+// that every client shares) then cost Redis one call per batch, in which
+// the script decides them one after another, each with its own reply
+// (k takes, in lua/token_bucket.lua).
+func (c *scriptCall) twin(b *scriptCall) bool {
+	if !c.alike || !b.alike || len(c.keys) != len(b.keys) || len(c.args) != len(b.args) {
+		return false
+	}
+	for i := range c.keys {
+		if c.keys[i] != b.keys[i] {
+			return false
+		}
+	}
+	for i := range c.args {
+		if c.args[i] != b.args[i] {
+			return false
+		}
+	}
+	return true
 }
 
 // maxFlights is how many calls or batches of calls one client has in
@@ -52,7 +77,7 @@ func maxFlights(poolSize int) int {
 // caller that waited for another's call before (its deadline is then
 // earlier than those of the calls in flight) passes a ctx that ends by
 // its own deadline.
-func (p *pipeline) run(ctx context.Context, deadline time.Time, keys []string, args []any) ([]any, error) {
+func (p *pipeline) run(ctx context.Context, deadline time.Time, keys []string, args []any, alike bool) ([]any, error) {
 	p.mu.Lock()
 	if p.flights < p.maxFlights {
 		p.flights++
@@ -63,7 +88,7 @@ func (p *pipeline) run(ctx context.Context, deadline time.Time, keys []string, a
 		p.landed()
 		return reply, err
 	}
-	c := &scriptCall{keys: keys, args: args, deadline: deadline, done: make(chan struct{})}
+	c := &scriptCall{keys: keys, args: args, alike: alike, deadline: deadline, done: make(chan struct{})}
 	p.queue = append(p.queue, c)
 	p.mu.Unlock()
 	select {
@@ -106,8 +131,9 @@ func (p *pipeline) send(batch []*scriptCall) {
 }
 
 // exec sends one batch in one pipeline, by the earliest deadline of its
-// calls. Calls that find the script missing from Redis's cache (NOSCRIPT,
-// after a restart or a SCRIPT FLUSH) are sent again with the script.
+// calls, twins as one call. Calls that find the script missing from
+// Redis's cache (NOSCRIPT, after a restart or a SCRIPT FLUSH) are sent
+// again with the script.
 func (p *pipeline) exec(batch []*scriptCall) {
 	deadline := batch[0].deadline
 	for _, c := range batch[1:] {
@@ -117,10 +143,21 @@ func (p *pipeline) exec(batch []*scriptCall) {
 	}
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
-	cmds := make([]*redis.Cmd, len(batch))
+	calls := batch[:0:0]
+next:
+	for _, c := range batch {
+		for _, b := range calls {
+			if c.twin(b) {
+				b.twins = append(b.twins, c)
+				continue next
+			}
+		}
+		calls = append(calls, c)
+	}
+	cmds := make([]*redis.Cmd, len(calls))
 	pipe := p.client.Pipeline()
-	for i, c := range batch {
-		cmds[i] = pipe.EvalSha(ctx, tokenBucketScript.Hash(), c.keys, c.args...)
+	for i, c := range calls {
+		cmds[i] = pipe.EvalSha(ctx, tokenBucketScript.Hash(), c.keys, c.argsAll()...)
 	}
 	_, _ = pipe.Exec(ctx) // each call's error is in its command
 	var again []int
@@ -132,12 +169,40 @@ func (p *pipeline) exec(batch []*scriptCall) {
 	if len(again) > 0 {
 		pipe := p.client.Pipeline()
 		for _, i := range again {
-			cmds[i] = pipe.Eval(ctx, tokenBucketLua, batch[i].keys, batch[i].args...)
+			cmds[i] = pipe.Eval(ctx, tokenBucketLua, calls[i].keys, calls[i].argsAll()...)
 		}
 		_, _ = pipe.Exec(ctx)
 	}
-	for i, c := range batch {
-		c.reply, c.err = cmds[i].Slice()
-		close(c.done)
+	for i, c := range calls {
+		reply, err := cmds[i].Slice()
+		if len(c.twins) == 0 {
+			c.reply, c.err = reply, err
+			close(c.done)
+			continue
+		}
+		if err == nil && len(reply) != len(c.twins)+1 {
+			err = fmt.Errorf("%w: %d replies for %d takes", errBadReply, len(reply), len(c.twins)+1)
+		}
+		for j, t := range append([]*scriptCall{c}, c.twins...) {
+			t.err = err
+			if err == nil {
+				if t.reply, _ = reply[j].([]any); t.reply == nil {
+					t.err = fmt.Errorf("%w: %v", errBadReply, reply[j])
+				}
+			}
+			close(t.done)
+		}
 	}
+}
+
+// argsAll is the script's arguments for c and its twins: k takes for k
+// calls, in place of "take".
+func (c *scriptCall) argsAll() []any {
+	if len(c.twins) == 0 {
+		return c.args
+	}
+	args := make([]any, len(c.args))
+	copy(args, c.args)
+	args[0] = len(c.twins) + 1
+	return args
 }

@@ -841,11 +841,15 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 	if s.testClock != nil {
 		args[1] = s.testClock().UnixMicro()
 	}
+	// A take of buckets alone, none with a ban or a delay, may be decided
+	// in one call with identical ones (see (*scriptCall).twin).
+	alike := mode == "take" && nq == 0 && len(slots) == 0
 	for i := range reqs {
 		q := &reqs[i]
 		if q.win != nil {
 			continue
 		}
+		alike = alike && q.zone.limit.ban == 0 && q.zone.limit.delay == 0
 		keys = append(keys, s.redisKey(q))
 		shape := &s.shapes[q.zone.index]
 		full, cost := shape[0], shape[1]
@@ -878,7 +882,7 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 		}
 		args = append(args, slots[0].lease, len(slots))
 	}
-	v, err := s.client.pipe.run(ctx, deadline, keys, args)
+	v, err := s.client.pipe.run(ctx, deadline, keys, args, alike)
 	if err != nil {
 		return false, err
 	}

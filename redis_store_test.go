@@ -1230,6 +1230,69 @@ func TestRedisPipelinedDecisionsAreExact(t *testing.T) {
 	}
 }
 
+// Identical takes queued together (a flood on one key) are decided in
+// one script call, one after another, each with the reply it would get
+// alone: the bucket's burst allowed, the rest denied, and the debts of
+// eight takes one at a time.
+func TestRedisTwinTakes(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, `{"zones":[{"name":"twin","key":"{http.request.header.X-Key}","rate":"1r/h","burst":5}],
+		"store":{"backend":"redis","addresses":["`+r.addr()+`"],"pool_size":2,"timeout":"5s","disable_over_limit_cache":true}}`)
+	s := h.store.(*RedisStore)
+	s.client.pipe.maxFlights = 1
+	take := func(key string) (bool, time.Duration) {
+		reqs := []request{{zone: h.Zones[0], key: bucketKey{s: key}}}
+		ok, err := s.take(context.Background(), time.Now(), reqs)
+		if err != nil {
+			t.Error(err)
+		}
+		return ok, reqs[0].debt
+	}
+	// Alone, one after another.
+	var alone []string
+	for range 8 {
+		ok, debt := take("alone")
+		alone = append(alone, fmt.Sprint(ok, debt.Round(time.Second)))
+	}
+	// Together: a script keeps Redis busy while one take holds the only
+	// flight, and eight takes of one key and one of another queue up.
+	calls := r.calls()
+	busy := make(chan struct{})
+	go func() {
+		defer close(busy)
+		r.cli("EVAL", "local t = redis.call('TIME') local e = t[1] * 1e6 + t[2] + 400000 "+
+			"repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] > e", "0")
+	}()
+	time.Sleep(100 * time.Millisecond)
+	var wg sync.WaitGroup
+	wg.Go(func() { take("first") })
+	time.Sleep(50 * time.Millisecond)
+	var mu sync.Mutex
+	var together []string
+	for range 8 {
+		wg.Go(func() {
+			ok, debt := take("flood")
+			mu.Lock()
+			together = append(together, fmt.Sprint(ok, debt.Round(time.Second)))
+			mu.Unlock()
+		})
+	}
+	wg.Go(func() { take("other") })
+	wg.Wait()
+	<-busy
+	slices.Sort(alone)
+	slices.Sort(together)
+	if !slices.Equal(together, alone) {
+		t.Fatalf("together %q, want as alone %q", together, alone)
+	}
+	if alone[0] != "false 5h0m0s" || alone[3] != "true 1h0m0s" || alone[7] != "true 5h0m0s" {
+		t.Fatalf("alone %q, want 5 allowed owing 1h to 5h, 3 denied", alone)
+	}
+	if n := r.calls() - calls; n != 4 {
+		t.Fatalf("%d script calls, want 4: the busy one, the first, the flood's and the other key's", n)
+	}
+}
+
 // Memory per bucket in Redis, as the README states it: what INFO's
 // used_memory grows by per bucket, written through the store with 64
 // callers, must stay under 100 B. 100k IPv4 keys by default (a long

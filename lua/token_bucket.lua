@@ -23,7 +23,8 @@
 --
 -- KEYS[i]      buckets (in one cluster slot), i = 1..n; after them come
 --              mq quota keys and ms slot keys (see their sections)
--- ARGV[1]      "take", "refund", "peek" or "release"
+-- ARGV[1]      "take", "refund", "peek" or "release"; or a number k > 1:
+--              k takes of one request, one after another (see below)
 -- ARGV[2]      "" to read TIME. Caddy always sends ""; tests send an
 --              instant (whole µs since 1970) to replay a table of steps.
 -- ARGV[4i-1]   full_i: µs to refill KEYS[i] from empty (burst / rate)
@@ -52,6 +53,13 @@
 -- Returns {allowed (1|0), debt_1, ..., debt_n[, repaired[, bans]]}, where
 -- debt_i is how long in nanoseconds (rounded, half up) until KEYS[i] is
 -- full again after the decision. Only take returns 0.
+--
+-- k takes decide k requests that arrived together with the same buckets
+-- and arguments, in order, at one instant, as k calls would if Redis's
+-- clock stood still: the first that a bucket lacks the tokens for is
+-- denied, and so is every one after it. Only for buckets without ban or
+-- delay, and no quota or slot keys. The reply is k replies of take, in
+-- order (repaired in the first).
 --
 -- A bucket key that holds another type (or a value that is not an
 -- instant) is taken for a full bucket, and overwritten or deleted by take
@@ -113,6 +121,10 @@ if now then
 else
 	local t = redis.call('TIME')
 	now = (t[1] - epoch) * 1000000 + t[2]
+end
+local k = tonumber(mode) -- k takes, or nil
+if k then
+	mode = 'take'
 end
 local take = mode == 'take'
 
@@ -219,6 +231,41 @@ end
 
 if qdeny then
 	reply[1] = 0 -- a quota refuses: no bucket is charged
+end
+
+-- k takes: the buckets' debts after each allowed take are in d, and
+-- reply keeps those before the last, which the writes below charge as
+-- a take's.
+local replies
+if k then
+	replies = {}
+	local d, m = {}, 0
+	for i = 1, n do
+		d[i] = reply[i + 1]
+	end
+	for j = 1, k do
+		local ok = 1
+		for i = 1, n do
+			if d[i] + ARGV[4 * i] > ARGV[4 * i - 1] + slack then
+				ok = 0
+			end
+		end
+		local r = { ok }
+		for i = 1, n do
+			if ok == 1 then
+				reply[i + 1] = d[i]
+				d[i] = d[i] + ARGV[4 * i]
+			end
+			local ns = d[i] * 1000 -- whole, as below
+			r[i + 1] = math.floor(ns) + (ns % 1 >= 0.5 and 1 or 0)
+		end
+		replies[j] = r
+		if ok == 0 then
+			break
+		end
+		m = j
+	end
+	reply[1] = m > 0 and 1 or 0
 end
 
 -- Slots of the zones with concurrency, kept apart from the buckets: a
@@ -340,11 +387,7 @@ for i = 1, n do
 	-- Whole nanoseconds, as Redis replies integers: at most 100 years
 	-- (the longest burst), well within its 64 bits.
 	local ns = debt * 1000
-	local whole = math.floor(ns)
-	if ns - whole >= 0.5 then
-		whole = whole + 1
-	end
-	reply[i + 1] = whole
+	reply[i + 1] = math.floor(ns) + (ns % 1 >= 0.5 and 1 or 0)
 end
 if banned then
 	for i = 1, n do
@@ -357,6 +400,16 @@ if repaired > 0 and mode ~= 'peek' or banned then
 end
 if banned then
 	reply[n + 3] = bans
+end
+if replies then
+	if repaired > 0 then
+		replies[1][n + 2] = repaired
+	end
+	local last = replies[#replies]
+	for j = #replies + 1, k do
+		replies[j] = last -- denied, as the one before
+	end
+	return replies
 end
 
 -- Calendar quotas: count, and reply.
