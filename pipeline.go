@@ -13,12 +13,12 @@ import (
 )
 
 // A pipeline sends the script calls of concurrent decisions to Redis
-// together. A call that finds fewer than maxFlights calls or batches in
-// flight goes out at once, alone, as it would without a pipeline: one
-// caller at a time pays nothing for batching. Calls that arrive while
-// maxFlights are in flight queue up, and go out together, in one write
-// and one read, as soon as one of those lands. Each call keeps its own
-// reply and error.
+// together. A call that finds nothing in flight goes out at once, alone,
+// as it would without a pipeline: one caller at a time pays nothing for
+// batching. Calls that arrive while a call or a batch is in flight queue
+// up, and go out together, in one write and one read, as soon as it
+// lands; or at once, as a second flight, when minBatch of them are
+// waiting. Each call keeps its own reply and error.
 type pipeline struct {
 	client     redis.UniversalClient
 	maxFlights int
@@ -71,6 +71,11 @@ func maxFlights(poolSize int) int {
 	return max(1, min(2, poolSize/2))
 }
 
+// minBatch is how many queued calls a second flight waits for: a batch
+// worth the write, the read and the wakeups that it costs both sides,
+// which are most of what a call costs when Redis is near.
+const minBatch = 8
+
 // run calls the script with keys and args, and returns its reply by
 // deadline, or when ctx is done. A queued call goes in a batch that ends
 // by the earliest deadline of its calls: one timer for the batch. A
@@ -79,7 +84,7 @@ func maxFlights(poolSize int) int {
 // its own deadline.
 func (p *pipeline) run(ctx context.Context, deadline time.Time, keys []string, args []any, alike bool) ([]any, error) {
 	p.mu.Lock()
-	if p.flights < p.maxFlights {
+	if p.flights == 0 {
 		p.flights++
 		p.mu.Unlock()
 		ctx, cancel := context.WithDeadline(ctx, deadline)
@@ -90,7 +95,15 @@ func (p *pipeline) run(ctx context.Context, deadline time.Time, keys []string, a
 	}
 	c := &scriptCall{keys: keys, args: args, alike: alike, deadline: deadline, done: make(chan struct{})}
 	p.queue = append(p.queue, c)
-	p.mu.Unlock()
+	if p.flights < p.maxFlights && len(p.queue) >= minBatch {
+		batch := p.queue
+		p.queue = nil
+		p.flights++
+		p.mu.Unlock()
+		go p.send(batch)
+	} else {
+		p.mu.Unlock()
+	}
 	select {
 	case <-c.done:
 		return c.reply, c.err
@@ -180,19 +193,55 @@ next:
 			close(c.done)
 			continue
 		}
-		if err == nil && len(reply) != len(c.twins)+1 {
-			err = fmt.Errorf("%w: %d replies for %d takes", errBadReply, len(reply), len(c.twins)+1)
+		all := append([]*scriptCall{c}, c.twins...)
+		var replies [][]any
+		if err == nil {
+			replies, err = splitTakes(reply, len(c.keys), len(all))
 		}
-		for j, t := range append([]*scriptCall{c}, c.twins...) {
-			t.err = err
-			if err == nil {
-				if t.reply, _ = reply[j].([]any); t.reply == nil {
-					t.err = fmt.Errorf("%w: %v", errBadReply, reply[j])
-				}
+		for j, t := range all {
+			if t.err = err; err == nil {
+				t.reply = replies[j]
 			}
 			close(t.done)
 		}
 	}
+}
+
+// splitTakes turns the reply of k takes of n buckets into the replies
+// of the k takes, as each would have had alone (see k takes in
+// lua/token_bucket.lua).
+func splitTakes(v []any, n, k int) ([][]any, error) {
+	if len(v) != 2*n+1 && len(v) != 2*n+2 {
+		return nil, fmt.Errorf("%w: %d values for %d takes of %d buckets", errBadReply, len(v), k, n)
+	}
+	nums := make([]int64, 2*n+1)
+	for i := range nums {
+		var ok bool
+		if nums[i], ok = v[i].(int64); !ok {
+			return nil, fmt.Errorf("%w: %v", errBadReply, v[i])
+		}
+	}
+	m := nums[0]
+	out := make([][]any, k)
+	for j := range out {
+		r := make([]any, n+1, len(v)-n)
+		r[0] = int64(0)
+		if int64(j) < m {
+			r[0] = int64(1)
+		}
+		for i := range n {
+			debt := nums[1+i]
+			if int64(j) < m {
+				debt -= (m - 1 - int64(j)) * nums[1+n+i]
+			}
+			r[1+i] = debt
+		}
+		if j == 0 && len(v) == 2*n+2 {
+			r = append(r, v[2*n+1]) // repaired
+		}
+		out[j] = r
+	}
+	return out, nil
 }
 
 // argsAll is the script's arguments for c and its twins: k takes for k

@@ -58,8 +58,10 @@
 -- and arguments, in order, at one instant, as k calls would if Redis's
 -- clock stood still: the first that a bucket lacks the tokens for is
 -- denied, and so is every one after it. Only for buckets without ban or
--- delay, and no quota or slot keys. The reply is k replies of take, in
--- order (repaired in the first).
+-- delay, and no quota or slot keys. Returns {m, debt_1, ..., debt_n,
+-- cost_1, ..., cost_n[, repaired]}: m were allowed, debt_i is KEYS[i]'s
+-- after them (ns, as take's), and cost_i is a take's in ns, so that the
+-- j-th allowed owes debt_i - (m - j) cost_i, as it would have alone.
 --
 -- A bucket key that holds another type (or a value that is not an
 -- instant) is taken for a full bucket, and overwritten or deleted by take
@@ -233,37 +235,28 @@ if qdeny then
 	reply[1] = 0 -- a quota refuses: no bucket is charged
 end
 
--- k takes: the buckets' debts after each allowed take are in d, and
--- reply keeps those before the last, which the writes below charge as
--- a take's.
-local replies
+-- k takes: the first m that every bucket holds are allowed. reply keeps
+-- the debts before the last of them, which the writes below charge as a
+-- take's.
+local m
 if k then
-	replies = {}
-	local d, m = {}, 0
+	m = 0
+	local d, cost, full = {}, {}, {}
 	for i = 1, n do
-		d[i] = reply[i + 1]
+		d[i], cost[i], full[i] = reply[i + 1], tonumber(ARGV[4 * i]), ARGV[4 * i - 1] + slack
 	end
-	for j = 1, k do
-		local ok = 1
+	while m < k do
+		local room = true
 		for i = 1, n do
-			if d[i] + ARGV[4 * i] > ARGV[4 * i - 1] + slack then
-				ok = 0
-			end
+			room = room and d[i] + cost[i] <= full[i]
 		end
-		local r = { ok }
+		if not room then
+			break -- this one is denied, and so is every one after it
+		end
 		for i = 1, n do
-			if ok == 1 then
-				reply[i + 1] = d[i]
-				d[i] = d[i] + ARGV[4 * i]
-			end
-			local ns = d[i] * 1000 -- whole, as below
-			r[i + 1] = math.floor(ns) + (ns % 1 >= 0.5 and 1 or 0)
+			reply[i + 1], d[i] = d[i], d[i] + cost[i]
 		end
-		replies[j] = r
-		if ok == 0 then
-			break
-		end
-		m = j
+		m = m + 1
 	end
 	reply[1] = m > 0 and 1 or 0
 end
@@ -401,15 +394,17 @@ end
 if banned then
 	reply[n + 3] = bans
 end
-if replies then
+if m then
+	-- k takes: {m, debt_1..debt_n after them, cost_1..cost_n in ns[,
+	-- repaired]}; take j <= m owes debt_i - (m - j) cost_i.
+	local out = { m }
+	for i = 1, n do
+		out[i + 1], out[n + i + 1] = reply[i + 1], math.floor(ARGV[4 * i] * 1000 + 0.5)
+	end
 	if repaired > 0 then
-		replies[1][n + 2] = repaired
+		out[2 * n + 2] = repaired
 	end
-	local last = replies[#replies]
-	for j = #replies + 1, k do
-		replies[j] = last -- denied, as the one before
-	end
-	return replies
+	return out
 end
 
 -- Calendar quotas: count, and reply.
