@@ -354,13 +354,14 @@ for i = 1, n do
 			end
 			local added = redis.call('HSET', h, field, string.format('%d%03d', now + us, ns))
 			local ttl = math.ceil(debt / 1000)
-			if redis.call('PTTL', h) < ttl then
+			local left = redis.call('PTTL', h) -- -1: HSET made the hash
+			if left < ttl then
 				redis.call('PEXPIRE', h, ttl)
 			end
-			if added == 1 then
-				-- A new bucket: remove the buckets full again among
-				-- three of the hash's, taken at random. Instants of as
-				-- many digits compare as strings.
+			if added == 1 and left >= 0 then
+				-- A new bucket in a hash that has others: remove the
+				-- buckets full again among three of the hash's, taken at
+				-- random. Instants of as many digits compare as strings.
 				if not nowdigits then
 					nowdigits = string.format('%d000', math.floor(now))
 				end
