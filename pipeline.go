@@ -63,12 +63,13 @@ func (c *scriptCall) twin(b *scriptCall) bool {
 }
 
 // maxFlights is how many calls or batches of calls one client has in
-// flight at most: enough for Redis to read a batch while this client
-// writes the next, few enough that concurrent decisions share batches.
-// Never more than half the pool, so that other commands (resets, peeks)
-// find a connection.
+// flight at most: enough that Redis always has a batch to read while
+// this client reads the replies of one and writes the next (beyond the
+// first, each waits for minBatch calls, so that concurrent decisions
+// share batches). Never more than half the pool, so that other commands
+// (resets, peeks) find a connection.
 func maxFlights(poolSize int) int {
-	return max(1, min(2, poolSize/2))
+	return max(1, min(4, poolSize/2))
 }
 
 // minBatch is how many queued calls a second flight waits for: a batch
