@@ -12,6 +12,7 @@ import (
 	"crypto/x509/pkix"
 	"encoding/json"
 	"encoding/pem"
+	"errors"
 	"fmt"
 	"math/big"
 	"net"
@@ -1298,6 +1299,26 @@ func TestRedisTwinTakes(t *testing.T) {
 	}
 	if n := r.calls() - calls; n != 4 {
 		t.Fatalf("%d script calls, want 4: the busy one, the first, the flood's and the other key's", n)
+	}
+}
+
+// The reply of k takes becomes each take's reply: the allowed ones owe
+// a cost less for each allowed after them, the denied ones what the last
+// allowed left, and the first carries the count of repaired keys.
+func TestSplitTakes(t *testing.T) {
+	got, err := splitTakes([]any{int64(2), int64(3000), int64(50), int64(1000), int64(10), int64(1)}, 2, 3)
+	want := [][]any{
+		{int64(1), int64(2000), int64(40), int64(1)},
+		{int64(1), int64(3000), int64(50)},
+		{int64(0), int64(3000), int64(50)},
+	}
+	if err != nil || fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("splitTakes = %v, %v; want %v", got, err, want)
+	}
+	for _, v := range [][]any{{int64(1), int64(5)}, {int64(1), "x", int64(5)}} {
+		if _, err := splitTakes(v, 1, 2); !errors.Is(err, errBadReply) {
+			t.Errorf("splitTakes(%v) error %v, want a bad reply", v, err)
+		}
 	}
 }
 
