@@ -113,8 +113,8 @@ local slack = 1 -- µs
 
 -- The script runs once per decision, and Redis pays for every function
 -- and table it makes: the common path (buckets only) makes no function
--- and a table per bucket at most, and the quota and slot sections run
--- only for calls that have such keys.
+-- and two tables, and the quota and slot sections run only for calls
+-- that have such keys.
 
 local mode = ARGV[1]
 local now = tonumber(ARGV[2])
@@ -146,8 +146,8 @@ if mq > 0 then
 		local limit, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
 		local e
 		if qnow >= tonumber(ARGV[a + 3]) then
-			for k = 4, 6 do
-				local b = tonumber(ARGV[a + k])
+			for t = 4, 6 do
+				local b = tonumber(ARGV[a + t])
 				if qnow < b then
 					e = b
 					break
