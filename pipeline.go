@@ -17,8 +17,8 @@ import (
 // as it would without a pipeline: one caller at a time pays nothing for
 // batching. Calls that arrive while a call or a batch is in flight queue
 // up, and go out together, in one write and one read, as soon as it
-// lands; or at once, as a second flight, when minBatch of them are
-// waiting. Each call keeps its own reply and error.
+// lands; or at once, as another flight, when they make minBatch script
+// calls. Each call keeps its own reply and error.
 type pipeline struct {
 	client     redis.UniversalClient
 	maxFlights int
@@ -26,6 +26,7 @@ type pipeline struct {
 	mu      sync.Mutex
 	flights int
 	queue   []*scriptCall
+	calls   int // script calls the queue makes, counting twins next to each other as one
 }
 
 // A scriptCall is one call of the script, queued for a batch.
@@ -72,9 +73,10 @@ func maxFlights(poolSize int) int {
 	return max(1, min(4, poolSize/2))
 }
 
-// minBatch is how many queued calls a second flight waits for: a batch
-// worth the write, the read and the wakeups that it costs both sides,
-// which are most of what a call costs when Redis is near.
+// minBatch is how many script calls a second flight waits for (twins
+// make one): a batch worth the write, the read and the wakeups that it
+// costs both sides, which are most of what a call costs when Redis is
+// near.
 const minBatch = 8
 
 // run calls the script with keys and args, and returns its reply by
@@ -95,10 +97,13 @@ func (p *pipeline) run(ctx context.Context, deadline time.Time, keys []string, a
 		return reply, err
 	}
 	c := &scriptCall{keys: keys, args: args, alike: alike, deadline: deadline, done: make(chan struct{})}
+	if len(p.queue) == 0 || !c.twin(p.queue[len(p.queue)-1]) {
+		p.calls++
+	}
 	p.queue = append(p.queue, c)
-	if p.flights < p.maxFlights && len(p.queue) >= minBatch {
+	if p.flights < p.maxFlights && p.calls >= minBatch {
 		batch := p.queue
-		p.queue = nil
+		p.queue, p.calls = nil, 0
 		p.flights++
 		p.mu.Unlock()
 		go p.send(batch)
@@ -123,7 +128,7 @@ func (p *pipeline) landed() {
 		return
 	}
 	batch := p.queue
-	p.queue = nil
+	p.queue, p.calls = nil, 0
 	p.mu.Unlock()
 	go p.send(batch)
 }
@@ -139,7 +144,7 @@ func (p *pipeline) send(batch []*scriptCall) {
 			return
 		}
 		batch = p.queue
-		p.queue = nil
+		p.queue, p.calls = nil, 0
 		p.mu.Unlock()
 	}
 }
