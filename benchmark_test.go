@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
+	"runtime"
 	"strconv"
 	"sync"
 	"sync/atomic"
@@ -258,6 +259,55 @@ func BenchmarkServeHTTPPlan(b *testing.B) {
 					b.Fatal(err)
 				}
 			}
+		})
+	}
+}
+
+// BenchmarkServeHTTPRedisParallel is the handler's cost per request with
+// the Redis store when 50 requests are in flight at once, as under load:
+// all from one client (the load run's case: their takes are twins), or
+// each from its own. Each request comes with a context of its own, as
+// net/http gives it (two of the allocations are the benchmark's).
+func BenchmarkServeHTTPRedisParallel(b *testing.B) {
+	r := startRedis(b)
+	for _, tc := range []struct {
+		name string
+		keys int
+	}{{"one-client", 1}, {"many-clients", 10000}} {
+		b.Run(tc.name, func(b *testing.B) {
+			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rp-%s","rate":"1000000000r/s"}],
+		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, r.addr()))
+			h.logger = zap.NewNop()
+			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+				w.WriteHeader(http.StatusOK)
+				return nil
+			})
+			ips := make([]any, tc.keys)
+			for i := range ips {
+				ips[i] = fmt.Sprintf("10.%d.%d.1", i>>8, i&0xff)
+			}
+			var seq atomic.Int64
+			calls := r.calls()
+			b.ReportAllocs()
+			b.SetParallelism(max(1, 50/runtime.GOMAXPROCS(0)))
+			b.RunParallel(func(pb *testing.PB) {
+				req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
+				vars := map[string]any{}
+				req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, vars))
+				caddyhttp.NewTestReplacer(req)
+				base := req.Context()
+				w := &headerSink{h: make(http.Header)}
+				for pb.Next() {
+					vars["client_ip"] = ips[int(seq.Add(1))%len(ips)]
+					ctx, cancel := context.WithCancel(base)
+					clear(w.h)
+					if err := h.ServeHTTP(w, req.WithContext(ctx), next); err != nil {
+						b.Error(err)
+					}
+					cancel()
+				}
+			})
+			b.ReportMetric(float64(r.calls()-calls)/float64(b.N), "calls/op")
 		})
 	}
 }
