@@ -29,7 +29,9 @@ type pipeline struct {
 	calls   int // script calls the queue makes, counting twins next to each other as one
 }
 
-// A scriptCall is one call of the script, queued for a batch.
+// A scriptCall is one call of the script. Calls come from a pool, and go
+// back to it once their reply is read, so that a decision leaves no
+// garbage of its own here: keys, arguments and the channel are reused.
 type scriptCall struct {
 	keys     []string
 	args     []any
@@ -38,7 +40,21 @@ type scriptCall struct {
 	deadline time.Time
 	reply    []any
 	err      error
-	done     chan struct{}
+	done     chan struct{} // one value, when reply and err are in
+}
+
+var scriptCalls = sync.Pool{New: func() any { return &scriptCall{done: make(chan struct{}, 1)} }}
+
+// newScriptCall returns an empty call, for (*pipeline).run.
+func newScriptCall() *scriptCall { return scriptCalls.Get().(*scriptCall) }
+
+// free puts c back in the pool, holding no keys, arguments or reply.
+func (c *scriptCall) free() {
+	clear(c.keys)
+	clear(c.args)
+	clear(c.twins)
+	*c = scriptCall{keys: c.keys[:0], args: c.args[:0], twins: c.twins[:0], done: c.done}
+	scriptCalls.Put(c)
 }
 
 // twin reports whether c is a take that b can decide with its own: the
@@ -79,24 +95,33 @@ func maxFlights(poolSize int) int {
 // near.
 const minBatch = 8
 
-// run calls the script with keys and args, and returns its reply by
-// deadline, or when ctx is done. A queued call goes in a batch that ends
-// by the earliest deadline of its calls: one timer for the batch. A
-// caller that waited for another's call before (its deadline is then
+// run calls the script with c's keys and args, and returns its reply by
+// c's deadline; c goes back to the pool. A queued call goes in a batch
+// that ends by the earliest deadline of its calls: one timer for the
+// batch. The calls in flight before it started before it, so they land
+// by its deadline too, and a queued call needs no timer of its own; but
+// a caller that waited for another's call before (its deadline is then
 // earlier than those of the calls in flight) passes a ctx that ends by
-// its own deadline.
-func (p *pipeline) run(ctx context.Context, deadline time.Time, keys []string, args []any, alike bool) ([]any, error) {
+// its own deadline, and run watches that. A request whose client has
+// gone is not sent; one whose client goes while it is in flight is not
+// cut short: its tokens may be taken already, and it ends by its
+// deadline either way.
+func (p *pipeline) run(ctx context.Context, c *scriptCall) ([]any, error) {
+	if err := ctx.Err(); err != nil {
+		c.free()
+		return nil, err
+	}
 	p.mu.Lock()
 	if p.flights == 0 {
 		p.flights++
 		p.mu.Unlock()
-		ctx, cancel := context.WithDeadline(ctx, deadline)
-		reply, err := tokenBucketScript.Run(ctx, p.client, keys, args...).Slice()
+		ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), c.deadline)
+		reply, err := tokenBucketScript.Run(ctx, p.client, c.keys, c.args...).Slice()
 		cancel()
+		c.free()
 		p.landed()
 		return reply, err
 	}
-	c := &scriptCall{keys: keys, args: args, alike: alike, deadline: deadline, done: make(chan struct{})}
 	if len(p.queue) == 0 || !c.twin(p.queue[len(p.queue)-1]) {
 		p.calls++
 	}
@@ -110,12 +135,18 @@ func (p *pipeline) run(ctx context.Context, deadline time.Time, keys []string, a
 	} else {
 		p.mu.Unlock()
 	}
-	select {
-	case <-c.done:
-		return c.reply, c.err
-	case <-ctx.Done():
-		return nil, ctx.Err()
+	if _, ok := ctx.Deadline(); ok {
+		select {
+		case <-c.done:
+		case <-ctx.Done():
+			return nil, ctx.Err() // c is the batch's until it lands: not freed
+		}
+	} else {
+		<-c.done
 	}
+	reply, err := c.reply, c.err
+	c.free()
+	return reply, err
 }
 
 // landed ends a flight: the calls queued meanwhile go out as the next
@@ -192,11 +223,13 @@ next:
 		}
 		_, _ = pipe.Exec(ctx)
 	}
+	// Once done, a call is its caller's again: nothing here touches it
+	// after.
 	for i, c := range calls {
 		reply, err := cmds[i].Slice()
 		if len(c.twins) == 0 {
 			c.reply, c.err = reply, err
-			close(c.done)
+			c.done <- struct{}{}
 			continue
 		}
 		all := append([]*scriptCall{c}, c.twins...)
@@ -208,7 +241,7 @@ next:
 			if t.err = err; err == nil {
 				t.reply = replies[j]
 			}
-			close(t.done)
+			t.done <- struct{}{}
 		}
 	}
 }

@@ -831,13 +831,9 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 		}
 	}
 	nb := len(reqs) - nq
-	keys := make([]string, 0, len(reqs)+len(slots))
-	n := 4 + 4*nb + 6*nq // mode, clock, the buckets', the quotas', their count, the slot count
-	if len(slots) > 0 {
-		n += 3*len(slots) + 1 // the slots', the lease ID
-	}
-	args := make([]any, 2, n)
-	args[0], args[1] = mode, ""
+	c := newScriptCall()
+	c.deadline = deadline
+	keys, args := c.keys, append(c.args, mode, "")
 	if s.testClock != nil {
 		args[1] = s.testClock().UnixMicro()
 	}
@@ -882,7 +878,8 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, mode string, r
 		}
 		args = append(args, slots[0].lease, len(slots))
 	}
-	v, err := s.client.pipe.run(ctx, deadline, keys, args, alike)
+	c.keys, c.args, c.alike = keys, args, alike
+	v, err := s.client.pipe.run(ctx, c)
 	if err != nil {
 		return false, err
 	}
