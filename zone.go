@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"net/netip"
+	"net/textproto"
 	"strconv"
 	"strings"
 	"time"
@@ -174,6 +175,7 @@ type Zone struct {
 	plans       *plans
 	badLimit    error // the caddyhttp.HandlerError of a request without a valid limit
 	keyKind     keyKind
+	keyHeader   string // the canonical header field of keyHeader
 	matcherSets caddyhttp.MatcherSets
 	state       *zoneState
 	// inDryRun: this zone's DryRun, or the handler's.
@@ -208,6 +210,7 @@ const (
 	keyClientIP                  // exactly {http.vars.client_ip}
 	keyRemoteHost                // exactly {http.request.remote.host}
 	keyStatic                    // no placeholders: one bucket for everyone
+	keyHeader                    // exactly {http.request.header.<field>} (an API key)
 )
 
 const defaultKey = "{http.vars.client_ip}"
@@ -571,6 +574,10 @@ func (z *Zone) provision(ctx caddy.Context) error {
 		z.keyKind = keyRemoteHost
 	case !strings.Contains(z.Key, "{"):
 		z.keyKind = keyStatic
+	default:
+		if f, ok := strings.CutPrefix(z.Key, "{http.request.header."); ok && strings.IndexAny(f, "{}") == len(f)-1 && len(f) > 1 {
+			z.keyKind, z.keyHeader = keyHeader, textproto.CanonicalMIMEHeaderKey(f[:len(f)-1])
+		}
 	}
 
 	if z.MatcherSetsRaw != nil {
@@ -661,6 +668,9 @@ func (z *Zone) bucketKey(r *http.Request) (bucketKey, bool) {
 		s = peer(r)
 	case keyStatic:
 		s = z.Key
+	case keyHeader:
+		// As the replacer expands it, without its lookup.
+		s = strings.Join(r.Header[z.keyHeader], ",")
 	default:
 		repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 		if repl == nil {

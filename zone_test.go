@@ -5,9 +5,14 @@ package ratelimit
 
 import (
 	"encoding/json"
+	"fmt"
 	"math"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"testing"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
 func TestValidate(t *testing.T) {
@@ -187,6 +192,40 @@ func TestParseRate(t *testing.T) {
 		}
 		if math.Abs(perSec-tc.wantPerSec) > 1e-12*tc.wantPerSec || n != tc.wantN {
 			t.Errorf("parseRate(%q) = %v/s, n=%v; want %v/s, n=%v", tc.in, perSec, n, tc.wantPerSec, tc.wantN)
+		}
+	}
+}
+
+// A key that is exactly one request header is read from the header,
+// without the replacer: it must expand to what the replacer gives, for a
+// field missing, sent once, sent empty or sent twice, whatever the case
+// of its name in the template.
+func TestHeaderKeyAsReplacer(t *testing.T) {
+	for _, tmpl := range []string{"{http.request.header.X-API-Key}", "{http.request.header.x-api-key}"} {
+		h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"hk","key":%q,"rate":"10r/s"}]}`, tmpl))
+		z := h.Zones[0]
+		if z.keyKind != keyHeader {
+			t.Fatalf("%s: key kind %d, want keyHeader", tmpl, z.keyKind)
+		}
+		viaReplacer := *z
+		viaReplacer.keyKind = keyTemplate
+		for _, vals := range [][]string{nil, {"k1"}, {""}, {"k1", "k2"}, {"10.0.0.1"}} {
+			req := httptest.NewRequest(http.MethodGet, "/", nil)
+			for _, v := range vals {
+				req.Header.Add("X-Api-Key", v)
+			}
+			caddyhttp.NewTestReplacer(req)
+			got, gotOK := z.bucketKey(req)
+			want, wantOK := viaReplacer.bucketKey(req)
+			if got != want || gotOK != wantOK {
+				t.Errorf("%s with %q: %v %v, replacer gives %v %v", tmpl, vals, got, gotOK, want, wantOK)
+			}
+		}
+	}
+	for _, tmpl := range []string{"{http.request.header.X}-{http.request.host}", "{http.request.header.}", "{http.request.header.X}}"} {
+		h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"hk2","key":%q,"rate":"10r/s"}]}`, tmpl))
+		if k := h.Zones[0].keyKind; k != keyTemplate {
+			t.Errorf("%s: key kind %d, want keyTemplate", tmpl, k)
 		}
 	}
 }
