@@ -167,16 +167,27 @@ func (s *shard) makeRoom(now time.Duration, capacity int) (evicted bool) {
 	}
 	for len(s.buckets) >= capacity {
 		var victim uint64
-		full, lru, seen := false, time.Duration(math.MaxInt64), 0
-		for h, b := range s.buckets {
-			if b.fullAt <= now {
-				victim, full = h, true
-				break
+		full, lru := false, time.Duration(math.MaxInt64)
+		// The sample is two buckets at each of four places where a
+		// range starts (random ones). Eight in a row would be
+		// neighbours in the map, and a map refills where it was
+		// emptied, so that the neighbours of a bucket used a moment
+		// ago can all be newer still and make it the oldest of them.
+		for range evictSample / 2 {
+			seen := 0
+			for h, b := range s.buckets {
+				if b.fullAt <= now {
+					victim, full = h, true
+					break
+				}
+				if b.usedAt < lru {
+					victim, lru = h, b.usedAt
+				}
+				if seen++; seen == 2 {
+					break
+				}
 			}
-			if b.usedAt < lru {
-				victim, lru = h, b.usedAt
-			}
-			if seen++; seen == evictSample {
+			if full {
 				break
 			}
 		}
