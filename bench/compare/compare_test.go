@@ -174,6 +174,71 @@ func BenchmarkRedis(b *testing.B) {
 	}
 }
 
+// BenchmarkRedisOneCaller is one caller's latency through each limiter,
+// taken in turns on the same Redis: each iteration makes one decision
+// with each, first one then the other, so that both see the same
+// loopback round trip, which on a shared machine swings by tens of
+// percent from minute to minute. It reports each one's median and the
+// ratio of the plugin's to redis_rate's.
+func BenchmarkRedisOneCaller(b *testing.B) {
+	addr := startRedis(b)
+	h := newHandler(b, fmt.Sprintf(`{"zones":[{"name":"r1","key":"{http.request.header.X-Key}","rate":"1000000r/s"}],
+		"store":{"backend":"redis","addresses":[%q],"pool_size":1,"timeout":"1s"}}`, addr))
+	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+	reqs := make([]*http.Request, len(benchKeys))
+	for i, k := range benchKeys {
+		reqs[i] = httptest.NewRequest(http.MethodGet, "/", nil)
+		reqs[i].Header.Set("X-Key", k)
+		caddyhttp.NewTestReplacer(reqs[i])
+	}
+	w := &headerSink{h: make(http.Header)}
+	c := redis.NewClient(&redis.Options{Addr: addr, PoolSize: 1})
+	defer c.Close()
+	lim := redis_rate.NewLimiter(c)
+	limit := redis_rate.Limit{Rate: 1000000, Burst: 1000000, Period: time.Second}
+	ours := func(k int) error {
+		clear(w.h)
+		if err := h.ServeHTTP(w, reqs[k], next); err != nil {
+			return err
+		}
+		if len(w.h["X-Ratelimit-Remaining"]) == 0 {
+			return fmt.Errorf("no decision: headers %v", w.h)
+		}
+		return nil
+	}
+	theirs := func(k int) error {
+		_, err := lim.Allow(context.Background(), benchKeys[k], limit)
+		return err
+	}
+	var lat [2][]time.Duration
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		k := i % len(benchKeys)
+		for j := range 2 {
+			which := (i + j) % 2 // who goes first alternates
+			decide := ours
+			if which == 1 {
+				decide = theirs
+			}
+			t := time.Now()
+			if err := decide(k); err != nil {
+				b.Fatal(err)
+			}
+			lat[which] = append(lat[which], time.Since(t))
+		}
+		i++
+	}
+	p50 := func(d []time.Duration) float64 {
+		slices.Sort(d)
+		return d[len(d)/2].Seconds() * 1e6
+	}
+	o, t := p50(lat[0]), p50(lat[1])
+	b.ReportMetric(o, "tokenbucket-p50-µs")
+	b.ReportMetric(t, "redis_rate-p50-µs")
+	b.ReportMetric(o/t, "ratio")
+}
+
 // benchKeys are the keys of BenchmarkRedis.
 var benchKeys = func() []string {
 	keys := make([]string, 10000)
