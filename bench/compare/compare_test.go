@@ -136,29 +136,13 @@ func BenchmarkRedis(b *testing.B) {
 		b.Run(fmt.Sprintf("tokenbucket/callers=%d", callers), func(b *testing.B) {
 			h := newHandler(b, fmt.Sprintf(`{"zones":[{"name":"rb","key":"{http.request.header.X-Key}","rate":"1000000r/s"}],
 				"store":{"backend":"redis","addresses":[%q],"pool_size":%d,"timeout":"1s"}}`, addr, callers))
-			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
-			// Requests and writers are made beforehand, as Caddy's server
-			// makes them: what is measured is the handler.
-			reqs := make([]*http.Request, len(benchKeys))
-			for i, k := range benchKeys {
-				reqs[i] = httptest.NewRequest(http.MethodGet, "/", nil)
-				reqs[i].Header.Set("X-Key", k)
-				caddyhttp.NewTestReplacer(reqs[i])
-			}
+			reqs := keyRequests()
 			writers := make([]*headerSink, callers)
 			for i := range writers {
 				writers[i] = &headerSink{h: make(http.Header)}
 			}
 			runConcurrent(b, callers, func(caller, key int) error {
-				w := writers[caller]
-				clear(w.h)
-				if err := h.ServeHTTP(w, reqs[key], next); err != nil {
-					return err
-				}
-				if len(w.h["X-Ratelimit-Remaining"]) == 0 {
-					return fmt.Errorf("no decision: headers %v", w.h)
-				}
-				return nil
+				return serveOne(h, writers[caller], reqs[key])
 			})
 		})
 		b.Run(fmt.Sprintf("redis_rate/callers=%d", callers), func(b *testing.B) {
@@ -184,28 +168,13 @@ func BenchmarkRedisOneCaller(b *testing.B) {
 	addr := startRedis(b)
 	h := newHandler(b, fmt.Sprintf(`{"zones":[{"name":"r1","key":"{http.request.header.X-Key}","rate":"1000000r/s"}],
 		"store":{"backend":"redis","addresses":[%q],"pool_size":1,"timeout":"1s"}}`, addr))
-	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
-	reqs := make([]*http.Request, len(benchKeys))
-	for i, k := range benchKeys {
-		reqs[i] = httptest.NewRequest(http.MethodGet, "/", nil)
-		reqs[i].Header.Set("X-Key", k)
-		caddyhttp.NewTestReplacer(reqs[i])
-	}
+	reqs := keyRequests()
 	w := &headerSink{h: make(http.Header)}
 	c := redis.NewClient(&redis.Options{Addr: addr, PoolSize: 1})
 	defer c.Close()
 	lim := redis_rate.NewLimiter(c)
 	limit := redis_rate.Limit{Rate: 1000000, Burst: 1000000, Period: time.Second}
-	ours := func(k int) error {
-		clear(w.h)
-		if err := h.ServeHTTP(w, reqs[k], next); err != nil {
-			return err
-		}
-		if len(w.h["X-Ratelimit-Remaining"]) == 0 {
-			return fmt.Errorf("no decision: headers %v", w.h)
-		}
-		return nil
-	}
+	ours := func(k int) error { return serveOne(h, w, reqs[k]) }
 	theirs := func(k int) error {
 		_, err := lim.Allow(context.Background(), benchKeys[k], limit)
 		return err
@@ -237,6 +206,32 @@ func BenchmarkRedisOneCaller(b *testing.B) {
 	b.ReportMetric(o, "tokenbucket-p50-µs")
 	b.ReportMetric(t, "redis_rate-p50-µs")
 	b.ReportMetric(o/t, "ratio")
+}
+
+// keyRequests are a request for each of benchKeys, in header X-Key,
+// made beforehand as Caddy's server makes them: what is measured is the
+// handler.
+func keyRequests() []*http.Request {
+	reqs := make([]*http.Request, len(benchKeys))
+	for i, k := range benchKeys {
+		reqs[i] = httptest.NewRequest(http.MethodGet, "/", nil)
+		reqs[i].Header.Set("X-Key", k)
+		caddyhttp.NewTestReplacer(reqs[i])
+	}
+	return reqs
+}
+
+// serveOne runs the handler for req, and fails if it did not decide.
+func serveOne(h *ratelimit.Handler, w *headerSink, req *http.Request) error {
+	clear(w.h)
+	next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+	if err := h.ServeHTTP(w, req, next); err != nil {
+		return err
+	}
+	if len(w.h["X-Ratelimit-Remaining"]) == 0 {
+		return fmt.Errorf("no decision: headers %v", w.h)
+	}
+	return nil
 }
 
 // benchKeys are the keys of BenchmarkRedis.
