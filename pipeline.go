@@ -102,10 +102,10 @@ const minBatch = 8
 // by its deadline too, and a queued call needs no timer of its own; but
 // a caller that waited for another's call before (its deadline is then
 // earlier than those of the calls in flight) passes a ctx that ends by
-// its own deadline, and run watches that. A request whose client has
-// gone is not sent; one whose client goes while it is in flight is not
-// cut short: its tokens may be taken already, and it ends by its
-// deadline either way.
+// its own deadline, and run watches that ctx. A request whose client
+// has gone is not sent; otherwise its client going does not cut a call
+// short: its tokens may be taken already, and it ends by its deadline
+// either way.
 func (p *pipeline) run(ctx context.Context, c *scriptCall) ([]any, error) {
 	if err := ctx.Err(); err != nil {
 		c.free()

@@ -575,7 +575,7 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	case !strings.Contains(z.Key, "{"):
 		z.keyKind = keyStatic
 	default:
-		if f, ok := strings.CutPrefix(z.Key, "{http.request.header."); ok && strings.IndexAny(f, "{}") == len(f)-1 && len(f) > 1 {
+		if f, ok := strings.CutPrefix(z.Key, "{http.request.header."); ok && strings.IndexAny(f, `{}\`) == len(f)-1 && len(f) > 1 {
 			z.keyKind, z.keyHeader = keyHeader, textproto.CanonicalMIMEHeaderKey(f[:len(f)-1])
 		}
 	}

@@ -222,7 +222,7 @@ func TestHeaderKeyAsReplacer(t *testing.T) {
 			}
 		}
 	}
-	for _, tmpl := range []string{"{http.request.header.X}-{http.request.host}", "{http.request.header.}", "{http.request.header.X}}"} {
+	for _, tmpl := range []string{"{http.request.header.X}-{http.request.host}", "{http.request.header.}", "{http.request.header.X}}", `{http.request.header.X\}`} {
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"hk2","key":%q,"rate":"10r/s"}]}`, tmpl))
 		if k := h.Zones[0].keyKind; k != keyTemplate {
 			t.Errorf("%s: key kind %d, want keyTemplate", tmpl, k)
