@@ -311,3 +311,26 @@ func BenchmarkServeHTTPRedisParallel(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkEviction is a flood of one-off keys through a full zone: each
+// decision is a new key, so each evicts a bucket that has not refilled.
+func BenchmarkEviction(b *testing.B) {
+	const maxKeys = 100_000
+	tab := newTable(maxKeys, time.Now())
+	l := newLimit(1.0/60, 1)
+	cost := l.costTime(1)
+	keys := ipKeys()
+	for i := range maxKeys { // full, of buckets that refill in a minute
+		takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(keys[i]), now: 1}})
+	}
+	b.ReportAllocs()
+	i := maxKeys
+	for b.Loop() {
+		k := keys[i%len(keys)]
+		takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: 1 + time.Duration(i)}})
+		i++
+	}
+	if tab.evictions.Load() == 0 {
+		b.Fatal("nothing was evicted")
+	}
+}
