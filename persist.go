@@ -48,6 +48,9 @@ import (
 //	rate_limit/<instance id>/hash_key                   16 bytes: the hash key
 //	rate_limit/<instance id>/buckets/<zone>.<burst>.<ns per token>
 //
+// where <zone> is the zone's name with '/', '%' and the like escaped
+// (storageName).
+//
 // A zone whose limit depends on the request (plans.go) has one table
 // whatever its plans, named and written with a burst and token time of 0.
 //
@@ -195,12 +198,40 @@ func call[T any](timeout time.Duration, f func(context.Context) (T, error)) (T, 
 // fingerprint identifies a hash key in snapshots without revealing it.
 func (k hashKey) fingerprint() uint64 { return sipHash(k, "rate_limit snapshot") }
 
-// snapshotName is the storage key of a table's snapshot, in dir.
+// snapshotName is the storage key of a table's snapshot, in dir. The
+// zone's name is escaped (see storageName), so that whatever it holds,
+// the snapshot stays one file in this instance's folder.
 func (id tableID) snapshotName() string {
 	if id.quota != "" {
-		return fmt.Sprintf("quotas/%s.%s", id.name, strings.ReplaceAll(id.quota, "/", "-"))
+		return fmt.Sprintf("quotas/%s.%s", storageName(id.name), strings.ReplaceAll(id.quota, "/", "-"))
 	}
-	return fmt.Sprintf("buckets/%s.%d.%d", id.name, id.burst, int64(id.tokenTime))
+	return fmt.Sprintf("buckets/%s.%d.%d", storageName(id.name), id.burst, int64(id.tokenTime))
+}
+
+// storageName is a zone name as one path segment of a storage key: '%',
+// the separators '/' and '\', the characters Windows refuses in file
+// names (<>:"|?*) and control bytes are percent-encoded as %XX. A name
+// without them, as most are, is unchanged, so its snapshots keep their
+// names; distinct names stay distinct.
+func storageName(name string) string {
+	const unsafe = "%/\\<>:\"|?*\x7f"
+	clean := true
+	for i := 0; i < len(name) && clean; i++ {
+		clean = name[i] >= 0x20 && strings.IndexByte(unsafe, name[i]) < 0
+	}
+	if clean {
+		return name
+	}
+	const hex = "0123456789ABCDEF"
+	b := make([]byte, 0, len(name)+8)
+	for i := 0; i < len(name); i++ {
+		if c := name[i]; c < 0x20 || strings.IndexByte(unsafe, c) >= 0 {
+			b = append(b, '%', hex[c>>4], hex[c&15])
+		} else {
+			b = append(b, c)
+		}
+	}
+	return string(b)
 }
 
 // entrySize is the size of one of the table's snapshot entries: a

@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -653,5 +654,64 @@ http://127.0.0.1:%d {
 	start(true)
 	if got := status(); got != 429 {
 		t.Fatalf("after SIGKILL and a restart: %d, want 429", got)
+	}
+}
+
+// A zone's name is free text: whatever it holds, its snapshot is one file
+// in the instance's folder of Caddy's storage, and plain names keep the
+// snapshot names that earlier versions wrote.
+func TestSnapshotNamesEscaped(t *testing.T) {
+	root := t.TempDir()
+	storage := &certmagic.FileStorage{Path: filepath.Join(root, "storage")}
+	sn := testSnapshots(storage)
+	names := []string{"../../../../../../../../" + root + "/escaped", "a/b", `c\d`, "50%", "api"}
+	var tables []*table
+	for _, name := range names {
+		shape := tableID{name: name, tokenTime: time.Second, burst: 10}
+		tab := newTable(1000, t0)
+		tab.key = sn.key
+		tab.p = &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
+		tab.p.to.Store(sn)
+		set(tab, "k", time.Now().Add(time.Hour))
+		if err := tab.save(sn); err != nil {
+			t.Fatalf("zone %q: %v", name, err)
+		}
+		tables = append(tables, tab)
+	}
+	var files []string
+	err := filepath.WalkDir(root, func(path string, d fs.DirEntry, err error) error {
+		if err == nil && !d.IsDir() {
+			rel, _ := filepath.Rel(root, path)
+			files = append(files, filepath.ToSlash(rel))
+		}
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := "storage/rate_limit/test/buckets/"
+	want := []string{
+		dir + "..%2F..%2F..%2F..%2F..%2F..%2F..%2F..%2F" + strings.ReplaceAll(root, "/", "%2F") + "%2Fescaped.10.1000000000",
+		dir + "50%25.10.1000000000",
+		dir + "a%2Fb.10.1000000000",
+		dir + "api.10.1000000000",
+		dir + `c%5Cd.10.1000000000`,
+	}
+	slices.Sort(files)
+	slices.Sort(want)
+	if !slices.Equal(files, want) {
+		t.Fatalf("snapshot files:\n%s\nwant:\n%s", strings.Join(files, "\n"), strings.Join(want, "\n"))
+	}
+	// Each loads back into its own zone.
+	for i, tab := range tables {
+		b, err := storage.Load(context.Background(), sn.dir+"/"+tab.p.name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		fresh := newTable(1000, t0)
+		fresh.key, fresh.p = sn.key, tab.p
+		if n, err := fresh.merge(b, sn.key.fingerprint(), time.Now()); err != nil || n != 1 {
+			t.Fatalf("zone %q: loaded %d buckets, %v", names[i], n, err)
+		}
 	}
 }
