@@ -68,7 +68,7 @@ func adminDo(t *testing.T, tester *caddytest.Tester, method, path string, wantSt
 
 func TestAdminAPI(t *testing.T) {
 	r := startRedis(t)
-	tester := startCaddy(t, opsGlobal, opsSites("a", r.addr(), "ok"))
+	tester := startCaddy(t, opsGlobal, opsSites("a", r.Addr(), "ok"))
 
 	list := adminDo(t, tester, "GET", "/rate_limit/", 200)
 	names := []string{}
@@ -143,7 +143,7 @@ func TestAdminAPI(t *testing.T) {
 	}
 
 	// The Redis store's bucket is unreadable while Redis is down.
-	r.kill()
+	r.Kill()
 	start := time.Now()
 	e := adminDo(t, tester, "GET", "/rate_limit/a_redis/10.9.2.1", 502)
 	if !strings.Contains(fmt.Sprint(e["error"]), "reading the bucket") || time.Since(start) > 2*time.Second {

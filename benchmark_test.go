@@ -158,12 +158,12 @@ func BenchmarkRedisStore(b *testing.B) {
 		{"quota", `,"quota":999999999999999,"quota_period":"month"`}} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rb-%s","rate":"1000000r/s"%s}],
-		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, tc.ban, r.addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, tc.ban, r.Addr()))
 			keys := make([]bucketKey, 10000)
 			for i := range keys {
 				keys[i] = bucketKey{s: "k" + strconv.Itoa(i)}
 			}
-			calls := r.calls()
+			calls := r.Calls()
 			b.ReportAllocs()
 			i := 0
 			for b.Loop() {
@@ -177,7 +177,7 @@ func BenchmarkRedisStore(b *testing.B) {
 				}
 				i++
 			}
-			b.ReportMetric(float64(r.calls()-calls)/float64(i), "calls/op")
+			b.ReportMetric(float64(r.Calls()-calls)/float64(i), "calls/op")
 		})
 	}
 }
@@ -199,7 +199,7 @@ func BenchmarkServeHTTPRedis(b *testing.B) {
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rh-%s",%s}],
-		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, tc.zone, r.addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, tc.zone, r.Addr()))
 			h.logger = zap.NewNop()
 			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
 				w.WriteHeader(http.StatusOK)
@@ -214,7 +214,7 @@ func BenchmarkServeHTTPRedis(b *testing.B) {
 			req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, vars))
 			caddyhttp.NewTestReplacer(req)
 			w := &headerSink{h: make(http.Header)}
-			calls := r.calls()
+			calls := r.Calls()
 			b.ReportAllocs()
 			i := 0
 			for b.Loop() {
@@ -225,7 +225,7 @@ func BenchmarkServeHTTPRedis(b *testing.B) {
 				}
 				i++
 			}
-			b.ReportMetric(float64(r.calls()-calls)/float64(i), "calls/op")
+			b.ReportMetric(float64(r.Calls()-calls)/float64(i), "calls/op")
 		})
 	}
 }
@@ -276,7 +276,7 @@ func BenchmarkServeHTTPRedisParallel(b *testing.B) {
 	}{{"one-client", 1}, {"many-clients", 10000}} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rp-%s","rate":"1000000000r/s"}],
-		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, r.addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, r.Addr()))
 			h.logger = zap.NewNop()
 			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
 				w.WriteHeader(http.StatusOK)
@@ -287,7 +287,7 @@ func BenchmarkServeHTTPRedisParallel(b *testing.B) {
 				ips[i] = fmt.Sprintf("10.%d.%d.1", i>>8, i&0xff)
 			}
 			var seq atomic.Int64
-			calls := r.calls()
+			calls := r.Calls()
 			b.ReportAllocs()
 			b.SetParallelism(max(1, 50/runtime.GOMAXPROCS(0)))
 			b.RunParallel(func(pb *testing.PB) {
@@ -307,7 +307,7 @@ func BenchmarkServeHTTPRedisParallel(b *testing.B) {
 					cancel()
 				}
 			})
-			b.ReportMetric(float64(r.calls()-calls)/float64(b.N), "calls/op")
+			b.ReportMetric(float64(r.Calls()-calls)/float64(b.N), "calls/op")
 		})
 	}
 }

@@ -477,9 +477,9 @@ func TestSlotStepsAgree(t *testing.T) {
 		t.Run("redis"+store, func(t *testing.T) {
 			prefix := t.Name() + ":"
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
-				fmt.Sprintf(slotStepZones, ""), r.addr(), prefix, store))
+				fmt.Sprintf(slotStepZones, ""), r.Addr(), prefix, store))
 			runSlotSteps(t, h)
-			c := newRedisClient(t, r.addr())
+			c := newRedisClient(t, r.Addr())
 			keys, err := c.Keys(context.Background(), prefix+"*:s").Result()
 			if err != nil {
 				t.Fatal(err)
@@ -497,7 +497,7 @@ func TestSlotStepsAgree(t *testing.T) {
 	t.Run("cluster", func(t *testing.T) {
 		nodes := startCluster(t)
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q]}}`,
-			fmt.Sprintf(slotStepZones, ""), nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
+			fmt.Sprintf(slotStepZones, ""), nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 		rs := h.store.(*RedisStore)
 		k := rs.slotKey(&slot{zone: h.Zones[1], key: h.Zones[1].keyFor("k2")})
 		u := rs.slotKey(&slot{zone: h.Zones[2], key: h.Zones[2].keyFor("x")})
@@ -550,11 +550,11 @@ func TestConcurrencyRedisInstances(t *testing.T) {
 	}
 	reverse_proxy %s
 }
-`, r.addr(), strings.TrimPrefix(up.URL, "http://")))
+`, r.Addr(), strings.TrimPrefix(up.URL, "http://")))
 	var handlers []*Handler
 	for _, pool := range []int{7, 9} { // distinct pools: distinct clients
 		handlers = append(handlers, newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"inst_conc","key":"static","concurrency":4}],
-			"store":{"backend":"redis","addresses":[%q],"key_prefix":"inst:","timeout":"5s","fail_mode":"closed","pool_size":%d}}`, r.addr(), pool)))
+			"store":{"backend":"redis","addresses":[%q],"key_prefix":"inst:","timeout":"5s","fail_mode":"closed","pool_size":%d}}`, r.Addr(), pool)))
 	}
 	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		work()
@@ -608,8 +608,8 @@ func TestConcurrencyRedisInstances(t *testing.T) {
 	if counts[200] != served.Load() {
 		t.Fatalf("%d allowed, %d served", counts[200], served.Load())
 	}
-	if n := r.cli("EXISTS", slotKeyName("inst:", "inst_conc", "static")); n != "0" {
-		t.Fatalf("the slot key is left with slots held: %s", r.cli("ZRANGE", slotKeyName("inst:", "inst_conc", "static"), "0", "-1", "WITHSCORES"))
+	if n := r.CLI("EXISTS", slotKeyName("inst:", "inst_conc", "static")); n != "0" {
+		t.Fatalf("the slot key is left with slots held: %s", r.CLI("ZRANGE", slotKeyName("inst:", "inst_conc", "static"), "0", "-1", "WITHSCORES"))
 	}
 }
 
@@ -621,7 +621,7 @@ func TestConcurrencyRedisLease(t *testing.T) {
 	const lease = 700 * time.Millisecond
 	config := func(pool int) string {
 		return fmt.Sprintf(`{"zones":[{"name":"lease_conc","key":"{http.request.header.X-Key}","concurrency":2,"lease":%d}],
-			"store":{"backend":"redis","addresses":[%q],"key_prefix":"lease:","pool_size":%d}}`, lease, r.addr(), pool)
+			"store":{"backend":"redis","addresses":[%q],"key_prefix":"lease:","pool_size":%d}}`, lease, r.Addr(), pool)
 	}
 	dead, alive := newTestHandler(t, config(5)), newTestHandler(t, config(6))
 	start := time.Now()
@@ -634,7 +634,7 @@ func TestConcurrencyRedisLease(t *testing.T) {
 		// Never released: the instance is gone.
 	}
 	key := slotKeyName("lease:", "lease_conc", "a")
-	if pttl, _ := strconv.Atoi(r.cli("PTTL", key)); pttl <= 0 || pttl > int(lease/time.Millisecond) {
+	if pttl, _ := strconv.Atoi(r.CLI("PTTL", key)); pttl <= 0 || pttl > int(lease/time.Millisecond) {
 		t.Fatalf("PTTL %d of the slot key, want up to the lease, %v", pttl, lease)
 	}
 	if code, hdr := serve(alive, "10.0.0.1", "X-Key", "a"); code != http.StatusTooManyRequests || hdr.Get("Retry-After") != "1" {
@@ -651,8 +651,8 @@ func TestConcurrencyRedisLease(t *testing.T) {
 	if got := hdr.Get("Ratelimit"); got != `"lease_conc";r=1` {
 		t.Fatalf("after the lease: RateLimit %q: the dead instance's leases still count", got)
 	}
-	if n := r.cli("EXISTS", key); n != "0" {
-		t.Fatalf("slot key left after its leases ended and the last came back: %s", r.cli("ZRANGE", key, "0", "-1", "WITHSCORES"))
+	if n := r.CLI("EXISTS", key); n != "0" {
+		t.Fatalf("slot key left after its leases ended and the last came back: %s", r.CLI("ZRANGE", key, "0", "-1", "WITHSCORES"))
 	}
 }
 
@@ -664,7 +664,7 @@ func TestConcurrencyRedisOneCall(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"one_rate","key":"{http.request.header.X-Key}","rate":"1r/m","burst":3},
 		{"name":"one_conc","key":"{http.request.header.X-Key}","concurrency":1}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"one:"}}`, r.addr()))
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"one:"}}`, r.Addr()))
 	release, arrived := make(chan struct{}), make(chan struct{}, 1)
 	blocking := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		arrived <- struct{}{}
@@ -680,7 +680,7 @@ func TestConcurrencyRedisOneCall(t *testing.T) {
 		}
 	}()
 	waitArrivals(t, arrived, 1)
-	calls := r.calls()
+	calls := r.Calls()
 	for range 3 {
 		code, hdr := serve(h, "10.0.0.1", "X-Key", "a")
 		if code != http.StatusTooManyRequests {
@@ -690,27 +690,27 @@ func TestConcurrencyRedisOneCall(t *testing.T) {
 			t.Fatalf("RateLimit %q, want %q: the full zone must spend no token", got, want)
 		}
 	}
-	if n := r.calls() - calls; n != 3 {
+	if n := r.Calls() - calls; n != 3 {
 		t.Fatalf("%d script calls for 3 refused requests, want 3", n)
 	}
 	close(release)
 	<-done
 
-	calls = r.calls()
+	calls = r.Calls()
 	for i := range 2 {
 		if code, _ := serve(h, "10.0.0.1", "X-Key", "a"); code != http.StatusOK {
 			t.Fatalf("request %d: %d", i, code)
 		}
 	}
-	if n := r.calls() - calls; n != 4 {
+	if n := r.Calls() - calls; n != 4 {
 		t.Fatalf("%d script calls for 2 allowed requests, want 4 (a decision and a release each)", n)
 	}
 	// The rate is empty: the next request takes no slot.
 	if code, _ := serve(h, "10.0.0.1", "X-Key", "a"); code != http.StatusTooManyRequests {
 		t.Fatalf("rate empty: %d, want 429", code)
 	}
-	if n := r.cli("EXISTS", slotKeyName("one:", "one_conc", "a")); n != "0" {
-		t.Fatalf("a slot is held after a request the rate zone refused: %s", r.cli("ZRANGE", slotKeyName("one:", "one_conc", "a"), "0", "-1"))
+	if n := r.CLI("EXISTS", slotKeyName("one:", "one_conc", "a")); n != "0" {
+		t.Fatalf("a slot is held after a request the rate zone refused: %s", r.CLI("ZRANGE", slotKeyName("one:", "one_conc", "a"), "0", "-1"))
 	}
 }
 
@@ -721,8 +721,8 @@ func TestConcurrencyRedisFailModes(t *testing.T) {
 		t.Run(mode, func(t *testing.T) {
 			r := startRedis(t)
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"fail_conc_%s","key":"static","concurrency":1}],
-				"store":{"backend":"redis","addresses":[%q],"fail_mode":%q,"timeout":"50ms"}}`, mode, r.addr(), mode))
-			r.kill()
+				"store":{"backend":"redis","addresses":[%q],"fail_mode":%q,"timeout":"50ms"}}`, mode, r.Addr(), mode))
+			r.Kill()
 			release, arrived := make(chan struct{}), make(chan struct{}, 1)
 			blocking := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 				arrived <- struct{}{}
@@ -758,7 +758,7 @@ func TestConcurrencyAdmin(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, store, lease string }{
 		{"adm_conc_local", ``, ""},
-		{"adm_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"adm:"}`, r.addr()), "1m0s"},
+		{"adm_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"adm:"}`, r.Addr()), "1m0s"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[
@@ -808,7 +808,7 @@ func TestConcurrencyDryRunBothStores(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, store string }{
 		{"dry_conc_local", ``},
-		{"dry_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"dry:"}`, r.addr())},
+		{"dry_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"dry:"}`, r.Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":%q,"key":"static","concurrency":1,"dry_run":true}]%s}`, tc.name, tc.store))
@@ -842,9 +842,9 @@ func TestConcurrencyDryRunBothStores(t *testing.T) {
 func TestConcurrencyRedisWrongTypeSlotKey(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"wrong_conc","key":"static","concurrency":1}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"wt:","fail_mode":"closed"}}`, r.addr()))
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"wt:","fail_mode":"closed"}}`, r.Addr()))
 	key := slotKeyName("wt:", "wrong_conc", "static")
-	r.cli("SET", key, "not a set")
+	r.CLI("SET", key, "not a set")
 	for i := range 2 {
 		if code, _ := serve(h, "10.0.0.1"); code != http.StatusOK {
 			t.Fatalf("request %d: %d, want 200", i, code)
@@ -853,8 +853,8 @@ func TestConcurrencyRedisWrongTypeSlotKey(t *testing.T) {
 	if st := h.Zones[0].state; st.storeErrors.Load() != 0 {
 		t.Fatalf("%d store errors", st.storeErrors.Load())
 	}
-	if n := r.cli("EXISTS", key); n != "0" {
-		t.Fatalf("slot key left: type %s", r.cli("TYPE", key))
+	if n := r.CLI("EXISTS", key); n != "0" {
+		t.Fatalf("slot key left: type %s", r.CLI("TYPE", key))
 	}
 }
 
@@ -867,8 +867,8 @@ func TestConcurrencyRedisWithQuota(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"qs_quota","quota":2,"quota_period":"day"},
 		{"name":"qs_conc","concurrency":1}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"qs:"}}`, r.addr()))
-	calls := r.calls()
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"qs:"}}`, r.Addr()))
+	calls := r.Calls()
 	for i, want := range []int{http.StatusOK, http.StatusOK, http.StatusTooManyRequests} {
 		code, hdr := serve(h, "10.0.0.1")
 		if code != want {
@@ -880,10 +880,10 @@ func TestConcurrencyRedisWithQuota(t *testing.T) {
 	}
 	// Two allowed requests: a decision and a release each; the refused
 	// one: a decision.
-	if n := r.calls() - calls; n != 5 {
+	if n := r.Calls() - calls; n != 5 {
 		t.Fatalf("%d script calls, want 5", n)
 	}
-	if n := r.cli("EXISTS", slotKeyName("qs:", "qs_conc", "10.0.0.1")); n != "0" {
+	if n := r.CLI("EXISTS", slotKeyName("qs:", "qs_conc", "10.0.0.1")); n != "0" {
 		t.Fatalf("a slot is held after the requests ended")
 	}
 }

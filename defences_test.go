@@ -117,7 +117,7 @@ func TestCountWrongPasswordFlood(t *testing.T) {
 		// A timeout for a loaded test machine, not the default 100ms:
 		// a call that times out would let fail_mode decide, and its
 		// local buckets would start a ban of their own.
-		{"redis", strings.Replace(storeJSON(r.addr()), "}", `,"timeout":"5s"}`, 1)},
+		{"redis", strings.Replace(storeJSON(r.Addr()), "}", `,"timeout":"5s"}`, 1)},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			zone := "flood-" + tc.name
@@ -200,7 +200,7 @@ func TestBanSurvivesReload(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, store string }{
 		{"local", storeJSON()},
-		{"redis", storeJSON(r.addr())},
+		{"redis", storeJSON(r.Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			zone := "reload-ban-" + tc.name
@@ -242,11 +242,11 @@ func TestBanAcrossInstances(t *testing.T) {
 		name  string
 		addrs func(t *testing.T) []string
 	}{
-		{"redis", func(t *testing.T) []string { return []string{startRedis(t).addr()} }},
+		{"redis", func(t *testing.T) []string { return []string{startRedis(t).Addr()} }},
 		{"cluster", func(t *testing.T) []string {
 			var addrs []string
 			for _, n := range startCluster(t) {
-				addrs = append(addrs, n.addr())
+				addrs = append(addrs, n.Addr())
 			}
 			return addrs
 		}},
@@ -306,7 +306,7 @@ func TestBanAcrossInstances(t *testing.T) {
 func TestCountCluster(t *testing.T) {
 	var addrs []string
 	for _, n := range startCluster(t) {
-		addrs = append(addrs, n.addr())
+		addrs = append(addrs, n.Addr())
 	}
 	tester := loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
 			{"name":"count-user","key":"{http.request.header.X-User}","rate":"5/h","burst":10,"count":{"status_code":[401]}},
@@ -371,7 +371,7 @@ func TestCountDryRun(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, store string }{
 		{"local", storeJSON()},
-		{"redis", storeJSON(r.addr())},
+		{"redis", storeJSON(r.Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			zone := "count-dry-" + tc.name
@@ -471,7 +471,7 @@ func TestCountReadsTheFinalStatus(t *testing.T) {
 func TestCountRefundsWhenClientGone(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"count-gone","rate":"1r/m","burst":2,"count":{"status_code":[401]}}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.addr()))
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr()))
 	for i := range 3 {
 		req, rr := newRequest("192.0.2.81")
 		ctx, cancel := context.WithCancel(req.Context())
@@ -488,7 +488,7 @@ func TestCountRefundsWhenClientGone(t *testing.T) {
 	if n := h.Zones[0].state.refunds.Load(); n != 3 {
 		t.Fatalf("%d refunds, want 3", n)
 	}
-	if keys := r.cli("DBSIZE"); keys != "0" {
+	if keys := r.CLI("DBSIZE"); keys != "0" {
 		t.Fatalf("%s keys in Redis, want none: every bucket is full again", keys)
 	}
 }

@@ -116,7 +116,7 @@ func (h *Handler) await(r *http.Request, sc *scratch) bool {
 	sc.retry = back
 	if len(back) > 0 && sc.by != nil {
 		if err := sc.by.refund(context.WithoutCancel(r.Context()), time.Now(), back); err != nil {
-			h.refundErrors.warn(h.logger, "rate limit: tokens not given back to a client that left while waiting", err)
+			h.refundErrors.Warn(h.logger, "rate limit: tokens not given back to a client that left while waiting", err)
 		}
 	}
 	h.countDelayed(sc.reqs, true)

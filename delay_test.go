@@ -317,8 +317,8 @@ func TestDelay(t *testing.T) {
 	nodes := startCluster(t)
 	for _, tc := range []struct{ name, store string }{
 		{"local", ""},
-		{"redis", fmt.Sprintf("store redis {\n\t\t\t\taddress %s\n\t\t\t}", r.addr())},
-		{"cluster", fmt.Sprintf("store redis {\n\t\t\t\taddress %s %s %s\n\t\t\t}", nodes[0].addr(), nodes[1].addr(), nodes[2].addr())},
+		{"redis", fmt.Sprintf("store redis {\n\t\t\t\taddress %s\n\t\t\t}", r.Addr())},
+		{"cluster", fmt.Sprintf("store redis {\n\t\t\t\taddress %s %s %s\n\t\t\t}", nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			up, upstream := newDelayUpstream(t)

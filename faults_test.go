@@ -97,34 +97,34 @@ func TestFaultRedisOutages(t *testing.T) {
 	fillUp := func(t *testing.T, r *redisServer) {
 		fillRedis(t, r)
 		time.Sleep(hold)
-		r.cli("CONFIG", "SET", "maxmemory", "0")
+		r.CLI("CONFIG", "SET", "maxmemory", "0")
 	}
 	faults := []outage{
 		{"SIGKILL, restarted", func(t *testing.T, r *redisServer) {
-			r.kill()
+			r.Kill()
 			time.Sleep(hold)
-			r.start()
+			r.Start()
 		}, ""},
 		{"SIGSTOP", func(t *testing.T, r *redisServer) {
-			r.pause()
+			r.Pause()
 			time.Sleep(hold)
-			r.resume()
+			r.Resume()
 		}, ""},
 		{"out of memory", fillUp, ""},
 		{"DEBUG SLEEP " + sleep, func(t *testing.T, r *redisServer) {
-			r.cli("DEBUG", "SLEEP", sleep)
+			r.CLI("DEBUG", "SLEEP", sleep)
 		}, ""},
 		{"wrong password", func(t *testing.T, r *redisServer) {
-			r.cli("CONFIG", "SET", "requirepass", "pw-fault")
-			r.cli("-a", "pw-fault", "--no-auth-warning", "CLIENT", "KILL", "TYPE", "normal")
+			r.CLI("CONFIG", "SET", "requirepass", "pw-fault")
+			r.CLI("-a", "pw-fault", "--no-auth-warning", "CLIENT", "KILL", "TYPE", "normal")
 			time.Sleep(hold)
-			r.cli("-a", "pw-fault", "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
+			r.CLI("-a", "pw-fault", "--no-auth-warning", "CONFIG", "SET", "requirepass", "")
 		}, ""},
 		{"read-only replica", func(t *testing.T, r *redisServer) {
 			master := startRedis(t)
-			r.cli("REPLICAOF", "127.0.0.1", strconv.Itoa(master.port))
+			r.CLI("REPLICAOF", "127.0.0.1", strconv.Itoa(master.Port))
 			time.Sleep(hold)
-			r.cli("REPLICAOF", "NO", "ONE")
+			r.CLI("REPLICAOF", "NO", "ONE")
 		}, ""},
 	}
 	if longFaults() {
@@ -136,8 +136,8 @@ func TestFaultRedisOutages(t *testing.T) {
 	for _, f := range faults {
 		t.Run(f.name, func(t *testing.T) {
 			r := startRedis(t, "--enable-debug-command", "yes")
-			c.load(outageSite(r.addr(), timeout, f.store))
-			check := newRedisClient(t, r.addr())
+			c.load(outageSite(r.Addr(), timeout, f.store))
+			check := newRedisClient(t, r.Addr())
 
 			stop := make(chan struct{})
 			var waits []func()
@@ -244,11 +244,11 @@ func TestFaultRedisOutages(t *testing.T) {
 // refused until the limit is lifted.
 func fillRedis(t *testing.T, r *redisServer) {
 	t.Helper()
-	c := redis.NewClient(&redis.Options{Addr: r.addr()})
+	c := redis.NewClient(&redis.Options{Addr: r.Addr()})
 	defer c.Close()
 	ctx := context.Background()
-	r.cli("CONFIG", "SET", "maxmemory-policy", "noeviction")
-	r.cli("CONFIG", "SET", "maxmemory", strconv.FormatInt(usedMemory(r)+4<<20, 10))
+	r.CLI("CONFIG", "SET", "maxmemory-policy", "noeviction")
+	r.CLI("CONFIG", "SET", "maxmemory", strconv.FormatInt(usedMemory(r)+4<<20, 10))
 	value := strings.Repeat("x", 64<<10)
 	for i := 0; ; i++ {
 		err := c.Set(ctx, fmt.Sprintf("fill:%d", i), value, 0).Err()
@@ -259,17 +259,17 @@ func fillRedis(t *testing.T, r *redisServer) {
 			t.Fatalf("filling Redis: %d keys, %v", i, err)
 		}
 	}
-	r.cli("CONFIG", "SET", "maxmemory", strconv.FormatInt(usedMemory(r)-1<<20, 10))
+	r.CLI("CONFIG", "SET", "maxmemory", strconv.FormatInt(usedMemory(r)-1<<20, 10))
 }
 
 func usedMemory(r *redisServer) int64 {
-	for line := range strings.SplitSeq(r.cli("INFO", "memory"), "\n") {
+	for line := range strings.SplitSeq(r.CLI("INFO", "memory"), "\n") {
 		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "used_memory:"); ok {
 			n, _ := strconv.ParseInt(v, 10, 64)
 			return n
 		}
 	}
-	r.t.Fatal("no used_memory in INFO memory")
+	r.T.Fatal("no used_memory in INFO memory")
 	return 0
 }
 
@@ -286,7 +286,7 @@ func TestFaultFrozenAsCachedDenialRunsOut(t *testing.T) {
 	bound := timeout + sized(150*time.Millisecond, 20*time.Millisecond)
 	requireRedis(t)
 	r := startRedis(t)
-	h := newTestHandler(t, redisConfig(r.addr(), "frozen_hot", "10r/s", 1, fmt.Sprintf(`,"timeout":%d`, timeout)))
+	h := newTestHandler(t, redisConfig(r.Addr(), "frozen_hot", "10r/s", 1, fmt.Sprintf(`,"timeout":%d`, timeout)))
 	report := newFaultReport(t, "Redis frozen as a flooded key's cached denial runs out",
 		"timeout", "requests at once", "statuses", "slowest")
 	serve(h, "192.0.2.9")
@@ -294,8 +294,8 @@ func TestFaultFrozenAsCachedDenialRunsOut(t *testing.T) {
 		t.Fatalf("second request: %d, want 429", code)
 	}
 	time.Sleep(150 * time.Millisecond) // the denial's entry runs out: a token is back
-	r.pause()
-	defer r.resume()
+	r.Pause()
+	defer r.Resume()
 	all := newTally()
 	var wg sync.WaitGroup
 	for range waiting {
@@ -334,7 +334,7 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 			fail_mode local
 		}
 	}
-	respond "config %d"`, r.addr(), n)
+	respond "config %d"`, r.Addr(), n)
 	}
 	// In this process, so that the race detector watches the reloads.
 	c := startFaultCaddy(t, site(0), false)
@@ -352,7 +352,7 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 			goroutines, fds := runtime.NumGoroutine(), c.fds()
 			mark := c.logs.mark()
 			if frozen {
-				r.pause()
+				r.Pause()
 			}
 
 			// Caddy swaps servers at a reload, with or without this
@@ -383,7 +383,7 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 			waitHot()
 			elapsed := time.Since(start)
 			if frozen {
-				r.resume()
+				r.Resume()
 			}
 			client.CloseIdleConnections()
 			goroutinesAfter, fdsAfter := 0, 0
@@ -464,10 +464,10 @@ func TestFaultHostileKeys(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			var addrs []string
 			for _, n := range tc.nodes {
-				addrs = append(addrs, fmt.Sprintf("%q", n.addr()))
+				addrs = append(addrs, fmt.Sprintf("%q", n.Addr()))
 				// Loaded on every node, the script takes one EVALSHA
 				// per decision, never a NOSCRIPT and an EVAL.
-				if err := tokenBucketScript.Load(context.Background(), newRedisClient(t, n.addr())).Err(); err != nil {
+				if err := redis.NewScript(tokenBucketLua).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -476,7 +476,7 @@ func TestFaultHostileKeys(t *testing.T) {
 			calls := func() int {
 				n := 0
 				for _, node := range tc.nodes {
-					n += node.calls()
+					n += node.Calls()
 				}
 				return n
 			}
@@ -509,15 +509,13 @@ func TestFaultHostileKeys(t *testing.T) {
 				}
 				var redisKeys []string
 				for _, z := range h.Zones {
-					redisKeys = append(redisKeys, rs.redisKey(&request{zone: z, key: z.keyFor(key)}))
-				}
-				for _, k := range redisKeys {
-					hash, field := splitBucket(k)
+					hash, field := rs.bucketName(&request{zone: z, key: z.keyFor(key)})
+					redisKeys = append(redisKeys, hash)
 					if ok, err := rs.client.HExists(context.Background(), hash, field).Result(); err != nil || !ok {
-						t.Errorf("key %s: bucket %.40q not in Redis: %v, %v", label, k, ok, err)
+						t.Errorf("key %s: bucket %.40q not in Redis: %v, %v", label, hash+field, ok, err)
 					}
 				}
-				if rs.client.cluster {
+				if rs.client.Cluster {
 					a, errA := rs.client.ClusterKeySlot(context.Background(), redisKeys[0]).Result()
 					b, errB := rs.client.ClusterKeySlot(context.Background(), redisKeys[1]).Result()
 					if errA != nil || errB != nil || a != b {
@@ -528,7 +526,7 @@ func TestFaultHostileKeys(t *testing.T) {
 				}
 			}
 			inSlot := "n/a"
-			if rs.client.cluster {
+			if rs.client.Cluster {
 				inSlot = fmt.Sprintf("%d of %d", slots, len(hostileKeys))
 			}
 			report.add(t, tc.name, len(hostileKeys), fmt.Sprintf("%d of %d", same, len(hostileKeys)),
@@ -555,7 +553,7 @@ func TestFaultOneKeyFlood(t *testing.T) {
 			key_prefix flood:
 		}
 	}
-	respond "ok"`, r.addr()), true)
+	respond "ok"`, r.Addr()), true)
 	report := newFaultReport(t, "One key flooded at 10r/s burst 20",
 		"connections", "seconds", "requests", "allowed", "due", "Redis calls", "calls/s", "calls in the first second", "most calls in a later second", "log lines")
 	seconds := sized(3, 10)
@@ -569,21 +567,21 @@ func TestFaultOneKeyFlood(t *testing.T) {
 			all := newTally()
 			stop := make(chan struct{})
 			mark := c.logs.mark()
-			before := r.calls()
+			before := r.Calls()
 			start := time.Now()
 			wait := loop(conns, pace, stop, func(w, i int) { all.note(send(client, c.url, "X-Key", key)) })
 			var perSecond []int
 			last := before
 			for s := range seconds {
 				time.Sleep(time.Until(start.Add(time.Duration(s+1) * time.Second)))
-				n := r.calls()
+				n := r.Calls()
 				perSecond = append(perSecond, n-last)
 				last = n
 			}
 			close(stop)
 			wait()
 			elapsed := time.Since(start)
-			calls := r.calls() - before
+			calls := r.Calls() - before
 			allowed := all.codes[http.StatusOK]
 			due := 20 + int(10*elapsed.Seconds())
 			steady := slices.Max(perSecond[1:])

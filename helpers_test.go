@@ -8,187 +8,33 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"strconv"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
 )
 
 // Tests that need Redis start their own throwaway redis-server processes on
-// free ports, so that they can kill, pause and restart them.
+// free ports (internal/redistest), so that they can kill, pause and
+// restart them.
 
-// requireRedis skips the test, loudly, when redis-server is missing, and
-// fails it in CI, where the Redis tests must run.
-func requireRedis(t testing.TB) {
-	t.Helper()
-	for _, bin := range []string{"redis-server", "redis-cli"} {
-		if _, err := exec.LookPath(bin); err != nil {
-			if os.Getenv("CI") == "true" {
-				t.Fatalf("%s not found: CI must run the Redis tests (apt-get install redis-server)", bin)
-			}
-			t.Skipf("REDIS TESTS SKIPPED: %s not found in PATH (apt-get install redis-server)", bin)
-		}
-	}
-}
+type redisServer = redistest.Server
 
-type redisServer struct {
-	t    testing.TB
-	port int
-	dir  string
-	args []string
-	cmd  *exec.Cmd
-}
+func requireRedis(t testing.TB) { redistest.Require(t) }
 
-// startRedis starts a redis-server that keeps nothing on disk.
-func startRedis(t testing.TB, extra ...string) *redisServer {
-	t.Helper()
-	requireRedis(t)
-	r := &redisServer{t: t, port: freePort(t, 0), dir: t.TempDir()}
-	r.args = append([]string{"--bind", "127.0.0.1", "--port", strconv.Itoa(r.port),
-		"--save", "", "--appendonly", "no", "--dir", r.dir}, extra...)
-	r.start()
-	t.Cleanup(r.kill)
-	return r
-}
+func startRedis(t testing.TB, extra ...string) *redisServer { return redistest.Start(t, extra...) }
 
-func (r *redisServer) start() {
-	r.t.Helper()
-	r.cmd = exec.Command("redis-server", r.args...)
-	r.cmd.Dir = r.dir
-	if err := r.cmd.Start(); err != nil {
-		r.t.Fatalf("starting redis-server: %v", err)
-	}
-	r.waitReady()
-}
+func startCluster(t testing.TB) []*redisServer { return redistest.StartCluster(t) }
 
-func (r *redisServer) waitReady() {
-	r.t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for time.Now().Before(deadline) {
-		if out, err := r.tryCLI("PING"); err == nil && out == "PONG" {
-			return
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	r.t.Fatalf("redis-server on port %d did not start", r.port)
-}
-
-func (r *redisServer) addr() string { return "127.0.0.1:" + strconv.Itoa(r.port) }
-
-// kill stops the server at once, as a crash would.
-func (r *redisServer) kill() {
-	if r.cmd != nil && r.cmd.Process != nil {
-		_ = r.cmd.Process.Signal(syscall.SIGCONT)
-		_ = r.cmd.Process.Kill()
-		_ = r.cmd.Wait()
-		r.cmd = nil
-	}
-}
-
-// restart starts the server again on the same port, empty.
-func (r *redisServer) restart() { r.kill(); r.start() }
-
-// pause freezes the server: connections stay open, nothing answers.
-func (r *redisServer) pause()  { _ = r.cmd.Process.Signal(syscall.SIGSTOP) }
-func (r *redisServer) resume() { _ = r.cmd.Process.Signal(syscall.SIGCONT) }
-
-func (r *redisServer) tryCLI(args ...string) (string, error) {
-	out, err := exec.Command("redis-cli", append([]string{"-p", strconv.Itoa(r.port)}, args...)...).CombinedOutput()
-	return strings.TrimSpace(string(out)), err
-}
-
-func (r *redisServer) cli(args ...string) string {
-	r.t.Helper()
-	out, err := r.tryCLI(args...)
-	if err != nil {
-		r.t.Fatalf("redis-cli %v: %v: %s", args, err, out)
-	}
-	return out
-}
-
-// calls is how many times Redis has run a script.
-func (r *redisServer) calls() int {
-	r.t.Helper()
-	n := 0
-	for _, line := range strings.Split(r.cli("INFO", "commandstats"), "\n") {
-		for _, cmd := range []string{"cmdstat_evalsha:calls=", "cmdstat_eval:calls="} {
-			if rest, ok := strings.CutPrefix(strings.TrimSpace(line), cmd); ok {
-				v, _, _ := strings.Cut(rest, ",")
-				c, _ := strconv.Atoi(v)
-				n += c
-			}
-		}
-	}
-	return n
-}
-
-// freePort finds a free TCP port; with bus > 0 also port+bus is free
-// (Redis Cluster's bus port).
-func freePort(t testing.TB, bus int) int {
-	t.Helper()
-	for range 100 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		port := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		if bus == 0 {
-			return port
-		}
-		if port+bus < 65536 {
-			if l2, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port+bus)); err == nil {
-				l2.Close()
-				return port
-			}
-		}
-	}
-	t.Fatal("no free port")
-	return 0
-}
-
-// startCluster starts a Redis Cluster of three masters.
-func startCluster(t testing.TB) []*redisServer {
-	t.Helper()
-	requireRedis(t)
-	var nodes []*redisServer
-	var addrs []string
-	for range 3 {
-		r := &redisServer{t: t, port: freePort(t, 10000), dir: t.TempDir()}
-		r.args = []string{"--bind", "127.0.0.1", "--port", strconv.Itoa(r.port), "--save", "", "--appendonly", "no",
-			"--dir", r.dir, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"}
-		r.start()
-		t.Cleanup(r.kill)
-		nodes = append(nodes, r)
-		addrs = append(addrs, r.addr())
-	}
-	args := append([]string{"--cluster", "create"}, addrs...)
-	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
-	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
-		t.Fatalf("redis-cli --cluster create: %v: %s", err, out)
-	}
-	deadline := time.Now().Add(20 * time.Second)
-	for _, n := range nodes {
-		for !strings.Contains(n.cli("CLUSTER", "INFO"), "cluster_state:ok") {
-			if time.Now().After(deadline) {
-				t.Fatal("cluster did not come up")
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
-	return nodes
-}
+func freePort(t testing.TB, bus int) int { return redistest.FreePort(t, bus) }
 
 // writeFile writes a file into dir and returns its path.
 func writeFile(t testing.TB, dir, name, text string) string {

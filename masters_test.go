@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -27,7 +28,7 @@ import (
 // the microseconds Redis spent in them.
 func evalStats(t testing.TB, r *redisServer) (calls, usec int64) {
 	t.Helper()
-	for _, line := range strings.Split(r.cli("INFO", "commandstats"), "\n") {
+	for _, line := range strings.Split(r.CLI("INFO", "commandstats"), "\n") {
 		for _, cmd := range []string{"cmdstat_evalsha:", "cmdstat_eval:"} {
 			rest, ok := strings.CutPrefix(strings.TrimSpace(line), cmd)
 			if !ok {
@@ -54,7 +55,7 @@ func TestRedisClusterSpread(t *testing.T) {
 	nodes := startCluster(t)
 	var addrs []string
 	for _, n := range nodes {
-		addrs = append(addrs, strconv.Quote(n.addr()))
+		addrs = append(addrs, strconv.Quote(n.Addr()))
 	}
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"spread","rate":"1000r/s"}],
 		"store":{"backend":"redis","addresses":[%s],"timeout":"5s","fail_mode":"closed"}}`, strings.Join(addrs, ",")))
@@ -62,7 +63,7 @@ func TestRedisClusterSpread(t *testing.T) {
 	// The script loaded on every node: one EVALSHA per decision.
 	before := make([]int64, len(nodes))
 	for i, n := range nodes {
-		if err := tokenBucketScript.Load(context.Background(), newRedisClient(t, n.addr())).Err(); err != nil {
+		if err := redis.NewScript(tokenBucketLua).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
 			t.Fatal(err)
 		}
 		before[i], _ = evalStats(t, n)
@@ -125,9 +126,9 @@ func TestMastersThroughput(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		saved := tokenBucketScript
-		tokenBucketScript = redis.NewScript(string(src))
-		t.Cleanup(func() { tokenBucketScript = saved })
+		saved := redisScripts
+		redisScripts = rediswire.NewScripts(string(src), peekLua)
+		t.Cleanup(func() { redisScripts = saved })
 		t.Logf("script %s", f)
 	}
 	core := os.Getenv("RATE_LIMIT_REDIS_CORE")
@@ -135,16 +136,16 @@ func TestMastersThroughput(t *testing.T) {
 		core = "1"
 	}
 	requireRedis(t)
-	r := &redisServer{t: t, port: freePort(t, 0), dir: t.TempDir()}
-	r.cmd = exec.Command("taskset", "-c", core, "redis-server", "--bind", "127.0.0.1", "--port", strconv.Itoa(r.port),
-		"--save", "", "--appendonly", "no", "--dir", r.dir)
-	if err := r.cmd.Start(); err != nil {
+	r := &redisServer{T: t, Port: freePort(t, 0), Dir: t.TempDir()}
+	r.Cmd = exec.Command("taskset", "-c", core, "redis-server", "--bind", "127.0.0.1", "--port", strconv.Itoa(r.Port),
+		"--save", "", "--appendonly", "no", "--dir", r.Dir)
+	if err := r.Cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(r.kill)
-	r.waitReady()
+	t.Cleanup(r.Kill)
+	r.WaitReady()
 	cpu := func() time.Duration { // Redis's CPU time: utime + stime, in ticks of 10 ms
-		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", r.cmd.Process.Pid))
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", r.Cmd.Process.Pid))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -156,7 +157,7 @@ func TestMastersThroughput(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"m","key":"{http.request.header.X-Key}","rate":"1000000r/s"},
 		{"name":"f","key":"{http.request.header.X-Key}","rate":"10r/s","burst":20}],
-		"store":{"backend":"redis","addresses":[%q],"timeout":"2s","fail_mode":"closed"}}`, r.addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"2s","fail_mode":"closed"}}`, r.Addr()))
 	rs := h.store.(*RedisStore)
 	keys := make([]bucketKey, 100_000)
 	for i := range keys {

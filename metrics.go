@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -186,7 +187,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 
 	open := 0
 	redisClients.Range(func(_, v any) bool {
-		if v.(*redisClient).breaker.openUntil.Load() != 0 {
+		if v.(*rediswire.Client).Breaker.Open() {
 			open++
 		}
 		return true

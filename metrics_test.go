@@ -115,7 +115,7 @@ func wantMetric(t *testing.T, m map[string]float64, series string, want float64)
 
 func TestMetricsEndpoint(t *testing.T) {
 	r := startRedis(t)
-	tester := startCaddy(t, opsGlobal, opsSites("m", r.addr(), "ok"))
+	tester := startCaddy(t, opsGlobal, opsSites("m", r.Addr(), "ok"))
 	// The latency histograms count every handler of the process.
 	base := scrape(t, tester)
 	localLatency := `caddy_rate_limit_store_latency_seconds_count{store="local"}`
@@ -166,7 +166,7 @@ func TestMetricsEndpoint(t *testing.T) {
 
 	// Redis goes away: store errors are counted, fail_mode local decides,
 	// and after three failures the circuit opens.
-	r.kill()
+	r.Kill()
 	for _, want := range []int{200, 200, 429, 429} {
 		get(t, tester, "/redis", want, body(want), from("10.9.0.5")...)
 	}
@@ -176,11 +176,11 @@ func TestMetricsEndpoint(t *testing.T) {
 	wantMetric(t, m, `caddy_rate_limit_requests_total{result="denied",zone="m_redis"}`, 4)
 	wantMetric(t, m, `caddy_rate_limit_store_errors_total{store="redis"}`, base[`caddy_rate_limit_store_errors_total{store="redis"}`]+4)
 	wantMetric(t, m, `caddy_rate_limit_circuit_open`, base[`caddy_rate_limit_circuit_open`]+1)
-	r.start()
+	r.Start()
 
 	// A reload keeps the counters and the buckets (10.9.1.9 has one of
 	// its two tokens left), and the metrics still show.
-	reload(t, tester, opsGlobal, opsSites("m", r.addr(), "reloaded"))
+	reload(t, tester, opsGlobal, opsSites("m", r.Addr(), "reloaded"))
 	get(t, tester, "/local", 200, "reloaded", from("10.9.1.9")...)
 	get(t, tester, "/local", 429, "", from("10.9.1.9")...)
 	m = scrape(t, tester)

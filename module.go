@@ -23,6 +23,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -129,7 +130,7 @@ type Handler struct {
 	scratch    *sync.Pool
 	logger     *zap.Logger
 	// refundErrors throttles the warnings of refunds that failed.
-	refundErrors *throttle
+	refundErrors *throttle.Throttle
 
 	latency     prometheus.Observer // nil without metrics
 	storeErrors prometheus.Counter  // nil without metrics
@@ -248,7 +249,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	}
 
 	n := len(h.Zones)
-	h.refundErrors = new(throttle)
+	h.refundErrors = new(throttle.Throttle)
 	h.scratch = &sync.Pool{New: func() any { return &scratch{reqs: make([]request, 0, n)} }}
 	registerHandler(h)
 	h.registered = true
@@ -546,7 +547,7 @@ func (h *Handler) releaseSlots(r *http.Request, sc *scratch) {
 	}
 	if leased {
 		if err := h.keeper.releaseSlots(context.WithoutCancel(r.Context()), sc.slots); err != nil {
-			h.refundErrors.warn(h.logger, "rate limit: slots not given back: they come back when their lease ends", err)
+			h.refundErrors.Warn(h.logger, "rate limit: slots not given back: they come back when their lease ends", err)
 		}
 		for i := range sc.slots {
 			sc.slots[i].lease = ""
@@ -583,7 +584,7 @@ func (h *Handler) serveCounted(w http.ResponseWriter, r *http.Request, next cadd
 		return err
 	}
 	if rerr := sc.by.refund(r.Context(), time.Now(), back); rerr != nil {
-		h.refundErrors.warn(h.logger, "rate limit: tokens not given back after a response that count does not match", rerr)
+		h.refundErrors.Warn(h.logger, "rate limit: tokens not given back after a response that count does not match", rerr)
 	} else {
 		for _, q := range back {
 			q.zone.state.refunds.Add(1)
@@ -824,7 +825,7 @@ func (h *Handler) refundForSlot(r *http.Request, now time.Time, sc *scratch) {
 		return
 	}
 	if err := sc.by.refund(r.Context(), now, back); err != nil {
-		h.refundErrors.warn(h.logger, "rate limit: tokens not given back after a zone with concurrency refused the request", err)
+		h.refundErrors.Warn(h.logger, "rate limit: tokens not given back after a zone with concurrency refused the request", err)
 	}
 	for i := range sc.reqs {
 		if q := &sc.reqs[i]; q.ok && !q.wouldDeny {

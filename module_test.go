@@ -1082,7 +1082,7 @@ http://localhost:9080 {
 func TestRedisBanStartsOnce(t *testing.T) {
 	r := startRedis(t)
 	config := fmt.Sprintf(`{"zones":[{"name":"ban-once","rate":"1r/m","burst":3,"ban":"1h"}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.addr())
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr())
 	hs := []*Handler{newTestHandler(t, config), newTestHandler(t, config)}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -1103,7 +1103,7 @@ func TestRedisBanStartsOnce(t *testing.T) {
 		t.Fatalf("%d bans started, want 1", n)
 	}
 	hash, _ := bucketOf(hs[0], 0, "192.0.2.60")
-	ttl := r.cli("PTTL", hash)
+	ttl := r.CLI("PTTL", hash)
 	if ms, _ := strconv.Atoi(ttl); ms < 3600_000 || ms > 3780_000 {
 		t.Fatalf("PTTL %s, want the ban and a refill: just under 3780000 ms", ttl)
 	}
@@ -1111,13 +1111,13 @@ func TestRedisBanStartsOnce(t *testing.T) {
 	// denials after it ask Redis nothing. (Under the burst above, a late
 	// allowed reply may have made the cache forget, which is safe.)
 	serve(hs[0], "192.0.2.60")
-	calls := r.calls()
+	calls := r.Calls()
 	for range 3 {
 		if code, hdr := serve(hs[0], "192.0.2.60"); code != 429 || len(hdr.Get("Retry-After")) != 4 {
 			t.Fatalf("during the ban: %d, Retry-After %s, want 429 and about 3660", code, hdr.Get("Retry-After"))
 		}
 	}
-	if n := r.calls() - calls; n != 0 {
+	if n := r.Calls() - calls; n != 0 {
 		t.Fatalf("denials during a known ban asked Redis %d times", n)
 	}
 }
@@ -1144,7 +1144,7 @@ func TestCount(t *testing.T) {
 		t.Run(store, func(t *testing.T) {
 			storeConfig := ""
 			if store == "redis" {
-				storeConfig = fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t}", r.addr())
+				storeConfig = fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t}", r.Addr())
 			}
 			zone := "count-" + store
 			tester := startCaddy(t, "", fmt.Sprintf(`

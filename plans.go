@@ -19,6 +19,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -45,10 +46,6 @@ type plan struct {
 	cost     int64         // tokens a request takes
 	costTime time.Duration // what cost tokens are worth: limit.costTime(cost)
 	policy   string        // the RateLimit-Policy item
-
-	// The Redis script's full and cost arguments, in µs, formatted and
-	// boxed once.
-	fullMicros, costMicros any
 }
 
 // newPlan is the plan of a zone for limit l and a cost of cost tokens.
@@ -56,23 +53,17 @@ type plan struct {
 func (z *Zone) newPlan(l limit, cost int64) *plan {
 	ct := l.costTime(cost)
 	return &plan{
-		limit:      l,
-		cost:       cost,
-		costTime:   ct,
-		policy:     fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, l.burst, ceilSeconds(l.burstTime)),
-		fullMicros: micros(l.burstTime),
-		costMicros: micros(ct),
+		limit:    l,
+		cost:     cost,
+		costTime: ct,
+		policy:   fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, l.burst, ceilSeconds(l.burstTime)),
 	}
 }
 
 // unknownPlan reads the bucket of a zone whose limit depends on the
 // request, where no request says which (the admin API): it clamps
 // nothing, and tells only when the bucket is full again.
-var unknownPlan = &plan{
-	limit:      limit{tokenTime: maxBurstTime, burstTime: maxBurstTime, burst: 1},
-	fullMicros: micros(maxBurstTime),
-	costMicros: micros(maxBurstTime),
-}
+var unknownPlan = &plan{limit: limit{tokenTime: maxBurstTime, burstTime: maxBurstTime, burst: 1}}
 
 // maxPlans is the most distinct limits a zone with placeholders keeps:
 // beyond them, a request with yet another limit answers 500. It bounds
@@ -307,7 +298,7 @@ type plans struct {
 	m      atomic.Pointer[map[planKey]*plan]
 	mu     sync.Mutex           // serializes additions, guards logged
 	logged map[planKey]struct{} // refused values logged already
-	more   throttle             // refusals beyond maxRefusalsLogged
+	more   throttle.Throttle    // refusals beyond maxRefusalsLogged
 	logger *zap.Logger
 }
 
@@ -375,7 +366,7 @@ func (ps *plans) refused(z *Zone, k planKey, err error) {
 		ps.logger.Error(msg, fields...)
 		return
 	}
-	if held, ok := ps.more.allow(time.Minute); ok {
+	if held, ok := ps.more.Allow(time.Minute); ok {
 		ps.logger.Error(msg, append(fields, zap.Int64("more_since_last", held))...)
 	}
 }

@@ -188,8 +188,8 @@ func TestPlansThroughCaddy(t *testing.T) {
 	nodes := startCluster(t)
 	for _, tc := range []struct{ name, store string }{
 		{"local", ""},
-		{"redis", fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\tkey_prefix plans:\n\t\t}", r.addr())},
-		{"cluster", fmt.Sprintf("store redis {\n\t\t\taddress %s %s %s\n\t\t}", nodes[0].addr(), nodes[1].addr(), nodes[2].addr())},
+		{"redis", fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\tkey_prefix plans:\n\t\t}", r.Addr())},
+		{"cluster", fmt.Sprintf("store redis {\n\t\t\taddress %s %s %s\n\t\t}", nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			logFile := filepath.Join(t.TempDir(), "caddy.log")
@@ -251,7 +251,7 @@ func TestPlansThroughCaddy(t *testing.T) {
 			}
 			if tc.name == "redis" {
 				hash, field := bucketName("plans:", "plans-redis", "free-key")
-				if got := r.cli("HEXISTS", hash, field); strings.TrimSpace(got) != "1" {
+				if got := r.CLI("HEXISTS", hash, field); strings.TrimSpace(got) != "1" {
 					t.Fatalf("the free key's bucket is not in Redis: HEXISTS said %q", got)
 				}
 			}

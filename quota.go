@@ -6,7 +6,6 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
-	"strconv"
 	"sync/atomic"
 	"time"
 )
@@ -107,11 +106,8 @@ type quota struct {
 // own clock.
 type quotaWindow struct {
 	start, end time.Time // the window is [start, end)
+	prev, next time.Time // the previous window's start, the next one's end
 	seconds    int64     // its length, for RateLimit-Policy's w
-	// The Redis script's window boundaries, in milliseconds since 1970,
-	// formatted and boxed once: the previous window's start, the
-	// window's start and end, and the next window's end.
-	bounds [4]any
 }
 
 // window returns the window that holds now. Windows change once a day at
@@ -136,11 +132,7 @@ func (qt *quota) windowAt(now time.Time) *quotaWindow {
 		prev, _ = qt.period.window(start.Add(-time.Nanosecond), qt.loc)
 		_, next = qt.period.window(end, qt.loc)
 	}
-	w := &quotaWindow{start: start, end: end, seconds: ceilSeconds(end.Sub(start))}
-	for i, t := range [4]time.Time{prev, start, end, next} {
-		w.bounds[i] = strconv.FormatInt(t.UnixMilli(), 10)
-	}
-	return w
+	return &quotaWindow{start: start, end: end, prev: prev, next: next, seconds: ceilSeconds(end.Sub(start))}
 }
 
 // quotaLimit parses the zone's quota fields; nil when it has none.

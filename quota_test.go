@@ -138,8 +138,8 @@ func TestQuotaWindowCache(t *testing.T) {
 	if next == w || !next.start.Equal(w.end) || next.seconds != 86400 {
 		t.Fatalf("next window %+v after %+v", next, w)
 	}
-	if got := next.bounds; got[0] != strconv.FormatInt(w.start.UnixMilli(), 10) || got[1] != strconv.FormatInt(w.end.UnixMilli(), 10) ||
-		got[3] != strconv.FormatInt(w.end.Add(48*time.Hour).UnixMilli(), 10) {
+	if got := [4]time.Time{next.prev, next.start, next.end, next.next}; !got[0].Equal(w.start) || !got[1].Equal(w.end) ||
+		!got[3].Equal(w.end.Add(48*time.Hour)) {
 		t.Fatalf("bounds %v", got)
 	}
 }
@@ -298,7 +298,7 @@ func adminJSON(t *testing.T, method, path string, v any) int {
 // and the admin API's view and reset.
 func TestQuotaThroughCaddy(t *testing.T) {
 	r := startRedis(t)
-	for _, store := range []string{`{"backend":"local","persist":false}`, fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"thru:"}`, r.addr())} {
+	for _, store := range []string{`{"backend":"local","persist":false}`, fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"thru:"}`, r.Addr())} {
 		backend := "local"
 		if strings.Contains(store, "redis") {
 			backend = "redis"
@@ -387,7 +387,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 		t.Run(backend, func(t *testing.T) {
 			store := `{"backend":"local","persist":false}`
 			if backend == "redis" {
-				store = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"short:"}`, r.addr())
+				store = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"short:"}`, r.Addr())
 			}
 			h := newTestHandler(t, `{"zones":[{"name":"short-`+backend+`","key":"{http.request.header.K}","quota":2,"quota_period":"day"}],"store":`+store+`}`)
 			z := h.Zones[0]
@@ -404,8 +404,8 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 				}
 			}
 			if backend == "redis" {
-				c := newRedisClient(t, r.addr())
-				key := h.store.(*RedisStore).quotaKey(&request{zone: z, key: bucketKey{s: "k"}})
+				c := newRedisClient(t, r.Addr())
+				key := h.store.(*RedisStore).counterKey(&request{zone: z, key: bucketKey{s: "k"}})
 				ttl, err := c.PTTL(context.Background(), key).Result()
 				if err != nil || ttl <= 0 || ttl > 2*time.Second {
 					t.Fatalf("PTTL %s = %v, %v; want the time left in the window", key, ttl, err)
@@ -434,7 +434,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 func TestRedisQuotaClockSkew(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"skew","quota":3,"quota_period":"day"}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"skew:","disable_over_limit_cache":true}}`, r.addr()))
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"skew:","disable_over_limit_cache":true}}`, r.Addr()))
 	z := h.Zones[0]
 	z.quota.every = time.Hour
 	now := time.Now()
@@ -462,7 +462,7 @@ func TestRedisQuotaCluster(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"cq","key":"{http.request.header.K}","quota":2,"quota_period":"week","timezone":"Asia/Tokyo"},
 		{"name":"cr","key":"{http.request.header.R}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q]}}`, nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q]}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	// cq's key and cr's key are in different slots: the call is split.
 	if code, _ := serve(h, "192.0.2.1", "K", "a", "R", "x"); code != 200 {
 		t.Fatalf("first: %d", code)
@@ -541,7 +541,7 @@ func TestQuotaCountAndDryRun(t *testing.T) {
 		t.Run(backend, func(t *testing.T) {
 			store := `{"backend":"local","persist":false}`
 			if backend == "redis" {
-				store = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"cdr:"}`, r.addr())
+				store = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"cdr:"}`, r.Addr())
 			}
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 				{"name":"qc-%s","quota":2,"quota_period":"day","count":{"status_code":[5]}},

@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"bufio"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -12,11 +13,11 @@ import (
 	"crypto/x509/pkix"
 	"encoding/json"
 	"encoding/pem"
-	"errors"
 	"fmt"
 	"math/big"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"slices"
@@ -27,11 +28,10 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
-	"go.uber.org/zap"
-	"go.uber.org/zap/zapcore"
-	"go.uber.org/zap/zaptest/observer"
 )
 
 // The zones of the shared step table: a 10r/s burst 3; b 1r/s burst 2;
@@ -225,14 +225,14 @@ func TestStoresAgree(t *testing.T) {
 	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
 		t.Run("redis"+store, func(t *testing.T) {
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
-				stepZones, r.addr(), t.Name()+":", store))
+				stepZones, r.Addr(), t.Name()+":", store))
 			runStoreSteps(t, h)
 		})
 	}
 	t.Run("cluster", func(t *testing.T) {
 		nodes := startCluster(t)
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`,
-			stepZones, nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
+			stepZones, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 		runStoreSteps(t, h)
 	})
 
@@ -243,7 +243,7 @@ func TestStoresAgree(t *testing.T) {
 	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
 		t.Run("plans/redis"+store, func(t *testing.T) {
 			runPlanSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
-				planZones, r.addr(), t.Name()+":", store)))
+				planZones, r.Addr(), t.Name()+":", store)))
 		})
 	}
 }
@@ -310,11 +310,11 @@ func runPlanSteps(t *testing.T, h *Handler) {
 
 func TestRedisKeysAndTTL(t *testing.T) {
 	r := startRedis(t)
-	h := newTestHandler(t, redisConfig(r.addr(), "ttl", "7r/s", 5, ""))
+	h := newTestHandler(t, redisConfig(r.Addr(), "ttl", "7r/s", 5, ""))
 	if code, _ := serve(h, "192.0.2.7"); code != http.StatusOK {
 		t.Fatalf("status %d", code)
 	}
-	c := newRedisClient(t, r.addr())
+	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
 	hash, field := bucketOf(h, 0, "192.0.2.7")
 	if !strings.HasPrefix(hash, "t:{") || len(hash) != len("t:{0000}") || field != "ttl:192.0.2.7" {
@@ -341,7 +341,7 @@ func TestRedisKeysAndTTL(t *testing.T) {
 	}
 
 	// IPv6 clients are grouped by /64, and hash_keys hides the address.
-	h = newTestHandler(t, redisConfig(r.addr(), "v6", "10r/s", 5, `,"hash_keys":true`))
+	h = newTestHandler(t, redisConfig(r.Addr(), "v6", "10r/s", 5, `,"hash_keys":true`))
 	serve(h, "2001:db8::1")
 	hash, field = bucketOf(h, 0, "2001:db8::1")
 	fields, _ := c.HKeys(ctx, hash).Result()
@@ -357,21 +357,19 @@ func TestRedisKeysAndTTL(t *testing.T) {
 // bucketOf names the Redis hash and field of key's bucket in h's zone i.
 func bucketOf(h *Handler, i int, key string) (hash, field string) {
 	z := h.Zones[i]
-	return splitBucket(h.store.(*RedisStore).redisKey(&request{zone: z, key: z.keyFor(key)}))
+	return h.store.(*RedisStore).bucketName(&request{zone: z, key: z.keyFor(key)})
 }
 
 // bucketName names the Redis hash and field of a bucket, as a store with
 // key_prefix prefix writes it for key (not an IP, not hashed) in zone.
 func bucketName(prefix, zone, key string) (hash, field string) {
-	s := &RedisStore{KeyPrefix: prefix, fields: []string{escapeTag(zone, "%:") + ":"}}
-	return splitBucket(s.redisKey(&request{zone: &Zone{}, key: bucketKey{s: key}}))
+	return rediswire.Keys{Prefix: prefix}.Bucket(rediswire.ZoneField(zone), key)
 }
 
 // slotKeyName is the key that RedisStore.slotKey names for a key's slots
 // in a zone, with key_prefix prefix.
 func slotKeyName(prefix, zone, key string) string {
-	s := &RedisStore{KeyPrefix: prefix, fields: []string{escapeTag(zone, "%:") + ":"}}
-	return s.slotKey(&slot{zone: &Zone{}, key: bucketKey{s: key}})
+	return rediswire.Keys{Prefix: prefix}.Slots(rediswire.ZoneField(zone), key)
 }
 
 // pair is two strings as a slice, for a command's arguments.
@@ -383,7 +381,7 @@ func pair(a, b string) []string { return []string{a, b} }
 // replies say.
 func TestRedisInstantsStayExact(t *testing.T) {
 	r := startRedis(t)
-	h := newTestHandler(t, redisConfig(r.addr(), "late", "7r/s", 5, ""))
+	h := newTestHandler(t, redisConfig(r.Addr(), "late", "7r/s", 5, ""))
 	rs := h.store.(*RedisStore)
 	now := time.Date(2090, 6, 1, 0, 0, 0, 123_456_000, time.UTC)
 	rs.testClock = func() time.Time { return now }
@@ -402,7 +400,7 @@ func TestRedisInstantsStayExact(t *testing.T) {
 	}
 	hash, field := bucketOf(h, 0, "k")
 	want := now.Sub(time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)) + debts[3]
-	if v := r.cli("HGET", hash, field); v != strconv.FormatInt(int64(want), 10) {
+	if v := r.CLI("HGET", hash, field); v != strconv.FormatInt(int64(want), 10) {
 		t.Fatalf("stored instant %s, want %d", v, want)
 	}
 }
@@ -413,20 +411,20 @@ func TestRedisInstantsStayExact(t *testing.T) {
 // at most a few times the size of its live buckets.
 func TestRedisRefilledBucketsArePurged(t *testing.T) {
 	r := startRedis(t)
-	c := newRedisClient(t, r.addr())
+	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
 	h := newTestHandler(t, `{"zones":[{"name":"p","key":"{http.request.header.X-Key}","rate":"1r/h","burst":1}],
-		"store":{"backend":"redis","addresses":["`+r.addr()+`"],"key_prefix":"t:"}}`)
+		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"t:"}}`)
 	rs := h.store.(*RedisStore)
 	var now time.Time
 	rs.testClock = func() time.Time { return now }
 	start := time.Now()
 	// Keys of one group, found by trying.
-	hash, _ := splitBucket(rs.redisKey(&request{zone: h.Zones[0], key: bucketKey{s: "k0"}}))
+	hash, _ := rs.bucketName(&request{zone: h.Zones[0], key: bucketKey{s: "k0"}})
 	var keys []string
 	for i := 0; len(keys) < 400; i++ {
 		k := fmt.Sprintf("k%d", i)
-		if hk, _ := splitBucket(rs.redisKey(&request{zone: h.Zones[0], key: bucketKey{s: k}})); hk == hash {
+		if hk, _ := rs.bucketName(&request{zone: h.Zones[0], key: bucketKey{s: k}}); hk == hash {
 			keys = append(keys, k)
 		}
 	}
@@ -458,13 +456,13 @@ func TestRedisRefilledBucketsArePurged(t *testing.T) {
 // decision loads the script again and goes on where it left off.
 func TestRedisScriptFlush(t *testing.T) {
 	r := startRedis(t)
-	h := newTestHandler(t, redisConfig(r.addr(), "flush", "1r/m", 4, ""))
+	h := newTestHandler(t, redisConfig(r.Addr(), "flush", "1r/m", 4, ""))
 	for i := range 2 {
 		if code, hdr := serve(h, "192.0.2.1"); code != http.StatusOK || hdr.Get("X-Ratelimit-Remaining") != fmt.Sprint(3-i) {
 			t.Fatalf("request %d: %d, remaining %s", i, code, hdr.Get("X-Ratelimit-Remaining"))
 		}
 	}
-	r.cli("SCRIPT", "FLUSH")
+	r.CLI("SCRIPT", "FLUSH")
 	if code, hdr := serve(h, "192.0.2.1"); code != http.StatusOK || hdr.Get("X-Ratelimit-Remaining") != "1" {
 		t.Fatalf("after SCRIPT FLUSH: %d, remaining %s", code, hdr.Get("X-Ratelimit-Remaining"))
 	}
@@ -483,7 +481,7 @@ func TestRedisSharedLimitIsExact(t *testing.T) {
 			var handlers []*Handler
 			for i := range 3 {
 				// Distinct pool sizes give distinct clients.
-				handlers = append(handlers, newTestHandler(t, redisConfig(r.addr(), "exact", "50r/s", burst,
+				handlers = append(handlers, newTestHandler(t, redisConfig(r.Addr(), "exact", "50r/s", burst,
 					fmt.Sprintf(`,"pool_size":%d,"key_prefix":"%s:","timeout":"5s"`, 10+i, t.Name()))))
 			}
 			var allowed atomic.Int64
@@ -538,8 +536,8 @@ func TestRedisOverLimitCache(t *testing.T) {
 			if !cached {
 				store += `,"disable_over_limit_cache":true`
 			}
-			h := newTestHandler(t, redisConfig(r.addr(), "flood", "10r/s", 20, store))
-			before := r.calls()
+			h := newTestHandler(t, redisConfig(r.Addr(), "flood", "10r/s", 20, store))
+			before := r.Calls()
 			// 2000 requests a second for 2 seconds.
 			var ok, denied, wrongRetry int
 			tick := time.NewTicker(500 * time.Microsecond)
@@ -560,7 +558,7 @@ func TestRedisOverLimitCache(t *testing.T) {
 					t.Fatalf("status %d", code)
 				}
 			}
-			calls := r.calls() - before
+			calls := r.Calls() - before
 			elapsed := time.Since(start).Seconds()
 			t.Logf("%d allowed, %d denied, %d Redis calls in %.2fs", ok, denied, calls, elapsed)
 			if most := 20 + 10*elapsed + 1; float64(ok) > most || float64(ok) < most-5 {
@@ -590,7 +588,7 @@ func TestRedisFailModes(t *testing.T) {
 	for _, mode := range []string{"local", "open", "closed"} {
 		t.Run(mode, func(t *testing.T) {
 			r := startRedis(t)
-			h := newTestHandler(t, redisConfig(r.addr(), "fail-"+mode, "1r/m", 3,
+			h := newTestHandler(t, redisConfig(r.Addr(), "fail-"+mode, "1r/m", 3,
 				fmt.Sprintf(`,"fail_mode":%q,"timeout":%d`, mode, timeout)))
 			ip := "203.0.113.1"
 			if code, _ := serve(h, ip); code != http.StatusOK {
@@ -599,9 +597,9 @@ func TestRedisFailModes(t *testing.T) {
 
 			for _, outage := range []string{"killed", "frozen"} {
 				if outage == "killed" {
-					r.kill()
+					r.Kill()
 				} else {
-					r.pause()
+					r.Pause()
 				}
 				var codes []int
 				var slowest time.Duration
@@ -633,15 +631,15 @@ func TestRedisFailModes(t *testing.T) {
 					t.Fatalf("Redis %s: statuses %v, want %v", outage, codes, want)
 				}
 				if outage == "killed" {
-					r.start()
+					r.Start()
 				} else {
-					r.resume()
+					r.Resume()
 				}
 			}
 
 			// Back: Redis decides again within the breaker's backoff.
 			deadline := time.Now().Add(3 * time.Second)
-			c := newRedisClient(t, r.addr())
+			c := newRedisClient(t, r.Addr())
 			hash, field := bucketOf(h, 0, "203.0.113.99")
 			for {
 				serve(h, "203.0.113.99")
@@ -663,9 +661,9 @@ func TestRedisFailModes(t *testing.T) {
 // breaker for every client).
 func TestRedisWrongTypeKeyRepaired(t *testing.T) {
 	r := startRedis(t)
-	c := newRedisClient(t, r.addr())
-	h := newTestHandler(t, redisConfig(r.addr(), "bad", "1r/m", 1, `,"fail_mode":"closed"`))
-	for i := range 2 * tripAfter {
+	c := newRedisClient(t, r.Addr())
+	h := newTestHandler(t, redisConfig(r.Addr(), "bad", "1r/m", 1, `,"fail_mode":"closed"`))
+	for i := range 2 * rediswire.TripAfter {
 		ip := fmt.Sprintf("192.0.2.%d", 10+i)
 		hash, field := bucketOf(h, 0, ip)
 		c.Del(context.Background(), hash)
@@ -674,11 +672,11 @@ func TestRedisWrongTypeKeyRepaired(t *testing.T) {
 		if codes != "200 429" {
 			t.Fatalf("key %d of the wrong type: %s, want 200 429 (the bucket repaired, then empty)", i, codes)
 		}
-		if typ := r.cli("TYPE", hash); typ != "hash" || r.cli("HEXISTS", hash, field) != "1" {
+		if typ := r.CLI("TYPE", hash); typ != "hash" || r.CLI("HEXISTS", hash, field) != "1" {
 			t.Fatalf("key %d: type %s after a decision, want a hash with the bucket", i, typ)
 		}
 	}
-	if h.store.(*RedisStore).client.breaker.open() {
+	if h.store.(*RedisStore).client.Breaker.Open() {
 		t.Fatal("keys of the wrong type opened the circuit breaker")
 	}
 	// A value that is not an instant is a full bucket too, and so is an
@@ -693,48 +691,6 @@ func TestRedisWrongTypeKeyRepaired(t *testing.T) {
 	}
 }
 
-// Only errors that say Redis cannot serve count toward the breaker; an
-// error reply about one call's keys says Redis is up.
-func TestClassifyRedisErrors(t *testing.T) {
-	r := startRedis(t)
-	c := newRedisClient(t, r.addr())
-	ctx := context.Background()
-	reply := func(msg string) error {
-		return c.Eval(ctx, "return redis.error_reply(ARGV[1])", nil, msg).Err()
-	}
-	c.HSet(ctx, "h", "x", "1")
-	closed := redis.NewClient(&redis.Options{Addr: r.addr()})
-	closed.Close()
-	down := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
-	defer down.Close()
-	for _, tc := range []struct {
-		name string
-		err  error
-		want int
-	}{
-		{"WRONGTYPE", c.Get(ctx, "h").Err(), errAnswered},
-		{"CROSSSLOT", reply("CROSSSLOT Keys in request don't hash to the same slot"), errAnswered},
-		{"script error", c.Eval(ctx, "return redis.call('NOPE')", nil).Err(), errAnswered},
-		{"bad reply", fmt.Errorf("%w: x", errBadReply), errAnswered},
-		{"LOADING", reply("LOADING Redis is loading the dataset in memory"), errOutage},
-		{"MASTERDOWN", reply("MASTERDOWN Link with MASTER is down"), errOutage},
-		{"READONLY", reply("READONLY You can't write against a read only replica."), errOutage},
-		{"OOM", reply("OOM command not allowed when used memory > 'maxmemory'."), errOutage},
-		{"WRONGPASS", reply("WRONGPASS invalid username-password pair"), errOutage},
-		{"dial", down.Ping(ctx).Err(), errOutage},
-		{"timeout", context.DeadlineExceeded, errOutage},
-		{"closed client", closed.Ping(ctx).Err(), errUnknown},
-		{"pool timeout", fmt.Errorf("wrapped: %w", redis.ErrPoolTimeout), errUnknown},
-	} {
-		if tc.err == nil {
-			t.Fatalf("%s: no error to classify", tc.name)
-		}
-		if got := classify(tc.err); got != tc.want {
-			t.Errorf("%s (%v): kind %d, want %d", tc.name, tc.err, got, tc.want)
-		}
-	}
-}
-
 // On a cluster, keys spread over the nodes, and a request denied in one
 // slot gets back what it took in another.
 func TestRedisCluster(t *testing.T) {
@@ -742,15 +698,15 @@ func TestRedisCluster(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"ip","rate":"1r/m","burst":5},
 		{"name":"user","key":"{http.request.header.X-User}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q]}}`, nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q]}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	for i := range 60 {
 		if code, _ := serve(h, fmt.Sprintf("10.0.%d.1", i)); code != http.StatusOK {
 			t.Fatalf("request %d: %d", i, code)
 		}
 	}
 	for _, n := range nodes {
-		if keys := n.cli("DBSIZE"); keys == "0" {
-			t.Fatalf("node %s holds no keys: keys did not spread over slots", n.addr())
+		if keys := n.CLI("DBSIZE"); keys == "0" {
+			t.Fatalf("node %s holds no keys: keys did not spread over slots", n.Addr())
 		}
 	}
 
@@ -780,10 +736,10 @@ func TestRedisClusterRefundsEachSlot(t *testing.T) {
 		{"name":"ip","rate":"1r/m","burst":5},
 		{"name":"api","key":"{http.request.header.X-Key}","rate":"1r/m","burst":5},
 		{"name":"user","key":"{http.request.header.X-User}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`, nodes[0].addr(), nodes[1].addr(), nodes[2].addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	slotOf := func(zone, key string) string {
 		hash, _ := bucketName("", zone, key)
-		return nodes[0].cli("CLUSTER", "KEYSLOT", hash)
+		return nodes[0].CLI("CLUSTER", "KEYSLOT", hash)
 	}
 	ip, user := "10.2.0.1", "bob"
 	key := ""
@@ -819,22 +775,22 @@ func TestRedisSentinelFailover(t *testing.T) {
 		t.Skip("runs for seconds")
 	}
 	master := startRedis(t)
-	replica := startRedis(t, "--replicaof", "127.0.0.1", fmt.Sprint(master.port))
+	replica := startRedis(t, "--replicaof", "127.0.0.1", fmt.Sprint(master.Port))
 	sdir := t.TempDir()
 	sport := freePort(t, 0)
 	conf := writeFile(t, sdir, "sentinel.conf", fmt.Sprintf(
 		"port %d\nbind 127.0.0.1\ndir %s\nsentinel monitor mymaster 127.0.0.1 %d 1\n"+
 			"sentinel down-after-milliseconds mymaster 1000\nsentinel failover-timeout mymaster 5000\n",
-		sport, sdir, master.port))
-	sentinel := &redisServer{t: t, port: sport, dir: sdir, args: []string{conf, "--sentinel"}}
-	sentinel.start()
-	t.Cleanup(sentinel.kill)
+		sport, sdir, master.Port))
+	sentinel := &redisServer{T: t, Port: sport, Dir: sdir, Args: []string{conf, "--sentinel"}}
+	sentinel.Start()
+	t.Cleanup(sentinel.Kill)
 	waitFor(t, 10*time.Second, "replica in sync", func() bool {
-		return strings.Contains(replica.cli("INFO", "replication"), "master_link_status:up")
+		return strings.Contains(replica.CLI("INFO", "replication"), "master_link_status:up")
 	})
 
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"s","rate":"1r/m","burst":10}],
-		"store":{"backend":"redis","addresses":[%q],"sentinel":"mymaster","timeout":"200ms","fail_mode":"closed"}}`, sentinel.addr()))
+		"store":{"backend":"redis","addresses":[%q],"sentinel":"mymaster","timeout":"200ms","fail_mode":"closed"}}`, sentinel.Addr()))
 	hash, field := bucketOf(h, 0, "192.0.2.50")
 	for i := range 3 {
 		if code, _ := serve(h, "192.0.2.50"); code != http.StatusOK {
@@ -842,18 +798,18 @@ func TestRedisSentinelFailover(t *testing.T) {
 		}
 	}
 	waitFor(t, 5*time.Second, "key replicated", func() bool {
-		return replica.cli("HEXISTS", hash, field) == "1"
+		return replica.CLI("HEXISTS", hash, field) == "1"
 	})
-	sentinel.cli("SENTINEL", "FAILOVER", "mymaster")
+	sentinel.CLI("SENTINEL", "FAILOVER", "mymaster")
 	waitFor(t, 15*time.Second, "failover", func() bool {
-		return strings.Contains(replica.cli("INFO", "replication"), "role:master")
+		return strings.Contains(replica.CLI("INFO", "replication"), "role:master")
 	})
 	// The store reconnects to the new master; the bucket kept its state.
 	waitFor(t, 10*time.Second, "store on new master", func() bool {
 		code, hdr := serve(h, "192.0.2.50")
 		return code == http.StatusOK && hdr.Get("X-Ratelimit-Remaining") != ""
 	})
-	if n := replica.cli("HGET", hash, field); n == "" {
+	if n := replica.CLI("HGET", hash, field); n == "" {
 		t.Fatal("new master has no bucket")
 	}
 	// Three requests before the failover, at least two after: a bucket
@@ -883,36 +839,36 @@ func TestRedisTLS(t *testing.T) {
 	caPEM, certPEM, keyPEM := testCertificates(t)
 	ca := writeFile(t, dir, "ca.pem", caPEM)
 	port := freePort(t, 0)
-	r := &redisServer{t: t, port: port, dir: dir, args: []string{"--bind", "127.0.0.1", "--port", "0",
+	r := &redisServer{T: t, Port: port, Dir: dir, Args: []string{"--bind", "127.0.0.1", "--port", "0",
 		"--tls-port", strconv.Itoa(port), "--tls-cert-file", writeFile(t, dir, "cert.pem", certPEM),
 		"--tls-key-file", writeFile(t, dir, "key.pem", keyPEM), "--tls-ca-cert-file", ca,
 		"--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", dir}}
-	r.cmd = exec.Command("redis-server", r.args...)
-	if err := r.cmd.Start(); err != nil {
+	r.Cmd = exec.Command("redis-server", r.Args...)
+	if err := r.Cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(r.kill)
+	t.Cleanup(r.Kill)
 	waitFor(t, 10*time.Second, "redis-server with TLS", func() bool {
-		_, err := r.tryCLI("--tls", "--cacert", ca, "PING")
+		_, err := r.TryCLI("--tls", "--cacert", ca, "PING")
 		return err == nil
 	})
 
-	h := newTestHandler(t, redisConfig(r.addr(), "tls", "1r/m", 1, fmt.Sprintf(`,"tls":{"ca":%q},"fail_mode":"closed"`, ca)))
+	h := newTestHandler(t, redisConfig(r.Addr(), "tls", "1r/m", 1, fmt.Sprintf(`,"tls":{"ca":%q},"fail_mode":"closed"`, ca)))
 	codes := fmt.Sprint(statusOnly(serve(h, "192.0.2.70")), statusOnly(serve(h, "192.0.2.70")))
 	if codes != "200 429" {
 		t.Fatalf("over TLS: %s, want 200 429", codes)
 	}
-	if out, _ := r.tryCLI(append([]string{"--tls", "--cacert", ca, "HEXISTS"}, pair(bucketOf(h, 0, "192.0.2.70"))...)...); out != "1" {
+	if out, _ := r.TryCLI(append([]string{"--tls", "--cacert", ca, "HEXISTS"}, pair(bucketOf(h, 0, "192.0.2.70"))...)...); out != "1" {
 		t.Fatalf("the bucket is not in Redis: %q", out)
 	}
 
 	// Without the CA, the server is not trusted: Redis fails, fail_mode
 	// closed answers 503.
-	h = newTestHandler(t, redisConfig(r.addr(), "tls", "1r/m", 1, `,"tls":{},"fail_mode":"closed","pool_size":2`))
+	h = newTestHandler(t, redisConfig(r.Addr(), "tls", "1r/m", 1, `,"tls":{},"fail_mode":"closed","pool_size":2`))
 	if code, _ := serve(h, "192.0.2.71"); code != http.StatusServiceUnavailable {
 		t.Fatalf("untrusted server: %d, want 503", code)
 	}
-	h = newTestHandler(t, redisConfig(r.addr(), "tls", "1r/m", 1, `,"tls":{"insecure_skip_verify":true},"fail_mode":"closed","pool_size":3`))
+	h = newTestHandler(t, redisConfig(r.Addr(), "tls", "1r/m", 1, `,"tls":{"insecure_skip_verify":true},"fail_mode":"closed","pool_size":3`))
 	if code, _ := serve(h, "192.0.2.72"); code != http.StatusOK {
 		t.Fatalf("insecure_skip_verify: %d, want 200", code)
 	}
@@ -958,15 +914,15 @@ func TestRedisCleanupUnderRunningRequests(t *testing.T) {
 	r := startRedis(t)
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	h := new(Handler)
-	if err := json.Unmarshal([]byte(redisConfig(r.addr(), "cleanup", "1r/m", 5, `,"timeout":"2s"`)), h); err != nil {
+	if err := json.Unmarshal([]byte(redisConfig(r.Addr(), "cleanup", "1r/m", 5, `,"timeout":"2s"`)), h); err != nil {
 		t.Fatal(err)
 	}
 	if err := h.Provision(ctx); err != nil {
 		t.Fatal(err)
 	}
 	serve(h, "192.0.2.90") // connected
-	r.pause()
-	defer r.resume()
+	r.Pause()
+	defer r.Resume()
 	var wg sync.WaitGroup
 	codes := make([]int, 20)
 	for i := range codes {
@@ -994,10 +950,10 @@ func TestRedisFloodAsksOncePerBucket(t *testing.T) {
 		t.Skip("runs for seconds")
 	}
 	r := startRedis(t)
-	h := newTestHandler(t, redisConfig(r.addr(), "onceper", "10r/s", 20, `,"pool_size":64`))
+	h := newTestHandler(t, redisConfig(r.Addr(), "onceper", "10r/s", 20, `,"pool_size":64`))
 	var allowed, total atomic.Int64
 	var wg sync.WaitGroup
-	callsBefore := r.calls()
+	callsBefore := r.Calls()
 	start := time.Now()
 	const warmUp, run = 500 * time.Millisecond, 2500 * time.Millisecond
 	for range 64 {
@@ -1011,10 +967,10 @@ func TestRedisFloodAsksOncePerBucket(t *testing.T) {
 		})
 	}
 	time.Sleep(warmUp)
-	allowedWarm, callsWarm := allowed.Load(), r.calls()
+	allowedWarm, callsWarm := allowed.Load(), r.Calls()
 	wg.Wait()
-	calls := r.calls() - callsBefore
-	steadyAllowed, steadyCalls := allowed.Load()-allowedWarm, r.calls()-callsWarm
+	calls := r.Calls() - callsBefore
+	steadyAllowed, steadyCalls := allowed.Load()-allowedWarm, r.Calls()-callsWarm
 	t.Logf("64 callers: %d requests, %d allowed, %d Redis calls; after the first %v: %d allowed, %d calls",
 		total.Load(), allowed.Load(), calls, warmUp, steadyAllowed, steadyCalls)
 	if most := 20 + 10*time.Since(start).Seconds() + 1; float64(allowed.Load()) > most {
@@ -1066,49 +1022,12 @@ func TestRedisFailClosedAnswers503(t *testing.T) {
 	}
 }
 
-// Options that go-redis refuses with a panic give an error instead: a
-// panic there would leave the client pool's entry locked, and every later
-// config load waiting on it.
-func TestMakeRedisClientDoesNotPanic(t *testing.T) {
-	c, err := makeRedisClient(&redis.UniversalOptions{Addrs: []string{"127.0.0.1:1"}, PoolSize: 1 << 40})
-	if err == nil {
-		c.Close()
-		t.Fatal("a pool of 2^40 connections was accepted")
-	}
-}
-
-// go-redis's own log lines go to the store's logger at DEBUG, at most
-// one a second, instead of to stderr.
-func TestGoRedisLogLines(t *testing.T) {
-	prev := goRedisLog.logger.Load()
-	defer goRedisLog.logger.Store(prev)
-	for _, level := range []zapcore.Level{zapcore.DebugLevel, zapcore.InfoLevel} {
-		core, logs := observer.New(level)
-		goRedisLog.logger.Store(zap.New(core))
-		goRedisLog.lines = throttle{}
-		for range 10 {
-			redis.SetLogger(goRedisLog) // as init does
-			goRedisLog.Printf(context.Background(), "redis: failed to dial %s", "127.0.0.1:1")
-		}
-		want := 0
-		if level == zapcore.DebugLevel {
-			want = 1
-		}
-		if n := logs.Len(); n != want {
-			t.Fatalf("logger at %s: %d lines for 10 go-redis lines in a burst, want %d", level, n, want)
-		}
-		if want == 1 && logs.All()[0].ContextMap()["message"] != "redis: failed to dial 127.0.0.1:1" {
-			t.Fatalf("line %v", logs.All()[0])
-		}
-	}
-}
-
 // When a call fails, fail_mode local's bucket starts from what Redis last
 // said of it: a client that emptied its bucket gets the tokens that came
 // back since, not a fresh burst.
 func TestRedisFailLocalStartsFromWhatRedisSaid(t *testing.T) {
 	r := startRedis(t)
-	h := newTestHandler(t, redisConfig(r.addr(), "carry", "2r/s", 3, `,"timeout":100000000`))
+	h := newTestHandler(t, redisConfig(r.Addr(), "carry", "2r/s", 3, `,"timeout":100000000`))
 	for i := range 3 {
 		if code, _ := serve(h, "192.0.2.8"); code != http.StatusOK {
 			t.Fatalf("request %d: %d, want 200", i, code)
@@ -1118,7 +1037,7 @@ func TestRedisFailLocalStartsFromWhatRedisSaid(t *testing.T) {
 		t.Fatalf("4th request: %d, want 429", code)
 	}
 	time.Sleep(600 * time.Millisecond) // one token back
-	r.kill()
+	r.Kill()
 	allowed := 0
 	for range 3 {
 		if code, _ := serve(h, "192.0.2.8"); code == http.StatusOK {
@@ -1147,7 +1066,7 @@ func TestRedisZoneNamesDoNotCollide(t *testing.T) {
 	r := startRedis(t)
 	config := func(zone, key string) string {
 		return fmt.Sprintf(`{"rate_limits":{%q:{"key":%q,"window":"1m","max_events":1}},
-			"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, zone, key, r.addr())
+			"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, zone, key, r.Addr())
 	}
 	a := newTestHandler(t, config("api:v1", "k"))
 	b := newTestHandler(t, config("api", "v1:k"))
@@ -1166,7 +1085,7 @@ func TestRedisZoneNamesDoNotCollide(t *testing.T) {
 	var fields []string
 	for i, h := range []*Handler{a, b, c} {
 		hash, field := bucketOf(h, 0, []string{"k", "v1:k", "k"}[i])
-		if r.cli("HEXISTS", hash, field) != "1" {
+		if r.CLI("HEXISTS", hash, field) != "1" {
 			t.Errorf("zone %s: no bucket %s in %s", h.Zones[0].Name, field, hash)
 		}
 		fields = append(fields, field)
@@ -1187,10 +1106,10 @@ func TestRedisPipelinedDecisionsAreExact(t *testing.T) {
 		addrs []string
 		flush func()
 	}{
-		{"standalone", []string{single.addr()}, func() { single.cli("SCRIPT", "FLUSH") }},
-		{"cluster", []string{nodes[0].addr(), nodes[1].addr(), nodes[2].addr()}, func() {
+		{"standalone", []string{single.Addr()}, func() { single.CLI("SCRIPT", "FLUSH") }},
+		{"cluster", []string{nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()}, func() {
 			for _, n := range nodes {
-				n.cli("SCRIPT", "FLUSH")
+				n.CLI("SCRIPT", "FLUSH")
 			}
 		}},
 	} {
@@ -1238,9 +1157,8 @@ func TestRedisPipelinedDecisionsAreExact(t *testing.T) {
 func TestRedisTwinTakes(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, `{"zones":[{"name":"twin","key":"{http.request.header.X-Key}","rate":"7r/h","burst":5}],
-		"store":{"backend":"redis","addresses":["`+r.addr()+`"],"pool_size":2,"timeout":"5s","disable_over_limit_cache":true}}`)
+		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"pool_size":2,"timeout":"5s","disable_over_limit_cache":true}}`)
 	s := h.store.(*RedisStore)
-	s.client.pipe.maxFlights = 1
 	now := time.Now()
 	s.testClock = func() time.Time { return now } // the same instant for all: the same debts
 	take := func(key string) (bool, time.Duration) {
@@ -1259,11 +1177,11 @@ func TestRedisTwinTakes(t *testing.T) {
 	}
 	// Together: a script keeps Redis busy while one take holds the only
 	// flight, and eight takes of one key and one of another queue up.
-	calls := r.calls()
+	calls := r.Calls()
 	busy := make(chan struct{})
 	go func() {
 		defer close(busy)
-		r.cli("EVAL", "local t = redis.call('TIME') local e = t[1] * 1e6 + t[2] + 400000 "+
+		r.CLI("EVAL", "local t = redis.call('TIME') local e = t[1] * 1e6 + t[2] + 400000 "+
 			"repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] > e", "0")
 	}()
 	time.Sleep(100 * time.Millisecond)
@@ -1297,28 +1215,8 @@ func TestRedisTwinTakes(t *testing.T) {
 	if !slices.Equal(alone, want) {
 		t.Fatalf("alone %q, want %q", alone, want)
 	}
-	if n := r.calls() - calls; n != 4 {
+	if n := r.Calls() - calls; n != 4 {
 		t.Fatalf("%d script calls, want 4: the busy one, the first, the flood's and the other key's", n)
-	}
-}
-
-// The reply of k takes becomes each take's reply: the allowed ones owe
-// a cost less for each allowed after them, the denied ones what the last
-// allowed left, and the first carries the count of repaired keys.
-func TestSplitTakes(t *testing.T) {
-	got, err := splitTakes([]any{int64(2), int64(3000), int64(50), int64(1000), int64(10), int64(1)}, 2, 3)
-	want := [][]any{
-		{int64(1), int64(2000), int64(40), int64(1)},
-		{int64(1), int64(3000), int64(50)},
-		{int64(0), int64(3000), int64(50)},
-	}
-	if err != nil || fmt.Sprint(got) != fmt.Sprint(want) {
-		t.Fatalf("splitTakes = %v, %v; want %v", got, err, want)
-	}
-	for _, v := range [][]any{{int64(1), int64(5)}, {int64(1), "x", int64(5)}} {
-		if _, err := splitTakes(v, 1, 2); !errors.Is(err, errBadReply) {
-			t.Errorf("splitTakes(%v) error %v, want a bad reply", v, err)
-		}
 	}
 }
 
@@ -1342,10 +1240,10 @@ func TestRedisMemoryPerKey(t *testing.T) {
 		}
 	}
 	r := startRedis(t)
-	c := newRedisClient(t, r.addr())
+	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
 	used := func() int64 {
-		info := r.cli("INFO", "memory")
+		info := r.CLI("INFO", "memory")
 		for _, line := range strings.Split(info, "\n") {
 			if v, ok := strings.CutPrefix(strings.TrimSpace(line), "used_memory:"); ok {
 				n, _ := strconv.ParseInt(v, 10, 64)
@@ -1360,7 +1258,7 @@ func TestRedisMemoryPerKey(t *testing.T) {
 	// 7r/h: a token is not a whole number of microseconds, as with most
 	// rates, so the layout before stored a fraction; and the buckets last
 	// the whole test.
-	h := newTestHandler(t, redisConfig(r.addr(), "rb", "7r/h", 10, `,"timeout":"10s"`))
+	h := newTestHandler(t, redisConfig(r.Addr(), "rb", "7r/h", 10, `,"timeout":"10s"`))
 	rs, z := h.store.(*RedisStore), h.Zones[0]
 	before := used()
 	start := time.Now()
@@ -1416,4 +1314,175 @@ func TestRedisMemoryPerKey(t *testing.T) {
 	grownOld := used() - before
 	mu, _ := c.MemoryUsage(ctx, "t:rb:{"+ip(n/2)+"}", 0).Result()
 	t.Logf("the layout before, same keys: used_memory +%d B, %.1f B per bucket; MEMORY USAGE of one key %d B", grownOld, float64(grownOld)/float64(n), mu)
+}
+
+// Every key a script touches is among its call's KEYS (Redis's EVAL
+// contract, on which Cluster routing relies and which Dragonfly
+// enforces): MONITOR shows each script call with its keys, then the
+// commands the script ran, while a handler decides every kind of zone.
+func TestScriptsDeclareTheirKeys(t *testing.T) {
+	r := startRedis(t)
+	mon := exec.Command("redis-cli", "-p", strconv.Itoa(r.Port), "MONITOR")
+	out, err := mon.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := mon.Start(); err != nil {
+		t.Fatal(err)
+	}
+	lines := make(chan []string, 1)
+	go func() {
+		var all []string
+		sc := bufio.NewScanner(out)
+		sc.Buffer(nil, 1<<20)
+		for sc.Scan() {
+			all = append(all, sc.Text())
+		}
+		lines <- all
+	}()
+	time.Sleep(100 * time.Millisecond) // MONITOR is on
+
+	h := newTestHandler(t, `{"zones":[
+		{"name":"mon_a","rate":"1r/m","burst":3},
+		{"name":"mon_b","rate":"1r/m","burst":1,"ban":"1h"},
+		{"name":"mon_d","rate":"1r/m","burst":1,"delay":"10ms"},
+		{"name":"mon_q","quota":2,"quota_period":"day"},
+		{"name":"mon_k","concurrency":2},
+		{"name":"mon_p","rate":"{http.vars.plan_rate}","burst":2},
+		{"name":"mon_n","rate":"1r/m","burst":2,"count":{"status_code":[401]}},
+		{"name":"mon_s","concurrency":1,"dry_run":true}],
+		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"mon:"}}`)
+	// While the first request holds its slots, every zone's state in
+	// Redis, through the admin API.
+	peek := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		for _, z := range h.Zones {
+			rec := httptest.NewRecorder()
+			if err := (adminAPI{}).serve(rec, httptest.NewRequest(http.MethodGet, "/rate_limit/"+z.Name+"/192.0.2.9", nil)); err != nil {
+				t.Errorf("admin GET of zone %s: %v", z.Name, err)
+			}
+		}
+		return nil
+	})
+	for i := range 4 {
+		req, rr := newRequest("192.0.2.9")
+		caddyhttp.SetVar(req.Context(), "plan_rate", "2r/m")
+		next := okHandler
+		if i == 0 {
+			next = peek
+		}
+		_ = h.ServeHTTP(rr, req, next)
+	}
+	// A flood of one key: twin takes in one call.
+	flood := newTestHandler(t, `{"zones":[{"name":"mon_f","rate":"1r/m","burst":5}],
+		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"mon:","disable_over_limit_cache":true}}`)
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Go(func() { serve(flood, "192.0.2.10") })
+	}
+	wg.Wait()
+
+	time.Sleep(100 * time.Millisecond)
+	_ = mon.Process.Kill()
+	_ = mon.Wait()
+	var keys map[string]bool // the current call's
+	ran := map[string]int{}
+	calls := 0
+	for _, line := range <-lines {
+		args, src := monitorLine(t, line)
+		switch {
+		case len(args) == 0:
+		case strings.EqualFold(args[0], "EVALSHA") || strings.EqualFold(args[0], "EVAL"):
+			n, _ := strconv.Atoi(args[2])
+			keys = map[string]bool{}
+			for _, k := range args[3 : 3+n] {
+				keys[k] = true
+			}
+			calls++
+		case src == "lua" && args[0] != "TIME":
+			ran[args[0]]++
+			if !keys[args[1]] {
+				t.Errorf("%s ran on %q, not among the call's KEYS %v", args[0], args[1], keys)
+			}
+		}
+	}
+	t.Logf("%d script calls, their commands: %v", calls, ran)
+	for _, cmd := range []string{"HGET", "HSET", "HDEL", "HRANDFIELD", "PTTL", "PEXPIRE", "HMGET", "PEXPIREAT",
+		"ZREMRANGEBYSCORE", "ZCARD", "ZADD", "ZRANGE", "ZREM", "TYPE", "ZCOUNT"} {
+		if ran[cmd] == 0 {
+			t.Errorf("no script ran %s: the test does not reach every part of the scripts", cmd)
+		}
+	}
+}
+
+// monitorLine reads a line of MONITOR: `<time> [<db> <source>] "<cmd>"
+// "<arg>"...`, each quoted as redis-cli quotes it.
+func monitorLine(t *testing.T, line string) (args []string, source string) {
+	open, end := strings.IndexByte(line, '['), strings.IndexByte(line, ']')
+	if open < 0 || end < open {
+		return nil, ""
+	}
+	if f := strings.Fields(line[open+1 : end]); len(f) == 2 {
+		source = f[1]
+	}
+	rest := line[end+1:]
+	for {
+		i := strings.IndexByte(rest, '"')
+		if i < 0 {
+			return args, source
+		}
+		j := i + 1
+		for j < len(rest) && rest[j] != '"' {
+			if rest[j] == '\\' {
+				j++
+			}
+			j++
+		}
+		s, err := strconv.Unquote(rest[i : j+1])
+		if err != nil {
+			t.Fatalf("MONITOR line %q: %v", line, err)
+		}
+		args = append(args, s)
+		rest = rest[j+1:]
+	}
+}
+
+// A refund gives an empty bucket its tokens back whatever its rate: one
+// whose token is not a whole number of nanoseconds (11/2914ms), emptied,
+// then refunded at the same instant, holds a token again on every store.
+func TestRefundEmptyBucket(t *testing.T) {
+	r := startRedis(t)
+	zone := `{"zones":[{"name":"refund","rate":"11/2914ms","burst":2}]`
+	for _, tc := range []struct{ name, config string }{
+		{"local", zone + `}`},
+		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"rf1:"}}`},
+		{"redis, no cache", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"rf2:","disable_over_limit_cache":true}}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newTestHandler(t, tc.config)
+			now := time.Now()
+			if rs, ok := h.store.(*RedisStore); ok {
+				rs.testClock = func() time.Time { return now }
+			}
+			z := h.Zones[0]
+			reqs := []request{{zone: z, key: bucketKey{s: "k"}}}
+			for range 2 {
+				if ok, err := h.store.take(context.Background(), now, reqs); !ok || err != nil {
+					t.Fatalf("take: %v, %v", ok, err)
+				}
+			}
+			if got := reqs[0].remaining(); got != 0 {
+				t.Fatalf("%d tokens left after two takes, want 0", got)
+			}
+			if err := h.store.refund(context.Background(), now, reqs); err != nil {
+				t.Fatal(err)
+			}
+			q := request{zone: z, key: bucketKey{s: "k"}}
+			if err := h.store.peek(context.Background(), now, &q); err != nil {
+				t.Fatal(err)
+			}
+			if got := q.remaining(); got != 1 {
+				t.Fatalf("%d tokens after the refund, want 1 (debt %v, a token %v)", got, q.debt, z.costTime)
+			}
+		})
+	}
 }

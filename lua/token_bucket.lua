@@ -1,155 +1,175 @@
--- Token buckets kept as one number each: the instant the bucket is full
--- again, on Redis's own clock, so every Caddy instance that shares this
--- Redis shares one clock. An absent key is a full bucket: keys
--- expire exactly when their bucket has refilled.
+-- The decision script: a request's token buckets, calendar quota counters
+-- and concurrency slots, decided all or nothing in one atomic call.
 --
--- Instants count from 2025-01-01, in whole nanoseconds. The script never
--- holds one in a double: Redis's clock is whole microseconds, and a bucket
--- read is turned into what it owes from now, a duration that a double
--- holds to far below a nanosecond. So a bucket is written back exact to
--- the nanosecond, and never drifts, however many requests it serves. A
--- bucket may give its tokens up to 1 µs early, which absorbs what
--- rounding is left.
+-- A bucket is kept as one number: the instant it is full again, on
+-- Redis's own clock, so every Caddy instance that shares this Redis
+-- shares one clock. An absent bucket is a full one: buckets expire
+-- exactly when they have refilled.
 --
--- Buckets live many to a Redis hash, which costs Redis about a fifth of
--- a key each: KEYS[i] is `<hash><field>`, the hash's name ending at its
--- first '}' (`<prefix>{<group>}`), so that KEYS[i] has the hash's slot.
--- A bucket is a field, its instant a whole number of nanoseconds since
--- the epoch, in decimal (Redis keeps it as an integer). A hash expires
--- when the last of its buckets is full; until then a bucket that is full
--- again stays (it carries no information), and every new bucket removes
--- any such among three others taken at random, which keeps them to about
--- a third of a hash.
+-- THE CALL
 --
--- KEYS[i]      buckets (in one cluster slot), i = 1..n; after them come
---              mq quota keys and ms slot keys (see their sections)
--- ARGV[1]      "take", "refund", "peek" or "release"; or a number k > 1:
---              k takes of one request, one after another (see below)
--- ARGV[2]      "" to read TIME. Caddy always sends ""; tests send an
---              instant (whole µs since 1970) to replay a table of steps.
--- ARGV[4i-1]   full_i: µs to refill KEYS[i] from empty (burst / rate)
--- ARGV[4i]     cost_i: µs the request's tokens are worth (cost / rate)
--- ARGV[4i+1]   ban_i: µs a denial bans KEYS[i] for; 0 for no ban
--- ARGV[4i+2]   delay_i: µs a request may wait for KEYS[i]'s tokens; 0 for
---              none (never with a ban). Negative: the zone's delay is
---              -delay_i, but this request may not wait (take as if 0)
--- ARGV[#ARGV]  ms: the number of slot keys, 0 for none (slot section)
+--   KEYS     the hash of each bucket, then the key of each counter, then
+--            the key of each slot set, in that order, all in one cluster
+--            slot. The script touches no other key.
+--   ARGV[1]  op: 'take' or 'adjust'; or a number k > 1, k takes (below);
+--            or 'release' (below)
+--   ARGV[2]  clock: '' to read TIME; tests send an instant, to replay
+--            a table of steps
+--   ARGV[3]  nb, the number of buckets
+--   ARGV[4]  nc, the number of counters
+--   ARGV[5]  ns, the number of slot sets
+--   then the three sections, in that order:
+--   buckets  6 values each: field, full, cost, ban, delay, wait
+--   counters 6 values each: limit, cost, b0, b1, b2, b3
+--   slots    id, then 3 values each: limit, lease, soft
 --
--- take    charges every bucket or none (all-or-nothing): a bucket gives
---         cost_i if it would hold it within delay_i (the request then
---         waits out debt_i - full_i); when it denies, each bucket with a
---         ban that lacked the tokens and was not banned yet is banned: it
---         owes ban_i + full_i
--- refund  gives cost_i back to every bucket that is not banned, undoing
---         an earlier take
--- peek    changes nothing
--- release gives back the slots of id (slot section); no buckets
+-- Units: every duration is whole nanoseconds; every instant (the clock,
+-- b0..b3) is whole microseconds since 1970, the resolution of TIME.
 --
--- A bucket owes at most full_i + ban_i + delay_i; with a ban, one that
--- owes more than full_i is banned for the excess. take saves a bucket
--- found owing more (its key's plan changed to a smaller limit) as owing
--- just that: from then on an empty bucket of the request's limit.
+-- THE REPLY, one layout whatever the call:
 --
--- Returns {allowed (1|0), debt_1, ..., debt_n[, repaired[, bans]]}, where
--- debt_i is how long in nanoseconds (rounded, half up) until KEYS[i] is
--- full again after the decision. Only take returns 0.
+--   {allowed, repaired,
+--    debt_1, ban_1, ..., debt_nb, ban_nb,
+--    used_1, left_1, ..., used_nc, left_nc,
+--    held_1, free_1, ..., held_ns, free_ns}
 --
--- k takes decide k requests that arrived together with the same buckets
--- and arguments, in order, at one instant, as k calls would if Redis's
--- clock stood still: the first that a bucket lacks the tokens for is
--- denied, and so is every one after it. Only for buckets without ban or
--- delay, and no quota or slot keys. Returns {m, debt_1, ..., debt_n,
--- cost_1, ..., cost_n[, repaired]}: m were allowed, debt_i is KEYS[i]'s
--- after them (ns, as take's), and cost_i is a take's in ns, so that the
--- j-th allowed owes debt_i - (m - j) cost_i, as it would have alone.
+--   allowed   1 if the take was allowed, else 0 (adjust: 1); k takes:
+--             how many were allowed
+--   repaired  the keys of another type found, and overwritten by a write
+--   debt_i    how long until bucket i is full again, after the call
+--   ban_i     1 if this call started bucket i's ban, else 0
+--   used_j    counter j's count in its window, after the call
+--   left_j    how long until that window ends
+--   held_j    1 if the request holds a slot of set j, else 0
+--   free_j    how many slots of set j are free, after the call
 --
--- A bucket key that holds another type (or a value that is not an
--- instant) is taken for a full bucket, and overwritten or deleted by take
--- and refund; repaired is the number of such keys. bans, present when
--- this call started a ban, is a string of n flags, '1' for each key whose
--- ban it started (repaired, then maybe 0, comes before it). With slot
--- keys, the reply ends with one more element, the slot section's reply.
+-- BUCKETS. A bucket is the field `field` of its hash, KEYS[i]; its value
+-- is the instant it is full again, in whole nanoseconds since 2025-01-01,
+-- in decimal (Redis keeps it as an integer). A hash expires when the last
+-- of its buckets is full; until then a bucket that is full again stays
+-- (it carries nothing), and every new bucket removes any such among three
+-- others taken at random, which keeps them to about a third of a hash.
 --
--- Calendar quotas, a section of their own: a counter per key and window
--- (a day, a week or a month in a time zone), decided in the same call,
--- all or nothing with the buckets. Lua knows no time zones, so Caddy
--- computes, by its own clock and in the zone's time zone, the window
--- that holds its now, [b1, b2), with the one before, [b0, b1), and the
--- one after, [b2, b3). The script takes Redis's TIME (or ARGV[2]) and
--- picks the one of the three that holds it: the one before when Caddy's
--- clock is ahead, across a boundary Redis's has not reached, the one
--- after when it is behind. So every instance counts in the window of
--- Redis's one clock, whatever its own clock's skew up to a whole window;
--- a TIME outside the three is an error, which fail_mode decides. Only
--- boundaries travel, never an instant that decides: no instance can move
--- a window by its clock.
+--   full   time to refill the bucket from empty: burst / rate
+--   cost   what the request's tokens are worth: cost / rate (adjust:
+--          negative to give tokens back)
+--   ban    how long a denial bans the bucket for; 0 for no ban
+--   delay  how much further than empty a take may reserve: 0 for none
+--          (never with a ban)
+--   wait   how much of delay this request may reserve: delay, or 0 when
+--          the request may not wait
 --
--- A counter is a hash {w = its window's end, n = its count}, expiring at
--- w (PEXPIREAT): a counter of an ended window, or none, is 0. The window
--- is held in the key rather than named by it, so a key is one key per
--- client whatever the window, and a window of a counter found older than
--- the picked one starts again from 0.
+-- A bucket owes at most full + ban + delay; with a ban, one that owes
+-- more than full is banned for the excess. One found owing more (its
+-- key's limit changed to a smaller one) is read as owing just that: from
+-- then on an empty bucket of the request's limit.
 --
--- KEYS[n+j]         quota counter keys, j = 1..mq, after the n bucket
---                   keys (and before the slot keys)
--- ARGV[top]         mq, the number of quota keys (always sent, 0 for
---                   none), just before the slot section: top is #ARGV - 1
---                   without slot keys, #ARGV - 2 - 3ms with ms of them
--- ARGV[a+1 .. a+6]  for quota j, where a = top - 1 - 6(mq - j + 1):
---                   limit_j, cost_j, b0_j, b1_j, b2_j, b3_j (ms since 1970)
+-- take    charges every bucket, counter and slot set, or none. A bucket
+--         gives cost when debt + cost <= full + wait: the request then
+--         waits out what it owes beyond full. When the take is refused,
+--         each bucket with a ban that lacked the tokens and was not banned
+--         yet (it owed at most full) is banned: it owes full + ban.
+-- adjust  charges each bucket and counter its cost, refusing nothing: a
+--         bucket up to what it may owe, a counter past its limit. A
+--         negative cost gives back, and never shortens a ban. No slots.
 --
--- take    a quota that lacks cost_j refuses (reply[1] = 0, nothing
---         charged); an allowed request adds cost_j to every counter
--- refund  takes cost_j off a counter of the window that holds now
--- peek    changes nothing
+-- k takes decide k takes of one request that arrived together, in order,
+-- at one instant, as k calls would if Redis's clock stood still: the
+-- first that a bucket lacks the tokens for is refused, and so is every
+-- one after it. Only for buckets without ban or delay, and no counters
+-- or slots. allowed is the number m allowed, and debt_i bucket i's after
+-- them: the j-th of them (j = 1..m) owes debt_i - (m - j) cost_i, as it
+-- would have alone.
 --
--- With mq > 0 the reply always has repaired and bans (an empty string
--- when no ban started), then for each quota j its count after the
--- decision and the milliseconds until its window ends (before the slot
--- section's reply, which is always last).
+-- COUNTERS. A calendar quota's counter per key and window (a day, a week
+-- or a month in a time zone), decided in the same call, all or nothing
+-- with the buckets. Lua knows no time zones, so Caddy sends, by its own
+-- clock and in the zone's time zone, the window that holds its now,
+-- [b1, b2), with the one before, [b0, b1), and the one after, [b2, b3).
+-- The script picks the one of the three that holds Redis's clock: the one
+-- before when Caddy's clock is ahead, across a boundary Redis's has not
+-- reached, the one after when it is behind. So every instance counts in
+-- the window of Redis's one clock, whatever its own clock's skew up to a
+-- whole window; a clock outside the three is an error, which fail_mode
+-- decides. Only boundaries travel, never an instant that decides.
+--
+-- A counter is a hash {w = its window's end in ms since 1970, n = its
+-- count}, expiring at w (PEXPIREAT): a counter of an ended window, or
+-- none, is 0. The window is held in the key rather than named by it, so
+-- a client has one key whatever the window, and a counter found from an
+-- older window than the picked one starts again from 0.
+--
+--   limit  the most units a window holds
+--   cost   the units the request counts (adjust: negative to take off)
+--
+-- take refuses when a counter lacks cost, and counts cost in every
+-- counter when it is allowed.
+--
+-- SLOTS of the zones with concurrency: a sorted set per key, whose members
+-- are the requests holding a slot, and whose scores are the instants (µs
+-- since 2025) their leases end. A lease that has ended is a slot free
+-- again, whatever became of the instance that took it; the set itself
+-- expires with its last lease.
+--
+--   id     the request's member, unique among instances
+--   limit  how many slots the set has
+--   lease  how long a slot is held at most
+--   soft   '1' when a full set does not refuse the request (dry run)
+--
+-- take takes a slot of every set when the buckets and counters allow,
+-- or none when a set that is not soft is full; a soft set that is full
+-- is left as it is.
+--
+-- release gives back the slots of one request, its own call: KEYS are
+-- its slot sets, ARGV[2] the request's id, and the reply {n}, n the sets
+-- that held it.
+--
+-- A key of another type (or a bucket that holds no instant) is read as
+-- full, or empty of slots, and overwritten or deleted by the writes.
 
-local epoch = 1735689600 -- 2025-01-01T00:00:00Z, in seconds
-local slack = 1 -- µs
+local epoch = 1735689600000000 -- 2025-01-01T00:00:00Z, in µs since 1970
 
 -- The script runs once per decision, and Redis pays for every function
--- and table it makes: the common path (buckets only) makes no function
--- and two tables, and the quota and slot sections run only for calls
--- that have such keys.
+-- and table it makes: the common path (a take of buckets) makes no
+-- function and one table, the reply, and the counter and slot sections
+-- run only for calls that have them.
 
-local mode = ARGV[1]
-local now = tonumber(ARGV[2])
-if now then
-	now = now - epoch * 1000000
-else
-	local t = redis.call('TIME')
-	now = (t[1] - epoch) * 1000000 + t[2]
+local op = ARGV[1]
+if op == 'release' then
+	local n = 0
+	for i = 1, #KEYS do
+		n = n + redis.call('ZREM', KEYS[i], ARGV[2])
+	end
+	return { n }
 end
-local k = tonumber(mode) -- k takes, or nil
+local k = tonumber(op) -- k takes, or nil
 if k then
-	mode = 'take'
+	op = 'take'
 end
-local take = mode == 'take'
+local take, adjust = op == 'take', op == 'adjust'
+local clock = tonumber(ARGV[2])
+if not clock then
+	local t = redis.call('TIME')
+	clock = t[1] * 1000000 + t[2]
+end
+local now = clock - epoch -- µs since 2025: the buckets' time line
+local nb, nc, ns = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local cargs = 5 + 6 * nb -- counter j's values are ARGV[cargs + 6j - 5 ..]
+local sargs = cargs + 6 * nc -- the slot section: the id is ARGV[sargs + 1]
 
-local ms = tonumber(ARGV[#ARGV]) or 0 -- slot keys, the last of KEYS
-local qtop = ms > 0 and #ARGV - 2 - 3 * ms or #ARGV - 1
-local mq = tonumber(ARGV[qtop]) or 0 -- quota keys, before the slot keys
-local n = #KEYS - mq - ms
+local reply = { 1, 0 }
 
--- Calendar quotas, decided before the buckets charge anything.
-local qnow, qdeny, qbad = 0, false, 0
-local qkeys, qused, qend, qcost, qstale
-if mq > 0 then
-	qnow = math.floor(now / 1000) + epoch * 1000 -- ms since 1970
-	qkeys, qused, qend, qcost, qstale = {}, {}, {}, {}, {}
-	for j = 1, mq do
-		local a = qtop - 1 - 6 * (mq - j + 1)
-		local limit, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+-- Counters, read and decided before anything is written.
+local cused, cend, cstale
+if nc > 0 then
+	cused, cend, cstale = {}, {}, {}
+	for j = 1, nc do
+		local a = cargs + 6 * (j - 1)
 		local e
-		if qnow >= tonumber(ARGV[a + 3]) then
-			for t = 4, 6 do
-				local b = tonumber(ARGV[a + t])
-				if qnow < b then
-					e = b
+		if clock >= tonumber(ARGV[a + 3]) then
+			for b = a + 4, a + 6 do
+				if clock < tonumber(ARGV[b]) then
+					e = tonumber(ARGV[b])
 					break
 				end
 			end
@@ -157,189 +177,143 @@ if mq > 0 then
 		if not e then
 			return redis.error_reply('ERR quota window: Redis TIME is outside the windows Caddy sent (clocks more than a window apart)')
 		end
-		local key = KEYS[n + j]
+		local key = KEYS[nb + j]
 		local v = redis.pcall('HMGET', key, 'w', 'n')
 		local w, used = nil, 0
-		if type(v) == 'table' and v.err then
-			qbad = qbad + 1
-			if mode ~= 'peek' then
-				redis.call('DEL', key)
-			end
+		if v.err then
+			reply[2] = reply[2] + 1
+			redis.call('DEL', key)
 		else
 			w, used = tonumber(v[1]), tonumber(v[2]) or 0
 		end
-		if w and w >= e then
-			e = w -- a window Redis's clock already counted in
+		if w and w * 1000 >= e then
+			e = w * 1000 -- a window Redis's clock already counted in
 		else
-			used, qstale[j] = 0, true
+			used, cstale[j] = 0, true
 		end
-		if take and used + cost > limit then
-			qdeny = true
+		if take and used + ARGV[a + 2] > tonumber(ARGV[a + 1]) then
+			reply[1] = 0
 		end
-		qkeys[j], qused[j], qend[j], qcost[j] = key, used, e, cost
+		cused[j], cend[j] = used, e
 	end
 end
 
--- Buckets: each is read, and what the call does to it decided, before
--- any is written. A bucket's state is its hash, field and flag: flag is
--- 'bad' (it held no instant, or its hash was of another type: a full
--- bucket, repaired), 'short' (it lacked the tokens and starts a ban),
--- 'clamped' (it owed more than it may) or nil.
-local reply = { 1, 0 }
-local state = { false, false, false } -- hash, field and flag of bucket i at 3i-2, 3i-1, 3i
+-- Buckets, read and decided before anything is written. Until the writes,
+-- reply[2 + 2i] holds bucket i's state: 1 short (it lacked the tokens,
+-- and its ban starts), plus 2 clamped (it owed more than it may), plus 4
+-- bad (it held no instant, or its hash was of another type).
 local wrong -- the hashes found of another type, deleted before a write
-for i = 1, n do
-	local a = 4 * i - 1
-	local full, cost, ban, delay = tonumber(ARGV[a]), tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-	local wait = math.max(delay, 0) -- how long this request may wait
-	delay = math.abs(delay)
-	local key = KEYS[i]
-	local e = string.find(key, '}', 1, true) or #key
-	local h, field = string.sub(key, 1, e), string.sub(key, e + 1)
-	local v = redis.pcall('HGET', h, field)
-	local d, flag = 0, nil -- µs the bucket owes: an absent one owes none
+for i = 1, nb do
+	local a = 6 * i
+	local h = KEYS[i]
+	local full, cost, ban, delay = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+	local v = redis.pcall('HGET', h, ARGV[a])
+	local d, state = 0, 0 -- d: what the bucket owes; an absent one, nothing
 	if type(v) == 'table' then
 		wrong = wrong or {}
-		wrong[h], flag = true, 'bad'
+		wrong[h], state = true, 4
 	elseif v then
-		-- The instant is whole nanoseconds. x, their double, is within
-		-- a few hundred of them until 2098, so its microseconds come out
-		-- exact once the last three digits are taken off and rounded.
-		local x, ns = tonumber(v), tonumber(string.sub(v, -3))
-		if x and ns and x >= 0 and x % 1 == 0 then
-			d = (math.floor((x - ns) / 1000 + 0.5) - now) + ns / 1000
+		-- x, the instant's double, is within a few hundred nanoseconds of
+		-- it until 2098, so its microseconds come out exact once the last
+		-- three digits are taken off and rounded: d is then exact.
+		local x, frac = tonumber(v), tonumber(string.sub(v, -3))
+		if x and frac and x >= 0 and x % 1 == 0 then
+			d = (math.floor((x - frac) / 1000 + 0.5) - now) * 1000 + frac
 		else
-			flag = 'bad'
+			state = 4
 		end
 	end
-	if mode == 'refund' and d > 0 and d <= full + delay then
-		d = d - cost
+	local most = full + ban + delay
+	local debt = math.min(math.max(d, 0), most)
+	if d > most then
+		state = state + 2
 	end
-	-- A clock that went back, or a plan that changed to a smaller limit,
-	-- must not leave more than a whole bucket and a ban or a delay owed.
-	local debt = math.min(math.max(d, 0), full + ban + delay)
-	if d > full + ban + delay then
-		flag = 'clamped'
-	end
-	if take and debt + cost > full + wait + slack then
+	if take and debt + cost > full + tonumber(ARGV[a + 5]) then
 		reply[1] = 0
 		if ban > 0 and debt <= full then
-			flag = flag == 'bad' and 'bad short' or 'short'
+			state = state + 1
 		end
 	end
-	reply[i + 1] = debt
-	state[3 * i - 2], state[3 * i - 1], state[3 * i] = h, field, flag
+	reply[1 + 2 * i], reply[2 + 2 * i] = debt, state
 end
 
-if qdeny then
-	reply[1] = 0 -- a quota refuses: no bucket is charged
-end
-
--- k takes: the first m that every bucket holds are allowed. reply keeps
--- the debts before the last of them, which the writes below charge as a
--- take's.
+-- k takes: the first m that every bucket holds are allowed. The debts in
+-- reply are then those before the last of them, which the writes below
+-- charge as a take's.
 local m
 if k then
 	m = 0
 	local d, cost, full = {}, {}, {}
-	for i = 1, n do
-		d[i], cost[i], full[i] = reply[i + 1], tonumber(ARGV[4 * i]), ARGV[4 * i - 1] + slack
+	for i = 1, nb do
+		d[i], cost[i], full[i] = reply[1 + 2 * i], tonumber(ARGV[6 * i + 2]), tonumber(ARGV[6 * i + 1])
 	end
 	while m < k do
 		local room = true
-		for i = 1, n do
+		for i = 1, nb do
 			room = room and d[i] + cost[i] <= full[i]
 		end
 		if not room then
-			break -- this one is denied, and so is every one after it
+			break -- this one is refused, and so is every one after it
 		end
-		for i = 1, n do
-			reply[i + 1], d[i] = d[i], d[i] + cost[i]
+		for i = 1, nb do
+			reply[1 + 2 * i], d[i] = d[i], d[i] + cost[i]
 		end
 		m = m + 1
 	end
 	reply[1] = m > 0 and 1 or 0
 end
 
--- Slots of the zones with concurrency, kept apart from the buckets: a
--- sorted set per key, whose members are the requests holding a slot and
--- whose scores are the instants (µs, as the buckets') their leases end.
--- A lease that has ended is a slot free again, whatever became of the
--- instance that took it; the key itself expires with its last lease.
---
--- KEYS[n+mq+j]         slot keys, j = 1..ms (in the buckets' cluster slot)
--- ARGV[s+3j-2]         limit_j: how many slots KEYS[n+mq+j] has
--- ARGV[s+3j-1]         lease_j: µs a slot is held at most
--- ARGV[s+3j]           dry_j: '1' when a full KEYS[n+mq+j] does not refuse
---                      the request (dry run)
--- ARGV[#ARGV-1]        id: the request's member, unique among instances
--- ARGV[#ARGV]          ms
--- where s = #ARGV - 2 - 3ms.
---
--- take     takes a slot of every key when the buckets allow, or none
---          when one that is not dry is full; a dry key that is full is
---          left as it is
--- peek     changes nothing
--- release  removes id from every key
---
--- The section's reply is {held, free_1, ..., free_ms}: held is a string
--- of ms flags, '1' for each key where id now holds a slot; free_j is how
--- many slots of KEYS[n+mq+j] are free after the decision. A key that is
--- full shows 0 free and no slot held.
-local slot_base = #ARGV - 2 - 3 * ms
-local slots_used = ms > 0 and {} or nil
-for j = 1, ms do
-	-- Count the live leases of every slot key, trimming the ended ones,
-	-- and refuse the request when a key that is not dry is full and the
-	-- buckets allowed it.
-	local key = KEYS[n + mq + j]
-	local used = 0
-	if take then
-		-- A key of another type is taken for a key with no slot held,
-		-- and deleted: the keys under the prefix are ours.
+-- Slot sets: count the live leases, trimming the ended ones, and refuse
+-- the request when a set that is not soft is full and the buckets and
+-- counters allowed it.
+local sused
+if take and ns > 0 then
+	sused = {}
+	for j = 1, ns do
+		local a = sargs + 3 * j - 1
+		local key = KEYS[nb + nc + j]
 		local trimmed = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
-		if type(trimmed) == 'table' and trimmed.err then
+		if type(trimmed) == 'table' then
+			reply[2] = reply[2] + 1
 			redis.call('DEL', key)
 		end
-		used = redis.call('ZCARD', key)
-	elseif mode == 'peek' and redis.call('TYPE', key).ok == 'zset' then
-		used = redis.call('ZCOUNT', key, '(' .. now, '+inf')
+		local used = redis.call('ZCARD', key)
+		if reply[1] == 1 and used >= tonumber(ARGV[a]) and ARGV[a + 2] ~= '1' then
+			reply[1] = 0
+		end
+		sused[j] = used
 	end
-	if take and reply[1] == 1 and used >= tonumber(ARGV[slot_base + 3 * j - 2]) and ARGV[slot_base + 3 * j] ~= '1' then
-		reply[1] = 0
-	end
-	slots_used[j] = used
 end
 
--- Buckets: write. A bucket that owes debt µs is saved as the instant
--- now + debt, rounded to whole nanoseconds, written as the microseconds
--- (now's, which are whole, and debt's) then three digits of nanoseconds.
--- debt <= 0 deletes the bucket. A hash of another type is deleted first.
--- Any other error (a Redis out of memory) ends the script, before it has
--- written anything.
+-- Buckets: write. A bucket that owes debt is saved as the instant now +
+-- debt, written as its microseconds then three digits of nanoseconds;
+-- debt <= 0 deletes it. A hash of another type is deleted first. Any other
+-- error (a Redis out of memory) ends the script before it has written
+-- anything.
 local nowdigits -- now in the instants' digits, for purges
-local bans, banned = '', false
-local repaired = 0
-for i = 1, n do
-	local flag = state[3 * i]
-	local debt = reply[i + 1]
+for i = 1, nb do
+	local a = 6 * i
+	local debt, state = reply[1 + 2 * i], reply[2 + 2 * i]
+	local short, bad = state % 2 == 1, state >= 4
 	local write = true
-	if mode == 'refund' then
-		-- debt as it is: the tokens were given back above
+	if adjust then
+		local full, cost, ban = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+		if cost >= 0 then
+			debt = math.min(debt + cost, full + ban + tonumber(ARGV[a + 4]))
+		elseif ban == 0 or debt <= full then
+			debt = math.max(debt + cost, 0)
+		else
+			write = state >= 2 -- banned: only a repair
+		end
 	elseif take and reply[1] == 1 then
-		debt = debt + ARGV[4 * i]
-	elseif flag == 'short' or flag == 'bad short' then
-		debt = ARGV[4 * i - 1] + ARGV[4 * i + 1]
-		banned = true
-	elseif take and flag == 'clamped' then
-		-- saved as owing no more than it may
-	elseif take and flag == 'bad' then
-		debt = 0 -- a full bucket: no field
-	else
-		write = false
+		debt = debt + ARGV[a + 2]
+	elseif short then
+		debt = ARGV[a + 1] + ARGV[a + 3]
+	elseif not take or state < 2 then
+		write = false -- else saved as read: clamped, or a bad one as full
 	end
 	if write then
-		local h, field = state[3 * i - 2], state[3 * i - 1]
+		local h, field = KEYS[i], ARGV[a]
 		if wrong and wrong[h] then
 			redis.call('DEL', h)
 			wrong[h] = nil
@@ -347,13 +321,9 @@ for i = 1, n do
 		if debt <= 0 then
 			redis.call('HDEL', h, field)
 		else
-			local us = math.floor(debt)
-			local ns = math.floor((debt - us) * 1000 + 0.5)
-			if ns == 1000 then
-				us, ns = us + 1, 0
-			end
-			local added = redis.call('HSET', h, field, string.format('%d%03d', now + us, ns))
-			local ttl = math.ceil(debt / 1000)
+			local us = math.floor(debt / 1000)
+			local added = redis.call('HSET', h, field, string.format('%d%03d', now + us, debt - us * 1000))
+			local ttl = math.ceil(debt / 1000000)
 			local left = redis.call('PTTL', h) -- -1: HSET made the hash
 			if left < ttl then
 				redis.call('PEXPIRE', h, ttl)
@@ -363,7 +333,7 @@ for i = 1, n do
 				-- buckets full again among three of the hash's, taken at
 				-- random. Instants of as many digits compare as strings.
 				if not nowdigits then
-					nowdigits = string.format('%d000', math.floor(now))
+					nowdigits = string.format('%d000', now)
 				end
 				local r = redis.call('HRANDFIELD', h, 3, 'WITHVALUES')
 				for j = 2, #r, 2 do
@@ -375,88 +345,54 @@ for i = 1, n do
 			end
 		end
 	end
-	if flag == 'bad' or flag == 'bad short' then
-		repaired = repaired + 1
+	if bad then
+		reply[2] = reply[2] + 1
 	end
-	-- Whole nanoseconds, as Redis replies integers: at most 100 years
-	-- (the longest burst), well within its 64 bits.
-	local ns = debt * 1000
-	reply[i + 1] = math.floor(ns) + (ns % 1 >= 0.5 and 1 or 0)
+	reply[1 + 2 * i], reply[2 + 2 * i] = debt, short and 1 or 0
 end
-if banned then
-	for i = 1, n do
-		local flag = state[3 * i]
-		bans = bans .. ((flag == 'short' or flag == 'bad short') and '1' or '0')
+
+-- Counters: count, and reply.
+for j = 1, nc do
+	local a = cargs + 6 * (j - 1)
+	local key, used, e, cost = KEYS[nb + j], cused[j], cend[j], tonumber(ARGV[a + 2])
+	-- Numbers are written with %d: Redis would turn one of more than 14
+	-- digits into an exponent.
+	if take and reply[1] == 1 or adjust and cost > 0 then
+		used = used + cost
+		local w = string.format('%d', math.ceil(e / 1000))
+		if cstale[j] then
+			redis.call('HSET', key, 'w', w, 'n', string.format('%d', used))
+		else
+			redis.call('HINCRBY', key, 'n', ARGV[a + 2])
+		end
+		redis.call('PEXPIREAT', key, w)
+	elseif adjust and cost < 0 and not cstale[j] and used > 0 then
+		used = math.max(used + cost, 0)
+		if used == 0 then
+			redis.call('DEL', key)
+		else
+			redis.call('HSET', key, 'n', string.format('%d', used))
+		end
 	end
+	reply[1 + 2 * (nb + j)], reply[2 + 2 * (nb + j)] = used, (e - clock) * 1000
 end
-if repaired > 0 and mode ~= 'peek' or banned then
-	reply[n + 2] = repaired
+
+-- Slots: take, and reply.
+for j = 1, ns do
+	local a = sargs + 3 * j - 1
+	local key, limit = KEYS[nb + nc + j], tonumber(ARGV[a])
+	local used, held = sused and sused[j] or 0, 0
+	if take and reply[1] == 1 and used < limit then
+		redis.call('ZADD', key, now + math.floor(ARGV[a + 1] / 1000), ARGV[sargs + 1])
+		used, held = used + 1, 1
+		-- The set lives as long as its longest lease.
+		local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+		redis.call('PEXPIRE', key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1))
+	end
+	reply[1 + 2 * (nb + nc + j)], reply[2 + 2 * (nb + nc + j)] = held, math.max(limit - used, 0)
 end
-if banned then
-	reply[n + 3] = bans
-end
+
 if m then
-	-- k takes: {m, debt_1..debt_n after them, cost_1..cost_n in ns[,
-	-- repaired]}; take j <= m owes debt_i - (m - j) cost_i.
-	local out = { m }
-	for i = 1, n do
-		out[i + 1], out[n + i + 1] = reply[i + 1], math.floor(ARGV[4 * i] * 1000 + 0.5)
-	end
-	if repaired > 0 then
-		out[2 * n + 2] = repaired
-	end
-	return out
-end
-
--- Calendar quotas: count, and reply.
-if mq > 0 then
-	reply[n + 2] = repaired + qbad
-	reply[n + 3] = bans
-	for j = 1, mq do
-		local key, used, e = qkeys[j], qused[j], qend[j]
-		if take and reply[1] == 1 then
-			used = used + qcost[j]
-			if qstale[j] then
-				redis.call('HSET', key, 'w', e, 'n', used)
-			else
-				redis.call('HINCRBY', key, 'n', qcost[j])
-			end
-			redis.call('PEXPIREAT', key, e)
-		elseif mode == 'refund' and not qstale[j] and used > 0 then
-			used = math.max(used - qcost[j], 0)
-			if used == 0 then
-				redis.call('DEL', key)
-			else
-				redis.call('HSET', key, 'n', used)
-			end
-		end
-		reply[n + 2 + 2 * j] = used
-		reply[n + 3 + 2 * j] = e - qnow
-	end
-end
-
--- Slots: take or give back, and reply.
-if ms > 0 then
-	local slot_id = ARGV[#ARGV - 1]
-	local held, out = {}, {}
-	for j = 1, ms do
-		local key, limit = KEYS[n + mq + j], tonumber(ARGV[slot_base + 3 * j - 2])
-		local used = slots_used[j]
-		held[j] = '0'
-		if mode == 'release' then
-			redis.call('ZREM', key, slot_id)
-		elseif take and reply[1] == 1 and used < limit then
-			local lease = tonumber(ARGV[slot_base + 3 * j - 1])
-			redis.call('ZADD', key, now + lease, slot_id)
-			used = used + 1
-			held[j] = '1'
-			-- The key lives as long as its longest lease.
-			local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-			redis.call('PEXPIRE', key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1))
-		end
-		out[j + 1] = math.max(limit - used, 0)
-	end
-	out[1] = table.concat(held)
-	reply[#reply + 1] = out
+	reply[1] = m
 end
 return reply

@@ -1,0 +1,189 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package redistest starts throwaway redis-server processes on free
+// ports for tests, so that a test can kill, pause and restart them. It is
+// imported by tests only.
+package redistest
+
+import (
+	"net"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// Require skips the test, loudly, when redis-server is missing, and fails
+// it in CI, where the Redis tests must run.
+func Require(t testing.TB) {
+	t.Helper()
+	for _, bin := range []string{"redis-server", "redis-cli"} {
+		if _, err := exec.LookPath(bin); err != nil {
+			if os.Getenv("CI") == "true" {
+				t.Fatalf("%s not found: CI must run the Redis tests (apt-get install redis-server)", bin)
+			}
+			t.Skipf("REDIS TESTS SKIPPED: %s not found in PATH (apt-get install redis-server)", bin)
+		}
+	}
+}
+
+// A Server is a redis-server process of a test.
+type Server struct {
+	T    testing.TB
+	Port int
+	Dir  string
+	Args []string
+	Cmd  *exec.Cmd
+}
+
+// Start starts a redis-server that keeps nothing on disk, with extra
+// arguments, and kills it when the test ends.
+func Start(t testing.TB, extra ...string) *Server {
+	t.Helper()
+	Require(t)
+	r := &Server{T: t, Port: FreePort(t, 0), Dir: t.TempDir()}
+	r.Args = append([]string{"--bind", "127.0.0.1", "--port", strconv.Itoa(r.Port),
+		"--save", "", "--appendonly", "no", "--dir", r.Dir}, extra...)
+	r.Start()
+	t.Cleanup(r.Kill)
+	return r
+}
+
+// Start starts the server (again) with its arguments.
+func (r *Server) Start() {
+	r.T.Helper()
+	r.Cmd = exec.Command("redis-server", r.Args...)
+	r.Cmd.Dir = r.Dir
+	if err := r.Cmd.Start(); err != nil {
+		r.T.Fatalf("starting redis-server: %v", err)
+	}
+	r.WaitReady()
+}
+
+// WaitReady waits until the server answers PING.
+func (r *Server) WaitReady() {
+	r.T.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for time.Now().Before(deadline) {
+		if out, err := r.TryCLI("PING"); err == nil && out == "PONG" {
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	r.T.Fatalf("redis-server on port %d did not start", r.Port)
+}
+
+// Addr is the server's address.
+func (r *Server) Addr() string { return "127.0.0.1:" + strconv.Itoa(r.Port) }
+
+// Kill stops the server at once, as a crash would.
+func (r *Server) Kill() {
+	if r.Cmd != nil && r.Cmd.Process != nil {
+		_ = r.Cmd.Process.Signal(syscall.SIGCONT)
+		_ = r.Cmd.Process.Kill()
+		_ = r.Cmd.Wait()
+		r.Cmd = nil
+	}
+}
+
+// Restart starts the server again on the same port, empty.
+func (r *Server) Restart() { r.Kill(); r.Start() }
+
+// Pause freezes the server: connections stay open, nothing answers.
+func (r *Server) Pause() { _ = r.Cmd.Process.Signal(syscall.SIGSTOP) }
+
+// Resume unfreezes a paused server.
+func (r *Server) Resume() { _ = r.Cmd.Process.Signal(syscall.SIGCONT) }
+
+// TryCLI runs redis-cli against the server.
+func (r *Server) TryCLI(args ...string) (string, error) {
+	out, err := exec.Command("redis-cli", append([]string{"-p", strconv.Itoa(r.Port)}, args...)...).CombinedOutput()
+	return strings.TrimSpace(string(out)), err
+}
+
+// CLI runs redis-cli against the server, and fails the test if it fails.
+func (r *Server) CLI(args ...string) string {
+	r.T.Helper()
+	out, err := r.TryCLI(args...)
+	if err != nil {
+		r.T.Fatalf("redis-cli %v: %v: %s", args, err, out)
+	}
+	return out
+}
+
+// Calls is how many times the server has run a script.
+func (r *Server) Calls() int {
+	r.T.Helper()
+	n := 0
+	for _, line := range strings.Split(r.CLI("INFO", "commandstats"), "\n") {
+		for _, cmd := range []string{"cmdstat_evalsha:calls=", "cmdstat_eval:calls="} {
+			if rest, ok := strings.CutPrefix(strings.TrimSpace(line), cmd); ok {
+				v, _, _ := strings.Cut(rest, ",")
+				c, _ := strconv.Atoi(v)
+				n += c
+			}
+		}
+	}
+	return n
+}
+
+// FreePort finds a free TCP port; with bus > 0 also port+bus is free
+// (Redis Cluster's bus port).
+func FreePort(t testing.TB, bus int) int {
+	t.Helper()
+	for range 100 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		if bus == 0 {
+			return port
+		}
+		if port+bus < 65536 {
+			if l2, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port+bus)); err == nil {
+				l2.Close()
+				return port
+			}
+		}
+	}
+	t.Fatal("no free port")
+	return 0
+}
+
+// StartCluster starts a Redis Cluster of three masters.
+func StartCluster(t testing.TB) []*Server {
+	t.Helper()
+	Require(t)
+	var nodes []*Server
+	var addrs []string
+	for range 3 {
+		r := &Server{T: t, Port: FreePort(t, 10000), Dir: t.TempDir()}
+		r.Args = []string{"--bind", "127.0.0.1", "--port", strconv.Itoa(r.Port), "--save", "", "--appendonly", "no",
+			"--dir", r.Dir, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"}
+		r.Start()
+		t.Cleanup(r.Kill)
+		nodes = append(nodes, r)
+		addrs = append(addrs, r.Addr())
+	}
+	args := append([]string{"--cluster", "create"}, addrs...)
+	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
+		t.Fatalf("redis-cli --cluster create: %v: %s", err, out)
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for _, n := range nodes {
+		for !strings.Contains(n.CLI("CLUSTER", "INFO"), "cluster_state:ok") {
+			if time.Now().After(deadline) {
+				t.Fatal("cluster did not come up")
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	return nodes
+}

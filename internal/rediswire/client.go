@@ -1,0 +1,98 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package rediswire is the Redis store's side of the wire: the scripts'
+// protocol (a typed call and its reply), the pipeline that carries
+// concurrent calls together, the client's health (a circuit breaker, the
+// round trip, outages logged once), the names of the keys and what a
+// failed call says of Redis. It knows nothing of HTTP, zones or the
+// bucket math: the store (redis_store.go) says what to ask.
+package rediswire
+
+import (
+	"cmp"
+	"context"
+	"fmt"
+	"runtime"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
+)
+
+// A Client is a connection pool to one Redis setup, with its health.
+// Stores that share a setup share a Client.
+type Client struct {
+	redis.UniversalClient
+	Cluster bool // a Redis Cluster: keys in different slots need calls of their own
+	Breaker Breaker
+	pipe    *pipeline
+	// Each outage is logged when it starts and when it ends, at most one
+	// start every outageLogPeriod, so that a Redis that half works (the
+	// breaker opening and closing again) does not flood the log.
+	outageLogs throttle.Throttle
+	outageSaid atomic.Bool  // its start was logged, its end not yet
+	rtt        atomic.Int64 // a moving average of the calls' round trips, in nanoseconds
+}
+
+// NewClient makes a client that runs scripts. go-redis panics on some
+// options it refuses; the caller may be making a pooled value, which a
+// panic would leave locked, so that becomes an error.
+func NewClient(opts *redis.UniversalOptions, scripts *Scripts) (c *Client, err error) {
+	defer func() {
+		if r := recover(); r != nil {
+			c, err = nil, fmt.Errorf("redis client: %v", r)
+		}
+	}()
+	uc := redis.NewUniversalClient(opts)
+	_, cluster := uc.(*redis.ClusterClient)
+	poolSize := cmp.Or(opts.PoolSize, 10*runtime.GOMAXPROCS(0)) // go-redis's default
+	pipe := &pipeline{client: uc, scripts: scripts, maxFlights: maxFlights(poolSize)}
+	return &Client{UniversalClient: uc, Cluster: cluster, pipe: pipe}, nil
+}
+
+// Destruct closes the client when no config uses it any more.
+func (c *Client) Destruct() error { return c.Close() }
+
+// Run sends call, through the pipeline, and returns its reply by the
+// call's deadline; call goes back to its pool.
+func (c *Client) Run(ctx context.Context, call *Call) (Reply, error) {
+	op, nb, nc, ns := call.op, call.nb, call.nc, call.ns
+	v, err := c.pipe.run(ctx, call)
+	if err != nil || op == Release {
+		return Reply{}, err
+	}
+	return reply(v, nb, nc, ns)
+}
+
+// NoteRTT adds a call's round trip to the moving average.
+func (c *Client) NoteRTT(d time.Duration) {
+	old := c.rtt.Load()
+	c.rtt.Store(old + (int64(d)-old)/8)
+}
+
+// RTT is the moving average of the calls' round trips.
+func (c *Client) RTT() time.Duration { return time.Duration(c.rtt.Load()) }
+
+const outageLogPeriod = 10 * time.Second
+
+// LogOutage logs that Redis went away, unless an outage was logged less
+// than outageLogPeriod ago; a probe that fails tries again.
+func (c *Client) LogOutage(logger *zap.Logger, failMode string, err error) {
+	if c.outageSaid.Load() {
+		return
+	}
+	if _, ok := c.outageLogs.Allow(outageLogPeriod); ok && c.outageSaid.CompareAndSwap(false, true) {
+		logger.Error("redis store unavailable: deciding by fail_mode until it answers again",
+			zap.String("fail_mode", failMode), zap.Error(err))
+	}
+}
+
+// LogRecovery logs that Redis answers again, if its going was logged.
+func (c *Client) LogRecovery(logger *zap.Logger) {
+	if c.outageSaid.CompareAndSwap(true, false) {
+		logger.Info("redis store available again")
+	}
+}

@@ -1,0 +1,102 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package rediswire
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"fmt"
+	"strings"
+)
+
+// Keys name what a store keeps in Redis. A bucket is the field
+// `<zone>:<key>` of the hash `<prefix>{<group>}`, where the group is one
+// of 16384, chosen by the key alone: so the zones of one client share a
+// hash and a cluster slot, and are decided in one call even on Redis
+// Cluster. A calendar quota's counter is the key `<hash><field>:quota`, a
+// zone's slots the sorted set `<hash><field>:s`: in the bucket's slot,
+// and named as no hash of buckets is (those end with the tag).
+//
+// The key never chooses its slot: the hash tag is the group, four hex
+// digits of a fixed hash of the key, whatever the key's bytes.
+type Keys struct {
+	Prefix string
+	// Hash makes every key its SHA-256 (128 bits, in hex); keys longer
+	// than HashLongerThan bytes are hashed whatever Hash says.
+	Hash bool
+}
+
+// HashLongerThan is the longest key written as it is.
+const HashLongerThan = 128
+
+// Bucket is the hash and the field of the bucket of key in a zone whose
+// fields start with zone (see ZoneField).
+func (n Keys) Bucket(zone, key string) (hash, field string) {
+	s := n.name(zone, key, "")
+	i := len(n.Prefix) + len("{0000}")
+	return s[:i], s[i:]
+}
+
+// Counter is the key of a zone's calendar quota counter for key.
+func (n Keys) Counter(zone, key string) string { return n.name(zone, key, ":quota") }
+
+// Slots is the key of the sorted set of a zone's slots for key.
+func (n Keys) Slots(zone, key string) string { return n.name(zone, key, ":s") }
+
+func (n Keys) name(zone, key, end string) string {
+	if n.Hash || len(key) > HashLongerThan {
+		sum := sha256.Sum256([]byte(key))
+		key = hex.EncodeToString(sum[:16])
+	}
+	g := Group(key)
+	const digits = "0123456789abcdef"
+	tag := [4]byte{digits[g>>12], digits[g>>8&15], digits[g>>4&15], digits[g&15]}
+	return n.Prefix + "{" + string(tag[:]) + "}" + zone + key + end
+}
+
+// ZoneField is how the fields of a zone's buckets start: its name, with
+// '%' and ':' escaped (a ':' would make its fields another zone's), then
+// ':'.
+func ZoneField(name string) string { return escapeTag(name, "%:") + ":" }
+
+// Groups is how many hashes the buckets are spread over. Redis keeps a
+// hash of up to 512 short fields as one compact list
+// (hash-max-listpack-entries), so buckets cost least from 100k to a few
+// million of them: 50 B each at 100k, 31 B at 1M and 3M (Redis 7.0);
+// under 10k, about what a key of their own would.
+const Groups = 1 << 14
+
+// Group is the group of a key's buckets: the 32-bit FNV-1a hash of the
+// key, folded. Buckets written by one version must be found by the next:
+// this never changes.
+func Group(k string) uint16 {
+	h := uint32(2166136261)
+	for i := 0; i < len(k); i++ {
+		h ^= uint32(k[i])
+		h *= 16777619
+	}
+	return uint16(h>>16^h) & (Groups - 1)
+}
+
+// escapeTag percent-escapes the bytes of chars (which hold '%') in s, so
+// that the escaped strings of distinct s differ. The empty string, which
+// would make an empty hash tag (and so no tag at all), becomes "%", which
+// no other string escapes to.
+func escapeTag(s, chars string) string {
+	if s == "" {
+		return "%"
+	}
+	if !strings.ContainsAny(s, chars) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if c := s[i]; strings.IndexByte(chars, c) >= 0 {
+			fmt.Fprintf(&b, "%%%02X", c)
+		} else {
+			b.WriteByte(c)
+		}
+	}
+	return b.String()
+}

@@ -1,0 +1,354 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package rediswire
+
+import (
+	"fmt"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// This file is the Go side of the scripts' protocol (lua/token_bucket.lua
+// has the contract): a Call is built section by section with typed
+// values, sent, and its reply read back through Reply, so that nothing
+// else counts arguments or reply elements.
+
+// Scripts are the store's scripts: the decision (take, adjust and the
+// release of slots) and the read-only peek, each run with EVALSHA and
+// sent again with EVAL when Redis does not have it (NOSCRIPT: after a
+// restart, a SCRIPT FLUSH or an eviction of the script cache).
+type Scripts struct {
+	decide, peek script
+}
+
+type script struct {
+	*redis.Script
+	src string
+}
+
+// NewScripts makes the scripts from their sources.
+func NewScripts(decide, peek string) *Scripts {
+	return &Scripts{decide: script{redis.NewScript(decide), decide}, peek: script{redis.NewScript(peek), peek}}
+}
+
+func (s *Scripts) of(op Op) *script {
+	if op == Peek {
+		return &s.peek
+	}
+	return &s.decide
+}
+
+// An Op is what a call does.
+type Op uint8
+
+const (
+	Take    Op = iota // charge every bucket, counter and slot set, or none
+	Adjust            // charge each bucket and counter its own cost, refusing nothing
+	Peek              // read, changing nothing
+	Release           // give back the slots of one request
+)
+
+var opArgs = [...]any{Take: "take", Adjust: "adjust", Peek: "peek", Release: "release"}
+
+// A Shape is a bucket's limit as the script reads it, its values formatted
+// once: a store keeps one per limit it meets.
+type Shape struct {
+	Full, Cost, Ban, Delay time.Duration
+	args                   [6]any // full, cost, ban, delay, wait (the delay), -cost
+}
+
+// NewShape is the shape of a bucket that takes full to refill from empty,
+// whose requests take cost, with a ban or a delay.
+func NewShape(full, cost, ban, delay time.Duration) *Shape {
+	s := &Shape{Full: full, Cost: cost, Ban: ban, Delay: delay}
+	for i, d := range [6]time.Duration{full, cost, ban, delay, delay, -cost} {
+		s.args[i] = ns(d)
+	}
+	return s
+}
+
+// A CounterShape is a calendar quota as the script reads it.
+type CounterShape struct {
+	Limit, Cost int64
+	args        [3]any // limit, cost, -cost
+}
+
+func NewCounterShape(limit, cost int64) *CounterShape {
+	return &CounterShape{Limit: limit, Cost: cost,
+		args: [3]any{strconv.FormatInt(limit, 10), strconv.FormatInt(cost, 10), strconv.FormatInt(-cost, 10)}}
+}
+
+// A Window is a quota's calendar window by the caller's clock, with the
+// windows before and after it: [b0, b1) before, [b1, b2) and [b2, b3)
+// after, each boundary a whole millisecond.
+type Window struct{ args [4]any }
+
+func NewWindow(b0, b1, b2, b3 time.Time) *Window {
+	var w Window
+	for i, t := range [4]time.Time{b0, b1, b2, b3} {
+		w.args[i] = strconv.FormatInt(t.UnixMilli()*1000, 10)
+	}
+	return &w
+}
+
+// A SlotShape is a zone's slots as the script reads them.
+type SlotShape struct {
+	Limit int64
+	args  [3]any // limit, lease, soft
+}
+
+// NewSlotShape is a set of limit slots whose leases last lease; a soft
+// set that is full does not refuse a request.
+func NewSlotShape(limit int64, lease time.Duration, soft bool) *SlotShape {
+	s := &SlotShape{Limit: limit, args: [3]any{strconv.FormatInt(limit, 10), ns(lease), "0"}}
+	if soft {
+		s.args[2] = "1"
+	}
+	return s
+}
+
+var zero any = "0"
+
+func ns(d time.Duration) string { return strconv.FormatInt(int64(d), 10) }
+
+// A Call is one call of a script: an op, then its buckets, counters and
+// slot sets, added in that order. Calls come from a pool and go back to
+// it once their reply is read (see (*Client).Run), so that a decision
+// leaves no garbage of its own: keys, arguments and channel are reused.
+type Call struct {
+	op         Op
+	keys       []string
+	args       []any
+	costs      []time.Duration // each bucket's cost, for twins' replies
+	nb, nc, ns int
+	alike      bool // a take of buckets without ban or delay (see twin)
+	deadline   time.Time
+
+	// The pipeline's: the identical calls decided with this one, and the
+	// reply.
+	twins []*Call
+	reply []any
+	err   error
+	done  chan struct{} // one value, when reply and err are in
+}
+
+var calls = sync.Pool{New: func() any { return &Call{done: make(chan struct{}, 1)} }}
+
+// NewCall is an empty call of op that must be answered by deadline.
+func NewCall(op Op, deadline time.Time) *Call {
+	c := calls.Get().(*Call)
+	c.op, c.deadline, c.alike = op, deadline, op == Take
+	c.args = append(c.args, opArgs[op])
+	if op != Release {
+		c.args = append(c.args, "", nil, nil, nil)
+	}
+	return c
+}
+
+// free puts c back in the pool, holding no keys, arguments or reply.
+func (c *Call) free() {
+	clear(c.keys)
+	clear(c.args)
+	clear(c.twins)
+	*c = Call{keys: c.keys[:0], args: c.args[:0], costs: c.costs[:0], twins: c.twins[:0], done: c.done}
+	calls.Put(c)
+}
+
+// Clock replaces Redis's clock with t for this call. Only tests set it,
+// to replay a table of instants.
+func (c *Call) Clock(t time.Time) { c.args[1] = strconv.FormatInt(t.UnixMicro(), 10) }
+
+// Bucket asks for s.Cost from the bucket field of hash; the request may
+// wait for its tokens up to s.Delay, or, without wait, not at all.
+func (c *Call) Bucket(hash, field string, s *Shape, wait bool) {
+	w := zero
+	if wait {
+		w = s.args[4]
+	}
+	c.bucket(hash, field, s, s.Cost, s.args[1], w)
+}
+
+// AdjustBucket charges the bucket cost more, or gives -cost back.
+func (c *Call) AdjustBucket(hash, field string, s *Shape, cost time.Duration) {
+	c.bucket(hash, field, s, cost, costArg(int64(cost), int64(s.Cost), s.args[1], s.args[5]), zero)
+}
+
+// costArg is the argument of an adjustment by cost, for a shape whose own
+// cost is own, formatted once as pos and its negation as neg.
+func costArg(cost, own int64, pos, neg any) any {
+	switch cost {
+	case own:
+		return pos
+	case -own:
+		return neg
+	}
+	return strconv.FormatInt(cost, 10)
+}
+
+func (c *Call) bucket(hash, field string, s *Shape, cost time.Duration, costArg, wait any) {
+	if c.nc+c.ns > 0 {
+		panic("rediswire: buckets go before counters and slots")
+	}
+	c.keys = append(c.keys, hash)
+	c.args = append(c.args, field, s.args[0], costArg, s.args[2], s.args[3], wait)
+	c.costs = append(c.costs, cost)
+	c.alike = c.alike && s.Ban == 0 && s.Delay == 0
+	c.nb++
+}
+
+// Counter asks for s.Cost units of the quota counter key in window w.
+func (c *Call) Counter(key string, s *CounterShape, w *Window) { c.counter(key, s, w, s.args[1]) }
+
+// AdjustCounter counts cost units more in the counter, or takes -cost
+// off.
+func (c *Call) AdjustCounter(key string, s *CounterShape, w *Window, cost int64) {
+	c.counter(key, s, w, costArg(cost, s.Cost, s.args[1], s.args[2]))
+}
+
+func (c *Call) counter(key string, s *CounterShape, w *Window, costArg any) {
+	if c.ns > 0 {
+		panic("rediswire: counters go before slots")
+	}
+	c.keys = append(c.keys, key)
+	c.args = append(c.args, s.args[0], costArg, w.args[0], w.args[1], w.args[2], w.args[3])
+	c.alike = false
+	c.nc++
+}
+
+// Slot asks for a slot of the set key for the request id, the same for
+// every slot of a call. A Release call needs only key and id.
+func (c *Call) Slot(key, id string, s *SlotShape) {
+	c.keys = append(c.keys, key)
+	if c.ns == 0 {
+		c.args = append(c.args, id)
+	}
+	if c.op != Release {
+		c.args = append(c.args, s.args[0], s.args[1], s.args[2])
+	}
+	c.alike = false
+	c.ns++
+}
+
+// seal writes the sections' counts into the header.
+func (c *Call) seal() {
+	if c.op != Release {
+		c.args[2], c.args[3], c.args[4] = c.nb, c.nc, c.ns
+	}
+}
+
+// twin reports whether c is a take that b can decide with its own: the
+// same keys and arguments. Such requests (a flood on one key, or a zone
+// that every client shares) then cost Redis one call per batch, in which
+// the script decides them one after another (k takes).
+func (c *Call) twin(b *Call) bool {
+	if !c.alike || !b.alike || len(c.keys) != len(b.keys) || len(c.args) != len(b.args) {
+		return false
+	}
+	for i := range c.keys {
+		if c.keys[i] != b.keys[i] {
+			return false
+		}
+	}
+	for i := range c.args {
+		if c.args[i] != b.args[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// argsAll is the script's arguments for c and its twins: k takes for k
+// calls, in place of "take".
+func (c *Call) argsAll() []any {
+	if len(c.twins) == 0 {
+		return c.args
+	}
+	args := make([]any, len(c.args))
+	copy(args, c.args)
+	args[0] = len(c.twins) + 1
+	return args
+}
+
+// A Reply is a call's answer, in the layout lua/token_bucket.lua gives.
+type Reply struct {
+	v          []any
+	nb, nc, ns int
+}
+
+// reply checks v, the answer to a call with nb buckets, nc counters and
+// ns slot sets.
+func reply(v []any, nb, nc, ns int) (Reply, error) {
+	if len(v) != 2+2*(nb+nc+ns) {
+		return Reply{}, fmt.Errorf("%w: %d values for %d buckets, %d counters and %d slot sets", ErrBadReply, len(v), nb, nc, ns)
+	}
+	for _, x := range v {
+		if _, ok := x.(int64); !ok {
+			return Reply{}, fmt.Errorf("%w: %v", ErrBadReply, x)
+		}
+	}
+	return Reply{v, nb, nc, ns}, nil
+}
+
+func (r Reply) at(i int) int64 { return r.v[i].(int64) }
+
+// Allowed reports whether the take was allowed.
+func (r Reply) Allowed() bool { return r.at(0) == 1 }
+
+// Repaired is how many keys of another type the call found.
+func (r Reply) Repaired() int64 { return r.at(1) }
+
+// Bucket is what the i-th bucket owes after the call, and whether the
+// call started its ban.
+func (r Reply) Bucket(i int) (debt time.Duration, banStarted bool) {
+	return time.Duration(r.at(2 + 2*i)), r.at(3+2*i) == 1
+}
+
+// Counter is the j-th counter's count after the call, and how long until
+// its window ends.
+func (r Reply) Counter(j int) (used int64, left time.Duration) {
+	k := 2 + 2*(r.nb+j)
+	return r.at(k), time.Duration(r.at(k + 1))
+}
+
+// Slot reports whether the request holds a slot of the j-th set, and how
+// many of its slots are free.
+func (r Reply) Slot(j int) (held bool, free int64) {
+	k := 2 + 2*(r.nb+r.nc+j)
+	return r.at(k) == 1, r.at(k + 1)
+}
+
+// splitTwins turns the reply of k takes of nb buckets into the replies of
+// the k takes, as each would have had alone: the j-th of m allowed owes
+// debt - (m-1-j) cost. The keys found of another type count in the
+// first's.
+func splitTwins(v []any, costs []time.Duration, k int) ([][]any, error) {
+	r, err := reply(v, len(costs), 0, 0)
+	if err != nil {
+		return nil, err
+	}
+	m := r.at(0)
+	out := make([][]any, k)
+	for j := range out {
+		t := make([]any, len(v))
+		t[0], t[1] = int64(0), int64(0)
+		if int64(j) < m {
+			t[0] = int64(1)
+		}
+		if j == 0 {
+			t[1] = v[1]
+		}
+		for i, cost := range costs {
+			debt := r.at(2 + 2*i)
+			if int64(j) < m {
+				debt -= (m - 1 - int64(j)) * int64(cost)
+			}
+			t[2+2*i], t[3+2*i] = debt, int64(0)
+		}
+		out[j] = t
+	}
+	return out, nil
+}
