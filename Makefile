@@ -25,4 +25,4 @@ faults:
 masters:
 	RATE_LIMIT_MASTERS=1 RATE_LIMIT_MASTERS_RUNS=$(RUNS) RATE_LIMIT_SCRIPT=$(SCRIPT) \
 		taskset -c 0 go test -count=1 -run '^(TestRedisClusterSpread|TestMastersThroughput)$$' -v . \
-		| grep -E '^(---|ok|FAIL|\s+masters_test)' | tee bench/results/masters.log
+		| grep -E '^(---|ok|FAIL|\s+redis_cluster_test)' | tee bench/results/masters.log

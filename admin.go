@@ -156,18 +156,15 @@ func (ref zoneRef) info() zoneInfo {
 	if z.rateless {
 		info.Rate, info.Burst = "", 0
 	}
+	stats := ref.h.store.stats(z.index)
 	if z.Concurrency != 0 {
 		info.Concurrency = z.Concurrency
-		if ref.h.keeper != nil {
+		if stats.client != nil {
 			info.Lease = time.Duration(z.Lease).String()
 		}
 	}
-	switch s := ref.h.store.(type) {
-	case *LocalStore:
-		t := s.tables[z.index]
-		n, e := t.len(), t.evictions.Load()
-		info.TrackedKeys, info.Evictions = &n, &e
-	case *RedisStore:
+	info.TrackedKeys, info.Evictions = stats.keys, stats.evictions
+	if stats.overLimitCache {
 		n := st.cacheHits.Load()
 		info.OverLimitCacheHits = &n
 	}
@@ -247,24 +244,9 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	} else if method != http.MethodGet && method != http.MethodDelete {
 		return apiError(http.StatusMethodNotAllowed, "method %s not allowed: use GET or DELETE", method)
 	}
-
 	if zoneEsc == "" {
-		registry.Lock()
-		names := make([]string, 0, len(registry.zones))
-		for name := range registry.zones {
-			names = append(names, name)
-		}
-		registry.Unlock()
-		slices.Sort(names)
-		zones := []zoneInfo{}
-		for _, name := range names {
-			if ref, ok := lookupZone(name); ok {
-				zones = append(zones, ref.info())
-			}
-		}
-		return writeJSON(w, map[string]any{"zones": zones})
+		return writeJSON(w, map[string]any{"zones": allZones()})
 	}
-
 	name, err := url.PathUnescape(zoneEsc)
 	if err != nil {
 		return apiError(http.StatusBadRequest, "bad zone name in path: %v", err)
@@ -283,87 +265,114 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 		}
 		return writeJSON(w, out)
 	}
-
 	key, err := url.PathUnescape(keyEsc)
 	if err != nil || key == "" {
 		return apiError(http.StatusBadRequest, "bad key in path: %q", keyEsc)
 	}
+	return ref.serveKey(w, r, key)
+}
+
+// allZones describes the zones of every handler, the newest of each name.
+func allZones() []zoneInfo {
+	registry.Lock()
+	names := make([]string, 0, len(registry.zones))
+	for name := range registry.zones {
+		names = append(names, name)
+	}
+	registry.Unlock()
+	slices.Sort(names)
+	zones := []zoneInfo{}
+	for _, name := range names {
+		if ref, ok := lookupZone(name); ok {
+			zones = append(zones, ref.info())
+		}
+	}
+	return zones
+}
+
+// serveKey answers a GET or a DELETE of a key of the zone.
+func (ref zoneRef) serveKey(w http.ResponseWriter, r *http.Request, key string) error {
 	z := ref.z
-	q := request{zone: z, key: z.adminKey(key)}
-	if z.plans != nil {
-		q.pl = unknownPlan
-	}
-	var qq *request // the key's quota
-	if z.quota != nil {
-		qq = &request{zone: z, key: q.key, win: z.quota.window(time.Now())}
-	}
+	d := ref.demands(z.adminKey(key))
 	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 	defer cancel()
-	if method == http.MethodDelete {
-		var found bool
-		for _, p := range []*request{&q, qq} {
-			if p == nil || p == &q && z.rateless {
-				continue
-			}
-			f, err := ref.h.reset(ctx, p)
-			if err != nil {
-				return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
-			}
-			found = found || f
+	if r.Method == http.MethodDelete {
+		found, err := ref.h.reset(ctx, &d)
+		if err != nil {
+			return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
 		}
 		if !found {
-			return apiError(http.StatusNotFound, "nothing to reset: key %q has a full bucket in zone %q", key, name)
+			return apiError(http.StatusNotFound, "nothing to reset: key %q has a full bucket in zone %q", key, z.Name)
 		}
 	}
-	var slots slotsInfo
-	if z := ref.z; z.Concurrency != 0 {
-		var inUse int64
-		if ref.h.keeper != nil {
-			if inUse, err = ref.h.keeper.slotsInUse(ctx, &slot{zone: z, key: q.key}); err != nil {
-				return apiError(http.StatusBadGateway, "reading the slots: %v", err)
-			}
-		} else {
-			inUse = z.Concurrency - z.slots.free(q.key, z.Concurrency)
+	if err := ref.h.store.peek(ctx, time.Now(), &d); err != nil {
+		return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
+	}
+	return writeJSON(w, ref.keyInfo(key, &d))
+}
+
+// demands are the zone's demands of key, as a request's would be, to
+// read or reset: its bucket, its counter and its slots.
+func (ref zoneRef) demands(key bucketKey) demands {
+	z := ref.z
+	var d demands
+	if !z.rateless {
+		l := z.limit
+		if z.plans != nil {
+			l = unknownPlan.limit
 		}
-		free := max(z.Concurrency-inUse, 0)
-		slots = slotsInfo{Concurrency: z.Concurrency, InFlight: &inUse, Free: &free}
+		d.buckets = []bucketDemand{{zone: z.index, key: key, limit: l, cost: z.costTime}}
+	}
+	if z.quota != nil {
+		d.counters = []counterDemand{{zone: z.index, key: key, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(time.Now())}}
+	}
+	if z.Concurrency != 0 {
+		d.slots = []slotDemand{{zone: z.index, key: key, limit: z.Concurrency, lease: time.Duration(z.Lease)}}
+	}
+	return d
+}
+
+// keyInfo describes what d read of the key.
+func (ref zoneRef) keyInfo(key string, d *demands) any {
+	z := ref.z
+	bucket := z.adminKey(key).String()
+	var slots slotsInfo
+	if len(d.slots) > 0 {
+		q := &d.slots[0]
+		inUse, free := q.limit-q.free, q.free
+		slots = slotsInfo{Concurrency: q.limit, InFlight: &inUse, Free: &free}
 		if z.rateless {
-			return writeJSON(w, ratelessInfo{Zone: name, Key: key, Bucket: q.key.String(), slotsInfo: slots})
+			return ratelessInfo{Zone: z.Name, Key: key, Bucket: bucket, slotsInfo: slots}
 		}
 	}
 	var quota *quotaInfo
-	if qq != nil {
-		if err := ref.h.store.peek(ctx, time.Now(), qq); err != nil {
-			return apiError(http.StatusBadGateway, "reading the quota: %v", err)
-		}
-		quota = &quotaInfo{Limit: z.quota.limit, Used: qq.used, Left: qq.remaining(), ResetIn: qq.debt.Seconds()}
+	if len(d.counters) > 0 {
+		c := &d.counters[0]
+		quota = &quotaInfo{Limit: c.limit, Used: c.used, Left: c.remaining(), ResetIn: c.left.Seconds()}
 		if z.rateless {
-			return writeJSON(w, keyInfo{Zone: name, Key: key, Bucket: q.key.String(), Quota: quota})
+			return keyInfo{Zone: z.Name, Key: key, Bucket: bucket, Quota: quota}
 		}
 	}
-	if err := ref.h.store.peek(ctx, time.Now(), &q); err != nil {
-		return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
-	}
-	info := bucketInfo{Zone: name, Key: key, Bucket: q.key.String(), FullIn: q.debt.Seconds(), Quota: quota}
-	if ref.z.plans == nil {
+	b := &d.buckets[0]
+	info := bucketInfo{Zone: z.Name, Key: key, Bucket: bucket, FullIn: b.debt.Seconds(), Quota: quota, slotsInfo: slots}
+	if z.plans == nil {
 		// A zone whose limit depends on the request has no tokens or
 		// ban to tell apart without a request: only when it is full.
-		l := ref.z.limit
-		info.Tokens, info.Burst = max(l.tokens(q.debt), 0), l.burst
-		info.Banned, info.BannedFor = l.banned(q.debt), l.banLeft(q.debt).Seconds()
+		l := z.limit
+		info.Tokens, info.Burst = max(l.tokens(b.debt), 0), l.burst
+		info.Banned, info.BannedFor = l.banned(b.debt), l.banLeft(b.debt).Seconds()
 	}
-	info.slotsInfo = slots
-	return writeJSON(w, info)
+	return info
 }
 
-// reset fills a bucket again, in the store and in the local buckets that
-// decide while the store fails. It reports whether either was not full.
-func (h *Handler) reset(ctx context.Context, q *request) (bool, error) {
+// reset forgets d's state, in the store and in the local buckets that
+// decide while the store fails. It reports whether either held any.
+func (h *Handler) reset(ctx context.Context, d *demands) (bool, error) {
 	var inFallback bool
 	if h.fallback != nil {
-		inFallback, _ = h.fallback.reset(ctx, q)
+		inFallback, _ = h.fallback.reset(ctx, d)
 	}
-	found, err := h.store.reset(ctx, q)
+	found, err := h.store.reset(ctx, d)
 	return found || inFallback, err
 }
 

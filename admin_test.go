@@ -24,24 +24,25 @@ func TestAdminBucket(t *testing.T) {
 		serve(h, "2001:db8:1::5")
 	}
 	z := h.Zones[0]
-	q := request{zone: z, key: z.keyFor("2001:db8:1::77")} // the same /64
-	if err := h.store.peek(context.Background(), nowForTest(), &q); err != nil {
+	d := &demands{buckets: []bucketDemand{bucketReq(z, z.keyFor("2001:db8:1::77"))}} // the same /64
+	if err := h.store.peek(context.Background(), nowForTest(), d); err != nil {
 		t.Fatal(err)
 	}
+	q := &d.buckets[0]
 	if tokens := z.limit.tokens(q.debt); tokens > 0.1 {
 		t.Fatalf("tokens %v, want about 0", tokens)
 	}
 	if q.key.ip != netip.MustParsePrefix("2001:db8:1::/64") {
 		t.Fatalf("bucket %v", q.key)
 	}
-	if found, err := h.reset(context.Background(), &q); err != nil || !found {
+	if found, err := h.reset(context.Background(), d); err != nil || !found {
 		t.Fatalf("reset: found %t, %v; want true, nil", found, err)
 	}
 	if code, hdr := serve(h, "2001:db8:1::5"); code != http.StatusOK || hdr.Get("X-Ratelimit-Remaining") != "2" {
 		t.Fatalf("after reset: %d, remaining %s", code, hdr.Get("X-Ratelimit-Remaining"))
 	}
 	// A full bucket has nothing to reset.
-	if found, err := h.reset(context.Background(), &request{zone: z, key: z.keyFor("192.0.2.200")}); err != nil || found {
+	if found, err := h.reset(context.Background(), &demands{buckets: []bucketDemand{bucketReq(z, z.keyFor("192.0.2.200"))}}); err != nil || found {
 		t.Fatalf("reset of a full bucket: found %t, %v; want false, nil", found, err)
 	}
 }

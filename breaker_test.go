@@ -20,7 +20,7 @@ func TestRedisCancelledRequestsKeepBreakerClosed(t *testing.T) {
 	for range 2 * rediswire.TripAfter {
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
-		reqs := []request{{zone: h.Zones[0], key: bucketKey{s: "gone"}}}
+		reqs := &demands{buckets: []bucketDemand{bucketReq(h.Zones[0], bucketKey{s: "gone"})}}
 		if _, err := rs.take(ctx, time.Now(), reqs); err == nil {
 			t.Fatal("a cancelled request reached a decision")
 		}
@@ -53,7 +53,7 @@ func TestRedisCancelledProbeDoesNotStickBreaker(t *testing.T) {
 		time.Sleep(rediswire.MinBackoff + 10*time.Millisecond)
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
-		rs.take(ctx, time.Now(), []request{{zone: h.Zones[0], key: bucketKey{s: "impatient"}}})
+		rs.take(ctx, time.Now(), &demands{buckets: []bucketDemand{bucketReq(h.Zones[0], bucketKey{s: "impatient"})}})
 	}
 	deadline := time.Now().Add(rediswire.MaxBackoff + 500*time.Millisecond)
 	for r.CLI(append([]string{"HEXISTS"}, pair(bucketOf(h, 0, "192.0.2.81"))...)...) != "1" {

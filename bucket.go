@@ -100,6 +100,19 @@ func (l limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 	return l.clamp(fullAt, now), false
 }
 
+// adjust charges cost (a duration of tokens, as in take) to a bucket full
+// at fullAt, refusing nothing: it returns the bucket's new instant. The
+// bucket may owe up to a whole bucket and a ban or a delay; a negative
+// cost gives back, but never to a banned bucket: a ban is never
+// shortened.
+func (l limit) adjust(fullAt, now, cost time.Duration) time.Duration {
+	d := l.debt(fullAt, now)
+	if cost < 0 && l.banned(d) {
+		return fullAt
+	}
+	return now + min(max(d+cost, 0), l.burstTime+l.ban+l.delay)
+}
+
 // clamp is the instant of a bucket full at fullAt, seen at now, owing no
 // more than a whole bucket and a ban.
 func (l limit) clamp(fullAt, now time.Duration) time.Duration {

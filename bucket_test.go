@@ -5,6 +5,9 @@ package ratelimit
 
 import (
 	"math"
+	"net/http"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -188,4 +191,116 @@ func TestBucketPlanChange(t *testing.T) {
 	}
 	take(free, pro.tokenTime, true)
 	take(free, pro.tokenTime, false)
+}
+
+// banZone is the JSON of a zone that bans for an hour: 5/h (a token every
+// 720s), burst 2. A denial's Retry-After is then 4320s: the ban and a
+// token.
+func banZone(name string) string {
+	return `{"name":"` + name + `","rate":"5/h","burst":2,"ban":"1h"}`
+}
+
+// A ban survives a config reload: the local store keeps a zone's buckets
+// across configs by its name, Redis keeps them anyway.
+func TestBanSurvivesReload(t *testing.T) {
+	r := startRedis(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", storeJSON()},
+		{"redis", storeJSON(r.Addr())},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			zone := "reload-ban-" + tc.name
+			config := func(zones, body string) string {
+				return jsonServer(`{"handler":"rate_limit","zones":[` + zones + `],"store":` + tc.store + `},
+					{"handler":"static_response","body":"` + body + `"}`)
+			}
+			loadJSON(t, config(banZone(zone), "one"))
+			c := &http.Client{Timeout: 10 * time.Second}
+			const ip = "198.51.100.20"
+			for i := range 2 {
+				if code, body, _ := hit(t, c, "/", ip); code != 200 || body != "one" {
+					t.Fatalf("request %d: %d %q", i, code, body)
+				}
+			}
+			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry != 4320 {
+				t.Fatalf("the denial that bans: %d, Retry-After %d; want 429, 4320", code, retry)
+			}
+
+			// A new config, with another zone before the one that banned.
+			loadJSON(t, config(`{"name":"`+zone+`-other","rate":"100r/m"},`+banZone(zone), "two"))
+			if code, body, _ := hit(t, c, "/", "198.51.100.21"); code != 200 || body != "two" {
+				t.Fatalf("another client after the reload: %d %q, want 200 from the new config", code, body)
+			}
+			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry < 4318 || retry > 4320 {
+				t.Fatalf("after the reload: %d, Retry-After %d; want 429 and the ban's time left", code, retry)
+			}
+		})
+	}
+}
+
+// A ban holds across instances that share a Redis: a key banned through
+// one is refused by the other, with the Retry-After of the ban's time
+// left, and the other's denials start no ban of their own. The instances
+// are a Caddy and a handler with a connection pool of its own (another
+// timeout) and an over-limit cache of its own.
+func TestBanAcrossInstances(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		addrs func(t *testing.T) []string
+	}{
+		{"redis", func(t *testing.T) []string { return []string{startRedis(t).Addr()} }},
+		{"cluster", func(t *testing.T) []string {
+			var addrs []string
+			for _, n := range startCluster(t) {
+				addrs = append(addrs, n.Addr())
+			}
+			return addrs
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			addrs := tc.addrs(t)
+			zone := "shared-ban-" + tc.name
+			loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+banZone(zone)+`],"store":`+storeJSON(addrs...)+`},
+				{"handler":"static_response","body":"ok"}`))
+			other := newTestHandler(t, `{"zones":[`+banZone(zone)+`],"store":`+
+				strings.Replace(storeJSON(addrs...), "}", `,"timeout":"2s"}`, 1)+`}`)
+			bans := &other.Zones[0].state.bans // both instances' zone (one process)
+			c := &http.Client{Timeout: 10 * time.Second}
+
+			// Banned through Caddy, refused by the other instance.
+			const ip = "198.51.100.30"
+			hit(t, c, "/", ip)
+			hit(t, c, "/", ip)
+			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry != 4320 {
+				t.Fatalf("the denial that bans: %d, Retry-After %d; want 429, 4320", code, retry)
+			}
+			time.Sleep(2 * time.Second)
+			for i := range 3 {
+				code, hdr := serve(other, ip)
+				if retry, _ := strconv.Atoi(hdr.Get("Retry-After")); code != 429 || retry < 4317 || retry > 4318 {
+					t.Fatalf("other instance, request %d: %d, Retry-After %q; want 429 and 4318: the ban's time left", i, code, hdr.Get("Retry-After"))
+				}
+			}
+			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry < 4317 || retry > 4318 {
+				t.Fatalf("Caddy after the other's denials: %d, Retry-After %d; want 429 and 4318: they did not lengthen the ban", code, retry)
+			}
+			if n := bans.Load(); n != 1 {
+				t.Fatalf("%d bans started, want 1", n)
+			}
+
+			// And the other way round.
+			const ip2 = "198.51.100.31"
+			for i, want := range []int{200, 200, 429} {
+				if code, _ := serve(other, ip2); code != want {
+					t.Fatalf("other instance, request %d: %d, want %d", i, code, want)
+				}
+			}
+			if code, _, retry := hit(t, c, "/", ip2); code != 429 || retry < 4319 || retry > 4320 {
+				t.Fatalf("Caddy, for a key the other banned: %d, Retry-After %d; want 429 and 4320", code, retry)
+			}
+			if n := bans.Load(); n != 2 {
+				t.Fatalf("%d bans started, want 2", n)
+			}
+		})
+	}
 }

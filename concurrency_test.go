@@ -22,82 +22,6 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-func TestSlotTable(t *testing.T) {
-	tb := newSlotTable(2)
-	a, b, c := bucketKey{s: "a"}, bucketKey{s: "b"}, bucketKey{s: "c"}
-	for i, want := range []int64{1, 0} {
-		free, ok := tb.acquire(a, 2)
-		if !ok || free != want {
-			t.Fatalf("acquire %d: free %d ok %v, want %d true", i, free, ok, want)
-		}
-	}
-	if _, ok := tb.acquire(a, 2); ok {
-		t.Fatal("third slot of two taken")
-	}
-	if _, ok := tb.acquire(b, 2); !ok {
-		t.Fatal("key b refused")
-	}
-	// Two keys are in flight: a third key is refused (max_keys 2).
-	if _, ok := tb.acquire(c, 2); ok {
-		t.Fatal("key c taken beyond max_keys 2")
-	}
-	if got := tb.len(); got != 2 {
-		t.Fatalf("len %d, want 2", got)
-	}
-	tb.release(b)
-	if got := tb.len(); got != 1 {
-		t.Fatalf("after b's only slot came back: len %d, want 1 (the entry is deleted)", got)
-	}
-	if _, ok := tb.acquire(c, 2); !ok {
-		t.Fatal("key c refused with room in the table")
-	}
-	tb.release(a)
-	if got := tb.free(a, 2); got != 1 {
-		t.Fatalf("free %d, want 1", got)
-	}
-	tb.release(a)
-	tb.release(a) // one release too many changes nothing
-	tb.release(c)
-	if got := tb.len(); got != 0 {
-		t.Fatalf("len %d, want 0 with nothing in flight", got)
-	}
-}
-
-// TestSlotTableConcurrent never lets more than n of many goroutines hold
-// a slot of one key.
-func TestSlotTableConcurrent(t *testing.T) {
-	tb := newSlotTable(10)
-	k := bucketKey{s: "k"}
-	const n = 3
-	var mu sync.Mutex
-	in, most := 0, 0
-	var wg sync.WaitGroup
-	for range 32 {
-		wg.Go(func() {
-			for range 500 {
-				if _, ok := tb.acquire(k, n); !ok {
-					continue
-				}
-				mu.Lock()
-				in++
-				most = max(most, in)
-				mu.Unlock()
-				mu.Lock()
-				in--
-				mu.Unlock()
-				tb.release(k)
-			}
-		})
-	}
-	wg.Wait()
-	if most > n || most == 0 {
-		t.Fatalf("at most %d in flight, want 1 to %d", most, n)
-	}
-	if tb.len() != 0 {
-		t.Fatalf("len %d after all returned", tb.len())
-	}
-}
-
 // blockingUpstream answers /block only when release is closed, and
 // reports each arrival on arrived; anything else it answers at once.
 func blockingUpstream(t *testing.T) (srv *httptest.Server, arrived chan struct{}, release chan struct{}) {
@@ -348,7 +272,7 @@ func TestConcurrencyDirect(t *testing.T) {
 	if got, want := rr.Header().Get("Ratelimit"), `"direct_conc";r=1`; got != want {
 		t.Errorf("RateLimit %q, want %q", got, want)
 	}
-	if n := h.Zones[0].slots.len(); n != 0 {
+	if n := slotsOf(h, h.Zones[0]).len(); n != 0 {
 		t.Errorf("%d keys in flight with none running, want 0", n)
 	}
 }
@@ -430,20 +354,20 @@ func runSlotSteps(t *testing.T, h *Handler) {
 			t.Fatalf("step %d: allowed = %v, want %v", i, got, s.ok)
 		}
 		if s.rem >= 0 {
-			if len(sc.reqs) != 1 {
-				t.Fatalf("step %d: %d rate zones applied, want 1", i, len(sc.reqs))
+			if len(sc.d.buckets) != 1 {
+				t.Fatalf("step %d: %d rate zones applied, want 1", i, len(sc.d.buckets))
 			}
-			if got := sc.reqs[0].remaining(); got != s.rem {
+			if got := sc.d.buckets[0].remaining(); got != s.rem {
 				t.Fatalf("step %d: r has %d tokens left, want %d", i, got, s.rem)
 			}
 		}
 		if s.free != nil {
-			if len(sc.slots) != len(s.free) {
-				t.Fatalf("step %d: %d zones with concurrency applied, want %d", i, len(sc.slots), len(s.free))
+			if len(sc.d.slots) != len(s.free) {
+				t.Fatalf("step %d: %d zones with concurrency applied, want %d", i, len(sc.d.slots), len(s.free))
 			}
 			for j, want := range s.free {
-				if got := sc.slots[j].free; got != want {
-					t.Fatalf("step %d: zone %s has %d slots free, want %d", i, sc.slots[j].zone.Name, got, want)
+				if got := sc.d.slots[j].free; got != want {
+					t.Fatalf("step %d: zone %s has %d slots free, want %d", i, h.Zones[sc.d.slots[j].zone].Name, got, want)
 				}
 			}
 		}
@@ -467,7 +391,7 @@ func TestSlotStepsAgree(t *testing.T) {
 		h := newTestHandler(t, `{"zones":`+fmt.Sprintf(slotStepZones, "agree-slots-")+`}`)
 		runSlotSteps(t, h)
 		for _, z := range h.Zones[1:] {
-			if n := z.slots.len(); n != 0 {
+			if n := slotsOf(h, z).len(); n != 0 {
 				t.Errorf("zone %s: %d keys in flight after all came back", z.Name, n)
 			}
 		}
@@ -488,7 +412,7 @@ func TestSlotStepsAgree(t *testing.T) {
 				t.Errorf("slot keys left after all came back: %v", keys)
 			}
 			for _, z := range h.Zones[1:] {
-				if n := z.slots.len(); n != 0 {
+				if n := slotsOf(h, z).len(); n != 0 {
 					t.Errorf("zone %s: %d keys in the local tables, which only fail_mode local uses", z.Name, n)
 				}
 			}
@@ -499,8 +423,8 @@ func TestSlotStepsAgree(t *testing.T) {
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q]}}`,
 			fmt.Sprintf(slotStepZones, ""), nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 		rs := h.store.(*RedisStore)
-		k := rs.slotKey(&slot{zone: h.Zones[1], key: h.Zones[1].keyFor("k2")})
-		u := rs.slotKey(&slot{zone: h.Zones[2], key: h.Zones[2].keyFor("x")})
+		k := rs.slotKey(1, h.Zones[1].keyFor("k2"))
+		u := rs.slotKey(2, h.Zones[2].keyFor("x"))
 		ks, _ := rs.client.ClusterKeySlot(context.Background(), k).Result()
 		us, _ := rs.client.ClusterKeySlot(context.Background(), u).Result()
 		if ks == us {
@@ -746,7 +670,7 @@ func TestConcurrencyRedisFailModes(t *testing.T) {
 			if got := [2]int{<-first, second}; got != want {
 				t.Fatalf("with Redis down, one request in flight: statuses %v, want %v", got, want)
 			}
-			if n := h.Zones[0].slots.len(); n != 0 {
+			if n := slotsOf(h, h.Zones[0]).len(); n != 0 {
 				t.Fatalf("%d keys left in the local slot table", n)
 			}
 		})

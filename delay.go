@@ -25,10 +25,10 @@ import (
 // request that one of its zones may delay, before the store decides it,
 // and reports whether it did. When max_delayed requests hold a place
 // already, the request's zones decide it as if they had no delay.
-func (h *Handler) enterWaiting(reqs []request) bool {
+func (h *Handler) enterWaiting(sc *scratch) bool {
 	delays := false
-	for i := range reqs {
-		if q := &reqs[i]; q.zone.limit.delay > 0 && !q.zone.inDryRun {
+	for i := range sc.d.buckets {
+		if h.delays(&sc.d.buckets[i]) {
 			delays = true
 			break
 		}
@@ -40,12 +40,18 @@ func (h *Handler) enterWaiting(reqs []request) bool {
 		return true
 	}
 	h.waiting.Add(-1)
-	for i := range reqs {
-		if q := &reqs[i]; q.zone.limit.delay > 0 && !q.zone.inDryRun {
-			q.noDelay = true
+	for i := range sc.d.buckets {
+		if b := &sc.d.buckets[i]; h.delays(b) {
+			b.limit.noDelay = true
 		}
 	}
 	return false
+}
+
+// delays reports whether b's zone may delay the request: it has a delay,
+// and is not in dry run.
+func (h *Handler) delays(b *bucketDemand) bool {
+	return b.limit.delay > 0 && !h.Zones[b.zone].inDryRun
 }
 
 // noteDelay settles the request's place once it is decided: an allowed
@@ -54,9 +60,9 @@ func (h *Handler) enterWaiting(reqs []request) bool {
 // were waiting already.
 func (h *Handler) noteDelay(sc *scratch, out outcome) {
 	if sc.waiter && out == outcomeAllow {
-		for i := range sc.reqs {
-			if q := &sc.reqs[i]; !q.zone.inDryRun {
-				sc.delay = max(sc.delay, q.delayed())
+		for i := range sc.d.buckets {
+			if b := &sc.d.buckets[i]; !h.Zones[b.zone].inDryRun {
+				sc.delay = max(sc.delay, b.delayed())
 			}
 		}
 	}
@@ -67,71 +73,69 @@ func (h *Handler) noteDelay(sc *scratch, out outcome) {
 	if out != outcomeDeny {
 		return
 	}
-	for i := range sc.reqs {
-		if q := &sc.reqs[i]; q.noDelay && !q.ok && q.plan().limit.wait(q.debt, q.plan().costTime) == 0 {
-			q.zone.state.delayRefused.Add(1)
+	for i := range sc.d.buckets {
+		b := &sc.d.buckets[i]
+		l := b.limit
+		l.noDelay = false
+		if b.limit.noDelay && !b.ok && l.wait(b.debt, b.cost) == 0 {
+			h.Zones[b.zone].state.delayRefused.Add(1)
 		}
 	}
 }
 
-// await holds an allowed request until the tokens its zones reserved are
-// there, and gives its place back. It reports false when the client left
-// first: the tokens are then given back too.
+// await is the stage that holds an allowed request until the tokens its
+// zones reserved are there, and gives its place back. It reports false
+// when the client left first: the tokens are then given back too.
 func (h *Handler) await(r *http.Request, sc *scratch) bool {
 	defer h.waiting.Add(-1)
-	var top *request
-	for i := range sc.reqs {
-		q := &sc.reqs[i]
-		if d := q.delayed(); d > 0 && !q.zone.inDryRun {
-			if q.zone.delays != nil {
-				q.zone.delays.Observe(d.Seconds())
+	var top *bucketDemand
+	for i := range sc.d.buckets {
+		b := &sc.d.buckets[i]
+		if d := b.delayed(); d > 0 && h.delays(b) {
+			if z := h.Zones[b.zone]; z.delays != nil {
+				z.delays.Observe(d.Seconds())
 			}
 			if top == nil || d > top.delayed() {
-				top = q
+				top = b
 			}
 		}
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit: request waits for its tokens"); c != nil && top != nil {
-		fields := []zap.Field{zap.String("zone", top.zone.Name), zap.Duration("delay", sc.delay), zap.String("remote_ip", clientIP(r))}
+		fields := []zap.Field{zap.String("zone", h.Zones[top.zone].Name), zap.Duration("delay", sc.delay), zap.String("remote_ip", clientIP(r))}
 		if h.LogKey {
 			fields = append(fields, zap.String("key", top.key.String()))
 		}
 		c.Write(fields...)
 	}
 
-	timer := time.NewTimer(sc.delay)
+	// The tokens are there sc.delay after the store's answer, which
+	// counts from sc.d.at: the time this request took to resume since
+	// is not waited twice.
+	timer := time.NewTimer(time.Until(sc.d.at.Add(sc.delay)))
 	defer timer.Stop()
 	select {
 	case <-timer.C:
-		h.countDelayed(sc.reqs, false)
+		h.countDelayed(sc, false)
 		return true
 	case <-r.Context().Done():
 	}
-	back := sc.retry[:0]
-	for _, q := range sc.reqs {
-		if q.ok && !q.wouldDeny {
-			back = append(back, q)
-		}
+	for i := range sc.matches {
+		sc.matches[i].back = true
 	}
-	sc.retry = back
-	if len(back) > 0 && sc.by != nil {
-		if err := sc.by.refund(context.WithoutCancel(r.Context()), time.Now(), back); err != nil {
-			h.refundErrors.Warn(h.logger, "rate limit: tokens not given back to a client that left while waiting", err)
-		}
-	}
-	h.countDelayed(sc.reqs, true)
+	h.giveBack(context.WithoutCancel(r.Context()), time.Now(), sc, "rate limit: tokens not given back to a client that left while waiting")
+	h.countDelayed(sc, true)
 	return false
 }
 
 // countDelayed counts, in each zone that delayed the request, how its
 // wait ended.
-func (h *Handler) countDelayed(reqs []request, abandoned bool) {
-	for i := range reqs {
-		if q := &reqs[i]; q.delayed() > 0 && !q.zone.inDryRun {
-			if abandoned {
-				q.zone.state.delayAbandoned.Add(1)
+func (h *Handler) countDelayed(sc *scratch, abandoned bool) {
+	for i := range sc.d.buckets {
+		if b := &sc.d.buckets[i]; b.delayed() > 0 && h.delays(b) {
+			if st := h.Zones[b.zone].state; abandoned {
+				st.delayAbandoned.Add(1)
 			} else {
-				q.zone.state.delayed.Add(1)
+				st.delayed.Add(1)
 			}
 		}
 	}

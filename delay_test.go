@@ -105,11 +105,11 @@ func runDelaySteps(t *testing.T, h *Handler, zones map[byte]*Zone, start time.Ti
 		now := start.Add(s.at)
 		setNow(now)
 		if s.refund {
-			var reqs []request
-			for _, c := range []byte(s.zones) {
-				reqs = append(reqs, request{zone: zones[c], key: bucketKey{s: s.key}})
+			d, _ := stepDemands(zones, now, s.storeStep, false)
+			for i := range d.buckets {
+				d.buckets[i].cost = -d.buckets[i].cost
 			}
-			if err := h.store.refund(context.Background(), now, reqs); err != nil {
+			if err := h.store.adjust(context.Background(), now, d); err != nil {
 				t.Fatalf("delay step %d: refund: %v", i, err)
 			}
 			continue
@@ -120,7 +120,7 @@ func runDelaySteps(t *testing.T, h *Handler, zones map[byte]*Zone, start time.Ti
 			if s.ok && q.delayed() != s.delays[j] {
 				t.Fatalf("delay step %d: zone %s delays %v, want %v", i, q.zone.Name, q.delayed(), s.delays[j])
 			}
-			if !s.ok && !q.ok && q.wait() != s.wait {
+			if !s.ok && !q.ok() && q.wait() != s.wait {
 				t.Fatalf("delay step %d: zone %s: wait %v, want %v", i, q.zone.Name, q.wait(), s.wait)
 			}
 		}
@@ -301,11 +301,11 @@ func zoneRefOf(t *testing.T, name string) zoneRef {
 // debtOf is how long the bucket of key k in ref's zone owes now.
 func debtOf(t *testing.T, ref zoneRef) time.Duration {
 	t.Helper()
-	q := request{zone: ref.z, key: ref.z.keyFor("k")}
-	if err := ref.h.store.peek(context.Background(), time.Now(), &q); err != nil {
+	d := &demands{buckets: []bucketDemand{bucketReq(ref.z, ref.z.keyFor("k"))}}
+	if err := ref.h.store.peek(context.Background(), time.Now(), d); err != nil {
 		t.Fatal(err)
 	}
-	return q.debt
+	return d.buckets[0].debt
 }
 
 // TestDelay runs the delay scenarios through Caddy on each store.

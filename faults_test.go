@@ -509,7 +509,7 @@ func TestFaultHostileKeys(t *testing.T) {
 				}
 				var redisKeys []string
 				for _, z := range h.Zones {
-					hash, field := rs.bucketName(&request{zone: z, key: z.keyFor(key)})
+					hash, field := rs.bucketName(z.index, z.keyFor(key))
 					redisKeys = append(redisKeys, hash)
 					if ok, err := rs.client.HExists(context.Background(), hash, field).Result(); err != nil || !ok {
 						t.Errorf("key %s: bucket %.40q not in Redis: %v, %v", label, hash+field, ok, err)

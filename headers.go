@@ -28,35 +28,67 @@ var headerModes = map[string]headerMode{
 	"off":    headersOff,
 }
 
-// mostConstrained picks the request whose zone speaks for the response:
-// of the denied ones, the one that makes the client wait longest; if all
-// were allowed (dry runs aside), the one with the fewest whole tokens left.
-func mostConstrained(reqs []request) *request {
-	top := &reqs[0]
-	for i := 1; i < len(reqs); i++ {
-		q := &reqs[i]
-		switch qd, td := q.denied(), top.denied(); {
-		case qd != td:
-			if qd {
-				top = q
+// A standing is what a bucket's or a counter's answer tells the client,
+// for the headers and the 429.
+type standing struct {
+	zone      int
+	key       bucketKey
+	denied    bool          // it refused the request, dry runs aside
+	wait      time.Duration // how long until the request could go on
+	remaining int64         // whole tokens, or units, left
+	capacity  int64         // the most it holds
+	debt      time.Duration // how long until it is full again, or its window ends
+	full      time.Duration // how long its bucket takes to refill from empty: jitter's bound
+}
+
+func (h *Handler) bucketStanding(m *match, b *bucketDemand) standing {
+	return standing{zone: b.zone, key: b.key, denied: !b.ok && !m.wouldDeny, wait: b.wait(), remaining: b.remaining(),
+		capacity: b.limit.burst, debt: b.debt, full: b.limit.burstTime}
+}
+
+func (h *Handler) counterStanding(m *match, c *counterDemand) standing {
+	return standing{zone: c.zone, key: c.key, denied: !c.ok && !m.wouldDeny, wait: c.wait(), remaining: c.remaining(),
+		capacity: c.limit, debt: c.left, full: h.Zones[c.zone].limit.burstTime}
+}
+
+// mostConstrained picks the bucket or counter that speaks for the
+// response, in sc.std: of the refusing ones, the one that makes the
+// client wait longest; if all allowed (dry runs aside), the one with the
+// fewest whole tokens left. It is nil for a request of slots alone.
+func (h *Handler) mostConstrained(sc *scratch) *standing {
+	var top *standing
+	consider := func(q standing) {
+		switch {
+		case top == nil:
+		case q.denied != top.denied:
+			if !q.denied {
+				return
 			}
-		case qd:
-			if q.wait() > top.wait() {
-				top = q
+		case q.denied:
+			if q.wait <= top.wait {
+				return
 			}
-		default:
-			if qr, tr := q.remaining(), top.remaining(); qr < tr || qr == tr && q.debt > top.debt {
-				top = q
-			}
+		case q.remaining > top.remaining || q.remaining == top.remaining && q.debt <= top.debt:
+			return
+		}
+		sc.std, top = q, &sc.std
+	}
+	for i := range sc.matches {
+		m := &sc.matches[i]
+		if m.bucket >= 0 {
+			consider(h.bucketStanding(m, &sc.d.buckets[m.bucket]))
+		}
+		if m.counter >= 0 {
+			consider(h.counterStanding(m, &sc.d.counters[m.counter]))
 		}
 	}
 	return top
 }
 
-// writeHeaders sets the rate-limit headers for the decided requests:
-// the legacy X-RateLimit-* trio for the most constrained zone, and one
-// RateLimit and RateLimit-Policy item per zone. top is the most
-// constrained zone's request.
+// writeHeaders sets the rate-limit headers for the decided request: the
+// legacy X-RateLimit-* trio for the most constrained zone (sc.top), and
+// one RateLimit and RateLimit-Policy item per bucket, counter and set of
+// slots.
 //
 // RateLimit's t is, as draft-ietf-httpapi-ratelimit-headers-10 defines
 // it, the seconds until more quota is available: until the bucket holds
@@ -65,69 +97,27 @@ func mostConstrained(reqs []request) *request {
 // full again. A calendar quota's t is the seconds until its window ends
 // (0 while nothing is counted), and its RateLimit-Policy w the length of
 // its current window.
-func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top *request) {
+func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch) {
 	if h.headerMode == headersOff {
 		return
 	}
-	reqs := sc.reqs
-
 	// All values go into one buffer and become one string, sliced.
 	b := sc.buf[:0]
 	var ends [5]int
-	legacy := h.headerMode != headersIETF && top != nil
+	legacy := h.headerMode != headersIETF && sc.top != nil
 	if legacy {
-		b = strconv.AppendInt(b, top.capacity(), 10)
+		top := sc.top
+		b = strconv.AppendInt(b, top.capacity, 10)
 		ends[0] = len(b)
-		b = strconv.AppendInt(b, top.remaining(), 10)
+		b = strconv.AppendInt(b, top.remaining, 10)
 		ends[1] = len(b)
 		b = strconv.AppendInt(b, now.Add(top.debt+time.Second-1).Unix(), 10)
 		ends[2] = len(b)
 	}
 	if h.headerMode != headersLegacy {
-		for i := range reqs {
-			if i > 0 {
-				b = append(b, ", "...)
-			}
-			if q := &reqs[i]; q.win != nil {
-				// A quota's policy: its limit and its window's length,
-				// which for a month or a day with a change of daylight
-				// saving time is that window's own.
-				b = append(b, q.zone.quotedName...)
-				b = append(b, ";q="...)
-				b = strconv.AppendInt(b, q.zone.quota.limit, 10)
-				b = append(b, ";w="...)
-				b = strconv.AppendInt(b, q.win.seconds, 10)
-			} else {
-				b = append(b, q.plan().policy...)
-			}
-		}
-		for i := range sc.slots {
-			if len(reqs) > 0 || i > 0 {
-				b = append(b, ", "...)
-			}
-			b = append(b, sc.slots[i].zone.slotPolicy...)
-		}
+		b = h.appendPolicies(b, sc)
 		ends[3] = len(b)
-		for i := range reqs {
-			q := &reqs[i]
-			if i > 0 {
-				b = append(b, ", "...)
-			}
-			b = append(b, q.zone.quotedName...)
-			b = append(b, ";r="...)
-			b = strconv.AppendInt(b, q.remaining(), 10)
-			b = append(b, ";t="...)
-			b = strconv.AppendInt(b, ceilSeconds(q.nextUnit()), 10)
-		}
-		for i := range sc.slots {
-			q := &sc.slots[i]
-			if len(reqs) > 0 || i > 0 {
-				b = append(b, ", "...)
-			}
-			b = append(b, q.zone.quotedName...)
-			b = append(b, ";r="...)
-			b = strconv.AppendInt(b, q.free, 10)
-		}
+		b = h.appendItems(b, sc)
 		ends[4] = len(b)
 	}
 	sc.buf = b
@@ -148,6 +138,89 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch, top 
 		set(3, "Ratelimit-Policy")
 		set(4, "Ratelimit")
 	}
+}
+
+// appendPolicies appends the RateLimit-Policy items: each bucket's and
+// counter's, zone by zone, then each zone's slots.
+func (h *Handler) appendPolicies(b []byte, sc *scratch) []byte {
+	n := 0
+	for i := range sc.matches {
+		m := &sc.matches[i]
+		z := h.Zones[m.zone]
+		if m.bucket >= 0 {
+			b = sep(b, &n)
+			if l := &sc.d.buckets[m.bucket].limit; z.plans != nil {
+				b = appendPolicy(b, z.quotedName, l.burst, ceilSeconds(l.burstTime))
+			} else {
+				b = append(b, z.policy...)
+			}
+		}
+		if m.counter >= 0 {
+			// A quota's policy: its limit and its window's length, which
+			// for a month or a day with a change of daylight saving time
+			// is that window's own.
+			b = sep(b, &n)
+			b = appendPolicy(b, z.quotedName, z.quota.limit, sc.d.counters[m.counter].window.seconds)
+		}
+	}
+	for i := range sc.matches {
+		if m := &sc.matches[i]; m.slot >= 0 {
+			b = sep(b, &n)
+			b = append(b, h.Zones[m.zone].slotPolicy...)
+		}
+	}
+	return b
+}
+
+// appendItems appends the RateLimit items, in the order of the policies.
+func (h *Handler) appendItems(b []byte, sc *scratch) []byte {
+	n := 0
+	for i := range sc.matches {
+		m := &sc.matches[i]
+		z := h.Zones[m.zone]
+		if m.bucket >= 0 {
+			q := &sc.d.buckets[m.bucket]
+			b = appendItem(sep(b, &n), z.quotedName, q.remaining(), ceilSeconds(q.limit.nextToken(q.debt)))
+		}
+		if m.counter >= 0 {
+			c := &sc.d.counters[m.counter]
+			b = appendItem(sep(b, &n), z.quotedName, c.remaining(), ceilSeconds(c.left))
+		}
+	}
+	for i := range sc.matches {
+		if m := &sc.matches[i]; m.slot >= 0 {
+			b = sep(b, &n)
+			b = append(b, h.Zones[m.zone].quotedName...)
+			b = append(b, ";r="...)
+			b = strconv.AppendInt(b, sc.d.slots[m.slot].free, 10)
+		}
+	}
+	return b
+}
+
+// sep appends the separator before the n-th item of a list, and counts
+// it.
+func sep(b []byte, n *int) []byte {
+	if *n++; *n > 1 {
+		b = append(b, ", "...)
+	}
+	return b
+}
+
+func appendPolicy(b []byte, name string, q, w int64) []byte {
+	b = append(b, name...)
+	b = append(b, ";q="...)
+	b = strconv.AppendInt(b, q, 10)
+	b = append(b, ";w="...)
+	return strconv.AppendInt(b, w, 10)
+}
+
+func appendItem(b []byte, name string, r, t int64) []byte {
+	b = append(b, name...)
+	b = append(b, ";r="...)
+	b = strconv.AppendInt(b, r, 10)
+	b = append(b, ";t="...)
+	return strconv.AppendInt(b, t, 10)
 }
 
 // setRetryAfter sets the Retry-After header of a denial that must wait

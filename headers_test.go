@@ -179,3 +179,21 @@ func TestHeaderModes(t *testing.T) {
 		checkHeaders(t, tc.path+" denied", h, tc.denied)
 	}
 }
+
+func TestSFString(t *testing.T) {
+	for name, want := range map[string]string{
+		"api.v1_x-y": `"api.v1_x-y"`,
+		"api:v1 /@":  `"api:v1 /@"`,
+		`a"b\c`:      `"a\"b\\c"`,
+		"100%":       `"100%25"`,
+		"é\t\x7f":    `"%C3%A9%09%7F"`,
+	} {
+		if got := sfString(name); got != want {
+			t.Errorf("sfString(%q) = %s, want %s", name, got, want)
+		}
+	}
+	// Distinct names stay distinct: '%' is itself encoded.
+	if sfString("é") == sfString("%C3%A9") {
+		t.Error("é and %C3%A9 give the same sf-string")
+	}
+}

@@ -5,19 +5,27 @@ package ratelimit
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
 )
@@ -214,4 +222,172 @@ func checkValidate(t *testing.T, in, wantErr string) {
 	case wantErr != "" && !strings.Contains(err.Error(), wantErr):
 		t.Errorf("error %q does not contain %q", err, wantErr)
 	}
+}
+
+// bucketReq is the demand of z's bucket for key, as decide makes it for a
+// zone whose limit is fixed.
+func bucketReq(z *Zone, key bucketKey) bucketDemand {
+	return bucketDemand{zone: z.index, key: key, limit: z.limit, cost: z.costTime}
+}
+
+// counterReq is the demand of z's quota counter for key, at now.
+func counterReq(z *Zone, key bucketKey, now time.Time) counterDemand {
+	return counterDemand{zone: z.index, key: key, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(now)}
+}
+
+// slotsOf is the local slot table of h's zone z: the local store's, or
+// that of the local buckets that decide when Redis fails; an empty one
+// when there is neither (fail_mode open or closed).
+func slotsOf(h *Handler, z *Zone) *slotTable {
+	if h.fallback != nil {
+		return h.fallback.zones[z.index].slots
+	}
+	if ls, ok := h.store.(*LocalStore); ok {
+		return ls.zones[z.index].slots
+	}
+	return newSlotTable(1)
+}
+
+func init() {
+	caddy.RegisterModule(passCounter{})
+}
+
+// passCounter is a handler for tests that counts the requests reaching
+// it, so that a test knows what the handlers after it saw.
+type passCounter struct {
+	// The counter's name, for passed.
+	Name string `json:"name"`
+}
+
+var passes sync.Map // name → *atomic.Int64
+
+// passed is the number of requests that reached the passCounter
+// handlers named name.
+func passed(name string) *atomic.Int64 {
+	v, _ := passes.LoadOrStore(name, new(atomic.Int64))
+	return v.(*atomic.Int64)
+}
+
+func (passCounter) CaddyModule() caddy.ModuleInfo {
+	return caddy.ModuleInfo{
+		ID:  "http.handlers.rate_limit_test_pass_counter",
+		New: func() caddy.Module { return new(passCounter) },
+	}
+}
+
+func (p *passCounter) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	passed(p.Name).Add(1)
+	return next.ServeHTTP(w, r)
+}
+
+// aliceHash is the bcrypt hash (cost 4, cheap for tests) of alice's
+// password, "right-password".
+const aliceHash = "$2a$04$y2ldnWvya6B.N76lJ5bFie1sdWRJroZP5scTca.wUnCmgcMqWxyhS"
+
+// basicAuth is basic_auth's JSON: one account, alice.
+const basicAuth = `{"handler":"authentication","providers":{"http_basic":{
+	"hash":{"algorithm":"bcrypt"},
+	"accounts":[{"username":"alice","password":"` + aliceHash + `"}]}}}`
+
+// password is the Authorization header of alice with password pw.
+func password(pw string) string {
+	return "Basic " + base64.StdEncoding.EncodeToString([]byte("alice:"+pw))
+}
+
+// storeJSON is the handler's store config: local, or Redis on addrs.
+func storeJSON(addrs ...string) string {
+	if len(addrs) == 0 {
+		return `{"backend":"local"}`
+	}
+	quoted := make([]string, len(addrs))
+	for i, a := range addrs {
+		quoted[i] = strconv.Quote(a)
+	}
+	return `{"backend":"redis","addresses":[` + strings.Join(quoted, ",") + `]}`
+}
+
+// hit sends one request to the test site from client IP ip (the server
+// trusts loopback's X-Forwarded-For) with header name/value pairs, and
+// returns the status, the body and the Retry-After seconds (0 if none).
+func hit(t *testing.T, c *http.Client, path, ip string, header ...string) (int, string, int) {
+	t.Helper()
+	req, err := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	req.Header.Set("X-Forwarded-For", ip)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	retry, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
+	return resp.StatusCode, string(body), retry
+}
+
+// loopback is a client whose connections come from the loopback address
+// 127.0.0.<n>, so that the server sees a client of its own.
+func loopback(n int) *http.Client {
+	d := &net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, byte(n))}, Timeout: 5 * time.Second}
+	return &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
+		DisableKeepAlives: true,
+		DialContext: func(ctx context.Context, network, _ string) (net.Conn, error) {
+			return d.DialContext(ctx, network, "127.0.0.1:9080")
+		},
+	}}
+}
+
+// sendExpect makes a request of the client and checks its status; header holds
+// name/value pairs. It returns the response's headers.
+func sendExpect(t *testing.T, c *http.Client, method, path string, want int, header ...string) http.Header {
+	t.Helper()
+	req, err := http.NewRequest(method, "http://localhost:9080"+path, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		t.Fatalf("%s %s: %v", method, path, err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != want {
+		t.Errorf("%s %s %q: status %d, want %d (RateLimit: %s)", method, path, header, resp.StatusCode, want, resp.Header.Get("RateLimit"))
+	}
+	return resp.Header
+}
+
+// resetBucket empties nothing and fills one bucket through the admin API,
+// so that a zone name used by an earlier config starts afresh.
+func resetBucket(t *testing.T, zone, key string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodDelete, "http://localhost:2999/rate_limit/"+url.PathEscape(zone)+"/"+url.PathEscape(key), nil)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusOK && resp.StatusCode != http.StatusNotFound {
+		t.Fatalf("resetting %s/%s: status %d", zone, key, resp.StatusCode)
+	}
+}
+
+// loadJSON loads a JSON config into the test Caddy and waits until only
+// its listener is left.
+func loadJSON(t *testing.T, config string) *caddytest.Tester {
+	t.Helper()
+	tester := caddytest.NewTester(t)
+	tester.InitServer(config, "json")
+	if t.Failed() {
+		t.FailNow()
+	}
+	waitOneListener(t, 9080)
+	return tester
 }

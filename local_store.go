@@ -39,29 +39,43 @@ type LocalStore struct {
 	// lose. At least 100ms. Default: 30s.
 	PersistInterval caddy.Duration `json:"persist_interval,omitempty"`
 
-	tables   []*table // by zone index
-	quotas   []*table // by zone index: the calendar quotas' counters; nil for a zone without
-	acquired []tableID
-	snaps    *snapshots // where the tables are persisted; nil: they are not
+	zones    []localZone // by zone index
+	acquired []any       // the keys of what it acquired in localTables and localSlots
+	snaps    *snapshots  // where the tables are persisted; nil: they are not
+}
+
+// A localZone is what the local store keeps for one zone.
+type localZone struct {
+	buckets  *table[bucket]  // nil: the zone has no bucket
+	counters *table[counter] // nil: the zone has no calendar quota
+	slots    *slotTable      // nil: the zone does not limit requests in flight
 }
 
 const defaultMaxKeys = 1_000_000
 
-// localTables holds the bucket tables of every zone of every loaded
-// config, so that a reload which keeps a zone keeps its buckets: the new
-// config acquires the table before the old one releases it.
+// localTables holds the tables of every zone of every loaded config, so
+// that a reload which keeps a zone keeps its buckets and counters: the
+// new config acquires a table before the old one releases it.
 var localTables = caddy.NewUsagePool()
 
-// tableID is what a zone's buckets are shared by. A zone whose rate or
+// localSlots holds the slot tables of the zones with concurrency, by
+// zone name: across a reload, the new config counts the old one's
+// requests still running, which give their slots back to the same table.
+var localSlots = caddy.NewUsagePool()
+
+// tableID is what a zone's table is shared by. A zone whose rate or
 // burst changes starts with fresh buckets.
 type tableID struct {
 	name      string
 	tokenTime time.Duration
 	burst     int64
 	// quota, for the table of a zone's calendar quota counters, is its
-	// period and time zone (see Zone.quotaID): its limit may change.
+	// period and time zone (see zoneSpec.quota): its limit may change.
 	quota string
 }
+
+// A slotsID names a zone's slot table in localSlots.
+type slotsID string
 
 // CaddyModule returns the Caddy module information.
 func (LocalStore) CaddyModule() caddy.ModuleInfo {
@@ -108,32 +122,35 @@ func checkPersistInterval(d time.Duration) error {
 	return nil
 }
 
-func (s *LocalStore) bind(zones []*Zone) error {
-	if len(s.tables) > 0 {
+func (s *LocalStore) bind(zones []zoneSpec) error {
+	if len(s.zones) > 0 {
 		return errors.New("local store is already in use by another handler")
 	}
-	for _, z := range zones {
-		t, err := s.acquire(tableID{name: z.Name, tokenTime: z.limit.tokenTime, burst: z.limit.burst})
+	s.zones = make([]localZone, len(zones))
+	for i, z := range zones {
+		lz := &s.zones[i]
+		var err error
+		if z.bucket {
+			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.name, tokenTime: z.shape.tokenTime, burst: z.shape.burst})
+		}
+		if err == nil && z.quota != "" {
+			lz.counters, err = acquireTable[counter](s, tableID{name: z.name, quota: z.quota})
+		}
+		if err == nil && z.slots {
+			lz.slots, err = s.acquireSlots(z.name)
+		}
 		if err != nil {
 			return err
 		}
-		s.tables = append(s.tables, t)
-		var qt *table
-		if z.quota != nil {
-			if qt, err = s.acquire(tableID{name: z.Name, quota: z.quotaID()}); err != nil {
-				return err
-			}
-		}
-		s.quotas = append(s.quotas, qt)
 	}
 	return nil
 }
 
-// acquire gets the table of id, shared with the other configs that use
-// it.
-func (s *LocalStore) acquire(id tableID) (*table, error) {
+// acquireTable gets the table of id, shared with the other configs that
+// use it.
+func acquireTable[E entry](s *LocalStore, id tableID) (*table[E], error) {
 	v, _, err := localTables.LoadOrNew(id, func() (caddy.Destructor, error) {
-		t := newTable(s.MaxKeys, time.Now())
+		t := newTable[E](s.MaxKeys, time.Now())
 		go t.sweepLoop()
 		if s.snaps != nil {
 			t.key = s.snaps.key
@@ -145,7 +162,7 @@ func (s *LocalStore) acquire(id tableID) (*table, error) {
 		return nil, err
 	}
 	s.acquired = append(s.acquired, id)
-	t := v.(*table)
+	t := v.(*table[E])
 	t.maxKeys.Store(s.MaxKeys)
 	// The config that uses the table last says where it is kept; a
 	// store that was not provisioned (fail_mode local's fallback)
@@ -156,11 +173,29 @@ func (s *LocalStore) acquire(id tableID) (*table, error) {
 	return t, nil
 }
 
+// acquireSlots gets the slot table of the zone named name.
+func (s *LocalStore) acquireSlots(name string) (*slotTable, error) {
+	v, _, err := localSlots.LoadOrNew(slotsID(name), func() (caddy.Destructor, error) {
+		return newSlotTable(s.MaxKeys), nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	s.acquired = append(s.acquired, slotsID(name))
+	t := v.(*slotTable)
+	t.maxKeys.Store(s.MaxKeys)
+	return t, nil
+}
+
 // Cleanup releases the tables, which stop when no config uses them.
 func (s *LocalStore) Cleanup() error {
 	var errs []error
 	for _, id := range s.acquired {
-		if _, err := localTables.Delete(id); err != nil {
+		pool := localTables
+		if _, ok := id.(slotsID); ok {
+			pool = localSlots
+		}
+		if _, err := pool.Delete(id); err != nil {
 			errs = append(errs, err)
 		}
 	}
@@ -168,90 +203,116 @@ func (s *LocalStore) Cleanup() error {
 	return errors.Join(errs...)
 }
 
-func (s *LocalStore) take(_ context.Context, now time.Time, reqs []request) (bool, error) {
-	var buf [4]charge
-	cs := buf[:0]
-	for i := range reqs {
-		q := &reqs[i]
-		if q.win != nil {
-			t := s.quotas[q.zone.index]
-			n := t.instant(now)
-			cs = append(cs, charge{
-				t:      t,
-				h:      t.hash(q.key),
-				now:    n,
-				req:    i,
-				quota:  q.zone.quota,
-				units:  q.zone.Cost,
-				fullAt: n + q.win.end.Sub(now), // should a new window start
-			})
-			continue
+// take decides the demands on the zones' tables in one all-or-nothing
+// step (see takeAll).
+func (s *LocalStore) take(_ context.Context, now time.Time, d *demands) (bool, error) {
+	var cbuf [4]charge
+	var kbuf [2]count
+	var sbuf [2]slotClaim
+	cs, ks, sl := cbuf[:0], kbuf[:0], sbuf[:0]
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		t := s.zones[b.zone].buckets
+		n := t.instant(now)
+		if b.floor > 0 {
+			raise(t, b.key, n+b.floor, n)
 		}
-		t := s.tables[q.zone.index]
-		p := q.plan()
-		cs = append(cs, charge{
-			l:    q.limit(),
-			cost: p.costTime,
-			t:    t,
-			h:    t.hash(q.key),
-			now:  t.instant(now),
-			req:  i,
-		})
+		cs = append(cs, charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n, req: i})
 	}
-	allowed := takeAll(cs)
+	for i := range d.counters {
+		c := &d.counters[i]
+		t := s.zones[c.zone].counters
+		n := t.instant(now)
+		ks = append(ks, count{t: t, h: t.hash(c.key), now: n, endAt: n + c.window.end.Sub(now), limit: c.limit, units: c.cost, req: i})
+	}
+	for i := range d.slots {
+		q := &d.slots[i]
+		sl = append(sl, slotClaim{t: s.zones[q.zone].slots, key: q.key, n: q.limit, soft: q.soft, req: i})
+	}
+	allowed := takeAll(cs, ks, sl)
+	d.at = now
 	for i := range cs {
-		c := &cs[i]
-		reqs[c.req].ok = c.ok
-		reqs[c.req].ban = c.ban
-		reqs[c.req].debt = c.debt
-		reqs[c.req].used = c.used
+		b := &d.buckets[cs[i].req]
+		b.ok, b.ban, b.debt = cs[i].ok, cs[i].ban, cs[i].debt
+	}
+	for i := range ks {
+		c := &d.counters[ks[i].req]
+		c.ok, c.used, c.left = ks[i].ok, ks[i].used, ks[i].left()
+	}
+	for i := range sl {
+		q := &d.slots[sl[i].req]
+		q.held, q.free, q.full = sl[i].held, sl[i].free, sl[i].full
 	}
 	return allowed, nil
 }
 
-// owe makes q's bucket owe debt at least, at now.
-func (s *LocalStore) owe(now time.Time, q *request, debt time.Duration) {
-	if debt > 0 && q.win == nil {
-		t := s.tables[q.zone.index]
-		n := t.instant(now)
-		t.raise(q.key, n+debt, n)
+func (s *LocalStore) adjust(_ context.Context, now time.Time, d *demands) error {
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		t := s.zones[b.zone].buckets
+		adjustBucket(t, b.key, b.limit, b.cost, t.instant(now))
 	}
+	for i := range d.counters {
+		c := &d.counters[i]
+		t := s.zones[c.zone].counters
+		n := t.instant(now)
+		adjustCounter(t, c.key, c.cost, n+c.window.end.Sub(now), n)
+	}
+	return nil
 }
 
-func (s *LocalStore) refund(_ context.Context, now time.Time, reqs []request) error {
-	for i := range reqs {
-		q := &reqs[i]
-		if q.win != nil {
-			t := s.quotas[q.zone.index]
-			t.uncount(q.key, q.zone.Cost, t.instant(now))
-			continue
+func (s *LocalStore) release(_ context.Context, slots []slotDemand) error {
+	for i := range slots {
+		if q := &slots[i]; q.held {
+			s.zones[q.zone].slots.release(q.key)
 		}
-		t := s.tables[q.zone.index]
-		p := q.plan()
-		t.refund(q.key, p.limit, p.costTime, t.instant(now))
 	}
 	return nil
 }
 
-func (s *LocalStore) peek(_ context.Context, now time.Time, q *request) error {
-	if q.win != nil {
-		t := s.quotas[q.zone.index]
+func (s *LocalStore) peek(_ context.Context, now time.Time, d *demands) error {
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		t := s.zones[b.zone].buckets
+		b.debt = b.limit.debt(bucketAt(t, b.key), t.instant(now))
+	}
+	for i := range d.counters {
+		c := &d.counters[i]
+		t := s.zones[c.zone].counters
 		n := t.instant(now)
-		used, endAt := t.count(q.key, n)
-		q.used, q.debt = used, max(endAt-n, 0)
-		return nil
+		used, endAt := countAt(t, c.key, n)
+		c.used, c.left = used, max(endAt-n, 0)
 	}
-	t := s.tables[q.zone.index]
-	q.debt = q.plan().limit.debt(t.get(q.key), t.instant(now))
+	for i := range d.slots {
+		q := &d.slots[i]
+		q.free = s.zones[q.zone].slots.free(q.key, q.limit)
+	}
 	return nil
 }
 
-func (s *LocalStore) reset(_ context.Context, q *request) (bool, error) {
-	t := s.tables[q.zone.index]
-	if q.win != nil {
-		t = s.quotas[q.zone.index]
+func (s *LocalStore) reset(_ context.Context, d *demands) (bool, error) {
+	found := false
+	for i := range d.buckets {
+		t := s.zones[d.buckets[i].zone].buckets
+		found = t.forget(d.buckets[i].key).fullAt > t.instant(time.Now()) || found
 	}
-	return t.forget(q.key) > t.instant(time.Now()), nil
+	for i := range d.counters {
+		t := s.zones[d.counters[i].zone].counters
+		found = !t.forget(d.counters[i].key).spent(t.instant(time.Now())) || found
+	}
+	return found, nil
+}
+
+func (s *LocalStore) stats(zone int) zoneStats {
+	z := &s.zones[zone]
+	n, e := 0, uint64(0)
+	if z.buckets != nil {
+		n, e = z.buckets.len(), z.buckets.evictions.Load()
+	}
+	if z.counters != nil {
+		n, e = n+z.counters.len(), e+z.counters.evictions.Load()
+	}
+	return zoneStats{keys: &n, evictions: &e, table: *z}
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:

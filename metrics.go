@@ -5,10 +5,8 @@ package ratelimit
 
 import (
 	"errors"
-	"sync"
 	"sync/atomic"
 
-	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -36,9 +34,6 @@ type zoneState struct {
 	metered atomic.Int64
 
 	top *topKeys
-
-	slotsOnce sync.Once
-	slots     *slotTable // requests in flight, for zones with concurrency
 }
 
 // Destruct is called when no config has the zone any more.
@@ -92,8 +87,8 @@ var (
 	zoneCollector = newCollector()
 )
 
-// collector exports what the zone states, bucket tables and Redis
-// clients count, read when Prometheus scrapes.
+// collector exports what the zone states and the stores count, read
+// when Prometheus scrapes.
 type collector struct {
 	requests, cacheHits, bans, refunds, delayed, keys, evictions, circuitOpen *prometheus.Desc
 }
@@ -169,29 +164,49 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		return true
 	})
 
-	// Zones of one name with different limits have separate tables.
+	c.collectStores(ch, exported)
+}
+
+// collectStores exports what the stores of the provisioned handlers keep
+// (read through their stats): the keys and evictions of each zone, the
+// tables that zones of one name and limit share counted once, and the
+// connections whose circuit breaker is open.
+func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[string]bool) {
 	keys := make(map[string]int)
 	evictions := make(map[string]uint64)
-	localTables.Range(func(k, v any) bool {
-		name, t := k.(tableID).name, v.(*table)
-		if exported[name] {
-			keys[name] += t.len()
-			evictions[name] += t.evictions.Load()
+	tables := make(map[any]bool)
+	clients := make(map[any]bool) // whether each connection is down
+	registry.Lock()
+	for _, refs := range registry.zones {
+		for _, ref := range refs {
+			for _, s := range []store{ref.h.store, ref.h.fallbackStore()} {
+				if s == nil {
+					continue
+				}
+				st := s.stats(ref.z.index)
+				if st.client != nil {
+					clients[st.client] = st.unavailable
+				}
+				if st.keys == nil || tables[st.table] || !exported[ref.z.Name] {
+					continue
+				}
+				tables[st.table] = true
+				keys[ref.z.Name] += *st.keys
+				evictions[ref.z.Name] += *st.evictions
+			}
 		}
-		return true
-	})
+	}
+	registry.Unlock()
 	for name, n := range keys {
 		ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(n), name)
 		ch <- prometheus.MustNewConstMetric(c.evictions, prometheus.CounterValue, float64(evictions[name]), name)
 	}
-
 	open := 0
-	redisClients.Range(func(_, v any) bool {
-		if v.(*rediswire.Client).Breaker.Open() {
+	for _, down := range clients {
+		if down {
 			open++
 		}
-		return true
-	})
+	}
 	ch <- prometheus.MustNewConstMetric(c.circuitOpen, prometheus.GaugeValue, float64(open))
 }
 
@@ -207,14 +222,4 @@ func registerMetrics(reg prometheus.Registerer) error {
 		}
 	}
 	return nil
-}
-
-// slotTable returns the zone's table of requests in flight, creating it
-// with room for maxKeys keys. It is kept with the zone's counters, so
-// that across a reload the new config counts the old one's requests
-// still running, which give their slots back to the same table.
-func (st *zoneState) slotTable(maxKeys int64) *slotTable {
-	st.slotsOnce.Do(func() { st.slots = newSlotTable(maxKeys) })
-	st.slots.maxKeys.Store(maxKeys)
-	return st.slots
 }

@@ -1231,3 +1231,83 @@ func recordEvents(t *testing.T, h *Handler) *eventRecorder {
 	h.events = app
 	return sub
 }
+
+// BenchmarkServeHTTP is the handler's whole cost for one request, without
+// Caddy's server around it: key from {client_ip}, decision, headers.
+func BenchmarkServeHTTP(b *testing.B) {
+	for _, tc := range []struct{ name, zone string }{
+		{"allowed", `{"name":"bench-allowed","rate":"1000000000r/s"}`},
+		{"allowed-ban", `{"name":"bench-allowed-ban","rate":"1000000000r/s","ban":"15m"}`},
+		// count 401, and the response a 200: every request is charged,
+		// then given its token back.
+		{"allowed-count", `{"name":"bench-allowed-count","rate":"1000000000r/s","count":{"status_code":[401]}}`},
+		{"allowed-concurrency", `{"name":"bench-allowed-concurrency","rate":"1000000000r/s","concurrency":100}`},
+		{"allowed-delay", `{"name":"bench-allowed-delay","rate":"1000000000r/s","delay":"1s"}`},
+		{"denied", `{"name":"bench-denied","rate":"1r/s"}`}, // Retry-After: 1
+		{"allowed_api_key", `{"name":"bench-api-key","key":"{http.request.header.X-API-Key}","rate":"1000000000r/s"}`},
+		{"allowed-quota", `{"name":"bench-quota","quota":999999999999999,"quota_period":"month"}`},
+		{"allowed-rate-quota", `{"name":"bench-rate-quota","rate":"1000000000r/s","quota":999999999999999,"quota_period":"month"}`},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			h := newTestHandler(b, `{"zones":[`+tc.zone+`]}`)
+			h.logger = zap.NewNop() // Caddy's default level skips denial logs too
+			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+				w.WriteHeader(http.StatusOK)
+				return nil
+			})
+			req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
+			req.Header.Set("X-API-Key", "an-api-key-of-32-bytes-abcdefghi")
+			vars := map[string]any{"client_ip": "192.0.2.1"}
+			req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, vars))
+			caddyhttp.NewTestReplacer(req)
+			w := &headerSink{h: make(http.Header)}
+			b.ReportAllocs()
+			for b.Loop() {
+				clear(w.h)
+				_ = h.ServeHTTP(w, req, next)
+			}
+		})
+	}
+}
+
+// headerSink is a ResponseWriter that keeps headers and drops the rest.
+type headerSink struct{ h http.Header }
+
+func (w *headerSink) Header() http.Header { return w.h }
+
+func (w *headerSink) Write(p []byte) (int, error) { return len(p), nil }
+
+func (w *headerSink) WriteHeader(int) {}
+
+// BenchmarkServeHTTPPlan is the allowed path of a zone whose rate and
+// burst come with the request (plans.go), beside the same zone with
+// fixed numbers: `benchstat -col /rate`. The values come from
+// {http.vars.*}, as an authentication handler would set them, or from
+// request headers.
+func BenchmarkServeHTTPPlan(b *testing.B) {
+	for _, tc := range []struct{ name, zone string }{
+		{"rate=fixed", `{"name":"bench-plan-fixed","rate":"1000000000r/s","burst":1000000000}`},
+		{"rate=vars", `{"name":"bench-plan-vars","rate":"{http.vars.plan_rate}","burst":"{http.vars.plan_burst}"}`},
+		{"rate=header", `{"name":"bench-plan-header","rate":"{http.request.header.X-Rate}","burst":"{http.request.header.X-Burst}"}`},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			h := newTestHandler(b, `{"zones":[`+tc.zone+`]}`)
+			h.logger = zap.NewNop()
+			next := caddyhttp.HandlerFunc(func(http.ResponseWriter, *http.Request) error { return nil })
+			req := httptest.NewRequest(http.MethodGet, "http://example.com/", nil)
+			req.Header.Set("X-Rate", "1000000000r/s")
+			req.Header.Set("X-Burst", "1000000000")
+			vars := map[string]any{"client_ip": "192.0.2.1", "plan_rate": "1000000000r/s", "plan_burst": "1000000000"}
+			req = req.WithContext(context.WithValue(req.Context(), caddyhttp.VarsCtxKey, vars))
+			caddyhttp.NewTestReplacer(req)
+			w := &headerSink{h: make(http.Header)}
+			b.ReportAllocs()
+			for b.Loop() {
+				clear(w.h)
+				if err := h.ServeHTTP(w, req, next); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}

@@ -258,7 +258,7 @@ type persistence struct {
 // persist makes t a persisted table: it loads t's snapshot in the
 // background and writes it every interval until t is destroyed. t must
 // be new, with sn's hash key.
-func (t *table) persist(sn *snapshots, shape tableID) {
+func (t *table[E]) persist(sn *snapshots, shape tableID) {
 	p := &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
 	p.to.Store(sn)
 	t.p = p
@@ -270,7 +270,7 @@ func (t *table) persist(sn *snapshots, shape tableID) {
 // now uses it (nil when that config turns persistence off). A table
 // hashed with another key (another storage) stops being persisted: its
 // snapshot could not be read back.
-func (t *table) rebind(sn *snapshots) {
+func (t *table[E]) rebind(sn *snapshots) {
 	if t.p == nil {
 		return
 	}
@@ -283,7 +283,7 @@ func (t *table) rebind(sn *snapshots) {
 }
 
 // load merges the table's snapshot into it. It ends within loadTimeout.
-func (t *table) load(sn *snapshots) {
+func (t *table[E]) load(sn *snapshots) {
 	defer close(t.p.ready)
 	name := sn.dir + "/" + t.p.name
 	log := sn.logger.With(zap.String("zone", t.p.shape.name), zap.String("storage_key", name))
@@ -304,7 +304,7 @@ func (t *table) load(sn *snapshots) {
 }
 
 // persistLoop writes the table every interval, once it has been loaded.
-func (t *table) persistLoop() {
+func (t *table[E]) persistLoop() {
 	defer close(t.p.done)
 	select {
 	case <-t.p.ready:
@@ -329,13 +329,14 @@ func (t *table) persistLoop() {
 	}
 }
 
-// close stops persisting the table when no config uses it any more. When
+// closePersisted stops persisting the table t when no config uses it
+// any more. When
 // Caddy exits, it writes the table; when a reload dropped it (its zone
 // is gone or has another rate or burst), it deletes the snapshot it
 // wrote, as the buckets are gone. A config that never ran for a whole
 // interval (`caddy validate`, a start or a reload that failed) writes
 // and deletes nothing: the snapshot may be another process's.
-func (t *table) close(exiting bool) {
+func closePersisted[E entry](t *table[E], exiting bool) {
 	if t.p == nil {
 		return
 	}
@@ -366,7 +367,7 @@ func (t *table) close(exiting bool) {
 
 // save writes the table's snapshot. Failures are logged when they start
 // and when they end, not at every interval.
-func (t *table) save(sn *snapshots) error {
+func (t *table[E]) save(sn *snapshots) error {
 	p := t.p
 	if !p.busy.CompareAndSwap(false, true) {
 		return errors.New("the last write has not ended") // a storage that hangs
@@ -389,18 +390,18 @@ func (t *table) save(sn *snapshots) error {
 	return err
 }
 
-// snapshot encodes the buckets that are not full at now. Each shard is
-// locked only while its buckets are copied, which for a million buckets
+// snapshot encodes the entries that are not spent at now. Each shard is
+// locked only while its entries are copied, which for a million of them
 // in 64 shards is a fraction of a millisecond each.
-func (t *table) snapshot(now time.Time, fingerprint uint64) []byte {
+func (t *table[E]) snapshot(now time.Time, fingerprint uint64) []byte {
 	n, wall := t.instant(now), now.UnixNano()
 	size := t.len()
-	entry, counts := t.p.shape.entrySize(), t.p.shape.quota != ""
+	entry := t.p.shape.entrySize()
 	b := make([]byte, snapshotHeader, snapshotHeader+entry*(size+size/8))
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		b = s.appendBuckets(b, n, wall, counts)
+		b = s.appendTo(b, n, wall)
 		s.mu.Unlock()
 	}
 	copy(b, snapshotMagic)
@@ -413,18 +414,28 @@ func (t *table) snapshot(now time.Time, fingerprint uint64) []byte {
 	return b
 }
 
-// appendBuckets appends the shard's buckets that are not full at n (wall
-// on the wall clock) to a snapshot, or with counts, a quota's counters
-// whose window has not ended. Requires s.mu to be held.
-func (s *shard) appendBuckets(b []byte, n time.Duration, wall int64, counts bool) []byte {
-	for h, bk := range s.buckets {
-		if bk.fullAt > n {
-			b = binary.LittleEndian.AppendUint64(b, h)
-			b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(bk.fullAt-n)))
-			if counts {
-				b = binary.LittleEndian.AppendUint64(b, uint64(bk.usedAt))
-			}
+// appendTo appends the shard's entries that are not spent at n (wall on
+// the wall clock) to a snapshot. Requires s.mu to be held.
+func (s *shard[E]) appendTo(b []byte, n time.Duration, wall int64) []byte {
+	for h, e := range s.m {
+		if !e.spent(n) {
+			b = appendEntry(b, h, e, n, wall)
 		}
+	}
+	return b
+}
+
+// appendEntry appends an entry of hash h to a snapshot written at table
+// instant n (wall on the wall clock): a bucket as the wall-clock instant
+// it is full again, a counter as the one its window ends and its count.
+func appendEntry[E entry](b []byte, h uint64, e E, n time.Duration, wall int64) []byte {
+	b = binary.LittleEndian.AppendUint64(b, h)
+	switch e := any(e).(type) {
+	case bucket:
+		b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(e.fullAt-n)))
+	case counter:
+		b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(e.endAt-n)))
+		b = binary.LittleEndian.AppendUint64(b, uint64(e.used))
 	}
 	return b
 }
@@ -438,7 +449,7 @@ const mergeChunk = 1024
 // longer than a whole bucket's refill (so a snapshot from a clock far
 // ahead cannot lock anyone out for longer). Loaded buckets only fill free
 // room: they evict none. It returns how many buckets it kept.
-func (t *table) merge(b []byte, fingerprint uint64, now time.Time) (int, error) {
+func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, error) {
 	if len(b) < snapshotHeader || string(b[:4]) != snapshotMagic {
 		return 0, errors.New("not a snapshot")
 	}
@@ -460,9 +471,18 @@ func (t *table) merge(b []byte, fingerprint uint64, now time.Time) (int, error) 
 		return 0, fmt.Errorf("%d bytes of buckets, want %d: truncated", len(entries), count*uint64(entry))
 	}
 	n, wall := t.instant(now), now.UnixNano()
-	if t.p.shape.quota != "" {
-		return t.mergeCounts(entries, n, wall), nil
+	switch t := any(t).(type) {
+	case *table[counter]:
+		return mergeCounts(t, entries, n, wall), nil
+	case *table[bucket]:
+		return mergeBuckets(t, entries, n, wall), nil
 	}
+	return 0, nil
+}
+
+// mergeBuckets adds a snapshot's buckets to the table, as merge says.
+func mergeBuckets(t *table[bucket], entries []byte, n time.Duration, wall int64) int {
+	burst, tokenTime := t.p.shape.burst, t.p.shape.tokenTime
 	most := n + time.Duration(burst)*tokenTime
 	if burst == 0 {
 		// A zone whose limit depends on the request (plans.go): each
@@ -471,7 +491,7 @@ func (t *table) merge(b []byte, fingerprint uint64, now time.Time) (int, error) 
 	}
 	capacity := t.shardCap()
 	kept := 0
-	var locked *shard
+	var locked *shard[bucket]
 	for i := 0; len(entries) > 0; i, entries = i+1, entries[snapshotEntry:] {
 		h := binary.LittleEndian.Uint64(entries)
 		fullAt := n + time.Duration(int64(binary.LittleEndian.Uint64(entries[8:]))-wall)
@@ -486,12 +506,12 @@ func (t *table) merge(b []byte, fingerprint uint64, now time.Time) (int, error) 
 			locked = s
 			s.mu.Lock()
 		}
-		if bk, ok := locked.buckets[h]; ok {
+		if bk, ok := locked.m[h]; ok {
 			if fullAt > bk.fullAt {
-				locked.buckets[h] = bucket{fullAt, bk.usedAt}
+				locked.m[h] = bucket{fullAt, bk.usedAt}
 			}
-		} else if len(locked.buckets) < capacity {
-			locked.buckets[h] = bucket{fullAt, n}
+		} else if len(locked.m) < capacity {
+			locked.m[h] = bucket{fullAt, n}
 		} else {
 			continue
 		}
@@ -500,7 +520,7 @@ func (t *table) merge(b []byte, fingerprint uint64, now time.Time) (int, error) 
 	if locked != nil {
 		locked.mu.Unlock()
 	}
-	return kept, nil
+	return kept
 }
 
 // mergeCounts adds a snapshot's quota counters to the table: those of
@@ -508,23 +528,23 @@ func (t *table) merge(b []byte, fingerprint uint64, now time.Time) (int, error) 
 // counted since the start, gets the snapshot's count added (they count
 // different requests of one window). Loaded counters only fill free
 // room. It returns how many it kept.
-func (t *table) mergeCounts(entries []byte, n time.Duration, wall int64) int {
+func mergeCounts(t *table[counter], entries []byte, n time.Duration, wall int64) int {
 	capacity := t.shardCap()
 	kept := 0
 	for ; len(entries) > 0; entries = entries[snapshotEntry+8:] {
 		h := binary.LittleEndian.Uint64(entries)
 		endAt := n + time.Duration(int64(binary.LittleEndian.Uint64(entries[8:]))-wall)
-		used := time.Duration(binary.LittleEndian.Uint64(entries[16:]))
+		used := int64(binary.LittleEndian.Uint64(entries[16:]))
 		if endAt <= n || used <= 0 {
 			continue // its window has ended
 		}
 		s := t.shard(h)
 		s.mu.Lock()
-		if bk, ok := s.buckets[h]; ok && bk.fullAt > n {
-			s.buckets[h] = bucket{bk.fullAt, bk.usedAt + used}
+		if c, ok := s.m[h]; ok && !c.spent(n) {
+			s.m[h] = counter{c.endAt, c.used + used}
 			kept++
-		} else if ok || len(s.buckets) < capacity {
-			s.buckets[h] = bucket{endAt, used}
+		} else if ok || len(s.m) < capacity {
+			s.m[h] = counter{endAt, used}
 			kept++
 		}
 		s.mu.Unlock()

@@ -111,10 +111,10 @@ var testShape = tableID{name: "z", tokenTime: time.Second, burst: 10}
 
 // newPersistedTable is a table of testShape persisted to sn, without
 // its background loading and writing.
-func newPersistedTable(sn *snapshots) *table { return newPersistedTableOf(sn, 1000) }
+func newPersistedTable(sn *snapshots) *table[bucket] { return newPersistedTableOf(sn, 1000) }
 
-func newPersistedTableOf(sn *snapshots, maxKeys int64) *table {
-	t := newTable(maxKeys, t0)
+func newPersistedTableOf(sn *snapshots, maxKeys int64) *table[bucket] {
+	t := newBuckets(maxKeys, t0)
 	t.key = sn.key
 	t.p = &persistence{shape: testShape, name: testShape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
 	t.p.to.Store(sn)
@@ -126,13 +126,13 @@ func testSnapshots(storage certmagic.Storage) *snapshots {
 }
 
 // set makes k's bucket in t full again at fullAt.
-func set(t *table, k string, fullAt time.Time) {
-	t.raise(key(k), t.instant(fullAt), t.instant(t0))
+func set(t *table[bucket], k string, fullAt time.Time) {
+	raise(t, key(k), t.instant(fullAt), t.instant(t0))
 }
 
 // fullIn is how long k's bucket in t needs to be full again, seen at now.
-func fullIn(t *table, k string, now time.Time) time.Duration {
-	return max(t.get(key(k))-t.instant(now), 0)
+func fullIn(t *table[bucket], k string, now time.Time) time.Duration {
+	return max(bucketAt(t, key(k))-t.instant(now), 0)
 }
 
 func TestSnapshotRoundTrip(t *testing.T) {
@@ -270,7 +270,7 @@ func bindTestStore(t *testing.T, sn *snapshots, zone string) (*LocalStore, *Zone
 		t.Fatal(err)
 	}
 	s := &LocalStore{MaxKeys: 1000, snaps: sn}
-	if err := s.bind([]*Zone{z}); err != nil {
+	if err := s.bind([]zoneSpec{z.spec()}); err != nil {
 		t.Fatal(err)
 	}
 	return s, z
@@ -280,8 +280,7 @@ func bindTestStore(t *testing.T, sn *snapshots, zone string) (*LocalStore, *Zone
 // the request was allowed.
 func spend(t *testing.T, s *LocalStore, z *Zone, k string) bool {
 	t.Helper()
-	reqs := []request{{zone: z, key: key(k)}}
-	ok, err := s.take(context.Background(), time.Now(), reqs)
+	ok, err := s.take(context.Background(), time.Now(), &demands{buckets: []bucketDemand{bucketReq(z, key(k))}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -344,7 +343,7 @@ func TestFailingStorage(t *testing.T) {
 	if !spend(t, s, z, "k") {
 		t.Error("first request denied")
 	}
-	tab := s.tables[0]
+	tab := s.zones[0].buckets
 	<-tab.p.ready
 	if err := tab.save(tab.p.to.Load()); err == nil || !strings.Contains(err.Error(), "storage down") {
 		t.Errorf("save: %v, want the storage's error", err)
@@ -382,7 +381,7 @@ func TestPersistLifecycle(t *testing.T) {
 	s, z := bindTestStore(t, sn, "lifecycle")
 	spend(t, s, z, "k")
 	spend(t, s, z, "k")
-	name := sn.dir + "/" + s.tables[0].p.name
+	name := sn.dir + "/" + s.zones[0].buckets.p.name
 	deadline := time.Now().Add(time.Minute)
 	for {
 		if b, ok := storage.file(name); ok && len(b) == snapshotHeader+snapshotEntry {
@@ -395,17 +394,17 @@ func TestPersistLifecycle(t *testing.T) {
 	}
 	// As at a restart: the table is saved as Caddy exits, and another
 	// of its shape loads it.
-	tab := s.tables[0]
+	tab := s.zones[0].buckets
 	tab.stopOnce.Do(func() {
 		close(tab.stop)
-		tab.close(true)
+		closePersisted(tab, true)
 	})
 	if err := s.Cleanup(); err != nil {
 		t.Fatal(err)
 	}
 
 	s2, z2 := bindTestStore(t, sn, "lifecycle")
-	<-s2.tables[0].p.ready
+	<-s2.zones[0].buckets.p.ready
 	if spend(t, s2, z2, "k") {
 		t.Error("a bucket emptied before the restart allowed a request")
 	}
@@ -415,17 +414,17 @@ func TestPersistLifecycle(t *testing.T) {
 	// A config that is dropped before it wrote (a failed start, caddy
 	// validate) leaves the snapshot alone; a reload that drops the zone
 	// after it wrote deletes it.
-	s2.tables[0].stopOnce.Do(func() {
-		close(s2.tables[0].stop)
-		s2.tables[0].close(false)
+	s2.zones[0].buckets.stopOnce.Do(func() {
+		close(s2.zones[0].buckets.stop)
+		closePersisted(s2.zones[0].buckets, false)
 	})
 	if _, ok := storage.file(name); !ok {
 		t.Error("a config that never wrote deleted the snapshot")
 	}
-	if err := s2.tables[0].save(sn); err != nil {
+	if err := s2.zones[0].buckets.save(sn); err != nil {
 		t.Fatal(err)
 	}
-	s2.tables[0].close(false)
+	closePersisted(s2.zones[0].buckets, false)
 	if _, ok := storage.file(name); ok {
 		t.Error("the snapshot of a dropped zone was kept")
 	}
@@ -438,14 +437,14 @@ func TestPersistLifecycle(t *testing.T) {
 func TestPersistOffOnReload(t *testing.T) {
 	storage := newTestStorage()
 	s, z := bindTestStore(t, testSnapshots(storage), "off_on_reload")
-	tab := s.tables[0]
+	tab := s.zones[0].buckets
 	<-tab.p.ready
 	off := false
 	s2 := &LocalStore{MaxKeys: 1000, Persist: &off}
-	if err := s2.bind([]*Zone{z}); err != nil {
+	if err := s2.bind([]zoneSpec{z.spec()}); err != nil {
 		t.Fatal(err)
 	}
-	if s2.tables[0] != tab {
+	if s2.zones[0].buckets != tab {
 		t.Fatal("the reload did not keep the table")
 	}
 	spend(t, s2, z, "k")
@@ -454,7 +453,7 @@ func TestPersistOffOnReload(t *testing.T) {
 	storage.mu.Unlock()
 	tab.stopOnce.Do(func() { // as Caddy exits
 		close(tab.stop)
-		tab.close(true)
+		closePersisted(tab, true)
 	})
 	storage.mu.Lock()
 	n := len(storage.files)
@@ -477,7 +476,7 @@ func BenchmarkSnapshot(b *testing.B) {
 	now := t0
 	for i, k := range ipKeys()[:1_000_000] {
 		h := tab.hash(k)
-		tab.shard(h).set(tab, h, tab.instant(now)+time.Duration(i+1)*time.Millisecond, 0)
+		tab.shard(h).set(tab, h, bucket{tab.instant(now) + time.Duration(i+1)*time.Millisecond, 0}, 0)
 	}
 	var snap []byte
 	b.Run("write", func(b *testing.B) {
@@ -496,7 +495,7 @@ func BenchmarkSnapshot(b *testing.B) {
 		for b.Loop() {
 			s := &tab.shards[i%len(tab.shards)]
 			s.mu.Lock()
-			buf = s.appendBuckets(buf[:0], n, wall, false)
+			buf = s.appendTo(buf[:0], n, wall)
 			s.mu.Unlock()
 			i++
 		}
@@ -665,10 +664,10 @@ func TestSnapshotNamesEscaped(t *testing.T) {
 	storage := &certmagic.FileStorage{Path: filepath.Join(root, "storage")}
 	sn := testSnapshots(storage)
 	names := []string{"../../../../../../../../" + root + "/escaped", "a/b", `c\d`, "50%", "api"}
-	var tables []*table
+	var tables []*table[bucket]
 	for _, name := range names {
 		shape := tableID{name: name, tokenTime: time.Second, burst: 10}
-		tab := newTable(1000, t0)
+		tab := newBuckets(1000, t0)
 		tab.key = sn.key
 		tab.p = &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
 		tab.p.to.Store(sn)
@@ -708,7 +707,7 @@ func TestSnapshotNamesEscaped(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		fresh := newTable(1000, t0)
+		fresh := newBuckets(1000, t0)
 		fresh.key, fresh.p = sn.key, tab.p
 		if n, err := fresh.merge(b, sn.key.fingerprint(), time.Now()); err != nil || n != 1 {
 			t.Fatalf("zone %q: loaded %d buckets, %v", names[i], n, err)

@@ -38,26 +38,17 @@ import (
 // more than maxPlans, answers 500 and is logged once.
 
 // A plan is one limit of a zone: the bucket's shape and the request's
-// cost, with what the headers and the Redis script say of it, computed
-// once. A zone with fixed numbers has one plan; a zone with placeholders
-// one per distinct set of values.
+// cost, computed once. A zone with fixed numbers has one plan; a zone
+// with placeholders one per distinct set of values.
 type plan struct {
 	limit    limit
 	cost     int64         // tokens a request takes
 	costTime time.Duration // what cost tokens are worth: limit.costTime(cost)
-	policy   string        // the RateLimit-Policy item
 }
 
-// newPlan is the plan of a zone for limit l and a cost of cost tokens.
-// The zone's quotedName must be set.
-func (z *Zone) newPlan(l limit, cost int64) *plan {
-	ct := l.costTime(cost)
-	return &plan{
-		limit:    l,
-		cost:     cost,
-		costTime: ct,
-		policy:   fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, l.burst, ceilSeconds(l.burstTime)),
-	}
+// newPlan is the plan of limit l and a cost of cost tokens.
+func newPlan(l limit, cost int64) *plan {
+	return &plan{limit: l, cost: cost, costTime: l.costTime(cost)}
 }
 
 // unknownPlan reads the bucket of a zone whose limit depends on the
@@ -281,7 +272,7 @@ func (z *Zone) parsePlan(k planKey) (*plan, error) {
 	}
 	l.ban = time.Duration(z.Ban)
 	l.delay = time.Duration(z.Delay)
-	return z.newPlan(l, cost), nil
+	return newPlan(l, cost), nil
 }
 
 func parseWhole(field, s string) (int64, error) {

@@ -228,7 +228,7 @@ func TestQuotaLocalTable(t *testing.T) {
 	now := time.Now()
 	take := func(key string, n int) {
 		for range n {
-			reqs := []request{{zone: z, key: bucketKey{s: key}, win: z.quota.window(now)}}
+			reqs := &demands{counters: []counterDemand{counterReq(z, bucketKey{s: key}, now)}}
 			if ok, _ := s.take(context.Background(), now, reqs); !ok {
 				t.Fatalf("key %s refused", key)
 			}
@@ -238,19 +238,19 @@ func TestQuotaLocalTable(t *testing.T) {
 	for i := range 200 {
 		take(fmt.Sprint("once-", i), 1)
 	}
-	qt := s.quotas[z.index]
+	qt := s.zones[z.index].counters
 	if n := qt.len(); n > 50 {
 		t.Fatalf("%d counters kept, max_keys 50", n)
 	}
-	if used, _ := qt.count(bucketKey{s: "heavy"}, qt.instant(now)); used != 50 {
+	if used, _ := countAt(qt, bucketKey{s: "heavy"}, qt.instant(now)); used != 50 {
 		t.Fatalf("the heaviest counter was evicted: used %d", used)
 	}
 	// A counter of a window that has ended carries nothing.
 	later := now.Add(25 * time.Hour)
-	if used, _ := qt.count(bucketKey{s: "heavy"}, qt.instant(later)); used != 0 {
+	if used, _ := countAt(qt, bucketKey{s: "heavy"}, qt.instant(later)); used != 0 {
 		t.Fatalf("used %d in the next window", used)
 	}
-	qt.sweep(later)
+	qt.sweepAll(later)
 	if n := qt.len(); n != 0 {
 		t.Fatalf("%d counters left after their windows ended", n)
 	}
@@ -405,7 +405,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 			}
 			if backend == "redis" {
 				c := newRedisClient(t, r.Addr())
-				key := h.store.(*RedisStore).counterKey(&request{zone: z, key: bucketKey{s: "k"}})
+				key := h.store.(*RedisStore).counterKey(z.index, bucketKey{s: "k"})
 				ttl, err := c.PTTL(context.Background(), key).Result()
 				if err != nil || ttl <= 0 || ttl > 2*time.Second {
 					t.Fatalf("PTTL %s = %v, %v; want the time left in the window", key, ttl, err)
@@ -442,14 +442,17 @@ func TestRedisQuotaClockSkew(t *testing.T) {
 		t.Skip("too close to a window's end")
 	}
 	for i, skew := range []time.Duration{-59 * time.Minute, 0, 59 * time.Minute, 0} {
-		reqs := []request{{zone: z, key: bucketKey{s: "k"}, win: z.quota.windowAt(now.Add(skew))}}
+		c := counterReq(z, bucketKey{s: "k"}, now)
+		c.window = z.quota.windowAt(now.Add(skew))
+		reqs := &demands{counters: []counterDemand{c}}
 		ok, err := h.store.take(context.Background(), now, reqs)
-		if err != nil || ok != (i < 3) || reqs[0].used != min(int64(i+1), 3) {
-			t.Fatalf("skew %v: ok %v used %d err %v", skew, ok, reqs[0].used, err)
+		if err != nil || ok != (i < 3) || reqs.counters[0].used != min(int64(i+1), 3) {
+			t.Fatalf("skew %v: ok %v used %d err %v", skew, ok, reqs.counters[0].used, err)
 		}
 	}
-	reqs := []request{{zone: z, key: bucketKey{s: "k"}, win: z.quota.windowAt(now.Add(2 * time.Hour))}}
-	if _, err := h.store.take(context.Background(), now, reqs); err == nil || !strings.Contains(err.Error(), "quota window") {
+	c := counterReq(z, bucketKey{s: "k"}, now)
+	c.window = z.quota.windowAt(now.Add(2 * time.Hour))
+	if _, err := h.store.take(context.Background(), now, &demands{counters: []counterDemand{c}}); err == nil || !strings.Contains(err.Error(), "quota window") {
 		t.Fatalf("two windows ahead: err %v", err)
 	}
 }
@@ -471,8 +474,9 @@ func TestRedisQuotaCluster(t *testing.T) {
 	if code, _ := serve(h, "192.0.2.1", "K", "a", "R", "x"); code != 429 {
 		t.Fatalf("second: %d", code)
 	}
-	q := request{zone: h.Zones[0], key: bucketKey{s: "a"}, win: h.Zones[0].quota.window(time.Now())}
-	if err := h.store.peek(context.Background(), time.Now(), &q); err != nil || q.used != 1 {
+	d := &demands{counters: []counterDemand{counterReq(h.Zones[0], bucketKey{s: "a"}, time.Now())}}
+	q := &d.counters[0]
+	if err := h.store.peek(context.Background(), time.Now(), d); err != nil || q.used != 1 {
 		t.Fatalf("count %d, %v; want 1: a refused request is not counted", q.used, err)
 	}
 	for i, want := range []int{200, 429} {
@@ -491,17 +495,17 @@ func TestQuotaSnapshot(t *testing.T) {
 	if got := shape.snapshotName(); got != "quotas/zq.month@Europe-Paris" {
 		t.Fatalf("snapshot name %q", got)
 	}
-	newQuotaTable := func() *table {
-		qt := newTable(1000, t0)
+	newQuotaTable := func() *table[counter] {
+		qt := newCounters(1000, t0)
 		qt.key = sn.key
 		qt.p = &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
 		return qt
 	}
-	setCount := func(qt *table, k string, used int64, end time.Time) {
+	setCount := func(qt *table[counter], k string, used int64, end time.Time) {
 		h := qt.hash(key(k))
 		s := qt.shard(h)
 		s.mu.Lock()
-		s.setCount(qt, h, qt.instant(end), used, qt.instant(t0))
+		s.set(qt, h, counter{qt.instant(end), used}, qt.instant(t0))
 		s.mu.Unlock()
 	}
 	a := newQuotaTable()
@@ -522,7 +526,7 @@ func TestQuotaSnapshot(t *testing.T) {
 		t.Fatalf("kept %d, %v; want 2", kept, err)
 	}
 	for k, want := range map[string]int64{"month": 7, "both": 5, "ending": 0} {
-		used, end := c.count(key(k), c.instant(later))
+		used, end := countAt(c, key(k), c.instant(later))
 		if used != want {
 			t.Errorf("%s: count %d, want %d", k, used, want)
 		}
@@ -552,8 +556,9 @@ func TestQuotaCountAndDryRun(t *testing.T) {
 					t.Fatalf("request %d: %d", i, code)
 				}
 			}
-			q := request{zone: h.Zones[0], key: bucketKey{s: "192.0.2.1"}, win: h.Zones[0].quota.window(time.Now())}
-			if err := h.store.peek(context.Background(), time.Now(), &q); err != nil || q.used != 0 {
+			d := &demands{counters: []counterDemand{counterReq(h.Zones[0], bucketKey{s: "192.0.2.1"}, time.Now())}}
+			q := &d.counters[0]
+			if err := h.store.peek(context.Background(), time.Now(), d); err != nil || q.used != 0 {
 				t.Fatalf("count %d, %v; want 0: every response was given back", q.used, err)
 			}
 			// Dry run: the second request in the week would be refused.

@@ -38,7 +38,7 @@ import (
 // fromCache returns the instant to ask Redis at and the flight it joined
 // (to land when the answer is in); or that the request is denied; or why
 // no answer came in time.
-func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []request) (time.Time, flightKey, bool, error) {
+func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *demands) (time.Time, flightKey, bool, error) {
 	deadline := now.Add(s.callTimeout)
 	var timer *time.Timer
 	defer func() {
@@ -46,62 +46,20 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 			timer.Stop()
 		}
 	}()
-	rtt := s.client.RTT()
-	if s.testClock != nil {
-		rtt = 0 // replayed instants leave no room to wait
-	}
 	for {
-		tight, most := 0, int64(math.MaxInt64)
-		var pace time.Duration
-		for i := range reqs {
-			q := &reqs[i]
-			if q.win != nil {
-				// A quota's counter only grows in its window (but for
-				// refunds, and resets), so the count Redis last gave is
-				// a bound too, for a while (see rememberCount).
-				t := s.zones[q.zone.index].counts
-				n := t.instant(now)
-				used, _ := t.count(q.key, n)
-				q.used, q.debt = used, 0
-				if used > 0 {
-					q.debt = max(q.win.end.Sub(now), 0)
-				}
-				q.ok = used+q.zone.Cost <= q.zone.quota.limit
-				continue
-			}
-			p := q.plan()
-			t, l := s.zones[q.zone.index].cache, q.limit()
-			fullAt, n := t.get(q.key), t.instant(now)
-			if fullAt-n > l.burstTime+l.ban+l.delay {
-				// The bucket owes more than the request's limit holds:
-				// its plan changed. Redis clamps it to the new burst
-				// (which no bound from the old plan foresees): ask.
-				fullAt = 0
-			}
-			_, q.ok = l.take(fullAt, n, p.costTime)
-			q.debt = l.debt(fullAt, n)
-			if m := int64((l.reach() - q.debt) / p.costTime); m < most {
-				tight, most = i, m
-			}
-			// The bound counts from when the last call was sent, Redis
-			// from when it ran, up to a round trip later: a call sent
-			// within a round trip of the bound would mostly find the
-			// bucket still short. Wait out that round trip instead.
-			if fullAt != 0 {
-				pace = max(pace, fullAt-l.reach()+p.costTime+rtt-n)
-			}
-		}
-		if s.cacheDenied(reqs) {
+		tight, most, pace := s.look(now, d)
+		if s.cacheDenied(d) {
+			d.at = now
 			return now, flightKey{}, true, nil
 		}
-		if reqs[tight].win != nil {
-			return now, noFlight, false, nil // quotas alone: no bucket to fly for
+		if tight < 0 {
+			return now, noFlight, false, nil // counters alone: no bucket to fly for
 		}
 		var landed <-chan struct{}
 		var k flightKey
 		if pace <= 0 || !now.Add(pace).Before(deadline) {
-			q := &reqs[tight]
-			k = flightKey{q.zone.index, s.zones[q.zone.index].cache.hash(q.key)}
+			b := &d.buckets[tight]
+			k = flightKey{b.zone, s.zones[b.zone].cache.hash(b.key)}
 			if landed = s.flights.join(k, max(most, 1)); landed == nil {
 				return now, k, false, nil
 			}
@@ -126,68 +84,114 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, reqs []reques
 	}
 }
 
+// look sets d's answers from what the cache knows at now. It returns the
+// bucket that lets the fewest requests through now (-1 without buckets),
+// how many, and how long to wait before asking Redis is worth it.
+func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pace time.Duration) {
+	for i := range d.counters {
+		// A counter only grows in its window (but for refunds, and
+		// resets), so the count Redis last gave is a bound too, for a
+		// while (see rememberCount).
+		c := &d.counters[i]
+		t := s.zones[c.zone].counts
+		c.used, _ = countAt(t, c.key, t.instant(now))
+		c.left = 0
+		if c.used > 0 {
+			c.left = max(c.window.end.Sub(now), 0)
+		}
+		c.ok = c.used+c.cost <= c.limit
+	}
+	rtt := s.client.RTT()
+	if s.testClock != nil {
+		rtt = 0 // replayed instants leave no room to wait
+	}
+	tight, most = -1, int64(math.MaxInt64)
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		t, l := s.zones[b.zone].cache, b.limit
+		fullAt, n := bucketAt(t, b.key), t.instant(now)
+		if fullAt-n > l.burstTime+l.ban+l.delay {
+			// The bucket owes more than the request's limit holds: its
+			// limit changed. Redis clamps it to the new burst (which no
+			// bound from the old limit foresees): ask.
+			fullAt = 0
+		}
+		_, b.ok = l.take(fullAt, n, b.cost)
+		b.debt = l.debt(fullAt, n)
+		if m := int64((l.reach() - b.debt) / b.cost); m < most {
+			tight, most = i, m
+		}
+		// The bound counts from when the last call was sent, Redis from
+		// when it ran, up to a round trip later: a call sent within a
+		// round trip of the bound would mostly find the bucket still
+		// short. Wait out that round trip instead.
+		if fullAt != 0 {
+			pace = max(pace, fullAt-l.reach()+b.cost+rtt-n)
+		}
+	}
+	return tight, most, pace
+}
+
 // errNoAnswer is a request that waited out its timeout for the calls in
 // flight for its buckets; they report Redis's health, this request not.
 var errNoAnswer = errors.New("redis: no answer within timeout")
 
-// cacheDenied counts the zones that the cache refused, and reports
-// whether there was one. A zone with a ban whose bucket the cache finds
-// short but not banned sends the request to Redis instead: the denial
-// that starts a ban is Redis's to make, once for every instance. So does
-// a zone with count: other instances' refunds give its tokens back faster
-// than its rate, so only a ban (which refunds never shorten) is a bound
-// the cache can deny by.
-func (s *RedisStore) cacheDenied(reqs []request) bool {
+// cacheDenied reports whether the cache refuses d, and says so in
+// d.remembered. A bucket with a ban that the cache finds short but not
+// banned sends the request to Redis instead: the refusal that starts a
+// ban is Redis's to make, once for every instance. So does a zone whose
+// buckets or counters get tokens back (count): other instances' refunds
+// give them back faster than the rate, so only a ban (which refunds never
+// shorten) is a bound the cache can refuse by.
+func (s *RedisStore) cacheDenied(d *demands) bool {
 	denied := false
-	for i := range reqs {
-		q := &reqs[i]
-		if !q.ok && q.win != nil && q.zone.Count != nil {
+	for i := range d.counters {
+		c := &d.counters[i]
+		if !c.ok && s.zones[c.zone].refunds {
 			return false
 		}
-		if l := q.plan().limit; !q.ok && q.win == nil && (l.ban > 0 || q.zone.Count != nil) && !l.banned(q.debt) {
+		denied = denied || !c.ok
+	}
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		if l := b.limit; !b.ok && (l.ban > 0 || s.zones[b.zone].refunds) && !l.banned(b.debt) {
 			return false
 		}
-		denied = denied || !q.ok
+		denied = denied || !b.ok
 	}
-	if denied {
-		for i := range reqs {
-			if !reqs[i].ok {
-				reqs[i].zone.state.cacheHits.Add(1)
-			}
-		}
-	}
+	d.remembered = denied
 	return denied
 }
 
 // remember notes, for fromCache, the buckets of a request that Redis
 // left without the tokens for another such request; the request's other
-// buckets are noted too, so that a denial from the cache still reports
+// buckets are noted too, so that a refusal from the cache still reports
 // them in the headers. When Redis left them all with the tokens, the
-// cache forgets them (it only ever denies, so forgetting is always safe),
-// unless other requests wait for this answer in flight: then they learn
-// from it how many of them may ask at once.
-func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
+// cache forgets them (it only ever refuses, so forgetting is always
+// safe), unless other requests wait for this answer in flight: then they
+// learn from it how many of them may ask at once.
+func (s *RedisStore) remember(now time.Time, d *demands, flight flightKey) {
 	short := false
-	for i := range reqs {
-		short = short || reqs[i].wait() > 0
+	for i := range d.buckets {
+		short = short || d.buckets[i].wait() > 0
+	}
+	for i := range d.counters {
+		short = short || d.counters[i].wait() > 0
+		s.rememberCount(now, &d.counters[i])
 	}
 	forget := !short && !s.flights.waited(flight)
-	for i := range reqs {
-		q := &reqs[i]
-		if q.win != nil {
-			s.rememberCount(now, q)
-			continue
-		}
-		t := s.zones[q.zone.index].cache
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		t := s.zones[b.zone].cache
 		if forget {
-			t.forget(q.key)
+			t.forget(b.key)
 			continue
 		}
 		n := t.instant(now)
-		if l := q.plan().limit; q.zone.plans != nil && t.get(q.key)-n > l.burstTime+l.ban {
-			t.forget(q.key) // learnt under another plan: Redis clamped it
+		if l := b.limit; bucketAt(t, b.key)-n > l.burstTime+l.ban+l.delay {
+			t.forget(b.key) // learnt under another limit: Redis clamped it
 		}
-		t.raise(q.key, n+q.debt, n)
+		raise(t, b.key, n+b.debt, n)
 	}
 }
 
@@ -197,24 +201,24 @@ func (s *RedisStore) remember(now time.Time, reqs []request, flight flightKey) {
 // lasts up to a month: such a reset is seen here within this time.
 const quotaCacheFor = 5 * time.Second
 
-// rememberCount notes the count Redis gave for a quota, sent at now, for
-// quotaCacheFor at most, and never past the window that ends debt after:
-// no sooner than that, since Redis decided after now (and a millisecond
-// sooner, as it counts in whole ones). A count of 0 is forgotten.
-func (s *RedisStore) rememberCount(now time.Time, q *request) {
-	t := s.zones[q.zone.index].counts
-	if q.used <= 0 || q.debt <= time.Millisecond {
-		t.forget(q.key)
+// rememberCount notes the count Redis gave for a counter, asked at now,
+// for quotaCacheFor at most, and never past the end of its window, which
+// ends c.left after now at the latest (Redis decided after now), less a
+// millisecond of margin. A count of 0 is forgotten.
+func (s *RedisStore) rememberCount(now time.Time, c *counterDemand) {
+	t := s.zones[c.zone].counts
+	if c.used <= 0 || c.left <= time.Millisecond {
+		t.forget(c.key)
 		return
 	}
-	h, n := t.hash(q.key), t.instant(now)
+	h, n := t.hash(c.key), t.instant(now)
 	sh := t.shard(h)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	if b, ok := sh.buckets[h]; ok && b.fullAt > n && int64(b.usedAt) > q.used {
+	if e, ok := sh.m[h]; ok && !e.spent(n) && e.used > c.used {
 		return // a later answer came in first
 	}
-	sh.setCount(t, h, n+min(q.debt-time.Millisecond, quotaCacheFor), q.used, n)
+	sh.set(t, h, counter{n + min(c.left-time.Millisecond, quotaCacheFor), c.used}, n)
 }
 
 // noFlight is the flight of a request with no bucket to fly for.

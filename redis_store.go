@@ -17,6 +17,7 @@ import (
 	"maps"
 	"math"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -139,14 +140,17 @@ type RedisStore struct {
 
 // A redisZone is what the store keeps for one zone.
 type redisZone struct {
-	zone    *Zone
-	field   string                  // how its buckets' fields start: the name and ':'
-	shape   *rediswire.Shape        // its bucket's shape, when the limit is fixed
-	counter *rediswire.CounterShape // its calendar quota; nil without
-	slots   *rediswire.SlotShape    // its concurrency; nil without
-	window  atomic.Pointer[window]  // the quota window last sent
-	cache   *table                  // over-limit cache; nil when disabled
-	counts  *table                  // the quota counts Redis last gave (see fromCache); nil without a quota or cache
+	name    string
+	field   string // how its buckets' fields start: the name, escaped, and ':'
+	refunds bool   // its buckets may be given tokens back
+	// The shapes of its demands as the script reads them, the last ones
+	// asked for: a zone whose limit is fixed asks for the same each time.
+	shape   atomic.Pointer[rediswire.Shape]
+	counter atomic.Pointer[rediswire.CounterShape]
+	slots   atomic.Pointer[rediswire.SlotShape]
+	window  atomic.Pointer[window] // the quota window last sent
+	cache   *table[bucket]         // over-limit cache; nil when disabled
+	counts  *table[counter]        // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
 }
 
 // A window is a quota window and its boundaries as the script reads them.
@@ -356,30 +360,21 @@ func (s *RedisStore) Cleanup() error {
 	return err
 }
 
-func (s *RedisStore) bind(zones []*Zone) error {
+func (s *RedisStore) bind(zones []zoneSpec) error {
 	s.flights = &flights{m: make(map[flightKey]flight)}
 	s.keys = rediswire.Keys{Prefix: s.KeyPrefix, Hash: s.HashKeys}
+	s.shapes, s.keyErrors, s.repairs = new(shapeCache), new(throttle.Throttle), new(throttle.Throttle)
 	var id [9]byte
 	_, _ = rand.Read(id[:])
 	s.leaseIDs = base64.RawURLEncoding.EncodeToString(id[:]) + ":"
-	s.shapes, s.keyErrors, s.repairs = new(shapeCache), new(throttle.Throttle), new(throttle.Throttle)
 	s.zones = make([]redisZone, len(zones))
 	for i, z := range zones {
 		rz := &s.zones[i]
-		*rz = redisZone{zone: z, field: rediswire.ZoneField(z.Name)}
-		if z.plan != nil {
-			rz.shape = rediswire.NewShape(z.limit.burstTime, z.costTime, z.limit.ban, z.limit.delay)
-		}
-		if z.quota != nil {
-			rz.counter = rediswire.NewCounterShape(z.quota.limit, z.Cost)
-		}
-		if z.Concurrency != 0 {
-			rz.slots = rediswire.NewSlotShape(z.Concurrency, time.Duration(z.Lease), z.inDryRun)
-		}
+		rz.name, rz.field, rz.refunds = z.name, rediswire.ZoneField(z.name), z.refunds
 		if !s.DisableOverLimitCache {
-			rz.cache = newTable(overLimitCacheKeys, time.Now())
-			if z.quota != nil {
-				rz.counts = newTable(overLimitCacheKeys, time.Now())
+			rz.cache = newBuckets(overLimitCacheKeys, time.Now())
+			if z.quota != "" {
+				rz.counts = newCounters(overLimitCacheKeys, time.Now())
 			}
 		}
 	}
@@ -388,84 +383,64 @@ func (s *RedisStore) bind(zones []*Zone) error {
 
 func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
 
-// known is what the over-limit cache knows of q's bucket. When the
+// known is what the over-limit cache knows of b's bucket. When the
 // request gave up waiting for the calls in flight for its bucket
 // (errNoAnswer), those calls may yet take their tokens: they count too.
-func (s *RedisStore) known(now time.Time, q *request, err error) time.Duration {
-	t := s.zones[q.zone.index].cache
-	if t == nil || q.win != nil {
+func (s *RedisStore) known(now time.Time, b *bucketDemand, err error) time.Duration {
+	t := s.zones[b.zone].cache
+	if t == nil {
 		return 0
 	}
-	p := q.plan()
-	debt := p.limit.debt(t.get(q.key), t.instant(now))
+	debt := b.limit.debt(bucketAt(t, b.key), t.instant(now))
 	if errors.Is(err, errNoAnswer) {
-		debt += time.Duration(s.flights.calls(flightKey{q.zone.index, t.hash(q.key)})) * p.costTime
+		debt += time.Duration(s.flights.calls(flightKey{b.zone, t.hash(b.key)})) * b.cost
 	}
 	return debt
 }
 
-func (s *RedisStore) take(ctx context.Context, now time.Time, reqs []request) (bool, error) {
-	return s.takeWithSlots(ctx, now, reqs, nil)
-}
-
-// takeWithSlots decides the buckets of reqs and the slots together, in
-// one call where their keys share a slot. Each slot taken is a lease
-// (see lua/token_bucket.lua): a member of a sorted set whose score is the
-// instant, on Redis's clock, when it ends. A lease is not renewed: a
-// request that runs longer than its zone's lease loses its slot then, so
-// that a slot held by an instance that died comes back after the lease
-// however it died, with no timers or writes for the requests in flight.
-func (s *RedisStore) takeWithSlots(ctx context.Context, now time.Time, reqs []request, slots []slot) (bool, error) {
-	if len(slots) > 0 {
+// take decides d in one call where their keys share a cluster slot.
+// Each slot taken is a lease (see lua/token_bucket.lua): a member of a
+// sorted set whose score is the instant, on Redis's clock, when it ends.
+// A lease is not renewed: a request that runs longer than its zone's
+// lease loses its slot then, so that a slot held by an instance that died
+// comes back after the lease however it died, with no timers or writes
+// for the requests in flight. Demands the over-limit cache can refuse
+// are refused without asking Redis.
+func (s *RedisStore) take(ctx context.Context, now time.Time, d *demands) (bool, error) {
+	if len(d.slots) > 0 {
 		id := s.leaseIDs + strconv.FormatUint(leaseSeq.Add(1), 36)
-		for i := range slots {
-			slots[i].lease, slots[i].full, slots[i].free = id, false, 0
+		for i := range d.slots {
+			d.slots[i].claim = id
 		}
-		allowed, err := s.takeAll(ctx, now, reqs, slots)
-		for i := range slots {
-			if err != nil || slots[i].free < 0 {
-				slots[i].lease, slots[i].free = "", 0
-			}
-		}
-		return allowed, err
 	}
-	return s.takeAll(ctx, now, reqs, nil)
-}
-
-// leaseSeq numbers the leases this process takes.
-var leaseSeq atomic.Uint64
-
-// takeAll decides reqs and slots: from the over-limit cache when it
-// knows enough, else by Redis.
-func (s *RedisStore) takeAll(ctx context.Context, now time.Time, reqs []request, slots []slot) (bool, error) {
 	// One timeout for the whole decision: a request that waits for the
 	// calls in flight for its buckets has that much less for its own.
 	budget := s.callTimeout
 	var flight flightKey
-	cached := !s.DisableOverLimitCache && len(reqs) > 0
+	cached := !s.DisableOverLimitCache && len(d.buckets)+len(d.counters) > 0
 	if cached {
 		arrived := now
 		var denied bool
 		var err error
-		if now, flight, denied, err = s.fromCache(ctx, now, reqs); denied || err != nil {
-			for i := range slots {
-				slots[i].free = -1 // not asked
-			}
+		if now, flight, denied, err = s.fromCache(ctx, now, d); denied || err != nil {
 			return false, err
 		}
 		defer s.flights.land(flight)
 		budget -= now.Sub(arrived)
 	}
-	allowed, err := s.ask(ctx, now, budget, reqs, slots)
+	allowed, err := s.ask(ctx, now, budget, d)
 	if err == nil && cached {
-		s.remember(now, reqs, flight)
+		s.remember(now, d, flight)
 	}
 	return allowed, err
 }
 
-// ask has Redis decide reqs and slots within budget, and tells the
-// breaker what the call said of Redis.
-func (s *RedisStore) ask(ctx context.Context, now time.Time, budget time.Duration, reqs []request, slots []slot) (bool, error) {
+// leaseSeq numbers the leases this process takes.
+var leaseSeq atomic.Uint64
+
+// ask has Redis decide d within budget, and tells the breaker what the
+// call said of Redis.
+func (s *RedisStore) ask(ctx context.Context, now time.Time, budget time.Duration, d *demands) (bool, error) {
 	waited := budget < s.callTimeout
 	b := &s.client.Breaker
 	ok, probe := b.Allow(now)
@@ -482,7 +457,7 @@ func (s *RedisStore) ask(ctx context.Context, now time.Time, budget time.Duratio
 		defer cancel()
 	}
 	sent := deadline.Add(-budget)
-	allowed, err := s.decide(call, deadline, reqs, slots)
+	allowed, err := s.decide(call, deadline, d)
 	late := !time.Now().Before(deadline)
 	if err == nil {
 		s.client.NoteRTT(time.Since(sent))
@@ -506,319 +481,387 @@ func (s *RedisStore) ask(ctx context.Context, now time.Time, budget time.Duratio
 			s.client.LogOutage(s.logger, s.FailMode, err)
 		}
 	}
+	if err != nil {
+		for i := range d.slots {
+			d.slots[i].held, d.slots[i].free = false, 0
+		}
+	}
 	return allowed, err
 }
 
-// decide asks Redis. Zones whose keys share a hash tag go in one atomic
-// call. On a cluster, keys in different slots are taken one at a time, and
-// when one denies, the buckets already charged get their tokens back, and
-// the slots already taken are given back.
-func (s *RedisStore) decide(ctx context.Context, deadline time.Time, reqs []request, slots []slot) (bool, error) {
-	if !s.client.Cluster || oneTag(reqs, slots) {
-		return s.run(ctx, deadline, rediswire.Take, reqs, slots)
+// decide asks Redis. Demands whose keys share a hash tag go in one atomic
+// call. On a cluster, keys in different slots are taken one at a time,
+// and when one refuses, the buckets and counters already charged get
+// their tokens back, and the slots already taken are given back.
+func (s *RedisStore) decide(ctx context.Context, deadline time.Time, d *demands) (bool, error) {
+	if !s.client.Cluster || oneTag(d) {
+		return s.run(ctx, deadline, rediswire.Take, d)
 	}
-	if ok, err := s.decideEach(ctx, deadline, reqs); !ok || err != nil {
-		for i := range slots {
-			slots[i].free = -1 // not asked
+	var one demands
+	for i := range d.buckets {
+		if ok, err := s.run(ctx, deadline, rediswire.Take, part(&one, d.buckets[i:i+1], nil, nil)); !ok || err != nil {
+			notAsked(d.buckets[i+1:], d.counters)
+			return false, s.undo(ctx, deadline, err, d.buckets[:i], nil, nil, d.slots)
 		}
-		return ok, err
 	}
-	for i := range slots {
-		ok, err := s.run(ctx, deadline, rediswire.Take, nil, slots[i:i+1])
-		if err == nil && ok {
-			continue
+	for i := range d.counters {
+		if ok, err := s.run(ctx, deadline, rediswire.Take, part(&one, nil, d.counters[i:i+1], nil)); !ok || err != nil {
+			notAsked(nil, d.counters[i+1:])
+			return false, s.undo(ctx, deadline, err, d.buckets, d.counters[:i], nil, d.slots)
 		}
-		if i > 0 {
-			if rerr := s.release(ctx, deadline, slots[:i]); rerr != nil {
-				err = errors.Join(err, fmt.Errorf("release: %w", rerr))
-			}
+	}
+	for i := range d.slots {
+		if ok, err := s.run(ctx, deadline, rediswire.Take, part(&one, nil, nil, d.slots[i:i+1])); !ok || err != nil {
+			return false, s.undo(ctx, deadline, err, d.buckets, d.counters, d.slots[:i], d.slots[i+1:])
 		}
-		for j := range i {
-			slots[j].lease, slots[j].free = "", slots[j].free+1
-		}
-		for j := i + 1; j < len(slots); j++ {
-			slots[j].free = -1 // not asked
-		}
-		if len(reqs) > 0 {
-			if rerr := s.refund(ctx, time.Now(), reqs); rerr != nil {
-				err = errors.Join(err, fmt.Errorf("refund: %w", rerr))
-			}
-		}
-		return false, err
 	}
 	return true, nil
 }
 
-// decideEach takes the buckets of reqs one call each, giving back what
-// the earlier ones took when one denies.
-func (s *RedisStore) decideEach(ctx context.Context, deadline time.Time, reqs []request) (bool, error) {
-	for i := range reqs {
-		ok, err := s.run(ctx, deadline, rediswire.Take, reqs[i:i+1], nil)
-		if err == nil && ok {
-			continue
-		}
-		// Denied, or failed: give back what the earlier zones took, each
-		// in its own call, as their keys live in different slots.
-		for j := range i {
-			if _, rerr := s.run(ctx, deadline, rediswire.Adjust, reqs[j:j+1], nil); rerr != nil {
-				err = errors.Join(err, fmt.Errorf("refund: %w", rerr))
-			}
-		}
-		for j := i + 1; j < len(reqs); j++ {
-			reqs[j].ok, reqs[j].debt = true, 0 // not asked
-		}
-		return false, err
+// notAsked answers the buckets and counters that a refusal before them
+// left unasked: they refused nothing.
+func notAsked(b []bucketDemand, c []counterDemand) {
+	for i := range b {
+		b[i].ok, b[i].debt = true, 0
 	}
-	return true, nil
+	for i := range c {
+		c[i].ok, c[i].used, c[i].left = true, 0, 0
+	}
 }
 
-// refund gives the requests' tokens back, in one call where their keys
-// share a slot, and makes this instance's over-limit cache forget them
-// (other instances' caches only deny a zone with count while its key is
-// banned, which a refund never changes).
-func (s *RedisStore) refund(ctx context.Context, _ time.Time, reqs []request) error {
-	for i := range reqs {
-		if t := s.cacheOf(&reqs[i]); t != nil {
-			t.forget(reqs[i].key)
+// part is one as the demands of the given parts.
+func part(one *demands, b []bucketDemand, c []counterDemand, sl []slotDemand) *demands {
+	one.buckets, one.counters, one.slots = b, c, sl
+	return one
+}
+
+// undo gives back what the demands taken one call each took, after the
+// call of another failed with err (or refused: err nil): the tokens of
+// b and c, the slots of taken; the slots not asked are left unheld.
+func (s *RedisStore) undo(ctx context.Context, deadline time.Time, err error, b []bucketDemand, c []counterDemand, taken, notAsked []slotDemand) error {
+	if len(b)+len(c) > 0 {
+		backB, backC := slices.Clone(b), slices.Clone(c)
+		for i := range backB {
+			backB[i].cost = -backB[i].cost
+		}
+		for i := range backC {
+			backC[i].cost = -backC[i].cost
+		}
+		if rerr := s.adjustApart(ctx, backB, backC); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("refund: %w", rerr))
+		}
+		// Each now owes what its refund left.
+		for i := range b {
+			b[i].debt = backB[i].debt
+		}
+		for i := range c {
+			c[i].used, c[i].left = backC[i].used, backC[i].left
+		}
+	}
+	if len(taken) > 0 {
+		if rerr := s.release(ctx, taken); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("release: %w", rerr))
+		}
+		for i := range taken {
+			taken[i].held, taken[i].free = false, taken[i].free+1
+		}
+	}
+	for i := range notAsked {
+		notAsked[i].held, notAsked[i].free = false, 0
+	}
+	return err
+}
+
+// adjust charges the demands' costs, in one call where their keys share
+// a slot, and makes this instance's over-limit cache forget them (other
+// instances' caches do not deny a zone whose buckets get tokens back,
+// but for a ban, which a refund never shortens).
+func (s *RedisStore) adjust(ctx context.Context, _ time.Time, d *demands) error {
+	for i := range d.buckets {
+		if t := s.zones[d.buckets[i].zone].cache; t != nil {
+			t.forget(d.buckets[i].key)
+		}
+	}
+	for i := range d.counters {
+		if t := s.zones[d.counters[i].zone].counts; t != nil {
+			t.forget(d.counters[i].key)
 		}
 	}
 	if s.client.Breaker.Open() {
-		return rediswire.ErrDown // refunds never probe: decisions do
+		return rediswire.ErrDown // adjustments never probe: decisions do
 	}
-	// The client may have gone: the tokens come back all the same.
-	deadline := time.Now().Add(s.callTimeout)
-	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
-	defer cancel()
-	if !s.client.Cluster || oneTag(reqs, nil) {
-		_, err := s.run(ctx, deadline, rediswire.Adjust, reqs, nil)
-		return err
+	if !s.client.Cluster || oneTag(d) {
+		return s.adjustEach(ctx, d)
 	}
+	return s.adjustApart(ctx, d.buckets, d.counters)
+}
+
+// adjustApart adjusts each bucket and counter in a call of its own: their
+// keys are in different cluster slots.
+func (s *RedisStore) adjustApart(ctx context.Context, b []bucketDemand, c []counterDemand) error {
 	var errs []error
-	for i := range reqs {
-		if _, err := s.run(ctx, deadline, rediswire.Adjust, reqs[i:i+1], nil); err != nil {
+	var one demands
+	for i := range b {
+		if err := s.adjustEach(ctx, part(&one, b[i:i+1], nil, nil)); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	for i := range c {
+		if err := s.adjustEach(ctx, part(&one, nil, c[i:i+1], nil)); err != nil {
 			errs = append(errs, err)
 		}
 	}
 	return errors.Join(errs...)
 }
 
-func (s *RedisStore) peek(ctx context.Context, _ time.Time, q *request) error {
+// adjustEach sends one adjustment call for d. The client may have gone:
+// the adjustment is made all the same.
+func (s *RedisStore) adjustEach(ctx context.Context, d *demands) error {
+	deadline := time.Now().Add(s.callTimeout)
+	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
+	defer cancel()
+	_, err := s.run(ctx, deadline, rediswire.Adjust, d)
+	return err
+}
+
+func (s *RedisStore) peek(ctx context.Context, _ time.Time, d *demands) error {
 	deadline := time.Now().Add(s.callTimeout)
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
-	reqs := []request{*q}
-	if _, err := s.run(ctx, deadline, rediswire.Peek, reqs, nil); err != nil {
-		return err
-	}
-	q.debt, q.used = reqs[0].debt, reqs[0].used
-	return nil
+	_, err := s.run(ctx, deadline, rediswire.Peek, d)
+	return err
 }
 
-// reset deletes the bucket, and what this instance's over-limit
-// cache knew of it. Other instances' caches learn it when their entry
-// runs out; until then they may still deny that key.
-func (s *RedisStore) reset(ctx context.Context, q *request) (bool, error) {
-	if t := s.cacheOf(q); t != nil {
-		t.forget(q.key)
-	}
+// reset deletes the buckets and counters, and what this instance's
+// over-limit cache knew of them. Other instances' caches learn it when
+// their entry runs out; until then they may still deny those keys.
+func (s *RedisStore) reset(ctx context.Context, d *demands) (bool, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
-	var n int64
-	var err error
-	if q.win != nil {
-		n, err = s.client.Del(ctx, s.counterKey(q)).Result()
-	} else {
-		hash, field := s.bucketName(q)
-		n, err = s.client.HDel(ctx, hash, field).Result()
+	found := false
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		if t := s.zones[b.zone].cache; t != nil {
+			t.forget(b.key)
+		}
+		hash, field := s.bucketName(b.zone, b.key)
+		n, err := s.client.HDel(ctx, hash, field).Result()
+		if err != nil {
+			return found, err
+		}
+		found = found || n > 0
 	}
-	return n > 0, err
+	for i := range d.counters {
+		c := &d.counters[i]
+		if t := s.zones[c.zone].counts; t != nil {
+			t.forget(c.key)
+		}
+		n, err := s.client.Del(ctx, s.counterKey(c.zone, c.key)).Result()
+		if err != nil {
+			return found, err
+		}
+		found = found || n > 0
+	}
+	return found, nil
 }
 
-// cacheOf is the over-limit cache table of q's bucket or quota; nil
-// without one.
-func (s *RedisStore) cacheOf(q *request) *table {
-	if q.win != nil {
-		return s.zones[q.zone.index].counts
-	}
-	return s.zones[q.zone.index].cache
+func (s *RedisStore) stats(zone int) zoneStats {
+	return zoneStats{overLimitCache: !s.DisableOverLimitCache, client: s.client, unavailable: s.client.Breaker.Open()}
 }
 
-// oneTag reports whether all requests and slots share one hash tag, so
-// one cluster slot.
-func oneTag(reqs []request, slots []slot) bool {
+// oneTag reports whether all of d's keys share one hash tag, so one
+// cluster slot.
+func oneTag(d *demands) bool {
 	var first bucketKey
 	switch {
-	case len(reqs) > 0:
-		first = reqs[0].key
-	case len(slots) > 0:
-		first = slots[0].key
+	case len(d.buckets) > 0:
+		first = d.buckets[0].key
+	case len(d.counters) > 0:
+		first = d.counters[0].key
+	case len(d.slots) > 0:
+		first = d.slots[0].key
 	}
-	for i := range reqs {
-		if reqs[i].key != first {
+	for i := range d.buckets {
+		if d.buckets[i].key != first {
 			return false
 		}
 	}
-	for i := range slots {
-		if slots[i].key != first {
+	for i := range d.counters {
+		if d.counters[i].key != first {
+			return false
+		}
+	}
+	for i := range d.slots {
+		if d.slots[i].key != first {
 			return false
 		}
 	}
 	return true
 }
 
-// releaseSlots gives back the slots that takeWithSlots took, in one call
-// where their keys share a cluster slot. A slot whose release fails comes
-// back when its lease ends.
-func (s *RedisStore) releaseSlots(ctx context.Context, slots []slot) error {
+// release gives back the slots that take took, in one call where their
+// keys share a cluster slot. A slot whose release fails comes back when
+// its lease ends.
+func (s *RedisStore) release(ctx context.Context, slots []slotDemand) error {
 	if s.client.Breaker.Open() {
 		return rediswire.ErrDown // the leases will end
 	}
-	deadline := time.Now().Add(s.callTimeout)
-	ctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
-	return s.release(ctx, deadline, slots)
-}
-
-func (s *RedisStore) release(ctx context.Context, deadline time.Time, slots []slot) error {
 	held := 0
 	for i := range slots {
-		if slots[i].lease != "" {
+		if slots[i].held {
 			held++
 		}
 	}
 	if held == 0 {
 		return nil
 	}
-	if held == len(slots) && (!s.client.Cluster || oneTag(nil, slots)) {
+	deadline := time.Now().Add(s.callTimeout)
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	if held == len(slots) && (!s.client.Cluster || oneTag(&demands{slots: slots})) {
 		return s.releaseCall(ctx, deadline, slots)
 	}
 	var errs []error
 	for i := range slots {
-		if slots[i].lease == "" {
-			continue
-		}
-		if err := s.releaseCall(ctx, deadline, slots[i:i+1]); err != nil {
-			errs = append(errs, err)
+		if slots[i].held {
+			if err := s.releaseCall(ctx, deadline, slots[i:i+1]); err != nil {
+				errs = append(errs, err)
+			}
 		}
 	}
 	return errors.Join(errs...)
 }
 
 // releaseCall gives back the slots in one call.
-func (s *RedisStore) releaseCall(ctx context.Context, deadline time.Time, slots []slot) error {
+func (s *RedisStore) releaseCall(ctx context.Context, deadline time.Time, slots []slotDemand) error {
 	c := rediswire.NewCall(rediswire.Release, deadline)
 	for i := range slots {
-		c.Slot(s.slotKey(&slots[i]), slots[i].lease, nil)
+		c.Slot(s.slotKey(slots[i].zone, slots[i].key), slots[i].claim, nil)
 	}
 	_, err := s.client.Run(ctx, c)
 	return err
 }
 
-// slotsInUse asks Redis how many leases of q's key have not ended.
-func (s *RedisStore) slotsInUse(ctx context.Context, q *slot) (int64, error) {
-	deadline := time.Now().Add(s.callTimeout)
-	ctx, cancel := context.WithDeadline(ctx, deadline)
-	defer cancel()
-	slots := []slot{*q}
-	if _, err := s.run(ctx, deadline, rediswire.Peek, nil, slots); err != nil {
-		return 0, err
-	}
-	return q.zone.Concurrency - slots[0].free, nil
-}
-
-// run calls the script for reqs and slots, and sets the requests' ok
-// and debt (and a quota's count), and the slots' free, full and lease.
-// For Adjust, it gives back each request's cost.
-func (s *RedisStore) run(ctx context.Context, deadline time.Time, op rediswire.Op, reqs []request, slots []slot) (bool, error) {
+// run calls the script for d, and sets d's answers: the buckets' debts
+// and bans, the counters' counts and the slots' held, free and full,
+// after the call.
+func (s *RedisStore) run(ctx context.Context, deadline time.Time, op rediswire.Op, d *demands) (bool, error) {
 	c := rediswire.NewCall(op, deadline)
 	if s.testClock != nil {
 		c.Clock(s.testClock())
 	}
-	for i := range reqs {
-		if q := &reqs[i]; q.win == nil {
-			hash, field := s.bucketName(q)
-			shape := s.shapeOf(q)
-			if op == rediswire.Adjust {
-				c.AdjustBucket(hash, field, shape, -shape.Cost)
-			} else {
-				c.Bucket(hash, field, shape, !q.noDelay)
-			}
-		}
-	}
-	for i := range reqs {
-		if q := &reqs[i]; q.win != nil {
-			rz := &s.zones[q.zone.index]
-			if op == rediswire.Adjust {
-				c.AdjustCounter(s.counterKey(q), rz.counter, s.windowOf(rz, q.win), -rz.counter.Cost)
-			} else {
-				c.Counter(s.counterKey(q), rz.counter, s.windowOf(rz, q.win))
-			}
-		}
-	}
-	for i := range slots {
-		c.Slot(s.slotKey(&slots[i]), slots[i].lease, s.zones[slots[i].zone.index].slots)
-	}
+	s.build(c, op, d)
+	sent := time.Now()
 	r, err := s.client.Run(ctx, c)
 	if err != nil {
 		return false, err
 	}
+	d.at = s.client.DecidedAt(r, sent)
 	if n := r.Repaired(); n > 0 && op != rediswire.Peek {
 		s.repairs.Warn(s.logger, "redis store: keys under key_prefix held another type: overwritten",
-			fmt.Errorf("%d in a call of zone %s", n, s.zones[callZone(reqs, slots)].zone.Name))
+			fmt.Errorf("%d in a call of zone %s", n, s.zones[callZone(d)].name))
 	}
-	s.read(r, op, reqs, slots)
+	read(r, op, d)
 	return r.Allowed(), nil
 }
 
-// callZone is the zone of a call's first request or slot.
-func callZone(reqs []request, slots []slot) int {
-	if len(reqs) > 0 {
-		return reqs[0].zone.index
-	}
-	return slots[0].zone.index
-}
-
-// read sets the requests and slots from the reply of their call.
-func (s *RedisStore) read(r rediswire.Reply, op rediswire.Op, reqs []request, slots []slot) {
-	allowed := r.Allowed()
-	b, j := 0, 0    // the bucket's and the counter's place in the reply
-	buckets := true // every bucket and quota had what the request takes
-	for i := range reqs {
-		q := &reqs[i]
-		if q.win != nil {
-			used, left := r.Counter(j)
-			j++
-			q.used, q.debt = used, 0
-			if used > 0 {
-				q.debt = left
-			}
-			q.ok = allowed || used+q.zone.Cost <= q.zone.quota.limit
-			q.ban = false
+// build adds d's demands to the call.
+func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *demands) {
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		hash, field := s.bucketName(b.zone, b.key)
+		if op == rediswire.Adjust {
+			c.AdjustBucket(hash, field, s.shapeOf(b), b.cost)
 		} else {
-			q.debt, q.ban = r.Bucket(b)
-			b++
-			q.ok = allowed || q.wait() == 0
+			c.Bucket(hash, field, s.shapeOf(b), !b.limit.noDelay)
 		}
-		buckets = buckets && q.ok
 	}
-	for i := range slots {
-		q := &slots[i]
-		held, free := r.Slot(i)
-		q.free = free
-		if !held {
-			q.lease = ""
-			q.full = op == rediswire.Take && buckets && free == 0
+	for i := range d.counters {
+		k := &d.counters[i]
+		rz := &s.zones[k.zone]
+		if op == rediswire.Adjust {
+			c.AdjustCounter(s.counterKey(k.zone, k.key), s.counterShape(rz, k), s.windowOf(rz, k.window), k.cost)
+		} else {
+			c.Counter(s.counterKey(k.zone, k.key), s.counterShape(rz, k), s.windowOf(rz, k.window))
 		}
+	}
+	for i := range d.slots {
+		q := &d.slots[i]
+		c.Slot(s.slotKey(q.zone, q.key), q.claim, s.slotShape(&s.zones[q.zone], q))
 	}
 }
 
-// shapeOf is the shape of q's bucket: its zone's, or its plan's.
-func (s *RedisStore) shapeOf(q *request) *rediswire.Shape {
-	if q.pl == nil {
-		return s.zones[q.zone.index].shape
+// callZone is the zone of a call's first demand.
+func callZone(d *demands) int {
+	switch {
+	case len(d.buckets) > 0:
+		return d.buckets[0].zone
+	case len(d.counters) > 0:
+		return d.counters[0].zone
 	}
-	l := q.pl.limit
-	return s.shapes.get(l.burstTime, q.pl.costTime, l.ban, l.delay)
+	return d.slots[0].zone
+}
+
+// read sets d's answers from the reply of its call.
+func read(r rediswire.Reply, op rediswire.Op, d *demands) {
+	allowed := r.Allowed()
+	others := true // every bucket and counter had what the request takes
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		b.debt, b.ban = r.Bucket(i)
+		b.ok = allowed || b.wait() == 0
+		others = others && b.ok
+	}
+	for j := range d.counters {
+		c := &d.counters[j]
+		used, left := r.Counter(j)
+		c.used, c.left = used, 0
+		if used > 0 {
+			c.left = left
+		}
+		c.ok = allowed || used+c.cost <= c.limit
+		others = others && c.ok
+	}
+	for j := range d.slots {
+		q := &d.slots[j]
+		q.held, q.free = r.Slot(j)
+		q.full = op == rediswire.Take && !q.held && others && q.free == 0
+	}
+}
+
+// shapeOf is the script's shape of b's bucket: its zone's last one when
+// the limit is the same, else one from the store's cache.
+func (s *RedisStore) shapeOf(b *bucketDemand) *rediswire.Shape {
+	rz := &s.zones[b.zone]
+	cost := max(b.cost, -b.cost) // an adjustment's shape is the take's
+	if last := rz.shape.Load(); last != nil && last.Full == b.limit.burstTime && last.Cost == cost &&
+		last.Ban == b.limit.ban && last.Delay == b.limit.delay {
+		return last
+	}
+	shape := s.shapes.get(b.limit.burstTime, cost, b.limit.ban, b.limit.delay)
+	rz.shape.Store(shape)
+	return shape
+}
+
+// counterShape is the script's shape of k's counter.
+func (s *RedisStore) counterShape(rz *redisZone, k *counterDemand) *rediswire.CounterShape {
+	cost := max(k.cost, -k.cost)
+	if last := rz.counter.Load(); last != nil && last.Limit == k.limit && last.Cost == cost {
+		return last
+	}
+	shape := rediswire.NewCounterShape(k.limit, cost)
+	rz.counter.Store(shape)
+	return shape
+}
+
+// slotShape is the script's shape of q's slots.
+func (s *RedisStore) slotShape(rz *redisZone, q *slotDemand) *rediswire.SlotShape {
+	if last := rz.slots.Load(); last != nil && last.Limit == q.limit && last.Lease == q.lease && last.Soft == q.soft {
+		return last
+	}
+	shape := rediswire.NewSlotShape(q.limit, q.lease, q.soft)
+	rz.slots.Store(shape)
+	return shape
 }
 
 // windowOf is the script's view of the quota window w, made once per
@@ -832,19 +875,19 @@ func (s *RedisStore) windowOf(rz *redisZone, w *quotaWindow) *rediswire.Window {
 	return args
 }
 
-// bucketName is the hash and the field of q's bucket.
-func (s *RedisStore) bucketName(q *request) (hash, field string) {
-	return s.keys.Bucket(s.zones[q.zone.index].field, q.key.String())
+// bucketName is the hash and the field of the bucket of key in a zone.
+func (s *RedisStore) bucketName(zone int, key bucketKey) (hash, field string) {
+	return s.keys.Bucket(s.zones[zone].field, key.String())
 }
 
-// counterKey is the key of q's quota counter.
-func (s *RedisStore) counterKey(q *request) string {
-	return s.keys.Counter(s.zones[q.zone.index].field, q.key.String())
+// counterKey is the key of the quota counter of key in a zone.
+func (s *RedisStore) counterKey(zone int, key bucketKey) string {
+	return s.keys.Counter(s.zones[zone].field, key.String())
 }
 
-// slotKey is the key of the sorted set of q's slots.
-func (s *RedisStore) slotKey(q *slot) string {
-	return s.keys.Slots(s.zones[q.zone.index].field, q.key.String())
+// slotKey is the key of the sorted set of the slots of key in a zone.
+func (s *RedisStore) slotKey(zone int, key bucketKey) string {
+	return s.keys.Slots(s.zones[zone].field, key.String())
 }
 
 // A shapeCache keeps the shapes of the limits that requests bring
@@ -1020,5 +1063,4 @@ var (
 	_ caddyfile.Unmarshaler = (*RedisStore)(nil)
 	_ store                 = (*RedisStore)(nil)
 	_ fallible              = (*RedisStore)(nil)
-	_ slotKeeper            = (*RedisStore)(nil)
 )

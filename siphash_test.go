@@ -38,7 +38,7 @@ func TestSipHashVectors(t *testing.T) {
 // networks of one zone have one length per family, which need not be
 // hashed.)
 func TestTableHashKinds(t *testing.T) {
-	tab := newTable(100, t0)
+	tab := newBuckets(100, t0)
 	seen := map[uint64]string{}
 	for _, k := range []bucketKey{
 		{ip: netip.MustParsePrefix("192.0.2.1/32")},
@@ -59,7 +59,7 @@ func TestTableHashKinds(t *testing.T) {
 		}
 		seen[h] = k.String()
 	}
-	other := newTable(100, t0)
+	other := newBuckets(100, t0)
 	if k := key("a"); tab.hash(k) == other.hash(k) {
 		t.Error("two tables with random keys hash alike")
 	}
@@ -70,7 +70,7 @@ func TestTableHashKinds(t *testing.T) {
 }
 
 func BenchmarkTableHash(b *testing.B) {
-	tab := newTable(100, t0)
+	tab := newBuckets(100, t0)
 	for _, k := range []bucketKey{
 		{ip: netip.MustParsePrefix("192.0.2.1/32")},
 		{ip: netip.MustParsePrefix("2001:db8::/64")},

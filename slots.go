@@ -87,12 +87,6 @@ func (t *slotTable) release(k bucketKey) {
 // len is the number of keys with requests in flight.
 func (t *slotTable) len() int64 { return t.keys.Load() }
 
-// A slot is a request's claim on a zone with concurrency.
-type slot struct {
-	zone  *Zone
-	key   bucketKey
-	table *slotTable // where it was taken; nil: not taken
-	free  int64      // slots free after the decision
-	lease string     // the lease a slotKeeper holds for it; "": none
-	full  bool       // a slotKeeper found no slot free, the buckets having allowed the request
-}
+// Destruct is called when no config has the zone any more: a slot table
+// holds nothing to close.
+func (*slotTable) Destruct() error { return nil }

@@ -8,151 +8,192 @@ import (
 	"time"
 )
 
-// A store keeps token buckets and takes tokens from them. Stores know
-// nothing of HTTP: the handler turns a request into store requests, one
-// per matching zone, and the store's answers into a response.
+// A store keeps the state of zones: a token bucket, a calendar quota
+// counter and a count of slots in use per key. It decides demands on that
+// state in its own terms and knows nothing of HTTP or of the handler: the
+// handler turns each matching zone of a request into demands, and the
+// answers into a response. Dry runs, counters, events and headers are the
+// handler's.
 type store interface {
-	// bind prepares the store for the handler's zones. It is called once,
-	// from the handler's Provision, after the store's own.
-	bind(zones []*Zone) error
+	// bind prepares the store for zones. A demand's zone is its place in
+	// zones. It is called once, from the handler's Provision, after the
+	// store's own.
+	bind(zones []zoneSpec) error
 
-	// take decides reqs together: it charges every bucket or none, and
-	// starts the ban of a zone with a ban that denies a bucket not banned
-	// yet. It sets each request's ok, ban and debt, and reports whether
-	// all were allowed.
-	// now is the request's arrival; a store may keep its own clock.
-	take(ctx context.Context, now time.Time, reqs []request) (bool, error)
+	// take decides d all together: it charges every bucket and counter
+	// and takes every slot, or does none of it (the one write a refusal
+	// makes is a ban, in the bucket that refused). It sets each demand's
+	// answer, and reports whether all were allowed. now is the request's
+	// arrival; a store may keep its own clock.
+	take(ctx context.Context, now time.Time, d *demands) (bool, error)
 
-	// refund gives each request's cost back to its bucket, which take
-	// charged, unless the bucket is banned: a ban is never shortened.
-	// ctx is the request's: a refund completes when the client has gone.
-	refund(ctx context.Context, now time.Time, reqs []request) error
+	// adjust charges each bucket and counter of d its demand's cost,
+	// refusing nothing: a bucket up to what its limit lets it owe, a
+	// counter past its limit. A negative cost gives back, and never
+	// shortens a ban. ctx is the request's: an adjustment completes when
+	// the client has gone.
+	adjust(ctx context.Context, now time.Time, d *demands) error
 
-	// peek sets q.debt from the bucket's state, changing nothing.
-	peek(ctx context.Context, now time.Time, q *request) error
+	// release gives back the slots that take took.
+	release(ctx context.Context, slots []slotDemand) error
 
-	// reset fills the bucket. It reports whether the bucket was not full.
-	reset(ctx context.Context, q *request) (bool, error)
+	// peek sets the answers of d from the state, changing nothing.
+	peek(ctx context.Context, now time.Time, d *demands) error
+
+	// reset forgets the state of d's buckets and counters: a bucket is
+	// full again, a counter at 0. It reports whether any was not.
+	reset(ctx context.Context, d *demands) (bool, error)
+
+	// stats reports what the store keeps for a zone, for the admin API
+	// and metrics.
+	stats(zone int) zoneStats
 }
 
-// A request asks a store for a zone's cost in tokens from one bucket,
-// or, for a zone's calendar quota, for its cost in units of the key's
-// counter in the current window (see quota.go).
-type request struct {
-	zone *Zone
-	key  bucketKey
-	// pl is the limit the request is decided by: its plan, in a zone
-	// whose limit depends on the request; nil stands for the zone's own.
-	pl  *plan
-	win *quotaWindow // a quota's window by this instance's clock; nil: a bucket
-
-	ok        bool          // the bucket had the tokens
-	ban       bool          // this denial started a ban
-	debt      time.Duration // how long until the bucket is full, after the decision
-	wouldDeny bool          // a dry-run zone that refused the request
-	used      int64         // a quota's count in its window, after the decision
-	// noDelay: the zone's delay does not apply (the handler's waiting
-	// room is full): the request is decided as if the delay were 0.
-	noDelay bool
+// A zoneSpec is what a store knows of a zone: how its state is named,
+// shared and shaped.
+type zoneSpec struct {
+	name string
+	// bucket: the zone has a token bucket per key, of shape when its
+	// limit is fixed (the zero limit when each request brings its own).
+	bucket bool
+	shape  limit
+	// quota names the zone's calendar windows (period and time zone): ""
+	// for a zone without a quota. Counters of one name and quota are
+	// shared, whatever the quota's limit.
+	quota string
+	// slots: the zone limits requests in flight.
+	slots bool
+	// refunds: tokens may be given back to the zone's buckets (adjust with
+	// a negative cost), on any instance sharing the store.
+	refunds bool
 }
 
-// limit is the shape the request is decided by: its plan's, taking as if
-// without the delay when noDelay.
-func (q *request) limit() limit {
-	l := q.plan().limit
-	l.noDelay = q.noDelay
-	return l
+// demands are what one request asks of a store: tokens from buckets,
+// units of calendar counters, and slots.
+type demands struct {
+	buckets  []bucketDemand
+	counters []counterDemand
+	slots    []slotDemand
+	// The answer. at is the local instant the answers hold at: a
+	// bucket's debt is what it owes then (the store decided no later).
+	// remembered: the store refused the demands from what it had learnt
+	// before, without deciding them anew (the Redis store's over-limit
+	// cache).
+	at         time.Time
+	remembered bool
 }
 
-// isQuota reports whether the request is for the zone's calendar quota.
-func (q *request) isQuota() bool { return q.win != nil }
-
-// denied reports whether the request's zone refused it, dry runs aside.
-func (q *request) denied() bool { return !q.ok && !q.wouldDeny }
-
-// plan is the limit the request is decided by.
-func (q *request) plan() *plan {
-	if q.pl != nil {
-		return q.pl
-	}
-	return q.zone.plan
+func (d *demands) clear() {
+	d.buckets, d.counters, d.slots = d.buckets[:0], d.counters[:0], d.slots[:0]
+	d.at, d.remembered = time.Time{}, false
 }
 
-// wait is how long the request's bucket needs before it can give the
-// tokens (or, with a delay, before a take of them would wait no longer
-// than the delay).
-func (q *request) wait() time.Duration {
-	if q.win != nil {
-		if q.used+q.zone.Cost > q.zone.quota.limit {
-			return q.debt
-		}
+func (d *demands) empty() bool { return len(d.buckets)+len(d.counters)+len(d.slots) == 0 }
+
+// A bucketDemand asks a zone's bucket of key for tokens worth cost.
+type bucketDemand struct {
+	zone  int
+	key   bucketKey
+	limit limit         // the bucket's shape
+	cost  time.Duration // what the tokens are worth (limit.costTime); adjust: negative to give back
+	// floor: the bucket owes at least this much now, as another store knew
+	// it (fail_mode local's buckets start from what Redis said).
+	floor time.Duration
+
+	// The answer.
+	ok   bool          // the bucket had the tokens (or, with a delay, will have them within it)
+	ban  bool          // this refusal started the bucket's ban
+	debt time.Duration // how long until the bucket is full again, after the decision
+}
+
+// wait is how long the bucket needs before it can give the tokens (or,
+// with a delay, before a take of them would wait no longer than the
+// delay).
+func (b *bucketDemand) wait() time.Duration { return b.limit.wait(b.debt, b.cost) }
+
+// delayed is how long an allowed request waits for the bucket's tokens.
+func (b *bucketDemand) delayed() time.Duration {
+	if !b.ok || b.limit.noDelay {
 		return 0
 	}
-	p := q.plan()
-	return q.limit().wait(q.debt, p.costTime)
+	return b.limit.delayed(b.debt)
 }
 
-// delayed is how long an allowed request waits for this zone's tokens
-// (a quota never delays).
-func (q *request) delayed() time.Duration {
-	if !q.ok || q.wouldDeny || q.noDelay || q.win != nil {
-		return 0
+// remaining is the number of whole tokens left in the bucket.
+func (b *bucketDemand) remaining() int64 { return b.limit.wholeTokens(b.debt) }
+
+// A counterDemand asks a zone's calendar quota counter of key for cost
+// units in the current window.
+type counterDemand struct {
+	zone   int
+	key    bucketKey
+	limit  int64        // units per window
+	cost   int64        // units the request counts; adjust: negative to take off
+	window *quotaWindow // the window by this instance's clock (see quota.go)
+
+	// The answer.
+	ok   bool
+	used int64         // the count in its window, after the decision
+	left time.Duration // how long until the window ends; 0 while nothing is counted
+}
+
+// remaining is the number of units left in the counter's window.
+func (c *counterDemand) remaining() int64 { return max(c.limit-c.used, 0) }
+
+// wait is how long until the counter can count the request: the end of
+// its window, when it lacks the units.
+func (c *counterDemand) wait() time.Duration {
+	if c.used+c.cost > c.limit {
+		return c.left
 	}
-	return q.plan().limit.delayed(q.debt)
+	return 0
 }
 
-// remaining is the number of whole tokens left in the request's bucket.
-func (q *request) remaining() int64 {
-	if q.win != nil {
-		return max(q.zone.quota.limit-q.used, 0)
-	}
-	return q.plan().limit.wholeTokens(q.debt)
+// A slotDemand asks for one of a zone's slots of key: a request in
+// flight.
+type slotDemand struct {
+	zone  int
+	key   bucketKey
+	limit int64         // slots per key
+	lease time.Duration // how long a store shared between instances holds the slot at most
+	soft  bool          // when no slot is free, the other demands are decided without this one
+
+	// The answer.
+	held  bool   // the request holds a slot, for release
+	free  int64  // slots free after the decision
+	full  bool   // no slot was free, while the other demands were allowed
+	claim string // what the store holds the slot by (a lease), for release
 }
 
-// capacity is the most the request's bucket or quota window holds.
-func (q *request) capacity() int64 {
-	if q.win != nil {
-		return q.zone.quota.limit
-	}
-	return q.plan().limit.burst
-}
-
-// nextUnit is how long until the request's bucket holds one more whole
-// token, or its quota is whole again: 0 when either is full.
-func (q *request) nextUnit() time.Duration {
-	if q.win != nil {
-		return q.debt
-	}
-	return q.plan().limit.nextToken(q.debt)
-}
-
-// A slotKeeper is a store that keeps the slots of zones with concurrency
-// itself, shared as its buckets are, and decides them in the same call as
-// the buckets. (The handler keeps the slots of other stores in memory.)
-type slotKeeper interface {
-	// takeWithSlots is take, with a slot of every zone of slots: it
-	// charges every bucket and takes every slot, or does neither. A zone
-	// in dry run whose slots are all held lets the request go on without
-	// one. It sets each slot's free, full and lease.
-	takeWithSlots(ctx context.Context, now time.Time, reqs []request, slots []slot) (bool, error)
-
-	// releaseSlots gives back the slots that takeWithSlots took (those
-	// with a lease).
-	releaseSlots(ctx context.Context, slots []slot) error
-
-	// slotsInUse is how many slots of q's key are held now.
-	slotsInUse(ctx context.Context, q *slot) (int64, error)
+// zoneStats is what a store reports of one zone.
+type zoneStats struct {
+	// The keys the store tracks in this process (buckets and counters),
+	// and the buckets it evicted before they refilled; nil when it does
+	// not track keys here.
+	keys      *int
+	evictions *uint64
+	// table identifies what keys and evictions count: zones that share a
+	// table report it alike, and are counted once.
+	table any
+	// overLimitCache: the store refuses some demands from what it learnt
+	// before (demands.remembered).
+	overLimitCache bool
+	// client identifies the store's connection, shared by the stores of a
+	// setup, and unavailable says whether it is down now (its circuit
+	// breaker is open); nil for a store without one.
+	client      any
+	unavailable bool
 }
 
 // fallible is a store that can fail, and says what to do then.
 type fallible interface {
 	failMode() failMode
-	// known is how long q's bucket owes at least at now, from what the
+	// known is how long b's bucket owes at least at now, from what the
 	// store last learnt of it (0 when it knows nothing), after the store
 	// failed with err: fail_mode local's buckets start from there, so
 	// that a client that emptied its bucket does not get a fresh one
 	// when a call fails.
-	known(now time.Time, q *request, err error) time.Duration
+	known(now time.Time, b *bucketDemand, err error) time.Duration
 }
 
 // A failMode is what the handler does when a fallible store fails.

@@ -13,28 +13,30 @@ import (
 	"github.com/caddyserver/caddy/v2"
 )
 
-// table holds the buckets of one zone in memory: a map from a keyed
-// 64-bit hash of the bucket key to the instant the bucket is full again,
+// A table holds one zone's state in memory: a map from a keyed 64-bit
+// hash of the key to an entry (a bucket, or a calendar quota's counter),
 // split into shards so that parallel requests rarely share a lock. Keys
 // of any length cost the same eight bytes. Instants are durations since
 // the table's epoch.
 //
-// At most maxKeys buckets are kept, an equal share in each shard, so a
+// At most maxKeys entries are kept, an equal share in each shard, so a
 // table with many keys starts evicting a little before it holds maxKeys
-// (at about 99.5% of a million). When a shard is full, buckets that
-// have refilled are dropped first (no decision changes); if none has, the
-// least recently used among a few sampled ones is evicted and counted:
-// its client finds a full bucket next time. Recency, not fullness, is
-// what protects the limit: under a flood of one-off keys, a client that
+// (at about 99.5% of a million). When a shard is full, entries that carry
+// nothing any more (a bucket that has refilled, a counter whose window
+// has ended) are dropped first: no decision changes. If none has, the
+// entry of the lowest rank among a few sampled is evicted and counted:
+// for a bucket, the least recently used, as recency, not fullness, is
+// what protects the limit (under a flood of one-off keys, a client that
 // keeps sending is among the most recently used whatever its bucket's
-// shape, while the flood's keys, each used once, age out first.
-type table struct {
+// shape, while the flood's keys, each used once, age out first); for a
+// counter, the smallest count, which forgives the least.
+type table[E entry] struct {
 	id      uint64    // orders locks when one request takes several tables
 	epoch   time.Time // instants in the shards count from here
 	key     hashKey   // keys the hashes: random, or the stored one of a persisted table
 	maxKeys atomic.Int64
-	shards  []shard // a power of two of them
-	mask    uint64  // len(shards) - 1
+	shards  []shard[E] // a power of two of them
+	mask    uint64     // len(shards) - 1
 
 	evictions atomic.Uint64
 	stop      chan struct{}
@@ -42,54 +44,77 @@ type table struct {
 	p         *persistence // nil: the table lives in memory only
 }
 
-type shard struct {
+// An entry is what a table keeps per key.
+type entry interface {
+	bucket | counter
+	// spent reports whether the entry carries nothing at now: it can be
+	// dropped without changing any decision.
+	spent(now time.Duration) bool
+	// rank orders entries for eviction: the lowest goes first.
+	rank() int64
+}
+
+type shard[E entry] struct {
 	mu sync.Mutex
-	// buckets maps a key hash to its bucket.
-	buckets map[uint64]bucket
+	m  map[uint64]E
 	// sweepCredit counts the inserts until a full shard may be swept
 	// again, which keeps sweeping O(1) per insert.
 	sweepCredit int
 	_           [40]byte // keep shards on separate cache lines
 }
 
-// evictSample is how many buckets are looked at to pick one to evict.
+// A bucket is one tracked token bucket: the instant it is full again, and
+// the last instant a request used it, for eviction.
+type bucket struct {
+	fullAt time.Duration
+	usedAt time.Duration
+}
+
+func (b bucket) spent(now time.Duration) bool { return b.fullAt <= now }
+func (b bucket) rank() int64                  { return int64(b.usedAt) }
+
+// evictSample is how many entries are looked at to pick one to evict.
 const evictSample = 8
 
 var tableIDs atomic.Uint64
 
-func newTable(maxKeys int64, now time.Time) *table {
+// newTable is an empty table for maxKeys entries, whose epoch is now.
+func newTable[E entry](maxKeys int64, now time.Time) *table[E] {
 	n := 64
 	if maxKeys < 64*64 {
 		n = 1
 	}
-	t := &table{
+	t := &table[E]{
 		id:     tableIDs.Add(1),
 		epoch:  now,
 		key:    randomHashKey(),
-		shards: make([]shard, n),
+		shards: make([]shard[E], n),
 		mask:   uint64(n - 1),
 		stop:   make(chan struct{}),
 	}
 	t.maxKeys.Store(maxKeys)
 	for i := range t.shards {
-		t.shards[i].buckets = make(map[uint64]bucket)
+		t.shards[i].m = make(map[uint64]E)
 	}
 	return t
 }
 
+// newBuckets is a table of buckets.
+func newBuckets(maxKeys int64, now time.Time) *table[bucket] { return newTable[bucket](maxKeys, now) }
+
 // instant converts a clock reading to the table's own time line.
-func (t *table) instant(now time.Time) time.Duration { return now.Sub(t.epoch) }
+func (t *table[E]) instant(now time.Time) time.Duration { return now.Sub(t.epoch) }
 
 // hash is the keyed hash that stands for k in the table. String keys
 // hash with SipHash. An IP network of at most 64 bits (any IPv4 network;
 // IPv6 up to the usual /64) is one 64-bit word, which a keyed bijection
-// maps to its hash: two networks of one family and length never share a
-// bucket, and the hash costs a few multiplications. (A zone's networks
+// maps to its hash: two networks of one family and length never share an
+// entry, and the hash costs a few multiplications. (A zone's networks
 // all have one length per family.) The two families are mapped by
 // different bijections, longer IPv6 networks by SipHash under a key of
-// their own, so keys of different kinds share a bucket only by a chance
+// their own, so keys of different kinds share an entry only by a chance
 // of 1 in 2⁶⁴, as SipHash's do.
-func (t *table) hash(k bucketKey) uint64 {
+func (t *table[E]) hash(k bucketKey) uint64 {
 	if !k.ip.IsValid() {
 		return sipHash(t.key, k.s)
 	}
@@ -105,160 +130,113 @@ func (t *table) hash(k bucketKey) uint64 {
 	return sipHashWords(hashKey{t.key[0], t.key[1] ^ 1}, words[:], 17<<56|bits)
 }
 
-func (t *table) shard(h uint64) *shard {
+func (t *table[E]) shard(h uint64) *shard[E] {
 	return &t.shards[h&t.mask]
 }
 
-// shardCap is how many buckets one shard may hold.
-func (t *table) shardCap() int {
+// shardCap is how many entries one shard may hold.
+func (t *table[E]) shardCap() int {
 	return max(int(t.maxKeys.Load())/len(t.shards), 1)
 }
 
-// A bucket is one tracked bucket: the instant it is full again, and the
-// last instant a request used it, for eviction.
-type bucket struct {
-	fullAt time.Duration
-	usedAt time.Duration
-}
-
-// get returns the instant a bucket is full again, 0 if not tracked.
-// Requires s.mu to be held.
-func (s *shard) get(h uint64) time.Duration { return s.buckets[h].fullAt }
-
-// set records fullAt, used at now, for a bucket of table t, making room
-// first if the bucket is new and the shard full. Requires s.mu to be held.
-func (s *shard) set(t *table, h uint64, fullAt, now time.Duration) {
-	if _, ok := s.buckets[h]; !ok {
-		s.insert(t, h, fullAt, now)
-		return
-	}
-	s.buckets[h] = bucket{fullAt, now}
-}
-
-// touch records that a request used a tracked bucket at now, without
-// changing it. Requires s.mu to be held.
-func (s *shard) touch(h uint64, fullAt, now time.Duration) {
-	if fullAt != 0 {
-		s.buckets[h] = bucket{fullAt, now}
-	}
-}
-
-// insert records fullAt for a bucket that is not tracked yet.
-// Requires s.mu to be held.
-func (s *shard) insert(t *table, h uint64, fullAt, now time.Duration) {
+// insert records e for a key that is not tracked yet, making room first
+// if the shard is full. Requires s.mu to be held.
+func (s *shard[E]) insert(t *table[E], h uint64, e E, now time.Duration) {
 	if s.makeRoom(now, t.shardCap()) {
 		t.evictions.Add(1)
 	}
 	s.sweepCredit--
-	s.buckets[h] = bucket{fullAt, now}
+	s.m[h] = e
 }
 
-// makeRoom frees one slot in a full shard. Requires s.mu to be held.
-func (s *shard) makeRoom(now time.Duration, capacity int) (evicted bool) {
-	if len(s.buckets) < capacity {
+// set records e, making room first if the key is new and the shard full.
+// Requires s.mu to be held.
+func (s *shard[E]) set(t *table[E], h uint64, e E, now time.Duration) {
+	if _, ok := s.m[h]; !ok {
+		s.insert(t, h, e, now)
+		return
+	}
+	s.m[h] = e
+}
+
+// makeRoom frees one place in a full shard. Requires s.mu to be held.
+func (s *shard[E]) makeRoom(now time.Duration, capacity int) (evicted bool) {
+	if len(s.m) < capacity {
 		return false
 	}
 	if s.sweepCredit <= 0 {
 		s.sweep(now)
 		s.sweepCredit = max(capacity/8, 1)
-		if len(s.buckets) < capacity {
+		if len(s.m) < capacity {
 			return false
 		}
 	}
-	for len(s.buckets) >= capacity {
-		var victim uint64
-		full, lru := false, time.Duration(math.MaxInt64)
-		// The sample is two buckets at each of four places where a
-		// range starts (random ones). Eight in a row would be
-		// neighbours in the map, and a map refills where it was
-		// emptied, so that the neighbours of a bucket used a moment
-		// ago can all be newer still and make it the oldest of them.
-		for range evictSample / 2 {
-			seen := 0
-			for h, b := range s.buckets {
-				if b.fullAt <= now {
-					victim, full = h, true
-					break
-				}
-				if b.usedAt < lru {
-					victim, lru = h, b.usedAt
-				}
-				if seen++; seen == 2 {
-					break
-				}
-			}
-			if full {
-				break
-			}
-		}
-		delete(s.buckets, victim)
-		evicted = evicted || !full
+	for len(s.m) >= capacity {
+		victim, spent := s.victim(now)
+		delete(s.m, victim)
+		evicted = evicted || !spent
 	}
 	return evicted
 }
 
-// sweep drops the buckets that are full at now. Requires s.mu to be held.
-func (s *shard) sweep(now time.Duration) {
-	for h, b := range s.buckets {
-		if b.fullAt <= now {
-			delete(s.buckets, h)
+// victim picks the entry to drop: a spent one if the sample finds one,
+// else the lowest ranked of the sample. The sample is two entries at each
+// of four places where a range starts (random ones). Eight in a row would
+// be neighbours in the map, and a map refills where it was emptied, so
+// that the neighbours of a bucket used a moment ago can all be newer
+// still and make it the oldest of them. Requires s.mu to be held.
+func (s *shard[E]) victim(now time.Duration) (victim uint64, spent bool) {
+	lowest := int64(math.MaxInt64)
+	for range evictSample / 2 {
+		seen := 0
+		for h, e := range s.m {
+			if e.spent(now) {
+				return h, true
+			}
+			if r := e.rank(); r < lowest {
+				victim, lowest = h, r
+			}
+			if seen++; seen == 2 {
+				break
+			}
+		}
+	}
+	return victim, false
+}
+
+// sweep drops the entries that are spent at now. Requires s.mu to be
+// held.
+func (s *shard[E]) sweep(now time.Duration) {
+	for h, e := range s.m {
+		if e.spent(now) {
+			delete(s.m, h)
 		}
 	}
 }
 
-// get returns the instant k's bucket is full again, 0 if not tracked.
-func (t *table) get(k bucketKey) time.Duration {
+// lookup returns k's entry, and whether it is tracked.
+func (t *table[E]) lookup(k bucketKey) (E, bool) {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.get(h)
+	e, ok := s.m[h]
+	return e, ok
 }
 
-// raise makes k's bucket full again no sooner than fullAt. now is the
-// current table instant, which tells the eviction what has refilled.
-func (t *table) raise(k bucketKey, fullAt, now time.Duration) {
+// forget drops k's entry, and returns it.
+func (t *table[E]) forget(k bucketKey) E {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if fullAt > s.get(h) {
-		s.set(t, h, fullAt, now)
-	}
+	e := s.m[h]
+	delete(s.m, h)
+	return e
 }
 
-// refund gives cost back to k's bucket, unless it is banned. now is the
-// current table instant.
-func (t *table) refund(k bucketKey, l limit, cost, now time.Duration) {
-	h := t.hash(k)
-	s := t.shard(h)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	b, ok := s.buckets[h]
-	if !ok || l.banned(l.debt(b.fullAt, now)) {
-		return
-	}
-	if b.fullAt-cost <= now {
-		delete(s.buckets, h) // full again
-		return
-	}
-	s.buckets[h] = bucket{b.fullAt - cost, now}
-}
-
-// forget drops a bucket: it is full again. It returns the instant the
-// bucket was full at, 0 if it was not tracked.
-func (t *table) forget(k bucketKey) time.Duration {
-	h := t.hash(k)
-	s := t.shard(h)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	fullAt := s.buckets[h].fullAt
-	delete(s.buckets, h)
-	return fullAt
-}
-
-// sweep drops every full bucket of the table.
-func (t *table) sweep(now time.Time) {
+// sweepAll drops every spent entry of the table.
+func (t *table[E]) sweepAll(now time.Time) {
 	n := t.instant(now)
 	for i := range t.shards {
 		s := &t.shards[i]
@@ -268,23 +246,23 @@ func (t *table) sweep(now time.Time) {
 	}
 }
 
-// len is the number of buckets tracked.
-func (t *table) len() int {
+// len is the number of entries tracked.
+func (t *table[E]) len() int {
 	n := 0
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		n += len(s.buckets)
+		n += len(s.m)
 		s.mu.Unlock()
 	}
 	return n
 }
 
-// sweepEvery is how often idle tables drop refilled buckets, so that the
+// sweepEvery is how often idle tables drop spent entries, so that the
 // map stays near the number of clients that are actually being limited.
 const sweepEvery = time.Minute
 
-func (t *table) sweepLoop() {
+func (t *table[E]) sweepLoop() {
 	tick := time.NewTicker(sweepEvery)
 	defer tick.Stop()
 	for {
@@ -292,114 +270,75 @@ func (t *table) sweepLoop() {
 		case <-t.stop:
 			return
 		case now := <-tick.C:
-			t.sweep(now)
+			t.sweepAll(now)
 		}
 	}
 }
 
 // Destruct stops the sweeper once the last config using the table is
 // gone, and saves or deletes the table's snapshot (see persist.go).
-func (t *table) Destruct() error {
+func (t *table[E]) Destruct() error {
 	t.stopOnce.Do(func() {
 		close(t.stop)
-		t.close(caddy.Exiting())
+		closePersisted(t, caddy.Exiting())
 	})
 	return nil
 }
 
-// A charge is one bucket a request wants tokens from, located in its
-// table. The charges of one request are in distinct tables (one per zone).
+// bucketAt returns the instant k's bucket is full again, 0 if not
+// tracked.
+func bucketAt(t *table[bucket], k bucketKey) time.Duration {
+	b, _ := t.lookup(k)
+	return b.fullAt
+}
+
+// raise makes k's bucket full again no sooner than fullAt. now is the
+// current table instant, which tells the eviction what has refilled.
+func raise(t *table[bucket], k bucketKey, fullAt, now time.Duration) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if fullAt > s.m[h].fullAt {
+		s.set(t, h, bucket{fullAt, now}, now)
+	}
+}
+
+// adjustBucket charges cost to k's bucket of limit l, refusing nothing
+// (see limit.adjust). now is the current table instant.
+func adjustBucket(t *table[bucket], k bucketKey, l limit, cost, now time.Duration) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b, ok := s.m[h]
+	if !ok && cost <= 0 {
+		return // full already
+	}
+	switch fullAt := l.adjust(b.fullAt, now, cost); {
+	case fullAt == b.fullAt:
+	case fullAt <= now:
+		delete(s.m, h) // full again
+	default:
+		s.set(t, h, bucket{fullAt, now}, now)
+	}
+}
+
+// A charge is one bucket a request takes tokens from, located in its
+// table. The charges and counts of one request are in distinct tables
+// (one per zone and kind).
 type charge struct {
 	l    limit
 	cost time.Duration // l.costTime(n)
-	t    *table
+	t    *table[bucket]
 	h    uint64
 	now  time.Duration // t.instant of the request
-	req  int           // index of the request this charge answers
+	req  int           // the demand this charge answers
 
 	fullAt time.Duration // the bucket's instant, with this charge if ok
 	ok     bool
-	ban    bool          // this denial started a ban
+	ban    bool          // this refusal started a ban
 	debt   time.Duration // how long until the bucket is full, after the decision
-
-	// A charge to a calendar quota's counter (quota set) keeps its
-	// window's end in fullAt and its count in usedAt: a counter whose
-	// window has ended carries nothing, as a full bucket, and eviction
-	// takes the smallest counts first (they forgive the least).
-	quota *quota
-	units int64 // the request's cost
-	used  int64 // the count after the decision
-}
-
-// tryQuota decides c against a counter b (tracked or not); endAt is the
-// instant the current window ends, should the counter start again.
-func (c *charge) tryQuota(b bucket, tracked bool, endAt time.Duration) {
-	used := int64(0)
-	if tracked && b.fullAt > c.now {
-		used, endAt = int64(b.usedAt), b.fullAt
-	}
-	c.ok = used+c.units <= c.quota.limit
-	if c.ok {
-		used += c.units
-	}
-	c.used, c.fullAt = used, endAt
-	c.setQuotaDebt()
-}
-
-// uncharge undoes what tryQuota counted, for a request denied elsewhere.
-func (c *charge) uncharge() {
-	if c.ok {
-		c.used -= c.units
-		c.setQuotaDebt()
-	}
-}
-
-func (c *charge) setQuotaDebt() {
-	c.debt = 0
-	if c.used > 0 {
-		c.debt = c.fullAt - c.now
-	}
-}
-
-// setCount records a quota's count in a window that ends at endAt.
-// Requires s.mu to be held.
-func (s *shard) setCount(t *table, h uint64, endAt time.Duration, used int64, now time.Duration) {
-	if _, ok := s.buckets[h]; !ok {
-		s.insert(t, h, endAt, now)
-	}
-	s.buckets[h] = bucket{endAt, time.Duration(used)}
-}
-
-// count returns a quota's count at now and the instant its window ends
-// (0, 0 when nothing is counted).
-func (t *table) count(k bucketKey, now time.Duration) (int64, time.Duration) {
-	h := t.hash(k)
-	s := t.shard(h)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	b, ok := s.buckets[h]
-	if !ok || b.fullAt <= now {
-		return 0, 0
-	}
-	return int64(b.usedAt), b.fullAt
-}
-
-// uncount takes units off a quota's count, in the window that counted
-// them, if it is still running at now.
-func (t *table) uncount(k bucketKey, units int64, now time.Duration) {
-	h := t.hash(k)
-	s := t.shard(h)
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	b, ok := s.buckets[h]
-	if !ok || b.fullAt <= now {
-		return
-	}
-	if used := int64(b.usedAt) - units; used > 0 {
-		s.buckets[h] = bucket{b.fullAt, time.Duration(used)}
-	} else {
-		delete(s.buckets, h)
-	}
 }
 
 // try decides c against a bucket full at fullAt.
@@ -408,83 +347,144 @@ func (c *charge) try(fullAt time.Duration) {
 	c.ban = !c.ok && c.l.ban > 0 && !c.l.banned(c.l.debt(fullAt, c.now))
 }
 
-// takeAll charges every bucket or none: a request denied by one bucket
-// spends nothing in the others. Shards are locked in one global order (by
-// table), so concurrent multi-zone requests cannot deadlock. A denial that
-// starts a ban is kept, in the bucket that denied. It fills in each
-// charge's ok, ban and debt and reports whether all were allowed.
-func takeAll(cs []charge) (allowed bool) {
-	if len(cs) == 1 { // the common case, with one map lookup less
-		c := &cs[0]
-		s := c.t.shard(c.h)
-		s.mu.Lock()
-		b, tracked := s.buckets[c.h]
-		if c.quota != nil {
-			c.tryQuota(b, tracked, c.fullAt)
-			if c.ok {
-				s.setCount(c.t, c.h, c.fullAt, c.used, c.now)
-			}
-			s.mu.Unlock()
-			return c.ok
-		}
-		c.try(b.fullAt)
-		switch {
-		case tracked:
-			s.buckets[c.h] = bucket{c.fullAt, c.now}
-		case c.ok || c.ban:
-			s.insert(c.t, c.h, c.fullAt, c.now)
-		}
-		s.mu.Unlock()
-		c.debt = c.l.debt(c.fullAt, c.now)
-		return c.ok
+// commit writes what try decided, once every charge of the request is
+// decided: the take when all allowed, a ban that started, and the
+// recency of a bucket used. Requires the shard's lock to be held.
+func (c *charge) commit(s *shard[bucket], allowed bool) {
+	switch b, tracked := s.m[c.h]; {
+	case allowed || c.ban:
+		s.set(c.t, c.h, bucket{c.fullAt, c.now}, c.now)
+	case !tracked:
+		c.fullAt = 0 // not charged after all, and full
+	case c.ok:
+		c.fullAt = c.l.clamp(b.fullAt, c.now) // not charged after all
+		s.m[c.h] = bucket{c.fullAt, c.now}
+	default:
+		s.m[c.h] = bucket{c.fullAt, c.now}
 	}
-	sortCharges(cs)
-	allowed = true
+	c.debt = c.l.debt(c.fullAt, c.now)
+}
+
+// A slotClaim is a slot a request takes, located in its table.
+type slotClaim struct {
+	t    *slotTable
+	key  bucketKey
+	n    int64 // slots per key
+	soft bool  // a key with no slot free does not refuse the request
+	req  int   // the demand this claim answers
+
+	held bool
+	free int64
+	full bool
+}
+
+// takeAll charges every bucket, counts in every counter and takes every
+// slot, or does none of it: a request refused by one spends nothing in
+// the others. Shards are locked in one global order (by table), so
+// concurrent multi-zone requests cannot deadlock; the slots are taken
+// once the buckets and counters allowed, before anything is written (a
+// slot table's locks are taken one at a time, after the tables', and
+// none is held while waiting for another). A refusal that starts a ban
+// is kept, in the bucket that refused. It fills in the answers, and
+// reports whether all were allowed.
+func takeAll(cs []charge, ks []count, sl []slotClaim) bool {
+	if len(cs) == 1 && len(ks) == 0 && len(sl) == 0 {
+		return takeOne(&cs[0])
+	}
+	var buf [8]lockRef
+	locks := lockOrder(buf[:0], cs, ks)
+	for _, l := range locks {
+		l.mu.Lock()
+	}
+	allowed := true
 	for i := range cs {
 		c := &cs[i]
-		s := c.t.shard(c.h)
-		s.mu.Lock()
-		if c.quota != nil {
-			b, tracked := s.buckets[c.h]
-			c.tryQuota(b, tracked, c.fullAt)
-		} else {
-			c.try(s.get(c.h))
-		}
+		c.try(c.t.shard(c.h).m[c.h].fullAt)
 		allowed = allowed && c.ok
 	}
+	for i := range ks {
+		k := &ks[i]
+		e, tracked := k.t.shard(k.h).m[k.h]
+		k.try(e, tracked)
+		allowed = allowed && k.ok
+	}
+	if allowed {
+		allowed = claimAll(sl)
+	}
 	for i := range cs {
-		c := &cs[i]
-		s := c.t.shard(c.h)
-		if c.quota != nil {
-			if allowed {
-				s.setCount(c.t, c.h, c.fullAt, c.used, c.now)
-			} else {
-				c.uncharge()
-			}
-			s.mu.Unlock()
-			continue
-		}
-		switch {
-		case allowed || c.ban:
-			s.set(c.t, c.h, c.fullAt, c.now)
-		case c.ok:
-			c.fullAt = c.l.clamp(s.get(c.h), c.now) // not charged after all
-			s.touch(c.h, c.fullAt, c.now)
-		default:
-			s.touch(c.h, c.fullAt, c.now)
-		}
-		c.debt = c.l.debt(c.fullAt, c.now)
-		s.mu.Unlock()
+		cs[i].commit(cs[i].t.shard(cs[i].h), allowed)
+	}
+	for i := range ks {
+		ks[i].commit(ks[i].t.shard(ks[i].h), allowed)
+	}
+	for _, l := range locks {
+		l.mu.Unlock()
 	}
 	return allowed
 }
 
-// sortCharges orders charges by table: the global lock order. Requests
-// carry a few zones, so insertion sort is the fastest.
-func sortCharges(cs []charge) {
-	for i := 1; i < len(cs); i++ {
-		for j := i; j > 0 && cs[j].t.id < cs[j-1].t.id; j-- {
-			cs[j], cs[j-1] = cs[j-1], cs[j]
+// takeOne is takeAll of one charge, the common case, with a map lookup
+// less.
+func takeOne(c *charge) bool {
+	s := c.t.shard(c.h)
+	s.mu.Lock()
+	b, tracked := s.m[c.h]
+	c.try(b.fullAt)
+	switch {
+	case tracked:
+		s.m[c.h] = bucket{c.fullAt, c.now}
+	case c.ok || c.ban:
+		s.insert(c.t, c.h, bucket{c.fullAt, c.now}, c.now)
+	}
+	s.mu.Unlock()
+	c.debt = c.l.debt(c.fullAt, c.now)
+	return c.ok
+}
+
+// claimAll takes a slot of every claim, or gives back those it took when
+// one that is not soft has none free.
+func claimAll(sl []slotClaim) bool {
+	for i := range sl {
+		q := &sl[i]
+		q.free, q.held = q.t.acquire(q.key, q.n)
+		if q.held {
+			continue
+		}
+		q.full = true
+		if q.soft {
+			continue
+		}
+		for j := range i {
+			if p := &sl[j]; p.held {
+				p.t.release(p.key)
+				p.held, p.free = false, p.free+1
+			}
+		}
+		return false
+	}
+	return true
+}
+
+// A lockRef is a shard's lock, and the table it orders by.
+type lockRef struct {
+	id uint64
+	mu *sync.Mutex
+}
+
+// lockOrder is the shard locks of a request's charges and counts in the
+// global lock order: by table. Requests carry a few zones, so insertion
+// sort is the fastest.
+func lockOrder(locks []lockRef, cs []charge, ks []count) []lockRef {
+	for i := range cs {
+		locks = append(locks, lockRef{cs[i].t.id, &cs[i].t.shard(cs[i].h).mu})
+	}
+	for i := range ks {
+		locks = append(locks, lockRef{ks[i].t.id, &ks[i].t.shard(ks[i].h).mu})
+	}
+	for i := 1; i < len(locks); i++ {
+		for j := i; j > 0 && locks[j].id < locks[j-1].id; j-- {
+			locks[j], locks[j-1] = locks[j-1], locks[j]
 		}
 	}
+	return locks
 }

@@ -4,7 +4,9 @@
 package ratelimit
 
 import (
+	"fmt"
 	"math"
+	"math/rand/v2"
 	"net/netip"
 	"runtime"
 	"sync"
@@ -15,24 +17,24 @@ import (
 
 func key(s string) bucketKey { return bucketKey{s: s} }
 
-func newTestCharge(tab *table, l limit, k string, now time.Time) charge {
+func newTestCharge(tab *table[bucket], l limit, k string, now time.Time) charge {
 	return charge{l: l, cost: l.costTime(1), t: tab, h: tab.hash(key(k)), now: tab.instant(now)}
 }
 
 func TestTakeAllIsAllOrNothing(t *testing.T) {
-	a := newTable(100, t0)
-	b := newTable(100, t0)
+	a := newBuckets(100, t0)
+	b := newBuckets(100, t0)
 	la := newLimit(10, 5)
 	lb := newLimit(10, 1)
 
 	cs := []charge{newTestCharge(a, la, "k", t0), newTestCharge(b, lb, "k", t0)}
-	if ok := takeAll(cs); !ok {
+	if ok := takeAll(cs, nil, nil); !ok {
 		t.Fatal("first request denied")
 	}
 	// b is empty now: the second request must be denied and spend
 	// nothing in a.
 	cs = []charge{newTestCharge(a, la, "k", t0), newTestCharge(b, lb, "k", t0)}
-	if ok := takeAll(cs); ok {
+	if ok := takeAll(cs, nil, nil); ok {
 		t.Fatal("second request allowed past an empty bucket")
 	}
 	for _, c := range cs {
@@ -43,7 +45,7 @@ func TestTakeAllIsAllOrNothing(t *testing.T) {
 			t.Fatal("zone b allowed")
 		}
 	}
-	if got := la.tokens(la.debt(a.shard(a.hash(key("k"))).get(a.hash(key("k"))), 0)); got != 4 {
+	if got := la.tokens(la.debt(bucketAt(a, key("k")), 0)); got != 4 {
 		t.Fatalf("zone a holds %v tokens, want 4: the denied request spent some", got)
 	}
 }
@@ -51,8 +53,8 @@ func TestTakeAllIsAllOrNothing(t *testing.T) {
 // Requests that take two tables in opposite orders must not deadlock,
 // and every allowed request must be charged to both.
 func TestTakeAllConcurrentNoDeadlock(t *testing.T) {
-	a := newTable(1000, t0)
-	b := newTable(1000, t0)
+	a := newBuckets(1000, t0)
+	b := newBuckets(1000, t0)
 	l := newLimit(1, 1_000_000)
 	var wg sync.WaitGroup
 	var allowed atomic.Int64
@@ -63,34 +65,34 @@ func TestTakeAllConcurrentNoDeadlock(t *testing.T) {
 				if g%2 == 1 {
 					cs[0], cs[1] = cs[1], cs[0]
 				}
-				if ok := takeAll(cs); ok {
+				if ok := takeAll(cs, nil, nil); ok {
 					allowed.Add(1)
 				}
 			}
 		})
 	}
 	wg.Wait()
-	for _, tab := range []*table{a, b} {
+	for _, tab := range []*table[bucket]{a, b} {
 		h := tab.hash(key("k"))
-		if got := l.tokens(l.debt(tab.shard(h).get(h), 0)); math.Round(got) != float64(1_000_000-allowed.Load()) {
+		if got := l.tokens(l.debt(tab.shard(h).m[h].fullAt, 0)); math.Round(got) != float64(1_000_000-allowed.Load()) {
 			t.Fatalf("bucket holds %v, want %d", got, 1_000_000-allowed.Load())
 		}
 	}
 }
 
 func TestTableDropsFullBucketsFirst(t *testing.T) {
-	tab := newTable(10, t0) // one shard of 10
-	l := newLimit(10, 1)    // a bucket is full again 100ms after its request
+	tab := newBuckets(10, t0) // one shard of 10
+	l := newLimit(10, 1)      // a bucket is full again 100ms after its request
 	for i := range 10 {
 		cs := []charge{newTestCharge(tab, l, string(rune('a'+i)), t0)}
-		takeAll(cs)
+		takeAll(cs, nil, nil)
 	}
 	if n := tab.len(); n != 10 {
 		t.Fatalf("tracked %d keys, want 10", n)
 	}
 	// At t2 all ten are full again: making room drops them, evicts none.
 	cs := []charge{newTestCharge(tab, l, "new", t2)}
-	takeAll(cs)
+	takeAll(cs, nil, nil)
 	if n := tab.evictions.Load(); n != 0 {
 		t.Fatalf("evicted %d buckets that were full", n)
 	}
@@ -101,11 +103,11 @@ func TestTableDropsFullBucketsFirst(t *testing.T) {
 
 func TestTableNeverGrowsPastMaxKeys(t *testing.T) {
 	const maxKeys = 64 * 64 * 2 // sharded
-	tab := newTable(maxKeys, t0)
+	tab := newBuckets(maxKeys, t0)
 	l := newLimit(1.0/3600, 10) // nothing refills during the test
 	for i := range 5 * maxKeys {
 		cs := []charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}), now: time.Duration(i)}}
-		takeAll(cs)
+		takeAll(cs, nil, nil)
 		if i%1000 == 0 {
 			if n := tab.len(); n > maxKeys {
 				t.Fatalf("after %d keys: tracking %d, more than %d", i, n, maxKeys)
@@ -121,7 +123,7 @@ func TestTableNeverGrowsPastMaxKeys(t *testing.T) {
 }
 
 func TestBucketKeyHash(t *testing.T) {
-	tab := newTable(10, t0)
+	tab := newBuckets(10, t0)
 	a := bucketKey{ip: netip.MustParsePrefix("2001:db8::/64")}
 	b := bucketKey{ip: netip.MustParsePrefix("2001:db8::/64")}
 	c := bucketKey{ip: netip.MustParsePrefix("2001:db8:0:1::/64")}
@@ -144,11 +146,11 @@ func TestMemoryPerKey(t *testing.T) {
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
-	tab := newTable(2*n, t0) // room for all: no evictions
+	tab := newBuckets(2*n, t0) // room for all: no evictions
 	l := newLimit(1, 10)
 	for i := range n {
 		k := bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
-		takeAll([]charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(k), now: 0}})
+		takeAll([]charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(k), now: 0}}, nil, nil)
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&after)
@@ -193,8 +195,8 @@ func TestEvictionSparesClientsThatKeepSending(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			l := newLimit(tc.rate, tc.burst)
 			cost := l.costTime(tc.cost)
-			tab := newTable(maxKeys, t0)
-			oracle := newTable(1<<20, t0) // never full: never evicts
+			tab := newBuckets(maxKeys, t0)
+			oracle := newBuckets(1<<20, t0) // never full: never evicts
 			hot := bucketKey{s: "hot"}
 			step := duration / flood
 			var got, want int
@@ -202,13 +204,13 @@ func TestEvictionSparesClientsThatKeepSending(t *testing.T) {
 			for i := range flood {
 				now := time.Duration(i) * step
 				k := bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
-				takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: now}})
+				takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: now}}, nil, nil)
 				if now >= nextPoll {
 					nextPoll += tc.pollEvery
-					if takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(hot), now: now}}) {
+					if takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(hot), now: now}}, nil, nil) {
 						got++
 					}
-					if takeAll([]charge{{l: l, cost: cost, t: oracle, h: oracle.hash(hot), now: now}}) {
+					if takeAll([]charge{{l: l, cost: cost, t: oracle, h: oracle.hash(hot), now: now}}, nil, nil) {
 						want++
 					}
 				}
@@ -221,5 +223,103 @@ func TestEvictionSparesClientsThatKeepSending(t *testing.T) {
 				t.Fatalf("hot key allowed %d, more than 10%% over the %d it is due", got, want)
 			}
 		})
+	}
+}
+
+const manyKeys = 1 << 20
+
+// ipKeys are a million distinct IPv4 keys, as the handler makes them.
+var ipKeys = sync.OnceValue(func() []bucketKey {
+	keys := make([]bucketKey, manyKeys)
+	for i := range keys {
+		keys[i] = bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
+	}
+	return keys
+})
+
+func BenchmarkDecision(b *testing.B) {
+	for _, keys := range []int{1, manyKeys} {
+		for _, parallel := range []bool{false, true} {
+			name := fmt.Sprintf("keys=%d/parallel=%v", keys, parallel)
+			b.Run("tokenbucket/"+name, func(b *testing.B) {
+				tab := newBuckets(2*manyKeys, time.Now())
+				l := newLimit(1e9, 1e9)
+				ks := ipKeys()[:keys]
+				for _, k := range ks { // steady state: keys already tracked
+					takeAll([]charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(k), now: 1}}, nil, nil)
+				}
+				cost := l.costTime(1) // per zone, once
+				decide := func(i int, now time.Time) {
+					k := ks[i]
+					cs := [1]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: tab.instant(now)}}
+					takeAll(cs[:], nil, nil)
+				}
+				runDecisions(b, parallel, keys, decide)
+			})
+		}
+	}
+}
+
+// runDecisions calls decide with a key index, random (cache-missing, as
+// real traffic) when there are many, and an instant a little later each
+// time. Both limiters take time as a parameter; reading the clock costs
+// the same for both and is measured apart, in BenchmarkClock.
+func runDecisions(b *testing.B, parallel bool, keys int, decide func(int, time.Time)) {
+	b.ReportAllocs()
+	next := func(r *rand.Rand) int {
+		if keys == 1 {
+			return 0
+		}
+		return r.IntN(keys)
+	}
+	start := time.Now()
+	if !parallel {
+		r := rand.New(rand.NewPCG(1, 2))
+		now := start
+		for b.Loop() {
+			now = now.Add(time.Microsecond)
+			decide(next(r), now)
+		}
+		return
+	}
+	var seed atomic.Uint64
+	b.ResetTimer() // after the setup
+	b.RunParallel(func(pb *testing.PB) {
+		r := rand.New(rand.NewPCG(seed.Add(1), 2))
+		now := start
+		for pb.Next() {
+			now = now.Add(time.Microsecond)
+			decide(next(r), now)
+		}
+	})
+}
+
+// BenchmarkClock is what reading the clock, once per request, costs here.
+func BenchmarkClock(b *testing.B) {
+	for b.Loop() {
+		_ = time.Now()
+	}
+}
+
+// BenchmarkEviction is a flood of one-off keys through a full zone: each
+// decision is a new key, so each evicts a bucket that has not refilled.
+func BenchmarkEviction(b *testing.B) {
+	const maxKeys = 100_000
+	tab := newBuckets(maxKeys, time.Now())
+	l := newLimit(1.0/60, 1)
+	cost := l.costTime(1)
+	keys := ipKeys()
+	for i := range maxKeys { // full, of buckets that refill in a minute
+		takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(keys[i]), now: 1}}, nil, nil)
+	}
+	b.ReportAllocs()
+	i := maxKeys
+	for b.Loop() {
+		k := keys[i%len(keys)]
+		takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: 1 + time.Duration(i)}}, nil, nil)
+		i++
+	}
+	if tab.evictions.Load() == 0 {
+		b.Fatal("nothing was evicted")
 	}
 }

@@ -195,7 +195,6 @@ type Zone struct {
 	// never sees one.
 	rateless   bool
 	slotPolicy string // the RateLimit-Policy item of the concurrency limit
-	slots      *slotTable
 	quota      *quota // nil: no calendar quota
 	// delays observes the waits of a zone with delay; nil without
 	// metrics.
@@ -286,10 +285,6 @@ func checkBan(d time.Duration) error {
 	return nil
 }
 
-// windowForm reports whether the zone is written as caddy-ratelimit
-// writes it, with window and max_events.
-func (z *Zone) windowForm() bool { return z.Window != 0 || z.MaxEvents != 0 }
-
 // hasRate reports whether the zone has a bucket: a rate, or window and
 // max_events.
 func (z *Zone) hasRate() bool { return z.Rate != "" || z.windowForm() }
@@ -300,70 +295,16 @@ var placeholderLimit = newLimit(1, 1)
 
 // parseLimit checks the zone's numbers and returns its bucket's shape.
 func (z *Zone) parseLimit() (limit, error) {
-	if z.Concurrency != 0 {
-		if err := checkConcurrency(z.Concurrency); err != nil {
-			return limit{}, err
+	if err := z.checkSlots(); err != nil {
+		return limit{}, err
+	}
+	if !z.hasRate() {
+		if l, done, err := z.ratelessLimit(); done || err != nil {
+			return l, err
 		}
 	}
-	if z.Lease != 0 {
-		if z.Concurrency == 0 {
-			return limit{}, errors.New("lease needs concurrency: it is how long a slot is held")
-		}
-		if err := checkLease(time.Duration(z.Lease)); err != nil {
-			return limit{}, err
-		}
-	}
-	if z.Rate == "" && !z.windowForm() {
-		switch {
-		case z.Quota != 0:
-			if z.Burst != 0 {
-				return limit{}, errors.New("burst needs a rate")
-			}
-			if z.Count != nil {
-				if err := checkCount(z.Count); err != nil {
-					return limit{}, err
-				}
-			}
-			if err := z.checkPrefixes(); err != nil {
-				return limit{}, err
-			}
-			return placeholderLimit, nil
-		case z.Ban != 0:
-			return limit{}, errors.New("ban needs a rate: it empties the zone's bucket")
-		case z.Delay != 0:
-			return limit{}, errors.New("delay needs a rate: requests wait for the zone's tokens")
-		case z.Count != nil:
-			return limit{}, errors.New("count needs a rate: it gives tokens back")
-		case (z.Burst != 0 || z.burstVar.template != "") && z.Concurrency != 0:
-			return limit{}, errors.New("burst needs a rate")
-		case (z.Cost != 0 && z.Cost != 1 || z.costVar.template != "") && z.Concurrency != 0:
-			return limit{}, errors.New("cost needs a rate: a request in flight takes one slot")
-		case z.Concurrency != 0:
-			if err := z.checkPrefixes(); err != nil {
-				return limit{}, err
-			}
-			return placeholderLimit, nil
-		}
-	}
-	if z.Ban != 0 {
-		if err := checkBan(time.Duration(z.Ban)); err != nil {
-			return limit{}, err
-		}
-	}
-	if z.Delay != 0 {
-		if err := checkDelay(time.Duration(z.Delay)); err != nil {
-			return limit{}, err
-		}
-		if z.Ban != 0 {
-			// Both would read a bucket that owes more than a whole
-			// bucket: as a ban, or as requests waiting for their tokens.
-			return limit{}, errors.New("ban and delay exclude each other: a zone either refuses an excess for a while (ban) or lets it wait (delay)")
-		}
-	}
-	if z.Count != nil {
-		if err := checkCount(z.Count); err != nil {
-			return limit{}, err
-		}
+	if err := z.checkRateOptions(); err != nil {
+		return limit{}, err
 	}
 	if z.perRequest() {
 		// The limit is known per request (plans.go): its bucket table
@@ -384,11 +325,7 @@ func (z *Zone) parseLimit() (limit, error) {
 	if err != nil {
 		return limit{}, err
 	}
-	cost := z.Cost
-	if cost == 0 {
-		cost = 1
-	}
-	l, err := checkLimit(z.rateString(), perSec, burst, cost)
+	l, err := checkLimit(z.rateString(), perSec, burst, cmp.Or(z.Cost, 1))
 	if err == nil {
 		err = z.checkPrefixes()
 	}
@@ -398,6 +335,78 @@ func (z *Zone) parseLimit() (limit, error) {
 	l.ban = time.Duration(z.Ban)
 	l.delay = time.Duration(z.Delay)
 	return l, nil
+}
+
+// checkSlots checks concurrency and lease.
+func (z *Zone) checkSlots() error {
+	if z.Concurrency != 0 {
+		if err := checkConcurrency(z.Concurrency); err != nil {
+			return err
+		}
+	}
+	if z.Lease != 0 {
+		if z.Concurrency == 0 {
+			return errors.New("lease needs concurrency: it is how long a slot is held")
+		}
+		return checkLease(time.Duration(z.Lease))
+	}
+	return nil
+}
+
+// ratelessLimit checks a zone without a rate, which limits requests in
+// flight or per calendar window. It reports done when such a zone is
+// complete; a zone that is neither is checked as one with a rate, which
+// says what it lacks.
+func (z *Zone) ratelessLimit() (l limit, done bool, err error) {
+	switch {
+	case z.Quota != 0:
+		if z.Burst != 0 {
+			return limit{}, true, errors.New("burst needs a rate")
+		}
+		if z.Count != nil {
+			if err := checkCount(z.Count); err != nil {
+				return limit{}, true, err
+			}
+		}
+		return placeholderLimit, true, z.checkPrefixes()
+	case z.Ban != 0:
+		return limit{}, true, errors.New("ban needs a rate: it empties the zone's bucket")
+	case z.Delay != 0:
+		return limit{}, true, errors.New("delay needs a rate: requests wait for the zone's tokens")
+	case z.Count != nil:
+		return limit{}, true, errors.New("count needs a rate: it gives tokens back")
+	case (z.Burst != 0 || z.burstVar.template != "") && z.Concurrency != 0:
+		return limit{}, true, errors.New("burst needs a rate")
+	case (z.Cost != 0 && z.Cost != 1 || z.costVar.template != "") && z.Concurrency != 0:
+		return limit{}, true, errors.New("cost needs a rate: a request in flight takes one slot")
+	case z.Concurrency != 0:
+		return placeholderLimit, true, z.checkPrefixes()
+	}
+	return limit{}, false, nil
+}
+
+// checkRateOptions checks what a zone with a rate may add to it: ban,
+// delay and count.
+func (z *Zone) checkRateOptions() error {
+	if z.Ban != 0 {
+		if err := checkBan(time.Duration(z.Ban)); err != nil {
+			return err
+		}
+	}
+	if z.Delay != 0 {
+		if err := checkDelay(time.Duration(z.Delay)); err != nil {
+			return err
+		}
+		if z.Ban != 0 {
+			// Both would read a bucket that owes more than a whole
+			// bucket: as a ban, or as requests waiting for their tokens.
+			return errors.New("ban and delay exclude each other: a zone either refuses an excess for a while (ban) or lets it wait (delay)")
+		}
+	}
+	if z.Count != nil {
+		return checkCount(z.Count)
+	}
+	return nil
 }
 
 // rateLimit reads rate and burst: tokens per second and capacity.
@@ -417,29 +426,6 @@ func (z *Zone) rateLimit() (perSec float64, burst int64, err error) {
 		burst = int64(math.Ceil(n))
 	}
 	return perSec, burst, nil
-}
-
-// windowLimit reads window and max_events as rate and burst.
-func (z *Zone) windowLimit() (perSec float64, burst int64, err error) {
-	switch {
-	case z.Rate != "" || z.Burst != 0:
-		return 0, 0, errors.New("use either rate and burst or window and max_events, not both")
-	case z.Window <= 0:
-		return 0, 0, fmt.Errorf("invalid window %s: must be a positive duration such as 1m", time.Duration(z.Window))
-	case z.MaxEvents == 0:
-		// caddy-ratelimit reads a missing max_events as 0 and refuses every
-		// request of the zone: a limit nobody meant, or a block better said
-		// with `error 429`.
-		return 0, 0, errors.New("max_events is required with window, and at least 1 (a zone of 0 events would refuse every request: to do that, use the error directive)")
-	}
-	if err := cmp.Or(checkMin("max_events", z.MaxEvents, 1), checkBurst(z.MaxEvents)); err != nil {
-		return 0, 0, err
-	}
-	perSec = float64(z.MaxEvents) / time.Duration(z.Window).Seconds()
-	if perSec > maxRate {
-		return 0, 0, fmt.Errorf("%d events per %s is more than %.0fr/s", z.MaxEvents, time.Duration(z.Window), maxRate)
-	}
-	return perSec, z.MaxEvents, nil
 }
 
 // rateString is the zone's rate as configured, for messages.
@@ -533,6 +519,43 @@ func isNumberWithUnit(s string) bool {
 
 // provision computes the zone's runtime state. The zone must be valid.
 func (z *Zone) provision(ctx caddy.Context) error {
+	z.setDefaults()
+	var err error
+	if z.limit, err = z.parseLimit(); err != nil {
+		return err
+	}
+	z.rateless = !z.hasRate()
+	if z.Burst == 0 && !z.windowForm() && !z.rateless {
+		z.Burst = z.limit.burst
+	}
+	if z.quota, err = z.quotaLimit(); err != nil {
+		return err
+	}
+	z.costTime = z.limit.costTime(z.Cost)
+	z.keyKind, z.keyHeader = keyKindOf(z.Key)
+	if z.MatcherSetsRaw != nil {
+		v, err := ctx.LoadModule(z, "MatcherSetsRaw")
+		if err != nil {
+			return fmt.Errorf("loading matchers: %w", err)
+		}
+		if err := z.matcherSets.FromInterface(v); err != nil {
+			return fmt.Errorf("loading matchers: %w", err)
+		}
+	}
+	z.buildResponses()
+	if z.perRequest() {
+		if hasPlaceholders(z.Rate) {
+			z.rateVar = newValueVar(z.Rate)
+		}
+		z.plans = newPlans(ctx.Logger())
+	} else {
+		z.plan = newPlan(z.limit, z.Cost)
+	}
+	return nil
+}
+
+// setDefaults fills in the fields that are not set.
+func (z *Zone) setDefaults() {
 	// caddy-ratelimit's zones: no key is one bucket for all, an empty
 	// key is a shared bucket, and addresses are not grouped unless said.
 	z.emptyShared = z.windowForm()
@@ -551,71 +574,48 @@ func (z *Zone) provision(ctx caddy.Context) error {
 			z.IPv6Prefix = 128
 		}
 	}
-	var err error
-	if z.limit, err = z.parseLimit(); err != nil {
-		return err
-	}
-	z.rateless = !z.hasRate()
-	if z.Burst == 0 && !z.windowForm() && !z.rateless {
-		z.Burst = z.limit.burst
-	}
 	if z.Concurrency != 0 && z.Lease == 0 {
 		z.Lease = caddy.Duration(defaultLease)
 	}
-	if z.quota, err = z.quotaLimit(); err != nil {
-		return err
-	}
-	z.costTime = z.limit.costTime(z.Cost)
+}
 
+// keyKindOf is what a key template needs to be expanded, and for a
+// request header alone, its canonical field.
+func keyKindOf(key string) (keyKind, string) {
 	switch {
-	case z.Key == defaultKey:
-		z.keyKind = keyClientIP
-	case z.Key == "{http.request.remote.host}":
-		z.keyKind = keyRemoteHost
-	case !strings.Contains(z.Key, "{"):
-		z.keyKind = keyStatic
-	default:
-		if f, ok := strings.CutPrefix(z.Key, "{http.request.header."); ok && strings.IndexAny(f, `{}\`) == len(f)-1 && len(f) > 1 {
-			z.keyKind, z.keyHeader = keyHeader, textproto.CanonicalMIMEHeaderKey(f[:len(f)-1])
-		}
+	case key == defaultKey:
+		return keyClientIP, ""
+	case key == "{http.request.remote.host}":
+		return keyRemoteHost, ""
+	case !strings.Contains(key, "{"):
+		return keyStatic, ""
 	}
-
-	if z.MatcherSetsRaw != nil {
-		v, err := ctx.LoadModule(z, "MatcherSetsRaw")
-		if err != nil {
-			return fmt.Errorf("loading matchers: %w", err)
-		}
-		if err := z.matcherSets.FromInterface(v); err != nil {
-			return fmt.Errorf("loading matchers: %w", err)
-		}
+	if f, ok := strings.CutPrefix(key, "{http.request.header."); ok && strings.IndexAny(f, `{}\`) == len(f)-1 && len(f) > 1 {
+		return keyHeader, textproto.CanonicalMIMEHeaderKey(f[:len(f)-1])
 	}
+	return keyTemplate, ""
+}
 
-	// Built once, directly rather than with caddyhttp.Error, which records
-	// a stack trace and a random ID: work a flood of denials need not do.
+// buildResponses builds, once, what the zone's responses say: the
+// errors, the placeholders' names and the header items. The errors are
+// made directly rather than with caddyhttp.Error, which records a stack
+// trace and a random ID: work a flood of denials need not do.
+func (z *Zone) buildResponses() {
 	z.denial = caddyhttp.HandlerError{
 		StatusCode: http.StatusTooManyRequests,
 		Err:        fmt.Errorf("rate limit exceeded in zone %s", z.Name),
+	}
+	z.badLimit = caddyhttp.HandlerError{
+		StatusCode: http.StatusInternalServerError,
+		Err:        fmt.Errorf("rate limit: no valid limit for the request in zone %s", z.Name),
 	}
 	z.boxedName = z.Name
 	z.wouldDenyVar = "http.rate_limit." + z.Name + ".would_deny"
 	z.quotedName = sfString(z.Name)
 	z.policy = fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, z.limit.burst, ceilSeconds(z.limit.burstTime))
-	if z.perRequest() {
-		if hasPlaceholders(z.Rate) {
-			z.rateVar = newValueVar(z.Rate)
-		}
-		z.plans = newPlans(ctx.Logger())
-		z.badLimit = caddyhttp.HandlerError{
-			StatusCode: http.StatusInternalServerError,
-			Err:        fmt.Errorf("rate limit: no valid limit for the request in zone %s", z.Name),
-		}
-	} else {
-		z.plan = z.newPlan(z.limit, z.Cost)
-	}
 	if z.Concurrency != 0 {
 		z.slotPolicy = fmt.Sprintf("%s;q=%d", z.quotedName, z.Concurrency)
 	}
-	return nil
 }
 
 // sfString writes a zone name as an RFC 9651 sf-string, which holds only
@@ -741,4 +741,16 @@ func peer(r *http.Request) string {
 		return "@"
 	}
 	return host
+}
+
+// spec is what a store knows of the zone.
+func (z *Zone) spec() zoneSpec {
+	s := zoneSpec{name: z.Name, bucket: !z.rateless, slots: z.Concurrency != 0, refunds: z.Count != nil}
+	if z.plan != nil {
+		s.shape = z.limit
+	}
+	if z.quota != nil {
+		s.quota = z.quotaID()
+	}
+	return s
 }

@@ -6,9 +6,11 @@ package ratelimit
 import (
 	"encoding/json"
 	"fmt"
+	"io"
 	"math"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"testing"
 
@@ -226,6 +228,58 @@ func TestHeaderKeyAsReplacer(t *testing.T) {
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"hk2","key":%q,"rate":"10r/s"}]}`, tmpl))
 		if k := h.Zones[0].keyKind; k != keyTemplate {
 			t.Errorf("%s: key kind %d, want keyTemplate", tmpl, k)
+		}
+	}
+}
+
+// TestOddZoneNames loads the names caddy-ratelimit accepts and this
+// plugin once refused, and finds them in the headers, the admin API and
+// the metrics.
+func TestOddZoneNames(t *testing.T) {
+	loadJSON(t, jsonServer(`{
+	"handler": "rate_limit",
+	"rate_limits": {
+		"api:v1": {"key": "static", "window": "1m", "max_events": 2},
+		"api/v1": {"key": "static", "window": "1m", "max_events": 2},
+		"api@host": {"key": "static", "window": "1m", "max_events": 2},
+		"a \"b\" é%": {"key": "static", "window": "1m", "max_events": 1}
+	}
+},
+{"handler": "static_response", "body": "ok"}`))
+
+	h := sendExpect(t, loopback(2), "GET", "/", 200)
+	wantPolicy := `"a \"b\" %C3%A9%25";q=1;w=60, "api/v1";q=2;w=60, "api:v1";q=2;w=60, "api@host";q=2;w=60`
+	if got := h.Get("RateLimit-Policy"); got != wantPolicy {
+		t.Errorf("RateLimit-Policy %s, want %s", got, wantPolicy)
+	}
+	h = sendExpect(t, loopback(2), "GET", "/", 429)
+	if got, want := h.Get("RateLimit"), `"a \"b\" %C3%A9%25";r=0;t=60, "api/v1";r=1;t=30, "api:v1";r=1;t=30, "api@host";r=1;t=30`; got != want {
+		t.Errorf("RateLimit %s, want %s", got, want)
+	}
+
+	for _, name := range []string{"api:v1", "api/v1", "api@host", `a "b" é%`} {
+		resp, err := http.Get("http://localhost:2999/rate_limit/" + url.PathEscape(name))
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != 200 || !strings.Contains(string(body), fmt.Sprintf(`"name":%q`, name)) {
+			t.Errorf("admin API for zone %s: %d %s", name, resp.StatusCode, body)
+		}
+	}
+	resp, err := http.Get("http://localhost:2999/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, series := range []string{
+		`caddy_rate_limit_requests_total{result="denied",zone="a \"b\" é%"} 1`,
+		`caddy_rate_limit_requests_total{result="allowed",zone="api/v1"} 1`,
+	} {
+		if !strings.Contains(string(body), series) {
+			t.Errorf("metrics lack %s", series)
 		}
 	}
 }

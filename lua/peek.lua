@@ -3,7 +3,7 @@
 -- API. KEYS and ARGV are as the decision script's (ARGV[1] is 'peek'),
 -- and so is the reply's layout:
 --
---   {1, repaired, debt_1, 0, ..., used_1, left_1, ..., 0, free_1, ...}
+--   {1, repaired, debt_1, 0, ..., used_1, left_1, ..., 0, free_1, ..., clock}
 --
 -- where debt_i is what bucket i owes, at most full + ban + delay, used_j
 -- counter j's count in the window that holds Redis's clock (0 when it
@@ -75,4 +75,5 @@ for j = 1, ns do
 	reply[1 + 2 * (nb + nc + j)], reply[2 + 2 * (nb + nc + j)] = 0, math.max(ARGV[sargs + 3 * j - 1] - used, 0)
 end
 
+reply[3 + 2 * (nb + nc + ns)] = clock
 return reply

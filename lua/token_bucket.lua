@@ -31,7 +31,8 @@
 --   {allowed, repaired,
 --    debt_1, ban_1, ..., debt_nb, ban_nb,
 --    used_1, left_1, ..., used_nc, left_nc,
---    held_1, free_1, ..., held_ns, free_ns}
+--    held_1, free_1, ..., held_ns, free_ns,
+--    clock}
 --
 --   allowed   1 if the take was allowed, else 0 (adjust: 1); k takes:
 --             how many were allowed
@@ -42,6 +43,7 @@
 --   left_j    how long until that window ends
 --   held_j    1 if the request holds a slot of set j, else 0
 --   free_j    how many slots of set j are free, after the call
+--   clock     the clock the call was decided by (µs since 1970)
 --
 -- BUCKETS. A bucket is the field `field` of its hash, KEYS[i]; its value
 -- is the instant it is full again, in whole nanoseconds since 2025-01-01,
@@ -395,4 +397,5 @@ end
 if m then
 	reply[1] = m
 end
+reply[3 + 2 * (nb + nc + ns)] = clock
 return reply

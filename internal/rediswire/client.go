@@ -14,6 +14,7 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -35,6 +36,13 @@ type Client struct {
 	outageLogs throttle.Throttle
 	outageSaid atomic.Bool  // its start was logged, its end not yet
 	rtt        atomic.Int64 // a moving average of the calls' round trips, in nanoseconds
+
+	// The least lag seen lately between Redis's clock and this process's
+	// receipt of a reply decided by it: what links the two clocks (see
+	// DecidedAt).
+	lagMu    sync.Mutex
+	lag      time.Duration
+	lagSince time.Time
 }
 
 // NewClient makes a client that runs scripts. go-redis panics on some
@@ -60,11 +68,42 @@ func (c *Client) Destruct() error { return c.Close() }
 // call's deadline; call goes back to its pool.
 func (c *Client) Run(ctx context.Context, call *Call) (Reply, error) {
 	op, nb, nc, ns := call.op, call.nb, call.nc, call.ns
-	v, err := c.pipe.run(ctx, call)
+	v, at, err := c.pipe.run(ctx, call)
 	if err != nil || op == Release {
 		return Reply{}, err
 	}
-	return reply(v, nb, nc, ns)
+	r, err := reply(v, nb, nc, ns)
+	r.at = at
+	return r, err
+}
+
+// lagFor is how long the least lag between Redis's clock and a reply's
+// receipt is trusted before a new one replaces it: clocks drift, and may
+// be stepped.
+const lagFor = time.Second
+
+// DecidedAt is the instant, on this process's clock, at which Redis
+// decided a call that was sent at sent, replied r: within [sent, the
+// reply's arrival], and on that time line where Redis's clock puts it.
+// The two clocks are linked by the reply that came back soonest after its
+// decision lately (which came back no sooner than it was decided, so the
+// instant is never earlier than the decision), so that a reservation
+// counts from when Redis made it, not from when a busy process read its
+// reply.
+func (c *Client) DecidedAt(r Reply, sent time.Time) time.Time {
+	recv := r.At()
+	lag := recv.Sub(r.Clock())
+	c.lagMu.Lock()
+	if lag < c.lag || recv.Sub(c.lagSince) > lagFor {
+		c.lag, c.lagSince = lag, recv
+	}
+	least := c.lag
+	c.lagMu.Unlock()
+	at := recv.Add(least - lag)
+	if at.Before(sent) {
+		at = sent
+	}
+	return at
 }
 
 // NoteRTT adds a call's round trip to the moving average.

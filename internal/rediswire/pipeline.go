@@ -6,6 +6,7 @@ package rediswire
 import (
 	"context"
 	"sync"
+	"time"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -54,10 +55,10 @@ const minBatch = 8
 // run watches that ctx. A request whose client has gone is not sent;
 // otherwise its client going does not cut a call short: its tokens may be
 // taken already, and it ends by its deadline either way.
-func (p *pipeline) run(ctx context.Context, c *Call) ([]any, error) {
+func (p *pipeline) run(ctx context.Context, c *Call) ([]any, time.Time, error) {
 	if err := ctx.Err(); err != nil {
 		c.free()
-		return nil, err
+		return nil, time.Time{}, err
 	}
 	c.seal()
 	p.mu.Lock()
@@ -66,10 +67,11 @@ func (p *pipeline) run(ctx context.Context, c *Call) ([]any, error) {
 		p.mu.Unlock()
 		ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), c.deadline)
 		reply, err := p.scripts.of(c.op).Run(ctx, p.client, c.keys, c.args...).Slice()
+		at := time.Now()
 		cancel()
 		c.free()
 		p.landed()
-		return reply, err
+		return reply, at, err
 	}
 	if len(p.queue) == 0 || !c.twin(p.queue[len(p.queue)-1]) {
 		p.calls++
@@ -88,14 +90,14 @@ func (p *pipeline) run(ctx context.Context, c *Call) ([]any, error) {
 		select {
 		case <-c.done:
 		case <-ctx.Done():
-			return nil, ctx.Err() // c is the batch's until it lands: not freed
+			return nil, time.Time{}, ctx.Err() // c is the batch's until it lands: not freed
 		}
 	} else {
 		<-c.done
 	}
-	reply, err := c.reply, c.err
+	reply, at, err := c.reply, c.at, c.err
 	c.free()
-	return reply, err
+	return reply, at, err
 }
 
 // landed ends a flight: the calls queued meanwhile go out as the next
@@ -152,12 +154,13 @@ next:
 		calls = append(calls, c)
 	}
 	cmds := p.send1(ctx, calls)
+	at := time.Now()
 	// Once done, a call is its caller's again: nothing here touches it
 	// after.
 	for i, c := range calls {
 		reply, err := cmds[i].Slice()
 		if len(c.twins) == 0 {
-			c.reply, c.err = reply, err
+			c.reply, c.at, c.err = reply, at, err
 			c.done <- struct{}{}
 			continue
 		}
@@ -167,7 +170,7 @@ next:
 			replies, err = splitTwins(reply, c.costs, len(all))
 		}
 		for j, t := range all {
-			if t.err = err; err == nil {
+			if t.err, t.at = err, at; err == nil {
 				t.reply = replies[j]
 			}
 			t.done <- struct{}{}

@@ -98,13 +98,15 @@ func NewWindow(b0, b1, b2, b3 time.Time) *Window {
 // A SlotShape is a zone's slots as the script reads them.
 type SlotShape struct {
 	Limit int64
+	Lease time.Duration
+	Soft  bool
 	args  [3]any // limit, lease, soft
 }
 
 // NewSlotShape is a set of limit slots whose leases last lease; a soft
 // set that is full does not refuse a request.
 func NewSlotShape(limit int64, lease time.Duration, soft bool) *SlotShape {
-	s := &SlotShape{Limit: limit, args: [3]any{strconv.FormatInt(limit, 10), ns(lease), "0"}}
+	s := &SlotShape{Limit: limit, Lease: lease, Soft: soft, args: [3]any{strconv.FormatInt(limit, 10), ns(lease), "0"}}
 	if soft {
 		s.args[2] = "1"
 	}
@@ -132,6 +134,7 @@ type Call struct {
 	// reply.
 	twins []*Call
 	reply []any
+	at    time.Time // when the reply came in
 	err   error
 	done  chan struct{} // one value, when reply and err are in
 }
@@ -277,12 +280,13 @@ func (c *Call) argsAll() []any {
 type Reply struct {
 	v          []any
 	nb, nc, ns int
+	at         time.Time
 }
 
 // reply checks v, the answer to a call with nb buckets, nc counters and
 // ns slot sets.
 func reply(v []any, nb, nc, ns int) (Reply, error) {
-	if len(v) != 2+2*(nb+nc+ns) {
+	if len(v) != 3+2*(nb+nc+ns) {
 		return Reply{}, fmt.Errorf("%w: %d values for %d buckets, %d counters and %d slot sets", ErrBadReply, len(v), nb, nc, ns)
 	}
 	for _, x := range v {
@@ -290,35 +294,41 @@ func reply(v []any, nb, nc, ns int) (Reply, error) {
 			return Reply{}, fmt.Errorf("%w: %v", ErrBadReply, x)
 		}
 	}
-	return Reply{v, nb, nc, ns}, nil
+	return Reply{v: v, nb: nb, nc: nc, ns: ns}, nil
 }
 
-func (r Reply) at(i int) int64 { return r.v[i].(int64) }
+func (r Reply) int(i int) int64 { return r.v[i].(int64) }
+
+// At is the instant the reply came in: Redis decided before it.
+func (r Reply) At() time.Time { return r.at }
+
+// Clock is the instant, on Redis's clock, that the call was decided at.
+func (r Reply) Clock() time.Time { return time.UnixMicro(r.int(len(r.v) - 1)) }
 
 // Allowed reports whether the take was allowed.
-func (r Reply) Allowed() bool { return r.at(0) == 1 }
+func (r Reply) Allowed() bool { return r.int(0) == 1 }
 
 // Repaired is how many keys of another type the call found.
-func (r Reply) Repaired() int64 { return r.at(1) }
+func (r Reply) Repaired() int64 { return r.int(1) }
 
 // Bucket is what the i-th bucket owes after the call, and whether the
 // call started its ban.
 func (r Reply) Bucket(i int) (debt time.Duration, banStarted bool) {
-	return time.Duration(r.at(2 + 2*i)), r.at(3+2*i) == 1
+	return time.Duration(r.int(2 + 2*i)), r.int(3+2*i) == 1
 }
 
 // Counter is the j-th counter's count after the call, and how long until
 // its window ends.
 func (r Reply) Counter(j int) (used int64, left time.Duration) {
 	k := 2 + 2*(r.nb+j)
-	return r.at(k), time.Duration(r.at(k + 1))
+	return r.int(k), time.Duration(r.int(k + 1))
 }
 
 // Slot reports whether the request holds a slot of the j-th set, and how
 // many of its slots are free.
 func (r Reply) Slot(j int) (held bool, free int64) {
 	k := 2 + 2*(r.nb+r.nc+j)
-	return r.at(k) == 1, r.at(k + 1)
+	return r.int(k) == 1, r.int(k + 1)
 }
 
 // splitTwins turns the reply of k takes of nb buckets into the replies of
@@ -330,7 +340,7 @@ func splitTwins(v []any, costs []time.Duration, k int) ([][]any, error) {
 	if err != nil {
 		return nil, err
 	}
-	m := r.at(0)
+	m := r.int(0)
 	out := make([][]any, k)
 	for j := range out {
 		t := make([]any, len(v))
@@ -342,12 +352,13 @@ func splitTwins(v []any, costs []time.Duration, k int) ([][]any, error) {
 			t[1] = v[1]
 		}
 		for i, cost := range costs {
-			debt := r.at(2 + 2*i)
+			debt := r.int(2 + 2*i)
 			if int64(j) < m {
 				debt -= (m - 1 - int64(j)) * int64(cost)
 			}
 			t[2+2*i], t[3+2*i] = debt, int64(0)
 		}
+		t[len(t)-1] = v[len(v)-1] // the clock
 		out[j] = t
 	}
 	return out, nil

@@ -75,7 +75,7 @@ func TestRedisClusterSpread(t *testing.T) {
 		wg.Go(func() {
 			for i := next.Add(1) - 1; i < keys; i = next.Add(1) - 1 {
 				k := fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255)
-				if ok, err := rs.take(context.Background(), time.Now(), []request{{zone: z, key: z.keyFor(k)}}); err != nil || !ok {
+				if ok, err := rs.take(context.Background(), time.Now(), &demands{buckets: []bucketDemand{bucketReq(z, z.keyFor(k))}}); err != nil || !ok {
 					t.Errorf("key %s: %v, %v", k, ok, err)
 					return
 				}
@@ -196,7 +196,7 @@ func TestMastersThroughput(t *testing.T) {
 						if load == "distinct" {
 							k = keys[next.Add(1)%int64(len(keys))]
 						}
-						if _, err := rs.take(context.Background(), time.Now(), []request{{zone: z, key: k}}); err != nil {
+						if _, err := rs.take(context.Background(), time.Now(), &demands{buckets: []bucketDemand{bucketReq(z, k)}}); err != nil {
 							errs.Add(1)
 							firstErr.CompareAndSwap(nil, err.Error())
 						}

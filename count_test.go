@@ -5,7 +5,6 @@ package ratelimit
 
 import (
 	"context"
-	"encoding/base64"
 	"fmt"
 	"io"
 	"net/http"
@@ -16,93 +15,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
-
-// The defences against password guessing, through a real Caddy: bans,
-// and counting only the responses that say the guess was wrong.
-
-func init() {
-	caddy.RegisterModule(passCounter{})
-}
-
-// passCounter is a handler for tests that counts the requests reaching
-// it, so that a test knows what the handlers after it saw.
-type passCounter struct {
-	// The counter's name, for passed.
-	Name string `json:"name"`
-}
-
-var passes sync.Map // name → *atomic.Int64
-
-// passed is the number of requests that reached the passCounter
-// handlers named name.
-func passed(name string) *atomic.Int64 {
-	v, _ := passes.LoadOrStore(name, new(atomic.Int64))
-	return v.(*atomic.Int64)
-}
-
-func (passCounter) CaddyModule() caddy.ModuleInfo {
-	return caddy.ModuleInfo{
-		ID:  "http.handlers.rate_limit_test_pass_counter",
-		New: func() caddy.Module { return new(passCounter) },
-	}
-}
-
-func (p *passCounter) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
-	passed(p.Name).Add(1)
-	return next.ServeHTTP(w, r)
-}
-
-// aliceHash is the bcrypt hash (cost 4, cheap for tests) of alice's
-// password, "right-password".
-const aliceHash = "$2a$04$y2ldnWvya6B.N76lJ5bFie1sdWRJroZP5scTca.wUnCmgcMqWxyhS"
-
-// basicAuth is basic_auth's JSON: one account, alice.
-const basicAuth = `{"handler":"authentication","providers":{"http_basic":{
-	"hash":{"algorithm":"bcrypt"},
-	"accounts":[{"username":"alice","password":"` + aliceHash + `"}]}}}`
-
-// password is the Authorization header of alice with password pw.
-func password(pw string) string {
-	return "Basic " + base64.StdEncoding.EncodeToString([]byte("alice:"+pw))
-}
-
-// storeJSON is the handler's store config: local, or Redis on addrs.
-func storeJSON(addrs ...string) string {
-	if len(addrs) == 0 {
-		return `{"backend":"local"}`
-	}
-	quoted := make([]string, len(addrs))
-	for i, a := range addrs {
-		quoted[i] = strconv.Quote(a)
-	}
-	return `{"backend":"redis","addresses":[` + strings.Join(quoted, ",") + `]}`
-}
-
-// hit sends one request to the test site from client IP ip (the server
-// trusts loopback's X-Forwarded-For) with header name/value pairs, and
-// returns the status, the body and the Retry-After seconds (0 if none).
-func hit(t *testing.T, c *http.Client, path, ip string, header ...string) (int, string, int) {
-	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	req.Header.Set("X-Forwarded-For", ip)
-	for i := 0; i+1 < len(header); i += 2 {
-		req.Header.Set(header[i], header[i+1])
-	}
-	resp, err := c.Do(req)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(resp.Body)
-	retry, _ := strconv.Atoi(resp.Header.Get("Retry-After"))
-	return resp.StatusCode, string(body), retry
-}
 
 // 10,000 wrong passwords sent at once, 500 in flight, to basic_auth behind
 // `count { status 401 }` with a burst of 5 and a ban: basic_auth sees 5 of
@@ -182,118 +96,6 @@ func TestCountWrongPasswordFlood(t *testing.T) {
 			// Another client logs in.
 			if code, body, _ := hit(t, c, "/", "198.51.100.8", "Authorization", password("right-password")); code != 200 || body != "welcome" {
 				t.Fatalf("another client with the right password: %d %q", code, body)
-			}
-		})
-	}
-}
-
-// banZone is the JSON of a zone that bans for an hour: 5/h (a token every
-// 720s), burst 2. A denial's Retry-After is then 4320s: the ban and a
-// token.
-func banZone(name string) string {
-	return `{"name":"` + name + `","rate":"5/h","burst":2,"ban":"1h"}`
-}
-
-// A ban survives a config reload: the local store keeps a zone's buckets
-// across configs by its name, Redis keeps them anyway.
-func TestBanSurvivesReload(t *testing.T) {
-	r := startRedis(t)
-	for _, tc := range []struct{ name, store string }{
-		{"local", storeJSON()},
-		{"redis", storeJSON(r.Addr())},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			zone := "reload-ban-" + tc.name
-			config := func(zones, body string) string {
-				return jsonServer(`{"handler":"rate_limit","zones":[` + zones + `],"store":` + tc.store + `},
-					{"handler":"static_response","body":"` + body + `"}`)
-			}
-			loadJSON(t, config(banZone(zone), "one"))
-			c := &http.Client{Timeout: 10 * time.Second}
-			const ip = "198.51.100.20"
-			for i := range 2 {
-				if code, body, _ := hit(t, c, "/", ip); code != 200 || body != "one" {
-					t.Fatalf("request %d: %d %q", i, code, body)
-				}
-			}
-			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry != 4320 {
-				t.Fatalf("the denial that bans: %d, Retry-After %d; want 429, 4320", code, retry)
-			}
-
-			// A new config, with another zone before the one that banned.
-			loadJSON(t, config(`{"name":"`+zone+`-other","rate":"100r/m"},`+banZone(zone), "two"))
-			if code, body, _ := hit(t, c, "/", "198.51.100.21"); code != 200 || body != "two" {
-				t.Fatalf("another client after the reload: %d %q, want 200 from the new config", code, body)
-			}
-			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry < 4318 || retry > 4320 {
-				t.Fatalf("after the reload: %d, Retry-After %d; want 429 and the ban's time left", code, retry)
-			}
-		})
-	}
-}
-
-// A ban holds across instances that share a Redis: a key banned through
-// one is refused by the other, with the Retry-After of the ban's time
-// left, and the other's denials start no ban of their own. The instances
-// are a Caddy and a handler with a connection pool of its own (another
-// timeout) and an over-limit cache of its own.
-func TestBanAcrossInstances(t *testing.T) {
-	for _, tc := range []struct {
-		name  string
-		addrs func(t *testing.T) []string
-	}{
-		{"redis", func(t *testing.T) []string { return []string{startRedis(t).Addr()} }},
-		{"cluster", func(t *testing.T) []string {
-			var addrs []string
-			for _, n := range startCluster(t) {
-				addrs = append(addrs, n.Addr())
-			}
-			return addrs
-		}},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			addrs := tc.addrs(t)
-			zone := "shared-ban-" + tc.name
-			loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+banZone(zone)+`],"store":`+storeJSON(addrs...)+`},
-				{"handler":"static_response","body":"ok"}`))
-			other := newTestHandler(t, `{"zones":[`+banZone(zone)+`],"store":`+
-				strings.Replace(storeJSON(addrs...), "}", `,"timeout":"2s"}`, 1)+`}`)
-			bans := &other.Zones[0].state.bans // both instances' zone (one process)
-			c := &http.Client{Timeout: 10 * time.Second}
-
-			// Banned through Caddy, refused by the other instance.
-			const ip = "198.51.100.30"
-			hit(t, c, "/", ip)
-			hit(t, c, "/", ip)
-			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry != 4320 {
-				t.Fatalf("the denial that bans: %d, Retry-After %d; want 429, 4320", code, retry)
-			}
-			time.Sleep(2 * time.Second)
-			for i := range 3 {
-				code, hdr := serve(other, ip)
-				if retry, _ := strconv.Atoi(hdr.Get("Retry-After")); code != 429 || retry < 4317 || retry > 4318 {
-					t.Fatalf("other instance, request %d: %d, Retry-After %q; want 429 and 4318: the ban's time left", i, code, hdr.Get("Retry-After"))
-				}
-			}
-			if code, _, retry := hit(t, c, "/", ip); code != 429 || retry < 4317 || retry > 4318 {
-				t.Fatalf("Caddy after the other's denials: %d, Retry-After %d; want 429 and 4318: they did not lengthen the ban", code, retry)
-			}
-			if n := bans.Load(); n != 1 {
-				t.Fatalf("%d bans started, want 1", n)
-			}
-
-			// And the other way round.
-			const ip2 = "198.51.100.31"
-			for i, want := range []int{200, 200, 429} {
-				if code, _ := serve(other, ip2); code != want {
-					t.Fatalf("other instance, request %d: %d, want %d", i, code, want)
-				}
-			}
-			if code, _, retry := hit(t, c, "/", ip2); code != 429 || retry < 4319 || retry > 4320 {
-				t.Fatalf("Caddy, for a key the other banned: %d, Retry-After %d; want 429 and 4320", code, retry)
-			}
-			if n := bans.Load(); n != 2 {
-				t.Fatalf("%d bans started, want 2", n)
 			}
 		})
 	}

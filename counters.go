@@ -1,0 +1,102 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import "time"
+
+// A counter is a calendar quota's count of one key in one window. Once
+// its window has ended it carries nothing, as a full bucket.
+type counter struct {
+	endAt time.Duration // the instant its window ends
+	used  int64         // units counted in the window
+}
+
+func (c counter) spent(now time.Duration) bool { return c.endAt <= now }
+func (c counter) rank() int64                  { return c.used }
+
+// newCounters is a table of counters.
+func newCounters(maxKeys int64, now time.Time) *table[counter] {
+	return newTable[counter](maxKeys, now)
+}
+
+// countAt returns k's count at now and the instant its window ends (0, 0
+// when nothing is counted).
+func countAt(t *table[counter], k bucketKey, now time.Duration) (int64, time.Duration) {
+	c, ok := t.lookup(k)
+	if !ok || c.spent(now) {
+		return 0, 0
+	}
+	return c.used, c.endAt
+}
+
+// adjustCounter counts units more in k's counter, refusing nothing: in
+// the window it counts in while it runs, else in a new one that ends at
+// endAt. Negative units take off, only in the window that counted them.
+// now is the current table instant.
+func adjustCounter(t *table[counter], k bucketKey, units int64, endAt, now time.Duration) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	c, ok := s.m[h]
+	running := ok && !c.spent(now)
+	switch {
+	case units > 0 && running:
+		s.m[h] = counter{c.endAt, c.used + units}
+	case units > 0:
+		s.set(t, h, counter{endAt, units}, now)
+	case !running:
+	case c.used+units > 0:
+		s.m[h] = counter{c.endAt, c.used + units}
+	default:
+		delete(s.m, h)
+	}
+}
+
+// A count is one counter a request counts units in, located in its table.
+type count struct {
+	t     *table[counter]
+	h     uint64
+	now   time.Duration // t.instant of the request
+	endAt time.Duration // the instant the current window ends, should a new one start
+	limit int64
+	units int64
+	req   int // the demand this count answers
+
+	ok   bool
+	used int64 // the count after the decision
+}
+
+// try decides k against a counter c (tracked or not).
+func (k *count) try(c counter, tracked bool) {
+	used := int64(0)
+	if tracked && !c.spent(k.now) {
+		used, k.endAt = c.used, c.endAt
+	}
+	k.ok = used+k.units <= k.limit
+	if k.ok {
+		used += k.units
+	}
+	k.used = used
+}
+
+// commit writes what try counted, or, for a request refused elsewhere,
+// undoes it. Requires the shard's lock to be held.
+func (k *count) commit(s *shard[counter], allowed bool) {
+	switch {
+	case allowed:
+		s.set(k.t, k.h, counter{k.endAt, k.used}, k.now)
+	case k.ok:
+		k.used -= k.units
+	}
+}
+
+// left is how long until the counter's window ends, 0 while nothing is
+// counted.
+func (k *count) left() time.Duration {
+	if k.used == 0 {
+		return 0
+	}
+	return k.endAt - k.now
+}

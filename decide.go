@@ -1,0 +1,220 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"net/http"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// decide is a request's first stage: it asks the store for the demands of
+// every zone that applies to r, all or nothing, applies fail_mode when the
+// store fails, counts the outcome and sets the response headers. The
+// error says why a request that failed cannot go on.
+func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (outcome, error) {
+	now, out, err := h.gather(r, sc)
+	if out != outcomeAllow || sc.d.empty() {
+		return out, err
+	}
+	if h.anyDelay {
+		sc.waiter = h.enterWaiting(sc)
+	}
+	out, err = h.take(r.Context(), now, sc, &sc.d)
+	if out == outcomeDeny && h.anyDryRun {
+		out, err = h.shadow(r, now, sc)
+	}
+	sc.slotOut = slotRefusal(&sc.d)
+	if h.anyDelay {
+		h.noteDelay(sc, out)
+	}
+	h.count(r, sc, out)
+	if out != outcomeAllow && out != outcomeDeny {
+		return out, err
+	}
+	if h.anyDryRun {
+		h.noteDryRunPassed(r, sc)
+	}
+	sc.top = h.mostConstrained(sc)
+	h.writeHeaders(w.Header(), now, sc)
+	return out, nil
+}
+
+// gather adds the demands of every zone whose matchers match r, and
+// returns the instant of the decision. A matcher that fails, or a zone
+// without a valid limit for r, ends the request.
+func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, error) {
+	var now time.Time // read once, when needed
+	for i, z := range h.Zones {
+		if len(z.matcherSets) > 0 {
+			match, err := z.matcherSets.AnyMatchWithError(r)
+			if err != nil {
+				return now, outcomeFailed, err
+			}
+			if !match {
+				continue
+			}
+		}
+		k, ok := z.bucketKey(r)
+		if !ok {
+			continue
+		}
+		m := match{zone: i, bucket: -1, counter: -1, slot: -1}
+		if !z.rateless {
+			l, cost := z.limit, z.costTime
+			if z.plans != nil {
+				p := z.planFor(r)
+				if p == nil {
+					return now, outcomeBadLimit, z.badLimit
+				}
+				l, cost = p.limit, p.costTime
+			}
+			m.bucket = len(sc.d.buckets)
+			sc.d.buckets = append(sc.d.buckets, bucketDemand{zone: i, key: k, limit: l, cost: cost})
+		}
+		if z.quota != nil {
+			if now.IsZero() {
+				now = time.Now()
+			}
+			m.counter = len(sc.d.counters)
+			sc.d.counters = append(sc.d.counters, counterDemand{zone: i, key: k, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(now)})
+		}
+		if z.Concurrency != 0 {
+			m.slot = len(sc.d.slots)
+			sc.d.slots = append(sc.d.slots, slotDemand{zone: i, key: k, limit: z.Concurrency, lease: time.Duration(z.Lease), soft: z.inDryRun})
+		}
+		sc.matches = append(sc.matches, m)
+	}
+	if now.IsZero() && !sc.d.empty() {
+		now = time.Now()
+	}
+	return now, outcomeAllow, nil
+}
+
+// take asks the store to take d, and applies fail_mode when it fails. It
+// sets sc.by, the store that took d.
+func (h *Handler) take(ctx context.Context, now time.Time, sc *scratch, d *demands) (outcome, error) {
+	allowed, err := h.store.take(ctx, now, d)
+	if h.latency != nil {
+		h.latency.Observe(time.Since(now).Seconds())
+	}
+	if err == nil {
+		sc.by = h.store
+		return verdict(allowed), nil
+	}
+	for _, m := range sc.matches {
+		h.Zones[m.zone].state.storeErrors.Add(1)
+	}
+	if h.storeErrors != nil {
+		h.storeErrors.Inc()
+	}
+	f, ok := h.store.(fallible)
+	if !ok {
+		answerAll(d, false)
+		sc.by = nil
+		return outcomeFailed, caddyhttp.HandlerError{StatusCode: http.StatusInternalServerError, Err: err}
+	}
+	switch h.failMode {
+	case failLocal:
+		for i := range d.buckets {
+			d.buckets[i].floor = f.known(now, &d.buckets[i], err)
+		}
+		allowed, err := h.fallback.take(ctx, now, d)
+		for i := range d.buckets {
+			d.buckets[i].floor = 0
+		}
+		sc.by = h.fallback
+		return verdict(allowed), err
+	case failOpen:
+		answerAll(d, true)
+		sc.by = nil
+		return outcomeFailOpen, nil
+	default:
+		answerAll(d, false)
+		sc.by = nil
+		return outcomeFailClosed, caddyhttp.HandlerError{StatusCode: http.StatusServiceUnavailable, Err: err}
+	}
+}
+
+// answerAll answers every demand of d as ok says, as a failed store's
+// fail_mode decides: no bucket charged, no slot held.
+func answerAll(d *demands, ok bool) {
+	for i := range d.buckets {
+		d.buckets[i].ok, d.buckets[i].ban, d.buckets[i].debt = ok, false, 0
+	}
+	for i := range d.counters {
+		d.counters[i].ok, d.counters[i].used, d.counters[i].left = ok, 0, 0
+	}
+	for i := range d.slots {
+		d.slots[i].held, d.slots[i].free, d.slots[i].full = false, 0, false
+	}
+}
+
+// verdict is the outcome of a store's decision.
+func verdict(allowed bool) outcome {
+	if allowed {
+		return outcomeAllow
+	}
+	return outcomeDeny
+}
+
+// ok reports whether m's bucket and counter had what the request takes.
+func (m *match) ok(d *demands) bool {
+	return (m.bucket < 0 || d.buckets[m.bucket].ok) && (m.counter < 0 || d.counters[m.counter].ok)
+}
+
+// count adds a request's outcome to its zones' counters: once per zone,
+// whatever its demands. A request that the store failed on is counted as
+// a store error (by take), and as what fail_mode decided when that was a
+// decision: allowed by open, allowed or refused by the local buckets;
+// closed refuses without deciding.
+func (h *Handler) count(r *http.Request, sc *scratch, out outcome) {
+	if out == outcomeFailClosed || out == outcomeFailed {
+		return
+	}
+	allowed := out == outcomeAllow || out == outcomeFailOpen
+	for i := range sc.matches {
+		m := &sc.matches[i]
+		z := h.Zones[m.zone]
+		st := z.state
+		if m.bucket >= 0 && sc.d.buckets[m.bucket].ban {
+			st.bans.Add(1)
+		}
+		ok := m.ok(&sc.d)
+		if !ok && sc.d.remembered {
+			st.cacheHits.Add(1)
+		}
+		full, soft := false, false
+		if m.slot >= 0 {
+			q := &sc.d.slots[m.slot]
+			full, soft = q.full, q.soft
+		}
+		switch {
+		case m.wouldDeny || full && soft:
+			if full && soft {
+				h.noteDryRunSlot(r, z)
+			}
+			st.dryRunDenied.Add(1)
+			st.top.add(h.keyOf(sc, m))
+		case !ok || full:
+			st.denied.Add(1)
+			st.top.add(h.keyOf(sc, m))
+		case allowed:
+			st.allowed.Add(1)
+		}
+	}
+}
+
+// keyOf is the key of m's zone for the request.
+func (h *Handler) keyOf(sc *scratch, m *match) bucketKey {
+	switch {
+	case m.bucket >= 0:
+		return sc.d.buckets[m.bucket].key
+	case m.counter >= 0:
+		return sc.d.counters[m.counter].key
+	}
+	return sc.d.slots[m.slot].key
+}

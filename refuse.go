@@ -1,0 +1,135 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"math/rand/v2"
+	"net/http"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+)
+
+// refuse answers a request that does not go on: 429 when a zone refused
+// it, 503 when the store failed and fail_mode is closed, 500 when it
+// cannot be decided, and nothing for a client that left while it waited.
+// It returns the error for Caddy's error routes, or nil when it wrote the
+// response itself.
+func (h *Handler) refuse(w http.ResponseWriter, r *http.Request, sc *scratch, out outcome, err error) error {
+	switch out {
+	case outcomeDeny:
+		if sc.slotOut >= 0 {
+			return h.denySlot(w, r, &sc.d.slots[sc.slotOut])
+		}
+		return h.deny(w, r, sc)
+	case outcomeFailClosed:
+		w.Header()["Retry-After"] = []string{"1"}
+		if h.writeRefusals {
+			w.WriteHeader(http.StatusServiceUnavailable)
+			return nil
+		}
+	case outcomeBadLimit:
+		// The zone logged the values once: Caddy would log every one.
+		if h.writeRefusals {
+			w.WriteHeader(http.StatusInternalServerError)
+			return nil
+		}
+	case outcomeGone:
+		// Nobody reads the answer: 499 for the access log, as
+		// reverse_proxy records a client that left.
+		w.WriteHeader(499)
+		return nil
+	}
+	return err
+}
+
+// deny answers a request that a zone refused; sc.top is the most
+// constrained of its zones. It returns the 429 error, or nil when it
+// wrote the 429 itself.
+func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) error {
+	top := sc.top
+	z := h.Zones[top.zone]
+	wait := top.wait
+	if h.Jitter > 0 {
+		// A client need never wait longer than a full refill beyond its
+		// due: that also bounds a large jitter far from overflow.
+		extra := float64(wait) * h.Jitter * rand.Float64()
+		wait += time.Duration(min(extra, float64(top.full)))
+	}
+	retryAfter := setRetryAfter(w.Header(), wait)
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Set("http.rate_limit.exceeded.name", z.boxedName)
+		repl.Set("http.rate_limit.exceeded.retry_after", retryAfter)
+	}
+	if c := h.logger.Check(zapcore.DebugLevel, "rate limit exceeded"); c != nil {
+		c.Write(h.logFields(r, z, top.wait, top.key)...)
+	}
+	if h.events != nil && h.events.ShouldEmit(exceededEvent) {
+		ban := false
+		for i := range sc.d.buckets {
+			ban = ban || sc.d.buckets[i].ban
+		}
+		h.emitExceeded(r, z, wait, ban)
+	}
+	if h.writeRefusals {
+		w.WriteHeader(http.StatusTooManyRequests)
+		return nil
+	}
+	return z.denial
+}
+
+// denySlot answers a request that a zone with concurrency refused: no
+// slot was free. Retry-After is 1: a slot may be free at any moment.
+func (h *Handler) denySlot(w http.ResponseWriter, r *http.Request, q *slotDemand) error {
+	z := h.Zones[q.zone]
+	retryAfter := setRetryAfter(w.Header(), time.Second)
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Set("http.rate_limit.exceeded.name", z.boxedName)
+		repl.Set("http.rate_limit.exceeded.retry_after", retryAfter)
+	}
+	if c := h.logger.Check(zapcore.DebugLevel, "rate limit exceeded: no slot free"); c != nil {
+		fields := []zap.Field{zap.String("zone", z.Name), zap.Int64("concurrency", z.Concurrency), zap.String("remote_ip", clientIP(r))}
+		if h.LogKey {
+			fields = append(fields, zap.String("key", q.key.String()))
+		}
+		c.Write(fields...)
+	}
+	if h.events != nil && h.events.ShouldEmit(exceededEvent) {
+		h.emitExceeded(r, z, time.Second, false)
+	}
+	if h.writeRefusals {
+		w.WriteHeader(http.StatusTooManyRequests)
+		return nil
+	}
+	return z.denial
+}
+
+// exceededEvent is the Caddy event emitted when a request is denied, as
+// github.com/mholt/caddy-ratelimit emits it.
+const exceededEvent = "rate_limit_exceeded"
+
+func (h *Handler) emitExceeded(r *http.Request, z *Zone, wait time.Duration, ban bool) {
+	h.events.Emit(h.ctx, exceededEvent, map[string]any{
+		"zone":      z.Name,
+		"wait":      wait,
+		"remote_ip": clientIP(r),
+		"ban":       ban,
+	})
+}
+
+// logFields describe a refusal: zone, wait and client, and the key only
+// with log_key (keys can be personal data).
+func (h *Handler) logFields(r *http.Request, z *Zone, wait time.Duration, key bucketKey) []zap.Field {
+	fields := []zap.Field{
+		zap.String("zone", z.Name),
+		zap.Duration("wait", wait),
+		zap.String("remote_ip", clientIP(r)),
+	}
+	if h.LogKey {
+		fields = append(fields, zap.String("key", key.String()))
+	}
+	return fields
+}
