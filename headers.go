@@ -57,32 +57,31 @@ func (h *Handler) counterStanding(m *match, c *counterDemand) standing {
 // fewest whole tokens left. It is nil for a request of slots alone.
 func (h *Handler) mostConstrained(sc *scratch) *standing {
 	var top *standing
-	consider := func(q standing) {
-		switch {
-		case top == nil:
-		case q.denied != top.denied:
-			if !q.denied {
-				return
-			}
-		case q.denied:
-			if q.wait <= top.wait {
-				return
-			}
-		case q.remaining > top.remaining || q.remaining == top.remaining && q.debt <= top.debt:
-			return
-		}
-		sc.std, top = q, &sc.std
-	}
 	for i := range sc.matches {
 		m := &sc.matches[i]
 		if m.bucket >= 0 {
-			consider(h.bucketStanding(m, &sc.d.buckets[m.bucket]))
+			if q := h.bucketStanding(m, &sc.d.buckets[m.bucket]); top == nil || q.before(top) {
+				sc.std, top = q, &sc.std
+			}
 		}
 		if m.counter >= 0 {
-			consider(h.counterStanding(m, &sc.d.counters[m.counter]))
+			if q := h.counterStanding(m, &sc.d.counters[m.counter]); top == nil || q.before(top) {
+				sc.std, top = q, &sc.std
+			}
 		}
 	}
 	return top
+}
+
+// before reports whether q speaks for the response rather than top.
+func (q *standing) before(top *standing) bool {
+	switch {
+	case q.denied != top.denied:
+		return q.denied
+	case q.denied:
+		return q.wait > top.wait
+	}
+	return q.remaining < top.remaining || q.remaining == top.remaining && q.debt > top.debt
 }
 
 // writeHeaders sets the rate-limit headers for the decided request: the

@@ -206,10 +206,26 @@ func (s *LocalStore) Cleanup() error {
 // take decides the demands on the zones' tables in one all-or-nothing
 // step (see takeAll).
 func (s *LocalStore) take(_ context.Context, now time.Time, d *demands) (bool, error) {
-	var cbuf [4]charge
-	var kbuf [2]count
-	var sbuf [2]slotClaim
-	cs, ks, sl := cbuf[:0], kbuf[:0], sbuf[:0]
+	d.at = now
+	if len(d.buckets) == 1 && len(d.counters)+len(d.slots) == 0 {
+		return s.takeOne(now, &d.buckets[0]), nil // the common case
+	}
+	// Room for the usual few zones, on the stack; more spill.
+	var cs []charge
+	if len(d.buckets) > 0 {
+		var cbuf [2]charge
+		cs = cbuf[:0]
+	}
+	var ks []count
+	if len(d.counters) > 0 {
+		var kbuf [1]count
+		ks = kbuf[:0]
+	}
+	var sl []slotClaim
+	if len(d.slots) > 0 {
+		var sbuf [1]slotClaim
+		sl = sbuf[:0]
+	}
 	for i := range d.buckets {
 		b := &d.buckets[i]
 		t := s.zones[b.zone].buckets
@@ -230,7 +246,6 @@ func (s *LocalStore) take(_ context.Context, now time.Time, d *demands) (bool, e
 		sl = append(sl, slotClaim{t: s.zones[q.zone].slots, key: q.key, n: q.limit, soft: q.soft, req: i})
 	}
 	allowed := takeAll(cs, ks, sl)
-	d.at = now
 	for i := range cs {
 		b := &d.buckets[cs[i].req]
 		b.ok, b.ban, b.debt = cs[i].ok, cs[i].ban, cs[i].debt
@@ -244,6 +259,19 @@ func (s *LocalStore) take(_ context.Context, now time.Time, d *demands) (bool, e
 		q.held, q.free, q.full = sl[i].held, sl[i].free, sl[i].full
 	}
 	return allowed, nil
+}
+
+// takeOne is take of one bucket alone.
+func (s *LocalStore) takeOne(now time.Time, b *bucketDemand) bool {
+	t := s.zones[b.zone].buckets
+	n := t.instant(now)
+	if b.floor > 0 {
+		raise(t, b.key, n+b.floor, n)
+	}
+	c := charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n}
+	b.ok = takeOne(&c)
+	b.ban, b.debt = c.ban, c.debt
+	return b.ok
 }
 
 func (s *LocalStore) adjust(_ context.Context, now time.Time, d *demands) error {

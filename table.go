@@ -388,10 +388,13 @@ type slotClaim struct {
 // is kept, in the bucket that refused. It fills in the answers, and
 // reports whether all were allowed.
 func takeAll(cs []charge, ks []count, sl []slotClaim) bool {
-	if len(cs) == 1 && len(ks) == 0 && len(sl) == 0 {
+	switch {
+	case len(cs) == 1 && len(ks) == 0 && len(sl) == 0:
 		return takeOne(&cs[0])
+	case len(cs) == 0 && len(ks) == 1 && len(sl) == 0:
+		return countOne(&ks[0])
 	}
-	var buf [8]lockRef
+	var buf [4]lockRef
 	locks := lockOrder(buf[:0], cs, ks)
 	for _, l := range locks {
 		l.mu.Lock()
@@ -439,6 +442,17 @@ func takeOne(c *charge) bool {
 	s.mu.Unlock()
 	c.debt = c.l.debt(c.fullAt, c.now)
 	return c.ok
+}
+
+// countOne is takeAll of one count alone.
+func countOne(k *count) bool {
+	s := k.t.shard(k.h)
+	s.mu.Lock()
+	e, tracked := s.m[k.h]
+	k.try(e, tracked)
+	k.commit(s, k.ok)
+	s.mu.Unlock()
+	return k.ok
 }
 
 // claimAll takes a slot of every claim, or gives back those it took when
