@@ -131,10 +131,11 @@ func (s *LocalStore) bind(zones []zoneSpec) error {
 		lz := &s.zones[i]
 		var err error
 		if z.bucket {
-			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.name, tokenTime: z.shape.tokenTime, burst: z.shape.burst})
+			l := z.shape
+			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.name, tokenTime: l.tokenTime, burst: l.burst}, l.burstTime+l.ban+l.delay)
 		}
 		if err == nil && z.quota != "" {
-			lz.counters, err = acquireTable[counter](s, tableID{name: z.name, quota: z.quota})
+			lz.counters, err = acquireTable[counter](s, tableID{name: z.name, quota: z.quota}, 0)
 		}
 		if err == nil && z.slots {
 			lz.slots, err = s.acquireSlots(z.name)
@@ -147,14 +148,14 @@ func (s *LocalStore) bind(zones []zoneSpec) error {
 }
 
 // acquireTable gets the table of id, shared with the other configs that
-// use it.
-func acquireTable[E entry](s *LocalStore, id tableID) (*table[E], error) {
+// use it; most is the longest one of its buckets may owe.
+func acquireTable[E entry](s *LocalStore, id tableID, most time.Duration) (*table[E], error) {
 	v, _, err := localTables.LoadOrNew(id, func() (caddy.Destructor, error) {
 		t := newTable[E](s.MaxKeys, time.Now())
 		go t.sweepLoop()
 		if s.snaps != nil {
 			t.key = s.snaps.key
-			t.persist(s.snaps, id)
+			t.persist(s.snaps, id, most)
 		}
 		return t, nil
 	})

@@ -246,6 +246,9 @@ func (id tableID) entrySize() int {
 // persistence is what a persisted table keeps for it.
 type persistence struct {
 	shape tableID
+	// most is the longest a loaded bucket may owe: a whole bucket and
+	// its zone's ban or delay (0: its shape's whole bucket).
+	most time.Duration
 	name  string                    // shape.snapshotName()
 	to    atomic.Pointer[snapshots] // where to write; nil: no longer persisted
 	ready chan struct{}             // closed when loading has ended
@@ -258,8 +261,8 @@ type persistence struct {
 // persist makes t a persisted table: it loads t's snapshot in the
 // background and writes it every interval until t is destroyed. t must
 // be new, with sn's hash key.
-func (t *table[E]) persist(sn *snapshots, shape tableID) {
-	p := &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
+func (t *table[E]) persist(sn *snapshots, shape tableID, most time.Duration) {
+	p := &persistence{shape: shape, most: most, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
 	p.to.Store(sn)
 	t.p = p
 	go t.load(sn)
@@ -445,9 +448,10 @@ const mergeChunk = 1024
 
 // merge adds the buckets of a snapshot to the table, as of now: those
 // that have refilled since are dropped; a bucket the table already has
-// keeps the later of its two instants (the emptier bucket); none waits
-// longer than a whole bucket's refill (so a snapshot from a clock far
-// ahead cannot lock anyone out for longer). Loaded buckets only fill free
+// keeps the later of its two instants (the emptier bucket); none owes
+// more than its zone lets a bucket owe, a whole bucket and a ban or a
+// delay (so a snapshot from a clock far ahead cannot lock anyone out for
+// longer, and a ban outlives a restart as it outlives a reload). Loaded buckets only fill free
 // room: they evict none. It returns how many buckets it kept.
 func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, error) {
 	if len(b) < snapshotHeader || string(b[:4]) != snapshotMagic {
@@ -483,7 +487,7 @@ func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, erro
 // mergeBuckets adds a snapshot's buckets to the table, as merge says.
 func mergeBuckets(t *table[bucket], entries []byte, n time.Duration, wall int64) int {
 	burst, tokenTime := t.p.shape.burst, t.p.shape.tokenTime
-	most := n + time.Duration(burst)*tokenTime
+	most := n + max(time.Duration(burst)*tokenTime, t.p.most)
 	if burst == 0 {
 		// A zone whose limit depends on the request (plans.go): each
 		// take clamps its bucket to the request's own burst.

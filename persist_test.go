@@ -16,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -536,12 +537,28 @@ func TestRestartKeepsLimits(t *testing.T) {
 }
 
 http://127.0.0.1:%d {
-	rate_limit {remote_host} 1r/h 3 {
-		store local {
-			persist_interval 200ms
+	handle /ban {
+		rate_limit {
+			zone fastban {
+				key {http.request.header.X-Key}
+				rate 1r/s
+				burst 1
+				ban 5m
+			}
+			store local {
+				persist_interval 200ms
+			}
 		}
+		respond "ok"
 	}
-	respond "ok"
+	handle {
+		rate_limit {remote_host} 1r/h 3 {
+			store local {
+				persist_interval 200ms
+			}
+		}
+		respond "ok"
+	}
 }
 `, admin, port, filepath.Join(dir, "storage"), port))
 	url := fmt.Sprintf("http://127.0.0.1:%d/", port)
@@ -566,13 +583,17 @@ http://127.0.0.1:%d {
 		go func() {
 			sc := bufio.NewScanner(stderr)
 			var once, loadOnce sync.Once
+			loads := 0
 			for sc.Scan() {
 				line := sc.Text()
 				if strings.Contains(line, "serving initial configuration") {
 					once.Do(func() { close(ready) })
 				}
 				if strings.Contains(line, "buckets loaded") {
-					loadOnce.Do(func() { close(loaded) })
+					// Both zones' tables.
+					if loads++; loads == 2 {
+						loadOnce.Do(func() { close(loaded) })
+					}
 				}
 				if testing.Verbose() {
 					t.Log(line)
@@ -602,6 +623,23 @@ http://127.0.0.1:%d {
 		resp.Body.Close()
 		return resp.StatusCode
 	}
+	// banned is the status and Retry-After of a request of the banned
+	// client, which must still be banned.
+	banned := func(when string) {
+		t.Helper()
+		// Longer than the bucket's whole refill: only the ban refuses.
+		time.Sleep(1100 * time.Millisecond)
+		req, _ := http.NewRequest(http.MethodGet, url+"ban", nil)
+		req.Header.Set("X-Key", "k")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if retry, _ := strconv.Atoi(resp.Header.Get("Retry-After")); resp.StatusCode != 429 || retry < 240 {
+			t.Fatalf("%s: the banned client got %d, Retry-After %q; want 429 for the rest of its 5m ban", when, resp.StatusCode, resp.Header.Get("Retry-After"))
+		}
+	}
 	wait := func(cmd *exec.Cmd) {
 		t.Helper()
 		done := make(chan error, 1)
@@ -622,6 +660,21 @@ http://127.0.0.1:%d {
 	if got := status(); got != 429 {
 		t.Fatalf("4th request: %d, want 429", got)
 	}
+	// A client of the ban zone: 200, then a 429 that bans it for 5m. By
+	// the restart its bucket has refilled; its ban has not.
+	for i, want := range []int{200, 429} {
+		req, _ := http.NewRequest(http.MethodGet, url+"ban", nil)
+		req.Header.Set("X-Key", "k")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != want {
+			t.Fatalf("ban zone, request %d: %d, want %d", i+1, resp.StatusCode, want)
+		}
+	}
+	time.Sleep(1500 * time.Millisecond)
 
 	// caddy stop: the admin API's /stop.
 	if out, err := exec.Command(bin, "stop", "--address", fmt.Sprintf("localhost:%d", admin)).CombinedOutput(); err != nil {
@@ -632,6 +685,7 @@ http://127.0.0.1:%d {
 	if got := status(); got != 429 {
 		t.Fatalf("after caddy stop and a restart: %d, want 429", got)
 	}
+	banned("after caddy stop and a restart")
 
 	// SIGTERM, which Caddy handles as gracefully.
 	if err := cmd.Process.Signal(syscall.SIGTERM); err != nil {
@@ -642,6 +696,7 @@ http://127.0.0.1:%d {
 	if got := status(); got != 429 {
 		t.Fatalf("after SIGTERM and a restart: %d, want 429", got)
 	}
+	banned("after SIGTERM and a restart")
 
 	// SIGKILL, which nothing can handle: what the last periodic write
 	// kept. A bucket loaded at the start is written at the next interval.
@@ -654,6 +709,7 @@ http://127.0.0.1:%d {
 	if got := status(); got != 429 {
 		t.Fatalf("after SIGKILL and a restart: %d, want 429", got)
 	}
+	banned("after SIGKILL and a restart")
 }
 
 // A zone's name is free text: whatever it holds, its snapshot is one file
