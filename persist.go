@@ -248,7 +248,7 @@ type persistence struct {
 	shape tableID
 	// most is the longest a loaded bucket may owe: a whole bucket and
 	// its zone's ban or delay (0: its shape's whole bucket).
-	most time.Duration
+	most  time.Duration
 	name  string                    // shape.snapshotName()
 	to    atomic.Pointer[snapshots] // where to write; nil: no longer persisted
 	ready chan struct{}             // closed when loading has ended
