@@ -4,12 +4,15 @@
 package ratelimit
 
 import (
+	"context"
 	"math"
 	"net/http"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/redis/go-redis/v9"
 )
 
 // Named instants, as in golang.org/x/time/rate's tests.
@@ -300,6 +303,33 @@ func TestBanAcrossInstances(t *testing.T) {
 			}
 			if n := bans.Load(); n != 2 {
 				t.Fatalf("%d bans started, want 2", n)
+			}
+
+			// A reset made elsewhere (another instance's admin API
+			// deletes the bucket in Redis) is honoured by both within a
+			// second, though each had learnt the ban.
+			rc := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: addrs})
+			defer rc.Close()
+			hash, field := bucketOf(other, 0, ip)
+			if n, err := rc.HDel(context.Background(), hash, field).Result(); err != nil || n != 1 {
+				t.Fatalf("HDEL %s %s: %d, %v", hash, field, n, err)
+			}
+			reset := time.Now()
+			var caddyBack, otherBack time.Duration
+			for caddyBack == 0 || otherBack == 0 {
+				if time.Since(reset) > 2*time.Second {
+					t.Fatalf("2s after the reset: Caddy back after %v, the other instance after %v (0: not yet)", caddyBack, otherBack)
+				}
+				if code, _, _ := hit(t, c, "/", ip); code == 200 && caddyBack == 0 {
+					caddyBack = time.Since(reset)
+				}
+				if code, _ := serve(other, ip); code == 200 && otherBack == 0 {
+					otherBack = time.Since(reset)
+				}
+				time.Sleep(20 * time.Millisecond)
+			}
+			if caddyBack > 1100*time.Millisecond || otherBack > 1100*time.Millisecond {
+				t.Fatalf("the reset was honoured after %v by Caddy and %v by the other instance, want within a second", caddyBack, otherBack)
 			}
 		})
 	}

@@ -109,7 +109,8 @@ func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pac
 	for i := range d.buckets {
 		b := &d.buckets[i]
 		t, l := s.zones[b.zone].cache, b.limit
-		fullAt, n := bucketAt(t, b.key), t.instant(now)
+		known, _ := t.lookup(b.key)
+		fullAt, n := known.fullAt, t.instant(now)
 		if fullAt-n > l.burstTime+l.ban+l.delay {
 			// The bucket owes more than the request's limit holds: its
 			// limit changed. Redis clamps it to the new burst (which no
@@ -120,6 +121,13 @@ func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pac
 		b.debt = l.debt(fullAt, n)
 		if m := int64((l.reach() - b.debt) / b.cost); m < most {
 			tight, most = i, m
+		}
+		if fullAt != 0 && n-known.usedAt > trusted(l) {
+			// Learnt too long ago to refuse by (the bucket may have been
+			// reset since): Redis is asked again, the bound still
+			// keeping the calls in flight to what it lets through.
+			b.ok = true
+			continue
 		}
 		// The bound counts from when the last call was sent, Redis from
 		// when it ran, up to a round trip later: a call sent within a
@@ -187,19 +195,41 @@ func (s *RedisStore) remember(now time.Time, d *demands, flight flightKey) {
 			t.forget(b.key)
 			continue
 		}
-		n := t.instant(now)
-		if l := b.limit; bucketAt(t, b.key)-n > l.burstTime+l.ban+l.delay {
-			t.forget(b.key) // learnt under another limit: Redis clamped it
-		}
-		raise(t, b.key, n+b.debt, n)
+		learn(t, b.key, t.instant(now)+b.debt, t.instant(now))
 	}
 }
 
+// learn notes that a bucket is full again at fullAt, as the answer to a
+// call sent at now says: it replaces what an answer to an earlier call
+// said, whatever that was (the bucket may have been reset since), and an
+// answer to an earlier call than the one noted changes nothing.
+func learn(t *table[bucket], k bucketKey, fullAt, now time.Duration) {
+	h := t.hash(k)
+	sh := t.shard(h)
+	sh.mu.Lock()
+	defer sh.mu.Unlock()
+	if b, ok := sh.m[h]; ok && b.usedAt > now {
+		return
+	}
+	sh.set(t, h, bucket{fullAt, now}, now)
+}
+
+// overLimitTrust is how long the cache refuses by what Redis last said,
+// at most: a reset through another instance (or another instance's
+// refund of a request that left while it waited out a delay) is seen
+// here within it, or within a token's refill when that is shorter. It
+// costs a flooded key one call to Redis per period, whatever the flood.
+const overLimitTrust = time.Second
+
+// trusted is how long what Redis said of a bucket of limit l is refused
+// by.
+func trusted(l limit) time.Duration { return min(overLimitTrust, l.tokenTime) }
+
 // quotaCacheFor is how long this instance refuses an exhausted quota by
 // itself, without asking Redis. A count only grows in its window, but a
-// reset through another instance's admin API lowers it, and a window
-// lasts up to a month: such a reset is seen here within this time.
-const quotaCacheFor = 5 * time.Second
+// reset through another instance's admin API lowers it: such a reset is
+// seen here within this time.
+const quotaCacheFor = overLimitTrust
 
 // rememberCount notes the count Redis gave for a counter, asked at now,
 // for quotaCacheFor at most, and never past the end of its window, which

@@ -111,12 +111,13 @@ type RedisStore struct {
 	FailMode string `json:"fail_mode,omitempty"`
 
 	// Ask Redis about every request. By default, once Redis has found a
-	// bucket empty this instance denies the bucket's requests by itself
+	// bucket empty this instance refuses the bucket's requests by itself
 	// until tokens can have come back, which is exact (tokens only arrive
-	// at the zone's rate) and spares Redis most of a flood; but a bucket
-	// reset through another instance's admin API is seen here only when
-	// the cached entry runs out; so are the tokens given back on another
-	// instance by a client that left while waiting out a zone's delay.
+	// at the zone's rate) and spares Redis most of a flood. It asks Redis
+	// again within a second, or a token's refill when that is shorter, so
+	// that a bucket reset through another instance's admin API is seen
+	// here within that time; so are the tokens given back on another
+	// instance to a client that left while waiting out a zone's delay.
 	// Set this where these must take effect everywhere at once.
 	DisableOverLimitCache bool `json:"disable_over_limit_cache,omitempty"`
 
