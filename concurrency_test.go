@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -674,6 +675,57 @@ func TestConcurrencyRedisFailModes(t *testing.T) {
 				t.Fatalf("%d keys left in the local slot table", n)
 			}
 		})
+	}
+}
+
+// After an outage, Redis decides the slots again with no request paying
+// for it: Redis frozen then thawed, and, however long after, of three
+// requests at once with concurrency 2, the third is refused (the store
+// probed Redis in the background, so none of them is decided by the
+// local slot table, which knows nothing of Redis's).
+func TestConcurrencyAfterOutage(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"after_outage","key":"static","concurrency":2}],
+		"store":{"backend":"redis","addresses":[%q],"fail_mode":"local","timeout":"50ms"}}`, r.Addr()))
+	r.Pause()
+	for range 2 * rediswire.TripAfter {
+		serve(h, "10.0.0.1")
+	}
+	if h.store.(*RedisStore).client.Up() {
+		t.Fatal("the breaker is closed with Redis frozen")
+	}
+	r.Resume()
+	time.Sleep(rediswire.MaxBackoff + 500*time.Millisecond)
+	release, arrived := make(chan struct{}), make(chan struct{}, 3)
+	blocking := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
+		arrived <- struct{}{}
+		<-release
+		return nil
+	})
+	codes := make(chan int, 3)
+	for range 2 {
+		go func() {
+			req, rr := newRequest("10.0.0.1")
+			if err := h.ServeHTTP(rr, req, blocking); err != nil {
+				codes <- statusOf(err)
+				arrived <- struct{}{}
+				return
+			}
+			codes <- rr.Code
+		}()
+	}
+	waitArrivals(t, arrived, 2)
+	third, _ := serve(h, "10.0.0.1")
+	held := r.CLI("ZCARD", slotKeyName("rl:", "after_outage", "static"))
+	close(release)
+	if held != "2" {
+		t.Fatalf("Redis holds %s slots for the two requests in flight, want 2: the fallback decided", held)
+	}
+	if a, b := <-codes, <-codes; a != 200 || b != 200 || third != 429 {
+		t.Fatalf("three requests at once after the outage: %d %d %d, want 200 200 429", a, b, third)
+	}
+	if n := r.CLI("EXISTS", slotKeyName("rl:", "after_outage", "static")); n != "0" {
+		t.Fatalf("slots left held in Redis")
 	}
 }
 

@@ -429,7 +429,7 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, d *demands) (bool,
 		defer s.flights.land(flight)
 		budget -= now.Sub(arrived)
 	}
-	allowed, err := s.ask(ctx, now, budget, d)
+	allowed, err := s.ask(ctx, budget, d)
 	if err == nil && cached {
 		s.remember(now, d, flight)
 	}
@@ -441,11 +441,9 @@ var leaseSeq atomic.Uint64
 
 // ask has Redis decide d within budget, and tells the breaker what the
 // call said of Redis.
-func (s *RedisStore) ask(ctx context.Context, now time.Time, budget time.Duration, d *demands) (bool, error) {
+func (s *RedisStore) ask(ctx context.Context, budget time.Duration, d *demands) (bool, error) {
 	waited := budget < s.callTimeout
-	b := &s.client.Breaker
-	ok, probe := b.Allow(now)
-	if !ok {
+	if !s.client.Up() {
 		return false, rediswire.ErrDown
 	}
 	// The pipeline times the call; a request that waited for others'
@@ -465,9 +463,7 @@ func (s *RedisStore) ask(ctx context.Context, now time.Time, budget time.Duratio
 	}
 	switch kind := rediswire.Classify(err); {
 	case err == nil || kind == rediswire.Answered:
-		if b.Success(probe) {
-			s.client.LogRecovery(s.logger)
-		}
+		s.client.Answered(s.logger)
 		if err != nil {
 			s.keyErrors.Warn(s.logger, "redis refused one decision: fail_mode decides that request", err)
 		}
@@ -476,11 +472,8 @@ func (s *RedisStore) ask(ctx context.Context, now time.Time, budget time.Duratio
 		// connections, the pool had no connection free, or a call that
 		// had only what was left of the timeout ran out of it: nothing
 		// is known of Redis.
-		b.Done(probe)
 	default:
-		if b.Outage(time.Now(), probe) || probe {
-			s.client.LogOutage(s.logger, s.FailMode, err)
-		}
+		s.client.Failed(s.logger, s.FailMode, err)
 	}
 	if err != nil {
 		for i := range d.slots {
@@ -588,8 +581,8 @@ func (s *RedisStore) adjust(ctx context.Context, _ time.Time, d *demands) error 
 			t.forget(d.counters[i].key)
 		}
 	}
-	if s.client.Breaker.Open() {
-		return rediswire.ErrDown // adjustments never probe: decisions do
+	if !s.client.Up() {
+		return rediswire.ErrDown
 	}
 	if !s.client.Cluster || oneTag(d) {
 		return s.adjustEach(ctx, d)
@@ -667,7 +660,7 @@ func (s *RedisStore) reset(ctx context.Context, d *demands) (bool, error) {
 }
 
 func (s *RedisStore) stats(zone int) zoneStats {
-	return zoneStats{overLimitCache: !s.DisableOverLimitCache, client: s.client, unavailable: s.client.Breaker.Open()}
+	return zoneStats{overLimitCache: !s.DisableOverLimitCache, client: s.client, unavailable: !s.client.Up()}
 }
 
 // oneTag reports whether all of d's keys share one hash tag, so one
@@ -704,7 +697,7 @@ func oneTag(d *demands) bool {
 // keys share a cluster slot. A slot whose release fails comes back when
 // its lease ends.
 func (s *RedisStore) release(ctx context.Context, slots []slotDemand) error {
-	if s.client.Breaker.Open() {
+	if !s.client.Up() {
 		return rediswire.ErrDown // the leases will end
 	}
 	held := 0

@@ -6,54 +6,67 @@ package rediswire
 import (
 	"testing"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
+	"github.com/redis/go-redis/v9"
+	"go.uber.org/zap"
 )
 
-// Every way out of a call reports to the breaker, and every way out of
-// the probe hands the next probe on: success closes the breaker, an
-// outage backs off, and a call that says nothing of Redis (its client
-// went away) lets the next request probe at once.
-func TestBreakerProbeAlwaysEnds(t *testing.T) {
+// The breaker opens after TripAfter outages in a row, an outage of an
+// earlier call changes nothing once it is open, and any answer closes it.
+func TestBreaker(t *testing.T) {
 	var b Breaker
-	now := time.Now()
 	for i := range TripAfter {
-		if ok, probe := b.Allow(now); !ok || probe {
-			t.Fatalf("closed breaker, call %d: ok %t, probe %t; want an ordinary call", i, ok, probe)
-		}
-		if opened := b.Outage(now, false); opened != (i == TripAfter-1) {
+		if opened := b.Outage(); opened != (i == TripAfter-1) {
 			t.Fatalf("outage %d: opened %t", i+1, opened)
 		}
 	}
-	if ok, _ := b.Allow(now); ok {
-		t.Fatal("open breaker let a call through before its backoff")
+	if !b.Open() || b.Outage() {
+		t.Fatal("an open breaker opened again")
 	}
-	// An outage from a call made before the breaker opened changes nothing.
-	b.Outage(now, false)
-	later := now.Add(MinBackoff)
-	ok, probe := b.Allow(later)
-	if !ok || !probe {
-		t.Fatalf("after the backoff: ok %t, probe %t; want the probe", ok, probe)
+	if !b.Success() || b.Open() {
+		t.Fatal("an answer did not close the breaker")
 	}
-	if ok, _ := b.Allow(later); ok {
-		t.Fatal("a second probe while the first is out")
+	if b.Success() {
+		t.Fatal("a closed breaker closed again")
 	}
-	// The probe's client went away: the next request probes.
-	b.Done(true)
-	if ok, probe := b.Allow(later); !ok || !probe {
-		t.Fatalf("after an abandoned probe: ok %t, probe %t; want a new probe", ok, probe)
+	// Outages in a row: an answer between them starts the count again.
+	b.Outage()
+	b.Outage()
+	b.Success()
+	if b.Outage() || b.Open() {
+		t.Fatal("outages with an answer between them opened the breaker")
 	}
-	// The probe finds Redis down: the next probe waits twice as long.
-	b.Outage(later, true)
-	if ok, _ := b.Allow(later.Add(2*MinBackoff - time.Millisecond)); ok {
-		t.Fatal("probe before the doubled backoff")
+}
+
+// A Redis that is back is noticed with no request: the client probes it
+// while the breaker is open, and closes the breaker within a backoff.
+func TestClientProbesInTheBackground(t *testing.T) {
+	r := redistest.Start(t)
+	c, err := NewClient(&redis.UniversalOptions{Addrs: []string{r.Addr()}, MaxRetries: -1,
+		DialTimeout: 50 * time.Millisecond, ReadTimeout: 50 * time.Millisecond}, testScripts(t))
+	if err != nil {
+		t.Fatal(err)
 	}
-	ok, probe = b.Allow(later.Add(2 * MinBackoff))
-	if !ok || !probe {
-		t.Fatal("no probe after the doubled backoff")
+	defer c.Destruct()
+	r.Kill()
+	for range TripAfter {
+		c.Failed(zap.NewNop(), "local", redis.ErrClosed)
 	}
-	if closed := b.Success(true); !closed || b.Open() {
-		t.Fatalf("successful probe: closed %t, open %t", closed, b.Open())
+	if c.Up() {
+		t.Fatal("the breaker is closed after three outages")
 	}
-	if ok, probe := b.Allow(later); !ok || probe {
-		t.Fatalf("closed again: ok %t, probe %t; want an ordinary call", ok, probe)
+	time.Sleep(3 * MaxBackoff)
+	if c.Up() {
+		t.Fatal("Redis is down, and the breaker closed")
 	}
+	r.Start()
+	back := time.Now()
+	for !c.Up() {
+		if time.Since(back) > MaxBackoff+500*time.Millisecond {
+			t.Fatalf("Redis has been back %v, and the breaker is still open", time.Since(back))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("closed %v after Redis was back", time.Since(back))
 }

@@ -30,6 +30,8 @@ type Client struct {
 	Cluster bool // a Redis Cluster: keys in different slots need calls of their own
 	Breaker Breaker
 	pipe    *pipeline
+	scripts *Scripts
+	closed  chan struct{} // closed by Destruct: probes stop
 	// Each outage is logged when it starts and when it ends, at most one
 	// start every outageLogPeriod, so that a Redis that half works (the
 	// breaker opening and closing again) does not flood the log.
@@ -58,11 +60,71 @@ func NewClient(opts *redis.UniversalOptions, scripts *Scripts) (c *Client, err e
 	_, cluster := uc.(*redis.ClusterClient)
 	poolSize := cmp.Or(opts.PoolSize, 10*runtime.GOMAXPROCS(0)) // go-redis's default
 	pipe := &pipeline{client: uc, scripts: scripts, maxFlights: maxFlights(poolSize)}
-	return &Client{UniversalClient: uc, Cluster: cluster, pipe: pipe}, nil
+	return &Client{UniversalClient: uc, Cluster: cluster, pipe: pipe, scripts: scripts, closed: make(chan struct{})}, nil
 }
 
 // Destruct closes the client when no config uses it any more.
-func (c *Client) Destruct() error { return c.Close() }
+func (c *Client) Destruct() error {
+	close(c.closed)
+	return c.Close()
+}
+
+// Up reports whether calls go to Redis: its breaker is closed.
+func (c *Client) Up() bool { return !c.Breaker.Open() }
+
+// Answered records that Redis answered a call; a breaker that this
+// closes is logged as a recovery.
+func (c *Client) Answered(logger *zap.Logger) {
+	if c.Breaker.Success() {
+		c.LogRecovery(logger)
+	}
+}
+
+// Failed records an outage, seen by a call that failed with err. When it
+// opens the breaker, the outage is logged, and Redis is probed in the
+// background until it answers.
+func (c *Client) Failed(logger *zap.Logger, failMode string, err error) {
+	if c.Breaker.Outage() {
+		c.LogOutage(logger, failMode, err)
+		go c.probe(logger)
+	}
+}
+
+// probe asks Redis, after a backoff that doubles up to MaxBackoff, until
+// it answers as a decision needs: the decision script runs (it is loaded
+// again if Redis lost it) and a write is accepted (a replica demoted after
+// a failover refuses it, as it would refuse a decision). The first answer
+// closes the breaker. It stops when the client is closed.
+func (c *Client) probe(logger *zap.Logger) {
+	backoff := MinBackoff
+	for {
+		select {
+		case <-c.closed:
+			return
+		case <-time.After(backoff):
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), MaxBackoff)
+		err := c.ping(ctx)
+		cancel()
+		if err == nil || Classify(err) == Answered {
+			c.Answered(logger)
+			return
+		}
+		backoff = min(2*backoff, MaxBackoff)
+	}
+}
+
+// probeKey is the key a probe's write asks for: an expiry of a key that
+// does not exist, which writes nothing.
+const probeKey = "{rate_limit}probe"
+
+// ping is one probe.
+func (c *Client) ping(ctx context.Context) error {
+	if err := c.scripts.decide.Run(ctx, c.UniversalClient, nil, "take", "", 0, 0, 0).Err(); err != nil {
+		return err
+	}
+	return c.PExpire(ctx, probeKey, time.Millisecond).Err()
+}
 
 // Run sends call, through the pipeline, and returns its reply by the
 // call's deadline; call goes back to its pool.
