@@ -26,8 +26,11 @@ func init() {
 type LocalStore struct {
 	// The most buckets kept per zone. When a zone is full, buckets that
 	// have refilled are dropped first, which changes no decision; if none
-	// has, the least recently used among a few sampled is evicted (its
-	// client gets a full bucket back) and counted. Default: 1000000.
+	// has, the least recently used is evicted (its client gets a full
+	// bucket back) and counted: exactly in a zone of up to 1024 keys,
+	// among a few sampled in a larger one. A zone first loaded with 4096
+	// or more, whose max_keys a reload lowers, keeps up to 4096 until
+	// Caddy restarts. Default: 1000000.
 	MaxKeys int64 `json:"max_keys,omitempty"`
 
 	// Keep the buckets across restarts, in Caddy's storage (where

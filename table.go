@@ -21,7 +21,9 @@ import (
 //
 // At most maxKeys entries are kept, an equal share in each shard, so a
 // table with many keys starts evicting a little before it holds maxKeys
-// (at about 99.5% of a million). When a shard is full, entries that carry
+// (at about 99.5% of a million); a table made with many shards whose
+// maxKeys a reload lowers keeps at least 64 a shard (see minShardCap).
+// When a shard is full, entries that carry
 // nothing any more (a bucket that has refilled, a counter whose window
 // has ended) are dropped first: no decision changes. If none has, the
 // entry of the lowest rank among a few sampled is evicted and counted:
@@ -73,8 +75,13 @@ type bucket struct {
 func (b bucket) spent(now time.Duration) bool { return b.fullAt <= now }
 func (b bucket) rank() int64                  { return int64(b.usedAt) }
 
-// evictSample is how many entries are looked at to pick one to evict.
-const evictSample = 8
+// evictSample is how many entries are looked at to pick one to evict in
+// a shard of more than exactBelow: a fraction of a microsecond, where a
+// shard of a million keys' table holds 15625.
+const (
+	evictSample = 8
+	exactBelow  = 1024
+)
 
 var tableIDs atomic.Uint64
 
@@ -136,7 +143,18 @@ func (t *table[E]) shard(h uint64) *shard[E] {
 
 // shardCap is how many entries one shard may hold.
 func (t *table[E]) shardCap() int {
-	return max(int(t.maxKeys.Load())/len(t.shards), 1)
+	return max(int(t.maxKeys.Load())/len(t.shards), minShardCap(len(t.shards)))
+}
+
+// minShardCap is the fewest entries a shard of a table of n shards keeps:
+// a table made with many shards (for max_keys of 4096 or more) whose
+// max_keys a reload lowers keeps room for 64 entries a shard, so that
+// each shard still holds enough for its eviction to tell clients apart.
+func minShardCap(n int) int {
+	if n == 1 {
+		return 1
+	}
+	return 64
 }
 
 // insert records e for a key that is not tracked yet, making room first
@@ -179,14 +197,27 @@ func (s *shard[E]) makeRoom(now time.Duration, capacity int) (evicted bool) {
 	return evicted
 }
 
-// victim picks the entry to drop: a spent one if the sample finds one,
-// else the lowest ranked of the sample. The sample is two entries at each
-// of four places where a range starts (random ones). Eight in a row would
-// be neighbours in the map, and a map refills where it was emptied, so
-// that the neighbours of a bucket used a moment ago can all be newer
-// still and make it the oldest of them. Requires s.mu to be held.
+// victim picks the entry to drop: a spent one, else the lowest ranked. A
+// shard of up to exactBelow entries is looked at whole (its true least
+// recently used goes, as a small table must keep a client that keeps
+// sending); a larger one is sampled, two entries at each of four places
+// where a range starts (random ones). Eight in a row would be neighbours
+// in the map, and a map refills where it was emptied, so that the
+// neighbours of a bucket used a moment ago can all be newer still and
+// make it the oldest of them. Requires s.mu to be held.
 func (s *shard[E]) victim(now time.Duration) (victim uint64, spent bool) {
 	lowest := int64(math.MaxInt64)
+	if len(s.m) <= exactBelow {
+		for h, e := range s.m {
+			if e.spent(now) {
+				return h, true
+			}
+			if r := e.rank(); r < lowest {
+				victim, lowest = h, r
+			}
+		}
+		return victim, false
+	}
 	for range evictSample / 2 {
 		seen := 0
 		for h, e := range s.m {

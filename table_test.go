@@ -323,3 +323,38 @@ func BenchmarkEviction(b *testing.B) {
 		b.Fatal("nothing was evicted")
 	}
 }
+
+// A small table keeps a client that keeps sending, however many one-off
+// keys come between its requests: a zone of max_keys 100 whose client
+// sends after every 90 new keys never finds a fresh bucket, and holds 100
+// keys. So does a table made for many keys whose max_keys a reload lowers
+// to 100; it keeps room for 64 keys a shard.
+func TestSmallTableKeepsAClientThatKeepsSending(t *testing.T) {
+	for _, created := range []int64{100, 1_000_000} {
+		tab := newBuckets(created, t0)
+		tab.maxKeys.Store(100)
+		l := newLimit(1.0/60, 1) // a token a minute: nothing refills during the test
+		now := time.Duration(0)
+		take := func(k string) {
+			now += time.Microsecond
+			takeAll([]charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(key(k)), now: now}}, nil, nil)
+		}
+		take("hot")
+		lost := 0
+		for round := range 20 {
+			for i := range 90 {
+				take(fmt.Sprint("once-", round, "-", i))
+			}
+			if _, ok := tab.lookup(key("hot")); !ok {
+				lost++
+			}
+			take("hot")
+		}
+		if lost != 0 {
+			t.Errorf("made for %d keys: the client lost its bucket %d of 20 times", created, lost)
+		}
+		if most := max(100, len(tab.shards)*minShardCap(len(tab.shards))); tab.len() > most {
+			t.Errorf("made for %d keys: %d kept, more than %d", created, tab.len(), most)
+		}
+	}
+}
