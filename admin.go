@@ -86,18 +86,42 @@ func unregisterHandler(h *Handler) {
 
 // lookupZone finds the newest zone of that name.
 func lookupZone(name string) (zoneRef, bool) {
-	registry.Lock()
-	defer registry.Unlock()
-	refs := registry.zones[name]
+	refs := lookupZones(name)
 	if len(refs) == 0 {
 		return zoneRef{}, false
 	}
 	return refs[len(refs)-1], true
 }
 
+// lookupZones finds the zones of that name: of each distinct limit and
+// store, the newest (zones of one name and limit in one store share their
+// buckets and counters, whichever handler has them).
+func lookupZones(name string) []zoneRef {
+	registry.Lock()
+	defer registry.Unlock()
+	type distinct struct {
+		id    zoneID
+		store string
+	}
+	var out []zoneRef
+	at := make(map[distinct]int)
+	for _, ref := range registry.zones[name] {
+		k := distinct{ref.z.id, ref.h.storeName}
+		if i, ok := at[k]; ok {
+			out[i] = ref
+			continue
+		}
+		at[k] = len(out)
+		out = append(out, ref)
+	}
+	return out
+}
+
 // zoneInfo describes a zone in the admin API.
 type zoneInfo struct {
-	Name  string `json:"name"`
+	Name string `json:"name"`
+	// Its limit in words, which tells zones of one name apart.
+	Limit string `json:"limit"`
 	Key   string `json:"key"`
 	Rate  string `json:"rate,omitempty"`  // none for a zone with concurrency or a quota only
 	Burst int64  `json:"burst,omitempty"` // none for a zone with concurrency or a quota only
@@ -126,6 +150,7 @@ func (ref zoneRef) info() zoneInfo {
 	z, st := ref.z, ref.z.state
 	info := zoneInfo{
 		Name:   z.Name,
+		Limit:  z.id.limit,
 		Key:    z.Key,
 		Rate:   z.rateString(),
 		Burst:  z.limit.burst,
@@ -173,11 +198,14 @@ func (ref zoneRef) info() zoneInfo {
 
 // bucketInfo describes one bucket in the admin API.
 type bucketInfo struct {
-	Zone   string  `json:"zone"`
-	Key    string  `json:"key"`    // as asked
-	Bucket string  `json:"bucket"` // the bucket it falls in, e.g. an IPv6 /64
-	Tokens float64 `json:"tokens"`
-	Burst  int64   `json:"burst"`
+	Zone   string `json:"zone"`
+	Limit  string `json:"limit"`  // the zone's, in words
+	Key    string `json:"key"`    // as asked
+	Bucket string `json:"bucket"` // the bucket it falls in, e.g. an IPv6 /64
+	// The tokens in the bucket and its burst; left out for a zone whose
+	// limit comes with each request, which no request says here.
+	Tokens *float64 `json:"tokens,omitempty"`
+	Burst  *int64   `json:"burst,omitempty"`
 	// Seconds until the bucket is full again.
 	FullIn float64 `json:"full_in"`
 	// The key is banned (the zone's ban), for BannedFor seconds more.
@@ -199,6 +227,7 @@ type slotsInfo struct {
 // ratelessInfo is a key of a zone with concurrency only.
 type ratelessInfo struct {
 	Zone   string `json:"zone"`
+	Limit  string `json:"limit"`
 	Key    string `json:"key"`
 	Bucket string `json:"bucket"`
 	slotsInfo
@@ -217,14 +246,16 @@ type quotaInfo struct {
 // keyInfo describes a key of a zone with a quota alone.
 type keyInfo struct {
 	Zone   string     `json:"zone"`
+	Limit  string     `json:"limit"`
 	Key    string     `json:"key"`
 	Bucket string     `json:"bucket"`
 	Quota  *quotaInfo `json:"quota"`
 }
 
 type topInfo struct {
-	Zone string    `json:"zone"`
-	Top  []topItem `json:"top"`
+	Zone  string    `json:"zone"`
+	Limit string    `json:"limit"`
+	Top   []topItem `json:"top"`
 }
 
 type topItem struct {
@@ -251,25 +282,43 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return apiError(http.StatusBadRequest, "bad zone name in path: %v", err)
 	}
-	ref, ok := lookupZone(name)
-	if !ok {
+	refs := lookupZones(name)
+	if len(refs) == 0 {
 		return apiError(http.StatusNotFound, "unknown zone %q", name)
 	}
 	switch {
 	case !hasKey || keyEsc == "":
-		return writeJSON(w, ref.info())
+		return writeEach(w, refs, zoneRef.info)
 	case keyEsc == "top":
-		out := topInfo{Zone: name, Top: []topItem{}}
-		for _, k := range ref.z.state.top.list() {
-			out.Top = append(out.Top, topItem{Key: k.key.String(), Denials: k.count, Error: k.err})
-		}
-		return writeJSON(w, out)
+		return writeEach(w, refs, zoneRef.top)
 	}
 	key, err := url.PathUnescape(keyEsc)
 	if err != nil || key == "" {
 		return apiError(http.StatusBadRequest, "bad key in path: %q", keyEsc)
 	}
-	return ref.serveKey(w, r, key)
+	return serveKey(w, r, refs, key)
+}
+
+// writeEach writes what f says of the zone, or of each zone of the name
+// as {"zones": [...]} when several zones have it.
+func writeEach[T any](w http.ResponseWriter, refs []zoneRef, f func(zoneRef) T) error {
+	if len(refs) == 1 {
+		return writeJSON(w, f(refs[0]))
+	}
+	out := make([]T, len(refs))
+	for i, ref := range refs {
+		out[i] = f(ref)
+	}
+	return writeJSON(w, map[string]any{"zones": out})
+}
+
+// top lists the keys the zone refuses most.
+func (ref zoneRef) top() topInfo {
+	out := topInfo{Zone: ref.z.Name, Limit: ref.z.id.limit, Top: []topItem{}}
+	for _, k := range ref.z.state.top.list() {
+		out.Top = append(out.Top, topItem{Key: k.key.String(), Denials: k.count, Error: k.err})
+	}
+	return out
 }
 
 // allZones describes the zones of every handler, the newest of each name.
@@ -283,32 +332,41 @@ func allZones() []zoneInfo {
 	slices.Sort(names)
 	zones := []zoneInfo{}
 	for _, name := range names {
-		if ref, ok := lookupZone(name); ok {
+		for _, ref := range lookupZones(name) {
 			zones = append(zones, ref.info())
 		}
 	}
 	return zones
 }
 
-// serveKey answers a GET or a DELETE of a key of the zone.
-func (ref zoneRef) serveKey(w http.ResponseWriter, r *http.Request, key string) error {
-	z := ref.z
-	d := ref.demands(z.adminKey(key))
+// serveKey answers a GET or a DELETE of a key in each zone of refs. A
+// DELETE that finds nothing to reset in any of them answers 404.
+func serveKey(w http.ResponseWriter, r *http.Request, refs []zoneRef, key string) error {
 	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
 	defer cancel()
-	if r.Method == http.MethodDelete {
-		found, err := ref.h.reset(ctx, &d)
-		if err != nil {
-			return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
+	out := make([]any, len(refs))
+	found := false
+	for i, ref := range refs {
+		d := ref.demands(ref.z.adminKey(key))
+		if r.Method == http.MethodDelete {
+			f, err := ref.h.reset(ctx, &d)
+			if err != nil {
+				return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
+			}
+			found = found || f
 		}
-		if !found {
-			return apiError(http.StatusNotFound, "nothing to reset: key %q has a full bucket in zone %q", key, z.Name)
+		if err := ref.h.store.peek(ctx, time.Now(), &d); err != nil {
+			return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
 		}
+		out[i] = ref.keyInfo(key, &d)
 	}
-	if err := ref.h.store.peek(ctx, time.Now(), &d); err != nil {
-		return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
+	if r.Method == http.MethodDelete && !found {
+		return apiError(http.StatusNotFound, "nothing to reset: key %q has a full bucket in zone %q", key, refs[0].z.Name)
 	}
-	return writeJSON(w, ref.keyInfo(key, &d))
+	if len(out) == 1 {
+		return writeJSON(w, out[0])
+	}
+	return writeJSON(w, map[string]any{"zones": out})
 }
 
 // demands are the zone's demands of key, as a request's would be, to
@@ -342,7 +400,7 @@ func (ref zoneRef) keyInfo(key string, d *demands) any {
 		inUse, free := q.limit-q.free, q.free
 		slots = slotsInfo{Concurrency: q.limit, InFlight: &inUse, Free: &free}
 		if z.rateless {
-			return ratelessInfo{Zone: z.Name, Key: key, Bucket: bucket, slotsInfo: slots}
+			return ratelessInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, slotsInfo: slots}
 		}
 	}
 	var quota *quotaInfo
@@ -350,16 +408,17 @@ func (ref zoneRef) keyInfo(key string, d *demands) any {
 		c := &d.counters[0]
 		quota = &quotaInfo{Limit: c.limit, Used: c.used, Left: c.remaining(), ResetIn: c.left.Seconds()}
 		if z.rateless {
-			return keyInfo{Zone: z.Name, Key: key, Bucket: bucket, Quota: quota}
+			return keyInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, Quota: quota}
 		}
 	}
 	b := &d.buckets[0]
-	info := bucketInfo{Zone: z.Name, Key: key, Bucket: bucket, FullIn: b.debt.Seconds(), Quota: quota, slotsInfo: slots}
+	info := bucketInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, FullIn: b.debt.Seconds(), Quota: quota, slotsInfo: slots}
 	if z.plans == nil {
 		// A zone whose limit depends on the request has no tokens or
 		// ban to tell apart without a request: only when it is full.
 		l := z.limit
-		info.Tokens, info.Burst = max(l.tokens(b.debt), 0), l.burst
+		tokens, burst := max(l.tokens(b.debt), 0), l.burst
+		info.Tokens, info.Burst = &tokens, &burst
 		info.Banned, info.BannedFor = l.banned(b.debt), l.banLeft(b.debt).Seconds()
 	}
 	return info

@@ -151,3 +151,68 @@ func TestAdminAPI(t *testing.T) {
 		t.Fatalf("redis down: %v after %v", e, time.Since(start))
 	}
 }
+
+// Zones of one name with different limits (the line form names its zone
+// default) limit separately, and the admin API and the metrics tell them
+// apart: listed each with its limit and counters, a key's GET and DELETE
+// act on each, and their series differ by their limit label.
+func TestAdminZonesOfOneName(t *testing.T) {
+	tester := startCaddy(t, "", `:9080 {
+	handle /one {
+		rate_limit {http.request.header.X-Key} 1r/m 2
+		respond "one"
+	}
+	handle /two {
+		rate_limit {http.request.header.X-Key} 1r/m 4
+		respond "two"
+	}
+}
+`)
+	for _, want := range []int{200, 200, 429} {
+		get(t, tester, "/one", want, map[int]string{200: "one", 429: ""}[want], "X-Key", "v")
+	}
+	for range 4 {
+		get(t, tester, "/two", 200, "two", "X-Key", "v")
+	}
+	get(t, tester, "/two", 429, "", "X-Key", "v")
+
+	zones := adminDo(t, tester, http.MethodGet, "/rate_limit/", 200)["zones"].([]any)
+	byLimit := map[string]map[string]any{}
+	for _, z := range zones {
+		if z := z.(map[string]any); z["name"] == "default" {
+			byLimit[z["limit"].(string)] = z
+		}
+	}
+	for limit, want := range map[string][2]float64{"1r/m burst 2": {2, 1}, "1r/m burst 4": {4, 1}} {
+		z := byLimit[limit]
+		if z == nil {
+			t.Fatalf("no zone default of limit %q in %v", limit, zones)
+		}
+		req := z["requests"].(map[string]any)
+		if req["allowed"] != want[0] || req["denied"] != want[1] || z["tracked_keys"] != 1.0 {
+			t.Errorf("zone default of %s: requests %v, tracked keys %v; want %v allowed, %v denied, 1 key", limit, req, z["tracked_keys"], want[0], want[1])
+		}
+	}
+	if len(byLimit) != 2 {
+		t.Fatalf("%d zones named default, want 2: %v", len(byLimit), zones)
+	}
+
+	// A DELETE resets the key in both, and reports each.
+	each := adminDo(t, tester, http.MethodDelete, "/rate_limit/default/v", 200)["zones"].([]any)
+	if len(each) != 2 {
+		t.Fatalf("DELETE reported %d zones, want 2: %v", len(each), each)
+	}
+	for _, z := range each {
+		if z := z.(map[string]any); z["tokens"] != z["burst"] {
+			t.Errorf("after the reset, zone default of %s holds %v of %v tokens", z["limit"], z["tokens"], z["burst"])
+		}
+	}
+	get(t, tester, "/one", 200, "one", "X-Key", "v")
+	get(t, tester, "/two", 200, "two", "X-Key", "v")
+
+	m := scrape(t, tester)
+	for limit, want := range map[string]float64{"1r/m burst 2": 3, "1r/m burst 4": 5} {
+		wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_requests_total{limit=%q,result="allowed",zone="default"}`, limit), want)
+		wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_keys{limit=%q,zone="default"}`, limit), 1)
+	}
+}

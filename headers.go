@@ -38,6 +38,7 @@ type standing struct {
 	remaining int64         // whole tokens, or units, left
 	capacity  int64         // the most it holds
 	debt      time.Duration // how long until it is full again, or its window ends
+	end       time.Time     // for a counter that counts: when its window ends
 	full      time.Duration // how long its bucket takes to refill from empty: jitter's bound
 }
 
@@ -47,8 +48,12 @@ func (h *Handler) bucketStanding(m *match, b *bucketDemand) standing {
 }
 
 func (h *Handler) counterStanding(m *match, c *counterDemand) standing {
-	return standing{zone: c.zone, key: c.key, denied: !c.ok && !m.wouldDeny, wait: c.wait(), remaining: c.remaining(),
+	q := standing{zone: c.zone, key: c.key, denied: !c.ok && !m.wouldDeny, wait: c.wait(), remaining: c.remaining(),
 		capacity: c.limit, debt: c.left, full: h.Zones[c.zone].limit.burstTime}
+	if c.used > 0 {
+		q.end = c.window.end
+	}
+	return q
 }
 
 // mostConstrained picks the bucket or counter that speaks for the
@@ -110,7 +115,13 @@ func (h *Handler) writeHeaders(hdr http.Header, now time.Time, sc *scratch) {
 		ends[0] = len(b)
 		b = strconv.AppendInt(b, top.remaining, 10)
 		ends[1] = len(b)
-		b = strconv.AppendInt(b, now.Add(top.debt+time.Second-1).Unix(), 10)
+		// When it is full again: a counter's window's end exactly,
+		// whichever clock counted it.
+		reset := now.Add(top.debt)
+		if !top.end.IsZero() {
+			reset = top.end
+		}
+		b = strconv.AppendInt(b, reset.Add(time.Second-1).Unix(), 10)
 		ends[2] = len(b)
 	}
 	if h.headerMode != headersLegacy {

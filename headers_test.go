@@ -197,3 +197,25 @@ func TestSFString(t *testing.T) {
 		t.Error("é and %C3%A9 give the same sf-string")
 	}
 }
+
+// A quota's X-RateLimit-Reset is its window's end, exactly, on every
+// store: a day that ends at midnight in New York, request after request.
+func TestQuotaResetIsTheWindowsEnd(t *testing.T) {
+	r := startRedis(t)
+	zone := `{"zones":[{"name":"reset-ny","key":"static","quota":100,"quota_period":"day","timezone":"America/New_York"}]`
+	for _, tc := range []struct{ name, config string }{
+		{"local", zone + `}`},
+		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"rny:"}}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newTestHandler(t, tc.config)
+			for i := range 20 {
+				end := h.Zones[0].quota.window(time.Now()).end
+				_, hdr := serve(h, "192.0.2.1")
+				if got, want := hdr.Get("X-Ratelimit-Reset"), strconv.FormatInt(end.Unix(), 10); got != want {
+					t.Fatalf("request %d: X-RateLimit-Reset %s, want %s, the window's end", i, got, want)
+				}
+			}
+		})
+	}
+}

@@ -39,15 +39,21 @@ type zoneState struct {
 // Destruct is called when no config has the zone any more.
 func (*zoneState) Destruct() error { return nil }
 
-// zoneStates holds the zoneState of every zone name in the loaded
-// configs, so that counters keep counting across reloads.
+// zoneStates holds the zoneState of every zone in the loaded configs, so
+// that counters keep counting across reloads. A zone is its name and its
+// limit (see Zone.describe): zones of one name and limit share their
+// buckets, and count as one; zones of one name with different limits
+// limit separately, and count separately.
 var zoneStates = caddy.NewUsagePool()
+
+// A zoneID names a zone's state: its name and its limit.
+type zoneID struct{ name, limit string }
 
 // topKeysSize is how many keys each zone's heavy-hitter sketch tracks.
 const topKeysSize = 64
 
-func acquireZoneState(name string) (*zoneState, error) {
-	v, _, err := zoneStates.LoadOrNew(name, func() (caddy.Destructor, error) {
+func acquireZoneState(id zoneID) (*zoneState, error) {
+	v, _, err := zoneStates.LoadOrNew(id, func() (caddy.Destructor, error) {
 		return &zoneState{top: newTopKeys(topKeysSize)}, nil
 	})
 	if err != nil {
@@ -82,7 +88,7 @@ var (
 		Name:      "delay_seconds",
 		Help:      "Time requests waited for a zone's tokens (delay), by zone.",
 		Buckets:   []float64{0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600},
-	}, []string{"zone"})
+	}, []string{"zone", "limit"})
 
 	zoneCollector = newCollector()
 )
@@ -98,25 +104,25 @@ func newCollector() *collector {
 	return &collector{
 		requests: prometheus.NewDesc(name("requests_total"),
 			"Rate limit decisions by zone and result: allowed, denied, dry_run_denied or store_error.",
-			[]string{"zone", "result"}, nil),
+			[]string{"zone", "limit", "result"}, nil),
 		cacheHits: prometheus.NewDesc(name("over_limit_cache_hits_total"),
 			"Requests the Redis store denied from its over-limit cache, without asking Redis.",
-			[]string{"zone"}, nil),
+			[]string{"zone", "limit"}, nil),
 		bans: prometheus.NewDesc(name("bans_total"),
 			"Denials that started a ban: each ban is counted once, whichever instance started it.",
-			[]string{"zone"}, nil),
+			[]string{"zone", "limit"}, nil),
 		refunds: prometheus.NewDesc(name("refunds_total"),
 			"Allowed requests whose tokens a zone with count gave back, as their response did not match.",
-			[]string{"zone"}, nil),
+			[]string{"zone", "limit"}, nil),
 		delayed: prometheus.NewDesc(name("delayed_total"),
 			"Requests a zone with delay let wait for its tokens, by how the wait ended: served (went on), abandoned (the client left; tokens given back) or refused (max_delayed requests waited already: 429).",
-			[]string{"zone", "result"}, nil),
+			[]string{"zone", "limit", "result"}, nil),
 		keys: prometheus.NewDesc(name("keys"),
 			"Buckets and calendar quota counters the local store tracks.",
-			[]string{"zone"}, nil),
+			[]string{"zone", "limit"}, nil),
 		evictions: prometheus.NewDesc(name("evictions_total"),
 			"Buckets the local store evicted before they refilled, to stay within max_keys.",
-			[]string{"zone"}, nil),
+			[]string{"zone", "limit"}, nil),
 		circuitOpen: prometheus.NewDesc(name("circuit_open"),
 			"Redis connections whose circuit breaker is open: their store decides by fail_mode.",
 			nil, nil),
@@ -135,50 +141,51 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
-	exported := make(map[string]bool)
+	exported := make(map[zoneID]bool)
 	zoneStates.Range(func(k, v any) bool {
-		name, s := k.(string), v.(*zoneState)
+		id, s := k.(zoneID), v.(*zoneState)
 		if s.metered.Load() <= 0 {
 			return true
 		}
-		exported[name] = true
-		for _, r := range []struct {
-			result string
-			n      *atomic.Uint64
-		}{
-			{"allowed", &s.allowed},
-			{"denied", &s.denied},
-			{"dry_run_denied", &s.dryRunDenied},
-			{"store_error", &s.storeErrors},
-		} {
-			ch <- prometheus.MustNewConstMetric(c.requests, prometheus.CounterValue, float64(r.n.Load()), name, r.result)
-		}
-		ch <- prometheus.MustNewConstMetric(c.cacheHits, prometheus.CounterValue, float64(s.cacheHits.Load()), name)
-		ch <- prometheus.MustNewConstMetric(c.bans, prometheus.CounterValue, float64(s.bans.Load()), name)
-		ch <- prometheus.MustNewConstMetric(c.refunds, prometheus.CounterValue, float64(s.refunds.Load()), name)
-		if s.delayZone.Load() {
-			ch <- prometheus.MustNewConstMetric(c.delayed, prometheus.CounterValue, float64(s.delayed.Load()), name, "served")
-			ch <- prometheus.MustNewConstMetric(c.delayed, prometheus.CounterValue, float64(s.delayAbandoned.Load()), name, "abandoned")
-			ch <- prometheus.MustNewConstMetric(c.delayed, prometheus.CounterValue, float64(s.delayRefused.Load()), name, "refused")
-		}
+		exported[id] = true
+		c.collectZone(ch, id, s)
 		return true
 	})
-
 	c.collectStores(ch, exported)
+}
+
+// collectZone exports what a zone has counted.
+func (c *collector) collectZone(ch chan<- prometheus.Metric, id zoneID, s *zoneState) {
+	counter := func(d *prometheus.Desc, n *atomic.Uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(n.Load()), append([]string{id.name, id.limit}, labels...)...)
+	}
+	counter(c.requests, &s.allowed, "allowed")
+	counter(c.requests, &s.denied, "denied")
+	counter(c.requests, &s.dryRunDenied, "dry_run_denied")
+	counter(c.requests, &s.storeErrors, "store_error")
+	counter(c.cacheHits, &s.cacheHits)
+	counter(c.bans, &s.bans)
+	counter(c.refunds, &s.refunds)
+	if s.delayZone.Load() {
+		counter(c.delayed, &s.delayed, "served")
+		counter(c.delayed, &s.delayAbandoned, "abandoned")
+		counter(c.delayed, &s.delayRefused, "refused")
+	}
 }
 
 // collectStores exports what the stores of the provisioned handlers keep
 // (read through their stats): the keys and evictions of each zone, the
 // tables that zones of one name and limit share counted once, and the
 // connections whose circuit breaker is open.
-func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[string]bool) {
-	keys := make(map[string]int)
-	evictions := make(map[string]uint64)
+func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zoneID]bool) {
+	keys := make(map[zoneID]int)
+	evictions := make(map[zoneID]uint64)
 	tables := make(map[any]bool)
 	clients := make(map[any]bool) // whether each connection is down
 	registry.Lock()
 	for _, refs := range registry.zones {
 		for _, ref := range refs {
+			id := ref.z.id
 			for _, s := range []store{ref.h.store, ref.h.fallbackStore()} {
 				if s == nil {
 					continue
@@ -187,19 +194,19 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[stri
 				if st.client != nil {
 					clients[st.client] = st.unavailable
 				}
-				if st.keys == nil || tables[st.table] || !exported[ref.z.Name] {
+				if st.keys == nil || tables[st.table] || !exported[id] {
 					continue
 				}
 				tables[st.table] = true
-				keys[ref.z.Name] += *st.keys
-				evictions[ref.z.Name] += *st.evictions
+				keys[id] += *st.keys
+				evictions[id] += *st.evictions
 			}
 		}
 	}
 	registry.Unlock()
-	for name, n := range keys {
-		ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(n), name)
-		ch <- prometheus.MustNewConstMetric(c.evictions, prometheus.CounterValue, float64(evictions[name]), name)
+	for id, n := range keys {
+		ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(n), id.name, id.limit)
+		ch <- prometheus.MustNewConstMetric(c.evictions, prometheus.CounterValue, float64(evictions[id]), id.name, id.limit)
 	}
 	open := 0
 	for _, down := range clients {

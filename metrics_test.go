@@ -103,8 +103,24 @@ func scrape(t *testing.T, tester *caddytest.Tester) map[string]float64 {
 		}
 		m[line[:i]] = v
 	}
+	// A zone's series are found by its name alone too, when no other zone
+	// of that name has them: the limit label tells apart zones of one name.
+	seen := make(map[string]int)
+	for series := range m {
+		seen[withoutLimit(series)]++
+	}
+	for series, v := range m {
+		if short := withoutLimit(series); seen[short] == 1 {
+			m[short] = v
+		}
+	}
 	return m
 }
+
+// withoutLimit is s without its series' limit labels.
+func withoutLimit(s string) string { return limitLabel.ReplaceAllString(s, "") }
+
+var limitLabel = regexp.MustCompile(`limit="[^"]*",?`)
 
 func wantMetric(t *testing.T, m map[string]float64, series string, want float64) {
 	t.Helper()

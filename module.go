@@ -128,7 +128,7 @@ type Handler struct {
 	storeName   string              // the store module's name
 	ctx         caddy.Context       // for events
 	events      *caddyevents.App
-	states      []string     // names of the zone states acquired
+	states      []zoneID     // the zone states acquired
 	metered     []*zoneState // zone states this handler exports
 	registered  bool         // in the admin API's registry
 	// writeRefusals: the server has no error routes (handle_errors), so
@@ -206,11 +206,12 @@ func (h *Handler) provisionZones(ctx caddy.Context) error {
 			h.logger.Warn("zone key has no placeholders: all clients share one bucket",
 				zap.String("zone", z.Name), zap.String("key", z.Key))
 		}
-		st, err := acquireZoneState(z.Name)
+		z.id = zoneID{z.Name, z.describe()}
+		st, err := acquireZoneState(z.id)
 		if err != nil {
 			return err
 		}
-		h.states = append(h.states, z.Name)
+		h.states = append(h.states, z.id)
 		z.state = st
 		z.inDryRun = z.DryRun || h.DryRun
 		h.anyDryRun = h.anyDryRun || z.inDryRun
@@ -274,7 +275,7 @@ func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 		z.state.metered.Add(1)
 		h.metered = append(h.metered, z.state)
 		if z.limit.delay > 0 {
-			z.delays = delaySeconds.WithLabelValues(z.Name)
+			z.delays = delaySeconds.WithLabelValues(z.Name, z.id.limit)
 		}
 	}
 	return nil
@@ -290,13 +291,13 @@ func (h *Handler) Cleanup() error {
 	}
 	for i, st := range h.metered {
 		if st.metered.Add(-1) == 0 && i < len(h.Zones) && h.Zones[i].delays != nil {
-			delaySeconds.DeleteLabelValues(h.Zones[i].Name) // the zone is gone
+			delaySeconds.DeleteLabelValues(h.Zones[i].Name, h.Zones[i].id.limit) // the zone is gone
 		}
 	}
 	h.metered = nil
 	var errs []error
-	for _, name := range h.states {
-		if _, err := zoneStates.Delete(name); err != nil {
+	for _, id := range h.states {
+		if _, err := zoneStates.Delete(id); err != nil {
 			errs = append(errs, err)
 		}
 	}

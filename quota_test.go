@@ -355,7 +355,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 			send("carol", "/api/x", 429)
 			var ci bucketInfo
 			adminJSON(t, "GET", "/rate_limit/"+api+"/carol", &ci)
-			if ci.Quota == nil || ci.Quota.Used != 2 || ci.Tokens >= 1 {
+			if ci.Quota == nil || ci.Quota.Used != 2 || ci.Tokens == nil || *ci.Tokens >= 1 {
 				t.Fatalf("after a refusal by the bucket: %+v %+v", ci, ci.Quota)
 			}
 			var mi keyInfo
@@ -370,7 +370,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 			adminJSON(t, "DELETE", "/rate_limit/"+api+"/carol", nil) // a full bucket again, and 0 counted
 			send("carol", "/api/x", 429)
 			adminJSON(t, "GET", "/rate_limit/"+api+"/carol", &ci)
-			if ci.Quota == nil || ci.Quota.Used != 0 || ci.Tokens != 2 {
+			if ci.Quota == nil || ci.Quota.Used != 0 || ci.Tokens == nil || *ci.Tokens != 2 {
 				t.Fatalf("after a refusal by the monthly quota: %+v %+v", ci, ci.Quota)
 			}
 		})

@@ -164,7 +164,8 @@ type Zone struct {
 	// that the upstream can be told. Lets a new limit be tried safely.
 	DryRun bool `json:"dry_run,omitempty"`
 
-	index    int // in Handler.Zones
+	index    int    // in Handler.Zones
+	id       zoneID // its name and its limit: what its counters are shared by
 	limit    limit
 	costTime time.Duration // what Cost tokens are worth: limit.costTime(Cost)
 	// Burst and Cost when they hold placeholders, and Rate's.
@@ -741,6 +742,34 @@ func peer(r *http.Request) string {
 		return "@"
 	}
 	return host
+}
+
+// describe is the zone's limit in words, as configured: what tells zones
+// of one name apart in the metrics' limit label and the admin API, e.g.
+// `1r/m burst 2`, `concurrency 4` or `10r/s burst 20, quota 1000 per day`.
+func (z *Zone) describe() string {
+	var parts []string
+	if z.hasRate() {
+		burst := strconv.FormatInt(z.Burst, 10)
+		switch {
+		case z.burstVar.template != "":
+			burst = z.burstVar.template
+		case z.windowForm():
+			burst = strconv.FormatInt(z.MaxEvents, 10)
+		}
+		parts = append(parts, z.rateString()+" burst "+burst)
+	}
+	if z.Concurrency != 0 {
+		parts = append(parts, "concurrency "+strconv.FormatInt(z.Concurrency, 10))
+	}
+	if z.Quota != 0 {
+		q := "quota " + strconv.FormatInt(z.Quota, 10) + " per " + z.QuotaPeriod
+		if z.Timezone != "" {
+			q += " in " + z.Timezone
+		}
+		parts = append(parts, q)
+	}
+	return strings.Join(parts, ", ")
 }
 
 // spec is what a store knows of the zone.
