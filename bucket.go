@@ -113,6 +113,24 @@ func (l limit) adjust(fullAt, now, cost time.Duration) time.Duration {
 	return now + min(max(d+cost, 0), l.burstTime+l.ban+l.delay)
 }
 
+// rescale is, on l's time line, the instant of a bucket full at fullAt,
+// seen at now, that a limit of whole bucket from wrote (its key's plan
+// changed): it owes the same fraction of its bucket, and what it owed
+// beyond a whole bucket (a ban, a delay's reservations) as it was. So a
+// change of plan hands back no tokens and takes none: a client that
+// emptied its bucket finds the other plan's empty too, refilling at that
+// plan's rate. from 0 (not known) or l's own whole bucket changes nothing.
+// The fraction is computed in float64, as the Redis script computes it,
+// to the nanosecond below.
+func (l limit) rescale(fullAt, now, from time.Duration) time.Duration {
+	d := fullAt - now
+	if d <= 0 || from <= 0 || from == l.burstTime {
+		return fullAt
+	}
+	part := min(d, from)
+	return now + time.Duration(float64(part)/float64(from)*float64(l.burstTime)) + d - part
+}
+
 // clamp is the instant of a bucket full at fullAt, seen at now, owing no
 // more than a whole bucket and a ban.
 func (l limit) clamp(fullAt, now time.Duration) time.Duration {

@@ -235,7 +235,7 @@ func (s *LocalStore) take(_ context.Context, now time.Time, d *demands) (bool, e
 		t := s.zones[b.zone].buckets
 		n := t.instant(now)
 		if b.floor > 0 {
-			raise(t, b.key, n+b.floor, n)
+			raise(t, b.key, b.limit, n+b.floor, n)
 		}
 		cs = append(cs, charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n, req: i})
 	}
@@ -270,7 +270,7 @@ func (s *LocalStore) takeOne(now time.Time, b *bucketDemand) bool {
 	t := s.zones[b.zone].buckets
 	n := t.instant(now)
 	if b.floor > 0 {
-		raise(t, b.key, n+b.floor, n)
+		raise(t, b.key, b.limit, n+b.floor, n)
 	}
 	c := charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n}
 	b.ok = takeOne(&c)

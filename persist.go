@@ -54,11 +54,14 @@ import (
 // A zone whose limit depends on the request (plans.go) has one table
 // whatever its plans, named and written with a burst and token time of 0.
 //
-// A snapshot is, little-endian: the magic "rlbk", a uint32 version (1),
+// A snapshot is, little-endian: the magic "rlbk", a uint32 version (2),
 // the hash key's fingerprint (uint64), the token time in ns and the
 // burst (int64), the wall-clock instant it was written and the number of
 // buckets (int64, uint64), then per bucket its hash (uint64) and the Unix
-// time in ns it is full again (int64).
+// time in ns it is full again (int64), and, in a zone whose limit comes
+// with each request, the whole-bucket time of the limit that wrote it
+// (int64; version 1 has none). A quota's counter has, after its window's
+// end, its count (int64).
 
 const (
 	// defaultPersistInterval is how often tables are written: how much
@@ -74,7 +77,7 @@ const (
 	saveTimeout    = 5 * time.Second
 
 	snapshotMagic   = "rlbk"
-	snapshotVersion = 1
+	snapshotVersion = 2  // 1: a plan zone's buckets without their whole-bucket time
 	snapshotHeader  = 48 // bytes before the buckets
 	snapshotEntry   = 16
 )
@@ -234,10 +237,12 @@ func storageName(name string) string {
 	return string(b)
 }
 
-// entrySize is the size of one of the table's snapshot entries: a
-// quota's counter has its count after its window's end.
-func (id tableID) entrySize() int {
-	if id.quota != "" {
+// entrySize is the size of one of the table's snapshot entries of a
+// version: a quota's counter has its count after its window's end, a
+// bucket of a zone whose limit comes with each request the whole-bucket
+// time of the limit that wrote it.
+func (id tableID) entrySize(version uint32) int {
+	if id.quota != "" || id.burst == 0 && version >= 2 {
 		return snapshotEntry + 8
 	}
 	return snapshotEntry
@@ -399,12 +404,12 @@ func (t *table[E]) save(sn *snapshots) error {
 func (t *table[E]) snapshot(now time.Time, fingerprint uint64) []byte {
 	n, wall := t.instant(now), now.UnixNano()
 	size := t.len()
-	entry := t.p.shape.entrySize()
+	entry := t.p.shape.entrySize(snapshotVersion)
 	b := make([]byte, snapshotHeader, snapshotHeader+entry*(size+size/8))
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		b = s.appendTo(b, n, wall)
+		b = s.appendTo(b, n, wall, t.p.shape.burst == 0)
 		s.mu.Unlock()
 	}
 	copy(b, snapshotMagic)
@@ -419,10 +424,10 @@ func (t *table[E]) snapshot(now time.Time, fingerprint uint64) []byte {
 
 // appendTo appends the shard's entries that are not spent at n (wall on
 // the wall clock) to a snapshot. Requires s.mu to be held.
-func (s *shard[E]) appendTo(b []byte, n time.Duration, wall int64) []byte {
+func (s *shard[E]) appendTo(b []byte, n time.Duration, wall int64, plan bool) []byte {
 	for h, e := range s.m {
 		if !e.spent(n) {
-			b = appendEntry(b, h, e, n, wall)
+			b = appendEntry(b, h, e, n, wall, plan)
 		}
 	}
 	return b
@@ -431,11 +436,14 @@ func (s *shard[E]) appendTo(b []byte, n time.Duration, wall int64) []byte {
 // appendEntry appends an entry of hash h to a snapshot written at table
 // instant n (wall on the wall clock): a bucket as the wall-clock instant
 // it is full again, a counter as the one its window ends and its count.
-func appendEntry[E entry](b []byte, h uint64, e E, n time.Duration, wall int64) []byte {
+func appendEntry[E entry](b []byte, h uint64, e E, n time.Duration, wall int64, plan bool) []byte {
 	b = binary.LittleEndian.AppendUint64(b, h)
 	switch e := any(e).(type) {
 	case bucket:
 		b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(e.fullAt-n)))
+		if plan {
+			b = binary.LittleEndian.AppendUint64(b, uint64(e.full))
+		}
 	case counter:
 		b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(e.endAt-n)))
 		b = binary.LittleEndian.AppendUint64(b, uint64(e.used))
@@ -457,8 +465,9 @@ func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, erro
 	if len(b) < snapshotHeader || string(b[:4]) != snapshotMagic {
 		return 0, errors.New("not a snapshot")
 	}
-	if v := binary.LittleEndian.Uint32(b[4:]); v != snapshotVersion {
-		return 0, fmt.Errorf("snapshot version %d, want %d", v, snapshotVersion)
+	version := binary.LittleEndian.Uint32(b[4:])
+	if version < 1 || version > snapshotVersion {
+		return 0, fmt.Errorf("snapshot version %d, want %d", version, snapshotVersion)
 	}
 	if binary.LittleEndian.Uint64(b[8:]) != fingerprint {
 		return 0, errors.New("hashed with another key")
@@ -470,7 +479,7 @@ func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, erro
 	}
 	count := binary.LittleEndian.Uint64(b[40:])
 	entries := b[snapshotHeader:]
-	entry := t.p.shape.entrySize()
+	entry := t.p.shape.entrySize(version)
 	if uint64(len(entries)) != count*uint64(entry) {
 		return 0, fmt.Errorf("%d bytes of buckets, want %d: truncated", len(entries), count*uint64(entry))
 	}
@@ -479,13 +488,13 @@ func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, erro
 	case *table[counter]:
 		return mergeCounts(t, entries, n, wall), nil
 	case *table[bucket]:
-		return mergeBuckets(t, entries, n, wall), nil
+		return mergeBuckets(t, entries, entry, n, wall), nil
 	}
 	return 0, nil
 }
 
 // mergeBuckets adds a snapshot's buckets to the table, as merge says.
-func mergeBuckets(t *table[bucket], entries []byte, n time.Duration, wall int64) int {
+func mergeBuckets(t *table[bucket], entries []byte, entry int, n time.Duration, wall int64) int {
 	burst, tokenTime := t.p.shape.burst, t.p.shape.tokenTime
 	most := n + max(time.Duration(burst)*tokenTime, t.p.most)
 	if burst == 0 {
@@ -496,9 +505,13 @@ func mergeBuckets(t *table[bucket], entries []byte, n time.Duration, wall int64)
 	capacity := t.shardCap()
 	kept := 0
 	var locked *shard[bucket]
-	for i := 0; len(entries) > 0; i, entries = i+1, entries[snapshotEntry:] {
+	for i := 0; len(entries) > 0; i, entries = i+1, entries[entry:] {
 		h := binary.LittleEndian.Uint64(entries)
 		fullAt := n + time.Duration(int64(binary.LittleEndian.Uint64(entries[8:]))-wall)
+		full := time.Duration(tokenTime) * time.Duration(burst) // a fixed limit's
+		if entry > snapshotEntry {
+			full = time.Duration(binary.LittleEndian.Uint64(entries[16:]))
+		}
 		if fullAt <= n {
 			continue // refilled
 		}
@@ -512,10 +525,10 @@ func mergeBuckets(t *table[bucket], entries []byte, n time.Duration, wall int64)
 		}
 		if bk, ok := locked.m[h]; ok {
 			if fullAt > bk.fullAt {
-				locked.m[h] = bucket{fullAt, bk.usedAt}
+				locked.m[h] = bucket{fullAt, bk.usedAt, full}
 			}
 		} else if len(locked.m) < capacity {
-			locked.m[h] = bucket{fullAt, n}
+			locked.m[h] = bucket{fullAt, n, full}
 		} else {
 			continue
 		}

@@ -128,7 +128,7 @@ func testSnapshots(storage certmagic.Storage) *snapshots {
 
 // set makes k's bucket in t full again at fullAt.
 func set(t *table[bucket], k string, fullAt time.Time) {
-	raise(t, key(k), t.instant(fullAt), t.instant(t0))
+	raise(t, key(k), newLimit(1, 10), t.instant(fullAt), t.instant(t0)) // testShape's limit
 }
 
 // fullIn is how long k's bucket in t needs to be full again, seen at now.
@@ -191,9 +191,9 @@ func TestSnapshotDiscarded(t *testing.T) {
 		{"another format", append([]byte("RLBK"), good[4:]...), "not a snapshot"},
 		{"a later version", func() []byte {
 			b := append([]byte(nil), good...)
-			binary.LittleEndian.PutUint32(b[4:], 2)
+			binary.LittleEndian.PutUint32(b[4:], snapshotVersion+1)
 			return b
-		}(), "version 2"},
+		}(), fmt.Sprintf("version %d", snapshotVersion+1)},
 	} {
 		c := newPersistedTable(sn)
 		_, err := c.merge(tc.b, sn.key.fingerprint(), t0)
@@ -477,7 +477,7 @@ func BenchmarkSnapshot(b *testing.B) {
 	now := t0
 	for i, k := range ipKeys()[:1_000_000] {
 		h := tab.hash(k)
-		tab.shard(h).set(tab, h, bucket{tab.instant(now) + time.Duration(i+1)*time.Millisecond, 0}, 0)
+		tab.shard(h).set(tab, h, bucket{tab.instant(now) + time.Duration(i+1)*time.Millisecond, 0, 10 * time.Second}, 0)
 	}
 	var snap []byte
 	b.Run("write", func(b *testing.B) {
@@ -496,7 +496,7 @@ func BenchmarkSnapshot(b *testing.B) {
 		for b.Loop() {
 			s := &tab.shards[i%len(tab.shards)]
 			s.mu.Lock()
-			buf = s.appendTo(buf[:0], n, wall)
+			buf = s.appendTo(buf[:0], n, wall, false)
 			s.mu.Unlock()
 			i++
 		}

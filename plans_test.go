@@ -9,10 +9,12 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -240,8 +242,8 @@ func TestPlansThroughCaddy(t *testing.T) {
 			if got := hdr.Get("Ratelimit"); got != zone+";r=0;t=12" {
 				t.Fatalf("after the change, RateLimit %q", got)
 			}
-			// …which free, back again, finds as one token of its two.
-			call("free-key", "free", 200, "")
+			// …and free, back again, finds its bucket empty too: a change
+			// of plan hands back no tokens.
 			call("free-key", "free", 429, "60")
 
 			// The admin API tells when the bucket is full again.
@@ -277,4 +279,45 @@ func observePlanLogs(h *Handler) *observer.ObservedLogs {
 	core, logs := observer.New(zapcore.DebugLevel)
 	h.Zones[0].plans.logger = zap.New(core)
 	return logs
+}
+
+// A key that emptied its bucket on one plan (owing 10s), sent once with
+// a plan whose bucket refills in 2s, and back on the first, has no token
+// back, on every store: a change of plan keeps the fraction of the bucket
+// owed.
+func TestPlanFlipHandsBackNoTokens(t *testing.T) {
+	r := startRedis(t)
+	zone := `{"zones":[{"name":"flip","key":"static","rate":"{http.vars.rate}","burst":"{http.vars.burst}"}]`
+	for _, tc := range []struct{ name, config string }{
+		{"local", zone + `}`},
+		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"flip:"}}`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newTestHandler(t, tc.config)
+			send := func(rate string) (int, http.Header) {
+				req, rr := newRequest("192.0.2.1")
+				caddyhttp.SetVar(req.Context(), "rate", rate)
+				caddyhttp.SetVar(req.Context(), "burst", "10")
+				if err := h.ServeHTTP(rr, req, okHandler); err != nil {
+					return statusOf(err), rr.Header()
+				}
+				return rr.Code, rr.Header()
+			}
+			for i := range 10 {
+				if code, _ := send("1r/s"); code != 200 {
+					t.Fatalf("free request %d: %d", i, code)
+				}
+			}
+			if code, _ := send("5r/s"); code != 429 {
+				t.Fatalf("on the 2s plan: %d, want 429: the bucket is empty on any plan", code)
+			}
+			code, hdr := send("1r/s")
+			if code != 429 || hdr.Get("X-Ratelimit-Remaining") != "0" {
+				t.Fatalf("back on the first plan: %d with %s tokens left, want 429 and 0", code, hdr.Get("X-Ratelimit-Remaining"))
+			}
+			if retry, _ := strconv.Atoi(hdr.Get("Retry-After")); retry < 1 {
+				t.Fatalf("Retry-After %q", hdr.Get("Retry-After"))
+			}
+		})
+	}
 }

@@ -111,10 +111,9 @@ func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pac
 		t, l := s.zones[b.zone].cache, b.limit
 		known, _ := t.lookup(b.key)
 		fullAt, n := known.fullAt, t.instant(now)
-		if fullAt-n > l.burstTime+l.ban+l.delay {
-			// The bucket owes more than the request's limit holds: its
-			// limit changed. Redis clamps it to the new burst (which no
-			// bound from the old limit foresees): ask.
+		if known.full != l.burstTime {
+			// Learnt under another limit (the key's plan changed): Redis
+			// rescales it, which no bound from the old limit foresees.
 			fullAt = 0
 		}
 		_, b.ok = l.take(fullAt, n, b.cost)
@@ -195,15 +194,15 @@ func (s *RedisStore) remember(now time.Time, d *demands, flight flightKey) {
 			t.forget(b.key)
 			continue
 		}
-		learn(t, b.key, t.instant(now)+b.debt, t.instant(now))
+		learn(t, b.key, t.instant(now)+b.debt, b.limit.burstTime, t.instant(now))
 	}
 }
 
-// learn notes that a bucket is full again at fullAt, as the answer to a
-// call sent at now says: it replaces what an answer to an earlier call
+// learn notes that a bucket is full again at fullAt, under a limit of
+// whole bucket full, as the answer to a call sent at now says: it replaces what an answer to an earlier call
 // said, whatever that was (the bucket may have been reset since), and an
 // answer to an earlier call than the one noted changes nothing.
-func learn(t *table[bucket], k bucketKey, fullAt, now time.Duration) {
+func learn(t *table[bucket], k bucketKey, fullAt, full, now time.Duration) {
 	h := t.hash(k)
 	sh := t.shard(h)
 	sh.mu.Lock()
@@ -211,7 +210,7 @@ func learn(t *table[bucket], k bucketKey, fullAt, now time.Duration) {
 	if b, ok := sh.m[h]; ok && b.usedAt > now {
 		return
 	}
-	sh.set(t, h, bucket{fullAt, now}, now)
+	sh.set(t, h, bucket{fullAt, now, full}, now)
 }
 
 // overLimitTrust is how long the cache refuses by what Redis last said,

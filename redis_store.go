@@ -144,6 +144,7 @@ type redisZone struct {
 	name    string
 	field   string // how its buckets' fields start: the name, escaped, and ':'
 	refunds bool   // its buckets may be given tokens back
+	plans   bool   // its limit comes with each request: its buckets are scaled
 	// The shapes of its demands as the script reads them, the last ones
 	// asked for: a zone whose limit is fixed asks for the same each time.
 	shape   atomic.Pointer[rediswire.Shape]
@@ -372,6 +373,7 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 	for i, z := range zones {
 		rz := &s.zones[i]
 		rz.name, rz.field, rz.refunds = z.name, rediswire.ZoneField(z.name), z.refunds
+		rz.plans = z.bucket && z.shape.burst == 0
 		if !s.DisableOverLimitCache {
 			rz.cache = newBuckets(overLimitCacheKeys, time.Now())
 			if z.quota != "" {
@@ -829,10 +831,10 @@ func (s *RedisStore) shapeOf(b *bucketDemand) *rediswire.Shape {
 	rz := &s.zones[b.zone]
 	cost := max(b.cost, -b.cost) // an adjustment's shape is the take's
 	if last := rz.shape.Load(); last != nil && last.Full == b.limit.burstTime && last.Cost == cost &&
-		last.Ban == b.limit.ban && last.Delay == b.limit.delay {
+		last.Ban == b.limit.ban && last.Delay == b.limit.delay && last.Scaled == rz.plans {
 		return last
 	}
-	shape := s.shapes.get(b.limit.burstTime, cost, b.limit.ban, b.limit.delay)
+	shape := s.shapes.get(b.limit.burstTime, cost, b.limit.ban, b.limit.delay, rz.plans)
 	rz.shape.Store(shape)
 	return shape
 }
@@ -888,14 +890,19 @@ func (s *RedisStore) slotKey(zone int, key bucketKey) string {
 // (plans), each made once: at most maxShapes of them, beyond which a
 // shape is made per call.
 type shapeCache struct {
-	m  atomic.Pointer[map[[4]time.Duration]*rediswire.Shape]
+	m  atomic.Pointer[map[shapeKey]*rediswire.Shape]
 	mu sync.Mutex
+}
+
+type shapeKey struct {
+	full, cost, ban, delay time.Duration
+	scaled                 bool
 }
 
 const maxShapes = 4096
 
-func (c *shapeCache) get(full, cost, ban, delay time.Duration) *rediswire.Shape {
-	k := [4]time.Duration{full, cost, ban, delay}
+func (c *shapeCache) get(full, cost, ban, delay time.Duration, scaled bool) *rediswire.Shape {
+	k := shapeKey{full, cost, ban, delay, scaled}
 	if m := c.m.Load(); m != nil {
 		if s := (*m)[k]; s != nil {
 			return s
@@ -903,16 +910,16 @@ func (c *shapeCache) get(full, cost, ban, delay time.Duration) *rediswire.Shape 
 	}
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	var m map[[4]time.Duration]*rediswire.Shape
+	var m map[shapeKey]*rediswire.Shape
 	if p := c.m.Load(); p != nil {
 		m = *p
 	}
 	if s := m[k]; s != nil {
 		return s
 	}
-	s := rediswire.NewShape(full, cost, ban, delay)
+	s := rediswire.NewShape(full, cost, ban, delay, scaled)
 	if len(m) < maxShapes {
-		next := make(map[[4]time.Duration]*rediswire.Shape, len(m)+1)
+		next := make(map[shapeKey]*rediswire.Shape, len(m)+1)
 		maps.Copy(next, m)
 		next[k] = s
 		c.m.Store(&next)

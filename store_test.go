@@ -310,16 +310,19 @@ type planStep struct {
 var planSteps = []planStep{
 	{0, "free", true, 1},
 	{0, "free", true, 0},
-	{0, "free", false, 0}, // owes 2s
-	// Now pro: the bucket owes a whole pro bucket, from now on…
+	{0, "free", false, 0}, // owes 2s: all of its bucket
+	// Now pro: the bucket owes all of a pro bucket, from now on…
 	{0, "pro", false, 0},
 	// …so a pro token comes back at pro's rate, not after free's 2s.
 	{100 * time.Millisecond, "pro", true, 0},
-	// Back to free, the debt carries over as is: 500ms of free's 2s.
-	{100 * time.Millisecond, "free", true, 0},
+	// Back to free, the bucket owes what it owed, all of it: a change of
+	// plan hands back no tokens (free would have 1.5 of its 2 if the
+	// debt were carried as time).
 	{100 * time.Millisecond, "free", false, 0},
-	{100 * time.Millisecond, "pro", false, 0}, // clamped again: full at 600ms
+	{100 * time.Millisecond, "free", false, 0},
+	{100 * time.Millisecond, "pro", false, 0}, // all of a pro bucket again: full at 600ms
 	{700 * time.Millisecond, "pro", true, 4},
+	// A fifth of a pro bucket owed is a fifth of free's: 0.4s of 2s.
 	{700 * time.Millisecond, "free", true, 0},
 }
 

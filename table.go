@@ -65,11 +65,14 @@ type shard[E entry] struct {
 	_           [40]byte // keep shards on separate cache lines
 }
 
-// A bucket is one tracked token bucket: the instant it is full again, and
-// the last instant a request used it, for eviction.
+// A bucket is one tracked token bucket: the instant it is full again, the
+// last instant a request used it, for eviction, and the whole-bucket time
+// of the limit that wrote it (for a zone whose limit comes with each
+// request: see limit.rescale).
 type bucket struct {
 	fullAt time.Duration
 	usedAt time.Duration
+	full   time.Duration
 }
 
 func (b bucket) spent(now time.Duration) bool { return b.fullAt <= now }
@@ -323,15 +326,17 @@ func bucketAt(t *table[bucket], k bucketKey) time.Duration {
 	return b.fullAt
 }
 
-// raise makes k's bucket full again no sooner than fullAt. now is the
-// current table instant, which tells the eviction what has refilled.
-func raise(t *table[bucket], k bucketKey, fullAt, now time.Duration) {
+// raise makes k's bucket of limit l full again no sooner than fullAt.
+// now is the current table instant, which tells the eviction what has
+// refilled.
+func raise(t *table[bucket], k bucketKey, l limit, fullAt, now time.Duration) {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if fullAt > s.m[h].fullAt {
-		s.set(t, h, bucket{fullAt, now}, now)
+	b := s.m[h]
+	if fullAt > l.rescale(b.fullAt, now, b.full) {
+		s.set(t, h, bucket{fullAt, now, l.burstTime}, now)
 	}
 }
 
@@ -346,12 +351,13 @@ func adjustBucket(t *table[bucket], k bucketKey, l limit, cost, now time.Duratio
 	if !ok && cost <= 0 {
 		return // full already
 	}
-	switch fullAt := l.adjust(b.fullAt, now, cost); {
+	was := l.rescale(b.fullAt, now, b.full)
+	switch fullAt := l.adjust(was, now, cost); {
 	case fullAt == b.fullAt:
 	case fullAt <= now:
 		delete(s.m, h) // full again
 	default:
-		s.set(t, h, bucket{fullAt, now}, now)
+		s.set(t, h, bucket{fullAt, now, l.burstTime}, now)
 	}
 }
 
@@ -372,11 +378,15 @@ type charge struct {
 	debt   time.Duration // how long until the bucket is full, after the decision
 }
 
-// try decides c against a bucket full at fullAt.
-func (c *charge) try(fullAt time.Duration) {
+// try decides c against a bucket b (tracked or not), on c's time line.
+func (c *charge) try(b bucket) {
+	fullAt := c.l.rescale(b.fullAt, c.now, b.full)
 	c.fullAt, c.ok = c.l.take(fullAt, c.now, c.cost)
 	c.ban = !c.ok && c.l.ban > 0 && !c.l.banned(c.l.debt(fullAt, c.now))
 }
+
+// entry is the bucket c leaves.
+func (c *charge) entry() bucket { return bucket{c.fullAt, c.now, c.l.burstTime} }
 
 // commit writes what try decided, once every charge of the request is
 // decided: the take when all allowed, a ban that started, and the
@@ -384,14 +394,14 @@ func (c *charge) try(fullAt time.Duration) {
 func (c *charge) commit(s *shard[bucket], allowed bool) {
 	switch b, tracked := s.m[c.h]; {
 	case allowed || c.ban:
-		s.set(c.t, c.h, bucket{c.fullAt, c.now}, c.now)
+		s.set(c.t, c.h, c.entry(), c.now)
 	case !tracked:
 		c.fullAt = 0 // not charged after all, and full
 	case c.ok:
-		c.fullAt = c.l.clamp(b.fullAt, c.now) // not charged after all
-		s.m[c.h] = bucket{c.fullAt, c.now}
+		c.fullAt = c.l.clamp(c.l.rescale(b.fullAt, c.now, b.full), c.now) // not charged after all
+		s.m[c.h] = c.entry()
 	default:
-		s.m[c.h] = bucket{c.fullAt, c.now}
+		s.m[c.h] = c.entry()
 	}
 	c.debt = c.l.debt(c.fullAt, c.now)
 }
@@ -433,7 +443,7 @@ func takeAll(cs []charge, ks []count, sl []slotClaim) bool {
 	allowed := true
 	for i := range cs {
 		c := &cs[i]
-		c.try(c.t.shard(c.h).m[c.h].fullAt)
+		c.try(c.t.shard(c.h).m[c.h])
 		allowed = allowed && c.ok
 	}
 	for i := range ks {
@@ -463,12 +473,12 @@ func takeOne(c *charge) bool {
 	s := c.t.shard(c.h)
 	s.mu.Lock()
 	b, tracked := s.m[c.h]
-	c.try(b.fullAt)
+	c.try(b)
 	switch {
 	case tracked:
-		s.m[c.h] = bucket{c.fullAt, c.now}
+		s.m[c.h] = c.entry()
 	case c.ok || c.ban:
-		s.insert(c.t, c.h, bucket{c.fullAt, c.now}, c.now)
+		s.insert(c.t, c.h, c.entry(), c.now)
 	}
 	s.mu.Unlock()
 	c.debt = c.l.debt(c.fullAt, c.now)

@@ -20,7 +20,7 @@ if not clock then
 end
 local now = clock - epoch
 local nb, nc, ns = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local cargs, sargs = 5 + 6 * nb, 5 + 6 * nb + 6 * tonumber(ARGV[4])
+local cargs, sargs = 5 + 7 * nb, 5 + 7 * nb + 6 * tonumber(ARGV[4])
 local reply = { 1, 0 }
 
 local function bad()
@@ -28,12 +28,16 @@ local function bad()
 end
 
 for i = 1, nb do
-	local a = 6 * i
+	local a = 7 * i - 1
 	local v = redis.pcall('HGET', KEYS[i], ARGV[a])
 	local d = 0
 	if type(v) == 'table' then
 		bad()
 	elseif v then
+		local c = string.find(v, ':', 1, true)
+		if c then
+			v = string.sub(v, 1, c - 1) -- as written, under whichever plan
+		end
 		local x, frac = tonumber(v), tonumber(string.sub(v, -3))
 		if x and frac and x >= 0 and x % 1 == 0 then
 			d = (math.floor((x - frac) / 1000 + 0.5) - now) * 1000 + frac

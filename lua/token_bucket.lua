@@ -19,7 +19,7 @@
 --   ARGV[4]  nc, the number of counters
 --   ARGV[5]  ns, the number of slot sets
 --   then the three sections, in that order:
---   buckets  6 values each: field, full, cost, ban, delay, wait
+--   buckets  7 values each: field, full, cost, ban, delay, wait, scaled
 --   counters 6 values each: limit, cost, b0, b1, b2, b3
 --   slots    id, then 3 values each: limit, lease, soft
 --
@@ -60,6 +60,11 @@
 --          (never with a ban)
 --   wait   how much of delay this request may reserve: delay, or 0 when
 --          the request may not wait
+--   scaled '1' when the zone's limit comes with each request (plans):
+--          the bucket is written `<instant>:<full>`, and one written under
+--          another full owes the same fraction of this one's bucket (and
+--          what it owed beyond it, as it was), so that a change of plan
+--          hands back no tokens
 --
 -- A bucket owes at most full + ban + delay; with a ban, one that owes
 -- more than full is banned for the excess. One found owing more (its
@@ -156,7 +161,7 @@ if not clock then
 end
 local now = clock - epoch -- µs since 2025: the buckets' time line
 local nb, nc, ns = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local cargs = 5 + 6 * nb -- counter j's values are ARGV[cargs + 6j - 5 ..]
+local cargs = 5 + 7 * nb -- counter j's values are ARGV[cargs + 6j - 5 ..]
 local sargs = cargs + 6 * nc -- the slot section: the id is ARGV[sargs + 1]
 
 local reply = { 1, 0 }
@@ -206,7 +211,7 @@ end
 -- bad (it held no instant, or its hash was of another type).
 local wrong -- the hashes found of another type, deleted before a write
 for i = 1, nb do
-	local a = 6 * i
+	local a = 7 * i - 1
 	local h = KEYS[i]
 	local full, cost, ban, delay = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
 	local v = redis.pcall('HGET', h, ARGV[a])
@@ -215,6 +220,12 @@ for i = 1, nb do
 		wrong = wrong or {}
 		wrong[h], state = true, 4
 	elseif v then
+		-- A scaled bucket is written `<instant>:<full>`, full being the
+		-- whole bucket of the limit that wrote it.
+		local c, sf = string.find(v, ':', 1, true), nil
+		if c then
+			v, sf = string.sub(v, 1, c - 1), tonumber(string.sub(v, c + 1))
+		end
 		-- x, the instant's double, is within a few hundred nanoseconds of
 		-- it until 2098, so its microseconds come out exact once the last
 		-- three digits are taken off and rounded: d is then exact.
@@ -223,6 +234,13 @@ for i = 1, nb do
 			d = (math.floor((x - frac) / 1000 + 0.5) - now) * 1000 + frac
 		else
 			state = 4
+		end
+		if d > 0 and sf and sf > 0 and sf ~= full and ARGV[a + 6] == '1' then
+			-- Written under another limit (the key's plan changed): it owes
+			-- the same fraction of this one's bucket, and what it owed
+			-- beyond its whole bucket as it was; saved so.
+			local part = math.min(d, sf)
+			d, state = math.floor(part / sf * full) + d - part, 2
 		end
 	end
 	local most = full + ban + delay
@@ -247,7 +265,7 @@ if k then
 	m = 0
 	local d, cost, full = {}, {}, {}
 	for i = 1, nb do
-		d[i], cost[i], full[i] = reply[1 + 2 * i], tonumber(ARGV[6 * i + 2]), tonumber(ARGV[6 * i + 1])
+		d[i], cost[i], full[i] = reply[1 + 2 * i], tonumber(ARGV[7 * i + 1]), tonumber(ARGV[7 * i])
 	end
 	while m < k do
 		local room = true
@@ -294,7 +312,7 @@ end
 -- anything.
 local nowdigits -- now in the instants' digits, for purges
 for i = 1, nb do
-	local a = 6 * i
+	local a = 7 * i - 1
 	local debt, state = reply[1 + 2 * i], reply[2 + 2 * i]
 	local short, bad = state % 2 == 1, state >= 4
 	local write = true
@@ -324,7 +342,11 @@ for i = 1, nb do
 			redis.call('HDEL', h, field)
 		else
 			local us = math.floor(debt / 1000)
-			local added = redis.call('HSET', h, field, string.format('%d%03d', now + us, debt - us * 1000))
+			local instant = string.format('%d%03d', now + us, debt - us * 1000)
+			if ARGV[a + 6] == '1' then
+				instant = instant .. ':' .. ARGV[a + 1]
+			end
+			local added = redis.call('HSET', h, field, instant)
 			local ttl = math.ceil(debt / 1000000)
 			local left = redis.call('PTTL', h) -- -1: HSET made the hash
 			if left < ttl then
@@ -340,6 +362,10 @@ for i = 1, nb do
 				local r = redis.call('HRANDFIELD', h, 3, 'WITHVALUES')
 				for j = 2, #r, 2 do
 					local w = r[j]
+					local c = string.find(w, ':', 1, true)
+					if c then
+						w = string.sub(w, 1, c - 1)
+					end
 					if #w < #nowdigits or #w == #nowdigits and w <= nowdigits then
 						redis.call('HDEL', h, r[j - 1])
 					end

@@ -58,15 +58,22 @@ var opArgs = [...]any{Take: "take", Adjust: "adjust", Peek: "peek", Release: "re
 // once: a store keeps one per limit it meets.
 type Shape struct {
 	Full, Cost, Ban, Delay time.Duration
-	args                   [6]any // full, cost, ban, delay, wait (the delay), -cost
+	// Scaled: the zone's limit comes with each request, and a bucket
+	// written under another limit is read as owing the same fraction of
+	// this one's.
+	Scaled bool
+	args   [7]any // full, cost, ban, delay, wait (the delay), -cost, scaled
 }
 
 // NewShape is the shape of a bucket that takes full to refill from empty,
 // whose requests take cost, with a ban or a delay.
-func NewShape(full, cost, ban, delay time.Duration) *Shape {
-	s := &Shape{Full: full, Cost: cost, Ban: ban, Delay: delay}
+func NewShape(full, cost, ban, delay time.Duration, scaled bool) *Shape {
+	s := &Shape{Full: full, Cost: cost, Ban: ban, Delay: delay, Scaled: scaled, args: [7]any{6: zero}}
 	for i, d := range [6]time.Duration{full, cost, ban, delay, delay, -cost} {
 		s.args[i] = ns(d)
+	}
+	if scaled {
+		s.args[6] = "1"
 	}
 	return s
 }
@@ -197,7 +204,7 @@ func (c *Call) bucket(hash, field string, s *Shape, cost time.Duration, costArg,
 		panic("rediswire: buckets go before counters and slots")
 	}
 	c.keys = append(c.keys, hash)
-	c.args = append(c.args, field, s.args[0], costArg, s.args[2], s.args[3], wait)
+	c.args = append(c.args, field, s.args[0], costArg, s.args[2], s.args[3], wait, s.args[6])
 	c.costs = append(c.costs, cost)
 	c.alike = c.alike && s.Ban == 0 && s.Delay == 0
 	c.nb++
