@@ -525,8 +525,11 @@ func TestRedisSentinelFailover(t *testing.T) {
 			t.Fatalf("request %d: %d", i, code)
 		}
 	}
+	// Replication is asynchronous: wait for the third take, not the
+	// first, to reach the replica before it is promoted.
+	want := master.CLI("HGET", hash, field)
 	waitFor(t, 5*time.Second, "key replicated", func() bool {
-		return replica.CLI("HEXISTS", hash, field) == "1"
+		return want != "" && replica.CLI("HGET", hash, field) == want
 	})
 	sentinel.CLI("SENTINEL", "FAILOVER", "mymaster")
 	waitFor(t, 15*time.Second, "failover", func() bool {
