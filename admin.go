@@ -417,7 +417,12 @@ func (ref zoneRef) keyInfo(key string, d *demands) any {
 		// A zone whose limit depends on the request has no tokens or
 		// ban to tell apart without a request: only when it is full.
 		l := z.limit
-		tokens, burst := max(l.tokens(b.debt), 0), l.burst
+		// A bucket in debt after a response's usage holds fewer than
+		// none; a ban or a delay's reservations are shown as empty.
+		tokens, burst := l.tokens(b.debt), l.burst
+		if l.owe == 0 {
+			tokens = max(tokens, 0)
+		}
 		info.Tokens, info.Burst = &tokens, &burst
 		info.Banned, info.BannedFor = l.banned(b.debt), l.banLeft(b.debt).Seconds()
 	}

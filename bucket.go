@@ -46,6 +46,12 @@ type limit struct {
 	// 0: no delay. A limit has a ban or a delay, never both: both read a
 	// debt beyond burstTime, one as a ban, the other as reservations.
 	delay time.Duration
+	// owe: an adjustment may leave the bucket owing this much more than
+	// a whole bucket: how far the true cost of a zone with usage, known
+	// after the response, may take it past empty (see usage.go). A take
+	// still needs its tokens, so a bucket in debt refuses until it holds
+	// them again. 0: none. Never with a ban or a delay.
+	owe time.Duration
 	// noDelay: take as if the delay were 0 (the handler lets no more
 	// requests wait); the bucket may still owe what earlier takes
 	// reserved.
@@ -73,11 +79,15 @@ func (l limit) costTime(n int64) time.Duration {
 }
 
 // debt is how long a bucket full at fullAt needs, seen at now, to be full
-// again: 0 when it is full, never more than a whole bucket and a ban or a
-// delay (a clock that went backwards must not leave a bucket owing more).
+// again: 0 when it is full, never more than it may owe (a clock that went
+// backwards must not leave a bucket owing more).
 func (l limit) debt(fullAt, now time.Duration) time.Duration {
-	return min(max(fullAt-now, 0), l.burstTime+l.ban+l.delay)
+	return min(max(fullAt-now, 0), l.most())
 }
+
+// most is the most a bucket may owe: a whole bucket, and a ban, a delay
+// or a debt.
+func (l limit) most() time.Duration { return l.burstTime + l.ban + l.delay + l.owe }
 
 // take charges cost (from l.costTime) to a bucket full at fullAt. It
 // returns the bucket's new instant and whether the tokens were there, or,
@@ -102,7 +112,7 @@ func (l limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 
 // adjust charges cost (a duration of tokens, as in take) to a bucket full
 // at fullAt, refusing nothing: it returns the bucket's new instant. The
-// bucket may owe up to a whole bucket and a ban or a delay; a negative
+// bucket may owe up to l.most(); a negative
 // cost gives back, but never to a banned bucket: a ban is never
 // shortened.
 func (l limit) adjust(fullAt, now, cost time.Duration) time.Duration {
@@ -110,7 +120,16 @@ func (l limit) adjust(fullAt, now, cost time.Duration) time.Duration {
 	if cost < 0 && l.banned(d) {
 		return fullAt
 	}
-	return now + min(max(d+cost, 0), l.burstTime+l.ban+l.delay)
+	return now + min(max(d+cost, 0), l.most())
+}
+
+// spend is the time n tokens are worth, n being any count a response
+// reports: beyond what a bucket may owe, more than it may owe.
+func (l limit) spend(n int64) time.Duration {
+	if n > int64(l.most()/l.tokenTime) {
+		return l.most() + l.tokenTime
+	}
+	return time.Duration(n) * l.tokenTime
 }
 
 // rescale is, on l's time line, the instant of a bucket full at fullAt,
@@ -132,7 +151,7 @@ func (l limit) rescale(fullAt, now, from time.Duration) time.Duration {
 }
 
 // clamp is the instant of a bucket full at fullAt, seen at now, owing no
-// more than a whole bucket and a ban.
+// more than it may.
 func (l limit) clamp(fullAt, now time.Duration) time.Duration {
 	if fullAt <= now {
 		return fullAt

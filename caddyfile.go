@@ -49,6 +49,8 @@ const anonymousZone = "default"
 //			concurrency <n>         # requests in flight per key; a rate is then optional
 //			lease       <duration>  # with concurrency: how long a Redis slot is held
 //			quota       <n> per day|week|month  # a calendar quota per key; a rate is then optional
+//			usage       json <path>|header <field>  # the true cost, read from the response
+//			max_debt    <n>         # with usage: how far past empty it may take the bucket
 //			timezone    <IANA zone>             # where the quota's days start; default UTC
 //			dry_run
 //			window      <duration>  # with events: caddy-ratelimit's form of rate and burst
@@ -313,6 +315,17 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 			}
 			z.QuotaPeriod = p
 			err = cmp.Or(checkQuota(z.Quota), checkQuotaPeriod(p))
+		case "usage":
+			if z.Usage, err = usageArg(d); err != nil {
+				return err
+			}
+			err = z.Usage.validate()
+		case "max_debt":
+			n, err := intArg[int64](d)
+			if err != nil {
+				return err
+			}
+			z.MaxDebt = &n
 		case "timezone":
 			if !d.AllArgs(&z.Timezone) {
 				return d.ArgErr()
@@ -367,6 +380,21 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 	}
 	h.Zones = append(h.Zones, z)
 	return nil
+}
+
+// usageArg reads the arguments of usage: json <path> or header <field>.
+func usageArg(d *caddyfile.Dispenser) (*Usage, error) {
+	var kind, v string
+	if !d.AllArgs(&kind, &v) {
+		return nil, d.Err("usage needs where to read it: usage json <path> or usage header <field>")
+	}
+	switch kind {
+	case "json":
+		return &Usage{JSON: v}, nil
+	case "header":
+		return &Usage{Header: v}, nil
+	}
+	return nil, d.Errf("invalid usage '%s': expected json <path> or header <field>", kind)
 }
 
 // intArg reads the subdirective's one argument as a whole number.

@@ -135,7 +135,7 @@ func (s *LocalStore) bind(zones []zoneSpec) error {
 		var err error
 		if z.bucket {
 			l := z.shape
-			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.name, tokenTime: l.tokenTime, burst: l.burst}, l.burstTime+l.ban+l.delay)
+			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.name, tokenTime: l.tokenTime, burst: l.burst}, l.most())
 		}
 		if err == nil && z.quota != "" {
 			lz.counters, err = acquireTable[counter](s, tableID{name: z.name, quota: z.quota}, 0)

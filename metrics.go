@@ -23,11 +23,14 @@ type zoneState struct {
 	cacheHits    atomic.Uint64 // denied by the Redis store's over-limit cache
 	bans         atomic.Uint64 // denials that started a ban
 	refunds      atomic.Uint64 // allowed requests given their tokens back (count)
+	usage        atomic.Uint64 // the usage that responses reported (usage)
+	usageMissing atomic.Uint64 // responses without a usage: the requests kept their cost
 
 	delayed        atomic.Uint64 // waited for this zone's tokens (delay), then went on
 	delayAbandoned atomic.Uint64 // waited, but the client left: tokens given back
 	delayRefused   atomic.Uint64 // would have waited, but max_delayed requests waited already
 	delayZone      atomic.Bool   // a zone of this name has a delay: export the three above
+	usageZone      atomic.Bool   // a zone of this name has usage: export usage and usageMissing
 
 	// metered counts the handlers using the zone with metrics enabled;
 	// the zone is exported while it is above zero.
@@ -96,7 +99,7 @@ var (
 // collector exports what the zone states and the stores count, read
 // when Prometheus scrapes.
 type collector struct {
-	requests, cacheHits, bans, refunds, delayed, keys, evictions, circuitOpen *prometheus.Desc
+	requests, cacheHits, bans, refunds, delayed, usage, usageMissing, keys, evictions, circuitOpen *prometheus.Desc
 }
 
 func newCollector() *collector {
@@ -117,6 +120,12 @@ func newCollector() *collector {
 		delayed: prometheus.NewDesc(name("delayed_total"),
 			"Requests a zone with delay let wait for its tokens, by how the wait ended: served (went on), abandoned (the client left; tokens given back) or refused (max_delayed requests waited already: 429).",
 			[]string{"zone", "limit", "result"}, nil),
+		usage: prometheus.NewDesc(name("usage_total"),
+			"The usage (such as an LLM API's tokens) that the responses of a zone with usage reported, and were charged.",
+			[]string{"zone", "limit"}, nil),
+		usageMissing: prometheus.NewDesc(name("usage_missing_total"),
+			"Responses of a zone with usage that reported none (the field missing, not a number, a body too long, a response cut off): their requests kept the cost they took.",
+			[]string{"zone", "limit"}, nil),
 		keys: prometheus.NewDesc(name("keys"),
 			"Buckets and calendar quota counters the local store tracks.",
 			[]string{"zone", "limit"}, nil),
@@ -135,6 +144,8 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.bans
 	ch <- c.refunds
 	ch <- c.delayed
+	ch <- c.usage
+	ch <- c.usageMissing
 	ch <- c.keys
 	ch <- c.evictions
 	ch <- c.circuitOpen
@@ -170,6 +181,10 @@ func (c *collector) collectZone(ch chan<- prometheus.Metric, id zoneID, s *zoneS
 		counter(c.delayed, &s.delayed, "served")
 		counter(c.delayed, &s.delayAbandoned, "abandoned")
 		counter(c.delayed, &s.delayRefused, "refused")
+	}
+	if s.usageZone.Load() {
+		counter(c.usage, &s.usage)
+		counter(c.usageMissing, &s.usageMissing)
 	}
 }
 

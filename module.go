@@ -112,7 +112,7 @@ type Handler struct {
 	fallback   *LocalStore // decides when store fails, for fail_mode local
 	headerMode headerMode
 	anyDryRun  bool // some zone is in dry run
-	anyCount   bool // some zone counts only some responses
+	anySettle  bool // some zone settles after the response: count, usage
 	anyDelay   bool // some zone, not in dry run, lets requests wait
 	// waiting counts the requests that wait out a delay, or may (see
 	// enterWaiting): at most maxDelayed.
@@ -215,10 +215,13 @@ func (h *Handler) provisionZones(ctx caddy.Context) error {
 		z.state = st
 		z.inDryRun = z.DryRun || h.DryRun
 		h.anyDryRun = h.anyDryRun || z.inDryRun
-		h.anyCount = h.anyCount || z.Count != nil
+		h.anySettle = h.anySettle || z.Count != nil || z.Usage != nil
 		h.anyDelay = h.anyDelay || z.limit.delay > 0 && !z.inDryRun
 		if z.limit.delay > 0 {
 			st.delayZone.Store(true)
+		}
+		if z.Usage != nil {
+			st.usageZone.Store(true)
 		}
 	}
 	return nil
@@ -419,7 +422,8 @@ type scratch struct {
 	back    demands      // what goes back to the store (see giveBack)
 	retry   retry        // a second take without the dry-run zones that refused
 	slotOut int          // the slot demand that refused the request; -1 for none
-	rec     statusWriter // the response writer of a request that count applies to
+	rec     statusWriter // the response writer of a request that settles after the response
+	scans   []usageScan  // the usages read in its response (see settles)
 
 	waiter bool          // holds a place among the handler's waiting requests
 	delay  time.Duration // how long the allowed request waits for its tokens
@@ -436,6 +440,7 @@ type match struct {
 	bucket, counter, slot int  // -1: none
 	wouldDeny             bool // a zone in dry run that refused the request
 	back                  bool // its tokens go back to the store (see giveBack)
+	scan                  int  // a zone with usage: its scan in scratch.scans
 }
 
 // An outcome is how the decision on a request ends.
@@ -454,7 +459,7 @@ const (
 // ServeHTTP implements caddyhttp.MiddlewareHandler. A request goes
 // through the stages in order: it is decided (decide.go), waits out a
 // delay (delay.go), and is served, with what runs after the response
-// (count.go); its slots are given back however the handlers after this
+// (settle.go); its slots are given back however the handlers after this
 // one return (concurrency.go).
 func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
 	sc := h.scratch.Get().(*scratch)

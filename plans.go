@@ -272,6 +272,9 @@ func (z *Zone) parsePlan(k planKey) (*plan, error) {
 	}
 	l.ban = time.Duration(z.Ban)
 	l.delay = time.Duration(z.Delay)
+	if l, err = z.withDebt(l); err != nil {
+		return nil, err
+	}
 	return newPlan(l, cost), nil
 }
 

@@ -767,9 +767,9 @@ func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *demands) {
 		b := &d.buckets[i]
 		hash, field := s.bucketName(b.zone, b.key)
 		if op == rediswire.Adjust {
-			c.AdjustBucket(hash, field, s.shapeOf(b), b.cost)
+			c.AdjustBucket(hash, field, s.shapeOf(b, true), b.cost)
 		} else {
-			c.Bucket(hash, field, s.shapeOf(b), !b.limit.noDelay)
+			c.Bucket(hash, field, s.shapeOf(b, false), !b.limit.noDelay)
 		}
 	}
 	for i := range d.counters {
@@ -826,16 +826,23 @@ func read(r rediswire.Reply, op rediswire.Op, d *demands) {
 }
 
 // shapeOf is the script's shape of b's bucket: its zone's last one when
-// the limit is the same, else one from the store's cache.
-func (s *RedisStore) shapeOf(b *bucketDemand) *rediswire.Shape {
+// the limit is the same, else one from the store's cache. An adjustment
+// takes any shape of its bucket's limit: its cost travels on its own.
+func (s *RedisStore) shapeOf(b *bucketDemand, adjust bool) *rediswire.Shape {
 	rz := &s.zones[b.zone]
-	cost := max(b.cost, -b.cost) // an adjustment's shape is the take's
-	if last := rz.shape.Load(); last != nil && last.Full == b.limit.burstTime && last.Cost == cost &&
-		last.Ban == b.limit.ban && last.Delay == b.limit.delay && last.Scaled == rz.plans {
+	l := b.limit
+	if last := rz.shape.Load(); last != nil && last.Full == l.burstTime && (adjust || last.Cost == b.cost) &&
+		last.Ban == l.ban && last.Beyond == l.delay+l.owe && last.Reserve == l.delay && last.Scaled == rz.plans {
 		return last
 	}
-	shape := s.shapes.get(b.limit.burstTime, cost, b.limit.ban, b.limit.delay, rz.plans)
-	rz.shape.Store(shape)
+	cost := b.cost
+	if adjust {
+		cost = l.tokenTime
+	}
+	shape := s.shapes.get(shapeKey{l.burstTime, cost, l.ban, l.delay + l.owe, l.delay, rz.plans})
+	if !adjust {
+		rz.shape.Store(shape)
+	}
 	return shape
 }
 
@@ -895,14 +902,13 @@ type shapeCache struct {
 }
 
 type shapeKey struct {
-	full, cost, ban, delay time.Duration
-	scaled                 bool
+	full, cost, ban, beyond, reserve time.Duration
+	scaled                           bool
 }
 
 const maxShapes = 4096
 
-func (c *shapeCache) get(full, cost, ban, delay time.Duration, scaled bool) *rediswire.Shape {
-	k := shapeKey{full, cost, ban, delay, scaled}
+func (c *shapeCache) get(k shapeKey) *rediswire.Shape {
 	if m := c.m.Load(); m != nil {
 		if s := (*m)[k]; s != nil {
 			return s
@@ -917,7 +923,7 @@ func (c *shapeCache) get(full, cost, ban, delay time.Duration, scaled bool) *red
 	if s := m[k]; s != nil {
 		return s
 	}
-	s := rediswire.NewShape(full, cost, ban, delay, scaled)
+	s := rediswire.NewShape(k.full, k.cost, k.ban, k.beyond, k.reserve, k.scaled)
 	if len(m) < maxShapes {
 		next := make(map[shapeKey]*rediswire.Shape, len(m)+1)
 		maps.Copy(next, m)

@@ -398,3 +398,99 @@ func TestRefundEmptyBucket(t *testing.T) {
 		})
 	}
 }
+
+// The zone of the usage steps: 100/m (a token is 600ms), burst 100, and
+// a usage that may take the bucket 20 tokens past empty; its quota of
+// 1000 counts the same usage.
+const usageZones = `[{"name":"u","rate":"100/m","burst":100,"usage":{"json":"usage.total_tokens"},"max_debt":20,
+	"quota":1000,"quota_period":"day"}]`
+
+type usageStep struct {
+	at     time.Duration
+	adjust int64 // tokens a response's usage charges beyond the cost (negative: gives back); 0: a take
+	ok     bool  // a take: allowed
+	owed   int64 // tokens the bucket owes after the step: 100 is empty, 110 ten in debt
+	used   int64 // the quota's count after the step
+}
+
+// Costs known after the response: the example of usage's docs (a
+// response of 60 tokens, then one of 50, leave the bucket owing 10, and
+// the next request waits for 11 tokens: 6.6s), then a debt clamped to
+// max_debt, a counter past its limit, and refunds.
+var usageSteps = []usageStep{
+	{0, 0, true, 1, 1},
+	{0, 59, true, 60, 60},
+	{0, 0, true, 61, 61},
+	{0, 49, true, 110, 110},
+	{0, 0, false, 110, 110},
+	{6 * time.Second, 0, false, 100, 110},
+	{6600 * time.Millisecond, 0, true, 100, 111},
+	{6600 * time.Millisecond, 1000, true, 120, 1111},
+	{6600 * time.Millisecond, 0, false, 120, 1111},
+	{6600 * time.Millisecond, -5, true, 115, 1106},
+	{6600 * time.Millisecond, -200, true, 0, 906},
+}
+
+// runUsageSteps replays usageSteps against h's store, as runStoreSteps
+// replays storeSteps, and reads the bucket and counter back after each.
+func runUsageSteps(t *testing.T, h *Handler) {
+	t.Helper()
+	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
+	var now time.Time
+	if rs, ok := h.store.(*RedisStore); ok {
+		rs.testClock = func() time.Time { return now }
+	}
+	z := h.Zones[0]
+	z.quota.every = stepQuotaWindow
+	k := bucketKey{s: "k"}
+	for i, s := range usageSteps {
+		now = start.Add(s.at)
+		d := &demands{buckets: []bucketDemand{bucketReq(z, k)}, counters: []counterDemand{counterReq(z, k, now)}}
+		var err error
+		if s.adjust == 0 {
+			var ok bool
+			if ok, err = h.store.take(context.Background(), now, d); ok != s.ok {
+				t.Fatalf("step %d: allowed = %v, want %v", i, ok, s.ok)
+			}
+			if b := &d.buckets[0]; !s.ok && b.debt > z.limit.burstTime && b.wait() != time.Duration(s.owed+1-100)*z.costTime {
+				t.Fatalf("step %d: wait %v for a bucket owing %d tokens, want the time of %d tokens", i, b.wait(), s.owed, s.owed+1-100)
+			}
+		} else {
+			d.buckets[0].cost = z.limit.spend(s.adjust+1) - z.costTime
+			d.counters[0].cost = s.adjust
+			err = h.store.adjust(context.Background(), now, d)
+		}
+		if err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+		d = &demands{buckets: []bucketDemand{bucketReq(z, k)}, counters: []counterDemand{counterReq(z, k, now)}}
+		if err := h.store.peek(context.Background(), now, d); err != nil {
+			t.Fatalf("step %d: peek: %v", i, err)
+		}
+		if got, want := d.buckets[0].debt, time.Duration(s.owed)*z.costTime; got != want {
+			t.Fatalf("step %d: the bucket owes %v, want %v (%d tokens)", i, got, want, s.owed)
+		}
+		if got := d.counters[0].used; got != s.used {
+			t.Fatalf("step %d: the quota counted %d, want %d", i, got, s.used)
+		}
+	}
+}
+
+// The usage steps give the same answers on every store.
+func TestStoresAgreeOnUsage(t *testing.T) {
+	t.Run("local", func(t *testing.T) {
+		runUsageSteps(t, newTestHandler(t, `{"zones":`+strings.ReplaceAll(usageZones, `"name":"`, `"name":"agree-`)+`}`))
+	})
+	r := startRedis(t)
+	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
+		t.Run("redis"+store, func(t *testing.T) {
+			runUsageSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
+				usageZones, r.Addr(), t.Name()+":", store)))
+		})
+	}
+	t.Run("cluster", func(t *testing.T) {
+		nodes := startCluster(t)
+		runUsageSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q]}}`,
+			usageZones, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr())))
+	})
+}

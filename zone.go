@@ -17,6 +17,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -122,6 +123,26 @@ type Zone struct {
 	// logins only. Needs a rate. Default: every request counts.
 	Count *caddyhttp.ResponseMatcher `json:"count,omitempty"`
 
+	// The request's true cost, read from its response, for an upstream
+	// that bills by what it did, such as an LLM API by tokens:
+	// `{"json": "usage.total_tokens"}` reads the number at that path of
+	// object keys in a JSON response, or in the last event of a
+	// `text/event-stream` that has it (OpenAI's usage chunk);
+	// `{"header": "X-Usage-Tokens"}` reads a response header or trailer.
+	// The request takes its cost when it is admitted, as any request
+	// (a reservation: parallel requests cannot outrun the burst); once
+	// the response has been sent, the zone's bucket and quota are charged
+	// the usage less the cost, or given back the difference. A bucket may
+	// so go past empty, by max_debt tokens at most, and then refuses every
+	// request until it holds its cost again. A response without usage
+	// keeps its reservation. Needs a rate or a quota; not with ban or
+	// delay. Default: a request's cost is its cost.
+	Usage *Usage `json:"usage,omitempty"`
+
+	// How far past empty a response's usage may take the zone's bucket,
+	// in tokens. Needs usage and a rate. Default: the burst.
+	MaxDebt *int64 `json:"max_debt,omitempty"`
+
 	// The most requests of one key in flight at once: a request takes a
 	// slot before it goes on, or is refused with 429 and `Retry-After: 1`,
 	// and gives the slot back when the handlers after this one return,
@@ -200,6 +221,9 @@ type Zone struct {
 	// delays observes the waits of a zone with delay; nil without
 	// metrics.
 	delays prometheus.Observer
+	// noUsage throttles the warnings of responses without usage; nil
+	// without usage.
+	noUsage *throttle.Throttle
 }
 
 // A keyKind is what a zone's key template needs to be expanded.
@@ -296,7 +320,7 @@ var placeholderLimit = newLimit(1, 1)
 
 // parseLimit checks the zone's numbers and returns its bucket's shape.
 func (z *Zone) parseLimit() (limit, error) {
-	if err := z.checkSlots(); err != nil {
+	if err := cmp.Or(z.checkSlots(), z.checkUsage()); err != nil {
 		return limit{}, err
 	}
 	if !z.hasRate() {
@@ -335,6 +359,50 @@ func (z *Zone) parseLimit() (limit, error) {
 	}
 	l.ban = time.Duration(z.Ban)
 	l.delay = time.Duration(z.Delay)
+	return z.withDebt(l)
+}
+
+// checkUsage checks usage and max_debt, and what they cannot go with.
+func (z *Zone) checkUsage() error {
+	if z.Usage == nil {
+		if z.MaxDebt != nil {
+			return errors.New("max_debt needs usage: it is how far a response's usage may take the bucket past empty")
+		}
+		return nil
+	}
+	if err := z.Usage.validate(); err != nil {
+		return err
+	}
+	switch {
+	case z.Ban != 0:
+		// Both read a bucket that owes more than a whole bucket.
+		return errors.New("usage cannot go with ban: a bucket in debt after a response's usage would read as banned")
+	case z.Delay != 0:
+		return errors.New("usage cannot go with delay: requests would wait for tokens that a bucket in debt owes")
+	case !z.hasRate() && z.Quota == 0:
+		return errors.New("usage needs a rate or a quota: they are what a response's usage is charged to")
+	case z.MaxDebt != nil && !z.hasRate():
+		return errors.New("max_debt needs a rate: it is how far the bucket may owe")
+	case z.MaxDebt != nil && (*z.MaxDebt < 0 || *z.MaxDebt > maxBurst):
+		return fmt.Errorf("invalid max_debt %d: must be 0 to %d", *z.MaxDebt, int64(maxBurst))
+	}
+	return nil
+}
+
+// withDebt is l with the debt that usage may run up: max_debt tokens,
+// by default the burst.
+func (z *Zone) withDebt(l limit) (limit, error) {
+	if z.Usage == nil || !z.hasRate() {
+		return l, nil
+	}
+	n := l.burst
+	if z.MaxDebt != nil {
+		n = *z.MaxDebt
+	}
+	if n > int64((maxBurstTime-l.burstTime)/l.tokenTime) {
+		return limit{}, fmt.Errorf("invalid max_debt %d: the burst and the debt must refill within 100 years at rate %s", n, z.rateString())
+	}
+	l.owe = l.costTime(n)
 	return l, nil
 }
 
@@ -544,6 +612,10 @@ func (z *Zone) provision(ctx caddy.Context) error {
 		}
 	}
 	z.buildResponses()
+	if z.Usage != nil {
+		z.Usage.provision()
+		z.noUsage = new(throttle.Throttle)
+	}
 	if z.perRequest() {
 		if hasPlaceholders(z.Rate) {
 			z.rateVar = newValueVar(z.Rate)
@@ -774,7 +846,7 @@ func (z *Zone) describe() string {
 
 // spec is what a store knows of the zone.
 func (z *Zone) spec() zoneSpec {
-	s := zoneSpec{name: z.Name, bucket: !z.rateless, slots: z.Concurrency != 0, refunds: z.Count != nil}
+	s := zoneSpec{name: z.Name, bucket: !z.rateless, slots: z.Concurrency != 0, refunds: z.Count != nil || z.Usage != nil}
 	if z.plan != nil {
 		s.shape = z.limit
 	}

@@ -5,7 +5,7 @@
 --
 --   {1, repaired, debt_1, 0, ..., used_1, left_1, ..., 0, free_1, ..., clock}
 --
--- where debt_i is what bucket i owes, at most full + ban + delay, used_j
+-- where debt_i is what bucket i owes, at most full + ban + beyond, used_j
 -- counter j's count in the window that holds Redis's clock (0 when it
 -- has none) and left_j how long until that window ends, free_j how many
 -- slots of set j no live lease holds, and repaired the keys of another

@@ -19,7 +19,7 @@
 --   ARGV[4]  nc, the number of counters
 --   ARGV[5]  ns, the number of slot sets
 --   then the three sections, in that order:
---   buckets  7 values each: field, full, cost, ban, delay, wait, scaled
+--   buckets  7 values each: field, full, cost, ban, beyond, wait, scaled
 --   counters 6 values each: limit, cost, b0, b1, b2, b3
 --   slots    id, then 3 values each: limit, lease, soft
 --
@@ -56,17 +56,18 @@
 --   cost   what the request's tokens are worth: cost / rate (adjust:
 --          negative to give tokens back)
 --   ban    how long a denial bans the bucket for; 0 for no ban
---   delay  how much further than empty a take may reserve: 0 for none
---          (never with a ban)
---   wait   how much of delay this request may reserve: delay, or 0 when
---          the request may not wait
+--   beyond how much more than a whole bucket the bucket may owe: a
+--          delay's reservations, or the debt adjustments may run up (a
+--          cost known after the response); 0 for none (never with a ban)
+--   wait   how much of beyond this take may reserve: the delay, or 0 when
+--          the request may not wait or the zone has no delay
 --   scaled '1' when the zone's limit comes with each request (plans):
 --          the bucket is written `<instant>:<full>`, and one written under
 --          another full owes the same fraction of this one's bucket (and
 --          what it owed beyond it, as it was), so that a change of plan
 --          hands back no tokens
 --
--- A bucket owes at most full + ban + delay; with a ban, one that owes
+-- A bucket owes at most full + ban + beyond; with a ban, one that owes
 -- more than full is banned for the excess. One found owing more (its
 -- key's limit changed to a smaller one) is read as owing just that: from
 -- then on an empty bucket of the request's limit.
@@ -83,7 +84,7 @@
 -- k takes decide k takes of one request that arrived together, in order,
 -- at one instant, as k calls would if Redis's clock stood still: the
 -- first that a bucket lacks the tokens for is refused, and so is every
--- one after it. Only for buckets without ban or delay, and no counters
+-- one after it. Only for buckets without ban or beyond, and no counters
 -- or slots. allowed is the number m allowed, and debt_i bucket i's after
 -- them: the j-th of them (j = 1..m) owes debt_i - (m - j) cost_i, as it
 -- would have alone.
@@ -213,7 +214,7 @@ local wrong -- the hashes found of another type, deleted before a write
 for i = 1, nb do
 	local a = 7 * i - 1
 	local h = KEYS[i]
-	local full, cost, ban, delay = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+	local full, cost, ban, beyond = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
 	local v = redis.pcall('HGET', h, ARGV[a])
 	local d, state = 0, 0 -- d: what the bucket owes; an absent one, nothing
 	if type(v) == 'table' then
@@ -243,7 +244,7 @@ for i = 1, nb do
 			d, state = math.floor(part / sf * full) + d - part, 2
 		end
 	end
-	local most = full + ban + delay
+	local most = full + ban + beyond
 	local debt = math.min(math.max(d, 0), most)
 	if d > most then
 		state = state + 2

@@ -40,7 +40,7 @@ func TestPipelineKeepsEachReply(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	shape := NewShape(10*time.Second, time.Second, 0, 0, false) // burst 10, a token a second
+	shape := NewShape(10*time.Second, time.Second, 0, 0, 0, false) // burst 10, a token a second
 	keys := Keys{Prefix: "pl:"}
 	take := func(key string) (bool, time.Duration) {
 		call := NewCall(Take, time.Now().Add(5*time.Second))

@@ -57,19 +57,25 @@ var opArgs = [...]any{Take: "take", Adjust: "adjust", Peek: "peek", Release: "re
 // A Shape is a bucket's limit as the script reads it, its values formatted
 // once: a store keeps one per limit it meets.
 type Shape struct {
-	Full, Cost, Ban, Delay time.Duration
+	Full, Cost, Ban time.Duration
+	// Beyond is how much more than a whole bucket the bucket may owe: a
+	// delay's reservations, or the debt that adjustments may run up.
+	// Reserve is how much of it a take may reserve (a delay): 0 when only
+	// adjustments may go there.
+	Beyond, Reserve time.Duration
 	// Scaled: the zone's limit comes with each request, and a bucket
 	// written under another limit is read as owing the same fraction of
 	// this one's.
 	Scaled bool
-	args   [7]any // full, cost, ban, delay, wait (the delay), -cost, scaled
+	args   [7]any // full, cost, ban, beyond, wait (the reserve), -cost, scaled
 }
 
 // NewShape is the shape of a bucket that takes full to refill from empty,
-// whose requests take cost, with a ban or a delay.
-func NewShape(full, cost, ban, delay time.Duration, scaled bool) *Shape {
-	s := &Shape{Full: full, Cost: cost, Ban: ban, Delay: delay, Scaled: scaled, args: [7]any{6: zero}}
-	for i, d := range [6]time.Duration{full, cost, ban, delay, delay, -cost} {
+// whose requests take cost, with a ban, or that may owe beyond more than a
+// whole bucket, of which a take may reserve reserve (a delay).
+func NewShape(full, cost, ban, beyond, reserve time.Duration, scaled bool) *Shape {
+	s := &Shape{Full: full, Cost: cost, Ban: ban, Beyond: beyond, Reserve: reserve, Scaled: scaled, args: [7]any{6: zero}}
+	for i, d := range [6]time.Duration{full, cost, ban, beyond, reserve, -cost} {
 		s.args[i] = ns(d)
 	}
 	if scaled {
@@ -173,7 +179,7 @@ func (c *Call) free() {
 func (c *Call) Clock(t time.Time) { c.args[1] = strconv.FormatInt(t.UnixMicro(), 10) }
 
 // Bucket asks for s.Cost from the bucket field of hash; the request may
-// wait for its tokens up to s.Delay, or, without wait, not at all.
+// wait for its tokens up to s.Reserve, or, without wait, not at all.
 func (c *Call) Bucket(hash, field string, s *Shape, wait bool) {
 	w := zero
 	if wait {
@@ -206,7 +212,7 @@ func (c *Call) bucket(hash, field string, s *Shape, cost time.Duration, costArg,
 	c.keys = append(c.keys, hash)
 	c.args = append(c.args, field, s.args[0], costArg, s.args[2], s.args[3], wait, s.args[6])
 	c.costs = append(c.costs, cost)
-	c.alike = c.alike && s.Ban == 0 && s.Delay == 0
+	c.alike = c.alike && s.Ban == 0 && s.Beyond == 0
 	c.nb++
 }
 

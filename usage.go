@@ -1,0 +1,622 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"math"
+	"net/http"
+	"net/textproto"
+	"strconv"
+	"strings"
+)
+
+// Usage says where a response tells its request's true cost: in JSON,
+// the number at a path of object keys, or in a header. Exactly one is
+// set.
+type Usage struct {
+	// The path of object keys, separated by dots, to the number in a JSON
+	// response (`application/json` or `+json`), such as
+	// `usage.total_tokens`. In a `text/event-stream`, each event's data
+	// is read as JSON, and the last event that has the path wins: OpenAI's
+	// final chunk with `stream_options.include_usage`. Keys are matched as
+	// written, without unescaping. A fraction rounds up.
+	JSON string `json:"json,omitempty"`
+
+	// The response header, or trailer, that holds the number, such as
+	// `X-Usage-Tokens`.
+	Header string `json:"header,omitempty"`
+
+	path   []string // JSON's keys
+	quote  []byte   // the last key and its closing quote: an event without it has no usage
+	header string   // Header, canonical
+}
+
+func (u *Usage) validate() error {
+	switch {
+	case (u.JSON == "") == (u.Header == ""):
+		return errors.New("usage needs one of json <path> or header <field>")
+	case u.Header != "":
+		for i := 0; i < len(u.Header); i++ {
+			if c := u.Header[i]; c <= ' ' || c >= 0x7f || strings.IndexByte(`"(),/:;<=>?@[\]{}`, c) >= 0 {
+				return fmt.Errorf("invalid usage header '%s': expected a header field name", u.Header)
+			}
+		}
+	default:
+		for _, k := range strings.Split(u.JSON, ".") {
+			if k == "" {
+				return fmt.Errorf("invalid usage json path '%s': expected object keys separated by dots, such as usage.total_tokens", u.JSON)
+			}
+		}
+	}
+	return nil
+}
+
+func (u *Usage) provision() {
+	if u.JSON != "" {
+		u.path = strings.Split(u.JSON, ".")
+		// Not the opening quote: bytes.Index looks for the first byte
+		// first, and a quote is in every key of a JSON text.
+		u.quote = []byte(u.path[len(u.path)-1] + `"`)
+	}
+	u.header = textproto.CanonicalMIMEHeaderKey(u.Header)
+}
+
+// same reports whether u and o read the same usage.
+func (u *Usage) same(o *Usage) bool { return u.JSON == o.JSON && u.Header == o.Header }
+
+// Bounds on what a response may make the scanner hold or read.
+const (
+	maxUsageBody  = 1 << 20  // a JSON body longer than this has no usage
+	maxUsageEvent = 64 << 10 // an event longer than this is skipped
+	maxUsage      = maxBurst // usage above this is read as this
+)
+
+// Why a response has no usage: said in the log, without the key.
+type noUsage uint8
+
+const (
+	usageFound     noUsage = iota
+	usageNoField           // the response ended without the path or header
+	usageNotNumber         // the value was not a number of at least 0
+	usageNotJSON           // the response is neither JSON nor an event stream
+	usageEncoded           // the response is compressed
+	usageTooLong           // the JSON body is over maxUsageBody
+	usageCut               // the response did not end: the client left, or the upstream failed
+)
+
+var noUsageReasons = [...]string{
+	usageNoField:   "the response has no such field",
+	usageNotNumber: "the field is not a number of at least 0",
+	usageNotJSON:   "the response is neither JSON nor an event stream",
+	usageEncoded:   "the response is compressed (Content-Encoding): put rate_limit after encode, or have the upstream not compress",
+	usageTooLong:   "the JSON body is over 1 MiB",
+	usageCut:       "the response did not end: the client left or the upstream failed",
+}
+
+// usageScan finds a zone's usage in a response as it passes, holding at
+// most one event of a stream.
+type usageScan struct {
+	u      *Usage
+	mode   uint8 // scanNone until the response starts, then what it is
+	why    noUsage
+	value  int64 // the usage, when found
+	found  bool
+	n      int64 // bytes of a JSON body seen
+	json   pathScanner
+	events sseScanner
+}
+
+const (
+	scanStart  uint8 = iota // the response has not started
+	scanOff                 // nothing to read in the body (why says why)
+	scanJSON                // a JSON body
+	scanEvents              // an event stream
+	scanHeader              // a header or trailer, read at the end
+)
+
+// reset readies s for a response, keeping a small event buffer: a
+// large one is left to the garbage collector rather than pinned.
+func (s *usageScan) reset(u *Usage) {
+	buf := s.events.buf
+	if cap(buf) > 4<<10 {
+		buf = nil
+	}
+	*s = usageScan{u: u, json: pathScanner{path: u.path}, events: sseScanner{path: u.path, quote: u.quote, buf: buf[:0]}}
+}
+
+// start reads the response's header: what its body is.
+func (s *usageScan) start(h http.Header) {
+	if s.u.header != "" {
+		s.mode = scanHeader
+		return
+	}
+	s.mode, s.why = scanOff, usageNotJSON
+	if e := h.Get("Content-Encoding"); e != "" && !strings.EqualFold(e, "identity") {
+		s.why = usageEncoded
+		return
+	}
+	mt, _, _ := strings.Cut(h.Get("Content-Type"), ";")
+	mt = strings.TrimSpace(mt)
+	switch {
+	case strings.EqualFold(mt, "application/json") || len(mt) > 5 && strings.EqualFold(mt[len(mt)-5:], "+json"):
+		s.mode = scanJSON
+	case strings.EqualFold(mt, "text/event-stream"):
+		s.mode = scanEvents
+	}
+}
+
+// reading reports whether s reads the body.
+func (s *usageScan) reading() bool { return s.mode == scanJSON || s.mode == scanEvents }
+
+// write reads a piece of the body.
+func (s *usageScan) write(p []byte) {
+	switch s.mode {
+	case scanJSON:
+		if s.n += int64(len(p)); s.n > maxUsageBody {
+			s.mode, s.why = scanOff, usageTooLong
+			return
+		}
+		s.json.feed(p)
+	case scanEvents:
+		s.events.feed(p)
+	}
+}
+
+// end reads the end of the response, of header h: whole says whether it
+// ended as it should. It reports the usage, or why there is none.
+func (s *usageScan) end(h http.Header, whole bool) (int64, noUsage) {
+	if s.mode == scanStart {
+		s.start(h)
+	}
+	if !whole && s.mode != scanHeader {
+		return 0, usageCut
+	}
+	switch s.mode {
+	case scanHeader:
+		v, ok := h[http.TrailerPrefix+s.u.header]
+		if !ok {
+			v, ok = h[s.u.header]
+		}
+		if !ok || len(v) == 0 {
+			return 0, usageNoField
+		}
+		return readUsage(strings.TrimSpace(v[0]))
+	case scanJSON:
+		if !s.json.done && s.json.state != jEnd {
+			return 0, usageCut
+		}
+		return s.json.result()
+	case scanEvents:
+		if !s.events.found {
+			return 0, cmpReason(s.events.why, usageNoField)
+		}
+		return s.events.value, usageFound
+	}
+	return 0, s.why
+}
+
+func cmpReason(a, b noUsage) noUsage {
+	if a != usageFound {
+		return a
+	}
+	return b
+}
+
+// readUsage reads a usage: a number of at least 0, a fraction rounded up.
+func readUsage(s string) (int64, noUsage) {
+	if n, err := strconv.ParseInt(s, 10, 64); err == nil {
+		if n < 0 {
+			return 0, usageNotNumber
+		}
+		return min(n, maxUsage), usageFound
+	}
+	f, err := strconv.ParseFloat(s, 64)
+	if err != nil || f < 0 || math.IsNaN(f) {
+		return 0, usageNotNumber
+	}
+	return int64(min(math.Ceil(f), maxUsage)), usageFound
+}
+
+// A pathScanner finds the number at a path of object keys in a JSON
+// text fed to it in pieces, without decoding it: it follows the objects
+// on the path, and skips every other value by counting brackets outside
+// strings. The last number found at the path counts, and only in a text
+// that ends (done).
+type pathScanner struct {
+	path  []string
+	state uint8
+	depth int  // containers open
+	on    int  // of them, the outer ones on the path: objects, each the value of the next key
+	key   int  // in a key: its bytes matched so far; -1 when it is not the path's key
+	hit   bool // the key read is the path's
+	esc   bool // in a string: the next byte is escaped
+	done  bool // the text ended
+	num   [24]byte
+	nn    int   // bytes in num; over len(num): too long a number
+	frac  bool  // the number has more than digits
+	found bool  // a value was read at the path
+	bad   bool  // the last value at the path was not a number
+	value int64 // the last number at the path
+}
+
+const (
+	jStart      uint8 = iota // before the text
+	jKeyOrEnd                // in an object on the path: a key or its end
+	jKey                     // in a key
+	jColon                   // after a key
+	jValue                   // after a colon
+	jNumber                  // in the number at the path
+	jScalar                  // in another number or a literal
+	jString                  // in a string value
+	jAfter                   // after a value in an object on the path
+	jSkip                    // in a container off the path
+	jSkipString              // in a string in a container off the path
+	jEnd                     // after the text, or in one that is not an object
+)
+
+// class is what a byte means to the skipping states: 1 opens a
+// container, 2 closes one, 3 starts a string.
+var class = [256]uint8{'{': 1, '[': 1, '}': 2, ']': 2, '"': 3}
+
+// after is the state after a string that ends in a state.
+var after = [...]uint8{jString: jAfter, jSkipString: jSkip}
+
+func isSpace(c byte) bool { return c == ' ' || c == '\t' || c == '\n' || c == '\r' }
+
+func (j *pathScanner) feed(p []byte) {
+	for i := 0; i < len(p); {
+		c := p[i]
+		switch j.state {
+		case jStart, jKeyOrEnd, jAfter, jColon:
+			j.punctuation(c)
+			i++
+		case jKey:
+			i = j.readKey(p, i)
+		case jValue:
+			if !isSpace(c) {
+				j.startValue(c)
+			}
+			if j.state != jNumber {
+				i++
+			}
+		case jNumber:
+			if j.digit(c) {
+				i++
+			} else {
+				j.endNumber()
+			}
+		case jScalar:
+			if c == ',' || c == '}' || c == ']' || isSpace(c) {
+				j.state = jAfter
+				continue
+			}
+			i++
+		case jString, jSkipString:
+			var closed bool
+			if i, closed = j.skipString(p, i); closed {
+				j.state = after[j.state]
+			}
+		case jSkip:
+			i = j.skip(p, i)
+		case jEnd:
+			return
+		}
+	}
+}
+
+// punctuation reads a byte between the keys and values of the objects
+// on the path.
+func (j *pathScanner) punctuation(c byte) {
+	switch {
+	case isSpace(c):
+	case j.state == jStart && c == '{':
+		j.depth, j.on, j.state = 1, 1, jKeyOrEnd
+	case j.state == jKeyOrEnd && c == '"':
+		j.key, j.state = 0, jKey
+	case j.state == jAfter && c == ',':
+		j.state = jKeyOrEnd
+	case (j.state == jKeyOrEnd || j.state == jAfter) && c == '}':
+		j.close()
+	case j.state == jColon && c == ':':
+		j.state = jValue
+	default:
+		j.state = jEnd // not JSON, or not an object: nothing more to find
+	}
+}
+
+// digit reads a byte of the number at the path, and reports whether it
+// was one.
+func (j *pathScanner) digit(c byte) bool {
+	if !(c >= '0' && c <= '9' || c == '.' || c == '-' || c == '+' || c == 'e' || c == 'E') {
+		return false
+	}
+	if j.nn < len(j.num) {
+		j.num[j.nn] = c
+	}
+	j.frac = j.frac || c < '0' || c > '9'
+	j.nn++
+	return true
+}
+
+// startValue reads the first byte of a value.
+func (j *pathScanner) startValue(c byte) {
+	hit := j.hit
+	j.hit = false
+	switch {
+	case hit && j.on == len(j.path) && (c == '-' || c >= '0' && c <= '9'):
+		j.nn, j.frac, j.state = 0, false, jNumber
+	case hit && j.on == len(j.path):
+		j.found, j.bad = true, true // not a number
+		j.startValue(c)
+	case c == '{' && hit:
+		j.depth++
+		j.on++
+		j.state = jKeyOrEnd
+	case c == '{' || c == '[':
+		j.depth++
+		j.state = jSkip
+	case c == '"':
+		j.esc, j.state = false, jString
+	default:
+		j.state = jScalar
+	}
+}
+
+// endNumber reads the number at the path.
+func (j *pathScanner) endNumber() {
+	j.found, j.bad, j.state = true, true, jAfter
+	if j.nn > len(j.num) {
+		if !j.frac { // a whole number of more digits than any usage
+			j.value, j.bad = maxUsage, false
+		}
+		return
+	}
+	var n int64
+	for _, c := range j.num[:j.nn] {
+		if c < '0' || c > '9' || n > maxUsage {
+			// A fraction, an exponent or a sign: rare enough to parse as
+			// a float.
+			v, why := readUsage(string(j.num[:j.nn]))
+			j.value, j.bad = v, why != usageFound
+			return
+		}
+		n = n*10 + int64(c-'0')
+	}
+	j.value, j.bad = min(n, maxUsage), false
+}
+
+// close ends an object on the path.
+func (j *pathScanner) close() {
+	j.depth--
+	j.on--
+	j.state = jAfter
+	if j.depth == 0 {
+		j.done, j.state = true, jEnd
+	}
+}
+
+// readKey reads the key that starts at p[i], or goes on from an earlier
+// piece, and reports where it stopped.
+func (j *pathScanner) readKey(p []byte, i int) int {
+	end, closed := j.skipString(p, i)
+	seg := p[i:end]
+	if closed {
+		seg = seg[:len(seg)-1]
+	}
+	want := j.path[j.on-1]
+	switch {
+	case j.key < 0:
+	case bytes.IndexByte(seg, '\\') >= 0 || j.key+len(seg) > len(want) || string(seg) != want[j.key:j.key+len(seg)]:
+		j.key = -1
+	default:
+		j.key += len(seg)
+	}
+	if closed {
+		j.hit, j.state = j.key == len(want), jColon
+	}
+	return end
+}
+
+// skipString skips a string from p[i], whose opening quote is behind,
+// and reports where it stopped, after the closing quote if it found it.
+// It finds quotes with bytes.IndexByte, so a long string costs little.
+func (j *pathScanner) skipString(p []byte, i int) (int, bool) {
+	for i < len(p) {
+		if j.esc {
+			j.esc = false
+			i++
+			continue
+		}
+		q := bytes.IndexByte(p[i:], '"')
+		if q < 0 {
+			j.esc = trailingBackslashes(p[i:])%2 == 1
+			return len(p), false
+		}
+		q += i
+		if trailingBackslashes(p[i:q])%2 == 0 {
+			return q + 1, true
+		}
+		i = q + 1
+	}
+	return i, false
+}
+
+func trailingBackslashes(p []byte) int {
+	n := 0
+	for n < len(p) && p[len(p)-1-n] == '\\' {
+		n++
+	}
+	return n
+}
+
+// skip passes over a container off the path from p[i].
+func (j *pathScanner) skip(p []byte, i int) int {
+	for ; i < len(p); i++ {
+		switch class[p[i]] {
+		case 1:
+			j.depth++
+		case 2:
+			if j.depth--; j.depth == j.on {
+				j.state = jAfter
+				return i + 1
+			}
+		case 3:
+			j.esc, j.state = false, jSkipString
+			return i + 1
+		}
+	}
+	return i
+}
+
+// result is what the scanner found in a text that ended.
+func (j *pathScanner) result() (int64, noUsage) {
+	switch {
+	case !j.found:
+		return 0, usageNoField
+	case j.bad:
+		return 0, usageNotNumber
+	}
+	return j.value, usageFound
+}
+
+// An sseScanner reads the events of a text/event-stream: each event's
+// data, up to maxUsageEvent bytes, is read as JSON for the path. Lines
+// end with LF, CR or CRLF; a field without a colon has an empty value.
+type sseScanner struct {
+	path  []string
+	quote []byte // the path's last key and its closing quote: an event without it has no usage
+	buf   []byte // the event's data
+	state uint8
+	name  [4]byte // the field name so far
+	nn    int
+	over  bool // the event's data is over maxUsageEvent: skipped
+	cr    bool // the last byte was a CR: a LF now ends no line
+	found bool
+	value int64
+	why   noUsage // why the last event with the path had no usage
+}
+
+const (
+	sLine  uint8 = iota // at a line's start
+	sName               // in a field's name
+	sSpace              // after the colon: one space is skipped
+	sData               // in a data field's value
+	sOther              // in a line that is not data
+)
+
+func (e *sseScanner) feed(p []byte) {
+	for i := 0; i < len(p); {
+		c := p[i]
+		if e.cr {
+			e.cr = false
+			if c == '\n' {
+				i++
+				continue
+			}
+		}
+		switch e.state {
+		case sLine:
+			if c == '\n' || c == '\r' {
+				e.dispatch()
+				e.cr = c == '\r'
+				i++
+				continue
+			}
+			e.nn, e.state = 0, sName
+		case sName:
+			switch {
+			case c == ':':
+				e.state = sOther
+				if e.isData() {
+					e.state = sSpace
+				}
+				i++
+			case c == '\n' || c == '\r':
+				if e.isData() {
+					e.add(nil) // data with an empty value
+				}
+				e.cr, e.state = c == '\r', sLine
+				i++
+			default:
+				if e.nn < len(e.name) {
+					e.name[e.nn] = c
+				}
+				e.nn++
+				i++
+			}
+		case sSpace:
+			e.state = sData
+			if c == ' ' {
+				i++
+			}
+		case sData, sOther:
+			end := lineEnd(p[i:])
+			if e.state == sData {
+				e.add(p[i : i+end])
+			}
+			if i += end; i < len(p) {
+				if e.state == sData {
+					e.add(nil)
+				}
+				e.cr, e.state = p[i] == '\r', sLine
+				i++
+			}
+		}
+	}
+}
+
+func (e *sseScanner) isData() bool { return e.nn == 4 && string(e.name[:]) == "data" }
+
+// add appends a piece of a data line to the event's data, or, with nil,
+// the line feed that ends the line.
+func (e *sseScanner) add(p []byte) {
+	if e.over {
+		return
+	}
+	if p == nil {
+		p = newline
+	}
+	if len(e.buf)+len(p) > maxUsageEvent {
+		e.over, e.buf = true, e.buf[:0]
+		return
+	}
+	e.buf = append(e.buf, p...)
+}
+
+var newline = []byte{'\n'}
+
+// lineEnd is the length of p's line: up to its first CR or LF.
+func lineEnd(p []byte) int {
+	n := bytes.IndexByte(p, '\n')
+	if n < 0 {
+		n = len(p)
+	}
+	if r := bytes.IndexByte(p[:n], '\r'); r >= 0 {
+		return r
+	}
+	return n
+}
+
+// dispatch ends an event: its data is read for the path.
+func (e *sseScanner) dispatch() {
+	data, over := e.buf, e.over
+	e.buf, e.over = e.buf[:0], false
+	if over || len(data) == 0 || !bytes.Contains(data, e.quote) {
+		return
+	}
+	j := pathScanner{path: e.path}
+	j.feed(data)
+	if !j.done {
+		return // [DONE], or not JSON
+	}
+	switch v, why := j.result(); why {
+	case usageFound:
+		e.found, e.value, e.why = true, v, usageFound
+	case usageNotNumber:
+		e.why = why
+	}
+}

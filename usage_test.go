@@ -1,0 +1,662 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+)
+
+// scanUsage reads body, of content type ct, for u, in pieces of size n
+// (all at once for 0), as a response passes.
+func scanUsage(u *Usage, ct, body string, n int, whole bool) (int64, noUsage) {
+	u.provision()
+	var s usageScan
+	s.reset(u)
+	h := http.Header{"Content-Type": {ct}}
+	s.start(h)
+	if n == 0 {
+		n = len(body)
+	}
+	for len(body) > 0 {
+		p := body[:min(n, len(body))]
+		body = body[len(p):]
+		s.write([]byte(p))
+	}
+	return s.end(h, whole)
+}
+
+// The number at a path of a JSON body, whatever the body's pieces: every
+// split of each body gives the same answer.
+func TestUsageJSON(t *testing.T) {
+	openAI := `{"id":"chatcmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant",` +
+		`"content":"a \"usage\": {\"total_tokens\": 9} in a string, and a } and a ]"}}],` +
+		`"usage":{"prompt_tokens":12,"completion_tokens":30,"total_tokens":42}}`
+	for _, tc := range []struct {
+		name, path, body string
+		want             int64
+		why              noUsage
+	}{
+		{"openai", "usage.total_tokens", openAI, 42, usageFound},
+		{"top level", "n", `{"n":7}`, 7, usageFound},
+		{"spaces", "a.b", " { \"a\" : { \"b\" : 5 } } ", 5, usageFound},
+		{"after others", "a.b", `{"x":[1,{"b":9},[{}]],"a":{"y":{"b":8},"b":3,"z":null}}`, 3, usageFound},
+		{"a path inside an array is not the path", "a.b", `{"a":[{"b":1}]}`, 0, usageNoField},
+		{"a key with an escape is not matched", "usage", `{"us\u0061ge":5}`, 0, usageNoField},
+		{"missing", "usage.total_tokens", `{"usage":{"prompt_tokens":3}}`, 0, usageNoField},
+		{"a string", "n", `{"n":"7"}`, 0, usageNotNumber},
+		{"null", "n", `{"n":null}`, 0, usageNotNumber},
+		{"an object", "n", `{"n":{"m":1}}`, 0, usageNotNumber},
+		{"negative", "n", `{"n":-3}`, 0, usageNotNumber},
+		{"a fraction rounds up", "n", `{"n":2.25}`, 3, usageFound},
+		{"an exponent", "n", `{"n":1e3}`, 1000, usageFound},
+		{"the last at the path counts", "n", `{"n":1,"n":4}`, 4, usageFound},
+		{"cut off", "n", `{"n":12`, 0, usageCut},
+		{"cut off after the number", "n", `{"n":12,"m":[`, 0, usageCut},
+		{"not an object", "n", `[{"n":1}]`, 0, usageNoField},
+		{"not JSON", "n", `n = 1`, 0, usageNoField},
+		{"huge", "n", `{"n":123456789012345678901234567890}`, maxUsage, usageFound},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for n := 0; n <= len(tc.body); n++ {
+				got, why := scanUsage(&Usage{JSON: tc.path}, "application/json", tc.body, n, true)
+				if got != tc.want || why != tc.why {
+					t.Fatalf("in pieces of %d: %d, %q; want %d, %q", n, got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
+				}
+			}
+		})
+	}
+}
+
+// The last event of a stream that has the path wins; [DONE], comments,
+// other fields and events that are not JSON are skipped, and lines may
+// end with LF, CR or CRLF.
+func TestUsageEvents(t *testing.T) {
+	chunk := func(content string) string {
+		return `data: {"choices":[{"delta":{"content":"` + content + `"}}],"usage":null}` + "\n\n"
+	}
+	var stream strings.Builder
+	for i := range 40 {
+		stream.WriteString(chunk(fmt.Sprint("token ", i)))
+	}
+	withUsage := stream.String() + `data: {"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":40,"total_tokens":45}}` + "\n\n" + "data: [DONE]\n\n"
+	for _, tc := range []struct {
+		name, body string
+		want       int64
+		why        noUsage
+	}{
+		{"openai with usage", withUsage, 45, usageFound},
+		{"openai without usage", stream.String() + "data: [DONE]\n\n", 0, usageNoField},
+		{"no usage field at all", "data: {\"a\":1}\n\ndata: [DONE]\n\n", 0, usageNoField},
+		{"CRLF", "event: message\r\ndata: {\"usage\":{\"total_tokens\":7}}\r\n\r\n", 7, usageFound},
+		{"CR", ": a comment\rdata: {\"usage\":{\"total_tokens\":8}}\r\r", 8, usageFound},
+		{"data over lines", "data: {\"usage\":\ndata: {\"total_tokens\":9}}\n\n", 9, usageFound},
+		{"not JSON", "data: usage total_tokens 5\n\n", 0, usageNoField},
+		{"the last that has it", "data: {\"usage\":{\"total_tokens\":1}}\n\ndata: {\"usage\":{\"total_tokens\":2}}\n\ndata: {\"x\":3}\n\n", 2, usageFound},
+		{"an event not ended", "data: {\"usage\":{\"total_tokens\":1}}\n", 0, usageNoField},
+		{"too long an event", "data: {\"usage\":{\"total_tokens\":3},\"pad\":\"" + strings.Repeat("x", maxUsageEvent) + "\"}\n\n", 0, usageNoField},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, n := range []int{0, 1, 2, 3, 7, 64, 1000} {
+				got, why := scanUsage(&Usage{JSON: "usage.total_tokens"}, "text/event-stream; charset=utf-8", tc.body, n, true)
+				if got != tc.want || why != tc.why {
+					t.Fatalf("in pieces of %d: %d, %q; want %d, %q", n, got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
+				}
+			}
+		})
+	}
+}
+
+// Bodies the scan does not read, or does not read to the end.
+func TestUsageNotRead(t *testing.T) {
+	u := &Usage{JSON: "n"}
+	if _, why := scanUsage(u, "text/plain", `{"n":1}`, 0, true); why != usageNotJSON {
+		t.Fatalf("text/plain: %q", noUsageReasons[why])
+	}
+	if got, why := scanUsage(u, "application/problem+json", `{"n":1}`, 0, true); why != usageFound || got != 1 {
+		t.Fatalf("+json: %d, %q", got, noUsageReasons[why])
+	}
+	if _, why := scanUsage(u, "application/json", `{"n":1}`, 0, false); why != usageCut {
+		t.Fatalf("a response that did not end: %q", noUsageReasons[why])
+	}
+	long := `{"pad":"` + strings.Repeat("x", maxUsageBody) + `","n":1}`
+	if _, why := scanUsage(u, "application/json", long, 4096, true); why != usageTooLong {
+		t.Fatalf("a body over 1 MiB: %q", noUsageReasons[why])
+	}
+	u.provision()
+	var s usageScan
+	s.reset(u)
+	h := http.Header{"Content-Type": {"application/json"}, "Content-Encoding": {"gzip"}}
+	s.start(h)
+	if _, why := s.end(h, true); why != usageEncoded {
+		t.Fatalf("gzip: %q", noUsageReasons[why])
+	}
+}
+
+// A header, or a trailer of that name, whatever the body.
+func TestUsageHeader(t *testing.T) {
+	u := &Usage{Header: "x-usage-tokens"}
+	u.provision()
+	for _, tc := range []struct {
+		name string
+		h    http.Header
+		want int64
+		why  noUsage
+	}{
+		{"header", http.Header{"X-Usage-Tokens": {"12"}}, 12, usageFound},
+		{"trailer", http.Header{http.TrailerPrefix + "X-Usage-Tokens": {" 13 "}}, 13, usageFound},
+		{"missing", http.Header{}, 0, usageNoField},
+		{"not a number", http.Header{"X-Usage-Tokens": {"many"}}, 0, usageNotNumber},
+		{"negative", http.Header{"X-Usage-Tokens": {"-1"}}, 0, usageNotNumber},
+	} {
+		var s usageScan
+		s.reset(u)
+		s.start(tc.h)
+		s.write([]byte("anything"))
+		if got, why := s.end(tc.h, false); got != tc.want || why != tc.why {
+			t.Fatalf("%s: %d, %q; want %d, %q", tc.name, got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
+		}
+	}
+}
+
+// llmUpstream is an OpenAI-compatible upstream for the tests: the query
+// says how many tokens a response used and how it says so. /json answers
+// a chat completion; /header puts the usage in a header, /trailer in a
+// trailer; /sse streams 40 chunks, then the usage chunk unless
+// usage=none, and cuts the connection off after 10 chunks with cut=1.
+// first, when set, receives once the first chunk of a stream has gone
+// out; the stream goes on when go is closed.
+type llmUpstream struct {
+	*httptest.Server
+	first  chan struct{}
+	resume chan struct{}
+	held   atomic.Int64 // streams that sent their first chunk
+}
+
+func startLLMUpstream(t *testing.T) *llmUpstream {
+	u := &llmUpstream{first: make(chan struct{}, 16), resume: make(chan struct{})}
+	close(u.resume)
+	u.Server = httptest.NewServer(http.HandlerFunc(u.serve))
+	t.Cleanup(u.Close)
+	return u
+}
+
+func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
+	tokens := r.URL.Query().Get("tokens")
+	switch r.URL.Path {
+	case "/json":
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":"c1","object":"chat.completion","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":1,"total_tokens":%s}}`, tokens)
+	case "/header":
+		w.Header().Set("X-Usage-Tokens", tokens)
+		fmt.Fprint(w, "ok")
+	case "/trailer":
+		w.Header().Set("Trailer", "X-Usage-Tokens")
+		fmt.Fprint(w, "ok")
+		w.Header().Set("X-Usage-Tokens", tokens)
+	case "/sse":
+		u.stream(w, r, tokens)
+	}
+}
+
+func (u *llmUpstream) stream(w http.ResponseWriter, r *http.Request, tokens string) {
+	w.Header().Set("Content-Type", "text/event-stream")
+	rc := http.NewResponseController(w)
+	for i := range 40 {
+		fmt.Fprintf(w, "data: {\"choices\":[{\"delta\":{\"content\":\"t%d\"}}],\"usage\":null}\n\n", i)
+		_ = rc.Flush()
+		if i == 0 {
+			u.held.Add(1)
+			select {
+			case u.first <- struct{}{}:
+			default:
+			}
+			<-u.resume
+		}
+		if i == 10 && r.URL.Query().Get("cut") == "1" {
+			conn, _, _ := rc.Hijack()
+			conn.Close()
+			return
+		}
+	}
+	if r.URL.Query().Get("usage") != "none" {
+		fmt.Fprintf(w, "data: {\"choices\":[],\"usage\":{\"total_tokens\":%s}}\n\n", tokens)
+	}
+	fmt.Fprint(w, "data: [DONE]\n\n")
+}
+
+// usageSites is a site that limits an OpenAI-compatible upstream by the
+// tokens each client's requests used, on store.
+func usageSites(upstream, store string) string {
+	return usageSitesAt("100/m", upstream, store)
+}
+
+// usageSitesAt is usageSites with the zone llm's rate.
+func usageSitesAt(rate, upstream, store string) string {
+	return fmt.Sprintf(`http://localhost:9080 {
+	rate_limit {
+		zone llm {
+			key {http.request.header.Authorization}
+			match not path /header /trailer
+			rate %s
+			burst 100
+			usage json usage.total_tokens
+		}
+		zone llm-header {
+			key {http.request.header.Authorization}
+			match path /header /trailer
+			rate 100/m
+			burst 100
+			usage header X-Usage-Tokens
+		}
+		%s
+	}
+	reverse_proxy %s {
+		flush_interval -1
+	}
+}
+`, rate, store, strings.TrimPrefix(upstream, "http://"))
+}
+
+// llmGet sends a request of key to path and returns its status, its
+// headers and its body.
+func llmGet(t *testing.T, key, path string) (int, http.Header, string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080"+path, nil)
+	req.Header.Set("Authorization", key)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		return 0, nil, err.Error()
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return resp.StatusCode, resp.Header, "read: " + err.Error()
+	}
+	return resp.StatusCode, resp.Header, string(body)
+}
+
+// remainingOf is what the zone's RateLimit item says is left.
+func remainingOf(t *testing.T, h http.Header, zone string) int {
+	t.Helper()
+	for _, item := range strings.Split(h.Get("RateLimit"), ",") {
+		if name, params, ok := strings.Cut(strings.TrimSpace(item), ";"); ok && name == `"`+zone+`"` {
+			for _, p := range strings.Split(params, ";") {
+				if v, ok := strings.CutPrefix(p, "r="); ok {
+					n, _ := strconv.Atoi(v)
+					return n
+				}
+			}
+		}
+	}
+	t.Fatalf("no RateLimit item for zone %s in %q", zone, h.Get("RateLimit"))
+	return 0
+}
+
+// Through a real Caddy and reverse_proxy, on the local store and on
+// Redis: the docs' example (60 tokens, then 50, leave the bucket 10 in
+// debt, and the next request waits for 11 tokens: Retry-After 7), a
+// usage in a header and in a trailer, a stream's usage chunk, a stream
+// without one and a stream cut off, which keep their reservation.
+func TestUsageThroughCaddy(t *testing.T) {
+	r := startRedis(t)
+	up := startLLMUpstream(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", ""},
+		{"redis", "store redis {\n\t\t\taddress " + r.Addr() + "\n\t\t\tkey_prefix usage:\n\t\t\ttimeout 5s\n\t\t}"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tester := startCaddy(t, "", usageSites(up.URL, tc.store))
+			base := scrape(t, tester)
+			code, h, body := llmGet(t, "k1", "/json?tokens=60")
+			if code != 200 || !strings.Contains(body, `"total_tokens":60`) || remainingOf(t, h, "llm") != 99 {
+				t.Fatalf("first: %d, %q, RateLimit %q", code, body, h.Get("RateLimit"))
+			}
+			// The headers tell the admission; the next response tells
+			// the first's usage.
+			if code, h, _ := llmGet(t, "k1", "/json?tokens=50"); code != 200 || remainingOf(t, h, "llm") != 39 {
+				t.Fatalf("second: %d, RateLimit %q; want 39 left", code, h.Get("RateLimit"))
+			}
+			code, h, _ = llmGet(t, "k1", "/json?tokens=1")
+			if retry := h.Get("Retry-After"); code != 429 || retry != "7" {
+				t.Fatalf("in debt: %d, Retry-After %q; want 429 and 7 (11 tokens at 100/m)", code, retry)
+			}
+			adminGet(t, "llm", "k1", func(info map[string]any) {
+				if tok := info["tokens"].(float64); tok > -9.9 || tok < -10 {
+					t.Fatalf("admin: tokens %v, want about -10", tok)
+				}
+			})
+
+			for _, tc := range []struct {
+				path string
+				left int // after the response was settled
+			}{
+				{"/header?tokens=30", 70},
+				{"/trailer?tokens=20", 80},
+				{"/sse?tokens=45", 55},
+				{"/sse?tokens=45&usage=none", 99}, // the reservation stands
+				{"/sse?tokens=45&cut=1", 99},
+			} {
+				key := "k-" + tc.path
+				code, _, body := llmGet(t, key, tc.path)
+				if code != 200 {
+					t.Fatalf("%s: %d %q", tc.path, code, body)
+				}
+				zone, next := "llm", "/json?tokens=1"
+				if !strings.HasPrefix(tc.path, "/sse") {
+					zone, next = "llm-header", "/header?tokens=1"
+				}
+				if _, h, _ := llmGet(t, key, next); remainingOf(t, h, zone) != tc.left-1 {
+					t.Fatalf("%s: then %d left in %s, want %d", tc.path, remainingOf(t, h, zone), zone, tc.left-1)
+				}
+			}
+			// What each zone was charged, and the responses without usage:
+			// the stream without its usage chunk and the one cut off.
+			m := scrape(t, tester)
+			for _, want := range []struct {
+				series string
+				n      float64
+			}{
+				{`caddy_rate_limit_usage_total{limit="100/m burst 100",zone="llm"}`, 60 + 50 + 45 + 3},
+				{`caddy_rate_limit_usage_total{limit="100/m burst 100",zone="llm-header"}`, 30 + 20 + 2},
+				{`caddy_rate_limit_usage_missing_total{limit="100/m burst 100",zone="llm"}`, 2},
+				{`caddy_rate_limit_usage_missing_total{limit="100/m burst 100",zone="llm-header"}`, 0},
+			} {
+				wantMetric(t, m, want.series, base[want.series]+want.n)
+			}
+		})
+	}
+}
+
+// adminGet reads a key of a zone from the admin API, and passes what it
+// says of the first zone of that name to check.
+func adminGet(t *testing.T, zone, key string, check func(map[string]any)) {
+	t.Helper()
+	resp, err := http.Get("http://localhost:2999/rate_limit/" + zone + "/" + url.PathEscape(key))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var infos []map[string]any
+	body, _ := io.ReadAll(resp.Body)
+	if err := json.Unmarshal(body, &infos); err != nil || len(infos) == 0 {
+		var one map[string]any
+		if err := json.Unmarshal(body, &one); err != nil {
+			t.Fatalf("admin GET %s/%s: %d %s", zone, key, resp.StatusCode, body)
+		}
+		infos = []map[string]any{one}
+	}
+	check(infos[0])
+}
+
+// usage goes with neither ban nor delay, and says where to read the
+// usage: refused at adapt, with the line.
+func TestUsageCaddyfileErrors(t *testing.T) {
+	zone := func(lines string) string {
+		return "rate_limit {\n\tzone llm {\n\t\tkey {http.request.header.Authorization}\n\t\trate 100/m\n" + lines + "\t}\n}"
+	}
+	for _, tc := range []struct {
+		name, input, wantErr string
+		line                 int
+	}{
+		{"with ban", zone("\t\tusage json usage.total_tokens\n\t\tban 1m\n"), "usage cannot go with ban", 7},
+		{"with delay", zone("\t\tusage json usage.total_tokens\n\t\tdelay 1s\n"), "usage cannot go with delay", 7},
+		{"no place", zone("\t\tusage json\n"), "usage needs where to read it: usage json <path> or usage header <field>", 5},
+		{"unknown place", zone("\t\tusage body total\n"), "invalid usage 'body': expected json <path> or header <field>", 5},
+		{"empty key", zone("\t\tusage json usage..total\n"), "invalid usage json path 'usage..total'", 5},
+		{"bad header", zone("\t\tusage header X:Y\n"), "invalid usage header 'X:Y'", 5},
+		{"max_debt alone", zone("\t\tmax_debt 10\n"), "max_debt needs usage", 6},
+		{"max_debt negative", zone("\t\tusage header X-Tokens\n\t\tmax_debt -1\n"), "invalid max_debt -1", 7},
+		{"max_debt not a number", zone("\t\tusage header X-Tokens\n\t\tmax_debt lots\n"), "invalid max_debt 'lots': expected a whole number", 6},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := new(Handler).UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input))
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) || !strings.HasSuffix(err.Error(), fmt.Sprintf(", at Testfile:%d", tc.line)) {
+				t.Fatalf("error %v, want %q at Testfile:%d", err, tc.wantErr, tc.line)
+			}
+		})
+	}
+	for _, tc := range []struct{ json, wantErr string }{
+		{`{"zones":[{"name":"a","rate":"1r/s","usage":{"json":"a","header":"B"}}]}`, "usage needs one of json <path> or header <field>"},
+		{`{"zones":[{"name":"a","rate":"1r/s","usage":{}}]}`, "usage needs one of json <path> or header <field>"},
+		{`{"zones":[{"name":"a","concurrency":2,"usage":{"json":"a"}}]}`, "usage needs a rate or a quota"},
+		{`{"zones":[{"name":"a","quota":10,"quota_period":"day","usage":{"json":"a"},"max_debt":5}]}`, "max_debt needs a rate"},
+		{`{"zones":[{"name":"a","rate":"1r/h","burst":10,"usage":{"json":"a"},"max_debt":900000}]}`, "the burst and the debt must refill within 100 years"},
+	} {
+		checkValidate(t, tc.json, tc.wantErr)
+	}
+}
+
+// A stream reaches the client as the upstream sends it: the client reads
+// the first chunk while the upstream still holds the rest back.
+func TestUsageStreamsUnbuffered(t *testing.T) {
+	up := startLLMUpstream(t)
+	up.resume = make(chan struct{})
+	startCaddy(t, "", usageSites(up.URL, ""))
+	req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/sse?tokens=7", nil)
+	req.Header.Set("Authorization", "stream")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	line, err := bufio.NewReader(resp.Body).ReadString('\n')
+	if err != nil || !strings.Contains(line, `"t0"`) {
+		t.Fatalf("first chunk: %q, %v", line, err)
+	}
+	close(up.resume) // the client had the first chunk before the rest was sent
+	if _, err := io.Copy(io.Discard, resp.Body); err != nil {
+		t.Fatal(err)
+	}
+	if _, h, _ := llmGet(t, "stream", "/json?tokens=1"); remainingOf(t, h, "llm") != 100-7-1 {
+		t.Fatalf("after the stream: RateLimit %q, want %d left", h.Get("RateLimit"), 100-7-1)
+	}
+}
+
+// The reservation holds parallel requests to the burst: 200 requests of
+// one fresh key at once, with burst 100 and an upstream that answers none
+// until all have been decided, admit exactly 100; with Redis, through two
+// instances sharing it, what one charged the other sees.
+func TestUsageReservation(t *testing.T) {
+	r := startRedis(t)
+	up := startLLMUpstream(t)
+	up.resume = make(chan struct{})
+	store := "store redis {\n\t\t\taddress " + r.Addr() + "\n\t\t\tkey_prefix resv:\n\t\t\ttimeout 5s\n\t\t}"
+	// 100/h: no token comes back while the requests are decided.
+	startCaddy(t, "", usageSitesAt("100/h", up.URL, store))
+	other := newTestHandler(t, `{"zones":[{"name":"llm","key":"{http.request.header.Authorization}","rate":"100/h","burst":100,
+		"usage":{"json":"usage.total_tokens"}}],"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"resv:","timeout":"5s"}}`)
+
+	c := &http.Client{Transport: &http.Transport{MaxConnsPerHost: 200, MaxIdleConnsPerHost: 200}}
+	defer c.CloseIdleConnections()
+	codes := make(chan int, 200)
+	var wg sync.WaitGroup
+	for range 200 {
+		wg.Go(func() {
+			req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/sse?tokens=1", nil)
+			req.Header.Set("Authorization", "parallel")
+			resp, err := c.Do(req)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			_, _ = io.Copy(io.Discard, resp.Body)
+			resp.Body.Close()
+			codes <- resp.StatusCode
+		})
+	}
+	// Every request is decided before any is answered: the admitted
+	// ones wait in the upstream, the others have their 429.
+	deadline := time.Now().Add(10 * time.Second)
+	for len(codes)+int(up.held.Load()) < 200 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	close(up.resume)
+	wg.Wait()
+	close(codes)
+	n := map[int]int{}
+	for code := range codes {
+		n[code]++
+	}
+	if n[200] != 100 || n[429] != 100 {
+		t.Fatalf("200 parallel requests: %v, want 100 × 200 and 100 × 429", n)
+	}
+	// Each used 1 token, its reservation: the other instance finds the
+	// bucket empty.
+	req, rr := newRequest("192.0.2.1", "Authorization", "parallel")
+	if err := other.ServeHTTP(rr, req, okHandler); statusOf(err) != 429 {
+		t.Fatalf("the other instance: %v, want 429", err)
+	}
+}
+
+// usage with count: a response that count does not charge is not settled
+// either, it gives its cost back; in dry run, responses are settled as
+// when enforced, and nothing is refused.
+func TestUsageWithCountAndDryRun(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[
+		{"name":"usage-count","key":"{http.request.header.X-Key}","rate":"1r/h","burst":100,"usage":{"header":"X-Used"},"count":{"status_code":[200]}},
+		{"name":"usage-dry","key":"{http.request.header.X-Key}","rate":"1r/h","burst":10,"usage":{"header":"X-Used"},"dry_run":true}]}`)
+	respond := func(status int, used string) caddyhttp.HandlerFunc {
+		return func(w http.ResponseWriter, _ *http.Request) error {
+			w.Header().Set("X-Used", used)
+			w.WriteHeader(status)
+			return nil
+		}
+	}
+	left := func(zone string) int {
+		t.Helper()
+		d := &demands{buckets: []bucketDemand{}}
+		for _, z := range h.Zones {
+			if z.Name == zone {
+				d.buckets = append(d.buckets, bucketReq(z, bucketKey{s: "k"}))
+			}
+		}
+		if err := h.store.peek(context.Background(), time.Now(), d); err != nil {
+			t.Fatal(err)
+		}
+		return int(d.buckets[0].remaining())
+	}
+	for i, step := range []struct {
+		status        int
+		used          string
+		count, dryRun int // tokens left after the response
+	}{
+		{500, "50", 100, 0}, // count does not charge a 500; the dry-run zone is charged 50, to its most debt, and then refuses nothing
+		{200, "30", 70, 0},
+		{200, "x", 69, 0}, // no usage: the cost stands
+	} {
+		req, rr := newRequest("192.0.2.2", "X-Key", "k")
+		if err := h.ServeHTTP(rr, req, respond(step.status, step.used)); err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+		if got := left("usage-count"); got != step.count {
+			t.Fatalf("step %d: usage-count has %d left, want %d", i, got, step.count)
+		}
+		if got := left("usage-dry"); got != step.dryRun {
+			t.Fatalf("step %d: usage-dry has %d left, want %d", i, got, step.dryRun)
+		}
+	}
+}
+
+// usageBodies are an OpenAI chat completion of 4 KB, and a stream of 40
+// chunks with its usage chunk: the responses of BenchmarkUsage.
+func usageBodies() (jsonBody []byte, events [][]byte) {
+	content := strings.Repeat("All work and no play makes Jack a dull boy. ", 90)
+	jsonBody = fmt.Appendf(nil, `{"id":"chatcmpl-1","object":"chat.completion","created":1,"model":"m",`+
+		`"choices":[{"index":0,"message":{"role":"assistant","content":%q},"finish_reason":"stop"}],`+
+		`"usage":{"prompt_tokens":12,"completion_tokens":900,"total_tokens":912}}`, content)
+	for i := range 40 {
+		events = append(events, fmt.Appendf(nil, `data: {"id":"chatcmpl-1","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"token %d "}}],"usage":null}`+"\n\n", i))
+	}
+	events = append(events, []byte(`data: {"id":"chatcmpl-1","choices":[],"usage":{"prompt_tokens":12,"completion_tokens":40,"total_tokens":52}}`+"\n\n"), []byte("data: [DONE]\n\n"))
+	return jsonBody, events
+}
+
+// BenchmarkUsageScan is the reading of a response's usage alone: a 4 KB
+// JSON body in one write, and a stream of 42 events each in its own.
+func BenchmarkUsageScan(b *testing.B) {
+	jsonBody, events := usageBodies()
+	u := &Usage{JSON: "usage.total_tokens"}
+	u.provision()
+	var s usageScan
+	for _, tc := range []struct {
+		ct     string
+		pieces [][]byte
+		want   int64
+	}{
+		{"application/json", [][]byte{jsonBody}, 912},
+		{"text/event-stream", events, 52},
+	} {
+		b.Run(tc.ct, func(b *testing.B) {
+			h := http.Header{"Content-Type": {tc.ct}}
+			b.ReportAllocs()
+			for b.Loop() {
+				s.reset(u)
+				s.start(h)
+				for _, p := range tc.pieces {
+					s.write(p)
+				}
+				if n, why := s.end(h, true); n != tc.want || why != usageFound {
+					b.Fatalf("%d, %v", n, why)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkUsage is the allowed path of a zone with usage, the response
+// read and its usage settled, beside the same zone without usage:
+// `benchstat -col /usage`.
+func BenchmarkUsage(b *testing.B) {
+	jsonBody, events := usageBodies()
+	for _, body := range []struct {
+		name, ct string
+		pieces   [][]byte
+	}{
+		{"json-4KB", "application/json", [][]byte{jsonBody}},
+		{"stream-42-events", "text/event-stream", events},
+	} {
+		for _, usage := range []string{"none", "json"} {
+			b.Run("body="+body.name+"/usage="+usage, func(b *testing.B) {
+				zone := `{"name":"bench-usage-` + usage + `","rate":"1000000000r/s","burst":1000000000`
+				if usage == "json" {
+					zone += `,"usage":{"json":"usage.total_tokens"}`
+				}
+				h := newTestHandler(b, `{"zones":[`+zone+`}]}`)
+				next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+					w.Header().Set("Content-Type", body.ct)
+					w.WriteHeader(http.StatusOK)
+					for _, p := range body.pieces {
+						if _, err := w.Write(p); err != nil {
+							return err
+						}
+					}
+					return nil
+				})
+				req, _ := newRequest("192.0.2.1")
+				w := &headerSink{h: make(http.Header)}
+				b.ReportAllocs()
+				for b.Loop() {
+					clear(w.h)
+					_ = h.ServeHTTP(w, req, next)
+				}
+			})
+		}
+	}
+}
