@@ -660,3 +660,64 @@ func BenchmarkUsage(b *testing.B) {
 		}
 	}
 }
+
+// A handler that copies its body with io.Copy (the writer's ReadFrom)
+// has its usage read all the same.
+func TestUsageReadFrom(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"usage-readfrom","rate":"1r/h","burst":100,"usage":{"json":"usage.total_tokens"}}]}`)
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+		w.Header().Set("Content-Type", "application/json")
+		_, err := io.Copy(w, strings.NewReader(`{"usage":{"total_tokens":25}}`))
+		return err
+	})
+	req, rr := newRequest("192.0.2.3")
+	if err := h.ServeHTTP(rr, req, next); err != nil || rr.Body.String() != `{"usage":{"total_tokens":25}}` {
+		t.Fatalf("%v, %q", err, rr.Body.String())
+	}
+	if _, hdr := serve(h, "192.0.2.3"); !strings.Contains(hdr.Get("RateLimit"), ";r=74;") {
+		t.Fatalf("RateLimit %q, want 74 left: 25 tokens used, then 1", hdr.Get("RateLimit"))
+	}
+}
+
+// With encode in the site, rate_limit ordered after it reads the usage
+// before encode compresses the response for the client.
+func TestUsageWithEncode(t *testing.T) {
+	up := startLLMUpstream(t)
+	startCaddy(t, "\torder rate_limit after encode\n", fmt.Sprintf(`http://localhost:9080 {
+	encode {
+		gzip
+		minimum_length 1
+	}
+	rate_limit {
+		zone llm-gzip {
+			key {http.request.header.Authorization}
+			rate 100/h
+			burst 100
+			usage json usage.total_tokens
+		}
+	}
+	reverse_proxy %s {
+		header_up -Accept-Encoding
+	}
+}
+`, strings.TrimPrefix(up.URL, "http://")))
+	get := func() http.Header {
+		req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/json?tokens=40", nil)
+		req.Header.Set("Authorization", "gz")
+		req.Header.Set("Accept-Encoding", "gzip")
+		resp, err := (&http.Transport{DisableCompression: true}).RoundTrip(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		_, _ = io.Copy(io.Discard, resp.Body)
+		if resp.Header.Get("Content-Encoding") != "gzip" {
+			t.Fatalf("Content-Encoding %q, want gzip", resp.Header.Get("Content-Encoding"))
+		}
+		return resp.Header
+	}
+	get()
+	if h := get(); remainingOf(t, h, "llm-gzip") != 100-40-1 {
+		t.Fatalf("RateLimit %q, want %d left", h.Get("RateLimit"), 100-40-1)
+	}
+}
