@@ -31,7 +31,7 @@ type Usage struct {
 	Header string `json:"header,omitempty"`
 
 	path   []string // JSON's keys
-	quote  []byte   // the last key and its closing quote: an event without it has no usage
+	key    needle   // the last key in quotes: an event without it has no usage
 	header string   // Header, canonical
 }
 
@@ -58,9 +58,7 @@ func (u *Usage) validate() error {
 func (u *Usage) provision() {
 	if u.JSON != "" {
 		u.path = strings.Split(u.JSON, ".")
-		// Not the opening quote: bytes.Index looks for the first byte
-		// first, and a quote is in every key of a JSON text.
-		u.quote = []byte(u.path[len(u.path)-1] + `"`)
+		u.key = newNeedle(`"` + u.path[len(u.path)-1] + `"`)
 	}
 	u.header = textproto.CanonicalMIMEHeaderKey(u.Header)
 }
@@ -125,7 +123,7 @@ func (s *usageScan) reset(u *Usage) {
 	if cap(buf) > 4<<10 {
 		buf = nil
 	}
-	*s = usageScan{u: u, json: pathScanner{path: u.path}, events: sseScanner{path: u.path, quote: u.quote, buf: buf[:0]}}
+	*s = usageScan{u: u, json: pathScanner{path: u.path}, events: sseScanner{path: u.path, key: &u.key, buf: buf[:0]}}
 }
 
 // start reads the response's header: what its body is.
@@ -488,8 +486,8 @@ func (j *pathScanner) result() (int64, noUsage) {
 // end with LF, CR or CRLF; a field without a colon has an empty value.
 type sseScanner struct {
 	path  []string
-	quote []byte // the path's last key and its closing quote: an event without it has no usage
-	buf   []byte // the event's data
+	key   *needle // the path's last key in quotes: an event without it has no usage
+	buf   []byte  // the event's data
 	state uint8
 	name  [4]byte // the field name so far
 	nn    int
@@ -509,6 +507,12 @@ const (
 )
 
 func (e *sseScanner) feed(p []byte) {
+	if e.state == sLine && !e.cr && bytes.IndexByte(p, '\r') < 0 {
+		if len(e.buf) == 0 && !e.over && bytes.HasSuffix(p, blankLine) && !e.key.in(p) {
+			return // whole events, none of which has the path
+		}
+		p = e.lines(p)
+	}
 	for i := 0; i < len(p); {
 		c := p[i]
 		if e.cr {
@@ -587,7 +591,7 @@ func (e *sseScanner) add(p []byte) {
 	e.buf = append(e.buf, p...)
 }
 
-var newline = []byte{'\n'}
+var newline, blankLine = []byte{'\n'}, []byte("\n\n")
 
 // lineEnd is the length of p's line: up to its first CR or LF.
 func lineEnd(p []byte) int {
@@ -605,7 +609,48 @@ func lineEnd(p []byte) int {
 func (e *sseScanner) dispatch() {
 	data, over := e.buf, e.over
 	e.buf, e.over = e.buf[:0], false
-	if over || len(data) == 0 || !bytes.Contains(data, e.quote) {
+	if !over {
+		e.read(data)
+	}
+}
+
+// lines reads the whole lines of p, which starts a line and holds no CR
+// (most streams), and returns what is left: the start of a line. An
+// event of one data line whole in p is read where it is, not copied.
+func (e *sseScanner) lines(p []byte) []byte {
+	for {
+		n := bytes.IndexByte(p, '\n')
+		if n < 0 {
+			return p
+		}
+		line := p[:n]
+		p = p[n+1:]
+		switch {
+		case n == 0:
+			e.dispatch()
+		case n >= 5 && string(line[:5]) == "data:":
+			v := line[5:]
+			if len(v) > 0 && v[0] == ' ' {
+				v = v[1:]
+			}
+			if len(e.buf) == 0 && !e.over && len(p) > 0 && p[0] == '\n' {
+				if len(v)+1 <= maxUsageEvent {
+					e.read(v) // the event is this line
+				}
+				p = p[1:]
+				continue
+			}
+			e.add(v)
+			e.add(nil)
+		case string(line) == "data":
+			e.add(nil)
+		}
+	}
+}
+
+// read reads an event's data for the path.
+func (e *sseScanner) read(data []byte) {
+	if len(data) == 0 || !e.key.in(data) {
 		return
 	}
 	j := pathScanner{path: e.path}
@@ -619,4 +664,43 @@ func (e *sseScanner) dispatch() {
 	case usageNotNumber:
 		e.why = why
 	}
+}
+
+// A needle is a text to find in events, by its rarest byte: a search for
+// its first byte would stop at every quote or common letter of a JSON
+// text.
+type needle struct {
+	b     []byte
+	pivot int // the place in b of its rarest byte
+}
+
+// commonness ranks the bytes of JSON texts, the most common last; other
+// bytes are rarer than all of these.
+const commonness = `zqjxkvbywgpfmucdlhrsnioate0123456789,:{}"`
+
+func newNeedle(s string) needle {
+	n := needle{b: []byte(s)}
+	rank := func(c byte) int { return strings.IndexByte(commonness, c) }
+	for i := range n.b {
+		if rank(n.b[i]) < rank(n.b[n.pivot]) {
+			n.pivot = i
+		}
+	}
+	return n
+}
+
+// in reports whether n is in data.
+func (n *needle) in(data []byte) bool {
+	c, last := n.b[n.pivot], len(data)-len(n.b)+n.pivot // the last place the pivot can be at
+	for i := n.pivot; i <= last; i++ {
+		j := bytes.IndexByte(data[i:last+1], c)
+		if j < 0 {
+			return false
+		}
+		i += j
+		if bytes.Equal(data[i-n.pivot:i-n.pivot+len(n.b)], n.b) {
+			return true
+		}
+	}
+	return false
 }

@@ -119,6 +119,24 @@ func TestUsageEvents(t *testing.T) {
 					t.Fatalf("in pieces of %d: %d, %q; want %d, %q", n, got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
 				}
 			}
+			// An event a write, as an upstream flushes them.
+			u := &Usage{JSON: "usage.total_tokens"}
+			u.provision()
+			var s usageScan
+			s.reset(u)
+			h := http.Header{"Content-Type": {"text/event-stream"}}
+			s.start(h)
+			for rest := tc.body; rest != ""; {
+				i := strings.Index(rest, "\n\n")
+				if i < 0 {
+					i = len(rest) - 2
+				}
+				s.write([]byte(rest[:i+2]))
+				rest = rest[i+2:]
+			}
+			if got, why := s.end(h, true); got != tc.want || why != tc.why {
+				t.Fatalf("an event a write: %d, %q; want %d, %q", got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
+			}
 		})
 	}
 }
@@ -719,5 +737,31 @@ func TestUsageWithEncode(t *testing.T) {
 	get()
 	if h := get(); remainingOf(t, h, "llm-gzip") != 100-40-1 {
 		t.Fatalf("RateLimit %q, want %d left", h.Get("RateLimit"), 100-40-1)
+	}
+}
+
+// A needle is found wherever it is, and only where it is whole.
+func TestNeedle(t *testing.T) {
+	n := newNeedle(`"total_tokens"`)
+	if n.b[n.pivot] != '_' {
+		t.Fatalf("pivot %q, want the underscore", n.b[n.pivot])
+	}
+	for _, tc := range []struct {
+		data string
+		want bool
+	}{
+		{`"total_tokens"`, true},
+		{`{"usage":{"total_tokens":5}}`, true},
+		{`x"total_tokens"`, true},
+		{`"total_tokens`, false},
+		{`total_tokens"`, false},
+		{`"total_token"`, false},
+		{`"a_b" "total-tokens" "total_tokenz"`, false},
+		{`_`, false},
+		{``, false},
+	} {
+		if got := n.in([]byte(tc.data)); got != tc.want {
+			t.Errorf("%q: %v, want %v", tc.data, got, tc.want)
+		}
 	}
 }
