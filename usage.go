@@ -532,26 +532,8 @@ func (e *sseScanner) feed(p []byte) {
 			}
 			e.nn, e.state = 0, sName
 		case sName:
-			switch {
-			case c == ':':
-				e.state = sOther
-				if e.isData() {
-					e.state = sSpace
-				}
-				i++
-			case c == '\n' || c == '\r':
-				if e.isData() {
-					e.add(nil) // data with an empty value
-				}
-				e.cr, e.state = c == '\r', sLine
-				i++
-			default:
-				if e.nn < len(e.name) {
-					e.name[e.nn] = c
-				}
-				e.nn++
-				i++
-			}
+			e.name1(c)
+			i++
 		case sSpace:
 			e.state = sData
 			if c == ' ' {
@@ -570,6 +552,27 @@ func (e *sseScanner) feed(p []byte) {
 				i++
 			}
 		}
+	}
+}
+
+// name1 reads a byte of a field's name.
+func (e *sseScanner) name1(c byte) {
+	switch {
+	case c == ':':
+		e.state = sOther
+		if e.isData() {
+			e.state = sSpace
+		}
+	case c == '\n' || c == '\r':
+		if e.isData() {
+			e.add(nil) // data with an empty value
+		}
+		e.cr, e.state = c == '\r', sLine
+	default:
+		if e.nn < len(e.name) {
+			e.name[e.nn] = c
+		}
+		e.nn++
 	}
 }
 
