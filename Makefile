@@ -10,15 +10,15 @@ bench:
 bench-quick:
 	bench/run.sh quick $(if $(NOTE),-note "$(NOTE)")
 
-# The long version of the fault and attack scenarios (README, "Fault and
-# attack scenarios"); needs Go and redis-server. Writes
+# The long version of the fault and attack scenarios (docs/development.md,
+# "Fault and attack scenarios"); needs Go and redis-server. Writes
 # bench/faults/RESULTS.md.
 faults:
 	bench/faults/run.sh
 
 # How decisions spread over the masters of a 3-master Redis Cluster, and
 # the decisions/s of one master pinned to core 1, loaded by the store from
-# core 0 (README, "Performance", "Redis"); needs Go, redis-server and
+# core 0 (docs/performance.md, "Redis"); needs Go, redis-server and
 # taskset. RUNS=n runs each load n times (default 5); SCRIPT=<file> runs
 # another version of lua/token_bucket.lua for comparison. Writes
 # bench/results/masters.log.

@@ -216,3 +216,37 @@ func TestAdminZonesOfOneName(t *testing.T) {
 		wantMetric(t, m, fmt.Sprintf(`caddy_rate_limit_keys{limit=%q,zone="default"}`, limit), 1)
 	}
 }
+
+// A key whose whole name is `top` is addressed as `%74op`: the path's
+// `top` is the zone's top list, and one letter escaped is the key.
+func TestAdminKeyNamedTop(t *testing.T) {
+	tester := startCaddy(t, "", `:9080 {
+	rate_limit {
+		zone topkey {
+			key   {http.request.header.X-Key}
+			rate  1r/m
+			burst 1
+		}
+	}
+	respond "ok"
+}
+`)
+	get(t, tester, "/", 200, "ok", "X-Key", "top")
+	get(t, tester, "/", 429, "", "X-Key", "top")
+
+	b := adminDo(t, tester, http.MethodGet, "/rate_limit/topkey/%74op", 200)
+	if b["key"] != "top" || b["tokens"].(float64) > 0.1 {
+		t.Fatalf("GET of %%74op: %v, want the empty bucket of key top", b)
+	}
+	list := adminDo(t, tester, http.MethodGet, "/rate_limit/topkey/top", 200)
+	items, _ := list["top"].([]any)
+	if len(items) != 1 || items[0].(map[string]any)["key"] != "top" {
+		t.Fatalf("GET of top: %v, want the top list, holding key top", list)
+	}
+	adminDo(t, tester, http.MethodDelete, "/rate_limit/topkey/top", 405)
+	b = adminDo(t, tester, http.MethodDelete, "/rate_limit/topkey/%74op", 200)
+	if b["key"] != "top" || b["tokens"] != 1.0 {
+		t.Fatalf("DELETE of %%74op: %v, want key top's full bucket", b)
+	}
+	get(t, tester, "/", 200, "ok", "X-Key", "top")
+}

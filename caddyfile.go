@@ -61,6 +61,10 @@ const anonymousZone = "default"
 //			persist          on|off
 //			persist_interval <duration>
 //		}
+//		store redis {
+//			address <host:port>...
+//			<other options of the Redis store>
+//		}
 //		headers both|legacy|ietf|off
 //		jitter  <fraction>
 //		max_delayed <n>  # requests waiting for zones with delay at once

@@ -21,8 +21,9 @@ func init() {
 // store: one Caddy instance needs nothing else.
 //
 // Buckets survive config reloads for every zone whose name, rate and
-// burst are unchanged. Memory is bounded by `max_keys` per zone; a
-// tracked key costs about 56 bytes whatever its length.
+// burst are unchanged, and restarts through Caddy's storage (see
+// `persist`). Memory is bounded by `max_keys` per zone; a tracked key
+// costs about 84 bytes whatever its length.
 type LocalStore struct {
 	// The most buckets kept per zone. When a zone is full, buckets that
 	// have refilled are dropped first, which changes no decision; if none
@@ -39,7 +40,7 @@ type LocalStore struct {
 	Persist *bool `json:"persist,omitempty"`
 
 	// How often the buckets are written: how much of them a crash can
-	// lose. At least 100ms. Default: 30s.
+	// lose. A duration, at least 100ms. Default: 30s.
 	PersistInterval caddy.Duration `json:"persist_interval,omitempty"`
 
 	zones    []localZone // by zone index

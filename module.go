@@ -63,8 +63,9 @@ type Handler struct {
 	// may not be in both.
 	RateLimits map[string]*Zone `json:"rate_limits,omitempty"`
 
-	// Where the buckets are kept. Default: `local` (in this process's
-	// memory).
+	// Where the buckets are kept: a store module, named by `backend`,
+	// such as `{"backend": "redis", "addresses": ["10.0.0.5:6379"]}`.
+	// Default: `local` (in this process's memory).
 	StoreRaw json.RawMessage `json:"store,omitempty" caddy:"namespace=http.handlers.rate_limit.stores inline_key=backend"`
 
 	// Which rate-limit response headers to send: `both` (default),
@@ -82,10 +83,12 @@ type Handler struct {
 	Jitter float64 `json:"jitter,omitempty"`
 
 	// Log the bucket key with denials. Keys often hold personal data
-	// (IP addresses, API keys), so this is off by default.
+	// (IP addresses, API keys). Default: false.
 	LogKey bool `json:"log_key,omitempty"`
 
-	// Put every zone in dry run (see Zone.DryRun).
+	// Put every zone in dry run, as a zone's `dry_run` does: decisions
+	// are computed, counted, logged and sent as headers, but no request
+	// is refused. Default: false.
 	DryRun bool `json:"dry_run,omitempty"`
 
 	// The most requests that wait at once in this handler for the tokens
@@ -95,17 +98,22 @@ type Handler struct {
 	// Needs a zone with delay. Default: 10000.
 	MaxDelayed int64 `json:"max_delayed,omitempty"`
 
-	// Do not export this handler's zones as Prometheus metrics.
+	// Do not export this handler's zones as Prometheus metrics. The admin
+	// API still shows them. Default: false.
 	DisableMetrics bool `json:"disable_metrics,omitempty"`
 
 	// Accepted for caddy-ratelimit's configs and ignored: buckets that
 	// have refilled carry nothing and the store drops them by itself.
 	SweepInterval caddy.Duration `json:"sweep_interval,omitempty"`
 
-	// caddy-ratelimit's `distributed` and `storage` are refused with a
-	// pointer to the Redis store, which shares limits exactly.
+	// The option of github.com/mholt/caddy-ratelimit that shares limits
+	// through Caddy's storage. Refused, with a pointer to the Redis
+	// store, which shares limits exactly.
 	Distributed json.RawMessage `json:"distributed,omitempty"`
-	Storage     json.RawMessage `json:"storage,omitempty"`
+
+	// The storage of caddy-ratelimit's `distributed`. Refused, with a
+	// pointer to the Redis store.
+	Storage json.RawMessage `json:"storage,omitempty"`
 
 	store      store
 	failMode   failMode

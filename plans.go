@@ -29,8 +29,9 @@ import (
 // (`rate {plan_rate}`, filled by a `map` of the client's plan) gives each
 // request the limit that the placeholders' values say. A key keeps one
 // bucket whatever its plan: the bucket is one instant (when it is full
-// again), which means the same under any limit, clamped to the request's
-// own burst when the plan changes (see limit.take).
+// again) and the whole-bucket time of the limit that wrote it, so that a
+// change of plan keeps the fraction of the bucket owed (see
+// limit.rescale).
 //
 // Each distinct set of values is parsed once, into a plan that requests
 // then carry to the stores and the headers; a zone keeps at most

@@ -69,24 +69,31 @@ type RedisStore struct {
 	// `{env.REDIS_ADDR}` are expanded.
 	Addresses []string `json:"addresses,omitempty"`
 
-	// A `redis://` or `rediss://` URL, instead of the addresses, username,
-	// password, db and tls fields.
+	// A `redis://user:password@host:port/db` or `rediss://` (TLS) URL,
+	// instead of the addresses, username, password, db and tls fields.
+	// Default: none.
 	URL string `json:"url,omitempty"`
 
-	// Credentials. `{env.REDIS_PASSWORD}` is expanded at load.
+	// The user name of Redis ACLs. Placeholders such as `{env.REDIS_USER}`
+	// are expanded when the config loads. Default: none.
 	Username string `json:"username,omitempty"`
+
+	// The password. Placeholders such as `{env.REDIS_PASSWORD}` are
+	// expanded when the config loads. Default: none.
 	Password string `json:"password,omitempty"`
 
-	// The database number (standalone and sentinel only).
+	// The database number (standalone and sentinel only). Default: 0.
 	DB int `json:"db,omitempty"`
 
-	// The master name: the addresses are Redis Sentinels.
+	// The master name: the addresses are then Redis Sentinels, and the
+	// store follows failovers. Not with cluster. Default: none.
 	Sentinel string `json:"sentinel,omitempty"`
 
-	// Use the cluster protocol even with a single seed address.
+	// Use the cluster protocol even with a single seed address (several
+	// addresses are a cluster already). Default: false.
 	Cluster bool `json:"cluster,omitempty"`
 
-	// Connect with TLS.
+	// Connect with TLS, with these options. Default: no TLS.
 	TLS *RedisTLS `json:"tls,omitempty"`
 
 	// Prefix of every key this store writes. Default: `rl:`.
@@ -95,13 +102,14 @@ type RedisStore struct {
 	// Hash bucket keys (SHA-256, 128 bits) instead of writing them as they
 	// are, so client IPs or API keys are not stored in Redis. Keys longer
 	// than 128 bytes are always hashed. Note that hashed IPv4 addresses
-	// can still be found by trying them all.
+	// can still be found by trying them all. Default: false.
 	HashKeys bool `json:"hash_keys,omitempty"`
 
-	// The longest a decision may wait for Redis. Default: `100ms`.
+	// The longest a decision may wait for Redis, then fail_mode decides.
+	// A duration. Default: `100ms`.
 	Timeout caddy.Duration `json:"timeout,omitempty"`
 
-	// Connections per Redis node. Default: 10 per CPU.
+	// Connections per Redis node, at most 100000. Default: 10 per CPU.
 	PoolSize int `json:"pool_size,omitempty"`
 
 	// What to do when Redis fails or does not answer in time: `local`
@@ -118,7 +126,8 @@ type RedisStore struct {
 	// that a bucket reset through another instance's admin API is seen
 	// here within that time; so are the tokens given back on another
 	// instance to a client that left while waiting out a zone's delay.
-	// Set this where these must take effect everywhere at once.
+	// Set this where these must take effect everywhere at once. Default:
+	// false.
 	DisableOverLimitCache bool `json:"disable_over_limit_cache,omitempty"`
 
 	client      *rediswire.Client
@@ -163,10 +172,11 @@ type window struct {
 
 // RedisTLS configures TLS connections to Redis.
 type RedisTLS struct {
-	// Accept any server certificate. Only for testing.
+	// Accept any server certificate. Only for testing. Default: false.
 	InsecureSkipVerify bool `json:"insecure_skip_verify,omitempty"`
 
 	// A PEM file of the CA certificates to trust instead of the system's.
+	// Default: the system's roots.
 	CA string `json:"ca,omitempty"`
 }
 

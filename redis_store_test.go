@@ -951,10 +951,10 @@ func TestRedisTwinTakes(t *testing.T) {
 	}
 }
 
-// Memory per bucket in Redis, as the README states it: what INFO's
+// Memory per bucket in Redis, as docs/performance.md states it: what INFO's
 // used_memory grows by per bucket, written through the store with 64
 // callers, must stay under 100 B. 100k IPv4 keys by default (a long
-// minute under -race); RATE_LIMIT_MEMORY_KEYS=1000000 for the README's
+// minute under -race); RATE_LIMIT_MEMORY_KEYS=1000000 for the docs'
 // figure. Logged with -v: MEMORY USAGE of sample hashes per bucket, and,
 // for the same keys, what the layout before buckets shared hashes costs
 // (a string key per bucket holding a 17-digit float, with PX), written

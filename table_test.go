@@ -136,7 +136,7 @@ func TestBucketKeyHash(t *testing.T) {
 	}
 }
 
-// Memory per tracked key, as the README states it. The figure is logged
+// Memory per tracked key, as docs/performance.md states it. The figure is logged
 // with -v; the test fails only if it is far off the 128-byte target.
 func TestMemoryPerKey(t *testing.T) {
 	if testing.Short() {

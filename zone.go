@@ -48,21 +48,23 @@ type Zone struct {
 	Key string `json:"key,omitempty"`
 
 	// How fast the bucket refills: `<n>r/s`, `<n>r/m`, `<n>r/h`, `<n>r/d`
-	// or `<n>/<duration>` (e.g. `100/10s`). n may be fractional.
-	// Required.
+	// or `<n>/<duration>` (e.g. `100/10s`). n may be fractional. Required,
+	// unless the zone has `window` and `max_events`, `concurrency` or a
+	// `quota`.
 	//
 	// Rate, burst and cost may hold placeholders, e.g. `{plan_rate}` set
 	// by a `map` of the client's plan: each request is then limited by
 	// the values it brings, and a key keeps its bucket when its plan
-	// changes (clamped to the new burst). A zone keeps at most 1000
-	// distinct limits; a request whose values make no valid limit, or one
-	// more, is answered 500 (and the values logged once). A value the
-	// client sets itself must not decide its limit.
+	// changes, owing the same fraction of the new plan's bucket as it owed
+	// of the old one's. A zone keeps at most 1000 distinct limits; a
+	// request whose values make no valid limit, or one more, is answered
+	// 500 (and the values logged once). A value the client sets itself
+	// must not decide its limit.
 	Rate string `json:"rate,omitempty"`
 
 	// The bucket's capacity: how many tokens a client that has been idle
 	// can spend at once. A whole number, or a string with placeholders
-	// that give one per request (see Rate). Default: the n of the rate,
+	// that give one per request (see `rate`). Default: the n of the rate,
 	// rounded up.
 	Burst int64 `json:"burst,omitempty"`
 
@@ -78,30 +80,32 @@ type Zone struct {
 	// once after an idle spell. It is read as rate
 	// `<max_events>/<window>` with burst `<max_events>`, and gives the
 	// zone caddy-ratelimit's meaning of `key`, `ipv4_prefix` and
-	// `ipv6_prefix` (see Key and IPv6Prefix).
+	// `ipv6_prefix` (see `key` and `ipv6_prefix`). A duration.
 	Window caddy.Duration `json:"window,omitempty"`
 
-	// Requests allowed per `window`: at least 1.
+	// Requests allowed per `window`: at least 1. Goes with window.
 	MaxEvents int64 `json:"max_events,omitempty"`
 
 	// Which requests the zone applies to. Default: all requests.
 	MatcherSetsRaw caddyhttp.RawMatcherSets `json:"match,omitempty" caddy:"namespace=http.matchers"`
 
 	// When the key is an IPv4 address, clients in the same network of
-	// this prefix length share a bucket. Default: 32.
+	// this prefix length, in bits (1 to 32), share a bucket. Default: 32.
 	IPv4Prefix int `json:"ipv4_prefix,omitempty"`
 
 	// When the key is an IPv6 address, clients in the same network of
-	// this prefix length share a bucket. Default: 64 (the usual
-	// allocation to one subscriber); 128 (each address its own bucket) in
-	// a zone written with `window` and `max_events`, as in caddy-ratelimit.
+	// this prefix length, in bits (1 to 128), share a bucket. Default: 64
+	// (the usual allocation to one subscriber); 128 (each address its own
+	// bucket) in a zone written with `window` and `max_events`, as in
+	// caddy-ratelimit.
 	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
 
 	// When the zone denies a key, refuse that key for this long, however
 	// soon its bucket would have tokens again; then its bucket refills
 	// from empty as usual. Only the denial that finds the key not banned
-	// starts a ban: the denials during it do not make it longer. Needs a
-	// rate. Default: no ban.
+	// starts a ban: the denials during it do not make it longer. A
+	// duration such as `15m`, at most 100 years. Needs a rate; not with
+	// delay or quota. Default: no ban.
 	Ban caddy.Duration `json:"ban,omitempty"`
 
 	// Let a request that finds too few tokens, but would have them within
@@ -112,8 +116,8 @@ type Zone struct {
 	// as without a delay, and charged nothing; one whose client leaves
 	// while it waits gets its tokens back. A request that several zones
 	// delay waits the longest of their waits. A zone in dry run never
-	// makes a request wait. Needs a rate; not with ban. At most 1h.
-	// Default: no delay (refuse at once).
+	// makes a request wait. A duration such as `2s`, at most 1h. Needs a
+	// rate; not with ban. Default: no delay (refuse at once).
 	Delay caddy.Duration `json:"delay,omitempty"`
 
 	// Charge only the requests whose response matches: a request still
@@ -148,7 +152,8 @@ type Zone struct {
 	// and gives the slot back when the handlers after this one return,
 	// however they return. A zone with concurrency needs no rate; with
 	// both, both apply. With the Redis store, the slots are shared by
-	// every instance (see Lease). Default: no limit on requests in flight.
+	// every instance (see `lease`). Not with quota. Default: no limit on
+	// requests in flight.
 	Concurrency int64 `json:"concurrency,omitempty"`
 
 	// How long a slot of a zone with concurrency is held at most, in a
@@ -157,16 +162,17 @@ type Zone struct {
 	// end. A lease is not renewed: a request that runs longer than its
 	// lease loses its slot then (renewing would cost a timer and a Redis
 	// write per request in flight, and keep the slots of an instance that
-	// is stuck), so set it above the longest request. Unused by the local
-	// store. Needs concurrency. Default: 60s.
+	// is stuck), so set it above the longest request. A duration. Unused
+	// by the local store. Needs concurrency. Default: 60s.
 	Lease caddy.Duration `json:"lease,omitempty"`
 
 	// A calendar quota: at most this many units (a request counts its
 	// `cost`) per key in each window of quota_period, counted only for
 	// requests that every zone allows, and refused with a Retry-After of
 	// the time left until the window ends. With a rate, both apply; a
-	// zone may also have a quota alone. At most 999999999999999. Default:
-	// no quota.
+	// zone may also have a quota alone. At most 999999999999999; not with
+	// ban, concurrency, window or a cost with placeholders. Default: no
+	// quota.
 	Quota int64 `json:"quota,omitempty"`
 
 	// The quota's calendar window: `day`, `week` (ISO weeks, from Monday)
@@ -181,8 +187,8 @@ type Zone struct {
 	// Compute, count and log decisions, and send the headers, but let
 	// requests that this zone would refuse go on (uncharged by it). The
 	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
-	// when the zone would let the request through), so
-	// that the upstream can be told. Lets a new limit be tried safely.
+	// when the zone would let the request through), so that the upstream
+	// can be told. Lets a new limit be tried safely. Default: false.
 	DryRun bool `json:"dry_run,omitempty"`
 
 	index    int    // in Handler.Zones
