@@ -412,6 +412,7 @@ var referenceSections = []struct {
 	{"## Handler", reflect.TypeFor[Handler](), nil},
 	{"## Zone", reflect.TypeFor[Zone](), nil},
 	{"### count", reflect.TypeFor[caddyhttp.ResponseMatcher](), nil},
+	{"### usage", reflect.TypeFor[Usage](), nil},
 	{"## Local store", reflect.TypeFor[LocalStore](), []string{"backend"}},
 	{"## Redis store", reflect.TypeFor[RedisStore](), []string{"backend"}},
 	{"### tls", reflect.TypeFor[RedisTLS](), nil},
@@ -501,6 +502,7 @@ func (ref reference) check(t *testing.T, raw []byte) {
 		keys("## Zone", z)
 		if z, ok := z.(map[string]any); ok {
 			keys("### count", z["count"])
+			keys("### usage", z["usage"])
 		}
 	}
 	if s, ok := h["store"].(map[string]any); ok {
