@@ -338,14 +338,14 @@ func (s *LocalStore) reset(_ context.Context, d *demands) (bool, error) {
 
 func (s *LocalStore) stats(zone int) zoneStats {
 	z := &s.zones[zone]
-	n, e := 0, uint64(0)
+	n, e, c := 0, uint64(0), 0
 	if z.buckets != nil {
-		n, e = z.buckets.len(), z.buckets.evictions.Load()
+		n, e, c = z.buckets.len(), z.buckets.evictions.Load(), z.buckets.capacity()
 	}
 	if z.counters != nil {
-		n, e = n+z.counters.len(), e+z.counters.evictions.Load()
+		n, e, c = n+z.counters.len(), e+z.counters.evictions.Load(), c+z.counters.capacity()
 	}
-	return zoneStats{keys: &n, evictions: &e, table: *z}
+	return zoneStats{keys: &n, evictions: &e, capacity: c, table: *z}
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:

@@ -99,7 +99,7 @@ var (
 // collector exports what the zone states and the stores count, read
 // when Prometheus scrapes.
 type collector struct {
-	requests, cacheHits, bans, refunds, delayed, usage, usageMissing, keys, evictions, circuitOpen *prometheus.Desc
+	requests, cacheHits, bans, refunds, delayed, usage, usageMissing, keys, maxKeys, evictions, circuitOpen *prometheus.Desc
 }
 
 func newCollector() *collector {
@@ -129,6 +129,9 @@ func newCollector() *collector {
 		keys: prometheus.NewDesc(name("keys"),
 			"Buckets and calendar quota counters the local store tracks.",
 			[]string{"zone", "limit"}, nil),
+		maxKeys: prometheus.NewDesc(name("max_keys"),
+			"The most buckets and calendar quota counters the local store keeps, counted as keys counts them: max_keys for each table of the zone, rounded down to a whole share per shard.",
+			[]string{"zone", "limit"}, nil),
 		evictions: prometheus.NewDesc(name("evictions_total"),
 			"Buckets the local store evicted before they refilled, to stay within max_keys.",
 			[]string{"zone", "limit"}, nil),
@@ -147,6 +150,7 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.usage
 	ch <- c.usageMissing
 	ch <- c.keys
+	ch <- c.maxKeys
 	ch <- c.evictions
 	ch <- c.circuitOpen
 }
@@ -189,12 +193,15 @@ func (c *collector) collectZone(ch chan<- prometheus.Metric, id zoneID, s *zoneS
 }
 
 // collectStores exports what the stores of the provisioned handlers keep
-// (read through their stats): the keys and evictions of each zone, the
-// tables that zones of one name and limit share counted once, and the
-// connections whose circuit breaker is open.
+// (read through their stats): the keys, capacity and evictions of each
+// zone, the tables that zones of one name and limit share counted once,
+// and the connections whose circuit breaker is open.
 func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zoneID]bool) {
-	keys := make(map[zoneID]int)
-	evictions := make(map[zoneID]uint64)
+	type tracked struct {
+		keys, capacity int
+		evictions      uint64
+	}
+	zones := make(map[zoneID]*tracked)
 	tables := make(map[any]bool)
 	clients := make(map[any]bool) // whether each connection is down
 	registry.Lock()
@@ -213,15 +220,20 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 					continue
 				}
 				tables[st.table] = true
-				keys[id] += *st.keys
-				evictions[id] += *st.evictions
+				if zones[id] == nil {
+					zones[id] = new(tracked)
+				}
+				zones[id].keys += *st.keys
+				zones[id].capacity += st.capacity
+				zones[id].evictions += *st.evictions
 			}
 		}
 	}
 	registry.Unlock()
-	for id, n := range keys {
-		ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(n), id.name, id.limit)
-		ch <- prometheus.MustNewConstMetric(c.evictions, prometheus.CounterValue, float64(evictions[id]), id.name, id.limit)
+	for id, z := range zones {
+		ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(z.keys), id.name, id.limit)
+		ch <- prometheus.MustNewConstMetric(c.maxKeys, prometheus.GaugeValue, float64(z.capacity), id.name, id.limit)
+		ch <- prometheus.MustNewConstMetric(c.evictions, prometheus.CounterValue, float64(z.evictions), id.name, id.limit)
 	}
 	open := 0
 	for _, down := range clients {

@@ -167,6 +167,9 @@ func TestMetricsEndpoint(t *testing.T) {
 	wantMetric(t, m, `caddy_rate_limit_requests_total{result="denied",zone="m_dry"}`, 0)
 	wantMetric(t, m, `caddy_rate_limit_keys{zone="m_local"}`, 8)
 	wantMetric(t, m, `caddy_rate_limit_evictions_total{zone="m_local"}`, 3)
+	wantMetric(t, m, `caddy_rate_limit_max_keys{zone="m_local"}`, 8)
+	// fail_mode local's buckets for the Redis zone: the default max_keys.
+	wantMetric(t, m, `caddy_rate_limit_max_keys{zone="m_redis"}`, defaultMaxKeys)
 	wantMetric(t, m, `caddy_rate_limit_circuit_open`, base[`caddy_rate_limit_circuit_open`])
 	wantMetric(t, m, redisLatency, base[redisLatency]+4)
 	// Each decision once; /quiet exports nothing.
@@ -202,6 +205,29 @@ func TestMetricsEndpoint(t *testing.T) {
 	m = scrape(t, tester)
 	wantMetric(t, m, `caddy_rate_limit_requests_total{result="denied",zone="m_local"}`, 2)
 	wantMetric(t, m, `caddy_rate_limit_requests_total{result="allowed",zone="m_redis"}`, 4)
+}
+
+// The max_keys metric is what a zone's table keeps at most: max_keys,
+// rounded down to a whole share for each of a large table's 64 shards,
+// and never below the 64 a shard that a table made large keeps when a
+// reload lowers max_keys.
+func TestMaxKeysCapacity(t *testing.T) {
+	for _, tc := range []struct {
+		created, loaded int64
+		want            int
+	}{
+		{8, 8, 8},
+		{4095, 4095, 4095},
+		{5000, 5000, 4992},
+		{defaultMaxKeys, defaultMaxKeys, defaultMaxKeys},
+		{defaultMaxKeys, 100, 4096},
+	} {
+		tab := newBuckets(tc.created, t0)
+		tab.maxKeys.Store(tc.loaded)
+		if got := tab.capacity(); got != tc.want {
+			t.Errorf("max_keys %d (table made for %d): capacity %d, want %d", tc.loaded, tc.created, got, tc.want)
+		}
+	}
 }
 
 const opsGlobal = `	servers {

@@ -169,9 +169,10 @@ type slotDemand struct {
 type zoneStats struct {
 	// The keys the store tracks in this process (buckets and counters),
 	// and the buckets it evicted before they refilled; nil when it does
-	// not track keys here.
+	// not track keys here. capacity is the most keys it keeps (max_keys).
 	keys      *int
 	evictions *uint64
+	capacity  int
 	// table identifies what keys and evictions count: zones that share a
 	// table report it alike, and are counted once.
 	table any

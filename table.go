@@ -149,6 +149,10 @@ func (t *table[E]) shardCap() int {
 	return max(int(t.maxKeys.Load())/len(t.shards), minShardCap(len(t.shards)))
 }
 
+// capacity is the most entries the table keeps: maxKeys, rounded down to
+// a whole share per shard, or the shards' minimum when that is more.
+func (t *table[E]) capacity() int { return t.shardCap() * len(t.shards) }
+
 // minShardCap is the fewest entries a shard of a table of n shards keeps:
 // a table made with many shards (for max_keys of 4096 or more) whose
 // max_keys a reload lowers keeps room for 64 entries a shard, so that
