@@ -355,6 +355,16 @@ func TestUsageThroughCaddy(t *testing.T) {
 			if retry := h.Get("Retry-After"); code != 429 || retry != "7" {
 				t.Fatalf("in debt: %d, Retry-After %q; want 429 and 7 (11 tokens at 100/m)", code, retry)
 			}
+			if tc.name == "redis" {
+				// Another instance sharing the Redis sees the debt.
+				other := newTestHandler(t, `{"zones":[{"name":"llm","key":"{http.request.header.Authorization}","rate":"100/m","burst":100,
+					"usage":{"json":"usage.total_tokens"},"match":[{"not":[{"path":["/header","/trailer"]}]}]}],
+					"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"usage:","timeout":"5s"}}`)
+				req, rr := newRequest("192.0.2.1", "Authorization", "k1")
+				if err := other.ServeHTTP(rr, req, okHandler); statusOf(err) != 429 || rr.Header().Get("Retry-After") != "7" {
+					t.Fatalf("the other instance: %v, Retry-After %q; want 429 and 7", err, rr.Header().Get("Retry-After"))
+				}
+			}
 			adminGet(t, "llm", "k1", func(info map[string]any) {
 				if tok := info["tokens"].(float64); tok > -9.9 || tok < -10 {
 					t.Fatalf("admin: tokens %v, want about -10", tok)

@@ -323,16 +323,17 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 	p := rep.Params
 	pf("## Throughput and overhead: wrk\n\n")
 	pf("`wrk -t1 -c50 -d%v --latency` against `respond \"ok\"`. %s "+
+		"Each request carries one of %d keys in `X-Key`, at random (many clients, as users run it), except the rows marked one key; every zone's key is `{http.request.header.X-Key}`. "+
 		"Ratios are to the baseline of this run: the median of all the runs without a limiter, from both binaries "+
 		"(ours and caddy-peer share every dependency but the limiter, so the gap between their two rows is noise). wrk and Caddy share the cores. "+
-		"Allowed path: key `{client_ip}`, a limit never reached (ours `rate 1000000r/s` `burst 1000000`; caddy-ratelimit `events 20000` `window 100ms`, "+
-		"as its ring of `events` timestamps per key is allocated up front and a 24 MB one would slow the GC's pace enough to make it look cheaper than no limiter). "+
-		"Denied path: every request after the first over the limit (ours `rate 1r/m` `burst 1`; caddy-ratelimit `events 1` `window 1m`). "+
+		"Allowed path: a limit never reached (ours `rate 1000000r/s` `burst 1000000`; caddy-ratelimit `events 200` `window 100ms`, "+
+		"as its ring of `events` timestamps per key is allocated up front and a large one would slow the GC's pace enough to make it look cheaper than no limiter). "+
+		"Denied path: one key, every request after the first over the limit (ours `rate 1r/m` `burst 1`; caddy-ratelimit `events 1` `window 1m`). "+
 		"Each configuration is its own Caddy process, with Caddy's default logging (INFO to stderr, to a file here). "+
 		"Phase: %.0f s; others' CPU %s.\n\n",
-		p.wrkDur, roundsText(p.rounds, "configurations"), rep.ThroughputSeconds, pct(rep.ThroughputNoise.Others))
-	pf("| configuration | path | req/s | ratio | p50 | ratio | p99 | ratio | Caddy CPU per request | Redis calls per request | non-2xx | req/s per round |\n")
-	pf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
+		p.wrkDur, roundsText(p.rounds, "configurations"), tpKeys, rep.ThroughputSeconds, pct(rep.ThroughputNoise.Others))
+	pf("| configuration | path | keys | Caddy CPU per request | ratio | req/s | ratio | p50 | ratio | p99 | ratio | Redis calls per request | non-2xx | CPU per request, per round |\n")
+	pf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
 	for _, r := range rep.Throughput {
 		path := r.Path
 		if path == "" {
@@ -344,13 +345,14 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 		}
 		var rounds []string
 		for _, x := range r.Runs {
-			rounds = append(rounds, humanCount(x.RPS))
+			rounds = append(rounds, fmt.Sprintf("%.1f", float64(x.CPUPerReq)/1e3))
 		}
-		pf("| %s | %s | %s | %.2f | %s | %.2f | %s | %.2f | %.1f µs | %s | %s | %s |\n",
-			r.Impl, path, humanCount(r.RPS), r.RatioRPS, ms(r.P50), r.RatioP50, ms(r.P99), r.RatioP99,
-			float64(r.CPUPerReq)/1e3, redis, pct(r.Non2xx), strings.Join(rounds, ", "))
+		pf("| %s | %s | %s | %.1f µs | %.2f | %s | %.2f | %s | %.2f | %s | %.2f | %s | %s | %s |\n",
+			r.Impl, path, humanCount(float64(r.Keys)), float64(r.CPUPerReq)/1e3, r.RatioCPU, humanCount(r.RPS), r.RatioRPS,
+			ms(r.P50), r.RatioP50, ms(r.P99), r.RatioP99, redis, pct(r.Non2xx), strings.Join(rounds, ", "))
 	}
-	pf("\nCaddy CPU per request is the Caddy process's user+system time over the run (from `/proc/<pid>/stat`) divided by the requests wrk completed. " +
+	pf("\nCaddy CPU per request is the Caddy process's user+system time over the run (from `/proc/<pid>/stat`) divided by the requests wrk completed: "+
+		"the steady measure on a shared machine, where req/s swings from run to run. "+
 		"It does not count time spent waiting for a core, but still varies with the scheduling (how many requests each wake-up handles).\n\n")
 	if has("throughput.png") {
 		pf("![Requests/s relative to the baseline](throughput.png)\n\n")

@@ -137,10 +137,32 @@ func parseWrkDuration(s string) (time.Duration, error) {
 
 type tpConfig struct {
 	Key, Impl, Path string // Path: "allowed", "denied" or "" for the baseline
-	spec            caddySpec
-	redis           bool
-	inst            *caddyInst
+	// Keys: how many keys the requests carry in X-Key, at random: many
+	// clients, as users run it; 1 for one client.
+	Keys  int
+	spec  caddySpec
+	redis bool
+	inst  *caddyInst
 }
+
+// tpKeys is how many clients the many-keys configurations stand for.
+const tpKeys = 10_000
+
+// randomKeysLua makes wrk send each request with one of args[1] keys in
+// X-Key, at random.
+const randomKeysLua = `local n = 1
+local reqs = {}
+function init(args)
+	n = tonumber(args[1])
+	math.randomseed(os.time())
+	for i = 1, n do
+		reqs[i] = wrk.format(nil, nil, { ["X-Key"] = "key-" .. i })
+	end
+end
+function request()
+	return reqs[math.random(n)]
+end
+`
 
 // tpRun is one wrk run of one configuration.
 type tpRun struct {
@@ -152,6 +174,7 @@ type tpRun struct {
 // tpResult is the medians of a configuration's runs.
 type tpResult struct {
 	Key, Impl, Path              string
+	Keys                         int
 	Runs                         []tpRun
 	RPS                          float64
 	P50, P99                     time.Duration
@@ -159,31 +182,35 @@ type tpResult struct {
 	RedisPerReq                  num
 	Non2xx                       float64 // share of non-2xx answers over all runs
 	RatioRPS, RatioP50, RatioP99 float64
+	RatioCPU                     float64 // CPU per request, to the baseline's
 }
 
 func (e *env) tpConfigs() []*tpConfig {
-	ours := func(rate string, burst int, store string) string {
-		return fmt.Sprintf("rate_limit {\n\tzone %%s {\n\t\tkey {client_ip}\n\t\trate %s\n\t\tburst %d\n\t}%s\n}\nrespond \"ok\"", rate, burst, store)
+	ours := func(rate string, burst int, extra string) string {
+		return fmt.Sprintf("rate_limit {\n\tzone %%s {\n\t\tkey {http.request.header.X-Key}\n\t\trate %s\n\t\tburst %d\n\t}%s\n}\nrespond \"ok\"", rate, burst, extra)
 	}
 	peer := func(events int, window string) string {
-		return fmt.Sprintf("rate_limit {\n\tzone %%s {\n\t\tkey {client_ip}\n\t\tevents %d\n\t\twindow %s\n\t}\n}\nrespond \"ok\"", events, window)
+		return fmt.Sprintf("rate_limit {\n\tzone %%s {\n\t\tkey {http.request.header.X-Key}\n\t\tevents %d\n\t\twindow %s\n\t}\n}\nrespond \"ok\"", events, window)
 	}
 	redisStore := "\n\tstore redis {\n\t\taddress " + e.redis.addr + "\n\t}"
 	cfgs := []*tpConfig{
 		// The baseline, from both binaries: they share every dependency
 		// but the limiter, so any difference between them is noise.
-		{Key: "baseline", Impl: "no limiter: Caddy `respond`", spec: caddySpec{bin: e.caddyBin, site: `respond "ok"`}},
-		{Key: "baseline-peer", Impl: "no limiter, caddy-peer binary", spec: caddySpec{bin: e.peerBin, site: `respond "ok"`}},
-		{Key: "local-allowed", Impl: "rate_limit local", Path: "allowed", spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, "")}},
-		{Key: "redis-allowed", Impl: "rate_limit redis", Path: "allowed", redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, redisStore)}},
+		{Key: "baseline", Impl: "no limiter: Caddy `respond`", Keys: tpKeys, spec: caddySpec{bin: e.caddyBin, site: `respond "ok"`}},
+		{Key: "baseline-peer", Impl: "no limiter, caddy-peer binary", Keys: tpKeys, spec: caddySpec{bin: e.peerBin, site: `respond "ok"`}},
+		{Key: "local-allowed", Impl: "rate_limit local", Path: "allowed", Keys: tpKeys, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, "")}},
+		{Key: "local-headers-off", Impl: "rate_limit local, `headers off`", Path: "allowed", Keys: tpKeys, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, "\n\theaders off")}},
+		{Key: "redis-allowed", Impl: "rate_limit redis", Path: "allowed", Keys: tpKeys, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, redisStore)}},
 		// Not events 1000000 per 1s: caddy-ratelimit allocates a ring of
 		// `events` timestamps per key, and 24 MB of live heap would make
 		// the GC run less often, so that the limiter seemed to cost less
-		// than nothing. 20000 per 100ms is 480 kB, and never reached.
-		{Key: "peer-allowed", Impl: "caddy-ratelimit v0.1.0", Path: "allowed", spec: caddySpec{bin: e.peerBin, site: peer(20000, "100ms")}},
-		{Key: "local-denied", Impl: "rate_limit local", Path: "denied", spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, "")}},
-		{Key: "redis-denied", Impl: "rate_limit redis", Path: "denied", redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, redisStore)}},
-		{Key: "peer-denied", Impl: "caddy-ratelimit v0.1.0", Path: "denied", spec: caddySpec{bin: e.peerBin, site: peer(1, "1m")}},
+		// than nothing. 200 per 100ms is never reached by one of 10,000
+		// keys at these rates.
+		{Key: "peer-allowed", Impl: "caddy-ratelimit v0.1.0", Path: "allowed", Keys: tpKeys, spec: caddySpec{bin: e.peerBin, site: peer(200, "100ms")}},
+		{Key: "redis-one-key", Impl: "rate_limit redis, one key", Path: "allowed", Keys: 1, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, redisStore)}},
+		{Key: "local-denied", Impl: "rate_limit local", Path: "denied", Keys: 1, spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, "")}},
+		{Key: "redis-denied", Impl: "rate_limit redis", Path: "denied", Keys: 1, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, redisStore)}},
+		{Key: "peer-denied", Impl: "caddy-ratelimit v0.1.0", Path: "denied", Keys: 1, spec: caddySpec{bin: e.peerBin, site: peer(1, "1m")}},
 	}
 	for _, c := range cfgs {
 		c.spec.name = "tp-" + c.Key
@@ -193,6 +220,17 @@ func (e *env) tpConfigs() []*tpConfig {
 		}
 	}
 	return cfgs
+}
+
+// tpWrk runs wrk against c with c's keys.
+func (e *env) tpWrk(name string, c *tpConfig, dur time.Duration) (wrkResult, error) {
+	script := filepath.Join(e.tmp, "random-keys.lua")
+	if _, err := os.Stat(script); err != nil {
+		if err := os.WriteFile(script, []byte(randomKeysLua), 0o644); err != nil {
+			return wrkResult{}, err
+		}
+	}
+	return e.runWrk(name, c.inst.url, dur, script, strconv.Itoa(c.Keys))
 }
 
 func (e *env) runThroughput() ([]*tpResult, noise, error) {
@@ -208,18 +246,19 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 	}
 	// Check each answers as it should, then warm each up.
 	for _, c := range cfgs {
+		key := map[string]string{"X-Key": "key-1"}
 		switch c.Path {
 		case "denied":
-			_, _ = get(c.inst.url, nil)
-			if err := expect(c.inst, nil, 429); err != nil {
+			_, _ = get(c.inst.url, key)
+			if err := expect(c.inst, key, 429); err != nil {
 				return nil, noise{}, err
 			}
 		default:
-			if err := expect(c.inst, nil, 200); err != nil {
+			if err := expect(c.inst, key, 200); err != nil {
 				return nil, noise{}, err
 			}
 		}
-		if _, err := e.runWrk(c.Key+"-warmup", c.inst.url, p.wrkWarm, ""); err != nil {
+		if _, err := e.tpWrk(c.Key+"-warmup", c, p.wrkWarm); err != nil {
 			return nil, noise{}, err
 		}
 	}
@@ -238,7 +277,7 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 			if err != nil {
 				return nil, noise{}, err
 			}
-			w, err := e.runWrk(fmt.Sprintf("%s-%d", c.Key, round+1), c.inst.url, p.wrkDur, "")
+			w, err := e.tpWrk(fmt.Sprintf("%s-%d", c.Key, round+1), c, p.wrkDur)
 			if err != nil {
 				return nil, noise{}, err
 			}
@@ -267,7 +306,7 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 	var out []*tpResult
 	for _, c := range cfgs {
 		rs := runs[c.Key]
-		r := &tpResult{Key: c.Key, Impl: c.Impl, Path: c.Path, Runs: rs}
+		r := &tpResult{Key: c.Key, Impl: c.Impl, Path: c.Path, Keys: c.Keys, Runs: rs}
 		var rps, p50, p99, cpu, redis []float64
 		var non2xx, total int64
 		for _, x := range rs {
@@ -287,7 +326,7 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 	// The baseline is every run of `respond` without a limiter, from both
 	// binaries: they differ only in the limiter they carry, and twice the
 	// samples make a steadier median.
-	var rps, p50, p99 []float64
+	var rps, p50, p99, cpu []float64
 	for _, r := range out {
 		if r.Path != "" {
 			continue
@@ -296,13 +335,15 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 			rps = append(rps, x.RPS)
 			p50 = append(p50, float64(x.P50))
 			p99 = append(p99, float64(x.P99))
+			cpu = append(cpu, float64(x.CPUPerReq))
 		}
 	}
-	baseRPS, baseP50, baseP99 := median(rps), median(p50), median(p99)
+	baseRPS, baseP50, baseP99, baseCPU := median(rps), median(p50), median(p99), median(cpu)
 	for _, r := range out {
 		r.RatioRPS = r.RPS / baseRPS
 		r.RatioP50 = float64(r.P50) / baseP50
 		r.RatioP99 = float64(r.P99) / baseP99
+		r.RatioCPU = float64(r.CPUPerReq) / baseCPU
 	}
 	return out, nz, nil
 }
