@@ -215,6 +215,15 @@ func (s *LocalStore) take(_ context.Context, now time.Time, d *demands) (bool, e
 	if len(d.buckets) == 1 && len(d.counters)+len(d.slots) == 0 {
 		return s.takeOne(now, &d.buckets[0]), nil // the common case
 	}
+	return s.takeAll(now, d), nil
+}
+
+// takeAll is take of several demands. It is a function of its own so
+// that the common case's stack frame stays small: a request's goroutine
+// grows its stack less often.
+//
+//go:noinline
+func (s *LocalStore) takeAll(now time.Time, d *demands) bool {
 	// Room for the usual few zones, on the stack; more spill.
 	var cs []charge
 	if len(d.buckets) > 0 {
@@ -263,7 +272,7 @@ func (s *LocalStore) take(_ context.Context, now time.Time, d *demands) (bool, e
 		q := &d.slots[sl[i].req]
 		q.held, q.free, q.full = sl[i].held, sl[i].free, sl[i].full
 	}
-	return allowed, nil
+	return allowed
 }
 
 // takeOne is take of one bucket alone.

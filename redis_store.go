@@ -283,6 +283,9 @@ func (s *RedisStore) options() (*redis.UniversalOptions, error) {
 		MaintNotificationsConfig: &maintnotifications.Config{
 			Mode: maintnotifications.ModeDisabled,
 		},
+		// RESP2: the store needs no push messages, and with RESP3
+		// go-redis looks for them before every reply it reads.
+		Protocol: 2,
 	}
 	if s.URL != "" {
 		u, err := redis.ParseURL(s.URL)
