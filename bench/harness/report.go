@@ -351,8 +351,8 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 			r.Impl, path, humanCount(float64(r.Keys)), float64(r.CPUPerReq)/1e3, r.RatioCPU, humanCount(r.RPS), r.RatioRPS,
 			ms(r.P50), r.RatioP50, ms(r.P99), r.RatioP99, redis, pct(r.Non2xx), strings.Join(rounds, ", "))
 	}
-	pf("\nCaddy CPU per request is the Caddy process's user+system time over the run (from `/proc/<pid>/stat`) divided by the requests wrk completed: "+
-		"the steady measure on a shared machine, where req/s swings from run to run. "+
+	pf("\nCaddy CPU per request is the Caddy process's user+system time over the run (from `/proc/<pid>/stat`) divided by the requests wrk completed: " +
+		"the steady measure on a shared machine, where req/s swings from run to run. " +
 		"It does not count time spent waiting for a core, but still varies with the scheduling (how many requests each wake-up handles).\n\n")
 	if has("throughput.png") {
 		pf("![Requests/s relative to the baseline](throughput.png)\n\n")
