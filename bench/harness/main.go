@@ -60,7 +60,7 @@ var modes = map[string]params{
 	},
 	"full": {
 		work: 2 * time.Millisecond, users: 100, userRate: 2, floodRate: 2000, floodConns: 1000,
-		timeout: 2 * time.Second, noisyRounds: 3, warm: 5 * time.Second, flood: 12 * time.Second, bucket: time.Second,
+		timeout: 2 * time.Second, noisyRounds: 5, warm: 5 * time.Second, flood: 12 * time.Second, bucket: time.Second,
 		rounds: 5, wrkDur: 5 * time.Second, wrkWarm: 2 * time.Second, gap: time.Second,
 		keys: 1_000_000, memBound: 180 * time.Second,
 		pause: 2 * time.Second,

@@ -113,6 +113,7 @@ type noisyConfig struct {
 	name, config string
 	site         string
 	redis        bool
+	peer         bool // github.com/mholt/caddy-ratelimit's binary
 }
 
 func (e *env) noisyConfigs() []noisyConfig {
@@ -131,6 +132,10 @@ func (e *env) noisyConfigs() []noisyConfig {
 		{name: "rate_limit redis", config: "same, buckets in Redis",
 			site:  fmt.Sprintf(zone, "\n\tstore redis {\n\t\taddress "+e.redis.addr+"\n\t}"),
 			redis: true},
+		// caddy-ratelimit's nearest: 20 events per 2s, a sliding window.
+		{name: "caddy-ratelimit", config: "caddy-ratelimit v0.1.0: 20 events per 2s per X-API-Key",
+			site: "rate_limit {\n\tzone api {\n\t\tkey {http.request.header.X-API-Key}\n\t\tevents 20\n\t\twindow 2s\n\t}\n}\n" + proxy,
+			peer: true},
 	}
 }
 
@@ -234,7 +239,11 @@ func (e *env) snap(c *caddyInst) (snapshot, error) {
 
 func (e *env) noisyOnce(nc noisyConfig) (*noisyRun, error) {
 	p := e.p
-	c, err := e.startCaddy(caddySpec{name: "noisy-" + slug(nc.name), bin: e.caddyBin, site: nc.site})
+	bin := e.caddyBin
+	if nc.peer {
+		bin = e.peerBin
+	}
+	c, err := e.startCaddy(caddySpec{name: "noisy-" + slug(nc.name), bin: bin, site: nc.site})
 	if err != nil {
 		return nil, err
 	}
