@@ -320,11 +320,19 @@ func TestBanAcrossInstances(t *testing.T) {
 				if time.Since(reset) > 2*time.Second {
 					t.Fatalf("2s after the reset: Caddy back after %v, the other instance after %v (0: not yet)", caddyBack, otherBack)
 				}
-				if code, _, _ := hit(t, c, "/", ip); code == 200 && caddyBack == 0 {
-					caddyBack = time.Since(reset)
+				// Each instance asks until it is served once: the
+				// bucket's burst of 2 serves both, and one that asked
+				// on would empty it, and ban the key again, before the
+				// other has learnt of the reset.
+				if caddyBack == 0 {
+					if code, _, _ := hit(t, c, "/", ip); code == 200 {
+						caddyBack = time.Since(reset)
+					}
 				}
-				if code, _ := serve(other, ip); code == 200 && otherBack == 0 {
-					otherBack = time.Since(reset)
+				if otherBack == 0 {
+					if code, _ := serve(other, ip); code == 200 {
+						otherBack = time.Since(reset)
+					}
 				}
 				time.Sleep(20 * time.Millisecond)
 			}
