@@ -852,7 +852,7 @@ func (s *RedisStore) shapeOf(b *bucketDemand, adjust bool) *rediswire.Shape {
 	rz := &s.zones[b.zone]
 	l, cost := b.limit, b.cost
 	if b.overridden {
-		l, cost = b.base, b.baseCost()
+		l, cost = b.base(), b.baseCost()
 	}
 	if last := rz.shape.Load(); last != nil && last.Full == l.burstTime && (adjust || last.Cost == cost) && last.Token == l.tokenTime &&
 		last.Ban == l.ban && last.Beyond == l.delay+l.owe && last.Reserve == l.delay && last.Scaled == rz.plans {

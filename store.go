@@ -121,17 +121,18 @@ type bucketDemand struct {
 	ban  bool          // this refusal started the bucket's ban
 	debt time.Duration // how long until the bucket is full again, after the decision
 	// overridden: the key's own limit decided, and the store put it in
-	// limit and cost (an override: see overrides.go); base is the limit
-	// it replaced.
+	// limit and cost (an override: see overrides.go); baseToken and
+	// baseBurst are the rate and burst it replaced.
 	overridden bool
-	base       limit
+	baseBurst  int64
+	baseToken  time.Duration
 }
 
 // setOwnLimit makes b's limit the key's own, of a token's time tokenTime
 // and burst: its limit, and its cost counted in that limit's tokens.
 func (b *bucketDemand) setOwnLimit(tokenTime time.Duration, burst int64) {
 	if !b.overridden {
-		b.base, b.overridden = b.limit, true
+		b.baseToken, b.baseBurst, b.overridden = b.limit.tokenTime, b.limit.burst, true
 	}
 	b.cost = b.cost / b.limit.tokenTime * tokenTime
 	b.limit = b.limit.with(tokenTime, burst)
@@ -142,7 +143,7 @@ func (b *bucketDemand) setOwnLimit(tokenTime time.Duration, burst int64) {
 func (b *bucketDemand) clearOwnLimit() {
 	if b.overridden {
 		b.cost = b.baseCost()
-		b.limit, b.overridden = b.base, false
+		b.limit, b.overridden = b.base(), false
 	}
 }
 
@@ -158,8 +159,11 @@ func (b *bucketDemand) baseCost() time.Duration {
 	if b.cost%t > 0 {
 		n++
 	}
-	return n * b.base.tokenTime
+	return n * b.baseToken
 }
+
+// base is the limit an override replaced.
+func (b *bucketDemand) base() limit { return b.limit.with(b.baseToken, b.baseBurst) }
 
 // wait is how long the bucket needs before it can give the tokens (or,
 // with a delay, before a take of them would wait no longer than the
