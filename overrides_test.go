@@ -57,7 +57,11 @@ func TestOverridesAcrossInstances(t *testing.T) {
 	loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+zone+`],"store":`+store+`},{"handler":"static_response","body":"ok"}`))
 	limitOf := func(ip string) (int, string, string) {
 		code, hdr := serve(other, ip)
-		return code, hdr.Get("X-Ratelimit-Limit"), hdr.Get("Retry-After")
+		limit := hdr.Get("X-Ratelimit-Limit")
+		if policy := hdr.Get("Ratelimit-Policy"); !strings.Contains(policy, ";q="+limit+";") {
+			t.Fatalf("RateLimit-Policy %q, X-RateLimit-Limit %s: not the same limit", policy, limit)
+		}
+		return code, limit, hdr.Get("Retry-After")
 	}
 
 	// The other instance empties a key's burst of 2, and its over-limit
