@@ -28,13 +28,19 @@ func init() {
 //	GET    /rate_limit/               the zones, their limits and counters
 //	GET    /rate_limit/<zone>         one zone
 //	GET    /rate_limit/<zone>/top     the keys the zone denies most
-//	GET    /rate_limit/<zone>/<key>   a key's bucket (and quota) now, and its slots in use (concurrency)
+//	GET    /rate_limit/<zone>/limits  the keys of the zone with a limit of their own (overrides)
+//	GET    /rate_limit/<zone>/<key>   a key's bucket (and quota) now, its own limit, and its slots in use (concurrency)
 //	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full, lifting its ban, and its quota's count to 0
+//	PUT    /rate_limit/<zone>/<key>/limit  give the key its own limit: {"rate": "100r/s", "burst": 200, "expires_in": "24h"}
+//	GET    /rate_limit/<zone>/<key>/limit  the key's own limit
+//	DELETE /rate_limit/<zone>/<key>/limit  give the key the zone's limit back
 //
 // Keys are path-escaped (an IPv6 network's "/" as %2F). A key is taken as
 // a request's key would be: an IP address finds its network's bucket, and
 // so does the network itself in CIDR notation. A DELETE of a bucket that
-// is full already answers 404.
+// is full already answers 404, and so does one of a limit the key does
+// not have. Keys named top or limits are written with a letter escaped
+// (%74op, %6Cimits).
 type adminAPI struct{}
 
 // CaddyModule returns the Caddy module information.
@@ -213,6 +219,8 @@ type bucketInfo struct {
 	BannedFor float64 `json:"banned_for,omitempty"`
 	// The key's calendar quota, in a zone with one.
 	Quota *quotaInfo `json:"quota,omitempty"`
+	// The key's own limit, which tokens and burst are of, when it has one.
+	Override *ownLimit `json:"override,omitempty"`
 	slotsInfo
 }
 
@@ -267,13 +275,10 @@ type topItem struct {
 func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	rest := strings.TrimPrefix(r.URL.EscapedPath(), "/rate_limit/")
 	zoneEsc, keyEsc, hasKey := strings.Cut(rest, "/")
-	method := r.Method
-	if !hasKey || keyEsc == "top" {
-		if method != http.MethodGet {
-			return apiError(http.StatusMethodNotAllowed, "method %s not allowed: use GET", method)
-		}
-	} else if method != http.MethodGet && method != http.MethodDelete {
-		return apiError(http.StatusMethodNotAllowed, "method %s not allowed: use GET or DELETE", method)
+	keyEsc, ownLimit := strings.CutSuffix(keyEsc, "/limit")
+	list := !ownLimit && (keyEsc == "top" || keyEsc == "limits")
+	if err := checkMethod(r.Method, !hasKey || list, ownLimit); err != nil {
+		return err
 	}
 	if zoneEsc == "" {
 		return writeJSON(w, map[string]any{"zones": allZones()})
@@ -289,14 +294,33 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 	switch {
 	case !hasKey || keyEsc == "":
 		return writeEach(w, refs, zoneRef.info)
-	case keyEsc == "top":
+	case list && keyEsc == "top":
 		return writeEach(w, refs, zoneRef.top)
+	case list:
+		return serveLimits(w, r, refs)
 	}
 	key, err := url.PathUnescape(keyEsc)
 	if err != nil || key == "" {
 		return apiError(http.StatusBadRequest, "bad key in path: %q", keyEsc)
 	}
+	if ownLimit {
+		return serveLimit(w, r, refs, key)
+	}
 	return serveKey(w, r, refs, key)
+}
+
+// checkMethod refuses a method that the path does not take: a zone, a
+// list (zoneOnly) or a key's own limit (ownLimit), or a key.
+func checkMethod(method string, zoneOnly, ownLimit bool) error {
+	switch {
+	case zoneOnly && method != http.MethodGet:
+		return apiError(http.StatusMethodNotAllowed, "method %s not allowed: use GET", method)
+	case ownLimit && method != http.MethodGet && method != http.MethodPut && method != http.MethodDelete:
+		return apiError(http.StatusMethodNotAllowed, "method %s not allowed: use GET, PUT or DELETE", method)
+	case !zoneOnly && !ownLimit && method != http.MethodGet && method != http.MethodDelete:
+		return apiError(http.StatusMethodNotAllowed, "method %s not allowed: use GET or DELETE", method)
+	}
+	return nil
 }
 
 // writeEach writes what f says of the zone, or of each zone of the name
@@ -358,7 +382,18 @@ func serveKey(w http.ResponseWriter, r *http.Request, refs []zoneRef, key string
 		if err := ref.h.store.peek(ctx, time.Now(), &d); err != nil {
 			return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
 		}
-		out[i] = ref.keyInfo(key, &d)
+		info := ref.keyInfo(key, &d)
+		if b, ok := info.(bucketInfo); ok {
+			o, has, err := ref.h.store.override(ctx, ref.z.index, ref.z.adminKey(key))
+			if err != nil {
+				return apiError(http.StatusBadGateway, "reading the key's limit: %v", err)
+			}
+			if has {
+				b.Override = ref.ownLimit("", o)
+			}
+			info = b
+		}
+		out[i] = info
 	}
 	if r.Method == http.MethodDelete && !found {
 		return apiError(http.StatusNotFound, "nothing to reset: key %q has a full bucket in zone %q", key, refs[0].z.Name)
@@ -413,10 +448,11 @@ func (ref zoneRef) keyInfo(key string, d *demands) any {
 	}
 	b := &d.buckets[0]
 	info := bucketInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, FullIn: b.debt.Seconds(), Quota: quota, slotsInfo: slots}
-	if z.plans == nil {
+	if z.plans == nil || b.overridden {
 		// A zone whose limit depends on the request has no tokens or
-		// ban to tell apart without a request: only when it is full.
-		l := z.limit
+		// ban to tell apart without a request (but for a key with its
+		// own limit): only when it is full.
+		l := b.limit
 		// A bucket in debt after a response's usage holds fewer than
 		// none; a ban or a delay's reservations are shown as empty.
 		tokens, burst := l.tokens(b.debt), l.burst

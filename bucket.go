@@ -150,6 +150,38 @@ func (l limit) rescale(fullAt, now, from time.Duration) time.Duration {
 	return now + time.Duration(float64(part)/float64(from)*float64(l.burstTime)) + d - part
 }
 
+// retune is, on l's time line, the instant of a bucket full at fullAt,
+// seen at now, that the limit from wrote: its key's own limit (an
+// override) was set, changed or removed, or ran out. The bucket keeps the
+// tokens it had spent: a larger burst adds its extra tokens at once, a
+// smaller one keeps the tokens the bucket held, up to its burst (emptied
+// at burst 2 then raised to 10, it holds 8; holding 50 of 100 then
+// lowered to 10, it holds 10). Tokens are counted as tokens, whatever
+// the two rates, so a change never refills what was spent. What it owed
+// beyond a whole bucket (a ban, a delay's reservations, a debt) it owes
+// as it was. The sums are made in float64, as the Redis script makes
+// them, exact while the durations are under 2⁵³ ns (104 days).
+func (l limit) retune(fullAt, now time.Duration, from limit) time.Duration {
+	d := fullAt - now
+	if d <= 0 || from.tokenTime == l.tokenTime && from.burstTime == l.burstTime || from.tokenTime <= 0 {
+		return fullAt
+	}
+	part := min(d, from.burstTime)
+	p := float64(part)
+	x := math.Max(0, math.Min(p, p+float64(l.burst)*float64(from.tokenTime)-float64(from.burstTime)))
+	if from.tokenTime != l.tokenTime {
+		x = math.Floor(x / float64(from.tokenTime) * float64(l.tokenTime))
+	}
+	return now + time.Duration(x) + d - part
+}
+
+// with is l with the rate (tokenTime) and burst of a key's own limit: its
+// ban, delay and the debt it may run up stay l's.
+func (l limit) with(tokenTime time.Duration, burst int64) limit {
+	l.tokenTime, l.burst, l.burstTime = tokenTime, burst, time.Duration(burst)*tokenTime
+	return l
+}
+
 // clamp is the instant of a bucket full at fullAt, seen at now, owing no
 // more than it may.
 func (l limit) clamp(fullAt, now time.Duration) time.Duration {

@@ -196,6 +196,52 @@ func TestBucketPlanChange(t *testing.T) {
 	take(free, pro.tokenTime, false)
 }
 
+// A change of a key's own limit keeps the tokens it had spent: the
+// examples of the docs, a change of rate alone, and a ban's excess.
+func TestBucketRetune(t *testing.T) {
+	tokens := func(l limit, fullAt time.Duration) float64 { return l.tokens(l.debt(fullAt, 0)) }
+	two, ten := newLimit(1, 2), newLimit(1, 10)
+	// Emptied at burst 2, raised to 10: 8 tokens at once.
+	if got := tokens(ten, ten.retune(two.burstTime, 0, two)); got != 8 {
+		t.Fatalf("burst 2 emptied, then 10: %v tokens, want 8", got)
+	}
+	// Back to 2 from 10 owing 8: it held 2, up to the burst of 2.
+	if got := tokens(two, two.retune(8*time.Second, 0, ten)); got != 2 {
+		t.Fatalf("burst 10 holding 2, then 2: %v tokens, want 2", got)
+	}
+	// 50 of 100 left, lowered to 10: 10 (the tokens it had, up to its burst).
+	hundred, ten10 := newLimit(10, 100), newLimit(10, 10)
+	if got := tokens(ten10, ten10.retune(5*time.Second, 0, hundred)); got != 10 {
+		t.Fatalf("burst 100 holding 50, then 10: %v tokens, want 10", got)
+	}
+	// 95 spent of 100, lowered to 10: 5 tokens.
+	if got := tokens(ten10, ten10.retune(9500*time.Millisecond, 0, hundred)); got != 5 {
+		t.Fatalf("burst 100 holding 5, then 10: %v tokens, want 5", got)
+	}
+	// A change of rate alone keeps the tokens: 4 of 10 at 1r/s are 4 of
+	// 10 at 10r/s, and back.
+	fast := newLimit(10, 10)
+	if got := tokens(fast, fast.retune(6*time.Second, 0, ten)); got != 4 {
+		t.Fatalf("4 tokens at 1r/s, then 10r/s: %v tokens, want 4", got)
+	}
+	if got := tokens(ten, ten.retune(600*time.Millisecond, 0, fast)); got != 4 {
+		t.Fatalf("4 tokens at 10r/s, then 1r/s: %v tokens, want 4", got)
+	}
+	// What a bucket owed beyond its whole bucket (a ban) is owed as it was.
+	banned := two
+	banned.ban = time.Hour
+	if got := ten.retune(two.burstTime+time.Hour, 0, banned); got != 2*time.Second+time.Hour {
+		t.Fatalf("banned, then burst 10: full at %v, want the ban and 2 tokens", got)
+	}
+	// The same limit, and a full bucket, change nothing.
+	if got := ten.retune(3*time.Second, 0, ten); got != 3*time.Second {
+		t.Fatalf("same limit: %v", got)
+	}
+	if got := ten.retune(-time.Second, 0, two); got != -time.Second {
+		t.Fatalf("a full bucket: %v", got)
+	}
+}
+
 // banZone is the JSON of a zone that bans for an hour: 5/h (a token every
 // 720s), burst 2. A denial's Retry-After is then 4320s: the ban and a
 // token.

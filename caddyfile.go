@@ -51,6 +51,7 @@ const anonymousZone = "default"
 //			quota       <n> per day|week|month  # a calendar quota per key; a rate is then optional
 //			usage       json <path>|header <field>  # the true cost, read from the response
 //			max_debt    <n>         # with usage: how far past empty it may take the bucket
+//			max_overrides <n>       # keys with their own limit, set through the admin API
 //			timezone    <IANA zone>             # where the quota's days start; default UTC
 //			dry_run
 //			window      <duration>  # with events: caddy-ratelimit's form of rate and burst
@@ -324,6 +325,11 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 				return err
 			}
 			err = z.Usage.validate()
+		case "max_overrides":
+			if z.MaxOverrides, err = intArg[int64](d); err != nil {
+				return err
+			}
+			err = checkMaxOverrides(z.MaxOverrides)
 		case "max_debt":
 			n, err := intArg[int64](d)
 			if err != nil {

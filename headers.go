@@ -159,8 +159,8 @@ func (h *Handler) appendPolicies(b []byte, sc *scratch) []byte {
 		z := h.Zones[m.zone]
 		if m.bucket >= 0 {
 			b = sep(b, &n)
-			if l := &sc.d.buckets[m.bucket].limit; z.plans != nil {
-				b = appendPolicy(b, z.quotedName, l.burst, ceilSeconds(l.burstTime))
+			if q := &sc.d.buckets[m.bucket]; z.plans != nil || q.overridden {
+				b = appendPolicy(b, z.quotedName, q.limit.burst, ceilSeconds(q.limit.burstTime))
 			} else {
 				b = append(b, z.policy...)
 			}

@@ -15,6 +15,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -390,4 +391,29 @@ func loadJSON(t *testing.T, config string) *caddytest.Tester {
 	}
 	waitOneListener(t, 9080)
 	return tester
+}
+
+// buildCaddy builds ./cmd/caddy into a temporary folder, and returns the
+// binary and the folder.
+func buildCaddy(t *testing.T) (bin, dir string) {
+	t.Helper()
+	dir = t.TempDir()
+	bin = filepath.Join(dir, "caddy")
+	if out, err := exec.Command("go", "build", "-o", bin, "./cmd/caddy").CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	return bin, dir
+}
+
+// binaryGlobal is the global options of a Caddy built by buildCaddy: its
+// admin API and HTTP port, its storage in dir.
+func binaryGlobal(admin, port int, dir string) string {
+	return fmt.Sprintf(`{
+	admin localhost:%d
+	http_port %d
+	storage file_system %s
+	persist_config off
+	grace_period 1s
+}
+`, admin, port, filepath.Join(dir, "storage"))
 }

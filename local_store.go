@@ -51,6 +51,7 @@ type LocalStore struct {
 // A localZone is what the local store keeps for one zone.
 type localZone struct {
 	buckets  *table[bucket]  // nil: the zone has no bucket
+	maxOv    int64           // the most overrides of its buckets (max_overrides)
 	counters *table[counter] // nil: the zone has no calendar quota
 	slots    *slotTable      // nil: the zone does not limit requests in flight
 }
@@ -137,6 +138,10 @@ func (s *LocalStore) bind(zones []zoneSpec) error {
 		if z.bucket {
 			l := z.shape
 			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.name, tokenTime: l.tokenTime, burst: l.burst}, l.most())
+			if err == nil && l.burst != 0 {
+				lz.buckets.base = l
+			}
+			lz.maxOv = z.maxOverrides
 		}
 		if err == nil && z.quota != "" {
 			lz.counters, err = acquireTable[counter](s, tableID{name: z.name, quota: z.quota}, 0)
@@ -263,6 +268,9 @@ func (s *LocalStore) takeAll(now time.Time, d *demands) bool {
 	for i := range cs {
 		b := &d.buckets[cs[i].req]
 		b.ok, b.ban, b.debt = cs[i].ok, cs[i].ban, cs[i].debt
+		if cs[i].overridden {
+			b.setOwnLimit(cs[i].l.tokenTime, cs[i].l.burst)
+		}
 	}
 	for i := range ks {
 		c := &d.counters[ks[i].req]
@@ -285,6 +293,9 @@ func (s *LocalStore) takeOne(now time.Time, b *bucketDemand) bool {
 	c := charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n}
 	b.ok = takeOne(&c)
 	b.ban, b.debt = c.ban, c.debt
+	if c.overridden {
+		b.setOwnLimit(c.l.tokenTime, c.l.burst)
+	}
 	return b.ok
 }
 
@@ -316,6 +327,9 @@ func (s *LocalStore) peek(_ context.Context, now time.Time, d *demands) error {
 	for i := range d.buckets {
 		b := &d.buckets[i]
 		t := s.zones[b.zone].buckets
+		if o, ok := overrideOf(t, b.key, now); ok {
+			b.setOwnLimit(o.tokenTime, o.burst)
+		}
 		b.debt = b.limit.debt(bucketAt(t, b.key), t.instant(now))
 	}
 	for i := range d.counters {
@@ -343,6 +357,28 @@ func (s *LocalStore) reset(_ context.Context, d *demands) (bool, error) {
 		found = !t.forget(d.counters[i].key).spent(t.instant(time.Now())) || found
 	}
 	return found, nil
+}
+
+func (s *LocalStore) setOverride(_ context.Context, now time.Time, zone int, key bucketKey, o override) error {
+	z := &s.zones[zone]
+	return setOverride(z.buckets, key, o, z.maxOv, now)
+}
+
+func (s *LocalStore) deleteOverride(_ context.Context, now time.Time, zone int, key bucketKey) (bool, error) {
+	return deleteOverride(s.zones[zone].buckets, key, now), nil
+}
+
+func (s *LocalStore) override(_ context.Context, zone int, key bucketKey) (override, bool, error) {
+	o, ok := overrideOf(s.zones[zone].buckets, key, time.Now())
+	return o, ok, nil
+}
+
+func (s *LocalStore) overrides(_ context.Context, zone int) ([]keyOverride, error) {
+	return listOverrides(s.zones[zone].buckets, time.Now()), nil
+}
+
+func (s *LocalStore) overrideCount(_ context.Context, zone int) (int, error) {
+	return int(s.zones[zone].buckets.overrides.Load()), nil
 }
 
 func (s *LocalStore) stats(zone int) zoneStats {

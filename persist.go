@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"net/netip"
 	"reflect"
 	"strings"
 	"sync"
@@ -61,7 +62,13 @@ import (
 // time in ns it is full again (int64), and, in a zone whose limit comes
 // with each request, the whole-bucket time of the limit that wrote it
 // (int64; version 1 has none). A quota's counter has, after its window's
-// end, its count (int64).
+// end, its count (int64). Then (version 3) the keys' own limits
+// (overrides.go): their number (uint64), and each one's token time in ns
+// and burst (int64), the Unix time in ns it ends (int64, 0 for never),
+// its rate as given (a uint16 length, then the bytes), and its key: 1 and
+// an IP network in CIDR notation, or 0 and the key's text (a uint32
+// length, then the bytes). Unlike the buckets' hashes, these keys are
+// stored as they are: an operator named them, and lists them.
 
 const (
 	// defaultPersistInterval is how often tables are written: how much
@@ -77,9 +84,10 @@ const (
 	saveTimeout    = 5 * time.Second
 
 	snapshotMagic   = "rlbk"
-	snapshotVersion = 2  // 1: a plan zone's buckets without their whole-bucket time
+	snapshotVersion = 3  // 1: a plan zone's buckets without their whole-bucket time; 2: no overrides
 	snapshotHeader  = 48 // bytes before the buckets
 	snapshotEntry   = 16
+	overridesHeader = 8 // their number, after a bucket table's entries
 )
 
 // snapshots is where a local store's tables are kept: a Caddy storage,
@@ -419,7 +427,109 @@ func (t *table[E]) snapshot(now time.Time, fingerprint uint64) []byte {
 	binary.LittleEndian.PutUint64(b[24:], uint64(t.p.shape.burst))
 	binary.LittleEndian.PutUint64(b[32:], uint64(wall))
 	binary.LittleEndian.PutUint64(b[40:], uint64((len(b)-snapshotHeader)/entry))
+	if _, ok := any(t).(*table[bucket]); ok {
+		b = appendOverrides(b, t, n, wall)
+	}
 	return b
+}
+
+// appendOverrides appends the table's overrides that have not ended at
+// n (wall on the wall clock): their number, then each.
+func appendOverrides[E entry](b []byte, t *table[E], n time.Duration, wall int64) []byte {
+	at := len(b)
+	b = binary.LittleEndian.AppendUint64(b, 0)
+	count := uint64(0)
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		for _, e := range s.ov {
+			if !e.ended(n) {
+				b = appendOverride(b, e, n, wall)
+				count++
+			}
+		}
+		s.mu.Unlock()
+	}
+	binary.LittleEndian.PutUint64(b[at:], count)
+	return b
+}
+
+func appendOverride(b []byte, e localOverride, n time.Duration, wall int64) []byte {
+	var end int64
+	if e.at != 0 {
+		end = wall + int64(e.at-n)
+	}
+	for _, v := range [3]int64{int64(e.o.tokenTime), e.o.burst, end} {
+		b = binary.LittleEndian.AppendUint64(b, uint64(v))
+	}
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(e.o.rate)))
+	b = append(b, e.o.rate...)
+	kind, key := byte(0), e.key.s
+	if e.key.ip.IsValid() {
+		kind, key = 1, e.key.ip.String()
+	}
+	b = append(b, kind)
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(key)))
+	return append(b, key...)
+}
+
+// mergeOverrides adds a snapshot's overrides (b, from their number on) to
+// the table, but those that have ended and those of keys that have one
+// already.
+func mergeOverrides(t *table[bucket], b []byte, n time.Duration, wall int64) error {
+	errTruncated := errors.New("truncated overrides")
+	if len(b) < overridesHeader {
+		return errTruncated
+	}
+	count, b := binary.LittleEndian.Uint64(b), b[overridesHeader:]
+	for range count {
+		if len(b) < 26 {
+			return errTruncated
+		}
+		token, burst, end := int64(binary.LittleEndian.Uint64(b)), int64(binary.LittleEndian.Uint64(b[8:])), int64(binary.LittleEndian.Uint64(b[16:]))
+		rl := int(binary.LittleEndian.Uint16(b[24:]))
+		if b = b[26:]; len(b) < rl+5 {
+			return errTruncated
+		}
+		rate, kind, kl := string(b[:rl]), b[rl], int(binary.LittleEndian.Uint32(b[rl+1:]))
+		if b = b[rl+5:]; len(b) < kl {
+			return errTruncated
+		}
+		text := string(b[:kl])
+		b = b[kl:]
+		e := localOverride{key: bucketKey{s: text}, o: override{tokenTime: time.Duration(token), burst: burst, rate: rate}}
+		if kind == 1 {
+			p, err := netip.ParsePrefix(text)
+			if err != nil {
+				return fmt.Errorf("override of %q: %v", text, err)
+			}
+			e.key = bucketKey{ip: p}
+		}
+		if end != 0 {
+			if end <= wall {
+				continue // ended
+			}
+			e.o.expires, e.at = time.Unix(0, end), n+time.Duration(end-wall)
+		}
+		addOverride(t, e)
+	}
+	return nil
+}
+
+// addOverride puts a loaded override in the table, if its key has none.
+func addOverride(t *table[bucket], e localOverride) {
+	h := t.hash(e.key)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.ov[h]; ok {
+		return
+	}
+	if s.ov == nil {
+		s.ov = make(map[uint64]localOverride)
+	}
+	s.ov[h] = e
+	t.overrides.Add(1)
 }
 
 // appendTo appends the shard's entries that are not spent at n (wall on
@@ -480,14 +590,22 @@ func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, erro
 	count := binary.LittleEndian.Uint64(b[40:])
 	entries := b[snapshotHeader:]
 	entry := t.p.shape.entrySize(version)
-	if uint64(len(entries)) != count*uint64(entry) {
-		return 0, fmt.Errorf("%d bytes of buckets, want %d: truncated", len(entries), count*uint64(entry))
+	size := count * uint64(entry)
+	if uint64(len(entries)) < size || version < 3 && uint64(len(entries)) != size {
+		return 0, fmt.Errorf("%d bytes of buckets, want %d: truncated", len(entries), size)
 	}
+	entries, overrides := entries[:size], entries[size:]
 	n, wall := t.instant(now), now.UnixNano()
 	switch t := any(t).(type) {
 	case *table[counter]:
 		return mergeCounts(t, entries, n, wall), nil
 	case *table[bucket]:
+		if version >= 3 {
+			// Before the buckets, which were saved under them.
+			if err := mergeOverrides(t, overrides, n, wall); err != nil {
+				return 0, err
+			}
+		}
 		return mergeBuckets(t, entries, entry, n, wall), nil
 	}
 	return 0, nil
@@ -515,13 +633,19 @@ func mergeBuckets(t *table[bucket], entries []byte, entry int, n time.Duration, 
 		if fullAt <= n {
 			continue // refilled
 		}
-		fullAt = min(fullAt, most)
 		if s := t.shard(h); s != locked || i%mergeChunk == 0 {
 			if locked != nil {
 				locked.mu.Unlock()
 			}
 			locked = s
 			s.mu.Lock()
+		}
+		if e, ok := locked.ov[h]; ok && burst != 0 {
+			// A key with its own limit: its bucket was saved under it.
+			own := e.o.limit(t.base)
+			full, fullAt = own.burstTime, min(fullAt, most+own.burstTime-full)
+		} else {
+			fullAt = min(fullAt, most)
 		}
 		if bk, ok := locked.m[h]; ok {
 			if fullAt > bk.fullAt {

@@ -12,6 +12,7 @@ import (
 	"io"
 	"io/fs"
 	"net/http"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -144,7 +145,7 @@ func TestSnapshotRoundTrip(t *testing.T) {
 	set(a, "soon", t0.Add(time.Second))
 	set(a, "full", t0) // refilled: not written
 	b := a.snapshot(t0, sn.key.fingerprint())
-	if got, want := len(b), snapshotHeader+3*snapshotEntry; got != want {
+	if got, want := len(b), snapshotHeader+3*snapshotEntry+overridesHeader; got != want {
 		t.Fatalf("snapshot of 3 buckets that are not full: %d bytes, want %d", got, want)
 	}
 
@@ -204,6 +205,65 @@ func TestSnapshotDiscarded(t *testing.T) {
 			t.Errorf("%s: %d buckets loaded", tc.name, c.len())
 		}
 	}
+}
+
+// The keys' own limits go into the snapshot and come back with their
+// buckets, still under them; one that has ended does not; a snapshot of
+// version 2, without them, still loads.
+func TestSnapshotOverrides(t *testing.T) {
+	sn := testSnapshots(newTestStorage())
+	a := newPersistedTable(sn)
+	a.base = newLimit(1, 10) // testShape's
+	own := override{tokenTime: time.Second, burst: 100, rate: "1r/s"}
+	for _, k := range []bucketKey{key("api-key"), {ip: netip.MustParsePrefix("2001:db8::/64")}} {
+		if err := setOverride(a, k, own, 10, t0); err != nil {
+			t.Fatal(err)
+		}
+	}
+	brief := own
+	brief.expires = t0.Add(time.Second)
+	if err := setOverride(a, key("brief"), brief, 10, t0); err != nil {
+		t.Fatal(err)
+	}
+	// api-key takes 50 of its 100 tokens.
+	c := charge{l: a.base, cost: time.Second, t: a, h: a.hash(key("api-key")), now: a.instant(t0)}
+	for range 50 {
+		if !takeOne(&c) || !c.overridden {
+			t.Fatal("a take under the key's own limit was refused")
+		}
+	}
+	b := a.snapshot(t0, sn.key.fingerprint())
+
+	later := t0.Add(2 * time.Second) // brief has ended; api-key has 2 tokens back
+	loaded := newPersistedTable(sn)
+	loaded.base = a.base
+	if _, err := loaded.merge(b, sn.key.fingerprint(), later); err != nil {
+		t.Fatal(err)
+	}
+	list := listOverrides(loaded, later)
+	if len(list) != 2 || loaded.overrides.Load() != 2 {
+		t.Fatalf("loaded overrides %v, want api-key's and the network's", list)
+	}
+	if o, ok := overrideOf(loaded, key("api-key"), later); !ok || o != own {
+		t.Fatalf("api-key's own limit %+v, %v; want %+v", o, ok, own)
+	}
+	if got := own.limit(a.base).tokens(fullIn(loaded, "api-key", later)); got != 52 {
+		t.Fatalf("api-key holds %v tokens after the restart, want 52 of its 100", got)
+	}
+
+	// Version 2: the same buckets, no overrides.
+	v2 := slices.Clone(b[:len(b)-overridesLen(b)])
+	binary.LittleEndian.PutUint32(v2[4:], 2)
+	old := newPersistedTable(sn)
+	if kept, err := old.merge(v2, sn.key.fingerprint(), later); err != nil || kept != 1 || old.overrides.Load() != 0 {
+		t.Fatalf("version 2: kept %d, %v, %d overrides; want 1, nil, 0", kept, err, old.overrides.Load())
+	}
+}
+
+// overridesLen is the length of a snapshot's overrides section.
+func overridesLen(b []byte) int {
+	n := binary.LittleEndian.Uint64(b[40:])
+	return len(b) - snapshotHeader - int(n)*snapshotEntry
 }
 
 // A bucket used since the start keeps the emptier of its two states; no
@@ -385,7 +445,7 @@ func TestPersistLifecycle(t *testing.T) {
 	name := sn.dir + "/" + s.zones[0].buckets.p.name
 	deadline := time.Now().Add(time.Minute)
 	for {
-		if b, ok := storage.file(name); ok && len(b) == snapshotHeader+snapshotEntry {
+		if b, ok := storage.file(name); ok && len(b) == snapshotHeader+snapshotEntry+overridesHeader {
 			break
 		}
 		if time.Now().After(deadline) {
@@ -522,20 +582,9 @@ func TestRestartKeepsLimits(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds and runs Caddy")
 	}
-	dir := t.TempDir()
-	bin := filepath.Join(dir, "caddy")
-	if out, err := exec.Command("go", "build", "-o", bin, "./cmd/caddy").CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
+	bin, dir := buildCaddy(t)
 	admin, port := freePort(t, 0), freePort(t, 0)
-	config := writeFile(t, dir, "Caddyfile", fmt.Sprintf(`{
-	admin localhost:%d
-	http_port %d
-	storage file_system %s
-	persist_config off
-	grace_period 1s
-}
-
+	config := writeFile(t, dir, "Caddyfile", binaryGlobal(admin, port, dir)+fmt.Sprintf(`
 http://127.0.0.1:%d {
 	handle /ban {
 		rate_limit {
@@ -560,7 +609,7 @@ http://127.0.0.1:%d {
 		respond "ok"
 	}
 }
-`, admin, port, filepath.Join(dir, "storage"), port))
+`, port))
 	url := fmt.Sprintf("http://127.0.0.1:%d/", port)
 	env := append(os.Environ(), "HOME="+dir, "XDG_DATA_HOME="+filepath.Join(dir, "data"), "XDG_CONFIG_HOME="+filepath.Join(dir, "config"))
 

@@ -6,8 +6,10 @@ package ratelimit
 import (
 	"context"
 	"errors"
+	"maps"
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -108,8 +110,13 @@ func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pac
 	tight, most = -1, int64(math.MaxInt64)
 	for i := range d.buckets {
 		b := &d.buckets[i]
-		t, l := s.zones[b.zone].cache, b.limit
+		rz := &s.zones[b.zone]
+		t := rz.cache
 		known, _ := t.lookup(b.key)
+		if rz.learned.n.Load() > 0 {
+			rz.learned.apply(b, t.hash(b.key), t.instant(now))
+		}
+		l := b.limit
 		fullAt, n := known.fullAt, t.instant(now)
 		if known.full != l.burstTime {
 			// Learnt under another limit (the key's plan changed): Redis
@@ -189,7 +196,13 @@ func (s *RedisStore) remember(now time.Time, d *demands, flight flightKey) {
 	forget := !short && !s.flights.waited(flight)
 	for i := range d.buckets {
 		b := &d.buckets[i]
-		t := s.zones[b.zone].cache
+		rz := &s.zones[b.zone]
+		t := rz.cache
+		if b.overridden {
+			rz.learned.learn(t.hash(b.key), b.limit, t.instant(now))
+		} else if rz.learned.n.Load() > 0 {
+			rz.learned.forget(t.hash(b.key))
+		}
 		if forget {
 			t.forget(b.key)
 			continue
@@ -248,6 +261,62 @@ func (s *RedisStore) rememberCount(now time.Time, c *counterDemand) {
 		return // a later answer came in first
 	}
 	sh.set(t, h, counter{n + min(c.left-time.Millisecond, quotaCacheFor), c.used}, n)
+}
+
+// learnedOverrides are the keys' own limits (overrides) that Redis's
+// answers told this instance, by the cache's hash of the key, so that
+// the cache computes a bucket with the limit Redis decides it by. What
+// was learnt more than overLimitTrust ago is not used: an override set
+// or removed elsewhere is seen within that time, as a reset is.
+type learnedOverrides struct {
+	n  atomic.Int64 // len(m): the cache looks only when some are known
+	mu sync.Mutex
+	m  map[uint64]learnedOverride
+}
+
+type learnedOverride struct {
+	tokenTime time.Duration
+	burst     int64
+	at        time.Duration // the cache's instant it was learnt at
+}
+
+// apply puts in b the limit learnt for its key's hash h, if it is recent.
+func (lo *learnedOverrides) apply(b *bucketDemand, h uint64, now time.Duration) {
+	lo.mu.Lock()
+	o, ok := lo.m[h]
+	lo.mu.Unlock()
+	if ok && now-o.at <= overLimitTrust {
+		b.setOwnLimit(o.tokenTime, o.burst)
+	}
+}
+
+// learn notes the own limit l of the key of hash h. Beyond
+// overLimitCacheKeys of them, the stale ones go, or all.
+func (lo *learnedOverrides) learn(h uint64, l limit, now time.Duration) {
+	lo.mu.Lock()
+	defer lo.mu.Unlock()
+	if lo.m == nil {
+		lo.m = make(map[uint64]learnedOverride)
+	}
+	if len(lo.m) >= overLimitCacheKeys {
+		maps.DeleteFunc(lo.m, func(_ uint64, o learnedOverride) bool { return now-o.at > overLimitTrust })
+		if len(lo.m) >= overLimitCacheKeys {
+			clear(lo.m)
+		}
+	}
+	lo.m[h] = learnedOverride{l.tokenTime, l.burst, now}
+	lo.n.Store(int64(len(lo.m)))
+}
+
+// forget drops what was learnt of the key of hash h.
+func (lo *learnedOverrides) forget(h uint64) {
+	if lo.n.Load() == 0 {
+		return
+	}
+	lo.mu.Lock()
+	defer lo.mu.Unlock()
+	delete(lo.m, h)
+	lo.n.Store(int64(len(lo.m)))
 }
 
 // noFlight is the flight of a request with no bucket to fly for.

@@ -161,7 +161,10 @@ type redisZone struct {
 	slots   atomic.Pointer[rediswire.SlotShape]
 	window  atomic.Pointer[window] // the quota window last sent
 	cache   *table[bucket]         // over-limit cache; nil when disabled
-	counts  *table[counter]        // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
+	learned learnedOverrides       // the keys' own limits Redis's answers told the cache
+	// maxOverrides is the most keys with their own limit (max_overrides).
+	maxOverrides int64
+	counts       *table[counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
 }
 
 // A window is a quota window and its boundaries as the script reads them.
@@ -385,7 +388,7 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 	s.zones = make([]redisZone, len(zones))
 	for i, z := range zones {
 		rz := &s.zones[i]
-		rz.name, rz.field, rz.refunds = z.name, rediswire.ZoneField(z.name), z.refunds
+		rz.name, rz.field, rz.refunds, rz.maxOverrides = z.name, rediswire.ZoneField(z.name), z.refunds, z.maxOverrides
 		rz.plans = z.bucket && z.shape.burst == 0
 		if !s.DisableOverLimitCache {
 			rz.cache = newBuckets(overLimitCacheKeys, time.Now())
@@ -777,12 +780,14 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, op rediswire.O
 // build adds d's demands to the call.
 func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *demands) {
 	for i := range d.buckets {
+		// The script applies the key's own limit itself: it is sent the
+		// limit that an override replaces, and the cost in its tokens.
 		b := &d.buckets[i]
-		hash, field := s.bucketName(b.zone, b.key)
+		hash, field, limit := s.keys.BucketLimit(s.zones[b.zone].field, b.key.String())
 		if op == rediswire.Adjust {
-			c.AdjustBucket(hash, field, s.shapeOf(b, true), b.cost)
+			c.AdjustBucket(hash, field, limit, s.shapeOf(b, true), b.baseCost())
 		} else {
-			c.Bucket(hash, field, s.shapeOf(b, false), !b.limit.noDelay)
+			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.limit.noDelay)
 		}
 	}
 	for i := range d.counters {
@@ -818,6 +823,11 @@ func read(r rediswire.Reply, op rediswire.Op, d *demands) {
 	for i := range d.buckets {
 		b := &d.buckets[i]
 		b.debt, b.ban = r.Bucket(i)
+		if token, burst := r.Override(i); token > 0 {
+			b.setOwnLimit(token, burst)
+		} else {
+			b.clearOwnLimit()
+		}
 		b.ok = allowed || b.wait() == 0
 		others = others && b.ok
 	}
@@ -843,16 +853,18 @@ func read(r rediswire.Reply, op rediswire.Op, d *demands) {
 // takes any shape of its bucket's limit: its cost travels on its own.
 func (s *RedisStore) shapeOf(b *bucketDemand, adjust bool) *rediswire.Shape {
 	rz := &s.zones[b.zone]
-	l := b.limit
-	if last := rz.shape.Load(); last != nil && last.Full == l.burstTime && (adjust || last.Cost == b.cost) &&
+	l, cost := b.limit, b.cost
+	if b.overridden {
+		l, cost = b.base(), b.baseCost()
+	}
+	if last := rz.shape.Load(); last != nil && last.Full == l.burstTime && (adjust || last.Cost == cost) && last.Token == l.tokenTime &&
 		last.Ban == l.ban && last.Beyond == l.delay+l.owe && last.Reserve == l.delay && last.Scaled == rz.plans {
 		return last
 	}
-	cost := b.cost
 	if adjust {
 		cost = l.tokenTime
 	}
-	shape := s.shapes.get(shapeKey{l.burstTime, cost, l.ban, l.delay + l.owe, l.delay, rz.plans})
+	shape := s.shapes.get(shapeKey{l.burstTime, l.tokenTime, cost, l.ban, l.delay + l.owe, l.delay, rz.plans})
 	if !adjust {
 		rz.shape.Store(shape)
 	}
@@ -915,8 +927,8 @@ type shapeCache struct {
 }
 
 type shapeKey struct {
-	full, cost, ban, beyond, reserve time.Duration
-	scaled                           bool
+	full, token, cost, ban, beyond, reserve time.Duration
+	scaled                                  bool
 }
 
 const maxShapes = 4096
@@ -936,7 +948,7 @@ func (c *shapeCache) get(k shapeKey) *rediswire.Shape {
 	if s := m[k]; s != nil {
 		return s
 	}
-	s := rediswire.NewShape(k.full, k.cost, k.ban, k.beyond, k.reserve, k.scaled)
+	s := rediswire.NewShape(k.full, k.token, k.cost, k.ban, k.beyond, k.reserve, k.scaled)
 	if len(m) < maxShapes {
 		next := make(map[shapeKey]*rediswire.Shape, len(m)+1)
 		maps.Copy(next, m)

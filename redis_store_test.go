@@ -1092,6 +1092,17 @@ func TestScriptsDeclareTheirKeys(t *testing.T) {
 		{"name":"mon_n","rate":"1r/m","burst":2,"count":{"status_code":[401]}},
 		{"name":"mon_s","concurrency":1,"dry_run":true}],
 		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"mon:"}}`)
+	// Keys with their own limit: the script reads and writes their
+	// buckets under it, beside the others.
+	for _, z := range []*Zone{h.Zones[0], h.Zones[5]} {
+		o, err := z.overrideOf(limitBody{Rate: "2r/m", Burst: new(int64(4))}, time.Now())
+		if err == nil {
+			err = h.store.setOverride(context.Background(), time.Now(), z.index, z.keyFor("192.0.2.9"), o)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
 	// While the first request holds its slots, every zone's state in
 	// Redis, through the admin API.
 	peek := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
@@ -1146,7 +1157,7 @@ func TestScriptsDeclareTheirKeys(t *testing.T) {
 		}
 	}
 	t.Logf("%d script calls, their commands: %v", calls, ran)
-	for _, cmd := range []string{"HGET", "HSET", "HDEL", "HRANDFIELD", "PTTL", "PEXPIRE", "HMGET", "PEXPIREAT",
+	for _, cmd := range []string{"GET", "HGET", "HSET", "HDEL", "HRANDFIELD", "PTTL", "PEXPIRE", "HMGET", "PEXPIREAT",
 		"ZREMRANGEBYSCORE", "ZCARD", "ZADD", "ZRANGE", "ZREM", "TYPE", "ZCOUNT"} {
 		if ran[cmd] == 0 {
 			t.Errorf("no script ran %s: the test does not reach every part of the scripts", cmd)

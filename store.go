@@ -47,6 +47,20 @@ type store interface {
 	// stats reports what the store keeps for a zone, for the admin API
 	// and metrics.
 	stats(zone int) zoneStats
+
+	// setOverride gives key its own limit in a zone with a bucket, in
+	// place of the zone's (or its plan's), carrying its bucket over (see
+	// overrides.go) as of now. It fails with errTooManyOverrides when the
+	// zone has its max_overrides already and key has none.
+	setOverride(ctx context.Context, now time.Time, zone int, key bucketKey, o override) error
+	// deleteOverride gives key the zone's limit back, and reports whether
+	// it had its own.
+	deleteOverride(ctx context.Context, now time.Time, zone int, key bucketKey) (bool, error)
+	// override is key's own limit, if it has one.
+	override(ctx context.Context, zone int, key bucketKey) (override, bool, error)
+	// overrides lists the zone's overrides, and overrideCount counts them.
+	overrides(ctx context.Context, zone int) ([]keyOverride, error)
+	overrideCount(ctx context.Context, zone int) (int, error)
 }
 
 // A zoneSpec is what a store knows of a zone: how its state is named,
@@ -66,6 +80,8 @@ type zoneSpec struct {
 	// refunds: tokens may be given back to the zone's buckets (adjust with
 	// a negative cost), on any instance sharing the store.
 	refunds bool
+	// maxOverrides: the most keys with a limit of their own (overrides).
+	maxOverrides int64
 }
 
 // demands are what one request asks of a store: tokens from buckets,
@@ -104,7 +120,50 @@ type bucketDemand struct {
 	ok   bool          // the bucket had the tokens (or, with a delay, will have them within it)
 	ban  bool          // this refusal started the bucket's ban
 	debt time.Duration // how long until the bucket is full again, after the decision
+	// overridden: the key's own limit decided, and the store put it in
+	// limit and cost (an override: see overrides.go); baseToken and
+	// baseBurst are the rate and burst it replaced.
+	overridden bool
+	baseBurst  int64
+	baseToken  time.Duration
 }
+
+// setOwnLimit makes b's limit the key's own, of a token's time tokenTime
+// and burst: its limit, and its cost counted in that limit's tokens.
+func (b *bucketDemand) setOwnLimit(tokenTime time.Duration, burst int64) {
+	if !b.overridden {
+		b.baseToken, b.baseBurst, b.overridden = b.limit.tokenTime, b.limit.burst, true
+	}
+	b.cost = b.cost / b.limit.tokenTime * tokenTime
+	b.limit = b.limit.with(tokenTime, burst)
+}
+
+// clearOwnLimit gives b back the limit an override replaced, when the
+// store found none.
+func (b *bucketDemand) clearOwnLimit() {
+	if b.overridden {
+		b.cost = b.baseCost()
+		b.limit, b.overridden = b.base(), false
+	}
+}
+
+// baseCost is b's cost counted in the tokens of the limit an override
+// replaced (rounded up): what a store that applies overrides itself is
+// sent.
+func (b *bucketDemand) baseCost() time.Duration {
+	if !b.overridden {
+		return b.cost
+	}
+	t := b.limit.tokenTime
+	n := b.cost / t
+	if b.cost%t > 0 {
+		n++
+	}
+	return n * b.baseToken
+}
+
+// base is the limit an override replaced.
+func (b *bucketDemand) base() limit { return b.limit.with(b.baseToken, b.baseBurst) }
 
 // wait is how long the bucket needs before it can give the tokens (or,
 // with a delay, before a take of them would wait no longer than the

@@ -494,3 +494,133 @@ func TestStoresAgreeOnUsage(t *testing.T) {
 			usageZones, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr())))
 	})
 }
+
+// The zones of the override steps: o 1r/s burst 2, and p, whose limit
+// comes with each request (planZones' p, at plan free: 1r/s burst 2).
+const overrideZones = `[{"name":"o","rate":"1r/s","burst":2},
+	{"name":"p","rate":"{http.vars.rate}","burst":"{http.vars.burst}"}]`
+
+// An overrideStep takes a token of a key in a zone, or sets (rate) or
+// removes (remove) the key's own limit there.
+type overrideStep struct {
+	at         time.Duration
+	zone, key  string
+	rate       string // set the key's own limit: this rate and burst
+	burst      int64
+	remove     bool  // remove it; ok says whether there was one
+	ok         bool  // a take: allowed
+	rem, limit int64 // a take: tokens left, of a bucket of this burst
+}
+
+var overrideSteps = []overrideStep{
+	{0, "o", "k", "", 0, false, true, 1, 2},
+	{0, "o", "k", "", 0, false, true, 0, 2},
+	{0, "o", "k", "", 0, false, false, 0, 2},
+	// Emptied at burst 2, raised to 5: 3 tokens at once.
+	{0, "o", "k", "1r/s", 5, false, false, 0, 0},
+	{0, "o", "k", "", 0, false, true, 2, 5},
+	{0, "o", "k", "", 0, false, true, 1, 5},
+	{0, "o", "k", "", 0, false, true, 0, 5},
+	{0, "o", "k", "", 0, false, false, 0, 5},
+	// A faster rate keeps the tokens spent: all 5, now of 100ms each.
+	{0, "o", "k", "10r/s", 5, false, false, 0, 0},
+	{0, "o", "k", "", 0, false, false, 0, 5},
+	{100 * time.Millisecond, "o", "k", "", 0, false, true, 0, 5},
+	// Back to the zone's limit, owing a whole bucket: empty, refilling
+	// at the zone's rate.
+	{100 * time.Millisecond, "o", "k", "", 0, true, true, 0, 0},
+	{100 * time.Millisecond, "o", "k", "", 0, false, false, 0, 2},
+	{1100 * time.Millisecond, "o", "k", "", 0, false, true, 0, 2},
+	{1100 * time.Millisecond, "o", "k", "", 0, true, false, 0, 0}, // none to remove
+	// Lowered, a bucket keeps the tokens it holds, up to its burst.
+	{2 * time.Second, "o", "j", "100r/s", 100, false, false, 0, 0},
+	{2 * time.Second, "o", "j", "", 0, false, true, 99, 100},
+	{2 * time.Second, "o", "j", "", 0, false, true, 98, 100},
+	{2 * time.Second, "o", "j", "100r/s", 10, false, false, 0, 0},
+	{2 * time.Second, "o", "j", "", 0, false, true, 9, 10},
+	{2 * time.Second, "o", "j", "", 0, true, true, 0, 0},
+	{2 * time.Second, "o", "j", "", 0, false, true, 1, 2},
+	// A key without a bucket has its own limit from its first request.
+	{3 * time.Second, "o", "n", "1r/m", 3, false, false, 0, 0},
+	{3 * time.Second, "o", "n", "", 0, false, true, 2, 3},
+	// Where the limit comes with each request, an override is one more
+	// plan: the bucket keeps the fraction it owed (all of it here).
+	{0, "p", "k", "", 0, false, true, 1, 2},
+	{0, "p", "k", "", 0, false, true, 0, 2},
+	{0, "p", "k", "1r/s", 10, false, false, 0, 0},
+	{0, "p", "k", "", 0, false, false, 0, 10},
+	{100 * time.Millisecond, "p", "k", "", 0, false, false, 0, 10},
+	{time.Second, "p", "k", "", 0, false, true, 0, 10},
+}
+
+// runOverrideSteps replays overrideSteps against h's store, as
+// runStoreSteps replays storeSteps.
+func runOverrideSteps(t *testing.T, h *Handler) {
+	t.Helper()
+	start := time.Now()
+	var now time.Time
+	if rs, ok := h.store.(*RedisStore); ok {
+		rs.testClock = func() time.Time { return now }
+	}
+	zones := map[string]*Zone{}
+	for _, z := range h.Zones {
+		zones[z.Name[len(z.Name)-1:]] = z
+	}
+	ctx := context.Background()
+	for i, s := range overrideSteps {
+		now = start.Add(s.at)
+		z, k := zones[s.zone], bucketKey{s: s.key}
+		switch {
+		case s.rate != "":
+			o, err := z.overrideOf(limitBody{Rate: s.rate, Burst: &s.burst}, now)
+			if err == nil {
+				err = h.store.setOverride(ctx, now, z.index, k, o)
+			}
+			if err != nil {
+				t.Fatalf("step %d: %v", i, err)
+			}
+			continue
+		case s.remove:
+			if found, err := h.store.deleteOverride(ctx, now, z.index, k); err != nil || found != s.ok {
+				t.Fatalf("step %d: removed %v, %v; want %v", i, found, err, s.ok)
+			}
+			continue
+		}
+		b := bucketReq(z, k)
+		if z.plans != nil {
+			p, err := z.parsePlan(planValues["free"])
+			if err != nil {
+				t.Fatal(err)
+			}
+			b.limit, b.cost = p.limit, p.costTime
+		}
+		d := &demands{buckets: []bucketDemand{b}}
+		ok, err := h.store.take(ctx, now, d)
+		if err != nil {
+			t.Fatalf("step %d: %v", i, err)
+		}
+		if q := &d.buckets[0]; ok != s.ok || q.remaining() != s.rem || q.limit.burst != s.limit {
+			t.Fatalf("step %d: allowed %v, %d tokens left of %d; want %v, %d of %d", i, ok, q.remaining(), q.limit.burst, s.ok, s.rem, s.limit)
+		}
+	}
+}
+
+// A change of a key's own limit carries its bucket over alike on every
+// store.
+func TestStoresAgreeOnOverrides(t *testing.T) {
+	t.Run("local", func(t *testing.T) {
+		runOverrideSteps(t, newTestHandler(t, `{"zones":`+strings.ReplaceAll(overrideZones, `"name":"`, `"name":"agree-`)+`}`))
+	})
+	r := startRedis(t)
+	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
+		t.Run("redis"+store, func(t *testing.T) {
+			runOverrideSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
+				overrideZones, r.Addr(), t.Name()+":", store)))
+		})
+	}
+	t.Run("cluster", func(t *testing.T) {
+		nodes := startCluster(t)
+		runOverrideSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`,
+			overrideZones, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr())))
+	})
+}

@@ -41,6 +41,12 @@ type table[E entry] struct {
 	mask    uint64     // len(shards) - 1
 
 	evictions atomic.Uint64
+	// base is the limit of a zone with a fixed limit (its buckets are
+	// carried over eagerly when an override changes it); zero for a zone
+	// whose limit comes with each request. overrides counts the keys'
+	// own limits in the shards.
+	base      limit
+	overrides atomic.Int64
 	stop      chan struct{}
 	stopOnce  sync.Once
 	p         *persistence // nil: the table lives in memory only
@@ -59,10 +65,13 @@ type entry interface {
 type shard[E entry] struct {
 	mu sync.Mutex
 	m  map[uint64]E
+	// ov holds the keys' own limits (overrides) of a table of buckets,
+	// by the same hash; nil until the first.
+	ov map[uint64]localOverride
 	// sweepCredit counts the inserts until a full shard may be swept
 	// again, which keeps sweeping O(1) per insert.
 	sweepCredit int
-	_           [40]byte // keep shards on separate cache lines
+	_           [32]byte // keep shards on separate cache lines
 }
 
 // A bucket is one tracked token bucket: the instant it is full again, the
@@ -282,6 +291,9 @@ func (t *table[E]) sweepAll(now time.Time) {
 		s.sweep(n)
 		s.mu.Unlock()
 	}
+	if bt, ok := any(t).(*table[bucket]); ok {
+		endOverrides(bt, n)
+	}
 }
 
 // len is the number of entries tracked.
@@ -380,6 +392,8 @@ type charge struct {
 	ok     bool
 	ban    bool          // this refusal started a ban
 	debt   time.Duration // how long until the bucket is full, after the decision
+	// overridden: the key's own limit decided, in l and cost.
+	overridden bool
 }
 
 // try decides c against a bucket b (tracked or not), on c's time line.
@@ -447,7 +461,11 @@ func takeAll(cs []charge, ks []count, sl []slotClaim) bool {
 	allowed := true
 	for i := range cs {
 		c := &cs[i]
-		c.try(c.t.shard(c.h).m[c.h])
+		s := c.t.shard(c.h)
+		if len(s.ov) > 0 {
+			c.applyOverride(s)
+		}
+		c.try(s.m[c.h])
 		allowed = allowed && c.ok
 	}
 	for i := range ks {
@@ -476,6 +494,9 @@ func takeAll(cs []charge, ks []count, sl []slotClaim) bool {
 func takeOne(c *charge) bool {
 	s := c.t.shard(c.h)
 	s.mu.Lock()
+	if len(s.ov) > 0 {
+		c.applyOverride(s)
+	}
 	b, tracked := s.m[c.h]
 	c.try(b)
 	switch {

@@ -184,6 +184,12 @@ type Zone struct {
 	// 23 or 25 hours). Needs quota. Default: `UTC`.
 	Timezone string `json:"timezone,omitempty"`
 
+	// The most keys of the zone with a limit of their own, set through the
+	// admin API (`PUT /rate_limit/<zone>/<key>/limit`) in place of the
+	// zone's: beyond it, setting one more is refused (409). Needs a rate.
+	// Default: 100000.
+	MaxOverrides int64 `json:"max_overrides,omitempty"`
+
 	// Compute, count and log decisions, and send the headers, but let
 	// requests that this zone would refuse go on (uncharged by it). The
 	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
@@ -326,7 +332,7 @@ var placeholderLimit = newLimit(1, 1)
 
 // parseLimit checks the zone's numbers and returns its bucket's shape.
 func (z *Zone) parseLimit() (limit, error) {
-	if err := cmp.Or(z.checkSlots(), z.checkUsage()); err != nil {
+	if err := cmp.Or(z.checkSlots(), z.checkUsage(), z.checkOverrides()); err != nil {
 		return limit{}, err
 	}
 	if !z.hasRate() {
@@ -410,6 +416,19 @@ func (z *Zone) withDebt(l limit) (limit, error) {
 	}
 	l.owe = l.costTime(n)
 	return l, nil
+}
+
+func checkMaxOverrides(n int64) error { return checkMin("max_overrides", n, 1) }
+
+// checkOverrides checks a max_overrides that is set.
+func (z *Zone) checkOverrides() error {
+	switch {
+	case z.MaxOverrides == 0:
+		return nil
+	case !z.hasRate():
+		return errors.New("max_overrides needs a rate: an override is a key's own rate and burst")
+	}
+	return checkMaxOverrides(z.MaxOverrides)
 }
 
 // checkSlots checks concurrency and lease.
@@ -852,7 +871,8 @@ func (z *Zone) describe() string {
 
 // spec is what a store knows of the zone.
 func (z *Zone) spec() zoneSpec {
-	s := zoneSpec{name: z.Name, bucket: !z.rateless, slots: z.Concurrency != 0, refunds: z.Count != nil || z.Usage != nil}
+	s := zoneSpec{name: z.Name, bucket: !z.rateless, slots: z.Concurrency != 0, refunds: z.Count != nil || z.Usage != nil,
+		maxOverrides: cmp.Or(z.MaxOverrides, defaultMaxOverrides)}
 	if z.plan != nil {
 		s.shape = z.limit
 	}

@@ -3,9 +3,12 @@
 -- API. KEYS and ARGV are as the decision script's (ARGV[1] is 'peek'),
 -- and so is the reply's layout:
 --
---   {1, repaired, debt_1, 0, ..., used_1, left_1, ..., 0, free_1, ..., clock}
+--   {1, repaired, debt_1, 0, token_1, burst_1, ..., used_1, left_1, ..., 0, free_1, ..., clock}
 --
--- where debt_i is what bucket i owes, at most full + ban + beyond, used_j
+-- where debt_i is what bucket i owes, at most full + ban + beyond (of its
+-- override when it has one: token_i and burst_i, else 0 and 0; a bucket
+-- of a zone with a fixed limit carried over to it, as the decision script
+-- would carry it; a scaled one as written, under whichever plan), used_j
 -- counter j's count in the window that holds Redis's clock (0 when it
 -- has none) and left_j how long until that window ends, free_j how many
 -- slots of set j no live lease holds, and repaired the keys of another
@@ -20,7 +23,7 @@ if not clock then
 end
 local now = clock - epoch
 local nb, nc, ns = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local cargs, sargs = 5 + 7 * nb, 5 + 7 * nb + 6 * tonumber(ARGV[4])
+local cargs, sargs = 5 + 8 * nb, 5 + 8 * nb + 6 * tonumber(ARGV[4])
 local reply = { 1, 0 }
 
 local function bad()
@@ -28,15 +31,31 @@ local function bad()
 end
 
 for i = 1, nb do
-	local a = 7 * i - 1
-	local v = redis.pcall('HGET', KEYS[i], ARGV[a])
+	local a = 8 * i - 2
+	local full, token = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 7])
+	local otoken, oburst = 0, 0
+	local o = redis.pcall('GET', KEYS[2 * i])
+	if type(o) == 'string' then
+		local c = string.find(o, ':', 1, true)
+		local e = c and string.find(o, ':', c + 1, true)
+		local t, b = c and tonumber(string.sub(o, 1, c - 1)), e and tonumber(string.sub(o, c + 1, e - 1))
+		if t and b and t > 0 and b > 0 then
+			otoken, oburst, full = t, b, t * b
+		end
+	end
+	local v = redis.pcall('HGET', KEYS[2 * i - 1], ARGV[a])
 	local d = 0
 	if type(v) == 'table' then
 		bad()
 	elseif v then
-		local c = string.find(v, ':', 1, true)
+		local c, sf, st = string.find(v, ':', 1, true), nil, nil
 		if c then
+			local r = string.sub(v, c + 1)
 			v = string.sub(v, 1, c - 1) -- as written, under whichever plan
+			local e = string.find(r, ':', 1, true)
+			if e then
+				sf, st = tonumber(string.sub(r, 1, e - 1)), tonumber(string.sub(r, e + 1))
+			end
 		end
 		local x, frac = tonumber(v), tonumber(string.sub(v, -3))
 		if x and frac and x >= 0 and x % 1 == 0 then
@@ -44,9 +63,24 @@ for i = 1, nb do
 		else
 			bad()
 		end
+		if d > 0 and ARGV[a + 6] ~= '1' and (st or otoken > 0) then
+			local f0, t0 = tonumber(ARGV[a + 1]), token
+			if sf and st and sf > 0 and st > 0 then
+				f0, t0 = sf, st
+			end
+			local t1 = otoken > 0 and otoken or token
+			if f0 ~= full or t0 ~= t1 then
+				local part = math.min(d, f0)
+				local y = math.max(0, math.min(part, part + full / t1 * t0 - f0))
+				if t0 ~= t1 then
+					y = math.floor(y / t0 * t1)
+				end
+				d = y + d - part
+			end
+		end
 	end
-	local most = ARGV[a + 1] + ARGV[a + 3] + ARGV[a + 4]
-	reply[1 + 2 * i], reply[2 + 2 * i] = math.min(math.max(d, 0), most), 0
+	local most = full + ARGV[a + 3] + ARGV[a + 4]
+	reply[4 * i - 1], reply[4 * i], reply[4 * i + 1], reply[4 * i + 2] = math.min(math.max(d, 0), most), 0, otoken, oburst
 end
 
 for j = 1, nc do
@@ -58,7 +92,7 @@ for j = 1, nc do
 			break
 		end
 	end
-	local v = redis.pcall('HMGET', KEYS[nb + j], 'w', 'n')
+	local v = redis.pcall('HMGET', KEYS[2 * nb + j], 'w', 'n')
 	local used = 0
 	if v.err then
 		bad()
@@ -68,16 +102,16 @@ for j = 1, nc do
 			e, used = w * 1000, tonumber(v[2]) or 0
 		end
 	end
-	reply[1 + 2 * (nb + j)], reply[2 + 2 * (nb + j)] = used, math.max(e - clock, 0) * 1000
+	reply[1 + 4 * nb + 2 * j], reply[2 + 4 * nb + 2 * j] = used, math.max(e - clock, 0) * 1000
 end
 
 for j = 1, ns do
-	local key, used = KEYS[nb + nc + j], 0
+	local key, used = KEYS[2 * nb + nc + j], 0
 	if redis.call('TYPE', key).ok == 'zset' then
 		used = redis.call('ZCOUNT', key, '(' .. now, '+inf')
 	end
-	reply[1 + 2 * (nb + nc + j)], reply[2 + 2 * (nb + nc + j)] = 0, math.max(ARGV[sargs + 3 * j - 1] - used, 0)
+	reply[1 + 4 * nb + 2 * (nc + j)], reply[2 + 4 * nb + 2 * (nc + j)] = 0, math.max(ARGV[sargs + 3 * j - 1] - used, 0)
 end
 
-reply[3 + 2 * (nb + nc + ns)] = clock
+reply[3 + 4 * nb + 2 * (nc + ns)] = clock
 return reply

@@ -8,9 +8,10 @@
 --
 -- THE CALL
 --
---   KEYS     the hash of each bucket, then the key of each counter, then
---            the key of each slot set, in that order, all in one cluster
---            slot. The script touches no other key.
+--   KEYS     the hash of each bucket and the key of its override (two
+--            keys a bucket), then the key of each counter, then the key of
+--            each slot set, in that order, all in one cluster slot. The
+--            script touches no other key.
 --   ARGV[1]  op: 'take' or 'adjust'; or a number k > 1, k takes (below);
 --            or 'release' (below)
 --   ARGV[2]  clock: '' to read TIME; tests send an instant, to replay
@@ -19,7 +20,8 @@
 --   ARGV[4]  nc, the number of counters
 --   ARGV[5]  ns, the number of slot sets
 --   then the three sections, in that order:
---   buckets  7 values each: field, full, cost, ban, beyond, wait, scaled
+--   buckets  8 values each: field, full, cost, ban, beyond, wait, scaled,
+--            token
 --   counters 6 values each: limit, cost, b0, b1, b2, b3
 --   slots    id, then 3 values each: limit, lease, soft
 --
@@ -29,7 +31,7 @@
 -- THE REPLY, one layout whatever the call:
 --
 --   {allowed, repaired,
---    debt_1, ban_1, ..., debt_nb, ban_nb,
+--    debt_1, ban_1, token_1, burst_1, ..., debt_nb, ban_nb, token_nb, burst_nb,
 --    used_1, left_1, ..., used_nc, left_nc,
 --    held_1, free_1, ..., held_ns, free_ns,
 --    clock}
@@ -39,6 +41,8 @@
 --   repaired  the keys of another type found, and overwritten by a write
 --   debt_i    how long until bucket i is full again, after the call
 --   ban_i     1 if this call started bucket i's ban, else 0
+--   token_i   the time of a token of the override that decided bucket i,
+--   burst_i   and its burst; 0 and 0 when the bucket's own shape decided
 --   used_j    counter j's count in its window, after the call
 --   left_j    how long until that window ends
 --   held_j    1 if the request holds a slot of set j, else 0
@@ -66,6 +70,22 @@
 --          another full owes the same fraction of this one's bucket (and
 --          what it owed beyond it, as it was), so that a change of plan
 --          hands back no tokens
+--   token  the time of one token: full / burst (cost is counted in them)
+--
+-- OVERRIDES. A key's own limit, set through the admin API, is the string
+-- `<token>:<burst>:<rate as given>` at its key (KEYS, after its bucket's
+-- hash), which expires by itself: where it is, its burst and token
+-- replace the shape's, full becomes burst * token, and cost the same
+-- count of its tokens; ban, beyond and wait stay. A bucket of a zone
+-- whose limit is fixed that an override decided is written
+-- `<instant>:<full>:<token>`: one read under another limit (the
+-- override set, changed, removed or expired), or one without that suffix
+-- read under an override, keeps the tokens it had spent: it owes
+-- max(0, min(spent, spent + burst - burst_before)) of the new limit's
+-- tokens (spent counted in the old limit's tokens, out of its whole
+-- bucket), and what it owed beyond its whole bucket as it was. A
+-- scaled bucket keeps the fraction it owed, as for a change of plan: an
+-- override is one more plan there.
 --
 -- A bucket owes at most full + ban + beyond; with a ban, one that owes
 -- more than full is banned for the excess. One found owing more (its
@@ -162,7 +182,7 @@ if not clock then
 end
 local now = clock - epoch -- µs since 2025: the buckets' time line
 local nb, nc, ns = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local cargs = 5 + 7 * nb -- counter j's values are ARGV[cargs + 6j - 5 ..]
+local cargs = 5 + 8 * nb -- counter j's values are ARGV[cargs + 6j - 5 ..]
 local sargs = cargs + 6 * nc -- the slot section: the id is ARGV[sargs + 1]
 
 local reply = { 1, 0 }
@@ -185,7 +205,7 @@ if nc > 0 then
 		if not e then
 			return redis.error_reply('ERR quota window: Redis TIME is outside the windows Caddy sent (clocks more than a window apart)')
 		end
-		local key = KEYS[nb + j]
+		local key = KEYS[2 * nb + j]
 		local v = redis.pcall('HMGET', key, 'w', 'n')
 		local w, used = nil, 0
 		if v.err then
@@ -207,25 +227,53 @@ if nc > 0 then
 end
 
 -- Buckets, read and decided before anything is written. Until the writes,
--- reply[2 + 2i] holds bucket i's state: 1 short (it lacked the tokens,
--- and its ban starts), plus 2 clamped (it owed more than it may), plus 4
--- bad (it held no instant, or its hash was of another type).
+-- reply[4i - 1 .. 4i + 2] hold bucket i's debt, its state, and the token
+-- and burst of its override (0 and 0 for none); its state is 1 short (it
+-- lacked the tokens, and its ban starts), plus 2 moved (it owed more than
+-- it may, or was written under another limit), plus 4 bad (it held no
+-- instant, or its hash was of another type). over[i] is {full, cost} of
+-- a bucket an override decides; nil when none does.
 local wrong -- the hashes found of another type, deleted before a write
+local over
 for i = 1, nb do
-	local a = 7 * i - 1
-	local h = KEYS[i]
+	local a = 8 * i - 2
+	local h = KEYS[2 * i - 1]
 	local full, cost, ban, beyond = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+	local otoken, oburst = 0, 0
+	local o = redis.pcall('GET', KEYS[2 * i])
+	if type(o) == 'string' then
+		local c = string.find(o, ':', 1, true)
+		local e = c and string.find(o, ':', c + 1, true)
+		local t, b = c and tonumber(string.sub(o, 1, c - 1)), e and tonumber(string.sub(o, c + 1, e - 1))
+		if t and b and t > 0 and b > 0 then
+			local token = tonumber(ARGV[a + 7])
+			if t ~= token then
+				cost = cost / token * t
+			end
+			otoken, oburst, full = t, b, t * b
+			over = over or {}
+			over[i] = { full, cost }
+		end
+	end
 	local v = redis.pcall('HGET', h, ARGV[a])
-	local d, state = 0, 0 -- d: what the bucket owes; an absent one, nothing
+	local d, state, moved = 0, 0, false -- d: what the bucket owes; an absent one, nothing
 	if type(v) == 'table' then
 		wrong = wrong or {}
 		wrong[h], state = true, 4
 	elseif v then
-		-- A scaled bucket is written `<instant>:<full>`, full being the
-		-- whole bucket of the limit that wrote it.
-		local c, sf = string.find(v, ':', 1, true), nil
+		-- A bucket written under a limit other than the call's says so:
+		-- `<instant>:<full>` (scaled), `<instant>:<full>:<token>` (an
+		-- override's).
+		local c, sf, st = string.find(v, ':', 1, true), nil, nil
 		if c then
-			v, sf = string.sub(v, 1, c - 1), tonumber(string.sub(v, c + 1))
+			local r = string.sub(v, c + 1)
+			v = string.sub(v, 1, c - 1)
+			local e = string.find(r, ':', 1, true)
+			if e then
+				sf, st = tonumber(string.sub(r, 1, e - 1)), tonumber(string.sub(r, e + 1))
+			else
+				sf = tonumber(r)
+			end
 		end
 		-- x, the instant's double, is within a few hundred nanoseconds of
 		-- it until 2098, so its microseconds come out exact once the last
@@ -236,17 +284,37 @@ for i = 1, nb do
 		else
 			state = 4
 		end
-		if d > 0 and sf and sf > 0 and sf ~= full and ARGV[a + 6] == '1' then
-			-- Written under another limit (the key's plan changed): it owes
-			-- the same fraction of this one's bucket, and what it owed
-			-- beyond its whole bucket as it was; saved so.
-			local part = math.min(d, sf)
-			d, state = math.floor(part / sf * full) + d - part, 2
+		if d <= 0 then
+		elseif ARGV[a + 6] == '1' then
+			if sf and sf > 0 and sf ~= full then
+				-- Written under another limit (the key's plan changed): it owes
+				-- the same fraction of this one's bucket, and what it owed
+				-- beyond its whole bucket as it was; saved so.
+				local part = math.min(d, sf)
+				d, moved = math.floor(part / sf * full) + d - part, true
+			end
+		elseif st or otoken > 0 then
+			-- A change of the key's own limit: the bucket keeps the tokens it
+			-- had spent, counted in the tokens of the limit that wrote it
+			-- (its suffix's, else the call's shape), up to the new burst.
+			local f0, t0 = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 7])
+			if sf and st and sf > 0 and st > 0 then
+				f0, t0 = sf, st
+			end
+			local t1 = otoken > 0 and otoken or tonumber(ARGV[a + 7])
+			if f0 ~= full or t0 ~= t1 then
+				local part = math.min(d, f0)
+				local y = math.max(0, math.min(part, part + full / t1 * t0 - f0))
+				if t0 ~= t1 then
+					y = math.floor(y / t0 * t1)
+				end
+				d, moved = y + d - part, true
+			end
 		end
 	end
 	local most = full + ban + beyond
 	local debt = math.min(math.max(d, 0), most)
-	if d > most then
+	if moved or d > most then
 		state = state + 2
 	end
 	if take and debt + cost > full + tonumber(ARGV[a + 5]) then
@@ -255,7 +323,7 @@ for i = 1, nb do
 			state = state + 1
 		end
 	end
-	reply[1 + 2 * i], reply[2 + 2 * i] = debt, state
+	reply[4 * i - 1], reply[4 * i], reply[4 * i + 1], reply[4 * i + 2] = debt, state, otoken, oburst
 end
 
 -- k takes: the first m that every bucket holds are allowed. The debts in
@@ -266,7 +334,10 @@ if k then
 	m = 0
 	local d, cost, full = {}, {}, {}
 	for i = 1, nb do
-		d[i], cost[i], full[i] = reply[1 + 2 * i], tonumber(ARGV[7 * i + 1]), tonumber(ARGV[7 * i])
+		d[i], cost[i], full[i] = reply[4 * i - 1], tonumber(ARGV[8 * i]), tonumber(ARGV[8 * i - 1])
+		if over and over[i] then
+			full[i], cost[i] = over[i][1], over[i][2]
+		end
 	end
 	while m < k do
 		local room = true
@@ -277,7 +348,7 @@ if k then
 			break -- this one is refused, and so is every one after it
 		end
 		for i = 1, nb do
-			reply[1 + 2 * i], d[i] = d[i], d[i] + cost[i]
+			reply[4 * i - 1], d[i] = d[i], d[i] + cost[i]
 		end
 		m = m + 1
 	end
@@ -292,7 +363,7 @@ if take and ns > 0 then
 	sused = {}
 	for j = 1, ns do
 		local a = sargs + 3 * j - 1
-		local key = KEYS[nb + nc + j]
+		local key = KEYS[2 * nb + nc + j]
 		local trimmed = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
 		if type(trimmed) == 'table' then
 			reply[2] = reply[2] + 1
@@ -313,12 +384,16 @@ end
 -- anything.
 local nowdigits -- now in the instants' digits, for purges
 for i = 1, nb do
-	local a = 7 * i - 1
-	local debt, state = reply[1 + 2 * i], reply[2 + 2 * i]
+	local a = 8 * i - 2
+	local debt, state = reply[4 * i - 1], reply[4 * i]
 	local short, bad = state % 2 == 1, state >= 4
 	local write = true
+	local full, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
+	if over and over[i] then
+		full, cost = over[i][1], over[i][2]
+	end
 	if adjust then
-		local full, cost, ban = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+		local ban = tonumber(ARGV[a + 3])
 		if cost >= 0 then
 			debt = math.min(debt + cost, full + ban + tonumber(ARGV[a + 4]))
 		elseif ban == 0 or debt <= full then
@@ -327,14 +402,14 @@ for i = 1, nb do
 			write = state >= 2 -- banned: only a repair
 		end
 	elseif take and reply[1] == 1 then
-		debt = debt + ARGV[a + 2]
+		debt = debt + cost
 	elseif short then
-		debt = ARGV[a + 1] + ARGV[a + 3]
+		debt = full + ARGV[a + 3]
 	elseif not take or state < 2 then
-		write = false -- else saved as read: clamped, or a bad one as full
+		write = false -- else saved as read: moved, or a bad one as full
 	end
 	if write then
-		local h, field = KEYS[i], ARGV[a]
+		local h, field = KEYS[2 * i - 1], ARGV[a]
 		if wrong and wrong[h] then
 			redis.call('DEL', h)
 			wrong[h] = nil
@@ -345,7 +420,9 @@ for i = 1, nb do
 			local us = math.floor(debt / 1000)
 			local instant = string.format('%d%03d', now + us, debt - us * 1000)
 			if ARGV[a + 6] == '1' then
-				instant = instant .. ':' .. ARGV[a + 1]
+				instant = instant .. ':' .. string.format('%d', full)
+			elseif reply[4 * i + 1] > 0 then
+				instant = string.format('%s:%d:%d', instant, full, reply[4 * i + 1])
 			end
 			local added = redis.call('HSET', h, field, instant)
 			local ttl = math.ceil(debt / 1000000)
@@ -377,13 +454,13 @@ for i = 1, nb do
 	if bad then
 		reply[2] = reply[2] + 1
 	end
-	reply[1 + 2 * i], reply[2 + 2 * i] = debt, short and 1 or 0
+	reply[4 * i - 1], reply[4 * i] = debt, short and 1 or 0
 end
 
 -- Counters: count, and reply.
 for j = 1, nc do
 	local a = cargs + 6 * (j - 1)
-	local key, used, e, cost = KEYS[nb + j], cused[j], cend[j], tonumber(ARGV[a + 2])
+	local key, used, e, cost = KEYS[2 * nb + j], cused[j], cend[j], tonumber(ARGV[a + 2])
 	-- Numbers are written with %d: Redis would turn one of more than 14
 	-- digits into an exponent.
 	if take and reply[1] == 1 or adjust and cost > 0 then
@@ -403,13 +480,13 @@ for j = 1, nc do
 			redis.call('HSET', key, 'n', string.format('%d', used))
 		end
 	end
-	reply[1 + 2 * (nb + j)], reply[2 + 2 * (nb + j)] = used, (e - clock) * 1000
+	reply[1 + 4 * nb + 2 * j], reply[2 + 4 * nb + 2 * j] = used, (e - clock) * 1000
 end
 
 -- Slots: take, and reply.
 for j = 1, ns do
 	local a = sargs + 3 * j - 1
-	local key, limit = KEYS[nb + nc + j], tonumber(ARGV[a])
+	local key, limit = KEYS[2 * nb + nc + j], tonumber(ARGV[a])
 	local used, held = sused and sused[j] or 0, 0
 	if take and reply[1] == 1 and used < limit then
 		redis.call('ZADD', key, now + math.floor(ARGV[a + 1] / 1000), ARGV[sargs + 1])
@@ -418,11 +495,11 @@ for j = 1, ns do
 		local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
 		redis.call('PEXPIRE', key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1))
 	end
-	reply[1 + 2 * (nb + nc + j)], reply[2 + 2 * (nb + nc + j)] = held, math.max(limit - used, 0)
+	reply[1 + 4 * nb + 2 * (nc + j)], reply[2 + 4 * nb + 2 * (nc + j)] = held, math.max(limit - used, 0)
 end
 
 if m then
 	reply[1] = m
 end
-reply[3 + 2 * (nb + nc + ns)] = clock
+reply[3 + 4 * nb + 2 * (nc + ns)] = clock
 return reply

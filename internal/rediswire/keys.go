@@ -15,8 +15,10 @@ import (
 // of 16384, chosen by the key alone: so the zones of one client share a
 // hash and a cluster slot, and are decided in one call even on Redis
 // Cluster. A calendar quota's counter is the key `<hash><field>:quota`, a
-// zone's slots the sorted set `<hash><field>:s`: in the bucket's slot,
-// and named as no hash of buckets is (those end with the tag).
+// zone's slots the sorted set `<hash><field>:s`, a key's own limit (an
+// override) the string `<hash><field>:limit`: in the bucket's slot, and
+// named as no hash of buckets is (those end with the tag). The overrides
+// of a zone are listed in the sorted set `<prefix>{<zone>}:limits`.
 //
 // The key never chooses its slot: the hash tag is the group, four hex
 // digits of a fixed hash of the key, whatever the key's bytes.
@@ -38,17 +40,47 @@ func (n Keys) Bucket(zone, key string) (hash, field string) {
 	return s[:i], s[i:]
 }
 
+// BucketLimit is Bucket, and the key of the override of key in the zone:
+// the three made as one string.
+func (n Keys) BucketLimit(zone, key string) (hash, field, limit string) {
+	limit = n.name(zone, key, LimitSuffix)
+	i := len(n.Prefix) + len("{0000}")
+	return limit[:i], limit[i : len(limit)-len(LimitSuffix)], limit
+}
+
+// LimitSuffix ends the key of an override.
+const LimitSuffix = ":limit"
+
+// Stored is key as the names hold it: its SHA-256 when keys are hashed.
+func (n Keys) Stored(key string) string {
+	if n.Hash || len(key) > HashLongerThan {
+		sum := sha256.Sum256([]byte(key))
+		return hex.EncodeToString(sum[:16])
+	}
+	return key
+}
+
+// StoredLimit is the key of the override of a key as the names hold it
+// (Stored): what the list of a zone's overrides holds.
+func (n Keys) StoredLimit(zone, stored string) string { return n.named(zone, stored, LimitSuffix) }
+
+// Limits is the sorted set that lists a zone's overrides: their keys as
+// stored, scored by when they end (ms since 1970; +inf for never). Its
+// hash tag is the zone's name, escaped, so it is named as no other key.
+func (n Keys) Limits(zoneName string) string {
+	return n.Prefix + "{" + escapeTag(zoneName, "%{}") + "}:limits"
+}
+
 // Counter is the key of a zone's calendar quota counter for key.
 func (n Keys) Counter(zone, key string) string { return n.name(zone, key, ":quota") }
 
 // Slots is the key of the sorted set of a zone's slots for key.
 func (n Keys) Slots(zone, key string) string { return n.name(zone, key, ":s") }
 
-func (n Keys) name(zone, key, end string) string {
-	if n.Hash || len(key) > HashLongerThan {
-		sum := sha256.Sum256([]byte(key))
-		key = hex.EncodeToString(sum[:16])
-	}
+func (n Keys) name(zone, key, end string) string { return n.named(zone, n.Stored(key), end) }
+
+// named is the name of a key already as stored.
+func (n Keys) named(zone, key, end string) string {
 	g := Group(key)
 	const digits = "0123456789abcdef"
 	tag := [4]byte{digits[g>>12], digits[g>>8&15], digits[g>>4&15], digits[g&15]}

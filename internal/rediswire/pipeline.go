@@ -167,7 +167,7 @@ next:
 		all := append([]*Call{c}, c.twins...)
 		var replies [][]any
 		if err == nil {
-			replies, err = splitTwins(reply, c.costs, len(all))
+			replies, err = splitTwins(reply, c.costs, c.tokens, len(all))
 		}
 		for j, t := range all {
 			if t.err, t.at = err, at; err == nil {

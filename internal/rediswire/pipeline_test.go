@@ -40,12 +40,12 @@ func TestPipelineKeepsEachReply(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	shape := NewShape(10*time.Second, time.Second, 0, 0, 0, false) // burst 10, a token a second
+	shape := NewShape(10*time.Second, time.Second, time.Second, 0, 0, 0, false) // burst 10, a token a second
 	keys := Keys{Prefix: "pl:"}
 	take := func(key string) (bool, time.Duration) {
 		call := NewCall(Take, time.Now().Add(5*time.Second))
-		hash, field := keys.Bucket(ZoneField("z"), key)
-		call.Bucket(hash, field, shape, false)
+		hash, field, limit := keys.BucketLimit(ZoneField("z"), key)
+		call.Bucket(hash, field, limit, shape, false)
 		reply, err := c.Run(context.Background(), call)
 		if err != nil {
 			t.Error(err)

@@ -58,6 +58,10 @@ var opArgs = [...]any{Take: "take", Adjust: "adjust", Peek: "peek", Release: "re
 // once: a store keeps one per limit it meets.
 type Shape struct {
 	Full, Cost, Ban time.Duration
+	// Token is the time of one token (1/rate): the unit the script counts
+	// a key's own limit (an override) and the tokens of a change of limit
+	// in.
+	Token time.Duration
 	// Beyond is how much more than a whole bucket the bucket may owe: a
 	// delay's reservations, or the debt that adjustments may run up.
 	// Reserve is how much of it a take may reserve (a delay): 0 when only
@@ -67,17 +71,19 @@ type Shape struct {
 	// written under another limit is read as owing the same fraction of
 	// this one's.
 	Scaled bool
-	args   [7]any // full, cost, ban, beyond, wait (the reserve), -cost, scaled
+	args   [8]any // full, cost, ban, beyond, wait (the reserve), -cost, scaled, token
 }
 
 // NewShape is the shape of a bucket that takes full to refill from empty,
-// whose requests take cost, with a ban, or that may owe beyond more than a
-// whole bucket, of which a take may reserve reserve (a delay).
-func NewShape(full, cost, ban, beyond, reserve time.Duration, scaled bool) *Shape {
-	s := &Shape{Full: full, Cost: cost, Ban: ban, Beyond: beyond, Reserve: reserve, Scaled: scaled, args: [7]any{6: zero}}
+// a token at a time, whose requests take cost, with a ban, or that may
+// owe beyond more than a whole bucket, of which a take may reserve
+// reserve (a delay).
+func NewShape(full, token, cost, ban, beyond, reserve time.Duration, scaled bool) *Shape {
+	s := &Shape{Full: full, Token: token, Cost: cost, Ban: ban, Beyond: beyond, Reserve: reserve, Scaled: scaled, args: [8]any{6: zero}}
 	for i, d := range [6]time.Duration{full, cost, ban, beyond, reserve, -cost} {
 		s.args[i] = ns(d)
 	}
+	s.args[7] = ns(token)
 	if scaled {
 		s.args[6] = "1"
 	}
@@ -139,6 +145,7 @@ type Call struct {
 	keys       []string
 	args       []any
 	costs      []time.Duration // each bucket's cost, for twins' replies
+	tokens     []time.Duration // and its shape's token
 	nb, nc, ns int
 	alike      bool // a take of buckets without ban or delay (see twin)
 	deadline   time.Time
@@ -170,7 +177,7 @@ func (c *Call) free() {
 	clear(c.keys)
 	clear(c.args)
 	clear(c.twins)
-	*c = Call{keys: c.keys[:0], args: c.args[:0], costs: c.costs[:0], twins: c.twins[:0], done: c.done}
+	*c = Call{keys: c.keys[:0], args: c.args[:0], costs: c.costs[:0], tokens: c.tokens[:0], twins: c.twins[:0], done: c.done}
 	calls.Put(c)
 }
 
@@ -178,19 +185,20 @@ func (c *Call) free() {
 // to replay a table of instants.
 func (c *Call) Clock(t time.Time) { c.args[1] = strconv.FormatInt(t.UnixMicro(), 10) }
 
-// Bucket asks for s.Cost from the bucket field of hash; the request may
-// wait for its tokens up to s.Reserve, or, without wait, not at all.
-func (c *Call) Bucket(hash, field string, s *Shape, wait bool) {
+// Bucket asks for s.Cost from the bucket field of hash, whose key's own
+// limit (an override) would be the key limit; the request may wait for
+// its tokens up to s.Reserve, or, without wait, not at all.
+func (c *Call) Bucket(hash, field, limit string, s *Shape, wait bool) {
 	w := zero
 	if wait {
 		w = s.args[4]
 	}
-	c.bucket(hash, field, s, s.Cost, s.args[1], w)
+	c.bucket(hash, field, limit, s, s.Cost, s.args[1], w)
 }
 
 // AdjustBucket charges the bucket cost more, or gives -cost back.
-func (c *Call) AdjustBucket(hash, field string, s *Shape, cost time.Duration) {
-	c.bucket(hash, field, s, cost, costArg(int64(cost), int64(s.Cost), s.args[1], s.args[5]), zero)
+func (c *Call) AdjustBucket(hash, field, limit string, s *Shape, cost time.Duration) {
+	c.bucket(hash, field, limit, s, cost, costArg(int64(cost), int64(s.Cost), s.args[1], s.args[5]), zero)
 }
 
 // costArg is the argument of an adjustment by cost, for a shape whose own
@@ -205,13 +213,14 @@ func costArg(cost, own int64, pos, neg any) any {
 	return strconv.FormatInt(cost, 10)
 }
 
-func (c *Call) bucket(hash, field string, s *Shape, cost time.Duration, costArg, wait any) {
+func (c *Call) bucket(hash, field, limit string, s *Shape, cost time.Duration, costArg, wait any) {
 	if c.nc+c.ns > 0 {
 		panic("rediswire: buckets go before counters and slots")
 	}
-	c.keys = append(c.keys, hash)
-	c.args = append(c.args, field, s.args[0], costArg, s.args[2], s.args[3], wait, s.args[6])
+	c.keys = append(c.keys, hash, limit)
+	c.args = append(c.args, field, s.args[0], costArg, s.args[2], s.args[3], wait, s.args[6], s.args[7])
 	c.costs = append(c.costs, cost)
+	c.tokens = append(c.tokens, s.Token)
 	c.alike = c.alike && s.Ban == 0 && s.Beyond == 0
 	c.nb++
 }
@@ -299,7 +308,7 @@ type Reply struct {
 // reply checks v, the answer to a call with nb buckets, nc counters and
 // ns slot sets.
 func reply(v []any, nb, nc, ns int) (Reply, error) {
-	if len(v) != 3+2*(nb+nc+ns) {
+	if len(v) != 3+4*nb+2*(nc+ns) {
 		return Reply{}, fmt.Errorf("%w: %d values for %d buckets, %d counters and %d slot sets", ErrBadReply, len(v), nb, nc, ns)
 	}
 	for _, x := range v {
@@ -327,28 +336,35 @@ func (r Reply) Repaired() int64 { return r.int(1) }
 // Bucket is what the i-th bucket owes after the call, and whether the
 // call started its ban.
 func (r Reply) Bucket(i int) (debt time.Duration, banStarted bool) {
-	return time.Duration(r.int(2 + 2*i)), r.int(3+2*i) == 1
+	return time.Duration(r.int(2 + 4*i)), r.int(3+4*i) == 1
+}
+
+// Override is the key's own limit that decided the i-th bucket: its
+// token's time and its burst; 0, 0 when the shape sent decided.
+func (r Reply) Override(i int) (token time.Duration, burst int64) {
+	return time.Duration(r.int(4 + 4*i)), r.int(5 + 4*i)
 }
 
 // Counter is the j-th counter's count after the call, and how long until
 // its window ends.
 func (r Reply) Counter(j int) (used int64, left time.Duration) {
-	k := 2 + 2*(r.nb+j)
+	k := 2 + 4*r.nb + 2*j
 	return r.int(k), time.Duration(r.int(k + 1))
 }
 
 // Slot reports whether the request holds a slot of the j-th set, and how
 // many of its slots are free.
 func (r Reply) Slot(j int) (held bool, free int64) {
-	k := 2 + 2*(r.nb+r.nc+j)
+	k := 2 + 4*r.nb + 2*(r.nc+j)
 	return r.int(k) == 1, r.int(k + 1)
 }
 
 // splitTwins turns the reply of k takes of nb buckets into the replies of
 // the k takes, as each would have had alone: the j-th of m allowed owes
-// debt - (m-1-j) cost. The keys found of another type count in the
-// first's.
-func splitTwins(v []any, costs []time.Duration, k int) ([][]any, error) {
+// debt - (m-1-j) cost, the cost of a bucket that its key's own limit
+// decided counted in that limit's tokens (tokens are the shapes'). The
+// keys found of another type count in the first's.
+func splitTwins(v []any, costs, tokens []time.Duration, k int) ([][]any, error) {
 	r, err := reply(v, len(costs), 0, 0)
 	if err != nil {
 		return nil, err
@@ -365,11 +381,14 @@ func splitTwins(v []any, costs []time.Duration, k int) ([][]any, error) {
 			t[1] = v[1]
 		}
 		for i, cost := range costs {
-			debt := r.int(2 + 2*i)
+			debt := r.int(2 + 4*i)
+			if tok, _ := r.Override(i); tok > 0 {
+				cost = cost / tokens[i] * tok
+			}
 			if int64(j) < m {
 				debt -= (m - 1 - int64(j)) * int64(cost)
 			}
-			t[2+2*i], t[3+2*i] = debt, int64(0)
+			t[2+4*i], t[3+4*i], t[4+4*i], t[5+4*i] = debt, int64(0), v[4+4*i], v[5+4*i]
 		}
 		t[len(t)-1] = v[len(v)-1] // the clock
 		out[j] = t

@@ -1,0 +1,274 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"go.uber.org/zap"
+)
+
+// The admin API's keys with their own limit (overrides.go): set, read and
+// removed under /rate_limit/<zone>/<key>/limit, listed under
+// /rate_limit/<zone>/limits. Each change is logged at INFO with the
+// admin client's address, the key only with log_key.
+
+// limitBody is the body of a PUT of a key's own limit.
+type limitBody struct {
+	// The rate, written as a zone's; default: the zone's.
+	Rate string `json:"rate,omitempty"`
+	// The burst; default: the zone's.
+	Burst *int64 `json:"burst,omitempty"`
+	// How long the limit lasts, then the key has the zone's again;
+	// default: until it is removed.
+	ExpiresIn *caddy.Duration `json:"expires_in,omitempty"`
+}
+
+// ownLimit describes a key's own limit in the admin API.
+type ownLimit struct {
+	Key   string `json:"key,omitempty"` // in a list
+	Rate  string `json:"rate"`
+	Burst int64  `json:"burst"`
+	// Seconds until it ends, and when; none: it lasts until removed.
+	ExpiresIn float64 `json:"expires_in,omitempty"`
+	ExpiresAt string  `json:"expires_at,omitempty"`
+}
+
+// limitInfo describes a key's own limit in a zone.
+type limitInfo struct {
+	Zone   string `json:"zone"`
+	Limit  string `json:"limit"` // the zone's, in words
+	Key    string `json:"key"`
+	Bucket string `json:"bucket"`
+	*ownLimit
+}
+
+// limitsInfo lists a zone's keys with their own limit.
+type limitsInfo struct {
+	Zone      string      `json:"zone"`
+	Limit     string      `json:"limit"`
+	Overrides []*ownLimit `json:"overrides"`
+}
+
+func (ref zoneRef) ownLimit(key string, o override) *ownLimit {
+	out := &ownLimit{Key: key, Rate: o.rate, Burst: o.burst}
+	if !o.expires.IsZero() {
+		out.ExpiresIn = math.Max(time.Until(o.expires).Seconds(), 0)
+		out.ExpiresAt = o.expires.UTC().Format(time.RFC3339)
+	}
+	return out
+}
+
+// serveLimit answers a GET, PUT or DELETE of a key's own limit in each
+// zone of refs.
+func serveLimit(w http.ResponseWriter, r *http.Request, refs []zoneRef, key string) error {
+	var body limitBody
+	if r.Method == http.MethodPut {
+		if err := readLimitBody(r, &body); err != nil {
+			return apiError(http.StatusBadRequest, "%v", err)
+		}
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
+	defer cancel()
+	out := make([]any, 0, len(refs))
+	for _, ref := range refs {
+		if ref.z.rateless {
+			return apiError(http.StatusBadRequest, "zone %q has no rate: a key's own limit is a rate and a burst", ref.z.Name)
+		}
+		var info *limitInfo
+		var err error
+		switch r.Method {
+		case http.MethodPut:
+			info, err = ref.putLimit(ctx, r, key, body)
+		case http.MethodDelete:
+			info, err = ref.deleteLimit(ctx, r, key)
+		default:
+			info, err = ref.getLimit(ctx, key)
+		}
+		if err != nil {
+			return err
+		}
+		if info != nil {
+			out = append(out, info)
+		}
+	}
+	if len(out) == 0 {
+		return apiError(http.StatusNotFound, "no own limit: key %q has the zone's limit in zone %q", key, refs[0].z.Name)
+	}
+	if len(out) == 1 {
+		return writeJSON(w, out[0])
+	}
+	return writeJSON(w, map[string]any{"zones": out})
+}
+
+// readLimitBody reads a PUT's body, refusing unknown fields.
+func readLimitBody(r *http.Request, body *limitBody) error {
+	b, err := io.ReadAll(io.LimitReader(r.Body, 1<<16))
+	if err != nil {
+		return err
+	}
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(body); err != nil {
+		return fmt.Errorf("bad body: %v", err)
+	}
+	return nil
+}
+
+func (ref zoneRef) putLimit(ctx context.Context, r *http.Request, key string, body limitBody) (*limitInfo, error) {
+	now := time.Now()
+	o, err := ref.z.overrideOf(body, now)
+	if err != nil {
+		return nil, apiError(http.StatusBadRequest, "zone %q: %v", ref.z.Name, err)
+	}
+	k := ref.z.adminKey(key)
+	if err := ref.h.store.setOverride(ctx, now, ref.z.index, k, o); errors.Is(err, errTooManyOverrides) {
+		return nil, apiError(http.StatusConflict, "zone %q has %d keys with their own limit, its max_overrides: remove one first", ref.z.Name, ref.maxOverrides())
+	} else if err != nil {
+		return nil, apiError(http.StatusBadGateway, "setting the key's limit: %v", err)
+	}
+	fields := []zap.Field{zap.String("rate", o.rate), zap.Int64("burst", o.burst)}
+	if !o.expires.IsZero() {
+		fields = append(fields, zap.Time("expires", o.expires))
+	}
+	ref.audit(r, "rate limit: a key's own limit set", key, fields...)
+	return &limitInfo{Zone: ref.z.Name, Limit: ref.z.id.limit, Key: key, Bucket: k.String(), ownLimit: ref.ownLimit("", o)}, nil
+}
+
+func (ref zoneRef) deleteLimit(ctx context.Context, r *http.Request, key string) (*limitInfo, error) {
+	k := ref.z.adminKey(key)
+	found, err := ref.h.store.deleteOverride(ctx, time.Now(), ref.z.index, k)
+	if err != nil {
+		return nil, apiError(http.StatusBadGateway, "removing the key's limit: %v", err)
+	}
+	if !found {
+		return nil, nil
+	}
+	ref.audit(r, "rate limit: a key's own limit removed", key, zap.String("now", ref.z.id.limit))
+	return &limitInfo{Zone: ref.z.Name, Limit: ref.z.id.limit, Key: key, Bucket: k.String()}, nil
+}
+
+func (ref zoneRef) getLimit(ctx context.Context, key string) (*limitInfo, error) {
+	k := ref.z.adminKey(key)
+	o, ok, err := ref.h.store.override(ctx, ref.z.index, k)
+	if err != nil {
+		return nil, apiError(http.StatusBadGateway, "reading the key's limit: %v", err)
+	}
+	if !ok {
+		return nil, nil
+	}
+	return &limitInfo{Zone: ref.z.Name, Limit: ref.z.id.limit, Key: key, Bucket: k.String(), ownLimit: ref.ownLimit("", o)}, nil
+}
+
+// audit logs a change of a key's limit: the zone, the admin client, the
+// key with log_key.
+func (ref zoneRef) audit(r *http.Request, msg, key string, fields ...zap.Field) {
+	fields = append([]zap.Field{zap.String("zone", ref.z.Name), zap.String("limit", ref.z.id.limit)}, fields...)
+	fields = append(fields, zap.String("admin_remote", r.RemoteAddr))
+	if ref.h.LogKey {
+		fields = append(fields, zap.String("key", key))
+	}
+	ref.h.logger.Info(msg, fields...)
+}
+
+func (ref zoneRef) maxOverrides() int64 { return ref.z.spec().maxOverrides }
+
+// serveLimits lists the keys of each zone of refs with their own limit.
+func serveLimits(w http.ResponseWriter, r *http.Request, refs []zoneRef) error {
+	ctx, cancel := context.WithTimeout(r.Context(), 30*time.Second)
+	defer cancel()
+	out := make([]limitsInfo, len(refs))
+	for i, ref := range refs {
+		out[i] = limitsInfo{Zone: ref.z.Name, Limit: ref.z.id.limit, Overrides: []*ownLimit{}}
+		if ref.z.rateless {
+			continue
+		}
+		list, err := ref.h.store.overrides(ctx, ref.z.index)
+		if err != nil {
+			return apiError(http.StatusBadGateway, "listing the keys' limits: %v", err)
+		}
+		for _, ko := range list {
+			out[i].Overrides = append(out[i].Overrides, ref.ownLimit(ko.key, ko.o))
+		}
+	}
+	if len(out) == 1 {
+		return writeJSON(w, out[0])
+	}
+	return writeJSON(w, map[string]any{"zones": out})
+}
+
+// overrideOf is the key's own limit a PUT's body gives in the zone: the
+// zone's rate or burst where it gives none, checked as the zone's own.
+func (z *Zone) overrideOf(b limitBody, now time.Time) (override, error) {
+	if b.Rate == "" && b.Burst == nil {
+		return override{}, errors.New("a key's own limit needs a rate, a burst or both")
+	}
+	rate := b.Rate
+	if rate == "" {
+		if hasPlaceholders(z.Rate) {
+			return override{}, errors.New("the zone's rate comes with each request: give one")
+		}
+		rate = z.rateString()
+	}
+	if len(rate) > maxRateText {
+		return override{}, fmt.Errorf("invalid rate: %d bytes, at most %d", len(rate), maxRateText)
+	}
+	perSec, n, err := parseRate(rate)
+	if err != nil {
+		return override{}, err
+	}
+	burst, err := z.overrideBurst(b.Burst, n)
+	if err != nil {
+		return override{}, err
+	}
+	cost := z.Cost
+	if z.costVar.template != "" {
+		cost = 1
+	}
+	l, err := checkLimit(rate, perSec, burst, cost)
+	if err != nil {
+		return override{}, err
+	}
+	if l.burstTime+z.limit.owe > maxBurstTime {
+		return override{}, fmt.Errorf("burst %d at rate %s and the zone's max_debt take more than 100 years to refill", burst, rate)
+	}
+	o := override{tokenTime: l.tokenTime, burst: burst, rate: rate}
+	if b.ExpiresIn != nil {
+		if *b.ExpiresIn <= 0 {
+			return override{}, fmt.Errorf("invalid expires_in %v: must be positive", time.Duration(*b.ExpiresIn))
+		}
+		o.expires = now.Add(time.Duration(*b.ExpiresIn))
+	}
+	return o, nil
+}
+
+// maxRateText is the longest rate text a key's own limit keeps.
+const maxRateText = 64
+
+// overrideBurst is the burst of a key's own limit: the one given, else
+// the zone's, else the n of the rate rounded up.
+func (z *Zone) overrideBurst(given *int64, n float64) (int64, error) {
+	switch {
+	case given != nil:
+		return *given, nil
+	case z.burstVar.template != "":
+		return 0, errors.New("the zone's burst comes with each request: give one")
+	case z.plans == nil:
+		return z.limit.burst, nil
+	case z.Burst != 0:
+		return z.Burst, nil
+	case n > maxBurst:
+		return 0, fmt.Errorf("%g is too large a default burst: give one", n)
+	}
+	return int64(math.Ceil(n)), nil
+}

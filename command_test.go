@@ -1,0 +1,183 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// The caddy rate-limit command against a real Caddy built from
+// ./cmd/caddy: its tables and JSON, its exit codes for an unknown zone
+// and an admin API that cannot be reached; and a key's own limit of the
+// local store across a restart.
+func TestRateLimitCommand(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs Caddy")
+	}
+	bin, dir := buildCaddy(t)
+	admin, port := freePort(t, 0), freePort(t, 0)
+	config := writeFile(t, dir, "Caddyfile", binaryGlobal(admin, port, dir)+fmt.Sprintf(`
+http://127.0.0.1:%d {
+	rate_limit {
+		zone cmd {
+			key {http.request.header.X-Key}
+			rate 1r/m
+			burst 2
+		}
+		store local {
+			persist_interval 200ms
+		}
+	}
+	respond "ok"
+}
+`, port))
+	env := append(os.Environ(), "HOME="+dir, "XDG_DATA_HOME="+filepath.Join(dir, "data"), "XDG_CONFIG_HOME="+filepath.Join(dir, "config"))
+	address := fmt.Sprintf("localhost:%d", admin)
+	start := func() *exec.Cmd {
+		t.Helper()
+		cmd := exec.Command(bin, "run", "--config", config, "--adapter", "caddyfile")
+		cmd.Env = env
+		stderr, err := cmd.StderrPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+		ready := make(chan struct{})
+		go func() {
+			sc := bufio.NewScanner(stderr)
+			said := false
+			for sc.Scan() {
+				if !said && strings.Contains(sc.Text(), "serving initial configuration") {
+					said = true
+					close(ready)
+				}
+			}
+			_, _ = io.Copy(io.Discard, stderr)
+		}()
+		select {
+		case <-ready:
+		case <-time.After(time.Minute):
+			t.Fatal("Caddy did not start within a minute")
+		}
+		return cmd
+	}
+	// run runs caddy rate-limit with args against the admin API, and
+	// returns its output, its error output and its exit code.
+	run := func(args ...string) (string, string, int) {
+		t.Helper()
+		cmd := exec.Command(bin, append([]string{"rate-limit"}, args...)...)
+		cmd.Env = env
+		var out, errOut strings.Builder
+		cmd.Stdout, cmd.Stderr = &out, &errOut
+		err := cmd.Run()
+		var exit *exec.ExitError
+		if err != nil && !errors.As(err, &exit) {
+			t.Fatal(err)
+		}
+		return out.String(), errOut.String(), cmd.ProcessState.ExitCode()
+	}
+	ok := func(args ...string) string {
+		t.Helper()
+		out, errOut, code := run(append(args, "--address", address)...)
+		if code != 0 {
+			t.Fatalf("caddy rate-limit %s: exit %d: %s", strings.Join(args, " "), code, errOut)
+		}
+		return out
+	}
+	spend := func(key string, want int) {
+		t.Helper()
+		req, _ := http.NewRequest(http.MethodGet, fmt.Sprintf("http://127.0.0.1:%d/", port), nil)
+		req.Header.Set("X-Key", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != want {
+			t.Fatalf("a request of %s: %d, want %d", key, resp.StatusCode, want)
+		}
+	}
+
+	caddy := start()
+	if out := ok("zones"); !strings.Contains(out, "ZONE") || !strings.Contains(out, "cmd") || !strings.Contains(out, "1r/m burst 2") {
+		t.Fatalf("zones:\n%s", out)
+	}
+	if out := ok("limit", "cmd", "alice", "--burst", "5", "--for", "1h"); !strings.Contains(out, "burst") || !strings.Contains(out, "5") {
+		t.Fatalf("limit:\n%s", out)
+	}
+	for range 3 {
+		spend("alice", 200)
+	}
+	out := ok("get", "cmd", "alice")
+	if !strings.Contains(out, "override.burst") || !strings.Contains(out, "override.rate") {
+		t.Fatalf("get: no own limit in\n%s", out)
+	}
+	t.Logf("caddy rate-limit get cmd alice:\n%s", out)
+	var got struct {
+		Tokens   float64 `json:"tokens"`
+		Override struct {
+			Burst     int64   `json:"burst"`
+			ExpiresIn float64 `json:"expires_in"`
+		} `json:"override"`
+	}
+	if err := json.Unmarshal([]byte(ok("get", "cmd", "alice", "--json")), &got); err != nil || got.Override.Burst != 5 || got.Tokens > 2.1 {
+		t.Fatalf("get --json: %+v, %v; want alice's own burst of 5, 2 tokens", got, err)
+	}
+	if out := ok("top", "cmd", "-n", "5"); !strings.Contains(out, "DENIALS") {
+		t.Fatalf("top:\n%s", out)
+	}
+	// Errors: the admin API's message, exit 1.
+	if _, errOut, code := run("limit", "nope", "alice", "--burst", "5", "--address", address); code != 1 || !strings.Contains(errOut, `unknown zone "nope"`) {
+		t.Fatalf("an unknown zone: exit %d, %q", code, errOut)
+	}
+	if _, errOut, code := run("zones", "--address", fmt.Sprintf("localhost:%d", freePort(t, 0))); code != 1 || !strings.Contains(errOut, "connection refused") {
+		t.Fatalf("an admin API that is not there: exit %d, %q", code, errOut)
+	}
+	if _, errOut, code := run("limit", "cmd", "alice", "--address", address); code != 1 || !strings.Contains(errOut, "--rate") {
+		t.Fatalf("limit without a limit: exit %d, %q", code, errOut)
+	}
+
+	// A restart keeps alice's own limit, and her bucket under it.
+	time.Sleep(500 * time.Millisecond)
+	if out, err := exec.Command(bin, "stop", "--address", address).CombinedOutput(); err != nil {
+		t.Fatalf("caddy stop: %v\n%s", err, out)
+	}
+	_ = caddy.Wait()
+	start()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
+		got.Override.Burst = 0
+		_ = json.Unmarshal([]byte(ok("get", "cmd", "alice", "--json")), &got)
+		if got.Override.Burst == 5 && got.Tokens < 2.1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("after a restart alice reads %+v, want her own burst of 5 and 2 tokens", got)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	spend("alice", 200)
+	spend("alice", 200)
+	spend("alice", 429)
+	ok("unlimit", "cmd", "alice")
+	if _, errOut, code := run("unlimit", "cmd", "alice", "--address", address); code != 1 || !strings.Contains(errOut, "404") {
+		t.Fatalf("unlimit of a key with the zone's limit: exit %d, %q", code, errOut)
+	}
+	ok("reset", "cmd", "alice")
+	spend("alice", 200)
+}

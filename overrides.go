@@ -1,0 +1,200 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"errors"
+	"time"
+)
+
+// Overrides: a key's own limit in a zone, set and removed through the
+// admin API while Caddy runs, in place of the zone's limit (or its
+// plan's). An override is a rate and a burst; the zone's ban, delay and
+// the debt its usage may run up stay the zone's. A store keeps its
+// overrides beside its buckets: the local store in the shards of the
+// zone's table, under the bucket's own lock; the Redis store in a key of
+// the bucket's own cluster slot, read by the decision's one script call.
+//
+// A change of a key's limit carries its bucket over (see limit.retune
+// for a zone with a fixed limit; in a zone whose limit comes with each
+// request, an override is one more plan, and the bucket keeps the
+// fraction it owed, as limit.rescale says).
+
+// An override is a key's own limit.
+type override struct {
+	tokenTime time.Duration // 1/rate
+	burst     int64
+	rate      string    // the rate as it was given, for the admin API
+	expires   time.Time // when it ends by itself; zero: when it is removed
+}
+
+// limit is base with o's rate and burst.
+func (o override) limit(base limit) limit { return base.with(o.tokenTime, o.burst) }
+
+// A keyOverride is an override and the key it is for, as a store lists
+// them.
+type keyOverride struct {
+	key string
+	o   override
+}
+
+// defaultMaxOverrides is how many overrides a zone keeps at most by
+// default.
+const defaultMaxOverrides = 100_000
+
+// errTooManyOverrides refuses an override beyond a zone's max_overrides.
+var errTooManyOverrides = errors.New("the zone has max_overrides overrides already")
+
+// A localOverride is an override in a table's shard.
+type localOverride struct {
+	key bucketKey
+	o   override
+	// at is the table instant at which it ends; 0: never.
+	at time.Duration
+}
+
+func (e *localOverride) ended(now time.Duration) bool { return e.at != 0 && e.at <= now }
+
+// applyOverride puts the key's own limit, if it has one, in c: its shape
+// and its cost. An override that has ended is removed, and the bucket
+// goes back to the zone's limit. Requires the shard's lock.
+func (c *charge) applyOverride(s *shard[bucket]) {
+	e, ok := s.ov[c.h]
+	if !ok {
+		return
+	}
+	if e.ended(c.now) {
+		endOverride(c.t, s, c.h, c.now)
+		return
+	}
+	c.cost = c.cost / c.l.tokenTime * e.o.tokenTime
+	c.l = e.o.limit(c.l)
+	c.overridden = true
+}
+
+// retuneBucket carries the bucket of hash h over from limit from to limit
+// to, in a table of a zone with a fixed limit (a zone with plans rescales
+// its buckets as each request comes: see charge.try). Requires the
+// shard's lock.
+func retuneBucket(t *table[bucket], s *shard[bucket], h uint64, from, to limit, now time.Duration) {
+	if t.base.burstTime == 0 {
+		return
+	}
+	b, ok := s.m[h]
+	if !ok {
+		return
+	}
+	b.fullAt, b.full = to.retune(b.fullAt, now, from), to.burstTime
+	s.m[h] = b
+}
+
+// endOverride removes the override of hash h, and carries its bucket back
+// to the zone's limit. Requires the shard's lock.
+func endOverride(t *table[bucket], s *shard[bucket], h uint64, now time.Duration) {
+	e := s.ov[h]
+	delete(s.ov, h)
+	t.overrides.Add(-1)
+	retuneBucket(t, s, h, e.o.limit(t.base), t.base, now)
+}
+
+// setOverride gives k the override o, at most max in the table, carrying
+// its bucket over to the new limit.
+func setOverride(t *table[bucket], k bucketKey, o override, most int64, now time.Time) error {
+	n := t.instant(now)
+	if t.overrides.Load() >= most {
+		endOverrides(t, n)
+	}
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	old, had := s.ov[h]
+	if had && old.ended(n) {
+		endOverride(t, s, h, n)
+		had = false
+	}
+	if !had && t.overrides.Load() >= most {
+		return errTooManyOverrides
+	}
+	from := t.base
+	if had {
+		from = old.o.limit(t.base)
+	}
+	retuneBucket(t, s, h, from, o.limit(t.base), n)
+	e := localOverride{key: k, o: o}
+	if !o.expires.IsZero() {
+		e.at = max(t.instant(o.expires), 1)
+	}
+	if s.ov == nil {
+		s.ov = make(map[uint64]localOverride)
+	}
+	s.ov[h] = e
+	if !had {
+		t.overrides.Add(1)
+	}
+	return nil
+}
+
+// deleteOverride removes k's override, and reports whether it had one
+// that had not ended.
+func deleteOverride(t *table[bucket], k bucketKey, now time.Time) bool {
+	n := t.instant(now)
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.ov[h]
+	if !ok {
+		return false
+	}
+	endOverride(t, s, h, n)
+	return !e.ended(n)
+}
+
+// override is k's override, if it has one that has not ended.
+func overrideOf(t *table[bucket], k bucketKey, now time.Time) (override, bool) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, ok := s.ov[h]
+	if !ok || e.ended(t.instant(now)) {
+		return override{}, false
+	}
+	return e.o, true
+}
+
+// listOverrides lists the overrides that have not ended.
+func listOverrides(t *table[bucket], now time.Time) []keyOverride {
+	n := t.instant(now)
+	out := []keyOverride{}
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		for _, e := range s.ov {
+			if !e.ended(n) {
+				out = append(out, keyOverride{e.key.String(), e.o})
+			}
+		}
+		s.mu.Unlock()
+	}
+	return out
+}
+
+// endOverrides removes the overrides that have ended by now.
+func endOverrides(t *table[bucket], now time.Duration) {
+	if t.overrides.Load() == 0 {
+		return
+	}
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		for h, e := range s.ov {
+			if e.ended(now) {
+				endOverride(t, s, h, now)
+			}
+		}
+		s.mu.Unlock()
+	}
+}

@@ -1,0 +1,261 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+// adminSend sends a request with a JSON body to the test Caddy's admin
+// API, checks its status and decodes its answer.
+func adminSend(t *testing.T, method, path, body string, want int) map[string]any {
+	t.Helper()
+	var r io.Reader
+	if body != "" {
+		r = strings.NewReader(body)
+	}
+	req, _ := http.NewRequest(method, "http://localhost:2999"+path, r)
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != want {
+		t.Fatalf("%s %s %s: %d %s, want %d", method, path, body, resp.StatusCode, b, want)
+	}
+	var v map[string]any
+	if err := json.Unmarshal(b, &v); err != nil {
+		t.Fatalf("%s %s: %v: %s", method, path, err, b)
+	}
+	return v
+}
+
+// Two instances share one Redis: a key's own limit set through one
+// instance's admin API decides the other's requests within a second,
+// headers and Retry-After included; it ends by itself, or when removed;
+// a decision is still one script call.
+func TestOverridesAcrossInstances(t *testing.T) {
+	r := startRedis(t)
+	store := `{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"ovx:"}`
+	zone := `{"name":"ov-shared","rate":"1r/m","burst":2}`
+	// The other instance first: the admin API acts on the newest, Caddy.
+	other := newTestHandler(t, `{"zones":[`+zone+`],"store":`+strings.Replace(store, "}", `,"timeout":"2s"}`, 1)+`}`)
+	loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+zone+`],"store":`+store+`},{"handler":"static_response","body":"ok"}`))
+	limitOf := func(ip string) (int, string, string) {
+		code, hdr := serve(other, ip)
+		limit := hdr.Get("X-Ratelimit-Limit")
+		if policy := hdr.Get("Ratelimit-Policy"); !strings.Contains(policy, ";q="+limit+";") {
+			t.Fatalf("RateLimit-Policy %q, X-RateLimit-Limit %s: not the same limit", policy, limit)
+		}
+		return code, limit, hdr.Get("Retry-After")
+	}
+
+	// The other instance empties a key's burst of 2, and its over-limit
+	// cache learns the refusal.
+	const ip = "198.51.100.40"
+	for i, want := range []int{200, 200, 429, 429} {
+		if code, _, _ := limitOf(ip); code != want {
+			t.Fatalf("request %d: %d, want %d", i, code, want)
+		}
+	}
+	set := time.Now()
+	v := adminSend(t, "PUT", "/rate_limit/ov-shared/"+ip+"/limit", `{"burst":10}`, 200)
+	if v["rate"] != "1r/m" || v["burst"] != float64(10) || v["expires_in"] != nil {
+		t.Fatalf("PUT answered %v, want the zone's rate, burst 10, no end", v)
+	}
+	// Within a second the other instance allows the new burst: 8 more.
+	allowed := 0
+	for {
+		code, limit, _ := limitOf(ip)
+		if code == 200 {
+			if allowed == 0 {
+				if d := time.Since(set); d > 1200*time.Millisecond {
+					t.Fatalf("the other instance allowed the new burst after %v, want within a second", d)
+				}
+			}
+			if limit != "10" {
+				t.Fatalf("X-RateLimit-Limit %q under the key's own limit, want 10", limit)
+			}
+			allowed++
+			continue
+		}
+		if allowed > 0 {
+			break
+		}
+		if time.Since(set) > 2*time.Second {
+			t.Fatal("the other instance still refuses 2s after the key's burst was raised")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if allowed != 8 {
+		t.Fatalf("%d requests allowed after burst 2 was emptied and raised to 10, want 8", allowed)
+	}
+
+	// Retry-After under the key's own limit: 1r/h.
+	const slow = "198.51.100.41"
+	adminSend(t, "PUT", "/rate_limit/ov-shared/"+slow+"/limit", `{"rate":"1r/h","burst":1}`, 200)
+	limitOf(slow)
+	if code, limit, retry := limitOf(slow); code != 429 || limit != "1" || retry != "3600" {
+		t.Fatalf("a key at 1r/h burst 1, second request: %d, limit %s, Retry-After %s; want 429, 1, 3600", code, limit, retry)
+	}
+
+	// Bad bodies, an unknown zone.
+	for _, body := range []string{`{"bogus":1}`, `{"rate":"fast"}`, `{"burst":0}`, `{"expires_in":"0s"}`, `{}`, `not json`} {
+		v := adminSend(t, "PUT", "/rate_limit/ov-shared/"+ip+"/limit", body, 400)
+		if msg, _ := v["error"].(string); msg == "" {
+			t.Fatalf("%s: no reason in %v", body, v)
+		}
+	}
+	adminSend(t, "PUT", "/rate_limit/ov-nope/"+ip+"/limit", `{"burst":3}`, 404)
+
+	// A limit that ends by itself: its key is gone from Redis, and the
+	// zone's limit decides again.
+	const brief = "198.51.100.42"
+	adminSend(t, "PUT", "/rate_limit/ov-shared/"+brief+"/limit", `{"burst":5,"expires_in":"1s"}`, 200)
+	_, _, limitKey := other.store.(*RedisStore).keys.BucketLimit("ov-shared:", brief)
+	rc := newRedisClient(t, r.Addr())
+	if ttl := rc.PTTL(context.Background(), limitKey).Val(); ttl <= 0 || ttl > time.Second {
+		t.Fatalf("the limit's key %s: PTTL %v, want up to 1s", limitKey, ttl)
+	}
+	for i := range 6 {
+		if code, limit, _ := limitOf(brief); code != map[bool]int{true: 200, false: 429}[i < 5] || limit != "5" {
+			t.Fatalf("request %d under burst 5: %d, limit %s", i, code, limit)
+		}
+	}
+	time.Sleep(2200 * time.Millisecond) // the limit's end, and the cache's trust
+	if n := rc.Exists(context.Background(), limitKey).Val(); n != 0 {
+		t.Fatalf("the limit's key is still in Redis after its end")
+	}
+	if code, limit, _ := limitOf(brief); code != 429 || limit != "2" {
+		t.Fatalf("after the limit's end: %d, limit %s; want 429 (its spent tokens stay spent), 2", code, limit)
+	}
+	if v := adminSend(t, "GET", "/rate_limit/ov-shared/"+brief, "", 200); v["override"] != nil || v["burst"] != float64(2) {
+		t.Fatalf("after the limit's end the key reads %v, want the zone's burst and no override", v)
+	}
+
+	// Removed: the zone's limit decides again within a second.
+	adminSend(t, "DELETE", "/rate_limit/ov-shared/"+ip+"/limit", "", 200)
+	removed := time.Now()
+	for {
+		if _, limit, _ := limitOf(ip); limit == "2" {
+			break
+		}
+		if time.Since(removed) > 1200*time.Millisecond {
+			t.Fatal("the other instance still decides by the removed limit after a second")
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	adminSend(t, "DELETE", "/rate_limit/ov-shared/"+ip+"/limit", "", 404)
+
+	// One script call per decision, with or without the key's own limit.
+	const fresh = "198.51.100.43"
+	adminSend(t, "PUT", "/rate_limit/ov-shared/"+fresh+"/limit", `{"burst":100}`, 200)
+	for _, key := range []string{fresh, "198.51.100.44"} {
+		calls := r.Calls()
+		code := 0
+		for range 2 {
+			code, _, _ = limitOf(key)
+		}
+		if n := r.Calls() - calls; n != 2 || code != 200 {
+			t.Fatalf("key %s: %d calls to Redis for 2 allowed requests (last %d), want 2", key, n, code)
+		}
+	}
+	list := adminSend(t, "GET", "/rate_limit/ov-shared/limits", "", 200)
+	if got := list["overrides"].([]any); len(got) != 2 {
+		t.Fatalf("the zone lists %v, want the 2 keys' own limits left", got)
+	}
+}
+
+// The local store's keys' own limits through a real Caddy's admin API:
+// set, read, listed, bounded by max_overrides, kept across a reload,
+// removed; keys as GET addresses them.
+func TestAdminOverridesLocal(t *testing.T) {
+	site := func(body string) string {
+		return jsonServer(`{"handler":"rate_limit","zones":[
+			{"name":"ov-local","rate":"1r/m","burst":2,"max_overrides":2},
+			{"name":"ov-slots","key":"{http.request.header.X-Key}","concurrency":3}]},
+			{"handler":"static_response","body":"` + body + `"}`)
+	}
+	loadJSON(t, site("ok"))
+	c := &http.Client{Timeout: 10 * time.Second}
+	v := adminSend(t, "PUT", "/rate_limit/ov-local/2001:db8:5::1/limit", `{"rate":"10r/m","burst":5,"expires_in":"1h"}`, 200)
+	if v["bucket"] != "2001:db8:5::/64" || v["burst"] != float64(5) || v["expires_in"].(float64) < 3590 {
+		t.Fatalf("PUT answered %v", v)
+	}
+	for i := range 6 { // another address of the /64
+		if code, _, _ := hit(t, c, "/", "2001:db8:5::2"); code != map[bool]int{true: 200, false: 429}[i < 5] {
+			t.Fatalf("request %d of the network with burst 5: %d", i, code)
+		}
+	}
+	v = adminSend(t, "GET", "/rate_limit/ov-local/2001:db8:5::%2F64", "", 200)
+	if o, _ := v["override"].(map[string]any); o == nil || o["burst"] != float64(5) || v["burst"] != float64(5) || v["tokens"].(float64) > 0.5 {
+		t.Fatalf("GET of the network: %v, want its own limit, burst 5 and no token", v)
+	}
+	adminSend(t, "PUT", "/rate_limit/ov-local/%6Cimits/limit", `{"burst":3}`, 200) // the key "limits"
+	if v := adminSend(t, "GET", "/rate_limit/ov-local/limits", "", 200); len(v["overrides"].([]any)) != 2 {
+		t.Fatalf("the zone lists %v, want 2", v)
+	}
+	if v := adminSend(t, "PUT", "/rate_limit/ov-local/third/limit", `{"burst":3}`, 409); !strings.Contains(v["error"].(string), "max_overrides") {
+		t.Fatalf("409 says %v", v)
+	}
+	adminSend(t, "PUT", "/rate_limit/ov-local/limits/limit", `{"burst":4}`, 200) // changing one is no more
+	adminSend(t, "PUT", "/rate_limit/ov-slots/k/limit", `{"burst":4}`, 400)
+	adminSend(t, "PUT", "/rate_limit/ov-local/k/limit", `{"burst":1,"rate":"1r/s","cost":2}`, 400)
+
+	// A reload keeps them, and the buckets under them.
+	loadJSON(t, site("reloaded"))
+	if v := adminSend(t, "GET", "/rate_limit/ov-local/2001:db8:5::1/limit", "", 200); v["burst"] != float64(5) {
+		t.Fatalf("after a reload: %v", v)
+	}
+	if code, body, _ := hit(t, c, "/", "2001:db8:5::3"); code != 429 || body != "" {
+		t.Fatalf("after a reload the emptied network got %d %q, want 429", code, body)
+	}
+	adminSend(t, "DELETE", "/rate_limit/ov-local/2001:db8:5::1/limit", "", 200)
+	adminSend(t, "DELETE", "/rate_limit/ov-local/2001:db8:5::1/limit", "", 404)
+	adminSend(t, "GET", "/rate_limit/ov-local/2001:db8:5::1/limit", "", 404)
+}
+
+// Each change of a key's own limit is logged at INFO with the zone, the
+// limit and the admin client; the key only with log_key.
+func TestOverrideAudit(t *testing.T) {
+	for _, logKey := range []bool{false, true} {
+		h := newTestHandler(t, `{"zones":[{"name":"ov-audit","rate":"1r/s"}],"log_key":`+strconv.FormatBool(logKey)+`}`)
+		core, logs := observer.New(zapcore.InfoLevel)
+		h.logger = zap.New(core)
+		for _, method := range []string{"PUT", "DELETE"} {
+			req := httptest.NewRequest(method, "/rate_limit/ov-audit/secret-key/limit", strings.NewReader(`{"rate":"5r/s","expires_in":"1m"}`))
+			req.RemoteAddr = "192.0.2.77:4444"
+			if err := (adminAPI{}).serve(httptest.NewRecorder(), req); err != nil {
+				t.Fatal(err)
+			}
+		}
+		entries := logs.All()
+		if len(entries) != 2 {
+			t.Fatalf("%d log lines for a set and a removal, want 2", len(entries))
+		}
+		set := entries[0].ContextMap()
+		if entries[0].Level != zapcore.InfoLevel || set["zone"] != "ov-audit" || set["rate"] != "5r/s" || set["burst"] != int64(1) ||
+			set["admin_remote"] != "192.0.2.77:4444" || set["expires"] == nil {
+			t.Fatalf("the set's log line: %s %v", entries[0].Message, set)
+		}
+		for _, e := range entries {
+			if _, has := e.ContextMap()["key"]; has != logKey {
+				t.Fatalf("log_key %v: the line %q has the key: %v", logKey, e.Message, has)
+			}
+		}
+	}
+}

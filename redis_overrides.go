@@ -1,0 +1,156 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"math"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/redis/go-redis/v9"
+)
+
+// The Redis store's overrides (see overrides.go). A key's own limit is
+// the string `<token ns>:<burst>:<rate>` at `<hash><field>:limit`, in
+// its bucket's cluster slot, which the decision script reads with the
+// bucket (lua/token_bucket.lua, OVERRIDES); it expires by itself when it
+// has an end. The zone's overrides are listed in a sorted set of their
+// keys, scored by their end (see rediswire.Keys.Limits), which bounds
+// them to max_overrides, instance by instance alike.
+
+// overrideValue is o as the script reads it.
+func overrideValue(o override) string {
+	return strconv.FormatInt(int64(o.tokenTime), 10) + ":" + strconv.FormatInt(o.burst, 10) + ":" + o.rate
+}
+
+// parseOverride reads an override's value; ttl is how long it has left
+// (negative: no end).
+func parseOverride(v string, ttl time.Duration, now time.Time) (override, bool) {
+	t, rest, ok1 := strings.Cut(v, ":")
+	b, rate, ok2 := strings.Cut(rest, ":")
+	token, err1 := strconv.ParseInt(t, 10, 64)
+	burst, err2 := strconv.ParseInt(b, 10, 64)
+	if !ok1 || !ok2 || err1 != nil || err2 != nil || token <= 0 || burst <= 0 {
+		return override{}, false
+	}
+	o := override{tokenTime: time.Duration(token), burst: burst, rate: rate}
+	if ttl >= 0 {
+		o.expires = now.Add(ttl)
+	}
+	return o, true
+}
+
+// forgetKey makes this instance's over-limit cache forget what it knew
+// of key's bucket in a zone: its own limit changed.
+func (s *RedisStore) forgetKey(zone int, key bucketKey) {
+	rz := &s.zones[zone]
+	if rz.cache != nil {
+		rz.cache.forget(key)
+		rz.learned.forget(rz.cache.hash(key))
+	}
+}
+
+func (s *RedisStore) setOverride(ctx context.Context, now time.Time, zone int, key bucketKey, o override) error {
+	rz := &s.zones[zone]
+	stored := s.keys.Stored(key.String())
+	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
+	index := s.keys.Limits(rz.name)
+	score := math.Inf(1)
+	var ttl time.Duration // 0: no end
+	if !o.expires.IsZero() {
+		score, ttl = float64(o.expires.UnixMilli()), max(o.expires.Sub(now), time.Millisecond)
+	}
+	var added, count *redis.IntCmd
+	if _, err := s.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
+		p.ZRemRangeByScore(ctx, index, "-inf", "("+strconv.FormatInt(now.UnixMilli(), 10))
+		added = p.ZAdd(ctx, index, redis.Z{Score: score, Member: stored})
+		count = p.ZCard(ctx, index)
+		return nil
+	}); err != nil {
+		return err
+	}
+	if added.Val() == 1 && count.Val() > rz.maxOverrides {
+		return errors.Join(errTooManyOverrides, s.client.ZRem(ctx, index, stored).Err())
+	}
+	defer s.forgetKey(zone, key)
+	return s.client.Set(ctx, limitKey, overrideValue(o), ttl).Err()
+}
+
+func (s *RedisStore) deleteOverride(ctx context.Context, _ time.Time, zone int, key bucketKey) (bool, error) {
+	rz := &s.zones[zone]
+	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
+	defer s.forgetKey(zone, key)
+	n, err := s.client.Del(ctx, limitKey).Result()
+	if err != nil {
+		return false, err
+	}
+	return n > 0, s.client.ZRem(ctx, s.keys.Limits(rz.name), s.keys.Stored(key.String())).Err()
+}
+
+func (s *RedisStore) override(ctx context.Context, zone int, key bucketKey) (override, bool, error) {
+	_, _, limitKey := s.keys.BucketLimit(s.zones[zone].field, key.String())
+	return s.readOverride(ctx, limitKey)
+}
+
+// readOverride reads the override at limitKey.
+func (s *RedisStore) readOverride(ctx context.Context, limitKey string) (override, bool, error) {
+	var get *redis.StringCmd
+	var ttl *redis.DurationCmd
+	now := time.Now()
+	if _, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		get, ttl = p.Get(ctx, limitKey), p.PTTL(ctx, limitKey)
+		return nil
+	}); err != nil && !errors.Is(err, redis.Nil) {
+		return override{}, false, err
+	}
+	if get.Err() != nil {
+		return override{}, false, nil
+	}
+	o, ok := parseOverride(get.Val(), ttl.Val(), now)
+	return o, ok, nil
+}
+
+func (s *RedisStore) overrides(ctx context.Context, zone int) ([]keyOverride, error) {
+	rz := &s.zones[zone]
+	now := time.Now()
+	keys, err := s.client.ZRangeByScore(ctx, s.keys.Limits(rz.name), &redis.ZRangeBy{
+		Min: "(" + strconv.FormatInt(now.UnixMilli(), 10), Max: "+inf"}).Result()
+	if err != nil {
+		return nil, err
+	}
+	out := []keyOverride{}
+	const batch = 512
+	for len(keys) > 0 {
+		part := keys[:min(batch, len(keys))]
+		keys = keys[len(part):]
+		gets, ttls := make([]*redis.StringCmd, len(part)), make([]*redis.DurationCmd, len(part))
+		if _, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for i, stored := range part {
+				limitKey := s.keys.StoredLimit(rz.field, stored)
+				gets[i], ttls[i] = p.Get(ctx, limitKey), p.PTTL(ctx, limitKey)
+			}
+			return nil
+		}); err != nil && !errors.Is(err, redis.Nil) {
+			return nil, err
+		}
+		for i, stored := range part {
+			if o, ok := parseOverride(gets[i].Val(), ttls[i].Val(), now); ok && gets[i].Err() == nil {
+				out = append(out, keyOverride{stored, o})
+			}
+		}
+	}
+	return out, nil
+}
+
+func (s *RedisStore) overrideCount(ctx context.Context, zone int) (int, error) {
+	if !s.client.Up() {
+		return 0, rediswire.ErrDown
+	}
+	n, err := s.client.ZCount(ctx, s.keys.Limits(s.zones[zone].name), "("+strconv.FormatInt(time.Now().UnixMilli(), 10), "+inf").Result()
+	return int(n), err
+}
