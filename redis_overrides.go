@@ -47,6 +47,45 @@ func parseOverride(v string, ttl time.Duration, now time.Time) (override, bool) 
 
 // forgetKey makes this instance's over-limit cache forget what it knew
 // of key's bucket in a zone: its own limit changed.
+// overridePoll is how often a zone's count of overrides is read again.
+// Until another instance's override is counted here, this instance's
+// calls do not read it: set through another instance, an override takes
+// effect here within this time. (The over-limit cache forgets what it
+// learnt meanwhile, when the count shows the zone's first override.)
+const overridePoll = 250 * time.Millisecond
+
+// mayOverride reports whether keys of the zone may have their own limit,
+// so that a decision must read it: unless Redis said lately that the zone
+// has none. The count is read again, in the background, once it is
+// overridePoll old.
+func (s *RedisStore) mayOverride(zone int) bool {
+	rz := &s.zones[zone]
+	now := time.Since(processStart).Nanoseconds()
+	if last := rz.overriddenPoll.Load(); now-last > int64(overridePoll) && rz.overriddenPoll.CompareAndSwap(last, now) {
+		go s.pollOverrides(zone)
+	}
+	return rz.overridden.Load() != 0
+}
+
+// pollOverrides reads how many keys of the zone have their own limit.
+func (s *RedisStore) pollOverrides(zone int) {
+	ctx, cancel := context.WithTimeout(context.Background(), s.callTimeout)
+	defer cancel()
+	n, err := s.overrideCount(ctx, zone)
+	if err != nil {
+		n = -1 // not known: every decision reads
+	}
+	rz := &s.zones[zone]
+	if rz.overridden.Swap(int64(n)) == 0 && n != 0 && rz.cache != nil {
+		// What the cache learnt while no override was read may be the
+		// zone's limit where a key now has its own.
+		rz.cache.clear()
+	}
+}
+
+// processStart anchors the monotonic instants of the override polls.
+var processStart = time.Now()
+
 func (s *RedisStore) forgetKey(zone int, key bucketKey) {
 	rz := &s.zones[zone]
 	if rz.cache != nil {
@@ -78,6 +117,7 @@ func (s *RedisStore) setOverride(ctx context.Context, now time.Time, zone int, k
 		return errors.Join(errTooManyOverrides, s.client.ZRem(ctx, index, stored).Err())
 	}
 	defer s.forgetKey(zone, key)
+	rz.overridden.Store(-1) // read from now on, until a poll counts it
 	return s.client.Set(ctx, limitKey, overrideValue(o), ttl).Err()
 }
 

@@ -164,7 +164,12 @@ type redisZone struct {
 	learned learnedOverrides       // the keys' own limits Redis's answers told the cache
 	// maxOverrides is the most keys with their own limit (max_overrides).
 	maxOverrides int64
-	counts       *table[counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
+	// overridden is how many keys of the zone have their own limit, as
+	// Redis last said (-1: not known); polled lest it is stale (see
+	// mayOverride).
+	overridden     atomic.Int64
+	overriddenPoll atomic.Int64    // when it was last polled, in nanoseconds of the process's clock
+	counts         *table[counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
 }
 
 // A window is a quota window and its boundaries as the script reads them.
@@ -389,6 +394,7 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 	for i, z := range zones {
 		rz := &s.zones[i]
 		rz.name, rz.field, rz.refunds, rz.maxOverrides = z.name, rediswire.ZoneField(z.name), z.refunds, z.maxOverrides
+		rz.overridden.Store(-1) // not known yet
 		rz.plans = z.bucket && z.shape.burst == 0
 		if !s.DisableOverLimitCache {
 			rz.cache = newBuckets(overLimitCacheKeys, time.Now())
@@ -783,7 +789,13 @@ func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *demands) {
 		// The script applies the key's own limit itself: it is sent the
 		// limit that an override replaces, and the cost in its tokens.
 		b := &d.buckets[i]
-		hash, field, limit := s.keys.BucketLimit(s.zones[b.zone].field, b.key.String())
+		var hash, field, limit string
+		if s.mayOverride(b.zone) {
+			hash, field, limit = s.keys.BucketLimit(s.zones[b.zone].field, b.key.String())
+		} else {
+			hash, field = s.keys.Bucket(s.zones[b.zone].field, b.key.String())
+			limit = hash // the script reads no override
+		}
 		if op == rediswire.Adjust {
 			c.AdjustBucket(hash, field, limit, s.shapeOf(b, true), b.baseCost())
 		} else {

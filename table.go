@@ -283,6 +283,16 @@ func (t *table[E]) forget(k bucketKey) E {
 }
 
 // sweepAll drops every spent entry of the table.
+// clear forgets every entry.
+func (t *table[E]) clear() {
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		clear(s.m)
+		s.mu.Unlock()
+	}
+}
+
 func (t *table[E]) sweepAll(now time.Time) {
 	n := t.instant(now)
 	for i := range t.shards {

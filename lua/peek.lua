@@ -34,7 +34,7 @@ for i = 1, nb do
 	local a = 8 * i - 2
 	local full, token = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 7])
 	local otoken, oburst = 0, 0
-	local o = redis.pcall('GET', KEYS[2 * i])
+	local o = KEYS[2 * i] ~= KEYS[2 * i - 1] and redis.pcall('GET', KEYS[2 * i])
 	if type(o) == 'string' then
 		local c = string.find(o, ':', 1, true)
 		local e = c and string.find(o, ':', c + 1, true)

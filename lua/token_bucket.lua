@@ -9,9 +9,11 @@
 -- THE CALL
 --
 --   KEYS     the hash of each bucket and the key of its override (two
---            keys a bucket), then the key of each counter, then the key of
---            each slot set, in that order, all in one cluster slot. The
---            script touches no other key.
+--            keys a bucket; the hash again when the caller knows that no
+--            key of the zone has an override: then none is read), then
+--            the key of each counter, then the key of each slot set, in
+--            that order, all in one cluster slot. The script touches no
+--            other key.
 --   ARGV[1]  op: 'take' or 'adjust'; or a number k > 1, k takes (below);
 --            or 'release' (below)
 --   ARGV[2]  clock: '' to read TIME; tests send an instant, to replay
@@ -240,7 +242,7 @@ for i = 1, nb do
 	local h = KEYS[2 * i - 1]
 	local full, cost, ban, beyond = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
 	local otoken, oburst = 0, 0
-	local o = redis.pcall('GET', KEYS[2 * i])
+	local o = KEYS[2 * i] ~= h and redis.pcall('GET', KEYS[2 * i])
 	if type(o) == 'string' then
 		local c = string.find(o, ':', 1, true)
 		local e = c and string.find(o, ':', c + 1, true)
