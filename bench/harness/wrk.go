@@ -13,6 +13,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/bench/internal/benchkit"
 )
 
 // wrkResult is what one wrk run reports.
@@ -279,8 +281,8 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 			non2xx += x.Non2xx
 			total += x.Requests
 		}
-		r.RPS, r.P50, r.P99 = median(rps), time.Duration(median(p50)), time.Duration(median(p99))
-		r.CPUPerReq, r.RedisPerReq = time.Duration(median(cpu)), num(median(redis))
+		r.RPS, r.P50, r.P99 = benchkit.Median(rps), time.Duration(benchkit.Median(p50)), time.Duration(benchkit.Median(p99))
+		r.CPUPerReq, r.RedisPerReq = time.Duration(benchkit.Median(cpu)), num(benchkit.Median(redis))
 		r.Non2xx = float64(non2xx) / float64(max(total, 1))
 		out = append(out, r)
 	}
@@ -298,7 +300,7 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 			p99 = append(p99, float64(x.P99))
 		}
 	}
-	baseRPS, baseP50, baseP99 := median(rps), median(p50), median(p99)
+	baseRPS, baseP50, baseP99 := benchkit.Median(rps), benchkit.Median(p50), benchkit.Median(p99)
 	for _, r := range out {
 		r.RatioRPS = r.RPS / baseRPS
 		r.RatioP50 = float64(r.P50) / baseP50
