@@ -28,8 +28,8 @@ func init() {
 //	GET    /rate_limit/               the zones, their limits and counters
 //	GET    /rate_limit/<zone>         one zone
 //	GET    /rate_limit/<zone>/top     the keys the zone denies most
-//	GET    /rate_limit/<zone>/<key>   a key's bucket (and quota) now, and its slots in use (concurrency)
-//	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full, lifting its ban, and its quota's count to 0
+//	GET    /rate_limit/<zone>/<key>   a key's bucket (and quota) now, its slots in use (concurrency), its adaptive limit
+//	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full, lifting its ban, its quota's count to 0, and its adaptive limit to min
 //
 // Keys are path-escaped (an IPv6 network's "/" as %2F). A key is taken as
 // a request's key would be: an IP address finds its network's bucket, and
@@ -131,6 +131,8 @@ type zoneInfo struct {
 	// Requests in flight per key, and how long a Redis slot is held.
 	Concurrency int64  `json:"concurrency,omitempty"`
 	Lease       string `json:"lease,omitempty"`
+	// The adaptive limit on requests in flight, its keys summed.
+	Adaptive *adaptiveZoneInfo `json:"concurrency_adaptive,omitempty"`
 	// The calendar quota per key.
 	Quota    int64             `json:"quota,omitempty"`
 	Per      string            `json:"quota_period,omitempty"`
@@ -188,6 +190,11 @@ func (ref zoneRef) info() zoneInfo {
 			info.Lease = time.Duration(z.Lease).String()
 		}
 	}
+	if z.adaptive != nil {
+		info.Adaptive = z.adaptive.info()
+		info.Requests["shed"] = st.shed.Load()
+		info.Requests["dry_run_shed"] = st.dryRunShed.Load()
+	}
 	info.TrackedKeys, info.Evictions = stats.keys, stats.evictions
 	if stats.overLimitCache {
 		n := st.cacheHits.Load()
@@ -222,6 +229,8 @@ type slotsInfo struct {
 	Concurrency int64  `json:"concurrency,omitempty"`
 	InFlight    *int64 `json:"in_flight,omitempty"` // slots held (leases not ended, in Redis)
 	Free        *int64 `json:"free,omitempty"`
+	// The key's adaptive limit on requests in flight.
+	Adaptive *adaptiveKeyInfo `json:"concurrency_adaptive,omitempty"`
 }
 
 // ratelessInfo is a key of a zone with concurrency only.
@@ -245,11 +254,12 @@ type quotaInfo struct {
 
 // keyInfo describes a key of a zone with a quota alone.
 type keyInfo struct {
-	Zone   string     `json:"zone"`
-	Limit  string     `json:"limit"`
-	Key    string     `json:"key"`
-	Bucket string     `json:"bucket"`
-	Quota  *quotaInfo `json:"quota"`
+	Zone     string           `json:"zone"`
+	Limit    string           `json:"limit"`
+	Key      string           `json:"key"`
+	Bucket   string           `json:"bucket"`
+	Quota    *quotaInfo       `json:"quota"`
+	Adaptive *adaptiveKeyInfo `json:"concurrency_adaptive,omitempty"`
 }
 
 type topInfo struct {
@@ -353,10 +363,15 @@ func serveKey(w http.ResponseWriter, r *http.Request, refs []zoneRef, key string
 			if err != nil {
 				return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
 			}
+			if a := ref.z.adaptive; a != nil {
+				f = a.forget(ref.z.adminKey(key)) || f
+			}
 			found = found || f
 		}
-		if err := ref.h.store.peek(ctx, time.Now(), &d); err != nil {
-			return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
+		if !d.empty() { // an adaptive limit alone has nothing in the store
+			if err := ref.h.store.peek(ctx, time.Now(), &d); err != nil {
+				return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
+			}
 		}
 		out[i] = ref.keyInfo(key, &d)
 	}
@@ -395,6 +410,12 @@ func (ref zoneRef) keyInfo(key string, d *demands) any {
 	z := ref.z
 	bucket := z.adminKey(key).String()
 	var slots slotsInfo
+	if z.adaptive != nil {
+		slots.Adaptive = z.adaptive.keyInfo(z.adminKey(key))
+		if z.adaptiveOnly() {
+			return ratelessInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, slotsInfo: slots}
+		}
+	}
 	if len(d.slots) > 0 {
 		q := &d.slots[0]
 		inUse, free := q.limit-q.free, q.free
@@ -408,7 +429,7 @@ func (ref zoneRef) keyInfo(key string, d *demands) any {
 		c := &d.counters[0]
 		quota = &quotaInfo{Limit: c.limit, Used: c.used, Left: c.remaining(), ResetIn: c.left.Seconds()}
 		if z.rateless {
-			return keyInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, Quota: quota}
+			return keyInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, Quota: quota, Adaptive: slots.Adaptive}
 		}
 	}
 	b := &d.buckets[0]
