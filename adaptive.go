@@ -40,7 +40,8 @@ import (
 //     already there (which would let the limit creep up), yet follows an
 //     upstream that really got slower within two periods. A probe lasts a
 //     time, not a number of requests, and keeps half the limit: it cannot
-//     starve traffic. Until the requests in flight are back to the limit
+//     starve traffic; and it ends when its requests are back, or two of
+//     its times later when one hangs. Until the requests in flight are back to the limit
 //     after it (a latency at most), latencies are not samples: they would
 //     show a shorter queue than the limit's.
 //   - R is the median latency of an interval: at least 100ms and about a
@@ -114,9 +115,11 @@ type controller struct {
 	latency time.Duration // the last interval's median
 
 	probing    bool
+	probeN     uint32    // the probe's number, which its requests carry
 	probeEnd   time.Time // the probe's limit applies until then
 	probeLimit int64
-	probeOut   int64 // requests admitted by the probe, still in flight
+	probeOut   int64     // requests admitted by the probe, still in flight
+	giveUp     time.Time // the probe ends then, whatever is still out
 	probeWin   latencyWindow
 	nextProbe  time.Time
 	// settling: a probe has ended, and the requests in flight are not
@@ -136,14 +139,12 @@ func newController(min, max int64) controller {
 // release.
 type ticket struct {
 	gen   uint32
-	probe bool // a probe admitted it
+	probe uint32 // the probe that admitted it; 0 for none
 }
 
 // admit takes a place in flight at now, if one is free under the limit.
 func (c *controller) admit(now time.Time) (ticket, bool) {
-	if c.probing && c.probeOut == 0 && !now.Before(c.probeEnd) {
-		c.endProbe(now)
-	}
+	c.checkProbe(now)
 	if !c.probing && c.noLoad > 0 && !now.Before(c.nextProbe) {
 		c.startProbe(now)
 	}
@@ -162,10 +163,12 @@ func (c *controller) admit(now time.Time) (ticket, bool) {
 	c.tick(now)
 	c.inFlight++
 	c.peak = max(c.peak, c.inFlight)
+	t := ticket{gen: c.gen}
 	if probe {
 		c.probeOut++
+		t.probe = c.probeN
 	}
-	return ticket{gen: c.gen, probe: probe}, true
+	return t, true
 }
 
 // tick adds the requests in flight since the last event to the
@@ -193,14 +196,15 @@ func (c *controller) done(now time.Time, t ticket, kind sampleKind, lat time.Dur
 			kind = sampleNone
 		}
 	}
-	if t.probe {
-		c.probeOut--
-		c.probeWin.add(kind, lat, now)
-		if c.probeOut == 0 && !now.Before(c.probeEnd) {
-			c.endProbe(now)
+	if t.probe != 0 {
+		if c.probing && t.probe == c.probeN {
+			c.probeOut--
+			c.probeWin.add(kind, lat, now)
 		}
+		c.checkProbe(now)
 		return false
 	}
+	c.checkProbe(now)
 	if c.probing || c.settling || t.gen != c.gen || kind == sampleNone {
 		return false
 	}
@@ -289,14 +293,25 @@ func (c *controller) restart(now time.Time) {
 // startProbe halves the limit for two latencies, to measure R0.
 func (c *controller) startProbe(now time.Time) {
 	c.probing = true
+	c.probeN = max(c.probeN+1, 1)
 	c.probeLimit = max(int64(c.min), int64(math.Ceil(c.limit/2)))
-	c.probeEnd = now.Add(min(max(2*c.latency, time.Millisecond), maxProbeSpan))
+	span := min(max(2*c.latency, time.Millisecond), maxProbeSpan)
+	c.probeEnd, c.giveUp = now.Add(span), now.Add(3*span)
 	c.probeOut = 0
 	c.probeWin.reset()
 }
 
-// endProbe starts a new probe period with the probe's median, once the
-// requests it admitted are back, and forgets the oldest period.
+// checkProbe ends the probe once its time is over and the requests it
+// admitted are back, or, when some are not, twice its time later: a
+// request that hangs does not hold the controller.
+func (c *controller) checkProbe(now time.Time) {
+	if c.probing && !now.Before(c.probeEnd) && (c.probeOut == 0 || !now.Before(c.giveUp)) {
+		c.endProbe(now)
+	}
+}
+
+// endProbe starts a new probe period with the probe's median, and
+// forgets the oldest period.
 func (c *controller) endProbe(now time.Time) {
 	c.probing = false
 	if r := c.probeWin.median(); c.probeWin.seen >= 3 && r != errorLatency {
@@ -438,7 +453,7 @@ func (k *adaptiveKey) forget() {
 	defer k.mu.Unlock()
 	c := &k.c
 	fresh := newController(int64(c.min), int64(c.max))
-	fresh.inFlight, fresh.gen = c.inFlight, c.gen+1
+	fresh.inFlight, fresh.gen, fresh.probeN = c.inFlight, c.gen+1, c.probeN
 	*c = fresh
 }
 

@@ -533,3 +533,60 @@ func TestAdaptivePausesAndSlowRequests(t *testing.T) {
 		}
 	})
 }
+
+// round admits as many requests as c lets in at now, and gives them back
+// after lat, with kind; it returns the instant they ended.
+func round(c *controller, now time.Time, lat time.Duration, kind sampleKind) time.Time {
+	var tks []ticket
+	for {
+		tk, ok := c.admit(now)
+		if !ok {
+			break
+		}
+		tks = append(tks, tk)
+	}
+	now = now.Add(lat)
+	for _, tk := range tks {
+		c.done(now, tk, kind, lat)
+	}
+	return now
+}
+
+// A request of a probe that never comes back does not keep the probe
+// going, nor the controller from learning; and a key's learning started
+// again during a probe ignores the probe's requests when they return.
+func TestAdaptiveProbeRequests(t *testing.T) {
+	t.Run("one hangs", func(t *testing.T) {
+		c := newController(4, 1000)
+		now := time.Unix(0, 0)
+		for !c.probing {
+			now = round(&c, now, 20*simMs, sampleOK)
+		}
+		if _, ok := c.admit(now); !ok { // never given back
+			t.Fatal("the probe admitted nothing")
+		}
+		limit := c.limit
+		for range 20 {
+			now = round(&c, now, 100*simMs, sampleOK) // a queue: the limit falls
+		}
+		if c.probing || c.limit >= limit {
+			t.Errorf("probing %v, limit %v from %v: want the probe over and the limit lower", c.probing, c.limit, limit)
+		}
+	})
+	t.Run("learning starts again", func(t *testing.T) {
+		k := &adaptiveKey{c: newController(4, 1000)}
+		now := time.Unix(0, 0)
+		for !k.c.probing {
+			now = round(&k.c, now, 20*simMs, sampleOK)
+		}
+		tk, _ := k.admit(now)
+		k.forget()
+		k.release(now, tk, sampleOK, time.Millisecond)
+		for range 100 {
+			now = round(&k.c, now, 20*simMs, sampleOK)
+		}
+		if k.c.inFlight != 0 || k.c.probeOut != 0 || k.c.noLoad != 20*simMs {
+			t.Errorf("%d in flight, %d out for the probe, no-load latency %v: want 0, 0, 20ms", k.c.inFlight, k.c.probeOut, k.c.noLoad)
+		}
+	})
+}
