@@ -152,7 +152,7 @@ func (z *Zone) provisionAdaptive(st *zoneState) {
 	}
 }
 
-// describeAdaptive is the adaptive limit in words, for Zone.describe.
+// describe is the adaptive limit in words, for Zone.describe.
 func (a *AdaptiveConcurrency) describe() string {
 	lo, hi := a.bounds()
 	return fmt.Sprintf("concurrency adaptive %d-%d", lo, hi)

@@ -444,10 +444,10 @@ func TestAdaptiveThroughCaddy(t *testing.T) {
 // headers (an adaptive limit sends none): `benchstat -col /zone`.
 func BenchmarkServeHTTPAdaptive(b *testing.B) {
 	for _, tc := range []struct{ name, zone string }{
-		{"zone=rate", `{"name":"bench-ad-rate","key":"static","rate":"1000000000r/s"}`},
-		{"zone=concurrency", `{"name":"bench-ad-fixed","key":"static","concurrency":1000000}`},
-		{"zone=adaptive", `{"name":"bench-ad-adaptive","key":"static","concurrency_adaptive":{"min":1000000,"max":1000000}}`},
-		{"zone=rate+adaptive", `{"name":"bench-ad-both","key":"static","rate":"1000000000r/s","concurrency_adaptive":{"min":1000000,"max":1000000}}`},
+		{"zone=rate", `{"name":"bench-ad-rate","rate":"1000000000r/s"}`},
+		{"zone=concurrency", `{"name":"bench-ad-fixed","concurrency":1000000}`},
+		{"zone=adaptive", `{"name":"bench-ad-adaptive","concurrency_adaptive":{"min":1000000,"max":1000000}}`},
+		{"zone=rate+adaptive", `{"name":"bench-ad-both","rate":"1000000000r/s","concurrency_adaptive":{"min":1000000,"max":1000000}}`},
 	} {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, `{"headers":"off","zones":[`+tc.zone+`]}`)

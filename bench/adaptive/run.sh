@@ -10,4 +10,4 @@ mkdir -p bin
 echo "building into bench/bin/ ..."
 (cd .. && go build -o bench/bin/caddy ./cmd/caddy)
 go build -o bin/adaptive ./adaptive
-ADAPTIVE_ARGS="$*" exec bin/adaptive -caddy bin/caddy -out results "$@"
+ADAPTIVE_ARGS="$(printf '%q ' "$@")" exec bin/adaptive -caddy bin/caddy -out results "$@"
