@@ -2,7 +2,7 @@
 #   apt-get install redis-server wrk
 # make bench NOTE="machine shared with CI" adds a note to the results.
 
-.PHONY: bench bench-quick faults masters
+.PHONY: bench bench-quick bench-adaptive faults masters
 
 bench:
 	bench/run.sh full $(if $(NOTE),-note "$(NOTE)")
@@ -26,3 +26,10 @@ masters:
 	RATE_LIMIT_MASTERS=1 RATE_LIMIT_MASTERS_RUNS=$(RUNS) RATE_LIMIT_SCRIPT=$(SCRIPT) \
 		taskset -c 0 go test -count=1 -run '^(TestRedisClusterSpread|TestMastersThroughput)$$' -v . \
 		| grep -E '^(---|ok|FAIL|\s+redis_cluster_test)' | tee bench/results/masters.log
+
+# The load scenario of `concurrency adaptive` (docs/adaptive.md): a test
+# upstream behind Caddy with the adaptive zone, under closed-loop clients;
+# needs Go. ROUNDS=n rounds of each run (default 3). Writes
+# bench/results/adaptive.md, adaptive.json and adaptive_*.png.
+bench-adaptive:
+	bench/adaptive/run.sh $(if $(ROUNDS),-rounds $(ROUNDS)) $(if $(NOTE),-note "$(NOTE)")

@@ -29,8 +29,8 @@ func init() {
 //	GET    /rate_limit/<zone>         one zone
 //	GET    /rate_limit/<zone>/top     the keys the zone denies most
 //	GET    /rate_limit/<zone>/limits  the keys of the zone with a limit of their own (overrides)
-//	GET    /rate_limit/<zone>/<key>   a key's bucket (and quota) now, its own limit, and its slots in use (concurrency)
-//	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full, lifting its ban, and its quota's count to 0
+//	GET    /rate_limit/<zone>/<key>   a key's bucket (and quota) now, its own limit, its slots in use (concurrency), its adaptive limit
+//	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full, lifting its ban, its quota's count to 0, and its adaptive limit to min
 //	PUT    /rate_limit/<zone>/<key>/limit  give the key its own limit: {"rate": "100r/s", "burst": 200, "expires_in": "24h"}
 //	GET    /rate_limit/<zone>/<key>/limit  the key's own limit
 //	DELETE /rate_limit/<zone>/<key>/limit  give the key the zone's limit back
@@ -137,6 +137,8 @@ type zoneInfo struct {
 	// Requests in flight per key, and how long a Redis slot is held.
 	Concurrency int64  `json:"concurrency,omitempty"`
 	Lease       string `json:"lease,omitempty"`
+	// The adaptive limit on requests in flight, its keys summed.
+	Adaptive *adaptiveZoneInfo `json:"concurrency_adaptive,omitempty"`
 	// The calendar quota per key.
 	Quota    int64             `json:"quota,omitempty"`
 	Per      string            `json:"quota_period,omitempty"`
@@ -194,6 +196,11 @@ func (ref zoneRef) info() zoneInfo {
 			info.Lease = time.Duration(z.Lease).String()
 		}
 	}
+	if z.adaptive != nil {
+		info.Adaptive = z.adaptive.info()
+		info.Requests["shed"] = st.shed.Load()
+		info.Requests["dry_run_shed"] = st.dryRunShed.Load()
+	}
 	info.TrackedKeys, info.Evictions = stats.keys, stats.evictions
 	if stats.overLimitCache {
 		n := st.cacheHits.Load()
@@ -230,6 +237,8 @@ type slotsInfo struct {
 	Concurrency int64  `json:"concurrency,omitempty"`
 	InFlight    *int64 `json:"in_flight,omitempty"` // slots held (leases not ended, in Redis)
 	Free        *int64 `json:"free,omitempty"`
+	// The key's adaptive limit on requests in flight.
+	Adaptive *adaptiveKeyInfo `json:"concurrency_adaptive,omitempty"`
 }
 
 // ratelessInfo is a key of a zone with concurrency only.
@@ -253,11 +262,12 @@ type quotaInfo struct {
 
 // keyInfo describes a key of a zone with a quota alone.
 type keyInfo struct {
-	Zone   string     `json:"zone"`
-	Limit  string     `json:"limit"`
-	Key    string     `json:"key"`
-	Bucket string     `json:"bucket"`
-	Quota  *quotaInfo `json:"quota"`
+	Zone     string           `json:"zone"`
+	Limit    string           `json:"limit"`
+	Key      string           `json:"key"`
+	Bucket   string           `json:"bucket"`
+	Quota    *quotaInfo       `json:"quota"`
+	Adaptive *adaptiveKeyInfo `json:"concurrency_adaptive,omitempty"`
 }
 
 type topInfo struct {
@@ -377,10 +387,15 @@ func serveKey(w http.ResponseWriter, r *http.Request, refs []zoneRef, key string
 			if err != nil {
 				return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
 			}
+			if a := ref.z.adaptive; a != nil {
+				f = a.forget(ref.z.adminKey(key)) || f
+			}
 			found = found || f
 		}
-		if err := ref.h.store.peek(ctx, time.Now(), &d); err != nil {
-			return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
+		if !d.empty() { // an adaptive limit alone has nothing in the store
+			if err := ref.h.store.peek(ctx, time.Now(), &d); err != nil {
+				return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
+			}
 		}
 		info := ref.keyInfo(key, &d)
 		if b, ok := info.(bucketInfo); ok {
@@ -430,6 +445,12 @@ func (ref zoneRef) keyInfo(key string, d *demands) any {
 	z := ref.z
 	bucket := z.adminKey(key).String()
 	var slots slotsInfo
+	if z.adaptive != nil {
+		slots.Adaptive = z.adaptive.keyInfo(z.adminKey(key))
+		if z.adaptiveOnly() {
+			return ratelessInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, slotsInfo: slots}
+		}
+	}
 	if len(d.slots) > 0 {
 		q := &d.slots[0]
 		inUse, free := q.limit-q.free, q.free
@@ -443,7 +464,7 @@ func (ref zoneRef) keyInfo(key string, d *demands) any {
 		c := &d.counters[0]
 		quota = &quotaInfo{Limit: c.limit, Used: c.used, Left: c.remaining(), ResetIn: c.left.Seconds()}
 		if z.rateless {
-			return keyInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, Quota: quota}
+			return keyInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, Quota: quota, Adaptive: slots.Adaptive}
 		}
 	}
 	b := &d.buckets[0]

@@ -47,6 +47,10 @@ const anonymousZone = "default"
 //			delay       <duration>  # wait up to this long for tokens instead of a 429
 //			count       { status <codes...>; header <field> [<value>] }
 //			concurrency <n>         # requests in flight per key; a rate is then optional
+//			concurrency adaptive {  # a limit in flight learnt from latency; the block is optional
+//				min <n>             # default 4
+//				max <n>             # default 1000
+//			}
 //			lease       <duration>  # with concurrency: how long a Redis slot is held
 //			quota       <n> per day|week|month  # a calendar quota per key; a rate is then optional
 //			usage       json <path>|header <field>  # the true cost, read from the response
@@ -295,6 +299,12 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 			rm := m["count"]
 			z.Count, err = &rm, checkCount(&rm)
 		case "concurrency":
+			if adaptive, err := z.unmarshalAdaptive(d); adaptive || err != nil {
+				if err != nil {
+					return err
+				}
+				break
+			}
 			if z.Concurrency, err = intArg[int64](d); err != nil {
 				return err
 			}

@@ -1581,19 +1581,23 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 			line:    1,
 		},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			h := new(Handler)
-			err := h.UnmarshalCaddyfile(caddyfile.NewTestDispenser(tc.input))
-			if err == nil {
-				t.Fatalf("expected error containing %q, got none", tc.wantErr)
-			}
-			if !strings.Contains(err.Error(), tc.wantErr) {
-				t.Errorf("error %q does not contain %q", err, tc.wantErr)
-			}
-			if suffix := fmt.Sprintf(", at Testfile:%d", tc.line); !strings.HasSuffix(err.Error(), suffix) {
-				t.Errorf("error %q does not end in %q", err, suffix)
-			}
-		})
+		t.Run(tc.name, func(t *testing.T) { checkCaddyfileError(t, tc.input, tc.wantErr, tc.line) })
+	}
+}
+
+// checkCaddyfileError checks that the directive's tokens in input fail
+// with an error containing wantErr, at line.
+func checkCaddyfileError(t *testing.T, input, wantErr string, line int) {
+	t.Helper()
+	err := new(Handler).UnmarshalCaddyfile(caddyfile.NewTestDispenser(input))
+	if err == nil {
+		t.Fatalf("expected error containing %q, got none", wantErr)
+	}
+	if !strings.Contains(err.Error(), wantErr) {
+		t.Errorf("error %q does not contain %q", err, wantErr)
+	}
+	if suffix := fmt.Sprintf(", at Testfile:%d", line); !strings.HasSuffix(err.Error(), suffix) {
+		t.Errorf("error %q does not end in %q", err, suffix)
 	}
 }
 

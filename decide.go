@@ -17,6 +17,11 @@ import (
 // error says why a request that failed cannot go on.
 func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (outcome, error) {
 	now, out, err := h.gather(r, sc)
+	if out == outcomeAllow && len(sc.adaptive.p) > 0 {
+		if out = h.admitAdaptive(r, now, sc); out != outcomeAllow {
+			return out, nil
+		}
+	}
 	if out != outcomeAllow || sc.d.empty() {
 		return out, err
 	}
@@ -85,6 +90,12 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 		if z.Concurrency != 0 {
 			m.slot = len(sc.d.slots)
 			sc.d.slots = append(sc.d.slots, slotDemand{zone: i, key: k, limit: z.Concurrency, lease: time.Duration(z.Lease), soft: z.inDryRun})
+		}
+		if z.adaptive != nil {
+			sc.adaptive.add(i, k)
+			if z.adaptiveOnly() {
+				continue // nothing for the store, the headers or count
+			}
 		}
 		sc.matches = append(sc.matches, m)
 	}

@@ -147,7 +147,7 @@ func (h *Handler) noteDryRunPassed(r *http.Request, sc *scratch) {
 	}
 	for i := range sc.matches {
 		m := &sc.matches[i]
-		if z := h.Zones[m.zone]; z.inDryRun && !m.wouldDeny && (m.slot < 0 || !sc.d.slots[m.slot].full) {
+		if z := h.Zones[m.zone]; z.inDryRun && !m.wouldDeny && (m.slot < 0 || !sc.d.slots[m.slot].full) && !sc.adaptive.wouldShed(m.zone) {
 			repl.Set(z.wouldDenyVar, false)
 		}
 	}

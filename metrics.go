@@ -34,6 +34,10 @@ type zoneState struct {
 	delayZone      atomic.Bool   // a zone of this name has a delay: export the three above
 	usageZone      atomic.Bool   // a zone of this name has usage: export usage and usageMissing
 
+	shed       atomic.Uint64                 // refused by this zone's adaptive limit: 503
+	dryRunShed atomic.Uint64                 // would have been shed (dry run)
+	adaptive   atomic.Pointer[adaptiveTable] // the keys of an adaptive limit; nil without
+
 	// metered counts the handlers using the zone with metrics enabled;
 	// the zone is exported while it is above zero.
 	metered atomic.Int64
@@ -108,7 +112,7 @@ func newCollector() *collector {
 	name := func(n string) string { return prometheus.BuildFQName(metricsNamespace, metricsSubsystem, n) }
 	return &collector{
 		requests: prometheus.NewDesc(name("requests_total"),
-			"Rate limit decisions by zone and result: allowed, denied, dry_run_denied or store_error.",
+			"Rate limit decisions by zone and result: allowed, denied, dry_run_denied or store_error; shed or dry_run_shed for an adaptive concurrency limit.",
 			[]string{"zone", "limit", "result"}, nil),
 		cacheHits: prometheus.NewDesc(name("over_limit_cache_hits_total"),
 			"Requests the Redis store denied from its over-limit cache, without asking Redis.",
@@ -159,6 +163,9 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.evictions
 	ch <- c.overrides
 	ch <- c.circuitOpen
+	ch <- adaptiveDescs.limit
+	ch <- adaptiveDescs.inFlight
+	ch <- adaptiveDescs.noLoad
 }
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
@@ -196,6 +203,7 @@ func (c *collector) collectZone(ch chan<- prometheus.Metric, id zoneID, s *zoneS
 		counter(c.usage, &s.usage)
 		counter(c.usageMissing, &s.usageMissing)
 	}
+	collectAdaptive(ch, c.requests, id, s)
 }
 
 // collectStores exports what the stores of the provisioned handlers keep
@@ -273,7 +281,7 @@ func (c *collector) collectOverrides(ch chan<- prometheus.Metric, zones map[zone
 // new at every config load. Registering again in the same registry (a
 // second handler) is fine.
 func registerMetrics(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{storeLatency, storeErrors, delaySeconds, zoneCollector} {
+	for _, c := range []prometheus.Collector{storeLatency, storeErrors, delaySeconds, adaptiveLatency, zoneCollector} {
 		if err := reg.Register(c); err != nil {
 			if _, ok := errors.AsType[prometheus.AlreadyRegisteredError](err); !ok {
 				return err

@@ -210,7 +210,7 @@ func (h *Handler) provisionZones(ctx caddy.Context) error {
 		if err := z.provision(ctx); err != nil {
 			return fmt.Errorf("zone %s: %w", z.Name, err)
 		}
-		if z.keyKind == keyStatic {
+		if z.keyKind == keyStatic && !z.adaptiveOnly() { // one limit for all is what adaptive is for
 			h.logger.Warn("zone key has no placeholders: all clients share one bucket",
 				zap.String("zone", z.Name), zap.String("key", z.Key))
 		}
@@ -230,6 +230,9 @@ func (h *Handler) provisionZones(ctx caddy.Context) error {
 		}
 		if z.Usage != nil {
 			st.usageZone.Store(true)
+		}
+		if z.ConcurrencyAdaptive != nil {
+			z.provisionAdaptive(st)
 		}
 	}
 	return nil
@@ -288,6 +291,9 @@ func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 		if z.limit.delay > 0 {
 			z.delays = delaySeconds.WithLabelValues(z.Name, z.id.limit)
 		}
+		if z.adaptive != nil {
+			z.adaptive.latency = adaptiveLatency.WithLabelValues(z.Name, z.id.limit)
+		}
 	}
 	return nil
 }
@@ -301,8 +307,14 @@ func (h *Handler) Cleanup() error {
 		h.registered = false
 	}
 	for i, st := range h.metered {
-		if st.metered.Add(-1) == 0 && i < len(h.Zones) && h.Zones[i].delays != nil {
-			delaySeconds.DeleteLabelValues(h.Zones[i].Name, h.Zones[i].id.limit) // the zone is gone
+		if st.metered.Add(-1) != 0 || i >= len(h.Zones) {
+			continue
+		}
+		if z := h.Zones[i]; z.delays != nil { // the zone is gone
+			delaySeconds.DeleteLabelValues(z.Name, z.id.limit)
+		}
+		if z := h.Zones[i]; z.adaptive != nil {
+			adaptiveLatency.DeleteLabelValues(z.Name, z.id.limit)
 		}
 	}
 	h.metered = nil
@@ -435,6 +447,8 @@ type scratch struct {
 
 	waiter bool          // holds a place among the handler's waiting requests
 	delay  time.Duration // how long the allowed request waits for its tokens
+
+	adaptive adaptiveScratch // its places in zones with an adaptive limit
 }
 
 func newScratch(zones int) *scratch {
@@ -462,6 +476,7 @@ const (
 	outcomeFailed                    // the request cannot be decided: 500
 	outcomeBadLimit                  // a zone has no valid limit for the request: 500, logged by the zone
 	outcomeGone                      // the client left while the request waited out a delay
+	outcomeShed                      // a zone's adaptive limit had no place: 503
 )
 
 // ServeHTTP implements caddyhttp.MiddlewareHandler. A request goes
@@ -479,13 +494,19 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	if out != outcomeAllow && out != outcomeFailOpen {
 		return h.refuse(w, r, sc, out, err)
 	}
+	if sc.adaptive.held {
+		return h.serveAdaptive(w, r, next, sc)
+	}
 	return h.serve(w, r, next, sc)
 }
 
-// finish gives back the request's slots, and its scratch.
+// finish gives back the request's slots and places, and its scratch.
 func (h *Handler) finish(r *http.Request, sc *scratch) {
 	if len(sc.d.slots) > 0 {
 		h.releaseSlots(r, sc)
+	}
+	if len(sc.adaptive.p) > 0 {
+		h.releaseAdaptive(sc)
 	}
 	sc.d.clear()
 	sc.matches, sc.by, sc.top, sc.slotOut = sc.matches[:0], nil, nil, -1

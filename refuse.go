@@ -14,8 +14,9 @@ import (
 )
 
 // refuse answers a request that does not go on: 429 when a zone refused
-// it, 503 when the store failed and fail_mode is closed, 500 when it
-// cannot be decided, and nothing for a client that left while it waited.
+// it, 503 when an adaptive limit shed it or the store failed and
+// fail_mode is closed, 500 when it cannot be decided, and nothing for a
+// client that left while it waited.
 // It returns the error for Caddy's error routes, or nil when it wrote the
 // response itself.
 func (h *Handler) refuse(w http.ResponseWriter, r *http.Request, sc *scratch, out outcome, err error) error {
@@ -25,6 +26,8 @@ func (h *Handler) refuse(w http.ResponseWriter, r *http.Request, sc *scratch, ou
 			return h.denySlot(w, r, &sc.d.slots[sc.slotOut])
 		}
 		return h.deny(w, r, sc)
+	case outcomeShed:
+		return h.shedAdaptive(w, r, sc)
 	case outcomeFailClosed:
 		w.Header()["Retry-After"] = []string{"1"}
 		if h.writeRefusals {
@@ -82,18 +85,32 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) erro
 }
 
 // denySlot answers a request that a zone with concurrency refused: no
-// slot was free. Retry-After is 1: a slot may be free at any moment.
+// slot was free.
 func (h *Handler) denySlot(w http.ResponseWriter, r *http.Request, q *slotDemand) error {
-	z := h.Zones[q.zone]
+	return h.refuseInFlight(w, r, h.Zones[q.zone], q.key, false)
+}
+
+// refuseInFlight answers a request that found no place in flight in zone
+// z: no slot free in a zone with concurrency (429), or shed by its
+// adaptive limit (503). Retry-After is 1: a place may be free at any
+// moment. It returns the error, or nil when it wrote the status itself.
+func (h *Handler) refuseInFlight(w http.ResponseWriter, r *http.Request, z *Zone, key bucketKey, shed bool) error {
 	retryAfter := setRetryAfter(w.Header(), time.Second)
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
 		repl.Set("http.rate_limit.exceeded.name", z.boxedName)
 		repl.Set("http.rate_limit.exceeded.retry_after", retryAfter)
 	}
-	if c := h.logger.Check(zapcore.DebugLevel, "rate limit exceeded: no slot free"); c != nil {
-		fields := []zap.Field{zap.String("zone", z.Name), zap.Int64("concurrency", z.Concurrency), zap.String("remote_ip", clientIP(r))}
+	msg, status, err := "rate limit exceeded: no slot free", http.StatusTooManyRequests, z.denial
+	if shed {
+		msg, status, err = "rate limit: load shed", http.StatusServiceUnavailable, z.adaptive.shed
+	}
+	if c := h.logger.Check(zapcore.DebugLevel, msg); c != nil {
+		fields := []zap.Field{zap.String("zone", z.Name), zap.String("remote_ip", clientIP(r))}
+		if !shed {
+			fields = append(fields, zap.Int64("concurrency", z.Concurrency))
+		}
 		if h.LogKey {
-			fields = append(fields, zap.String("key", q.key.String()))
+			fields = append(fields, zap.String("key", key.String()))
 		}
 		c.Write(fields...)
 	}
@@ -101,10 +118,10 @@ func (h *Handler) denySlot(w http.ResponseWriter, r *http.Request, q *slotDemand
 		h.emitExceeded(r, z, time.Second, false)
 	}
 	if h.writeRefusals {
-		w.WriteHeader(http.StatusTooManyRequests)
+		w.WriteHeader(status)
 		return nil
 	}
-	return z.denial
+	return err
 }
 
 // exceededEvent is the Caddy event emitted when a request is denied, as

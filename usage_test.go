@@ -365,7 +365,7 @@ func TestUsageThroughCaddy(t *testing.T) {
 					t.Fatalf("the other instance: %v, Retry-After %q; want 429 and 7", err, rr.Header().Get("Retry-After"))
 				}
 			}
-			adminGet(t, "llm", "k1", func(info map[string]any) {
+			adminKeyInfo(t, "llm", "k1", func(info map[string]any) {
 				if tok := info["tokens"].(float64); tok > -9.9 || tok < -10 {
 					t.Fatalf("admin: tokens %v, want about -10", tok)
 				}
@@ -420,9 +420,9 @@ func TestUsageThroughCaddy(t *testing.T) {
 	}
 }
 
-// adminGet reads a key of a zone from the admin API, and passes what it
+// adminKeyInfo reads a key of a zone from the admin API, and passes what it
 // says of the first zone of that name to check.
-func adminGet(t *testing.T, zone, key string, check func(map[string]any)) {
+func adminKeyInfo(t *testing.T, zone, key string, check func(map[string]any)) {
 	t.Helper()
 	resp, err := http.Get("http://localhost:2999/rate_limit/" + zone + "/" + url.PathEscape(key))
 	if err != nil {

@@ -166,6 +166,15 @@ type Zone struct {
 	// by the local store. Needs concurrency. Default: 60s.
 	Lease caddy.Duration `json:"lease,omitempty"`
 
+	// Limit the requests of a key in flight to a number learnt from
+	// their latency, within [min, max] (defaults 4 and 1000): as many as
+	// the upstream serves without a queue building up. Beyond it, a
+	// request is shed with 503 Service Unavailable and `Retry-After: 1`,
+	// before any zone charges it. `{}` takes the defaults. The limit is
+	// each instance's own, whatever the store (latency is an instance's
+	// view). Not with a fixed concurrency or a lease. Default: none.
+	ConcurrencyAdaptive *AdaptiveConcurrency `json:"concurrency_adaptive,omitempty"`
+
 	// A calendar quota: at most this many units (a request counts its
 	// `cost`) per key in each window of quota_period, counted only for
 	// requests that every zone allows, and refused with a Retry-After of
@@ -236,6 +245,8 @@ type Zone struct {
 	// noUsage throttles the warnings of responses without usage; nil
 	// without usage.
 	noUsage *throttle.Throttle
+	// adaptive is the adaptive limit on requests in flight; nil without.
+	adaptive *adaptiveZone
 }
 
 // A keyKind is what a zone's key template needs to be expanded.
@@ -433,6 +444,9 @@ func (z *Zone) checkOverrides() error {
 
 // checkSlots checks concurrency and lease.
 func (z *Zone) checkSlots() error {
+	if err := z.checkAdaptive(); err != nil {
+		return err
+	}
 	if z.Concurrency != 0 {
 		if err := checkConcurrency(z.Concurrency); err != nil {
 			return err
@@ -469,15 +483,18 @@ func (z *Zone) ratelessLimit() (l limit, done bool, err error) {
 		return limit{}, true, errors.New("delay needs a rate: requests wait for the zone's tokens")
 	case z.Count != nil:
 		return limit{}, true, errors.New("count needs a rate: it gives tokens back")
-	case (z.Burst != 0 || z.burstVar.template != "") && z.Concurrency != 0:
+	case (z.Burst != 0 || z.burstVar.template != "") && z.limitsInFlight():
 		return limit{}, true, errors.New("burst needs a rate")
-	case (z.Cost != 0 && z.Cost != 1 || z.costVar.template != "") && z.Concurrency != 0:
+	case (z.Cost != 0 && z.Cost != 1 || z.costVar.template != "") && z.limitsInFlight():
 		return limit{}, true, errors.New("cost needs a rate: a request in flight takes one slot")
-	case z.Concurrency != 0:
+	case z.limitsInFlight():
 		return placeholderLimit, true, z.checkPrefixes()
 	}
 	return limit{}, false, nil
 }
+
+// limitsInFlight reports whether the zone limits requests in flight.
+func (z *Zone) limitsInFlight() bool { return z.Concurrency != 0 || z.ConcurrencyAdaptive != nil }
 
 // checkRateOptions checks what a zone with a rate may add to it: ban,
 // delay and count.
@@ -858,6 +875,9 @@ func (z *Zone) describe() string {
 	}
 	if z.Concurrency != 0 {
 		parts = append(parts, "concurrency "+strconv.FormatInt(z.Concurrency, 10))
+	}
+	if z.ConcurrencyAdaptive != nil {
+		parts = append(parts, z.ConcurrencyAdaptive.describe())
 	}
 	if z.Quota != 0 {
 		q := "quota " + strconv.FormatInt(z.Quota, 10) + " per " + z.QuotaPeriod

@@ -10,6 +10,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/bench/internal/benchkit"
 )
 
 // caddyInst is one running Caddy.
@@ -50,13 +52,13 @@ func caddyfile(port, adminPort int, site string) string {
 }
 
 func (e *env) startCaddy(spec caddySpec) (*caddyInst, error) {
-	port, err := freePort()
+	port, err := benchkit.FreePort()
 	if err != nil {
 		return nil, err
 	}
 	adminPort := 0
 	if spec.admin {
-		if adminPort, err = freePort(); err != nil {
+		if adminPort, err = benchkit.FreePort(); err != nil {
 			return nil, err
 		}
 	}

@@ -207,13 +207,3 @@ func (e *env) run(phases []string, note string) error {
 }
 
 func mkdir(dir string) error { return os.MkdirAll(dir, 0o755) }
-
-// slug makes a name fit for a file name.
-func slug(s string) string {
-	return strings.Map(func(r rune) rune {
-		if r >= 'a' && r <= 'z' || r >= '0' && r <= '9' {
-			return r
-		}
-		return '-'
-	}, strings.ToLower(s))
-}

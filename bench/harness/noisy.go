@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/bench/internal/benchkit"
 	vegeta "github.com/tsenart/vegeta/v12/lib"
 )
 
@@ -39,7 +40,7 @@ type backendStats struct {
 }
 
 func (e *env) startBackend() (*backendInst, error) {
-	port, err := freePort()
+	port, err := benchkit.FreePort()
 	if err != nil {
 		return nil, err
 	}
@@ -177,7 +178,7 @@ func (e *env) runNoisy() ([]*noisyResult, error) {
 			for j, r := range rs {
 				xs[j] = f(r)
 			}
-			return median(xs)
+			return benchkit.Median(xs)
 		}
 		dur := func(f func(r *noisyRun) time.Duration) time.Duration {
 			return time.Duration(med(func(r *noisyRun) float64 { return float64(f(r)) }))
@@ -243,7 +244,7 @@ func (e *env) noisyOnce(nc noisyConfig) (*noisyRun, error) {
 	if nc.peer {
 		bin = e.peerBin
 	}
-	c, err := e.startCaddy(caddySpec{name: "noisy-" + slug(nc.name), bin: bin, site: nc.site})
+	c, err := e.startCaddy(caddySpec{name: "noisy-" + benchkit.Slug(nc.name), bin: bin, site: nc.site})
 	if err != nil {
 		return nil, err
 	}
@@ -424,7 +425,7 @@ func (r *noisyRun) usersDuring(p params) []time.Duration {
 
 // dumpHits writes the raw outcomes to the temporary directory, for -keep.
 func (e *env) dumpHits(name string, r *noisyRun) {
-	f, err := os.Create(filepath.Join(e.tmp, "hits-"+slug(name)+".csv"))
+	f, err := os.Create(filepath.Join(e.tmp, "hits-"+benchkit.Slug(name)+".csv"))
 	if err != nil {
 		return
 	}

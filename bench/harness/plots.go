@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/bench/internal/benchkit"
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
 	"gonum.org/v1/plot/plotutil"
@@ -27,31 +28,9 @@ var runColors = []color.Color{
 }
 var grey = color.RGBA{R: 0x80, G: 0x80, B: 0x80, A: 0xff}
 
-// msTicks labels a log axis in milliseconds at 1, 2, 5 × 10^n.
-type msTicks struct{}
-
-func (msTicks) Ticks(lo, hi float64) []plot.Tick {
-	var ts []plot.Tick
-	for e := math.Floor(math.Log10(lo)); math.Pow(10, e) <= hi; e++ {
-		base := math.Pow(10, e)
-		for m := 1; m < 10; m++ {
-			v := base * float64(m)
-			if v < lo || v > hi {
-				continue
-			}
-			t := plot.Tick{Value: v}
-			if m == 1 || m == 2 || m == 5 {
-				t.Label = strconv.FormatFloat(v, 'g', -1, 64)
-			}
-			ts = append(ts, t)
-		}
-	}
-	return ts
-}
-
 func logY(p *plot.Plot, lo, hi float64) {
 	p.Y.Scale = plot.LogScale{}
-	p.Y.Tick.Marker = msTicks{}
+	p.Y.Tick.Marker = benchkit.MsTicks{}
 	// Room at the top for the legend.
 	p.Y.Min, p.Y.Max = lo/1.3, hi*5
 }
@@ -95,7 +74,7 @@ func plotPercentiles(res []*noisyResult, p params, file string) error {
 		}
 		xys := make(plotter.XYs, len(pctls))
 		for i, q := range pctls {
-			v := max(msf(quantile(s, q.q)), 0.01)
+			v := max(msf(benchkit.Quantile(s, q.q)), 0.01)
 			xys[i] = plotter.XY{X: float64(i), Y: v}
 			lo, hi = min(lo, v), max(hi, v)
 		}
@@ -154,7 +133,7 @@ func plotTimeline(res []*noisyResult, p params, file string) error {
 				continue
 			}
 			slices.Sort(lats)
-			v := max(msf(quantile(lats, .95)), 0.01)
+			v := max(msf(benchkit.Quantile(lats, .95)), 0.01)
 			lo, hi = min(lo, v), max(hi, v)
 			xys = append(xys, plotter.XY{X: (float64(b) + 0.5) * p.bucket.Seconds(), Y: v})
 		}

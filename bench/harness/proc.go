@@ -142,16 +142,6 @@ func tail(file string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// freePort asks the kernel for a free loopback TCP port.
-func freePort() (int, error) {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return 0, err
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port, nil
-}
-
 // waitListening waits until addr accepts connections or p exits.
 func waitListening(p *proc, addr string, timeout time.Duration) error {
 	deadline := time.Now().Add(timeout)

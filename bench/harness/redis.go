@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/bench/internal/benchkit"
 )
 
 // redisServer is the harness's own redis-server, on a free loopback port,
@@ -23,7 +25,7 @@ type redisServer struct {
 }
 
 func startRedis(tmp string) (*redisServer, error) {
-	port, err := freePort()
+	port, err := benchkit.FreePort()
 	if err != nil {
 		return nil, err
 	}

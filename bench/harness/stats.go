@@ -4,9 +4,10 @@
 package main
 
 import (
-	"math"
 	"slices"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/bench/internal/benchkit"
 )
 
 // latStats summarizes latencies.
@@ -15,34 +16,13 @@ type latStats struct {
 	P50, P95, P99, Max time.Duration
 }
 
-// quantile is the nearest-rank quantile of sorted durations.
-func quantile(sorted []time.Duration, q float64) time.Duration {
-	if len(sorted) == 0 {
-		return 0
-	}
-	i := int(math.Ceil(q*float64(len(sorted)))) - 1
-	return sorted[min(max(i, 0), len(sorted)-1)]
-}
-
 func summarize(ds []time.Duration) latStats {
 	s := slices.Clone(ds)
 	slices.Sort(s)
 	if len(s) == 0 {
 		return latStats{}
 	}
-	return latStats{N: len(s), P50: quantile(s, .50), P95: quantile(s, .95), P99: quantile(s, .99), Max: s[len(s)-1]}
-}
-
-func median(xs []float64) float64 {
-	if len(xs) == 0 {
-		return math.NaN()
-	}
-	s := slices.Clone(xs)
-	slices.Sort(s)
-	if len(s)%2 == 1 {
-		return s[len(s)/2]
-	}
-	return (s[len(s)/2-1] + s[len(s)/2]) / 2
+	return latStats{N: len(s), P50: benchkit.Quantile(s, .50), P95: benchkit.Quantile(s, .95), P99: benchkit.Quantile(s, .99), Max: s[len(s)-1]}
 }
 
 // cpuMeter tells how much CPU the machine spent, and how much of it went

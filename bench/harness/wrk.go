@@ -13,6 +13,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/bench/internal/benchkit"
 )
 
 // wrkResult is what one wrk run reports.
@@ -318,8 +320,8 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 			non2xx += x.Non2xx
 			total += x.Requests
 		}
-		r.RPS, r.P50, r.P99 = median(rps), time.Duration(median(p50)), time.Duration(median(p99))
-		r.CPUPerReq, r.RedisPerReq = time.Duration(median(cpu)), num(median(redis))
+		r.RPS, r.P50, r.P99 = benchkit.Median(rps), time.Duration(benchkit.Median(p50)), time.Duration(benchkit.Median(p99))
+		r.CPUPerReq, r.RedisPerReq = time.Duration(benchkit.Median(cpu)), num(benchkit.Median(redis))
 		r.Non2xx = float64(non2xx) / float64(max(total, 1))
 		out = append(out, r)
 	}
@@ -338,7 +340,7 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 			cpu = append(cpu, float64(x.CPUPerReq))
 		}
 	}
-	baseRPS, baseP50, baseP99, baseCPU := median(rps), median(p50), median(p99), median(cpu)
+	baseRPS, baseP50, baseP99, baseCPU := benchkit.Median(rps), benchkit.Median(p50), benchkit.Median(p99), benchkit.Median(cpu)
 	for _, r := range out {
 		r.RatioRPS = r.RPS / baseRPS
 		r.RatioP50 = float64(r.P50) / baseP50

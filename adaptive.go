@@ -1,0 +1,567 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"hash/maphash"
+	"math"
+	"sync"
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
+)
+
+// An adaptive limit on requests in flight (`concurrency adaptive`) is
+// learnt from the latency of the requests it admits, as TCP Vegas learns a
+// congestion window from round-trip times. With N requests in flight on
+// average, a median latency R and the latency R0 of the upstream without
+// a queue, Little's law gives the requests waiting in the upstream's
+// queue:
+//
+//	queue = N × (1 − R0/R)
+//
+// The controller keeps that queue between α and β requests: α = 2·lg and
+// β = 5·lg (lg = log10 of the limit, at least 1), or a tenth and a quarter
+// of the limit when more (latency at most a third above R0): enough to
+// keep every worker of the upstream busy, few enough that a request waits
+// little. Below α it raises the limit, by lg, or by β (at most by half)
+// when there is no queue at all; above β it lowers it by half the excess
+// over the middle of the band, at most by a quarter at a time.
+//
+// How it avoids what goes wrong in other controllers:
+//
+//   - R0 is the least of the medians measured in the last two probe
+//     periods. Every 3 seconds or so (jittered by a quarter, and never
+//     more often than 50 latencies) a probe halves the limit for two
+//     latencies, never below min, and takes the median latency of the
+//     requests it admits: with half as many in flight, a queue drains, so
+//     R0 is a no-load latency and does not drift up with a queue that is
+//     already there (which would let the limit creep up), yet follows an
+//     upstream that really got slower within two periods. A probe lasts a
+//     time, not a number of requests, and keeps half the limit: it cannot
+//     starve traffic; and it ends when its requests are back, or two of
+//     its times later when one hangs. Until the requests in flight are back to the limit
+//     after it (a latency at most), latencies are not samples: they would
+//     show a shorter queue than the limit's.
+//   - R is the median latency of an interval: at least 100ms and about a
+//     limit's worth of requests (8 to 32, a uniform sample of more), all
+//     admitted under the current limit (the samples of requests admitted
+//     before a change are dropped). A single slow request does not move a
+//     median.
+//   - The limit falls only when two intervals in a row find a queue
+//     beyond β: a pause of the whole process (a GC pause, a stalled
+//     host) inflates one interval, not two.
+//   - A response with an error status (5xx) counts as slower than every
+//     success, never as a fast sample: it raises the median, and when
+//     errors are half of an interval, R is infinite and the queue is
+//     everything in flight. Requests that were refused (shed, or refused
+//     by another zone) are never samples, and one whose client left
+//     counts only when it had already waited longer than the last median
+//     (a bound that shows slowness); a client that leaves early says
+//     nothing of the upstream.
+//   - The limit rises only while at least half of it is in use: idle
+//     traffic does not inflate it.
+//
+// The state of a key is one mutex and one controller; the limiter is
+// local to each instance (latency is an instance's own view), and never
+// in a store.
+
+const (
+	adaptiveWindow    = 32                     // samples kept per interval (a reservoir beyond)
+	adaptiveMinSample = 8                      // samples per interval at least
+	adaptiveInterval  = 100 * time.Millisecond // an interval lasts at least this long
+	adaptivePeriods   = 2                      // probe periods that R0 remembers
+	probeEvery        = 3 * time.Second        // the base probe period
+	probeLatencies    = 50                     // a probe period lasts at least this many latencies
+	maxProbeSpan      = 10 * time.Second
+	// errorLatency ranks an error's sample above every success.
+	errorLatency = time.Duration(math.MaxInt64)
+)
+
+// A sampleKind is what a request's response tells the controller.
+type sampleKind uint8
+
+const (
+	sampleNone  sampleKind = iota // nothing: not served, or a protocol switch
+	sampleOK                      // a response: its latency is a sample
+	sampleError                   // an error status: a sign of overload
+	sampleGone                    // the client left before the end
+)
+
+// A controller is the adaptive limit of one key. It is not safe for
+// concurrent use: adaptiveKey guards it.
+type controller struct {
+	min, max float64
+	limit    float64
+	inFlight int64
+	// gen changes with the limit: a request carries the generation it
+	// was admitted in, and only the current one's latencies are samples.
+	gen uint32
+
+	noLoad  time.Duration // R0; 0 until the first interval
+	periods [adaptivePeriods]time.Duration
+	period  int // the current one in periods
+
+	// The interval: its samples, since when, and the integral of the
+	// requests in flight over it, up to last.
+	win   latencyWindow
+	since time.Time
+	last  time.Time
+	area  float64
+	peak  int64 // the most in flight
+
+	over    bool          // the last interval found a queue beyond β
+	latency time.Duration // the last interval's median
+
+	probing    bool
+	probeN     uint32    // the probe's number, which its requests carry
+	probeEnd   time.Time // the probe's limit applies until then
+	probeLimit int64
+	probeOut   int64     // requests admitted by the probe, still in flight
+	giveUp     time.Time // the probe ends then, whatever is still out
+	probeWin   latencyWindow
+	nextProbe  time.Time
+	// settling: a probe has ended, and the requests in flight are not
+	// back to the limit yet (or for a latency at most); their samples
+	// would show a shorter queue than the limit's.
+	settling bool
+	settleBy time.Time
+
+	logged float64 // the limit last logged
+}
+
+func newController(min, max int64) controller {
+	return controller{min: float64(min), max: float64(max), limit: float64(min), logged: float64(min)}
+}
+
+// A ticket is what a request admitted by a controller carries to its
+// release.
+type ticket struct {
+	gen   uint32
+	probe uint32 // the probe that admitted it; 0 for none
+}
+
+// admit takes a place in flight at now, if one is free under the limit.
+func (c *controller) admit(now time.Time) (ticket, bool) {
+	c.checkProbe(now)
+	if !c.probing && c.noLoad > 0 && !now.Before(c.nextProbe) {
+		c.startProbe(now)
+	}
+	limit, probe := int64(c.limit), c.probing && now.Before(c.probeEnd)
+	if probe {
+		limit = c.probeLimit
+	}
+	if c.inFlight >= limit {
+		return ticket{}, false
+	}
+	if c.settling && (c.inFlight+1 >= limit || !now.Before(c.settleBy)) {
+		c.settling = false
+		c.gen++
+		c.restart(now)
+	}
+	c.tick(now)
+	c.inFlight++
+	c.peak = max(c.peak, c.inFlight)
+	t := ticket{gen: c.gen}
+	if probe {
+		c.probeOut++
+		t.probe = c.probeN
+	}
+	return t, true
+}
+
+// tick adds the requests in flight since the last event to the
+// interval's integral.
+func (c *controller) tick(now time.Time) {
+	if c.since.IsZero() {
+		c.since = now
+	}
+	if d := now.Sub(c.last); !c.last.IsZero() && d > 0 {
+		c.area += float64(c.inFlight) * float64(d)
+	}
+	c.last = now
+}
+
+// done gives back the place of a request admitted with t, whose response
+// ended at now after lat. It reports whether the limit changed.
+func (c *controller) done(now time.Time, t ticket, kind sampleKind, lat time.Duration) bool {
+	c.tick(now)
+	c.inFlight--
+	if kind == sampleGone {
+		// A lower bound of the latency: it shows slowness only when it
+		// is long already.
+		kind = sampleOK
+		if c.latency == 0 || lat < c.latency {
+			kind = sampleNone
+		}
+	}
+	if t.probe != 0 {
+		if c.probing && t.probe == c.probeN {
+			c.probeOut--
+			c.probeWin.add(kind, lat, now)
+		}
+		c.checkProbe(now)
+		return false
+	}
+	c.checkProbe(now)
+	if c.probing || c.settling || t.gen != c.gen || kind == sampleNone {
+		return false
+	}
+	c.win.add(kind, lat, now)
+	if c.win.seen < min(max(int(c.limit), adaptiveMinSample), adaptiveWindow) || now.Sub(c.since) < adaptiveInterval {
+		return false
+	}
+	return c.update(now)
+}
+
+// update ends an interval: it sets the limit from the queue that the
+// interval's median latency and mean requests in flight show, and from
+// its errors.
+func (c *controller) update(now time.Time) bool {
+	r := c.win.median()
+	if r != errorLatency {
+		c.latency = r
+		if c.noLoad == 0 {
+			c.nextProbe = c.probeTime(now)
+		}
+		if c.noLoad == 0 || r < c.noLoad {
+			c.noLoad = r
+		}
+		if p := &c.periods[c.period]; *p == 0 || r < *p {
+			*p = r
+		}
+	}
+	iv := interval{inFlight: float64(c.inFlight), busy: 2*c.peak >= int64(c.limit)}
+	if span := now.Sub(c.since); span > 0 {
+		iv.inFlight = c.area / float64(span)
+	}
+	iv.queue = iv.inFlight
+	if r != errorLatency {
+		iv.queue *= 1 - float64(c.noLoad)/float64(r)
+	}
+	c.restart(now)
+	old := c.limit
+	c.limit = c.next(iv)
+	if int64(c.limit) == int64(old) {
+		return false
+	}
+	c.gen++
+	c.restart(now)
+	return true
+}
+
+// An interval is what the controller learnt in one.
+type interval struct {
+	inFlight float64 // requests in flight, on average
+	queue    float64 // of which waiting in the upstream's queue
+	busy     bool    // at least half the limit was in use
+}
+
+// next is the limit after iv: it rises when the queue was short and the
+// limit in use, and falls when two intervals in a row found the queue
+// long, by half its excess over the middle of the band, at most by half.
+func (c *controller) next(iv interval) float64 {
+	l := c.limit
+	lg := max(1, math.Log10(l))
+	alpha, beta := max(2*lg, l/10), max(5*lg, l/4)
+	switch {
+	case iv.queue > beta:
+		if c.over {
+			l -= min(max(lg, (iv.queue-(alpha+beta)/2)/2), l/4)
+		}
+		c.over = true
+	case iv.queue < alpha:
+		c.over = false
+		if iv.busy && iv.queue < lg {
+			l += min(beta, l/2)
+		} else if iv.busy {
+			l += lg
+		}
+	default:
+		c.over = false
+	}
+	return min(max(l, c.min), c.max)
+}
+
+// restart starts a new interval at now.
+func (c *controller) restart(now time.Time) {
+	c.win.reset()
+	c.since, c.last, c.area, c.peak = now, now, 0, c.inFlight
+}
+
+// startProbe halves the limit for two latencies, to measure R0.
+func (c *controller) startProbe(now time.Time) {
+	c.probing = true
+	c.probeN = max(c.probeN+1, 1)
+	c.probeLimit = max(int64(c.min), int64(math.Ceil(c.limit/2)))
+	span := min(max(2*c.latency, time.Millisecond), maxProbeSpan)
+	c.probeEnd, c.giveUp = now.Add(span), now.Add(3*span)
+	c.probeOut = 0
+	c.probeWin.reset()
+}
+
+// checkProbe ends the probe once its time is over and the requests it
+// admitted are back, or, when some are not, twice its time later: a
+// request that hangs does not hold the controller.
+func (c *controller) checkProbe(now time.Time) {
+	if c.probing && !now.Before(c.probeEnd) && (c.probeOut == 0 || !now.Before(c.giveUp)) {
+		c.endProbe(now)
+	}
+}
+
+// endProbe starts a new probe period with the probe's median, and
+// forgets the oldest period.
+func (c *controller) endProbe(now time.Time) {
+	c.probing = false
+	if r := c.probeWin.median(); c.probeWin.seen >= 3 && r != errorLatency {
+		c.period = (c.period + 1) % adaptivePeriods
+		c.periods[c.period] = r
+		c.noLoad = r
+		for _, p := range c.periods {
+			if p > 0 {
+				c.noLoad = min(c.noLoad, p)
+			}
+		}
+	}
+	c.nextProbe = c.probeTime(now)
+	c.settling, c.settleBy = true, now.Add(c.latency)
+	c.gen++
+	c.over = false
+}
+
+// probeTime is when the next probe starts: a period of probeEvery, or 50
+// latencies when longer, give or take a quarter.
+func (c *controller) probeTime(now time.Time) time.Time {
+	p := max(probeEvery, probeLatencies*c.latency)
+	return now.Add(time.Duration(float64(p) * (0.75 + 0.5*unitFloat(uint64(now.UnixNano())))))
+}
+
+// unitFloat maps x to [0, 1) (splitmix64): the jitter of a probe, drawn
+// from the clock so that a simulated clock makes it repeatable.
+func unitFloat(x uint64) float64 {
+	x += 0x9e3779b97f4a7c15
+	x = (x ^ x>>30) * 0xbf58476d1ce4e5b9
+	x = (x ^ x>>27) * 0x94d049bb133111eb
+	x ^= x >> 31
+	return float64(x>>11) / (1 << 53)
+}
+
+// A latencyWindow holds an interval's latencies, at most adaptiveWindow
+// of them, a uniform sample of all when there were more.
+type latencyWindow struct {
+	seen int
+	n    int
+	s    [adaptiveWindow]time.Duration
+}
+
+func (w *latencyWindow) reset() { w.seen, w.n = 0, 0 }
+
+// add adds a sample; an error's ranks above every success.
+func (w *latencyWindow) add(kind sampleKind, lat time.Duration, now time.Time) {
+	switch kind {
+	case sampleNone:
+		return
+	case sampleError:
+		lat = errorLatency
+	}
+	w.seen++
+	if w.n < len(w.s) {
+		w.s[w.n] = lat
+		w.n++
+		return
+	}
+	// Reservoir sampling; the clock's low bits are random enough.
+	if i := int(unitFloat(uint64(now.UnixNano())+uint64(w.seen)) * float64(w.seen)); i < len(w.s) {
+		w.s[i] = lat
+	}
+}
+
+// median is the median latency (the lower of the middle two), 0 when the
+// window is empty. It reorders the window.
+func (w *latencyWindow) median() time.Duration { return lowerMedian(w.s[:w.n]) }
+
+// lowerMedian is the lower of the middle two values of v (which it
+// reorders), 0 for none. The windows are small: selection does.
+func lowerMedian(v []time.Duration) time.Duration {
+	if len(v) == 0 {
+		return 0
+	}
+	k := (len(v) - 1) / 2
+	for i := 0; i <= k; i++ {
+		m := i
+		for j := i + 1; j < len(v); j++ {
+			if v[j] < v[m] {
+				m = j
+			}
+		}
+		v[i], v[m] = v[m], v[i]
+	}
+	return v[k]
+}
+
+// An adaptiveKey is the controller of one key, and its lock.
+type adaptiveKey struct {
+	mu sync.Mutex
+	c  controller
+}
+
+// A limitChange is a change of a key's limit by half or more since it
+// was last logged.
+type limitChange struct {
+	from, to        int64
+	latency, noLoad time.Duration
+}
+
+// release gives back a place; it reports a large change of the limit.
+func (k *adaptiveKey) release(now time.Time, t ticket, kind sampleKind, lat time.Duration) (limitChange, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	c := &k.c
+	if !c.done(now, t, kind, lat) || c.limit < 1.5*c.logged && c.limit > c.logged/1.5 {
+		return limitChange{}, false
+	}
+	ch := limitChange{from: int64(c.logged), to: int64(c.limit), latency: c.latency, noLoad: c.noLoad}
+	c.logged = c.limit
+	return ch, true
+}
+
+func (k *adaptiveKey) admit(now time.Time) (ticket, bool) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	return k.c.admit(now)
+}
+
+// adaptiveState is a key's state, for the admin API and the metrics.
+type adaptiveState struct {
+	limit, inFlight int64
+	latency, noLoad time.Duration
+	probing         bool
+}
+
+func (k *adaptiveKey) state() adaptiveState {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	c := &k.c
+	return adaptiveState{limit: int64(c.limit), inFlight: c.inFlight, latency: c.latency, noLoad: c.noLoad, probing: c.probing}
+}
+
+// forget starts the key's learning again, from min; its requests in
+// flight stay counted.
+func (k *adaptiveKey) forget() {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	c := &k.c
+	fresh := newController(int64(c.min), int64(c.max))
+	fresh.inFlight, fresh.gen, fresh.probeN = c.inFlight, c.gen+1, c.probeN
+	*c = fresh
+}
+
+// adaptiveTable holds the keys of a zone with an adaptive limit, shared
+// by the zones of one name and limit across reloads. It keeps at most
+// adaptiveMaxKeys keys: a new key takes the place of the key idle for
+// longest in its shard, and when every key of the shard has requests in
+// flight, its request is shed.
+type adaptiveTable struct {
+	seed     maphash.Seed
+	min, max int64
+	shards   [adaptiveShards]adaptiveShard
+	logged   throttle.Throttle // the INFO lines of large changes
+}
+
+const (
+	adaptiveShards  = 16
+	adaptiveMaxKeys = 16384
+)
+
+type adaptiveShard struct {
+	mu sync.Mutex
+	m  map[bucketKey]*adaptiveKey
+}
+
+func newAdaptiveTable(min, max int64) *adaptiveTable {
+	t := &adaptiveTable{seed: maphash.MakeSeed(), min: min, max: max}
+	for i := range t.shards {
+		t.shards[i].m = make(map[bucketKey]*adaptiveKey)
+	}
+	return t
+}
+
+// key finds k's state, or makes it; nil when the shard is full of keys
+// with requests in flight.
+func (t *adaptiveTable) key(k bucketKey, now time.Time) *adaptiveKey {
+	s := &t.shards[maphash.Comparable(t.seed, k)%adaptiveShards]
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if a := s.m[k]; a != nil {
+		return a
+	}
+	if len(s.m) >= adaptiveMaxKeys/adaptiveShards && !s.evict() {
+		return nil
+	}
+	a := &adaptiveKey{c: newController(t.min, t.max)}
+	a.c.last = now
+	s.m[k] = a
+	return a
+}
+
+// evict drops the key idle for longest, and reports whether there was
+// one.
+func (s *adaptiveShard) evict() bool {
+	var oldest bucketKey
+	var at time.Time
+	found := false
+	for k, a := range s.m {
+		a.mu.Lock()
+		idle, used := a.c.inFlight == 0, a.c.last
+		a.mu.Unlock()
+		if idle && (!found || used.Before(at)) {
+			oldest, at, found = k, used, true
+		}
+	}
+	if found {
+		delete(s.m, oldest)
+	}
+	return found
+}
+
+// lookup finds k's state, nil when the table has none.
+func (t *adaptiveTable) lookup(k bucketKey) *adaptiveKey {
+	s := &t.shards[maphash.Comparable(t.seed, k)%adaptiveShards]
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.m[k]
+}
+
+// adaptiveTotals sum up the keys of a table.
+type adaptiveTotals struct {
+	keys            int
+	limit, inFlight int64
+	noLoad          time.Duration // the mean of the keys that measured one
+}
+
+// totals sums the limits and the requests in flight of every key.
+func (t *adaptiveTable) totals() adaptiveTotals {
+	var tot adaptiveTotals
+	var noLoad time.Duration
+	measured := 0
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		for _, a := range s.m {
+			st := a.state()
+			tot.keys++
+			tot.limit += st.limit
+			tot.inFlight += st.inFlight
+			if st.noLoad > 0 {
+				noLoad += st.noLoad
+				measured++
+			}
+		}
+		s.mu.Unlock()
+	}
+	if measured > 0 {
+		tot.noLoad = noLoad / time.Duration(measured)
+	}
+	return tot
+}

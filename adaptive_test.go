@@ -1,0 +1,592 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"container/heap"
+	"fmt"
+	"math"
+	"slices"
+	"testing"
+	"time"
+)
+
+// The controller on simulated latencies: a discrete-event simulation of
+// closed-loop clients, the controller and an upstream with a number of
+// workers and a first-come-first-served queue. Time is simulated, so the
+// runs are exact and fast, and each failure of the known controllers has
+// a scenario that would show it.
+
+// simConfig describes a simulated run.
+type simConfig struct {
+	workers int
+	service func(at time.Duration) time.Duration // the work of a request arriving at at
+	clients func(at time.Duration) int           // closed-loop clients active at at
+	length  time.Duration
+	backoff time.Duration // a shed client tries again after this
+	min     int64
+	// background keeps that many requests of other clients, not limited
+	// by the controller, at the upstream: a queue already present.
+	background int
+
+	// errorEvery makes every errorEvery-th request fail at once (5xx),
+	// without work; cancelEvery, every cancelEvery-th request's client
+	// leave after 100µs; queueCap, the upstream answer 503 at once when
+	// this many wait already (0: no cap).
+	errorEvery, cancelEvery, queueCap int
+	// slowEvery makes every slowEvery-th request take slow.
+	slowEvery int
+	slow      time.Duration
+	// pauses: the proxy stops for pause at each of these instants, and
+	// delivers nothing meanwhile (a GC pause).
+	pauses []time.Duration
+	pause  time.Duration
+}
+
+// simResult is what a run measured.
+type simResult struct {
+	samples []simSample // admitted requests, by completion
+	shed    []time.Duration
+	limits  []simPoint // the limit every 10ms
+	served  int        // successful responses
+}
+
+type simSample struct {
+	at, lat time.Duration
+	ok      bool
+}
+
+type simPoint struct {
+	at    time.Duration
+	limit int64
+}
+
+type simEvent struct {
+	at   time.Duration
+	seq  int
+	kind int // 0: a client sends; 1: a response is delivered; 2: a worker is free
+	// for deliveries
+	client  int
+	tk      ticket
+	admit   time.Duration
+	outcome sampleKind
+}
+
+type simQueue []simEvent
+
+func (q simQueue) Len() int { return len(q) }
+func (q simQueue) Less(i, j int) bool {
+	return q[i].at < q[j].at || q[i].at == q[j].at && q[i].seq < q[j].seq
+}
+func (q simQueue) Swap(i, j int) { q[i], q[j] = q[j], q[i] }
+func (q *simQueue) Push(x any)   { *q = append(*q, x.(simEvent)) }
+func (q *simQueue) Pop() any {
+	old := *q
+	e := old[len(old)-1]
+	*q = old[:len(old)-1]
+	return e
+}
+
+// simState is a run in progress.
+type simState struct {
+	cfg     simConfig
+	c       controller
+	q       simQueue
+	seq     int
+	base    time.Time
+	busy    int
+	waiting []simEvent // requests waiting for a worker
+	n       int        // requests admitted so far
+	active  map[int]bool
+	res     simResult
+}
+
+func simulate(cfg simConfig) simResult { return newSim(cfg).run() }
+
+func newSim(cfg simConfig) *simState {
+	if cfg.min == 0 {
+		cfg.min = 4
+	}
+	if cfg.backoff == 0 {
+		cfg.backoff = 5 * time.Millisecond
+	}
+	return &simState{cfg: cfg, c: newController(cfg.min, 1000), base: time.Unix(1_000_000, 0), active: map[int]bool{}}
+}
+
+func (s *simState) run() simResult {
+	cfg := s.cfg
+	s.wake(0)
+	for i := range cfg.background {
+		s.push(simEvent{at: 0, kind: 0, client: -1 - i})
+	}
+	next := time.Duration(0)
+	for s.q.Len() > 0 {
+		e := heap.Pop(&s.q).(simEvent)
+		if e.at > cfg.length {
+			break
+		}
+		for ; next <= e.at; next += 10 * time.Millisecond {
+			s.res.limits = append(s.res.limits, simPoint{next, int64(s.c.limit)})
+		}
+		switch e.kind {
+		case 0:
+			s.send(e)
+		case 1:
+			s.deliver(e)
+		case 2:
+			s.busy--
+			s.startWork(e.at)
+		}
+		s.wake(e.at)
+	}
+	return s.res
+}
+
+func (s *simState) push(e simEvent) {
+	s.seq++
+	e.seq = s.seq
+	heap.Push(&s.q, e)
+}
+
+// wake starts the clients that have become active.
+func (s *simState) wake(at time.Duration) {
+	for i := range s.cfg.clients(at) {
+		if !s.active[i] {
+			s.active[i] = true
+			s.push(simEvent{at: at, kind: 0, client: i})
+		}
+	}
+}
+
+// delivered is when the proxy can deliver a response finished at at.
+func (s *simState) delivered(at time.Duration) time.Duration {
+	for _, p := range s.cfg.pauses {
+		if at >= p && at < p+s.cfg.pause {
+			return p + s.cfg.pause
+		}
+	}
+	return at
+}
+
+func (s *simState) send(e simEvent) {
+	if e.client < 0 { // background: straight to the upstream
+		s.waiting = append(s.waiting, simEvent{client: e.client, admit: e.at, outcome: sampleNone})
+		s.startWork(e.at)
+		return
+	}
+	if e.client >= s.cfg.clients(e.at) {
+		s.active[e.client] = false // load fell: the client stops
+		return
+	}
+	tk, ok := s.c.admit(s.base.Add(e.at))
+	if !ok {
+		s.res.shed = append(s.res.shed, e.at)
+		s.push(simEvent{at: e.at + s.cfg.backoff, kind: 0, client: e.client})
+		return
+	}
+	s.n++
+	r := simEvent{client: e.client, tk: tk, admit: e.at, outcome: sampleOK}
+	switch {
+	case s.cfg.errorEvery > 0 && s.n%s.cfg.errorEvery == 0:
+		r.at, r.kind, r.outcome = e.at+100*time.Microsecond, 1, sampleError
+		s.push(r)
+		return
+	case s.cfg.cancelEvery > 0 && s.n%s.cfg.cancelEvery == 0:
+		r.at, r.kind, r.outcome = e.at+100*time.Microsecond, 1, sampleGone
+		s.push(r)
+		return
+	case s.cfg.queueCap > 0 && len(s.waiting) >= s.cfg.queueCap:
+		r.at, r.kind, r.outcome = e.at+time.Millisecond, 1, sampleError
+		s.push(r)
+		return
+	}
+	r.at = e.at
+	s.waiting = append(s.waiting, r)
+	s.startWork(e.at)
+}
+
+// startWork gives waiting requests the free workers.
+func (s *simState) startWork(at time.Duration) {
+	for s.busy < s.cfg.workers && len(s.waiting) > 0 {
+		r := s.waiting[0]
+		s.waiting = s.waiting[1:]
+		work := s.cfg.service(r.admit)
+		if s.cfg.slowEvery > 0 && s.n%s.cfg.slowEvery == 0 {
+			work = s.cfg.slow
+		}
+		s.busy++
+		s.push(simEvent{at: at + work, kind: 2})
+		r.at, r.kind = s.delivered(at+work), 1
+		s.push(r)
+	}
+}
+
+func (s *simState) deliver(e simEvent) {
+	if e.client < 0 {
+		s.push(simEvent{at: e.at, kind: 0, client: e.client})
+		return
+	}
+	lat := e.at - e.admit
+	s.c.done(s.base.Add(e.at), e.tk, e.outcome, lat)
+	if e.outcome == sampleOK {
+		s.res.served++
+	}
+	s.res.samples = append(s.res.samples, simSample{at: e.at, lat: lat, ok: e.outcome == sampleOK})
+	next := e.at
+	if e.outcome == sampleGone {
+		next += s.cfg.backoff
+	}
+	s.push(simEvent{at: next, kind: 0, client: e.client})
+}
+
+// between returns the latencies of successful responses delivered in
+// [from, to), sorted.
+func (r *simResult) between(from, to time.Duration) []time.Duration {
+	var out []time.Duration
+	for _, s := range r.samples {
+		if s.ok && s.at >= from && s.at < to {
+			out = append(out, s.lat)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+func simQuantile(s []time.Duration, q float64) time.Duration {
+	if len(s) == 0 {
+		return 0
+	}
+	return s[min(int(q*float64(len(s))), len(s)-1)]
+}
+
+// limitRange is the least and the most limit in [from, to).
+func (r simResult) limitRange(from, to time.Duration) (lo, hi int64) {
+	lo = math.MaxInt64
+	for _, p := range r.limits {
+		if p.at >= from && p.at < to {
+			lo, hi = min(lo, p.limit), max(hi, p.limit)
+		}
+	}
+	return lo, hi
+}
+
+// shedBetween counts the requests shed in [from, to).
+func (r *simResult) shedBetween(from, to time.Duration) int {
+	n := 0
+	for _, at := range r.shed {
+		if at >= from && at < to {
+			n++
+		}
+	}
+	return n
+}
+
+// fixed is a service time of d give or take 10%.
+func fixed(d time.Duration) func(time.Duration) time.Duration {
+	return func(at time.Duration) time.Duration { return jitter(d, at) }
+}
+
+// jitter is d give or take 10%, drawn from at.
+func jitter(d, at time.Duration) time.Duration {
+	return time.Duration(float64(d) * (0.9 + 0.2*unitFloat(uint64(at))))
+}
+
+func constClients(n int) func(time.Duration) int { return func(time.Duration) int { return n } }
+
+const simMs = time.Millisecond
+
+// TestAdaptiveSimulated is the bench's scenarios in simulation: 8 workers
+// of 20ms each (400/s) under 64 clients, 32 workers, load falling to 4
+// clients, and the upstream slowing from 20 to 60ms.
+func TestAdaptiveSimulated(t *testing.T) {
+	t.Run("8 workers", func(t *testing.T) {
+		r := simulate(simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(64), length: 60 * time.Second})
+		lat := r.between(5*time.Second, 60*time.Second)
+		goodput := float64(len(lat)) / 55 / 400
+		p50, p99 := simQuantile(lat, .5), simQuantile(lat, .99)
+		lo, hi := r.limitRange(5*time.Second, 60*time.Second)
+		t.Logf("p50 %v p99 %v goodput %.2f limit %d-%d", p50, p99, goodput, lo, hi)
+		if p50 > 50*simMs || p99 > 150*simMs || goodput < 0.9 {
+			t.Errorf("p50 %v (want ≤ 50ms), p99 %v (≤ 150ms), goodput %.2f of capacity (≥ 0.9)", p50, p99, goodput)
+		}
+	})
+	t.Run("32 workers", func(t *testing.T) {
+		r := simulate(simConfig{workers: 32, service: fixed(20 * simMs), clients: constClients(64), length: 30 * time.Second})
+		lat := r.between(2*time.Second, 30*time.Second)
+		goodput := float64(len(lat)) / 28 / 1600
+		lo, hi := r.limitRange(2*time.Second, 30*time.Second)
+		t.Logf("p50 %v p99 %v goodput %.2f limit %d-%d", simQuantile(lat, .5), simQuantile(lat, .99), goodput, lo, hi)
+		if goodput < 0.9 {
+			t.Errorf("goodput %.2f of capacity, want ≥ 0.9", goodput)
+		}
+	})
+	t.Run("load falls to 4 clients", func(t *testing.T) {
+		clients := func(at time.Duration) int {
+			if at < 10*time.Second {
+				return 64
+			}
+			return 4
+		}
+		r := simulate(simConfig{workers: 8, service: fixed(20 * simMs), clients: clients, length: 40 * time.Second})
+		shed, all := r.shedBetween(11*time.Second, 40*time.Second), len(r.between(11*time.Second, 40*time.Second))
+		t.Logf("shed %d of %d", shed, shed+all)
+		if shed*100 >= shed+all {
+			t.Errorf("shed %d of %d requests with 4 clients, want under 1%%", shed, shed+all)
+		}
+	})
+	t.Run("upstream slows", func(t *testing.T) {
+		service := func(at time.Duration) time.Duration {
+			if at < 20*time.Second {
+				return jitter(20*simMs, at)
+			}
+			return jitter(60*simMs, at)
+		}
+		r := simulate(simConfig{workers: 8, service: service, clients: constClients(64), length: 60 * time.Second})
+		for from := 23 * time.Second; from < 60*time.Second; from += time.Second {
+			if p99 := simQuantile(r.between(from, from+time.Second), .99); p99 > 180*simMs {
+				t.Errorf("p99 %v in the second from %v, want ≤ 180ms", p99, from)
+			}
+		}
+		late := r.between(50*time.Second, 60*time.Second)
+		lo, hi := r.limitRange(50*time.Second, 60*time.Second)
+		t.Logf("after: p50 %v p99 %v goodput %.2f limit %d-%d", simQuantile(late, .5), simQuantile(late, .99), float64(len(late))/10/(8/0.06), lo, hi)
+	})
+}
+
+// TestAdaptiveProbeDoesNotStarve: a probe for the no-load latency that
+// pins the limit low until it has its samples (Envoy's first gradient
+// controller: one request in flight, then three, until 50 had come back)
+// starves a slow upstream for a long time. A probe here halves the limit
+// for two latencies: an upstream of 1s requests keeps its goodput, in the
+// whole run and in every 20s of it.
+func TestAdaptiveProbeDoesNotStarve(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		service time.Duration
+		clients int
+		length  time.Duration
+	}{
+		{"1s requests", time.Second, 16, 10 * time.Minute},
+		{"20ms requests", 20 * simMs, 64, time.Minute},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := simulate(simConfig{workers: 8, service: fixed(tc.service), clients: constClients(tc.clients), length: tc.length})
+			capacity := 8 / tc.service.Seconds()
+			warm := 20 * tc.service
+			all := float64(len(r.between(warm, tc.length))) / (tc.length - warm).Seconds() / capacity
+			worst := math.Inf(1)
+			for from := warm; from+20*time.Second <= tc.length; from += 5 * time.Second {
+				worst = min(worst, float64(len(r.between(from, from+20*time.Second)))/20/capacity)
+			}
+			t.Logf("goodput %.3f of capacity, %.3f in the worst 20s", all, worst)
+			if all < 0.95 || worst < 0.85 {
+				t.Errorf("goodput %.3f of capacity (want ≥ 0.95), %.3f in the worst 20s (want ≥ 0.85)", all, worst)
+			}
+		})
+	}
+}
+
+// TestAdaptiveNoCreepWithQueue: a controller whose no-load latency is
+// taken from latencies with a queue in them (Vegas resetting it to the
+// latest sample; Gradient2's long average following the short one) lets
+// the limit creep up, queue and latency with it. Here the limit stays put
+// over ten minutes, whether the queue is the limit's own or other
+// clients' requests that wait at the upstream too.
+func TestAdaptiveNoCreepWithQueue(t *testing.T) {
+	for _, background := range []int{0, 8} {
+		t.Run(fmt.Sprintf("%d other requests waiting", background), func(t *testing.T) {
+			r := simulate(simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(24),
+				length: 10 * time.Minute, background: background, backoff: 20 * simMs})
+			_, early := r.limitRange(10*time.Second, 2*time.Minute)
+			lo, late := r.limitRange(8*time.Minute, 10*time.Minute)
+			p50 := simQuantile(r.between(8*time.Minute, 10*time.Minute), .5)
+			t.Logf("limit up to %d in minutes 0-2, %d-%d in minutes 8-10; p50 %v", early, lo, late, p50)
+			// Little's law: the limit and the other requests share 8
+			// workers of 20ms.
+			want := time.Duration(float64(20*simMs) * float64(int64(background)+late) / 8)
+			if late > early+5 || late > 24 || p50 > want+10*simMs {
+				t.Errorf("limit up to %d in minutes 8-10 (%d in minutes 0-2), p50 %v", late, early, p50)
+			}
+		})
+	}
+}
+
+// TestAdaptiveFailuresAreNotFastSamples: requests that fail or are
+// dropped come back fast; taken as latencies (Netflix's concurrency-limits
+// saw RTTs near 0 from dropped requests), they drag the no-load latency
+// towards 0 and throw the limit off. Here errors rank above every success,
+// a client that leaves early is no sample, and neither is a request
+// refused after admission: the no-load latency stays the upstream's, and
+// the limit where it is without them. An upstream that answers 503 at
+// once when its queue is full is overloaded, not fast: the limit stays
+// about what the upstream takes (8 at work, 4 waiting), and its errors
+// few.
+func TestAdaptiveFailuresAreNotFastSamples(t *testing.T) {
+	base := simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(64), length: time.Minute}
+	for _, tc := range []struct {
+		name string
+		set  func(*simConfig)
+	}{
+		{"a third fail at once", func(c *simConfig) { c.errorEvery = 3 }},
+		{"a third of the clients leave at once", func(c *simConfig) { c.cancelEvery = 3 }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := base
+			tc.set(&cfg)
+			s := newSim(cfg)
+			r := s.run()
+			lo, hi := r.limitRange(10*time.Second, time.Minute)
+			t.Logf("no-load latency %v, limit %d-%d", s.c.noLoad, lo, hi)
+			if s.c.noLoad < 18*simMs || lo < 10 || hi > 20 {
+				t.Errorf("no-load latency %v (want the upstream's 18-22ms), limit %d-%d (want about 14)", s.c.noLoad, lo, hi)
+			}
+		})
+	}
+	t.Run("the upstream answers 503 when 4 wait", func(t *testing.T) {
+		cfg := base
+		cfg.queueCap = 4
+		r := simulate(cfg)
+		errs, all := 0, 0
+		for _, s := range r.samples {
+			if s.at >= 10*time.Second {
+				all++
+				if !s.ok {
+					errs++
+				}
+			}
+		}
+		_, hi := r.limitRange(10*time.Second, time.Minute)
+		t.Logf("%d errors of %d responses, limit up to %d", errs, all, hi)
+		if errs*10 > all || hi > 20 {
+			t.Errorf("%d errors of %d responses (want under 10%%), limit up to %d", errs, all, hi)
+		}
+	})
+	t.Run("refused after admission", func(t *testing.T) {
+		c := newController(4, 1000)
+		now := time.Unix(0, 0)
+		for range 1000 {
+			tk, ok := c.admit(now)
+			if !ok {
+				t.Fatal("refused with nothing in flight")
+			}
+			now = now.Add(simMs)
+			c.done(now, tk, sampleNone, 0)
+		}
+		if c.limit != 4 || c.noLoad != 0 || c.win.seen != 0 || c.inFlight != 0 {
+			t.Errorf("limit %v, no-load latency %v, %d samples, %d in flight: want 4, 0, 0, 0", c.limit, c.noLoad, c.win.seen, c.inFlight)
+		}
+	})
+}
+
+// TestAdaptivePausesAndSlowRequests: a pause of the whole process (a GC
+// pause) makes every request in flight slow at once, and a request may be
+// slow on its own; neither is overload. A controller that lowers the
+// limit on one interval's latency, or on a mean, reads them as such.
+func TestAdaptivePausesAndSlowRequests(t *testing.T) {
+	cfg := simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(64), length: time.Minute}
+	steady, _ := simulate(cfg).limitRange(10*time.Second, time.Minute)
+	t.Run("pauses", func(t *testing.T) {
+		cfg := cfg
+		cfg.pause = 200 * simMs
+		for at := 10 * time.Second; at < time.Minute; at += 5 * time.Second {
+			cfg.pauses = append(cfg.pauses, at)
+		}
+		lo, hi := simulate(cfg).limitRange(10*time.Second, time.Minute)
+		t.Logf("limit %d-%d with a 200ms pause every 5s, from %d without", lo, hi, steady)
+		if lo < steady-1 {
+			t.Errorf("limit down to %d with pauses, %d without", lo, steady)
+		}
+	})
+	t.Run("slow requests", func(t *testing.T) {
+		cfg := cfg
+		cfg.slowEvery, cfg.slow = 1000, 2*time.Second
+		lo, hi := simulate(cfg).limitRange(10*time.Second, time.Minute)
+		t.Logf("limit %d-%d with a 2s request in 1000, from %d without", lo, hi, steady)
+		if lo < steady-1 {
+			t.Errorf("limit down to %d with slow requests, %d without", lo, steady)
+		}
+	})
+	t.Run("one slow request per interval", func(t *testing.T) {
+		c := newController(4, 1000)
+		now := time.Unix(0, 0)
+		// Rounds of as many requests as the limit, at a latency with no
+		// queue; after the first five, each has one request of 5s: the
+		// limit rises as if it were not there.
+		for i := range 40 {
+			var tks []ticket
+			for range int(c.limit) {
+				tk, _ := c.admit(now)
+				tks = append(tks, tk)
+			}
+			now = now.Add(adaptiveInterval) // one interval a round
+			for j, tk := range tks {
+				lat := 20 * simMs
+				if j == 0 && i >= 5 {
+					lat = 5 * time.Second
+				}
+				c.done(now, tk, sampleOK, lat)
+			}
+		}
+		if c.limit < 100 {
+			t.Errorf("limit %v after 40 rounds without a queue but one slow request each: want it far above 100", c.limit)
+		}
+	})
+}
+
+// round admits as many requests as c lets in at now, and gives them back
+// after lat, with kind; it returns the instant they ended.
+func round(c *controller, now time.Time, lat time.Duration, kind sampleKind) time.Time {
+	var tks []ticket
+	for {
+		tk, ok := c.admit(now)
+		if !ok {
+			break
+		}
+		tks = append(tks, tk)
+	}
+	now = now.Add(lat)
+	for _, tk := range tks {
+		c.done(now, tk, kind, lat)
+	}
+	return now
+}
+
+// A request of a probe that never comes back does not keep the probe
+// going, nor the controller from learning; and a key's learning started
+// again during a probe ignores the probe's requests when they return.
+func TestAdaptiveProbeRequests(t *testing.T) {
+	t.Run("one hangs", func(t *testing.T) {
+		c := newController(4, 1000)
+		now := time.Unix(0, 0)
+		for !c.probing {
+			now = round(&c, now, 20*simMs, sampleOK)
+		}
+		if _, ok := c.admit(now); !ok { // never given back
+			t.Fatal("the probe admitted nothing")
+		}
+		limit := c.limit
+		for range 20 {
+			now = round(&c, now, 100*simMs, sampleOK) // a queue: the limit falls
+		}
+		if c.probing || c.limit >= limit {
+			t.Errorf("probing %v, limit %v from %v: want the probe over and the limit lower", c.probing, c.limit, limit)
+		}
+	})
+	t.Run("learning starts again", func(t *testing.T) {
+		k := &adaptiveKey{c: newController(4, 1000)}
+		now := time.Unix(0, 0)
+		for !k.c.probing {
+			now = round(&k.c, now, 20*simMs, sampleOK)
+		}
+		tk, _ := k.admit(now)
+		k.forget()
+		k.release(now, tk, sampleOK, time.Millisecond)
+		for range 100 {
+			now = round(&k.c, now, 20*simMs, sampleOK)
+		}
+		if k.c.inFlight != 0 || k.c.probeOut != 0 || k.c.noLoad != 20*simMs {
+			t.Errorf("%d in flight, %d out for the probe, no-load latency %v: want 0, 0, 20ms", k.c.inFlight, k.c.probeOut, k.c.noLoad)
+		}
+	})
+}

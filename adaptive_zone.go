@@ -1,0 +1,407 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
+	"go.uber.org/zap"
+)
+
+// Zones with `concurrency adaptive` (adaptive.go has the controller): a
+// request takes a place among its key's requests in flight before the
+// store is asked for anything, so that a shed request spends no tokens
+// in any zone and costs no store call; the place is given back, with the
+// request's latency, when the handlers after this one return. A request
+// that another zone refuses gives its place back without a latency. The
+// places are this instance's own, whatever the store.
+
+// AdaptiveConcurrency limits the requests of a key in flight to a number
+// learnt from their latency: as many as the upstream serves without a
+// queue building up, within [min, max]. Beyond it, requests are shed
+// with 503 Service Unavailable and `Retry-After: 1`.
+type AdaptiveConcurrency struct {
+	// Never limit below this many requests in flight. Default: 4.
+	Min int64 `json:"min,omitempty"`
+
+	// Never let more requests than this be in flight. Default: 1000.
+	Max int64 `json:"max,omitempty"`
+}
+
+const (
+	defaultAdaptiveMin = 4
+	defaultAdaptiveMax = 1000
+	maxAdaptive        = 1_000_000
+	// adaptiveLogEvery bounds the INFO lines of large changes of a zone's
+	// limit: one per zone at most this often.
+	adaptiveLogEvery = 10 * time.Second
+)
+
+// bounds are min and max, with their defaults.
+func (a *AdaptiveConcurrency) bounds() (lo, hi int64) {
+	lo, hi = a.Min, a.Max
+	if lo == 0 {
+		lo = defaultAdaptiveMin
+	}
+	if hi == 0 {
+		hi = max(defaultAdaptiveMax, lo)
+	}
+	return lo, hi
+}
+
+func (a *AdaptiveConcurrency) check() error {
+	lo, hi := a.bounds()
+	if err := checkRange("concurrency adaptive min", lo, 1, maxAdaptive); err != nil {
+		return err
+	}
+	if err := checkRange("concurrency adaptive max", hi, 1, maxAdaptive); err != nil {
+		return err
+	}
+	if hi < lo {
+		return fmt.Errorf("invalid concurrency adaptive max %d: must be at least min %d", hi, lo)
+	}
+	return nil
+}
+
+// checkAdaptive checks what goes with concurrency adaptive in a zone.
+func (z *Zone) checkAdaptive() error {
+	if z.ConcurrencyAdaptive == nil {
+		return nil
+	}
+	if z.Concurrency != 0 {
+		return errors.New("concurrency adaptive and a fixed concurrency exclude each other: a zone has one limit on requests in flight")
+	}
+	if z.Lease != 0 {
+		return errors.New("lease needs a fixed concurrency: an adaptive limit is this instance's own, and holds no leases")
+	}
+	return z.ConcurrencyAdaptive.check()
+}
+
+// adaptiveOnly reports whether the zone limits nothing but requests in
+// flight adaptively: it has no demand for the store.
+func (z *Zone) adaptiveOnly() bool {
+	return z.ConcurrencyAdaptive != nil && z.rateless && z.quota == nil && z.Concurrency == 0
+}
+
+// unmarshalAdaptive reads `concurrency adaptive [{ min <n>; max <n> }]`.
+// It reads nothing, and reports false, when the concurrency is a number.
+func (z *Zone) unmarshalAdaptive(d *caddyfile.Dispenser) (bool, error) {
+	if !d.NextArg() {
+		return false, d.ArgErr()
+	}
+	if d.Val() != "adaptive" {
+		d.Prev()
+		return false, nil
+	}
+	if d.NextArg() {
+		return true, d.ArgErr()
+	}
+	a := new(AdaptiveConcurrency)
+	for nesting := d.Nesting(); d.NextBlock(nesting); {
+		var n *int64
+		sub := d.Val()
+		switch sub {
+		case "min":
+			n = &a.Min
+		case "max":
+			n = &a.Max
+		default:
+			return true, d.Errf("unrecognized concurrency adaptive subdirective '%s': expected min or max", sub)
+		}
+		var err error
+		if *n, err = intArg[int64](d); err != nil {
+			return true, err
+		}
+		if err := checkRange("concurrency adaptive "+sub, *n, 1, maxAdaptive); err != nil {
+			return true, d.WrapErr(err)
+		}
+	}
+	z.ConcurrencyAdaptive = a
+	if err := a.check(); err != nil {
+		return true, d.WrapErr(err)
+	}
+	return true, nil
+}
+
+// adaptiveZone is a zone's adaptive limit at run time.
+type adaptiveZone struct {
+	table   *adaptiveTable // the keys, shared by the zones of its name and limit
+	shed    error          // the caddyhttp.HandlerError of a shed request
+	latency prometheus.Observer
+}
+
+// provisionAdaptive gives an adaptive zone its keys: those of the zone
+// state, which zones of one name and limit share across reloads.
+func (z *Zone) provisionAdaptive(st *zoneState) {
+	lo, hi := z.ConcurrencyAdaptive.bounds()
+	st.adaptive.CompareAndSwap(nil, newAdaptiveTable(lo, hi))
+	z.adaptive = &adaptiveZone{
+		table: st.adaptive.Load(),
+		shed: caddyhttp.HandlerError{
+			StatusCode: http.StatusServiceUnavailable,
+			Err:        fmt.Errorf("rate limit: load shed in zone %s", z.Name),
+		},
+	}
+}
+
+// describe is the adaptive limit in words, for Zone.describe.
+func (a *AdaptiveConcurrency) describe() string {
+	lo, hi := a.bounds()
+	return fmt.Sprintf("concurrency adaptive %d-%d", lo, hi)
+}
+
+// adaptiveScratch is a request's places in zones with an adaptive limit.
+type adaptiveScratch struct {
+	p    []adaptivePlace
+	shed *adaptivePlace // the place refused, in a zone not in dry run
+	held bool           // the request holds a place
+	kind sampleKind     // what its response says
+	lat  time.Duration
+	rec  statusWriter
+}
+
+// An adaptivePlace is a request's place in one zone.
+type adaptivePlace struct {
+	zone int
+	key  bucketKey
+	k    *adaptiveKey
+	tk   ticket
+	held bool
+	// wouldShed: the zone is in dry run and had no place: the request
+	// goes on without one.
+	wouldShed bool
+}
+
+func (a *adaptiveScratch) add(zone int, key bucketKey) {
+	a.p = append(a.p, adaptivePlace{zone: zone, key: key})
+}
+
+// admitAdaptive takes the request's places, before any store is asked:
+// all of them, or, when a zone not in dry run has none free, none
+// (outcomeShed). A dry-run zone without a place counts it and lets the
+// request go on.
+func (h *Handler) admitAdaptive(r *http.Request, now time.Time, sc *scratch) outcome {
+	if now.IsZero() {
+		now = time.Now()
+	}
+	a := &sc.adaptive
+	for i := range a.p {
+		p := &a.p[i]
+		z := h.Zones[p.zone]
+		if p.k = z.adaptive.table.key(p.key, now); p.k != nil {
+			p.tk, p.held = p.k.admit(now)
+		}
+		a.held = a.held || p.held
+		switch {
+		case p.held:
+		case z.inDryRun:
+			p.wouldShed = true
+			z.state.dryRunShed.Add(1)
+			h.noteDryRunSlot(r, z)
+		default:
+			z.state.shed.Add(1)
+			a.shed = p
+			return outcomeShed
+		}
+	}
+	if h.anyDryRun {
+		h.noteAdaptivePassed(r, sc)
+	}
+	return outcomeAllow
+}
+
+// noteAdaptivePassed sets the would_deny placeholder of the adaptive
+// zones in dry run alone that had a place for r.
+func (h *Handler) noteAdaptivePassed(r *http.Request, sc *scratch) {
+	repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if !ok {
+		return
+	}
+	for _, p := range sc.adaptive.p {
+		if z := h.Zones[p.zone]; z.inDryRun && z.adaptiveOnly() && !p.wouldShed {
+			repl.Set(z.wouldDenyVar, false)
+		}
+	}
+}
+
+// wouldShed reports whether the request would have been shed by zone,
+// in dry run.
+func (a *adaptiveScratch) wouldShed(zone int) bool {
+	for _, p := range a.p {
+		if p.zone == zone && p.wouldShed {
+			return true
+		}
+	}
+	return false
+}
+
+// serveAdaptive serves a request that holds places, and notes what its
+// response tells the controllers: its latency from here to the end of
+// the response, and whether it failed (a 5xx, or an error without a
+// status), its client left, or it switched protocols (no latency).
+func (h *Handler) serveAdaptive(w http.ResponseWriter, r *http.Request, next caddyhttp.Handler, sc *scratch) error {
+	a := &sc.adaptive
+	for _, p := range a.p {
+		if z := h.Zones[p.zone]; p.held && z.adaptiveOnly() {
+			z.state.allowed.Add(1)
+		}
+	}
+	rec := &a.rec
+	rec.ResponseWriter, rec.status = w, 0
+	start := time.Now()
+	err := h.serve(rec, r, next, sc)
+	a.lat = time.Since(start)
+	status := rec.status
+	if err != nil {
+		status = http.StatusInternalServerError
+		if he, ok := errors.AsType[caddyhttp.HandlerError](err); ok && he.StatusCode != 0 {
+			status = he.StatusCode
+		}
+	}
+	switch {
+	case r.Context().Err() != nil:
+		a.kind = sampleGone
+	case status >= 500:
+		a.kind = sampleError
+	case status == http.StatusSwitchingProtocols:
+		a.kind = sampleNone
+	default:
+		a.kind = sampleOK
+	}
+	return err
+}
+
+// releaseAdaptive gives the request's places back, with what its
+// response said if it was served, and clears them.
+func (h *Handler) releaseAdaptive(sc *scratch) {
+	a := &sc.adaptive
+	if a.held {
+		now := time.Now()
+		for i := range a.p {
+			if p := &a.p[i]; p.held {
+				h.releasePlace(p, a.kind, a.lat, now)
+			}
+		}
+	}
+	a.p, a.shed, a.held, a.kind, a.lat = a.p[:0], nil, false, sampleNone, 0
+	a.rec = statusWriter{}
+}
+
+func (h *Handler) releasePlace(p *adaptivePlace, kind sampleKind, lat time.Duration, now time.Time) {
+	z := h.Zones[p.zone]
+	if obs := z.adaptive.latency; obs != nil && (kind == sampleOK || kind == sampleError) {
+		obs.Observe(lat.Seconds())
+	}
+	ch, changed := p.k.release(now, p.tk, kind, lat)
+	if !changed {
+		return
+	}
+	if _, ok := z.adaptive.table.logged.Allow(adaptiveLogEvery); !ok {
+		return
+	}
+	fields := []zap.Field{
+		zap.String("zone", z.Name), zap.Int64("limit", ch.to), zap.Int64("previous", ch.from),
+		zap.Duration("latency", ch.latency), zap.Duration("no_load_latency", ch.noLoad),
+	}
+	if h.LogKey {
+		fields = append(fields, zap.String("key", p.key.String()))
+	}
+	h.logger.Info("adaptive concurrency limit changed", fields...)
+}
+
+// shedAdaptive answers a request that an adaptive zone shed: 503 with
+// Retry-After: 1, as an error for handle_errors. The upstream is busy,
+// which is not the client's doing.
+func (h *Handler) shedAdaptive(w http.ResponseWriter, r *http.Request, sc *scratch) error {
+	p := sc.adaptive.shed
+	return h.refuseInFlight(w, r, h.Zones[p.zone], p.key, true)
+}
+
+// adaptiveLatency observes the latencies the adaptive limits learn from.
+var adaptiveLatency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+	Namespace: metricsNamespace,
+	Subsystem: metricsSubsystem,
+	Name:      "adaptive_latency_seconds",
+	Help:      "Latency of the requests an adaptive concurrency limit admitted, from admission to the end of the response, by zone.",
+	Buckets:   []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60},
+}, []string{"zone", "limit"})
+
+// adaptiveDescs are the gauges of the adaptive limits, read at scrape.
+var adaptiveDescs = struct{ limit, inFlight, noLoad *prometheus.Desc }{
+	limit: prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "adaptive_limit"),
+		"The adaptive concurrency limits of a zone, summed over its keys.", []string{"zone", "limit"}, nil),
+	inFlight: prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "adaptive_in_flight"),
+		"Requests in flight under a zone's adaptive concurrency limits, summed over its keys.", []string{"zone", "limit"}, nil),
+	noLoad: prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "adaptive_no_load_latency_seconds"),
+		"The latency without a queue that a zone's adaptive limits measured, averaged over its keys.", []string{"zone", "limit"}, nil),
+}
+
+// collectAdaptive exports what a zone with an adaptive limit counts.
+func collectAdaptive(ch chan<- prometheus.Metric, requests *prometheus.Desc, id zoneID, s *zoneState) {
+	t := s.adaptive.Load()
+	if t == nil {
+		return
+	}
+	ch <- prometheus.MustNewConstMetric(requests, prometheus.CounterValue, float64(s.shed.Load()), id.name, id.limit, "shed")
+	ch <- prometheus.MustNewConstMetric(requests, prometheus.CounterValue, float64(s.dryRunShed.Load()), id.name, id.limit, "dry_run_shed")
+	tot := t.totals()
+	ch <- prometheus.MustNewConstMetric(adaptiveDescs.limit, prometheus.GaugeValue, float64(tot.limit), id.name, id.limit)
+	ch <- prometheus.MustNewConstMetric(adaptiveDescs.inFlight, prometheus.GaugeValue, float64(tot.inFlight), id.name, id.limit)
+	ch <- prometheus.MustNewConstMetric(adaptiveDescs.noLoad, prometheus.GaugeValue, tot.noLoad.Seconds(), id.name, id.limit)
+}
+
+// adaptiveZoneInfo describes a zone's adaptive limit in the admin API.
+type adaptiveZoneInfo struct {
+	Min int64 `json:"min"`
+	Max int64 `json:"max"`
+	// The keys with a limit, and their limits and requests in flight,
+	// summed.
+	Keys     int   `json:"keys"`
+	Limit    int64 `json:"limit"`
+	InFlight int64 `json:"in_flight"`
+}
+
+func (a *adaptiveZone) info() *adaptiveZoneInfo {
+	tot := a.table.totals()
+	return &adaptiveZoneInfo{Min: a.table.min, Max: a.table.max, Keys: tot.keys, Limit: tot.limit, InFlight: tot.inFlight}
+}
+
+// adaptiveKeyInfo describes a key's adaptive limit in the admin API; a
+// key without one is shown as it would start.
+type adaptiveKeyInfo struct {
+	Limit    int64 `json:"limit"`
+	InFlight int64 `json:"in_flight"`
+	// The median latency of the last interval, and the latency without a
+	// queue, in seconds; 0 until measured.
+	Latency       float64 `json:"latency"`
+	NoLoadLatency float64 `json:"no_load_latency"`
+	Probing       bool    `json:"probing,omitempty"`
+}
+
+func (a *adaptiveZone) keyInfo(key bucketKey) *adaptiveKeyInfo {
+	st := adaptiveState{limit: a.table.min}
+	if k := a.table.lookup(key); k != nil {
+		st = k.state()
+	}
+	return &adaptiveKeyInfo{Limit: st.limit, InFlight: st.inFlight, Latency: st.latency.Seconds(),
+		NoLoadLatency: st.noLoad.Seconds(), Probing: st.probing}
+}
+
+// forget starts the key's learning again (the admin API's DELETE), and
+// reports whether it had learnt anything.
+func (a *adaptiveZone) forget(key bucketKey) bool {
+	k := a.table.lookup(key)
+	if k == nil {
+		return false
+	}
+	k.forget()
+	return true
+}

@@ -1,0 +1,470 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
+	"go.uber.org/zap/zaptest/observer"
+)
+
+func TestAdaptiveCaddyfileErrors(t *testing.T) {
+	for _, tc := range []struct {
+		name, input, wantErr string
+		line                 int
+	}{
+		{"with a lease", `rate_limit {
+	zone a {
+		concurrency adaptive
+		lease 10s
+	}
+}`, "zone a: lease needs a fixed concurrency", 5},
+		{"with a fixed concurrency", `rate_limit {
+	zone a {
+		concurrency adaptive
+		concurrency 4
+	}
+}`, "zone a: concurrency already specified", 4},
+		{"unknown subdirective", `rate_limit {
+	zone a {
+		concurrency adaptive {
+			bogus 1
+		}
+	}
+}`, "unrecognized concurrency adaptive subdirective 'bogus'", 4},
+		{"min 0", `rate_limit {
+	zone a {
+		concurrency adaptive {
+			min 0
+		}
+	}
+}`, "invalid concurrency adaptive min 0: must be 1 to 1000000", 4},
+		{"max below min", `rate_limit {
+	zone a {
+		concurrency adaptive {
+			min 10
+			max 5
+		}
+	}
+}`, "invalid concurrency adaptive max 5: must be at least min 10", 6},
+		{"an argument after adaptive", `rate_limit {
+	zone a {
+		concurrency adaptive 5
+	}
+}`, "wrong argument count", 3},
+		{"min without a number", `rate_limit {
+	zone a {
+		concurrency adaptive {
+			min
+		}
+	}
+}`, "wrong argument count", 4},
+		{"burst without a rate", `rate_limit {
+	zone a {
+		concurrency adaptive
+		burst 5
+	}
+}`, "zone a: burst needs a rate", 5},
+	} {
+		t.Run(tc.name, func(t *testing.T) { checkCaddyfileError(t, tc.input, tc.wantErr, tc.line) })
+	}
+}
+
+func TestAdaptiveValidate(t *testing.T) {
+	for _, tc := range []struct{ zone, wantErr string }{
+		{`"concurrency_adaptive":{}`, ""},
+		{`"concurrency_adaptive":{"min":1,"max":1}`, ""},
+		{`"rate":"10r/s","concurrency_adaptive":{"max":50}`, ""},
+		{`"concurrency_adaptive":{},"concurrency":4`, "concurrency adaptive and a fixed concurrency exclude each other"},
+		{`"concurrency_adaptive":{},"lease":10000000000`, "lease needs a fixed concurrency"},
+		{`"concurrency_adaptive":{"min":20,"max":10}`, "invalid concurrency adaptive max 10: must be at least min 20"},
+		{`"concurrency_adaptive":{"max":2000000}`, "invalid concurrency adaptive max 2000000: must be 1 to 1000000"},
+		{`"concurrency_adaptive":{"min":-1}`, "invalid concurrency adaptive min -1"},
+		{`"concurrency_adaptive":{},"cost":2`, "cost needs a rate"},
+	} {
+		t.Run(tc.zone, func(t *testing.T) {
+			checkValidate(t, `{"zones":[{"name":"a","key":"static",`+tc.zone+`}]}`, tc.wantErr)
+		})
+	}
+}
+
+// gate is a next handler whose requests wait until it is opened, or
+// their client leaves; it answers status.
+type gate struct {
+	arrived chan struct{}
+	open    chan struct{}
+	status  int
+}
+
+func newGate(status int) *gate {
+	return &gate{arrived: make(chan struct{}, 64), open: make(chan struct{}), status: status}
+}
+
+func (g *gate) ServeHTTP(w http.ResponseWriter, r *http.Request) error {
+	g.arrived <- struct{}{}
+	select {
+	case <-g.open:
+	case <-r.Context().Done():
+	}
+	w.WriteHeader(g.status)
+	return nil
+}
+
+// hold sends n requests through h into g, and waits until they are all
+// there; the returned function opens the gate and waits for them.
+func hold(t *testing.T, h *Handler, g *gate, n int) (release func()) {
+	t.Helper()
+	var wg sync.WaitGroup
+	for range n {
+		wg.Go(func() {
+			req, rr := newRequest("192.0.2.1")
+			if err := h.ServeHTTP(rr, req, g); err != nil {
+				t.Errorf("held request: %v", err)
+			}
+		})
+	}
+	waitArrivals(t, g.arrived, n)
+	return func() {
+		close(g.open)
+		wg.Wait()
+	}
+}
+
+// A request beyond the adaptive limit is shed with 503 and Retry-After:
+// 1, as an error for handle_errors, and spends no tokens in the other
+// zones of the handler.
+func TestAdaptiveShed(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[
+		{"name":"shed_adaptive","key":"static","concurrency_adaptive":{"min":2,"max":2}},
+		{"name":"shed_rate","key":"static","rate":"1r/m","burst":4}]}`)
+	release := hold(t, h, newGate(http.StatusOK), 2)
+	for range 3 {
+		req, rr := newRequest("192.0.2.1")
+		err := h.ServeHTTP(rr, req, okHandler)
+		if statusOf(err) != http.StatusServiceUnavailable || rr.Header().Get("Retry-After") != "1" {
+			t.Fatalf("beyond the limit: error %v, Retry-After %q; want a 503 error and 1", err, rr.Header().Get("Retry-After"))
+		}
+		repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+		if name, _ := repl.Get("http.rate_limit.exceeded.name"); name != "shed_adaptive" {
+			t.Errorf("exceeded.name %v, want shed_adaptive", name)
+		}
+	}
+	release()
+	// The two held requests took 2 of the 4 tokens; the shed ones none.
+	for i, want := range []int{200, 200, 429} {
+		if got, _ := serve(h, "192.0.2.1"); got != want {
+			t.Errorf("request %d after: %d, want %d", i, got, want)
+		}
+	}
+	st := h.Zones[0].state
+	if st.shed.Load() != 3 || st.allowed.Load() != 4 {
+		t.Errorf("shed %d, allowed %d; want 3 and 4", st.shed.Load(), st.allowed.Load())
+	}
+	if rate := h.Zones[1].state; rate.allowed.Load() != 4 || rate.denied.Load() != 1 {
+		t.Errorf("rate zone: allowed %d, denied %d; want 4 and 1", rate.allowed.Load(), rate.denied.Load())
+	}
+	if tot := h.Zones[0].adaptive.table.totals(); tot.inFlight != 0 || tot.keys != 1 {
+		t.Errorf("%d in flight in %d keys after, want 0 in 1", tot.inFlight, tot.keys)
+	}
+}
+
+// A request refused by another zone gives its place back: the limit of
+// 1 lets the next one through.
+func TestAdaptiveOtherZoneRefuses(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[
+		{"name":"refuse_adaptive","key":"static","concurrency_adaptive":{"min":1,"max":1}},
+		{"name":"refuse_rate","rate":"1r/m","burst":1}]}`)
+	for i, tc := range []struct {
+		ip   string
+		want int
+	}{{"192.0.2.1", 200}, {"192.0.2.1", 429}, {"192.0.2.2", 200}} {
+		if got, _ := serve(h, tc.ip); got != tc.want {
+			t.Errorf("request %d: %d, want %d", i, got, tc.want)
+		}
+	}
+}
+
+// In dry run, a request beyond the limit goes on, counted and marked.
+func TestAdaptiveDryRun(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"dry_adaptive","key":"static","concurrency_adaptive":{"min":1,"max":1},"dry_run":true}]}`)
+	release := hold(t, h, newGate(http.StatusOK), 1)
+	req, rr := newRequest("192.0.2.1")
+	if err := h.ServeHTTP(rr, req, okHandler); err != nil || rr.Code != 200 {
+		t.Fatalf("beyond the limit in dry run: %v, %d; want it served", err, rr.Code)
+	}
+	repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if v, _ := repl.Get("http.rate_limit.dry_adaptive.would_deny"); v != true {
+		t.Errorf("would_deny %v, want true", v)
+	}
+	release()
+	req, rr = newRequest("192.0.2.1")
+	if err := h.ServeHTTP(rr, req, okHandler); err != nil {
+		t.Fatal(err)
+	}
+	repl = req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	if v, _ := repl.Get("http.rate_limit.dry_adaptive.would_deny"); v != false {
+		t.Errorf("would_deny %v within the limit, want false", v)
+	}
+	st := h.Zones[0].state
+	if st.dryRunShed.Load() != 1 || st.shed.Load() != 0 {
+		t.Errorf("dry_run_shed %d, shed %d; want 1 and 0", st.dryRunShed.Load(), st.shed.Load())
+	}
+}
+
+// What a response tells the controller.
+func TestAdaptiveResponseKinds(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"kinds_adaptive","key":"static","concurrency_adaptive":{}}]}`)
+	for _, tc := range []struct {
+		name string
+		next caddyhttp.HandlerFunc
+		gone bool
+		want sampleKind
+	}{
+		{"200", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(200); return nil }, false, sampleOK},
+		{"a body alone", func(w http.ResponseWriter, _ *http.Request) error { _, err := io.WriteString(w, "ok"); return err }, false, sampleOK},
+		{"404", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(404); return nil }, false, sampleOK},
+		{"an error of 404", func(http.ResponseWriter, *http.Request) error { return caddyhttp.Error(404, nil) }, false, sampleOK},
+		{"502", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(502); return nil }, false, sampleError},
+		{"an error of 503", func(http.ResponseWriter, *http.Request) error { return caddyhttp.Error(503, nil) }, false, sampleError},
+		{"an error without a status", func(http.ResponseWriter, *http.Request) error { return io.ErrUnexpectedEOF }, false, sampleError},
+		{"101", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(101); return nil }, false, sampleNone},
+		{"the client left", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(502); return nil }, true, sampleGone},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			req, rr := newRequest("192.0.2.1")
+			if tc.gone {
+				ctx, cancel := context.WithCancel(req.Context())
+				cancel()
+				req = req.WithContext(ctx)
+			}
+			sc := h.scratch.Get().(*scratch)
+			defer h.finish(req, sc)
+			if out, err := h.decide(rr, req, sc); out != outcomeAllow || err != nil || !sc.adaptive.held {
+				t.Fatalf("decide: %v %v, held %v", out, err, sc.adaptive.held)
+			}
+			_ = h.serveAdaptive(rr, req, tc.next, sc)
+			if sc.adaptive.kind != tc.want {
+				t.Errorf("kind %d, want %d", sc.adaptive.kind, tc.want)
+			}
+		})
+	}
+}
+
+// A large change of the limit is logged at INFO, at most one line per
+// zone every adaptiveLogEvery.
+func TestAdaptiveLogsLargeChanges(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"log_adaptive","key":"static","concurrency_adaptive":{"min":4,"max":100}}]}`)
+	core, logs := observer.New(zapcore.InfoLevel)
+	h.logger = zap.New(core)
+	next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+		time.Sleep(time.Millisecond)
+		return nil
+	})
+	// Four clients at once use the whole limit, without a queue: it
+	// rises, from 4 to 6, then on.
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			for start := time.Now(); time.Since(start) < 8*adaptiveInterval; {
+				req, rr := newRequest("192.0.2.1")
+				if err := h.ServeHTTP(rr, req, next); err != nil && statusOf(err) != http.StatusServiceUnavailable {
+					t.Error(err)
+				}
+			}
+		})
+	}
+	wg.Wait()
+	if limit := h.Zones[0].adaptive.keyInfo(bucketKey{s: "static"}).Limit; limit < 9 {
+		t.Fatalf("limit %d after rising twice, want at least 9", limit)
+	}
+	entries := logs.FilterMessage("adaptive concurrency limit changed").All()
+	if len(entries) != 1 {
+		t.Fatalf("%d lines, want 1: %v", len(entries), entries)
+	}
+	if f := entries[0].ContextMap(); f["zone"] != "log_adaptive" || f["previous"] != int64(4) || f["limit"] != int64(6) || f["key"] != nil {
+		t.Errorf("fields %v, want zone log_adaptive, limit 6, previous 4, no key", f)
+	}
+}
+
+// adminGet asks the admin API for path and decodes the JSON.
+func adminGet(t *testing.T, method, path string) (map[string]any, error) {
+	t.Helper()
+	rec := httptest.NewRecorder()
+	if err := (adminAPI{}).serve(rec, httptest.NewRequest(method, path, nil)); err != nil {
+		return nil, err
+	}
+	var v map[string]any
+	if err := json.Unmarshal(rec.Body.Bytes(), &v); err != nil {
+		t.Fatal(err)
+	}
+	return v, nil
+}
+
+// The admin API shows a zone's adaptive limit and each key's; a DELETE
+// starts a key's learning again.
+func TestAdaptiveAdmin(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[
+		{"name":"admin_adaptive","key":"{http.request.header.X-Key}","concurrency_adaptive":{"min":3,"max":50}},
+		{"name":"admin_adaptive_both","key":"{http.request.header.X-Key}","rate":"1r/m","burst":1000,"concurrency_adaptive":{}}]}`)
+	// Requests of key a, without a queue, for a few of the controller's
+	// intervals.
+	for start := time.Now(); time.Since(start) < 4*adaptiveInterval; time.Sleep(2 * time.Millisecond) {
+		req, rr := newRequest("192.0.2.1", "X-Key", "a")
+		if err := h.ServeHTTP(rr, req, okHandler); err != nil {
+			t.Fatal(err)
+		}
+	}
+	sc := h.scratch.Get().(*scratch)
+	req, rr := newRequest("192.0.2.1", "X-Key", "a")
+	if out, err := h.decide(rr, req, sc); out != outcomeAllow || err != nil {
+		t.Fatalf("%v %v", out, err)
+	}
+	got, err := adminGet(t, http.MethodGet, "/rate_limit/admin_adaptive/a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, _ := got["concurrency_adaptive"].(map[string]any)
+	if limit, _ := a["limit"].(float64); a["in_flight"] != 1.0 || limit < 3 || limit > 50 || a["no_load_latency"] == 0.0 {
+		t.Errorf("key a: %v, want 1 in flight, a limit within 3-50 and a no-load latency", got)
+	}
+	got, _ = adminGet(t, http.MethodGet, "/rate_limit/admin_adaptive/b")
+	if a, _ := got["concurrency_adaptive"].(map[string]any); a["limit"] != 3.0 || a["in_flight"] != 0.0 {
+		t.Errorf("key b, never seen: %v, want the limit min (3), none in flight", got)
+	}
+	got, _ = adminGet(t, http.MethodGet, "/rate_limit/admin_adaptive_both/a")
+	if a, _ := got["concurrency_adaptive"].(map[string]any); a["in_flight"] != 1.0 || got["tokens"] == nil {
+		t.Errorf("key a of the zone with a rate too: %v, want 1 in flight and tokens", got)
+	}
+	got, _ = adminGet(t, http.MethodGet, "/rate_limit/admin_adaptive")
+	zone, _ := got["concurrency_adaptive"].(map[string]any)
+	requests, _ := got["requests"].(map[string]any)
+	if zone["min"] != 3.0 || zone["max"] != 50.0 || zone["keys"] != 1.0 || zone["in_flight"] != 1.0 || requests["shed"] != 0.0 {
+		t.Errorf("zone: %v, want min 3, max 50, 1 key, 1 in flight, none shed", got)
+	}
+	h.finish(req, sc)
+	if _, err := adminGet(t, http.MethodDelete, "/rate_limit/admin_adaptive/a"); err != nil {
+		t.Fatal(err)
+	}
+	got, _ = adminGet(t, http.MethodGet, "/rate_limit/admin_adaptive/a")
+	if a, _ := got["concurrency_adaptive"].(map[string]any); a["limit"] != 3.0 || a["no_load_latency"] != 0.0 {
+		t.Errorf("after DELETE: %v, want the limit min (3), nothing learnt", got)
+	}
+	if _, err := adminGet(t, http.MethodDelete, "/rate_limit/admin_adaptive/c"); err == nil {
+		t.Error("DELETE of a key never seen: want 404")
+	}
+}
+
+// Through a real Caddy: the 503 goes through handle_errors; metrics show
+// the limit, the requests in flight and the latencies; a reload keeps
+// what was learnt; and with the Redis store, Redis is never asked.
+func TestAdaptiveThroughCaddy(t *testing.T) {
+	r := startRedis(t)
+	up, arrived, release := blockingUpstream(t)
+	site := fmt.Sprintf(`http://localhost:9080 {
+	rate_limit {
+		zone caddy_adaptive {
+			key static
+			concurrency adaptive {
+				min 2
+				max %%d
+			}
+		}
+		store redis {
+			address %s
+		}
+	}
+	reverse_proxy %s
+	handle_errors {
+		respond "shed by {http.rate_limit.exceeded.name}, retry in {http.rate_limit.exceeded.retry_after}s" {http.error.status_code}
+	}
+}
+`, r.Addr(), strings.TrimPrefix(up.URL, "http://"))
+	tester := startCaddy(t, opsGlobal, fmt.Sprintf(site, 2))
+	// The zone's counters are kept across configs: count from here.
+	shed := `caddy_rate_limit_requests_total{result="shed",zone="caddy_adaptive"}`
+	latencies := `caddy_rate_limit_adaptive_latency_seconds_count{zone="caddy_adaptive"}`
+	base := scrape(t, tester)
+	var wg sync.WaitGroup
+	for range 2 {
+		wg.Go(func() { get(t, tester, "/block", 200, "up") })
+	}
+	waitArrivals(t, arrived, 2)
+	h := get(t, tester, "/", 503, "shed by caddy_adaptive, retry in 1s")
+	if h.Get("Retry-After") != "1" {
+		t.Errorf("Retry-After %q, want 1", h.Get("Retry-After"))
+	}
+	m := scrape(t, tester)
+	wantMetric(t, m, `caddy_rate_limit_adaptive_in_flight{zone="caddy_adaptive"}`, 2)
+	wantMetric(t, m, `caddy_rate_limit_adaptive_limit{zone="caddy_adaptive"}`, 2)
+	wantMetric(t, m, shed, base[shed]+1)
+	close(release)
+	wg.Wait()
+	// Requests for a few of the controller's intervals.
+	n := 0
+	for start := time.Now(); time.Since(start) < 4*adaptiveInterval; time.Sleep(5 * time.Millisecond) {
+		get(t, tester, "/", 200, "up")
+		n++
+	}
+	m = scrape(t, tester)
+	wantMetric(t, m, latencies, base[latencies]+float64(2+n))
+	wantMetric(t, m, `caddy_rate_limit_adaptive_in_flight{zone="caddy_adaptive"}`, 0)
+	if m[`caddy_rate_limit_adaptive_no_load_latency_seconds{zone="caddy_adaptive"}`] <= 0 {
+		t.Errorf("no-load latency not measured: %v", m)
+	}
+	// A reload with the same zone keeps its key and what it learnt.
+	reload(t, tester, opsGlobal, fmt.Sprintf(site, 2))
+	if m := scrape(t, tester); m[`caddy_rate_limit_adaptive_no_load_latency_seconds{zone="caddy_adaptive"}`] <= 0 {
+		t.Errorf("no-load latency forgotten by a reload: %v", m)
+	}
+	c := newRedisClient(t, r.Addr())
+	if n, err := c.DBSize(context.Background()).Result(); err != nil || n != 0 {
+		t.Errorf("Redis holds %d keys (%v), want none", n, err)
+	}
+	if stats, _ := c.Info(context.Background(), "commandstats").Result(); strings.Contains(stats, "cmdstat_evalsha") || strings.Contains(stats, "cmdstat_eval:") {
+		t.Errorf("the adaptive zone asked Redis: %s", stats)
+	}
+}
+
+// BenchmarkServeHTTPAdaptive is the allowed path of a zone with an
+// adaptive limit, beside a fixed concurrency and a rate alone, without
+// headers (an adaptive limit sends none): `benchstat -col /zone`.
+func BenchmarkServeHTTPAdaptive(b *testing.B) {
+	for _, tc := range []struct{ name, zone string }{
+		{"zone=rate", `{"name":"bench-ad-rate","rate":"1000000000r/s"}`},
+		{"zone=concurrency", `{"name":"bench-ad-fixed","concurrency":1000000}`},
+		{"zone=adaptive", `{"name":"bench-ad-adaptive","concurrency_adaptive":{"min":1000000,"max":1000000}}`},
+		{"zone=rate+adaptive", `{"name":"bench-ad-both","rate":"1000000000r/s","concurrency_adaptive":{"min":1000000,"max":1000000}}`},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			h := newTestHandler(b, `{"headers":"off","zones":[`+tc.zone+`]}`)
+			h.logger = zap.NewNop()
+			next := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+				w.WriteHeader(http.StatusOK)
+				return nil
+			})
+			req, _ := newRequest("192.0.2.1")
+			w := &headerSink{h: make(http.Header)}
+			b.ReportAllocs()
+			for b.Loop() {
+				clear(w.h)
+				if err := h.ServeHTTP(w, req, next); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
