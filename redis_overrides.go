@@ -72,15 +72,32 @@ func (s *RedisStore) pollOverrides(zone int) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.callTimeout)
 	defer cancel()
 	n, err := s.overrideCount(ctx, zone)
-	if err != nil {
-		n = -1 // not known: every decision reads
-	}
 	rz := &s.zones[zone]
-	if rz.overridden.Swap(int64(n)) == 0 && n != 0 && rz.cache != nil {
-		// What the cache learnt while no override was read may be the
-		// zone's limit where a key now has its own.
-		rz.cache.clear()
+	if err != nil {
+		// Not known: every decision reads. (What the cache learnt
+		// stays: fail_mode local starts from it while Redis fails.)
+		rz.overridden.Store(-1)
+		return
 	}
+	if rz.overridden.Swap(int64(n)) == 0 && n > 0 {
+		// What the cache learnt while no override was read may be the
+		// zone's limit where a key now has its own; so may what calls in
+		// flight, sent without reading it, would teach it.
+		rz.overriddenGen.Add(1)
+		if rz.cache != nil {
+			rz.cache.clear()
+		}
+	}
+}
+
+// overriddenGen sums the generations of the overrides of d's buckets'
+// zones (see redisZone.overriddenGen): it changes when any does.
+func (s *RedisStore) overriddenGen(d *demands) uint64 {
+	var g uint64
+	for i := range d.buckets {
+		g += s.zones[d.buckets[i].zone].overriddenGen.Load()
+	}
+	return g
 }
 
 // processStart anchors the monotonic instants of the override polls.

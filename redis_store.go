@@ -168,8 +168,12 @@ type redisZone struct {
 	// Redis last said (-1: not known); polled lest it is stale (see
 	// mayOverride).
 	overridden     atomic.Int64
-	overriddenPoll atomic.Int64    // when it was last polled, in nanoseconds of the process's clock
-	counts         *table[counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
+	overriddenPoll atomic.Int64 // when it was last polled, in nanoseconds of the process's clock
+	// overriddenGen counts the times the zone's first override was
+	// found: a call sent before then, without reading overrides, teaches
+	// the over-limit cache nothing.
+	overriddenGen atomic.Uint64
+	counts        *table[counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
 }
 
 // A window is a quota window and its boundaries as the script reads them.
@@ -453,8 +457,9 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, d *demands) (bool,
 		defer s.flights.land(flight)
 		budget -= now.Sub(arrived)
 	}
+	gen := s.overriddenGen(d)
 	allowed, err := s.ask(ctx, budget, d)
-	if err == nil && cached {
+	if err == nil && cached && s.overriddenGen(d) == gen {
 		s.remember(now, d, flight)
 	}
 	return allowed, err
