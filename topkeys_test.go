@@ -17,8 +17,13 @@ func TestTopKeys(t *testing.T) {
 	top := newTopKeys(topKeysSize)
 	r := rand.New(rand.NewPCG(1, 2))
 	heavy := []string{"heavy-1", "heavy-2", "heavy-3"}
+	// The heap is the process's: what earlier tests left running
+	// (servers shutting down, stores' background work) may grow it while
+	// a round runs. A sketch that grows does so in every round after the
+	// first, so the least growth of three rounds is the sketch's.
 	var before, after runtime.MemStats
-	for round := range 2 {
+	least := ^uint64(0)
+	for round := range 4 {
 		runtime.GC()
 		runtime.ReadMemStats(&before)
 		for i := range 200_000 {
@@ -31,9 +36,12 @@ func TestTopKeys(t *testing.T) {
 		}
 		runtime.GC()
 		runtime.ReadMemStats(&after)
-		if round == 1 && after.HeapAlloc > before.HeapAlloc+64<<10 {
-			t.Fatalf("the sketch grew by %d bytes on 200k more denials", after.HeapAlloc-before.HeapAlloc)
+		if round > 0 {
+			least = min(least, after.HeapAlloc-min(before.HeapAlloc, after.HeapAlloc))
 		}
+	}
+	if least > 64<<10 {
+		t.Fatalf("the sketch grew by %d bytes on 200k more denials", least)
 	}
 	list := top.list()
 	if len(list) != topKeysSize {
@@ -41,8 +49,8 @@ func TestTopKeys(t *testing.T) {
 	}
 	for i, want := range heavy {
 		got := list[i]
-		if !strings.HasPrefix(got.key.s, "heavy-") || got.count-got.err < 2*20_000-1000 {
-			t.Fatalf("rank %d: %s with %d (±%d), want %s near 40000", i, got.key.s, got.count, got.err, want)
+		if !strings.HasPrefix(got.key.s, "heavy-") || got.count-got.err < 4*20_000-1000 {
+			t.Fatalf("rank %d: %s with %d (±%d), want %s near 80000", i, got.key.s, got.count, got.err, want)
 		}
 	}
 
