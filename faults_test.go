@@ -173,7 +173,7 @@ func TestFaultRedisOutages(t *testing.T) {
 					for n := 0; time.Since(over) < 10*time.Second; n++ {
 						key := fmt.Sprintf("probe-%d", n)
 						send(client, c.url+"/"+mode, "X-Probe", key)
-						hash, field := bucketName("outage:", "outage_probe_"+mode, key)
+						hash, field := bucketName(t, "outage:", "outage_probe_"+mode, "1r/m", 5, key)
 						if check.HExists(context.Background(), hash, field).Val() {
 							back[m] = time.Since(over)
 							return

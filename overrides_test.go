@@ -126,7 +126,8 @@ func TestOverridesAcrossInstances(t *testing.T) {
 	// zone's limit decides again.
 	const brief = "198.51.100.42"
 	adminSend(t, "PUT", "/rate_limit/ov-shared/"+brief+"/limit", `{"burst":5,"expires_in":"1s"}`, 200)
-	_, _, limitKey := other.store.(*RedisStore).keys.BucketLimit("ov-shared:", brief)
+	rs := other.store.(*RedisStore)
+	_, _, limitKey := rs.keys.BucketLimit(rs.zones[0].field, brief)
 	rc := newRedisClient(t, r.Addr())
 	if ttl := rc.PTTL(context.Background(), limitKey).Val(); ttl <= 0 || ttl > time.Second {
 		t.Fatalf("the limit's key %s: PTTL %v, want up to 1s", limitKey, ttl)

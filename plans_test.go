@@ -252,7 +252,7 @@ func TestPlansThroughCaddy(t *testing.T) {
 				t.Errorf("admin API: full_in %v, want free's whole bucket, 120s", v["full_in"])
 			}
 			if tc.name == "redis" {
-				hash, field := bucketName("plans:", "plans-redis", "free-key")
+				hash, field := bucketName(t, "plans:", "plans-redis", "", 0, "free-key")
 				if got := r.CLI("HEXISTS", hash, field); strings.TrimSpace(got) != "1" {
 					t.Fatalf("the free key's bucket is not in Redis: HEXISTS said %q", got)
 				}

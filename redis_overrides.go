@@ -115,7 +115,7 @@ func (s *RedisStore) setOverride(ctx context.Context, now time.Time, zone int, k
 	rz := &s.zones[zone]
 	stored := s.keys.Stored(key.String())
 	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
-	index := s.keys.Limits(rz.name)
+	index := s.keys.Limits(rz.field)
 	score := math.Inf(1)
 	var ttl time.Duration // 0: no end
 	if !o.expires.IsZero() {
@@ -146,7 +146,7 @@ func (s *RedisStore) deleteOverride(ctx context.Context, _ time.Time, zone int, 
 	if err != nil {
 		return false, err
 	}
-	return n > 0, s.client.ZRem(ctx, s.keys.Limits(rz.name), s.keys.Stored(key.String())).Err()
+	return n > 0, s.client.ZRem(ctx, s.keys.Limits(rz.field), s.keys.Stored(key.String())).Err()
 }
 
 func (s *RedisStore) override(ctx context.Context, zone int, key bucketKey) (override, bool, error) {
@@ -175,7 +175,7 @@ func (s *RedisStore) readOverride(ctx context.Context, limitKey string) (overrid
 func (s *RedisStore) overrides(ctx context.Context, zone int) ([]keyOverride, error) {
 	rz := &s.zones[zone]
 	now := time.Now()
-	keys, err := s.client.ZRangeByScore(ctx, s.keys.Limits(rz.name), &redis.ZRangeBy{
+	keys, err := s.client.ZRangeByScore(ctx, s.keys.Limits(rz.field), &redis.ZRangeBy{
 		Min: "(" + strconv.FormatInt(now.UnixMilli(), 10), Max: "+inf"}).Result()
 	if err != nil {
 		return nil, err
@@ -208,6 +208,6 @@ func (s *RedisStore) overrideCount(ctx context.Context, zone int) (int, error) {
 	if !s.client.Up() {
 		return 0, rediswire.ErrDown
 	}
-	n, err := s.client.ZCount(ctx, s.keys.Limits(s.zones[zone].name), "("+strconv.FormatInt(time.Now().UnixMilli(), 10), "+inf").Result()
+	n, err := s.client.ZCount(ctx, s.keys.Limits(s.zones[zone].field), "("+strconv.FormatInt(time.Now().UnixMilli(), 10), "+inf").Result()
 	return int(n), err
 }

@@ -52,7 +52,7 @@ var redisScripts = rediswire.NewScripts(tokenBucketLua, peekLua)
 // that uses Redis's clock.
 //
 // Buckets live many to a Redis hash: the bucket of a key in a zone is the
-// field `<zone>:<key>` of the hash `<key_prefix>{<group>}`, where the
+// field `<zone>:<shape>:<key>` of the hash `<key_prefix>{<group>}`, where the
 // group is one of 16384, chosen by the key alone. So the zones of one
 // client share a hash and a slot and are decided in one call even on
 // Redis Cluster, and a bucket costs Redis about a fifth of what a key
@@ -151,7 +151,8 @@ type RedisStore struct {
 // A redisZone is what the store keeps for one zone.
 type redisZone struct {
 	name    string
-	field   string // how its buckets' fields start: the name, escaped, and ':'
+	field   string // how its buckets' fields start: the name and a tag of the shape (rediswire.BucketField)
+	keys    string // how its counters' and slots' keys start after the hash: the name (rediswire.ZoneField)
 	refunds bool   // its buckets may be given tokens back
 	plans   bool   // its limit comes with each request: its buckets are scaled
 	// The shapes of its demands as the script reads them, the last ones
@@ -397,7 +398,10 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 	s.zones = make([]redisZone, len(zones))
 	for i, z := range zones {
 		rz := &s.zones[i]
-		rz.name, rz.field, rz.refunds, rz.maxOverrides = z.name, rediswire.ZoneField(z.name), z.refunds, z.maxOverrides
+		rz.name, rz.keys, rz.refunds, rz.maxOverrides = z.name, rediswire.ZoneField(z.name), z.refunds, z.maxOverrides
+		// A bucket's state is its zone's name and shape, as a local
+		// table's is (tableID).
+		rz.field = bucketField(z.name, z.shape)
 		rz.overridden.Store(-1) // not known yet
 		rz.plans = z.bucket && z.shape.burst == 0
 		if !s.DisableOverLimitCache {
@@ -920,6 +924,12 @@ func (s *RedisStore) windowOf(rz *redisZone, w *quotaWindow) *rediswire.Window {
 	return args
 }
 
+// bucketField is how the fields of the buckets of a zone of shape l start
+// (the zero limit for a zone whose limit comes with each request).
+func bucketField(name string, l limit) string {
+	return rediswire.BucketField(name, strconv.FormatInt(int64(l.tokenTime), 10)+"/"+strconv.FormatInt(l.burst, 10))
+}
+
 // bucketName is the hash and the field of the bucket of key in a zone.
 func (s *RedisStore) bucketName(zone int, key bucketKey) (hash, field string) {
 	return s.keys.Bucket(s.zones[zone].field, key.String())
@@ -927,12 +937,12 @@ func (s *RedisStore) bucketName(zone int, key bucketKey) (hash, field string) {
 
 // counterKey is the key of the quota counter of key in a zone.
 func (s *RedisStore) counterKey(zone int, key bucketKey) string {
-	return s.keys.Counter(s.zones[zone].field, key.String())
+	return s.keys.Counter(s.zones[zone].keys, key.String())
 }
 
 // slotKey is the key of the sorted set of the slots of key in a zone.
 func (s *RedisStore) slotKey(zone int, key bucketKey) string {
-	return s.keys.Slots(s.zones[zone].field, key.String())
+	return s.keys.Slots(s.zones[zone].keys, key.String())
 }
 
 // A shapeCache keeps the shapes of the limits that requests bring

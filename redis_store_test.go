@@ -20,6 +20,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"os/exec"
+	"regexp"
 	"runtime"
 	"slices"
 	"strconv"
@@ -45,8 +46,8 @@ func TestRedisKeysAndTTL(t *testing.T) {
 	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
 	hash, field := bucketOf(h, 0, "192.0.2.7")
-	if !strings.HasPrefix(hash, "t:{") || len(hash) != len("t:{0000}") || field != "ttl:192.0.2.7" {
-		t.Fatalf("bucket %q %q, want field ttl:192.0.2.7 of t:{<group>}", hash, field)
+	if !strings.HasPrefix(hash, "t:{") || len(hash) != len("t:{0000}") || !regexp.MustCompile(`^ttl:[A-Za-z0-9_-]{4}:192\.0\.2\.7$`).MatchString(field) {
+		t.Fatalf("bucket %q %q, want field ttl:<shape>:192.0.2.7 of t:{<group>}", hash, field)
 	}
 	ttl, err := c.PTTL(ctx, hash).Result()
 	if err != nil || ttl <= 0 || ttl > 143*time.Millisecond {
@@ -73,7 +74,7 @@ func TestRedisKeysAndTTL(t *testing.T) {
 	serve(h, "2001:db8::1")
 	hash, field = bucketOf(h, 0, "2001:db8::1")
 	fields, _ := c.HKeys(ctx, hash).Result()
-	if len(fields) != 1 || fields[0] != field || strings.Contains(field, "2001") || len(field) != len("v6:")+32 {
+	if len(fields) != 1 || fields[0] != field || strings.Contains(field, "2001") || len(field) != len("v6:tag_:")+32 {
 		t.Fatalf("fields %q: want one hashed key", fields)
 	}
 	serve(h, "2001:db8::2:3")
@@ -89,9 +90,19 @@ func bucketOf(h *Handler, i int, key string) (hash, field string) {
 }
 
 // bucketName names the Redis hash and field of a bucket, as a store with
-// key_prefix prefix writes it for key (not an IP, not hashed) in zone.
-func bucketName(prefix, zone, key string) (hash, field string) {
-	return rediswire.Keys{Prefix: prefix}.Bucket(rediswire.ZoneField(zone), key)
+// key_prefix prefix writes it for key (not an IP, not hashed) in a zone
+// of that rate and burst; rate "" for a zone whose limit comes with each
+// request.
+func bucketName(t testing.TB, prefix, zone, rate string, burst int64, key string) (hash, field string) {
+	var l limit
+	if rate != "" {
+		perSec, _, err := parseRate(rate)
+		if err != nil {
+			t.Fatal(err)
+		}
+		l = newLimit(perSec, burst)
+	}
+	return rediswire.Keys{Prefix: prefix}.Bucket(bucketField(zone, l), key)
 }
 
 // slotKeyName is the key that RedisStore.slotKey names for a key's slots
@@ -475,7 +486,7 @@ func TestRedisClusterRefundsEachSlot(t *testing.T) {
 		{"name":"user","key":"{http.request.header.X-User}","rate":"1r/m","burst":1}],
 		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	slotOf := func(zone, key string) string {
-		hash, _ := bucketName("", zone, key)
+		hash, _ := bucketName(t, "", zone, "1r/m", 5, key) // the hash is the key's alone
 		return nodes[0].CLI("CLUSTER", "KEYSLOT", hash)
 	}
 	ip, user := "10.2.0.1", "bob"
@@ -830,7 +841,9 @@ func TestRedisZoneNamesDoNotCollide(t *testing.T) {
 		}
 		fields = append(fields, field)
 	}
-	if want := []string{"api%3Av1:k", "api:v1:k", "api{v1:k"}; !slices.Equal(fields, want) {
+	// TVPR is the tag of the shape 1r/m burst 1: buckets written by one
+	// version must be found by the next, so it never changes.
+	if want := []string{"api%3Av1:TVPR:k", "api:TVPR:v1:k", "api{v1:TVPR:k"}; !slices.Equal(fields, want) {
 		t.Errorf("fields %q, want %q", fields, want)
 	}
 }

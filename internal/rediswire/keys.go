@@ -11,14 +11,16 @@ import (
 )
 
 // Keys name what a store keeps in Redis. A bucket is the field
-// `<zone>:<key>` of the hash `<prefix>{<group>}`, where the group is one
-// of 16384, chosen by the key alone: so the zones of one client share a
-// hash and a cluster slot, and are decided in one call even on Redis
-// Cluster. A calendar quota's counter is the key `<hash><field>:quota`, a
-// zone's slots the sorted set `<hash><field>:s`, a key's own limit (an
-// override) the string `<hash><field>:limit`: in the bucket's slot, and
-// named as no hash of buckets is (those end with the tag). The overrides
-// of a zone are listed in the sorted set `<prefix>{<zone>}:limits`.
+// `<zone>:<shape>:<key>` of the hash `<prefix>{<group>}` (see
+// BucketField), where the group is one of 16384, chosen by the key alone:
+// so the zones of one client share a hash and a cluster slot, and are
+// decided in one call even on Redis Cluster. A calendar quota's counter
+// is the key `<hash><zone>:<key>:quota`, a zone's slots the sorted set
+// `<hash><zone>:<key>:s`, and a key's own limit (an override) the string
+// `<hash><field>:limit`, after the bucket's field: all in the bucket's
+// slot, and named as no hash of buckets is (those end with the tag). The
+// overrides of a zone are listed in the sorted set
+// `<prefix>{<zone>:<shape>:}:limits`.
 //
 // The key never chooses its slot: the hash tag is the group, four hex
 // digits of a fixed hash of the key, whatever the key's bytes.
@@ -64,11 +66,12 @@ func (n Keys) Stored(key string) string {
 // (Stored): what the list of a zone's overrides holds.
 func (n Keys) StoredLimit(zone, stored string) string { return n.named(zone, stored, LimitSuffix) }
 
-// Limits is the sorted set that lists a zone's overrides: their keys as
+// Limits is the sorted set that lists the overrides of a zone whose
+// buckets' fields start with zone (see BucketField): their keys as
 // stored, scored by when they end (ms since 1970; +inf for never). Its
-// hash tag is the zone's name, escaped, so it is named as no other key.
-func (n Keys) Limits(zoneName string) string {
-	return n.Prefix + "{" + escapeTag(zoneName, "%{}") + "}:limits"
+// hash tag is zone, escaped, so it is named as no other key.
+func (n Keys) Limits(zone string) string {
+	return n.Prefix + "{" + escapeTag(zone, "%{}") + "}:limits"
 }
 
 // Counter is the key of a zone's calendar quota counter for key.
@@ -87,10 +90,21 @@ func (n Keys) named(zone, key, end string) string {
 	return n.Prefix + "{" + string(tag[:]) + "}" + zone + key + end
 }
 
-// ZoneField is how the fields of a zone's buckets start: its name, with
-// '%' and ':' escaped (a ':' would make its fields another zone's), then
-// ':'.
+// ZoneField is how a zone's keys of a client start: its name, with '%'
+// and ':' escaped (a ':' would make them another zone's), then ':'.
 func ZoneField(name string) string { return escapeTag(name, "%:") + ":" }
+
+// BucketField is how the fields of a zone's buckets start: ZoneField,
+// then four characters of a fixed hash of the zone's shape (its rate and
+// burst, as the caller writes them) and ':'. So zones of one name with
+// different limits keep buckets of their own, and a zone whose rate or
+// burst changes starts with full buckets, as in the local store.
+func BucketField(name, shape string) string {
+	const digits = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+	h := fnv1a(shape)
+	tag := [5]byte{digits[h>>18&63], digits[h>>12&63], digits[h>>6&63], digits[h&63], ':'}
+	return ZoneField(name) + string(tag[:])
+}
 
 // Groups is how many hashes the buckets are spread over. Redis keeps a
 // hash of up to 512 short fields as one compact list
@@ -103,12 +117,18 @@ const Groups = 1 << 14
 // key, folded. Buckets written by one version must be found by the next:
 // this never changes.
 func Group(k string) uint16 {
+	h := fnv1a(k)
+	return uint16(h>>16^h) & (Groups - 1)
+}
+
+// fnv1a is the 32-bit FNV-1a hash of s.
+func fnv1a(s string) uint32 {
 	h := uint32(2166136261)
-	for i := 0; i < len(k); i++ {
-		h ^= uint32(k[i])
+	for i := 0; i < len(s); i++ {
+		h ^= uint32(s[i])
 		h *= 16777619
 	}
-	return uint16(h>>16^h) & (Groups - 1)
+	return h
 }
 
 // escapeTag percent-escapes the bytes of chars (which hold '%') in s, so
