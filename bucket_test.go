@@ -249,6 +249,43 @@ func banZone(name string) string {
 	return `{"name":"` + name + `","rate":"5/h","burst":2,"ban":"1h"}`
 }
 
+// A reset made through another instance lifts a ban here within one
+// refill of a token, when that is shorter than a second: the over-limit
+// cache trusts what Redis said of a banned bucket no longer. The other
+// instance's admin API deletes the bucket in Redis (RedisStore.reset),
+// as this test does.
+func TestResetWithinARefill(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, `{"zones":[{"name":"quick-reset","rate":"4r/s","burst":1,"ban":"5m"}],"store":`+storeJSON(r.Addr())+`}`)
+	const ip = "198.51.100.40"
+	if code, _ := serve(h, ip); code != 200 {
+		t.Fatalf("first request: %d", code)
+	}
+	for range 3 { // banned, and the over-limit cache knows it
+		if code, hdr := serve(h, ip); code != 429 || hdr.Get("Retry-After") != "301" {
+			t.Fatalf("%d, Retry-After %q; want 429 and 301 (the ban and a token)", code, hdr.Get("Retry-After"))
+		}
+	}
+	hash, field := bucketOf(h, 0, ip)
+	if n := r.CLI("HDEL", hash, field); n != "1" {
+		t.Fatalf("HDEL %s %s: %s", hash, field, n)
+	}
+	reset := time.Now()
+	for {
+		if code, _ := serve(h, ip); code == 200 {
+			break
+		}
+		if time.Since(reset) > 2*time.Second {
+			t.Fatal("still refused 2s after the reset")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// A token of 4r/s refills in 250ms; a second is the cap.
+	if back := time.Since(reset); back > 600*time.Millisecond {
+		t.Fatalf("the reset was honoured after %v, want within a token's refill (250ms)", back)
+	}
+}
+
 // A ban survives a config reload: the local store keeps a zone's buckets
 // across configs by its name, Redis keeps them anyway.
 func TestBanSurvivesReload(t *testing.T) {
