@@ -26,7 +26,7 @@ type Breaker struct {
 const (
 	TripAfter  = 3
 	MinBackoff = 100 * time.Millisecond
-	MaxBackoff = time.Second
+	MaxBackoff = 500 * time.Millisecond
 )
 
 // Open reports whether the breaker is open.

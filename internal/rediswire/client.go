@@ -94,7 +94,11 @@ func (c *Client) Failed(logger *zap.Logger, failMode string, err error) {
 // it answers as a decision needs: the decision script runs (it is loaded
 // again if Redis lost it) and a write is accepted (a replica demoted after
 // a failover refuses it, as it would refuse a decision). The first answer
-// closes the breaker. It stops when the client is closed.
+// closes the breaker. A probe waits for its answer up to MaxBackoff, and
+// one that Redis would answer later is answered as soon as Redis can
+// (a frozen Redis answers what it was sent when it thaws), so a Redis
+// that is back decides again within MaxBackoff and a round trip. It
+// stops when the client is closed.
 func (c *Client) probe(logger *zap.Logger) {
 	backoff := MinBackoff
 	for {
