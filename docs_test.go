@@ -23,21 +23,76 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// The documentation is checked against the code: README.md and docs/*.md.
+// The documentation is checked against the code: README.md, xcaddy.md,
+// docs/*.md and docs/*/*.md.
 //
 // A fenced block's info string says what it is: ```caddy a whole
 // Caddyfile, ```caddy fragment the inside of a site block, ```caddy syntax
 // a parser's syntax summary, ```json a rate_limit handler, ```json
-// fragment a piece of one. Other blocks are not checked.
+// fragment a piece of one. Other languages are not checked, and any other
+// spelling of these (```caddyfile, ```caddy snippet) fails
+// TestDocFencesTagged, so that no Caddyfile escapes the checks.
 
 // docFiles are the Markdown files the tests read.
 func docFiles(t *testing.T) []string {
 	t.Helper()
-	files, err := filepath.Glob("docs/*.md")
-	if err != nil || len(files) == 0 {
-		t.Fatalf("no docs/*.md: %v", err)
+	files := []string{"README.md", "xcaddy.md"}
+	for _, pattern := range []string{"docs/*.md", "docs/*/*.md"} {
+		matches, err := filepath.Glob(pattern)
+		if err != nil || len(matches) == 0 {
+			t.Fatalf("no %s: %v", pattern, err)
+		}
+		files = append(files, matches...)
 	}
-	return append([]string{"README.md"}, files...)
+	return files
+}
+
+// fenceTags are the tags each checked language may carry.
+var fenceTags = map[string][][]string{
+	"caddy": {nil, {"fragment"}, {"syntax"}},
+	"json":  {nil, {"fragment"}},
+}
+
+// TestDocFencesTagged: every fenced block of a Caddyfile or of JSON is
+// tagged as the checks read it, and every fence opens with three
+// backticks, the only form readMarkdown reads; a block tagged otherwise
+// would not be checked at all.
+func TestDocFencesTagged(t *testing.T) {
+	for _, file := range docFiles(t) {
+		prose, fences := readMarkdown(t, file)
+		inTilde := false
+		for i, line := range prose {
+			if strings.HasPrefix(strings.TrimLeft(line, " "), "~~~") {
+				if !inTilde {
+					t.Errorf("%s:%d: a ~~~ fence, which the checks do not read; use ```", file, i+1)
+				}
+				inTilde = !inTilde
+			}
+		}
+		for _, f := range fences {
+			lang := strings.ToLower(f.lang)
+			if strings.HasPrefix(lang, "`") {
+				t.Errorf("%s: a fence of more than three backticks, which the checks do not read", f)
+				continue
+			}
+			var known string
+			for name := range fenceTags {
+				if strings.HasPrefix(lang, name) {
+					known = name
+				}
+			}
+			if known == "" {
+				continue
+			}
+			if f.lang != known || !slices.ContainsFunc(fenceTags[known], func(tags []string) bool { return slices.Equal(tags, f.tags) }) {
+				var forms []string
+				for _, tags := range fenceTags[known] {
+					forms = append(forms, "```"+strings.Join(append([]string{known}, tags...), " "))
+				}
+				t.Errorf("%s is not checked; write %s", f, strings.Join(forms, ", "))
+			}
+		}
+	}
 }
 
 // A fence is a fenced code block of a Markdown file.
@@ -578,8 +633,7 @@ func fieldsWithSeveralNames(f *ast.File) []*ast.Field {
 	return out
 }
 
-// TestDocLinksResolve: every relative link of README.md and docs/*.md
-// names a file that exists and, for an anchor into a Markdown file, one of
+// TestDocLinksResolve: every relative link of the docs names a file that exists and, for an anchor into a Markdown file, one of
 // its headings.
 func TestDocLinksResolve(t *testing.T) {
 	link := regexp.MustCompile(`\]\(([^)\s]+)\)`)
