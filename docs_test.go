@@ -468,6 +468,7 @@ var referenceSections = []struct {
 	{"## Zone", reflect.TypeFor[Zone](), nil},
 	{"### count", reflect.TypeFor[caddyhttp.ResponseMatcher](), nil},
 	{"### usage", reflect.TypeFor[Usage](), nil},
+	{"### concurrency_adaptive", reflect.TypeFor[AdaptiveConcurrency](), nil},
 	{"## Local store", reflect.TypeFor[LocalStore](), []string{"backend"}},
 	{"## Redis store", reflect.TypeFor[RedisStore](), []string{"backend"}},
 	{"### tls", reflect.TypeFor[RedisTLS](), nil},
@@ -558,6 +559,7 @@ func (ref reference) check(t *testing.T, raw []byte) {
 		if z, ok := z.(map[string]any); ok {
 			keys("### count", z["count"])
 			keys("### usage", z["usage"])
+			keys("### concurrency_adaptive", z["concurrency_adaptive"])
 		}
 	}
 	if s, ok := h["store"].(map[string]any); ok {
@@ -568,14 +570,18 @@ func (ref reference) check(t *testing.T, raw []byte) {
 }
 
 // TestConfigFieldsHaveDocComments: every exported JSON field of the
-// handler, zone and store configs has a doc comment of its own, written
-// for users, since caddyserver.com renders a module's JSON docs from them.
+// handler, zone, store, usage and adaptive configs has a doc comment of
+// its own, written for users, which says its default or that it is
+// required, since caddyserver.com renders a module's JSON docs from them.
 func TestConfigFieldsHaveDocComments(t *testing.T) {
-	types := map[string]bool{"Handler": true, "Zone": true, "LocalStore": true, "RedisStore": true, "RedisTLS": true}
-	goName := regexp.MustCompile(`\b(Handler|Zone|LocalStore|RedisStore|RedisTLS)\.[A-Z]`)
+	types := map[string]bool{"Handler": true, "Zone": true, "LocalStore": true, "RedisStore": true, "RedisTLS": true, "Usage": true, "AdaptiveConcurrency": true}
+	goName := regexp.MustCompile(`\b(Handler|Zone|LocalStore|RedisStore|RedisTLS|Usage|AdaptiveConcurrency)\.[A-Z]`)
+	// A field either has a default, or must be set, or is refused (the
+	// caddy-ratelimit options that this handler does not take).
+	defaultSaid := regexp.MustCompile(`\b(Default:|Required|[Rr]equired with|Refused)`)
 	fset := token.NewFileSet()
 	found := 0
-	for _, file := range []string{"module.go", "zone.go", "local_store.go", "redis_store.go"} {
+	for _, file := range []string{"module.go", "zone.go", "local_store.go", "redis_store.go", "usage.go", "adaptive_zone.go"} {
 		f, err := parser.ParseFile(fset, file, nil, parser.ParseComments)
 		if err != nil {
 			t.Fatal(err)
@@ -602,6 +608,8 @@ func TestConfigFieldsHaveDocComments(t *testing.T) {
 					t.Errorf("%s: doc comment should start with a capital: %q", where, doc)
 				case goName.MatchString(doc):
 					t.Errorf("%s: doc comment names a Go field (%s); name the JSON field", where, goName.FindString(doc))
+				case !defaultSaid.MatchString(doc):
+					t.Errorf("%s: doc comment says no default (\"Default: ...\"), nor that the field is required", where)
 				}
 			}
 			return false
