@@ -29,10 +29,13 @@ import (
 // queue building up, within [min, max]. Beyond it, requests are shed
 // with 503 Service Unavailable and `Retry-After: 1`.
 type AdaptiveConcurrency struct {
-	// Never limit below this many requests in flight. Default: 4.
+	// Never limit a key below this many requests in flight: a whole
+	// number from 1 to 1000000. A new key starts here. Default: 4.
 	Min int64 `json:"min,omitempty"`
 
-	// Never let more requests than this be in flight. Default: 1000.
+	// Never let more than this many requests of a key be in flight: a
+	// whole number from 1 to 1000000, at least min. Default: 1000, or
+	// min when min is larger.
 	Max int64 `json:"max,omitempty"`
 }
 

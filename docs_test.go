@@ -23,21 +23,76 @@ import (
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
 
-// The documentation is checked against the code: README.md and docs/*.md.
+// The documentation is checked against the code: README.md, xcaddy.md,
+// docs/*.md and docs/*/*.md.
 //
 // A fenced block's info string says what it is: ```caddy a whole
 // Caddyfile, ```caddy fragment the inside of a site block, ```caddy syntax
 // a parser's syntax summary, ```json a rate_limit handler, ```json
-// fragment a piece of one. Other blocks are not checked.
+// fragment a piece of one. Other languages are not checked, and any other
+// spelling of these (```caddyfile, ```caddy snippet) fails
+// TestDocFencesTagged, so that no Caddyfile escapes the checks.
 
 // docFiles are the Markdown files the tests read.
 func docFiles(t *testing.T) []string {
 	t.Helper()
-	files, err := filepath.Glob("docs/*.md")
-	if err != nil || len(files) == 0 {
-		t.Fatalf("no docs/*.md: %v", err)
+	files := []string{"README.md", "xcaddy.md"}
+	for _, pattern := range []string{"docs/*.md", "docs/*/*.md"} {
+		matches, err := filepath.Glob(pattern)
+		if err != nil || len(matches) == 0 {
+			t.Fatalf("no %s: %v", pattern, err)
+		}
+		files = append(files, matches...)
 	}
-	return append([]string{"README.md"}, files...)
+	return files
+}
+
+// fenceTags are the tags each checked language may carry.
+var fenceTags = map[string][][]string{
+	"caddy": {nil, {"fragment"}, {"syntax"}},
+	"json":  {nil, {"fragment"}},
+}
+
+// TestDocFencesTagged: every fenced block of a Caddyfile or of JSON is
+// tagged as the checks read it, and every fence opens with three
+// backticks, the only form readMarkdown reads; a block tagged otherwise
+// would not be checked at all.
+func TestDocFencesTagged(t *testing.T) {
+	for _, file := range docFiles(t) {
+		prose, fences := readMarkdown(t, file)
+		inTilde := false
+		for i, line := range prose {
+			if strings.HasPrefix(strings.TrimLeft(line, " "), "~~~") {
+				if !inTilde {
+					t.Errorf("%s:%d: a ~~~ fence, which the checks do not read; use ```", file, i+1)
+				}
+				inTilde = !inTilde
+			}
+		}
+		for _, f := range fences {
+			lang := strings.ToLower(f.lang)
+			if strings.HasPrefix(lang, "`") {
+				t.Errorf("%s: a fence of more than three backticks, which the checks do not read", f)
+				continue
+			}
+			var known string
+			for name := range fenceTags {
+				if strings.HasPrefix(lang, name) {
+					known = name
+				}
+			}
+			if known == "" {
+				continue
+			}
+			if f.lang != known || !slices.ContainsFunc(fenceTags[known], func(tags []string) bool { return slices.Equal(tags, f.tags) }) {
+				var forms []string
+				for _, tags := range fenceTags[known] {
+					forms = append(forms, "```"+strings.Join(append([]string{known}, tags...), " "))
+				}
+				t.Errorf("%s is not checked; write %s", f, strings.Join(forms, ", "))
+			}
+		}
+	}
 }
 
 // A fence is a fenced code block of a Markdown file.
@@ -413,6 +468,7 @@ var referenceSections = []struct {
 	{"## Zone", reflect.TypeFor[Zone](), nil},
 	{"### count", reflect.TypeFor[caddyhttp.ResponseMatcher](), nil},
 	{"### usage", reflect.TypeFor[Usage](), nil},
+	{"### concurrency_adaptive", reflect.TypeFor[AdaptiveConcurrency](), nil},
 	{"## Local store", reflect.TypeFor[LocalStore](), []string{"backend"}},
 	{"## Redis store", reflect.TypeFor[RedisStore](), []string{"backend"}},
 	{"### tls", reflect.TypeFor[RedisTLS](), nil},
@@ -503,6 +559,7 @@ func (ref reference) check(t *testing.T, raw []byte) {
 		if z, ok := z.(map[string]any); ok {
 			keys("### count", z["count"])
 			keys("### usage", z["usage"])
+			keys("### concurrency_adaptive", z["concurrency_adaptive"])
 		}
 	}
 	if s, ok := h["store"].(map[string]any); ok {
@@ -513,14 +570,18 @@ func (ref reference) check(t *testing.T, raw []byte) {
 }
 
 // TestConfigFieldsHaveDocComments: every exported JSON field of the
-// handler, zone and store configs has a doc comment of its own, written
-// for users, since caddyserver.com renders a module's JSON docs from them.
+// handler, zone, store, usage and adaptive configs has a doc comment of
+// its own, written for users, which says its default or that it is
+// required, since caddyserver.com renders a module's JSON docs from them.
 func TestConfigFieldsHaveDocComments(t *testing.T) {
-	types := map[string]bool{"Handler": true, "Zone": true, "LocalStore": true, "RedisStore": true, "RedisTLS": true}
-	goName := regexp.MustCompile(`\b(Handler|Zone|LocalStore|RedisStore|RedisTLS)\.[A-Z]`)
+	types := map[string]bool{"Handler": true, "Zone": true, "LocalStore": true, "RedisStore": true, "RedisTLS": true, "Usage": true, "AdaptiveConcurrency": true}
+	goName := regexp.MustCompile(`\b(Handler|Zone|LocalStore|RedisStore|RedisTLS|Usage|AdaptiveConcurrency)\.[A-Z]`)
+	// A field either has a default, or must be set, or is refused (the
+	// caddy-ratelimit options that this handler does not take).
+	defaultSaid := regexp.MustCompile(`\b(Default:|Required|[Rr]equired with|Refused)`)
 	fset := token.NewFileSet()
 	found := 0
-	for _, file := range []string{"module.go", "zone.go", "local_store.go", "redis_store.go"} {
+	for _, file := range []string{"module.go", "zone.go", "local_store.go", "redis_store.go", "usage.go", "adaptive_zone.go"} {
 		f, err := parser.ParseFile(fset, file, nil, parser.ParseComments)
 		if err != nil {
 			t.Fatal(err)
@@ -547,6 +608,8 @@ func TestConfigFieldsHaveDocComments(t *testing.T) {
 					t.Errorf("%s: doc comment should start with a capital: %q", where, doc)
 				case goName.MatchString(doc):
 					t.Errorf("%s: doc comment names a Go field (%s); name the JSON field", where, goName.FindString(doc))
+				case !defaultSaid.MatchString(doc):
+					t.Errorf("%s: doc comment says no default (\"Default: ...\"), nor that the field is required", where)
 				}
 			}
 			return false
@@ -578,8 +641,7 @@ func fieldsWithSeveralNames(f *ast.File) []*ast.Field {
 	return out
 }
 
-// TestDocLinksResolve: every relative link of README.md and docs/*.md
-// names a file that exists and, for an anchor into a Markdown file, one of
+// TestDocLinksResolve: every relative link of the docs names a file that exists and, for an anchor into a Markdown file, one of
 // its headings.
 func TestDocLinksResolve(t *testing.T) {
 	link := regexp.MustCompile(`\]\(([^)\s]+)\)`)

@@ -54,13 +54,14 @@ func init() {
 // `{http.rate_limit.exceeded.retry_after}` | The Retry-After value sent: seconds until the request could succeed.
 type Handler struct {
 	// The rate limit zones. A request is checked against every zone
-	// whose matchers match it.
+	// whose matchers match it. Required: at least one zone, here or in
+	// `rate_limits`.
 	Zones []*Zone `json:"zones,omitempty"`
 
 	// Zones keyed by name, as github.com/mholt/caddy-ratelimit writes
 	// them (`window`, `max_events`, `key`, `match`), so that its configs
-	// load unchanged. They join Zones in the order of their names; a name
-	// may not be in both.
+	// load unchanged. They join `zones` in the order of their names; a
+	// name may not be in both. Default: none.
 	RateLimits map[string]*Zone `json:"rate_limits,omitempty"`
 
 	// Where the buckets are kept: a store module, named by `backend`,
@@ -68,11 +69,11 @@ type Handler struct {
 	// Default: `local` (in this process's memory).
 	StoreRaw json.RawMessage `json:"store,omitempty" caddy:"namespace=http.handlers.rate_limit.stores inline_key=backend"`
 
-	// Which rate-limit response headers to send: `both` (default),
-	// `legacy` (`X-RateLimit-Limit`, `X-RateLimit-Remaining`,
-	// `X-RateLimit-Reset`), `ietf` (`RateLimit` and `RateLimit-Policy` from
+	// Which rate-limit response headers to send: `both`, `legacy`
+	// (`X-RateLimit-Limit`, `X-RateLimit-Remaining`, `X-RateLimit-Reset`),
+	// `ietf` (`RateLimit` and `RateLimit-Policy` from
 	// draft-ietf-httpapi-ratelimit-headers-10) or `off`. `Retry-After` is
-	// sent with every 429 regardless.
+	// sent with every 429 regardless. Default: `both`.
 	Headers string `json:"headers,omitempty"`
 
 	// Stretch each Retry-After by a random fraction of itself, up to this
@@ -103,7 +104,8 @@ type Handler struct {
 	DisableMetrics bool `json:"disable_metrics,omitempty"`
 
 	// Accepted for caddy-ratelimit's configs and ignored: buckets that
-	// have refilled carry nothing and the store drops them by itself.
+	// have refilled carry nothing and the store drops them by itself. A
+	// duration, at least 0. Default: none (there is no sweep to time).
 	SweepInterval caddy.Duration `json:"sweep_interval,omitempty"`
 
 	// The option of github.com/mholt/caddy-ratelimit that shares limits

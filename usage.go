@@ -23,11 +23,16 @@ type Usage struct {
 	// `usage.total_tokens`. In a `text/event-stream`, each event's data
 	// is read as JSON, and the last event that has the path wins: OpenAI's
 	// final chunk with `stream_options.include_usage`. Keys are matched as
-	// written, without unescaping. A fraction rounds up.
+	// written, without unescaping. The number is the request's cost in
+	// the zone's tokens, at least 0; a fraction rounds up. A JSON body
+	// over 1 MiB has no usage. Set this or header, not both. Default:
+	// none.
 	JSON string `json:"json,omitempty"`
 
-	// The response header, or trailer, that holds the number, such as
-	// `X-Usage-Tokens`.
+	// The response header, or trailer (a trailer wins), that holds the
+	// number, such as `X-Usage-Tokens`: the request's cost in the zone's
+	// tokens, at least 0; a fraction rounds up. Set this or json, not
+	// both. Default: none.
 	Header string `json:"header,omitempty"`
 
 	path   []string // JSON's keys

@@ -80,10 +80,13 @@ type Zone struct {
 	// once after an idle spell. It is read as rate
 	// `<max_events>/<window>` with burst `<max_events>`, and gives the
 	// zone caddy-ratelimit's meaning of `key`, `ipv4_prefix` and
-	// `ipv6_prefix` (see `key` and `ipv6_prefix`). A duration.
+	// `ipv6_prefix` (see `key` and `ipv6_prefix`). A positive duration,
+	// such as `1m`. Not with rate or burst. Default: none (the zone's
+	// limit is its rate); required with max_events.
 	Window caddy.Duration `json:"window,omitempty"`
 
-	// Requests allowed per `window`: at least 1. Goes with window.
+	// Requests allowed per `window`: a whole number, at least 1. Default:
+	// none; required with window.
 	MaxEvents int64 `json:"max_events,omitempty"`
 
 	// Which requests the zone applies to. Default: all requests.
