@@ -246,10 +246,21 @@ func TestPlansThroughCaddy(t *testing.T) {
 			// of plan hands back no tokens.
 			call("free-key", "free", 429, "60")
 
-			// The admin API tells when the bucket is full again.
+			// The admin API tells when the bucket is full again, and
+			// leaves out the tokens and burst, which depend on the plan
+			// of a request it does not have, for a key it knows and for
+			// one never seen.
 			v := adminDo(t, tester, http.MethodGet, "/rate_limit/plans-"+tc.name+"/free-key", http.StatusOK)
 			if fullIn, _ := v["full_in"].(float64); fullIn <= 110 || fullIn > 120 {
 				t.Errorf("admin API: full_in %v, want free's whole bucket, 120s", v["full_in"])
+			}
+			for _, key := range []string{"free-key", "never-seen"} {
+				v := adminDo(t, tester, http.MethodGet, "/rate_limit/plans-"+tc.name+"/"+key, http.StatusOK)
+				for _, field := range []string{"tokens", "burst"} {
+					if got, ok := v[field]; ok {
+						t.Errorf("admin API, key %s: %s %v, for a limit that comes with each request", key, field, got)
+					}
+				}
 			}
 			if tc.name == "redis" {
 				hash, field := bucketName(t, "plans:", "plans-redis", "", 0, "free-key")
