@@ -259,3 +259,65 @@ func TestOverrideAudit(t *testing.T) {
 		}
 	}
 }
+
+// countsNone reports whether the store's count of a zone's overrides is
+// none, and fresh enough for a decision to skip reading them.
+func countsNone(s *RedisStore, zone int) bool {
+	c := s.zones[zone].overridden.Load()
+	return c.n == 0 && time.Since(processStart).Nanoseconds()-c.at <= int64(overridePoll)
+}
+
+// An instance that was idle while another set a key's own limit decides
+// the key's next request by it: the count of the zone's overrides it
+// had, none, is too old to skip reading it. A zone with requests all the
+// time keeps its count fresh, and its decisions read no override.
+func TestOverrideReachesIdleInstance(t *testing.T) {
+	r := startRedis(t)
+	// Another timeout: a store of its own, on a client of its own.
+	idle := newTestHandler(t, redisConfig(r.Addr(), "ov-idle", "1r/m", 2, `,"timeout":"2s"`))
+	newTestHandler(t, redisConfig(r.Addr(), "ov-idle", "1r/m", 2, "")) // the admin API acts on the newest
+	// countedNone waits until h's count is in: none. Its requests ask
+	// Redis, each for a key of its own.
+	countedNone := func(h *Handler) {
+		t.Helper()
+		for i, start := 0, time.Now(); !countsNone(h.store.(*RedisStore), 0); i++ {
+			serve(h, "203.0.113."+strconv.Itoa(i%250))
+			if time.Since(start) > time.Second {
+				t.Fatal("the zone's count of overrides is not in after a second")
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	const ip = "198.51.100.50"
+	for i, want := range []int{200, 200, 429} {
+		if code, _ := serve(idle, ip); code != want {
+			t.Fatalf("request %d: %d, want %d", i, code, want)
+		}
+	}
+	countedNone(idle)
+	req := httptest.NewRequest("PUT", "/rate_limit/ov-idle/"+ip+"/limit", strings.NewReader(`{"burst":10}`))
+	if err := (adminAPI{}).serve(httptest.NewRecorder(), req); err != nil {
+		t.Fatal(err)
+	}
+	// Past what its over-limit cache and its count of overrides are
+	// trusted for, the idle instance's first request is decided by the
+	// key's own limit.
+	time.Sleep(overLimitTrust + overridePoll)
+	if code, hdr := serve(idle, ip); code != 200 || hdr.Get("X-Ratelimit-Limit") != "10" {
+		t.Fatalf("the idle instance's first request after the key's burst was raised to 10: %d, limit %s; want 200, 10",
+			code, hdr.Get("X-Ratelimit-Limit"))
+	}
+
+	// A zone with requests all the time and no override: once counted,
+	// its count stays fresh, and no decision reads an override.
+	busy := newTestHandler(t, redisConfig(r.Addr(), "ov-busy", "1000r/s", 10000, ""))
+	countedNone(busy)
+	for start := time.Now(); time.Since(start) < 4*overridePoll; time.Sleep(5 * time.Millisecond) {
+		if !countsNone(busy.store.(*RedisStore), 0) {
+			t.Fatalf("%v into a zone's requests, a decision would read an override: its count is stale", time.Since(start))
+		}
+		if code, _ := serve(busy, "198.51.100.51"); code != 200 {
+			t.Fatalf("a request of the busy zone: %d", code)
+		}
+	}
+}
