@@ -41,12 +41,13 @@ Talks to the running Caddy's admin API (its /rate_limit/ routes):
 limit gives a key its own rate and burst in place of the zone's (either may
 be left out: the zone's is kept), for a while with --for; unlimit gives it
 the zone's back. The admin address is --address, else the one of --config,
-else the default, as for 'caddy reload'. Output is a table, or with --json
+or of a Caddyfile in the current directory, else the default, as for
+'caddy reload'. Output is a table, or with --json
 the admin API's JSON. A failed request prints the API's message and exits 1.
 `,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.PersistentFlags().String("address", "", "The address of the admin API, if not the default or the config's")
-			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file to read the admin address from, if --address is not used")
+			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file to read the admin address from, if --address is not used (default: ./Caddyfile, if there is one)")
 			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of the config adapter (with --config)")
 			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON")
 			cmd.AddCommand(rateLimitCommands()...)
@@ -135,7 +136,7 @@ func adminCall(c *cobra.Command, method, path string, body []byte, print func(io
 	address, _ := flags.GetString("address")
 	config, _ := flags.GetString("config")
 	adapter, _ := flags.GetString("adapter")
-	addr, err := caddycmd.DetermineAdminAPIAddress(address, nil, config, adapter)
+	addr, err := adminAddress(address, config, adapter)
 	if err != nil {
 		return err
 	}
@@ -162,6 +163,20 @@ func adminCall(c *cobra.Command, method, path string, body []byte, print func(io
 	}
 	print(c.OutOrStdout(), v)
 	return nil
+}
+
+// adminAddress is the admin API's address as caddy reload finds it:
+// address, else the admin address of the config file (configFile, else
+// a Caddyfile in the current directory), else the default.
+func adminAddress(address, configFile, adapter string) (string, error) {
+	if address != "" {
+		return address, nil
+	}
+	config, configFile, _, err := caddycmd.LoadConfig(configFile, adapter)
+	if err != nil {
+		return "", err
+	}
+	return caddycmd.DetermineAdminAPIAddress("", config, configFile, adapter)
 }
 
 // adminError is the admin API's message of a failed request, when it
