@@ -161,6 +161,13 @@ http://127.0.0.1:%d {
 	if _, errOut, code := run("limit", "cmd", "alice", "--address", address); code != 1 || !strings.Contains(errOut, "--rate") {
 		t.Fatalf("limit without a limit: exit %d, %q", code, errOut)
 	}
+	// An empty key is refused, not sent: Caddy would redirect its path,
+	// /rate_limit/cmd//limit, to that of the key "limit".
+	for _, args := range [][]string{{"unlimit", "cmd", ""}, {"limit", "cmd", "", "--burst", "5"}, {"get", "", "alice"}} {
+		if _, errOut, code := run(append(args, "--address", address)...); code != 1 || !strings.Contains(errOut, "must not be empty") {
+			t.Fatalf("%q: exit %d, %q", args, code, errOut)
+		}
+	}
 
 	// A restart keeps alice's own limit, and her bucket under it.
 	time.Sleep(500 * time.Millisecond)

@@ -6,6 +6,7 @@ package ratelimit
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -14,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -265,6 +267,21 @@ func TestOverrideAudit(t *testing.T) {
 func countsNone(s *RedisStore, zone int) bool {
 	c := s.zones[zone].overridden.Load()
 	return c.n == 0 && time.Since(processStart).Nanoseconds()-c.at <= int64(overridePoll)
+}
+
+// The limit of an empty key answers 400, whatever the method: it is not
+// the zone's info. (Caddy's admin endpoint redirects a path with // to
+// its cleaned form, that of another key; the handler does not rely on
+// it.)
+func TestOverrideEmptyKey(t *testing.T) {
+	newTestHandler(t, `{"zones":[{"name":"ov-empty","rate":"1r/s"}]}`)
+	for _, method := range []string{"PUT", "GET", "DELETE"} {
+		req := httptest.NewRequest(method, "/rate_limit/ov-empty//limit", strings.NewReader(`{"burst":3}`))
+		err := (adminAPI{}).serve(httptest.NewRecorder(), req)
+		if ae, ok := errors.AsType[caddy.APIError](err); !ok || ae.HTTPStatus != 400 || !strings.Contains(ae.Err.Error(), "key") {
+			t.Errorf("%s of an empty key's limit: %v, want 400 with the reason", method, err)
+		}
+	}
 }
 
 // An instance that was idle while another set a key's own limit decides
