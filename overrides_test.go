@@ -338,3 +338,70 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 		}
 	}
 }
+
+// A key's own limit through a real Caddy's admin API, on each store: the
+// bodies out of the zone's bounds answer 400 with the reason, the zone's max_overrides 409, and caddy_rate_limit_overrides
+// counts the zone's keys with their own limit.
+func TestOverrideBoundsAndMetric(t *testing.T) {
+	r := startRedis(t)
+	rc := newRedisClient(t, r.Addr())
+	for _, backend := range []string{"local", "redis"} {
+		t.Run(backend, func(t *testing.T) {
+			zone := "ov-bounds-" + backend
+			store := storeJSON()
+			if backend == "redis" {
+				store = `{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"ovb:"}`
+			}
+			tester := loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
+				{"name":"`+zone+`","rate":"10r/m","burst":4,"cost":2,"max_overrides":2}],"store":`+store+`},
+				{"handler":"static_response","body":"ok"}`))
+			path := func(key string) string { return "/rate_limit/" + zone + "/" + key + "/limit" }
+			for body, reason := range map[string]string{
+				`{"burst":1000000000000000}`:     "at most 999999999999999",
+				`{"burst":1}`:                    "cost 2 exceeds burst 1",
+				`{"burst":3,"expires_in":"-1s"}`: "must be positive",
+				`{"burst":3,"expires_in":-1}`:    "must be positive",
+			} {
+				v := adminSend(t, "PUT", path("k"), body, 400)
+				if msg, _ := v["error"].(string); !strings.Contains(msg, reason) {
+					t.Errorf("PUT %s: %q, want the reason %q", body, msg, reason)
+				}
+			}
+
+			overrides := func() float64 {
+				t.Helper()
+				series := `caddy_rate_limit_overrides{zone="` + zone + `"}`
+				v, ok := scrape(t, tester)[series]
+				if !ok {
+					t.Fatalf("no %s", series)
+				}
+				return v
+			}
+			if n := overrides(); n != 0 {
+				t.Fatalf("%v keys with their own limit before any was set", n)
+			}
+			adminSend(t, "PUT", path("a"), `{"burst":8}`, 200)
+			adminSend(t, "PUT", path("b"), `{"burst":6,"expires_in":"1h"}`, 200)
+			if v := adminSend(t, "PUT", path("c"), `{"burst":6}`, 409); !strings.Contains(v["error"].(string), "max_overrides") {
+				t.Fatalf("409 says %v", v)
+			}
+			adminSend(t, "PUT", path("a"), `{"burst":10}`, 200) // changing one is no more
+			if n := overrides(); n != 2 {
+				t.Fatalf("caddy_rate_limit_overrides %v after 2 were set and a third refused, want 2", n)
+			}
+			adminSend(t, "GET", path("c"), "", 404)
+			adminSend(t, "DELETE", path("a"), "", 200)
+			if n := overrides(); n != 1 {
+				t.Fatalf("caddy_rate_limit_overrides %v after one of 2 was removed, want 1", n)
+			}
+			adminSend(t, "PUT", path("c"), `{"burst":6}`, 200) // room again
+			if backend == "redis" {
+				// The refused one left nothing in Redis: the zone lists b
+				// and c.
+				if n := rc.ZCard(context.Background(), "ovb:{"+zone+"}:limits").Val(); n != 2 {
+					t.Fatalf("the zone's list of keys with their own limit holds %d, want 2", n)
+				}
+			}
+		})
+	}
+}
