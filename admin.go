@@ -302,7 +302,7 @@ func (adminAPI) serve(w http.ResponseWriter, r *http.Request) error {
 		return apiError(http.StatusNotFound, "unknown zone %q", name)
 	}
 	switch {
-	case !hasKey || keyEsc == "":
+	case !hasKey || keyEsc == "" && !ownLimit: // not /rate_limit/<zone>//limit: a key's, with no key
 		return writeEach(w, refs, zoneRef.info)
 	case list && keyEsc == "top":
 		return writeEach(w, refs, zoneRef.top)

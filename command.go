@@ -41,12 +41,13 @@ Talks to the running Caddy's admin API (its /rate_limit/ routes):
 limit gives a key its own rate and burst in place of the zone's (either may
 be left out: the zone's is kept), for a while with --for; unlimit gives it
 the zone's back. The admin address is --address, else the one of --config,
-else the default, as for 'caddy reload'. Output is a table, or with --json
+or of a Caddyfile in the current directory, else the default, as for
+'caddy reload'. Output is a table, or with --json
 the admin API's JSON. A failed request prints the API's message and exits 1.
 `,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.PersistentFlags().String("address", "", "The address of the admin API, if not the default or the config's")
-			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file to read the admin address from, if --address is not used")
+			cmd.PersistentFlags().StringP("config", "c", "", "Configuration file to read the admin address from, if --address is not used (default: ./Caddyfile, if there is one)")
 			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of the config adapter (with --config)")
 			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON")
 			cmd.AddCommand(rateLimitCommands()...)
@@ -56,13 +57,13 @@ the admin API's JSON. A failed request prints the API's message and exits 1.
 
 // rateLimitCommands are the subcommands of caddy rate-limit.
 func rateLimitCommands() []*cobra.Command {
-	top := &cobra.Command{Use: "top <zone>", Short: "The keys a zone denies most", Args: cobra.ExactArgs(1),
+	top := &cobra.Command{Use: "top <zone>", Short: "The keys a zone denies most", Args: names(1),
 		RunE: func(c *cobra.Command, args []string) error {
 			n, _ := c.Flags().GetInt("n")
 			return adminCall(c, http.MethodGet, zonePath(args[0])+"/top", nil, func(w io.Writer, v any) { printTop(w, v, n) })
 		}}
 	top.Flags().IntP("n", "n", 20, "How many keys to print")
-	limit := &cobra.Command{Use: "limit <zone> <key>", Short: "Give a key its own limit", Args: cobra.ExactArgs(2),
+	limit := &cobra.Command{Use: "limit <zone> <key>", Short: "Give a key its own limit", Args: names(2),
 		RunE: func(c *cobra.Command, args []string) error {
 			body, err := limitFlags(c)
 			if err != nil {
@@ -79,19 +80,37 @@ func rateLimitCommands() []*cobra.Command {
 				return adminCall(c, http.MethodGet, "/rate_limit/", nil, printZones)
 			}},
 		top,
-		{Use: "get <zone> <key>", Short: "A key's bucket now, and its own limit", Args: cobra.ExactArgs(2),
+		{Use: "get <zone> <key>", Short: "A key's bucket now, and its own limit", Args: names(2),
 			RunE: func(c *cobra.Command, args []string) error {
 				return adminCall(c, http.MethodGet, keyPath(args[0], args[1]), nil, printFields)
 			}},
-		{Use: "reset <zone> <key>", Short: "Make a key's bucket full again", Args: cobra.ExactArgs(2),
+		{Use: "reset <zone> <key>", Short: "Make a key's bucket full again", Args: names(2),
 			RunE: func(c *cobra.Command, args []string) error {
 				return adminCall(c, http.MethodDelete, keyPath(args[0], args[1]), nil, printFields)
 			}},
 		limit,
-		{Use: "unlimit <zone> <key>", Short: "Give a key the zone's limit back", Args: cobra.ExactArgs(2),
+		{Use: "unlimit <zone> <key>", Short: "Give a key the zone's limit back", Args: names(2),
 			RunE: func(c *cobra.Command, args []string) error {
 				return adminCall(c, http.MethodDelete, keyPath(args[0], args[1])+"/limit", nil, printFields)
 			}},
+	}
+}
+
+// names checks that a subcommand has its n arguments, a zone and maybe
+// a key, none of them empty: the admin API's path cannot carry an empty
+// one (Caddy's admin endpoint cleans the // it leaves into the path of
+// another zone or key, and redirects there).
+func names(n int) cobra.PositionalArgs {
+	return func(c *cobra.Command, args []string) error {
+		if err := cobra.ExactArgs(n)(c, args); err != nil {
+			return err
+		}
+		for i, a := range args {
+			if a == "" {
+				return fmt.Errorf("the %s must not be empty", [...]string{"zone", "key"}[i])
+			}
+		}
+		return nil
 	}
 }
 
@@ -135,7 +154,7 @@ func adminCall(c *cobra.Command, method, path string, body []byte, print func(io
 	address, _ := flags.GetString("address")
 	config, _ := flags.GetString("config")
 	adapter, _ := flags.GetString("adapter")
-	addr, err := caddycmd.DetermineAdminAPIAddress(address, nil, config, adapter)
+	addr, err := adminAddress(address, config, adapter)
 	if err != nil {
 		return err
 	}
@@ -162,6 +181,20 @@ func adminCall(c *cobra.Command, method, path string, body []byte, print func(io
 	}
 	print(c.OutOrStdout(), v)
 	return nil
+}
+
+// adminAddress is the admin API's address as caddy reload finds it:
+// address, else the admin address of the config file (configFile, else
+// a Caddyfile in the current directory), else the default.
+func adminAddress(address, configFile, adapter string) (string, error) {
+	if address != "" {
+		return address, nil
+	}
+	config, configFile, _, err := caddycmd.LoadConfig(configFile, adapter)
+	if err != nil {
+		return "", err
+	}
+	return caddycmd.DetermineAdminAPIAddress("", config, configFile, adapter)
 }
 
 // adminError is the admin API's message of a failed request, when it

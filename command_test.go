@@ -76,12 +76,13 @@ http://127.0.0.1:%d {
 		}
 		return cmd
 	}
-	// run runs caddy rate-limit with args against the admin API, and
-	// returns its output, its error output and its exit code.
-	run := func(args ...string) (string, string, int) {
+	// runIn runs caddy rate-limit with args in the directory wd (the
+	// test's when ""), and returns its output, its error output and its
+	// exit code.
+	runIn := func(wd string, args ...string) (string, string, int) {
 		t.Helper()
 		cmd := exec.Command(bin, append([]string{"rate-limit"}, args...)...)
-		cmd.Env = env
+		cmd.Env, cmd.Dir = env, wd
 		var out, errOut strings.Builder
 		cmd.Stdout, cmd.Stderr = &out, &errOut
 		err := cmd.Run()
@@ -90,6 +91,10 @@ http://127.0.0.1:%d {
 			t.Fatal(err)
 		}
 		return out.String(), errOut.String(), cmd.ProcessState.ExitCode()
+	}
+	run := func(args ...string) (string, string, int) {
+		t.Helper()
+		return runIn("", args...)
 	}
 	ok := func(args ...string) string {
 		t.Helper()
@@ -116,6 +121,11 @@ http://127.0.0.1:%d {
 	caddy := start()
 	if out := ok("zones"); !strings.Contains(out, "ZONE") || !strings.Contains(out, "cmd") || !strings.Contains(out, "1r/m burst 2") {
 		t.Fatalf("zones:\n%s", out)
+	}
+	// Without --address, in a directory whose Caddyfile has the admin
+	// address, as caddy reload finds it.
+	if out, errOut, code := runIn(dir, "zones"); code != 0 || !strings.Contains(out, "1r/m burst 2") {
+		t.Fatalf("zones in the Caddyfile's directory, without --address: exit %d: %s%s", code, out, errOut)
 	}
 	if out := ok("limit", "cmd", "alice", "--burst", "5", "--for", "1h"); !strings.Contains(out, "burst") || !strings.Contains(out, "5") {
 		t.Fatalf("limit:\n%s", out)
@@ -150,6 +160,13 @@ http://127.0.0.1:%d {
 	}
 	if _, errOut, code := run("limit", "cmd", "alice", "--address", address); code != 1 || !strings.Contains(errOut, "--rate") {
 		t.Fatalf("limit without a limit: exit %d, %q", code, errOut)
+	}
+	// An empty key is refused, not sent: Caddy would redirect its path,
+	// /rate_limit/cmd//limit, to that of the key "limit".
+	for _, args := range [][]string{{"unlimit", "cmd", ""}, {"limit", "cmd", "", "--burst", "5"}, {"get", "", "alice"}} {
+		if _, errOut, code := run(append(args, "--address", address)...); code != 1 || !strings.Contains(errOut, "must not be empty") {
+			t.Fatalf("%q: exit %d, %q", args, code, errOut)
+		}
 	}
 
 	// A restart keeps alice's own limit, and her bucket under it.

@@ -137,7 +137,7 @@ func startFaultCaddy(t *testing.T, site string, ownProcess bool) *faultCaddy {
 		if t.Failed() {
 			t.FailNow()
 		}
-		waitOneListener(t, 9080)
+		waitLoaded(t, tester)
 		c.logs = watchLog(t, logPath)
 		return c
 	}

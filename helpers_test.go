@@ -381,7 +381,7 @@ func resetBucket(t *testing.T, zone, key string) {
 }
 
 // loadJSON loads a JSON config into the test Caddy and waits until only
-// its listener is left.
+// its listeners are left (see waitLoaded).
 func loadJSON(t *testing.T, config string) *caddytest.Tester {
 	t.Helper()
 	tester := caddytest.NewTester(t)
@@ -389,8 +389,32 @@ func loadJSON(t *testing.T, config string) *caddytest.Tester {
 	if t.Failed() {
 		t.FailNow()
 	}
-	waitOneListener(t, 9080)
+	waitLoaded(t, tester)
 	return tester
+}
+
+// waitLoaded waits, after a config load into the test Caddy, until only
+// the new config's listeners are left, and has the clients drop the
+// connections they keep alive, so that the next request reaches the new
+// config. Caddy restarts its admin endpoint at every load: the new one
+// listens beside the old one (SO_REUSEPORT), and the old one shuts down
+// in a goroutine of its own, which on a busy machine may run after the
+// load has answered. A connection that lands in the old listener
+// meanwhile is reset when it closes, and one that the old server
+// answered and kept alive is closed under the next request sent on it.
+// Go's client sends a GET again on a fresh connection then, but not a
+// PUT or a DELETE: the first admin change after a load failed with
+// "connection reset by peer". caddytest's own requests (the load, its
+// GETs of /config/) go through http.DefaultTransport, as do the
+// package's admin requests.
+func waitLoaded(t *testing.T, tester *caddytest.Tester) {
+	t.Helper()
+	waitOneListener(t, 9080)
+	waitOneListener(t, caddytest.Default.AdminPort)
+	// No new connection can reach the old admin endpoint now; drop
+	// those it may have kept alive.
+	http.DefaultClient.CloseIdleConnections()
+	tester.Client.CloseIdleConnections()
 }
 
 // buildCaddy builds ./cmd/caddy into a temporary folder, and returns the

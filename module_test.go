@@ -232,7 +232,7 @@ func startCaddy(t *testing.T, extraGlobal, sites string) *caddytest.Tester {
 	if t.Failed() {
 		t.FailNow()
 	}
-	waitOneListener(t, 9080)
+	waitLoaded(t, tester)
 	return tester
 }
 
@@ -243,7 +243,7 @@ func reload(t *testing.T, tester *caddytest.Tester, extraGlobal, sites string) {
 	if t.Failed() {
 		t.FailNow()
 	}
-	waitOneListener(t, 9080)
+	waitLoaded(t, tester)
 }
 
 // get requests path from the test site with the header name/value pairs

@@ -6,6 +6,7 @@ package ratelimit
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"net/http/httptest"
@@ -14,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -258,5 +260,149 @@ func TestOverrideAudit(t *testing.T) {
 				t.Fatalf("log_key %v: the line %q has the key: %v", logKey, e.Message, has)
 			}
 		}
+	}
+}
+
+// countsNone reports whether the store's count of a zone's overrides is
+// none, and fresh enough for a decision to skip reading them.
+func countsNone(s *RedisStore, zone int) bool {
+	c := s.zones[zone].overridden.Load()
+	return c.n == 0 && time.Since(processStart).Nanoseconds()-c.at <= int64(overridePoll)
+}
+
+// The limit of an empty key answers 400, whatever the method: it is not
+// the zone's info. (Caddy's admin endpoint redirects a path with // to
+// its cleaned form, that of another key; the handler does not rely on
+// it.)
+func TestOverrideEmptyKey(t *testing.T) {
+	newTestHandler(t, `{"zones":[{"name":"ov-empty","rate":"1r/s"}]}`)
+	for _, method := range []string{"PUT", "GET", "DELETE"} {
+		req := httptest.NewRequest(method, "/rate_limit/ov-empty//limit", strings.NewReader(`{"burst":3}`))
+		err := (adminAPI{}).serve(httptest.NewRecorder(), req)
+		if ae, ok := errors.AsType[caddy.APIError](err); !ok || ae.HTTPStatus != 400 || !strings.Contains(ae.Err.Error(), "key") {
+			t.Errorf("%s of an empty key's limit: %v, want 400 with the reason", method, err)
+		}
+	}
+}
+
+// An instance that was idle while another set a key's own limit decides
+// the key's next request by it: the count of the zone's overrides it
+// had, none, is too old to skip reading it. A zone with requests all the
+// time keeps its count fresh, and its decisions read no override.
+func TestOverrideReachesIdleInstance(t *testing.T) {
+	r := startRedis(t)
+	// Another timeout: a store of its own, on a client of its own.
+	idle := newTestHandler(t, redisConfig(r.Addr(), "ov-idle", "1r/m", 2, `,"timeout":"2s"`))
+	newTestHandler(t, redisConfig(r.Addr(), "ov-idle", "1r/m", 2, "")) // the admin API acts on the newest
+	// countedNone waits until h's count is in: none. Its requests ask
+	// Redis, each for a key of its own.
+	countedNone := func(h *Handler) {
+		t.Helper()
+		for i, start := 0, time.Now(); !countsNone(h.store.(*RedisStore), 0); i++ {
+			serve(h, "203.0.113."+strconv.Itoa(i%250))
+			if time.Since(start) > time.Second {
+				t.Fatal("the zone's count of overrides is not in after a second")
+			}
+			time.Sleep(time.Millisecond)
+		}
+	}
+	const ip = "198.51.100.50"
+	for i, want := range []int{200, 200, 429} {
+		if code, _ := serve(idle, ip); code != want {
+			t.Fatalf("request %d: %d, want %d", i, code, want)
+		}
+	}
+	countedNone(idle)
+	req := httptest.NewRequest("PUT", "/rate_limit/ov-idle/"+ip+"/limit", strings.NewReader(`{"burst":10}`))
+	if err := (adminAPI{}).serve(httptest.NewRecorder(), req); err != nil {
+		t.Fatal(err)
+	}
+	// Past what its over-limit cache and its count of overrides are
+	// trusted for, the idle instance's first request is decided by the
+	// key's own limit.
+	time.Sleep(overLimitTrust + overridePoll)
+	if code, hdr := serve(idle, ip); code != 200 || hdr.Get("X-Ratelimit-Limit") != "10" {
+		t.Fatalf("the idle instance's first request after the key's burst was raised to 10: %d, limit %s; want 200, 10",
+			code, hdr.Get("X-Ratelimit-Limit"))
+	}
+
+	// A zone with requests all the time and no override: once counted,
+	// its count stays fresh, and no decision reads an override.
+	busy := newTestHandler(t, redisConfig(r.Addr(), "ov-busy", "1000r/s", 10000, ""))
+	countedNone(busy)
+	for start := time.Now(); time.Since(start) < 4*overridePoll; time.Sleep(5 * time.Millisecond) {
+		if !countsNone(busy.store.(*RedisStore), 0) {
+			t.Fatalf("%v into a zone's requests, a decision would read an override: its count is stale", time.Since(start))
+		}
+		if code, _ := serve(busy, "198.51.100.51"); code != 200 {
+			t.Fatalf("a request of the busy zone: %d", code)
+		}
+	}
+}
+
+// A key's own limit through a real Caddy's admin API, on each store: the
+// bodies out of the zone's bounds answer 400 with the reason, the zone's max_overrides 409, and caddy_rate_limit_overrides
+// counts the zone's keys with their own limit.
+func TestOverrideBoundsAndMetric(t *testing.T) {
+	r := startRedis(t)
+	rc := newRedisClient(t, r.Addr())
+	for _, backend := range []string{"local", "redis"} {
+		t.Run(backend, func(t *testing.T) {
+			zone := "ov-bounds-" + backend
+			store := storeJSON()
+			if backend == "redis" {
+				store = `{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"ovb:"}`
+			}
+			tester := loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
+				{"name":"`+zone+`","rate":"10r/m","burst":4,"cost":2,"max_overrides":2}],"store":`+store+`},
+				{"handler":"static_response","body":"ok"}`))
+			path := func(key string) string { return "/rate_limit/" + zone + "/" + key + "/limit" }
+			for body, reason := range map[string]string{
+				`{"burst":1000000000000000}`:     "at most 999999999999999",
+				`{"burst":1}`:                    "cost 2 exceeds burst 1",
+				`{"burst":3,"expires_in":"-1s"}`: "must be positive",
+				`{"burst":3,"expires_in":-1}`:    "must be positive",
+			} {
+				v := adminSend(t, "PUT", path("k"), body, 400)
+				if msg, _ := v["error"].(string); !strings.Contains(msg, reason) {
+					t.Errorf("PUT %s: %q, want the reason %q", body, msg, reason)
+				}
+			}
+
+			overrides := func() float64 {
+				t.Helper()
+				series := `caddy_rate_limit_overrides{zone="` + zone + `"}`
+				v, ok := scrape(t, tester)[series]
+				if !ok {
+					t.Fatalf("no %s", series)
+				}
+				return v
+			}
+			if n := overrides(); n != 0 {
+				t.Fatalf("%v keys with their own limit before any was set", n)
+			}
+			adminSend(t, "PUT", path("a"), `{"burst":8}`, 200)
+			adminSend(t, "PUT", path("b"), `{"burst":6,"expires_in":"1h"}`, 200)
+			if v := adminSend(t, "PUT", path("c"), `{"burst":6}`, 409); !strings.Contains(v["error"].(string), "max_overrides") {
+				t.Fatalf("409 says %v", v)
+			}
+			adminSend(t, "PUT", path("a"), `{"burst":10}`, 200) // changing one is no more
+			if n := overrides(); n != 2 {
+				t.Fatalf("caddy_rate_limit_overrides %v after 2 were set and a third refused, want 2", n)
+			}
+			adminSend(t, "GET", path("c"), "", 404)
+			adminSend(t, "DELETE", path("a"), "", 200)
+			if n := overrides(); n != 1 {
+				t.Fatalf("caddy_rate_limit_overrides %v after one of 2 was removed, want 1", n)
+			}
+			adminSend(t, "PUT", path("c"), `{"burst":6}`, 200) // room again
+			if backend == "redis" {
+				// The refused one left nothing in Redis: the zone lists b
+				// and c.
+				if n := rc.ZCard(context.Background(), "ovb:{"+zone+"}:limits").Val(); n != 2 {
+					t.Fatalf("the zone's list of keys with their own limit holds %d, want 2", n)
+				}
+			}
+		})
 	}
 }

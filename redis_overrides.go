@@ -45,41 +45,70 @@ func parseOverride(v string, ttl time.Duration, now time.Time) (override, bool) 
 	return o, true
 }
 
-// forgetKey makes this instance's over-limit cache forget what it knew
-// of key's bucket in a zone: its own limit changed.
-// overridePoll is how often a zone's count of overrides is read again.
-// Until another instance's override is counted here, this instance's
-// calls do not read it: set through another instance, an override takes
-// effect here within this time. (The over-limit cache forgets what it
-// learnt meanwhile, when the count shows the zone's first override.)
+// overridePoll is how long a zone's count of overrides is trusted: a
+// decision skips reading its key's own limit only when the zone had none
+// when counted less than this before. Set through another instance, an
+// override is then read by this instance's calls within this time. (The
+// over-limit cache, which may refuse a key without a call for up to
+// overLimitTrust, forgets what it learnt meanwhile when the count shows
+// the zone's first override.)
 const overridePoll = 250 * time.Millisecond
 
+// overrideRefresh is how old a zone's count of overrides is when a
+// decision has it read again, in the background: soon enough that the
+// count of a zone with requests all the time is never older than
+// overridePoll, its decisions then never reading an override that is not
+// there.
+const overrideRefresh = overridePoll / 2
+
+// countedOverrides is how many keys of a zone have their own limit, as
+// Redis said when asked (-1: not known; every decision reads).
+type countedOverrides struct {
+	n  int64
+	at int64 // when it was asked, in nanoseconds of the process's clock (see processStart)
+}
+
 // mayOverride reports whether keys of the zone may have their own limit,
-// so that a decision must read it: unless Redis said lately that the zone
-// has none. The count is read again, in the background, once it is
-// overridePoll old.
+// so that a decision must read it: unless Redis said less than
+// overridePoll ago that the zone has none. A count older than that is not
+// trusted, so that an instance that was idle reads the override set
+// meanwhile at its first decision. The count is read again, in the
+// background, once it is overrideRefresh old.
 func (s *RedisStore) mayOverride(zone int) bool {
 	rz := &s.zones[zone]
 	now := time.Since(processStart).Nanoseconds()
-	if last := rz.overriddenPoll.Load(); now-last > int64(overridePoll) && rz.overriddenPoll.CompareAndSwap(last, now) {
-		go s.pollOverrides(zone)
+	c := rz.overridden.Load()
+	if now-c.at > int64(overrideRefresh) {
+		if last := rz.overriddenPoll.Load(); now-last > int64(overrideRefresh) && rz.overriddenPoll.CompareAndSwap(last, now) {
+			go s.pollOverrides(zone, now)
+		}
 	}
-	return rz.overridden.Load() != 0
+	return c.n != 0 || now-c.at > int64(overridePoll)
 }
 
-// pollOverrides reads how many keys of the zone have their own limit.
-func (s *RedisStore) pollOverrides(zone int) {
+// pollOverrides reads how many keys of the zone have their own limit,
+// asked at at.
+func (s *RedisStore) pollOverrides(zone int, at int64) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.callTimeout)
 	defer cancel()
 	n, err := s.overrideCount(ctx, zone)
-	rz := &s.zones[zone]
 	if err != nil {
 		// Not known: every decision reads. (What the cache learnt
 		// stays: fail_mode local starts from it while Redis fails.)
-		rz.overridden.Store(-1)
-		return
+		n = -1
 	}
-	if rz.overridden.Swap(int64(n)) == 0 && n > 0 {
+	rz := &s.zones[zone]
+	c := &countedOverrides{n: int64(n), at: at}
+	var old *countedOverrides
+	for {
+		if old = rz.overridden.Load(); old.at > at {
+			return // a later count is in, or an override was set here since
+		}
+		if rz.overridden.CompareAndSwap(old, c) {
+			break
+		}
+	}
+	if old.n == 0 && n > 0 {
 		// What the cache learnt while no override was read may be the
 		// zone's limit where a key now has its own; so may what calls in
 		// flight, sent without reading it, would teach it.
@@ -103,6 +132,8 @@ func (s *RedisStore) overriddenGen(d *demands) uint64 {
 // processStart anchors the monotonic instants of the override polls.
 var processStart = time.Now()
 
+// forgetKey makes this instance's over-limit cache forget what it knew
+// of key's bucket in a zone: its own limit changed.
 func (s *RedisStore) forgetKey(zone int, key bucketKey) {
 	rz := &s.zones[zone]
 	if rz.cache != nil {
@@ -134,7 +165,9 @@ func (s *RedisStore) setOverride(ctx context.Context, now time.Time, zone int, k
 		return errors.Join(errTooManyOverrides, s.client.ZRem(ctx, index, stored).Err())
 	}
 	defer s.forgetKey(zone, key)
-	rz.overridden.Store(-1) // read from now on, until a poll counts it
+	// Read from now on, until a poll asked after the override was listed
+	// counts it.
+	rz.overridden.Store(&countedOverrides{n: -1, at: time.Since(processStart).Nanoseconds()})
 	return s.client.Set(ctx, limitKey, overrideValue(o), ttl).Err()
 }
 

@@ -166,9 +166,9 @@ type redisZone struct {
 	// maxOverrides is the most keys with their own limit (max_overrides).
 	maxOverrides int64
 	// overridden is how many keys of the zone have their own limit, as
-	// Redis last said (-1: not known); polled lest it is stale (see
+	// Redis said when last asked; polled lest it is stale (see
 	// mayOverride).
-	overridden     atomic.Int64
+	overridden     atomic.Pointer[countedOverrides]
 	overriddenPoll atomic.Int64 // when it was last polled, in nanoseconds of the process's clock
 	// overriddenGen counts the times the zone's first override was
 	// found: a call sent before then, without reading overrides, teaches
@@ -402,7 +402,9 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 		// A bucket's state is its zone's name and shape, as a local
 		// table's is (tableID).
 		rz.field = bucketField(z.name, z.shape)
-		rz.overridden.Store(-1) // not known yet
+		// Not known yet, and asked at the first decision.
+		rz.overridden.Store(&countedOverrides{n: -1, at: math.MinInt64 / 2})
+		rz.overriddenPoll.Store(math.MinInt64 / 2)
 		rz.plans = z.bucket && z.shape.burst == 0
 		if !s.DisableOverLimitCache {
 			rz.cache = newBuckets(overLimitCacheKeys, time.Now())

@@ -282,7 +282,6 @@ func (t *table[E]) forget(k bucketKey) E {
 	return e
 }
 
-// sweepAll drops every spent entry of the table.
 // clear forgets every entry.
 func (t *table[E]) clear() {
 	for i := range t.shards {
@@ -293,6 +292,7 @@ func (t *table[E]) clear() {
 	}
 }
 
+// sweepAll drops every spent entry of the table.
 func (t *table[E]) sweepAll(now time.Time) {
 	n := t.instant(now)
 	for i := range t.shards {
