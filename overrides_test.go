@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -399,7 +400,9 @@ func TestOverrideBoundsAndMetric(t *testing.T) {
 			if backend == "redis" {
 				// The refused one left nothing in Redis: the zone lists b
 				// and c.
-				if n := rc.ZCard(context.Background(), "ovb:{"+zone+"}:limits").Val(); n != 2 {
+				perSec, _, _ := parseRate("10r/m")
+				list := rediswire.Keys{Prefix: "ovb:"}.Limits(bucketField(zone, newLimit(perSec, 4)))
+				if n := rc.ZCard(context.Background(), list).Val(); n != 2 {
 					t.Fatalf("the zone's list of keys with their own limit holds %d, want 2", n)
 				}
 			}
