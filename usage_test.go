@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
@@ -296,8 +297,17 @@ func usageSitesAt(rate, upstream, store string) string {
 // headers and its body.
 func llmGet(t *testing.T, key, path string) (int, http.Header, string) {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080"+path, nil)
-	req.Header.Set("Authorization", key)
+	return llmGetAt(t, "http://localhost:9080", path, "Authorization", key)
+}
+
+// llmGetAt is llmGet of the site at base, with the request header
+// name/value pairs.
+func llmGetAt(t *testing.T, base, path string, header ...string) (int, http.Header, string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, base+path, nil)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return 0, nil, err.Error()
@@ -424,7 +434,14 @@ func TestUsageThroughCaddy(t *testing.T) {
 // says of the first zone of that name to check.
 func adminKeyInfo(t *testing.T, zone, key string, check func(map[string]any)) {
 	t.Helper()
-	resp, err := http.Get("http://localhost:2999/rate_limit/" + zone + "/" + url.PathEscape(key))
+	check(adminKeyAt(t, "localhost:2999", zone, key))
+}
+
+// adminKeyAt is what the admin API at admin says of a key of the first
+// zone of that name.
+func adminKeyAt(t *testing.T, admin, zone, key string) map[string]any {
+	t.Helper()
+	resp, err := http.Get("http://" + admin + "/rate_limit/" + zone + "/" + url.PathEscape(key))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -438,7 +455,7 @@ func adminKeyInfo(t *testing.T, zone, key string, check func(map[string]any)) {
 		}
 		infos = []map[string]any{one}
 	}
-	check(infos[0])
+	return infos[0]
 }
 
 // usage goes with neither ban nor delay, and says where to read the
@@ -782,4 +799,214 @@ func TestNeedle(t *testing.T) {
 			t.Errorf("%q: %v, want %v", tc.data, got, tc.want)
 		}
 	}
+}
+
+// usageKey follows one key's bucket in a zone of rate 100/m and burst
+// 100 through real Caddy instances: what each response's RateLimit field
+// says is left, and the Retry-After of a refusal, against the tokens the
+// key's earlier responses used, give or take the tokens refilled since
+// its first request was decided.
+type usageKey struct {
+	t            *testing.T
+	key, zone    string
+	born, bornBy time.Time // the key's first request was sent, answered
+	spent        float64   // the tokens its settled requests were charged
+}
+
+const usageTokenTime = 600 * time.Millisecond // 100/m
+
+// refill bounds the tokens the bucket got back from its first request's
+// decision to that of a request sent at sent and answered at answered.
+func (k *usageKey) refill(sent, answered time.Time) (lo, hi float64) {
+	return max(0, sent.Sub(k.bornBy).Seconds()/usageTokenTime.Seconds()), answered.Sub(k.born).Seconds() / usageTokenTime.Seconds()
+}
+
+// allowed sends a request of the key to path through c: it must be
+// allowed with 100 - spent - 1 tokens left (its reservation taken). Its
+// response used used tokens (1, the reservation, for one without usage):
+// allowed waits until c's store has settled them.
+func (k *usageKey) allowed(c *faultCaddy, path string, used float64) {
+	k.t.Helper()
+	sent := time.Now()
+	code, h, body := llmGetAt(k.t, c.url, path, "Authorization", k.key)
+	answered := time.Now()
+	if k.born.IsZero() {
+		k.born, k.bornBy = sent, answered
+	}
+	if code != http.StatusOK {
+		k.t.Fatalf("%s through %s: %d %q, RateLimit %q", path, c.url, code, body, h.Get("RateLimit"))
+	}
+	lo, hi := k.refill(sent, answered)
+	left := 100 - k.spent - 1
+	if got := float64(remainingOf(k.t, h, k.zone)); got < math.Floor(left+lo) || got > math.Floor(left+hi) {
+		k.t.Fatalf("%s through %s: %v left, want %v (%v tokens used before, and this request's 1, refilled %.2f to %.2f)",
+			path, c.url, got, math.Floor(left+lo), k.spent, lo, hi)
+	}
+	k.spent += used
+	if used == 1 {
+		return
+	}
+	// The client may have the whole response before the instance has
+	// settled it: wait until its store has the usage, for at most 5 s
+	// (the next request tells if it never does).
+	eventually(5*time.Second, func() bool {
+		tokens, _ := adminKeyAt(k.t, c.admin, k.zone, k.key)["tokens"].(float64)
+		_, hi := k.refill(time.Now(), time.Now())
+		return tokens < 100-k.spent+hi+0.5
+	})
+}
+
+// eventually waits until cond holds, for at most d, and reports whether
+// it did: for a condition that the checks after it tell the failure of.
+func eventually(d time.Duration, cond func() bool) bool {
+	for deadline := time.Now().Add(d); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			return false
+		}
+	}
+	return true
+}
+
+// refused sends a request of the key through c: it must be refused, with
+// the Retry-After of the tokens the bucket owes and the request's one.
+func (k *usageKey) refused(c *faultCaddy, path string) {
+	k.t.Helper()
+	sent := time.Now()
+	code, h, body := llmGetAt(k.t, c.url, path, "Authorization", k.key)
+	lo, hi := k.refill(sent, time.Now())
+	tokens := k.spent - 100 + 1 // owed, and the request's
+	shortest, longest := math.Ceil((tokens-hi)*usageTokenTime.Seconds()), math.Ceil((tokens-lo)*usageTokenTime.Seconds())
+	retry, _ := strconv.ParseFloat(h.Get("Retry-After"), 64)
+	if code != http.StatusTooManyRequests || retry < shortest || retry > longest {
+		k.t.Fatalf("%s through %s: %d %q, Retry-After %q; want 429 and %v to %v s, the time of %v tokens less %.2f to %.2f refilled",
+			path, c.url, code, body, h.Get("Retry-After"), shortest, longest, tokens, lo, hi)
+	}
+}
+
+// Two Caddy processes, built from ./cmd/caddy, sharing one Redis: each
+// instance settles in the one bucket of a key, and the other sees it.
+// 60 tokens through A, 30 through B and a stream of 45 through A leave
+// the bucket owing 35 tokens, and B refuses with the Retry-After of 36;
+// header and trailer usages add up alike; streams without usage and cut
+// off keep their reservation on either instance. Before those, 200
+// parallel requests for one fresh key with burst 100, split over both
+// instances, against an upstream that answers none until all have been
+// decided, admit exactly 100.
+func TestUsageAcrossInstances(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs Caddy")
+	}
+	bin, _ := buildCaddy(t)
+	r := startRedis(t)
+	up := startLLMUpstream(t)
+	up.resume = make(chan struct{}) // held until the parallel requests are decided
+	site := fmt.Sprintf(`	rate_limit {
+		zone llm {
+			key {http.request.header.Authorization}
+			match not path /header /trailer
+			rate 100/m
+			burst 100
+			usage json usage.total_tokens
+		}
+		zone llm-header {
+			key {http.request.header.Authorization}
+			match path /header /trailer
+			rate 100/m
+			burst 100
+			usage header X-Usage-Tokens
+		}
+		# 100/h: no token comes back while the parallel requests are decided.
+		zone llm-parallel {
+			key {http.request.header.Authorization}
+			match header X-Parallel 1
+			rate 100/h
+			burst 100
+			usage json usage.total_tokens
+		}
+		store redis {
+			address %s
+			key_prefix across:
+			timeout 5s
+		}
+	}
+	reverse_proxy %s {
+		flush_interval -1
+	}`, r.Addr(), strings.TrimPrefix(up.URL, "http://"))
+	a, b := startCaddyProcess(t, bin, site), startCaddyProcess(t, bin, site)
+
+	t.Run("parallel", func(t *testing.T) {
+		tr := &http.Transport{MaxConnsPerHost: 200, MaxIdleConnsPerHost: 200}
+		defer tr.CloseIdleConnections()
+		c := &http.Client{Transport: tr, Timeout: 30 * time.Second}
+		codes := make(chan int, 200)
+		var wg sync.WaitGroup
+		for i := range 200 {
+			wg.Go(func() {
+				rep := send(c, []*faultCaddy{a, b}[i%2].url+"/sse?tokens=1", "Authorization", "parallel", "X-Parallel", "1")
+				if rep.err != nil {
+					t.Error(rep.err)
+					return
+				}
+				codes <- rep.status
+			})
+		}
+		// Every request is decided before any is answered: the admitted
+		// ones wait in the upstream, the others have their 429.
+		deadline := time.Now().Add(20 * time.Second)
+		for len(codes)+int(up.held.Load()) < 200 && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
+		close(up.resume)
+		wg.Wait()
+		close(codes)
+		n := map[int]int{}
+		for code := range codes {
+			n[code]++
+		}
+		if n[200] != 100 || n[429] != 100 {
+			t.Fatalf("200 parallel requests over two instances: %v, want 100 × 200 and 100 × 429", n)
+		}
+		// Each used 1 token, its reservation: both find the bucket empty.
+		for _, c := range []*faultCaddy{a, b} {
+			if code, h, _ := llmGetAt(t, c.url, "/json?tokens=1", "Authorization", "parallel", "X-Parallel", "1"); code != 429 {
+				t.Fatalf("%s after the parallel requests: %d, RateLimit %q; want 429", c.url, code, h.Get("RateLimit"))
+			}
+		}
+	})
+
+	t.Run("accounting", func(t *testing.T) {
+		k := &usageKey{t: t, key: "k1", zone: "llm"}
+		k.allowed(a, "/json?tokens=60", 60)
+		k.allowed(b, "/json?tokens=30", 30)
+		k.allowed(a, "/sse?tokens=45", 45)
+		k.refused(b, "/json?tokens=1")
+		k.refused(a, "/json?tokens=1")
+		tok, _ := adminKeyAt(t, b.admin, "llm", "k1")["tokens"].(float64)
+		if _, hi := k.refill(time.Now(), time.Now()); tok < -35 || tok > -35+hi {
+			t.Fatalf("B's admin API: tokens %v, want -35 (refilled at most %.2f)", tok, hi)
+		}
+
+		h := &usageKey{t: t, key: "h1", zone: "llm-header"}
+		h.allowed(b, "/header?tokens=30", 30)
+		h.allowed(a, "/trailer?tokens=20", 20)
+		h.allowed(b, "/header?tokens=1", 1)
+
+		// Without usage, on either instance, the reservation stands.
+		s := &usageKey{t: t, key: "s1", zone: "llm"}
+		ma, mb := scrapeAt(t, a.client, a.admin), scrapeAt(t, b.client, b.admin)
+		s.allowed(a, "/sse?tokens=45&usage=none", 1)
+		s.allowed(b, "/sse?tokens=45&cut=1", 1)
+		s.allowed(b, "/sse?tokens=45&usage=none", 1)
+		s.allowed(a, "/sse?tokens=45&cut=1", 1)
+		const missing = `caddy_rate_limit_usage_missing_total{limit="100/m burst 100",zone="llm"}`
+		for _, c := range []struct {
+			c    *faultCaddy
+			base map[string]float64
+		}{{a, ma}, {b, mb}} {
+			eventually(5*time.Second, func() bool { return scrapeAt(t, c.c.client, c.c.admin)[missing] >= c.base[missing]+2 })
+			wantMetric(t, scrapeAt(t, c.c.client, c.c.admin), missing, c.base[missing]+2)
+		}
+		s.allowed(b, "/json?tokens=1", 1)
+		s.allowed(a, "/json?tokens=1", 1)
+	})
 }
