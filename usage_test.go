@@ -1010,3 +1010,65 @@ func TestUsageAcrossInstances(t *testing.T) {
 		s.allowed(a, "/json?tokens=1", 1)
 	})
 }
+
+// usage with a quota, through Caddy on the local store and on Redis: a
+// response whose usage takes the quota past its limit leaves the bucket
+// with room (40 of 100 tokens), and the quota alone refuses the key until
+// its window ends, counting nothing more; another key is not refused.
+func TestUsageQuotaRefusesAlone(t *testing.T) {
+	r := startRedis(t)
+	up := startLLMUpstream(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", ""},
+		{"redis", "store redis {\n\t\t\taddress " + r.Addr() + "\n\t\t\tkey_prefix usage-quota:\n\t\t\ttimeout 5s\n\t\t}"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			zone := "llm-quota-" + tc.name
+			startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	rate_limit {
+		zone %s {
+			key {http.request.header.Authorization}
+			rate 100/m
+			burst 100
+			usage json usage.total_tokens
+			quota 50 per day
+		}
+		%s
+	}
+	reverse_proxy %s
+}
+`, zone, tc.store, strings.TrimPrefix(up.URL, "http://")))
+			info := func(key string) (tokens float64, used int64) {
+				t.Helper()
+				v := adminKeyAt(t, "localhost:2999", zone, key)
+				q, _ := v["quota"].(map[string]any)
+				tokens, _ = v["tokens"].(float64)
+				n, _ := q["used"].(float64)
+				return tokens, int64(n)
+			}
+			if code, h, body := llmGet(t, "q1", "/json?tokens=60"); code != 200 {
+				t.Fatalf("first: %d %q, RateLimit %q", code, body, h.Get("RateLimit"))
+			}
+			// The client may have the whole response before Caddy has
+			// settled it.
+			eventually(5*time.Second, func() bool { _, used := info("q1"); return used == 60 })
+			day := (&quota{period: periodDay, loc: time.UTC}).windowAt(time.Now())
+			for i := range 2 {
+				code, h, _ := llmGet(t, "q1", "/json?tokens=1")
+				ra, _ := strconv.ParseInt(h.Get("Retry-After"), 10, 64)
+				if want := ceilSeconds(time.Until(day.end)); code != 429 || ra < want-2 || ra > want+1 {
+					t.Fatalf("request %d after the quota ran out: %d, Retry-After %q; want 429 and about %d s, until the day ends",
+						i, code, h.Get("Retry-After"), want)
+				}
+				// The bucket has room: it is the quota that refuses, and
+				// the refusals take nothing from either.
+				if tokens, used := info("q1"); tokens < 39.9 || tokens > 41 || used != 60 {
+					t.Fatalf("request %d after the quota ran out: %v tokens, %d counted; want 40 and 60", i, tokens, used)
+				}
+			}
+			if code, h, _ := llmGet(t, "q2", "/json?tokens=1"); code != 200 {
+				t.Fatalf("another key: %d, RateLimit %q", code, h.Get("RateLimit"))
+			}
+		})
+	}
+}
