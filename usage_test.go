@@ -1072,3 +1072,75 @@ func TestUsageQuotaRefusesAlone(t *testing.T) {
 		})
 	}
 }
+
+// usage with plans, through Caddy on the local store and on Redis: the
+// settlement charges the bucket of the request's own plan, at that plan's
+// rate, and lets it owe that plan's burst. On pro (100/m, burst 100),
+// 60 tokens leave 39 for the next request, and 60 then 50 owe 10, which
+// the next request waits 7 s for; on max (1000/m, burst 1000), 60 tokens
+// leave 939.
+func TestUsageWithPlans(t *testing.T) {
+	r := startRedis(t)
+	up := startLLMUpstream(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", ""},
+		{"redis", "store redis {\n\t\t\taddress " + r.Addr() + "\n\t\t\tkey_prefix usage-plans:\n\t\t\ttimeout 5s\n\t\t}"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			zone := "llm-plans-" + tc.name
+			startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	map {http.request.header.X-Plan} {plan_rate} {plan_burst} {
+		pro     100/m  100
+		max     1000/m 1000
+		default 10/m   10
+	}
+	rate_limit {
+		zone %s {
+			key {http.request.header.Authorization}
+			rate {plan_rate}
+			burst {plan_burst}
+			usage json usage.total_tokens
+		}
+		%s
+	}
+	reverse_proxy %s
+}
+`, zone, tc.store, strings.TrimPrefix(up.URL, "http://")))
+			// call sends a request of key on plan, and returns its status,
+			// what its RateLimit field says is left and its Retry-After;
+			// then it waits until the bucket, read without a plan, is full
+			// again no sooner than after fullIn.
+			call := func(key, plan, path string, fullIn time.Duration) (int, int, string) {
+				t.Helper()
+				code, h, body := llmGetAt(t, "http://localhost:9080", path, "Authorization", key, "X-Plan", plan)
+				if code != 200 && code != 429 {
+					t.Fatalf("%s on %s: %d %q", path, plan, code, body)
+				}
+				eventually(5*time.Second, func() bool {
+					v, _ := adminKeyAt(t, "localhost:2999", zone, key)["full_in"].(float64)
+					return v >= fullIn.Seconds()
+				})
+				left := 0
+				if code == 200 {
+					left = remainingOf(t, h, zone)
+				}
+				return code, left, h.Get("Retry-After")
+			}
+			if code, left, _ := call("pro-key", "pro", "/json?tokens=60", 35*time.Second); code != 200 || left != 99 {
+				t.Fatalf("pro, first: %d, %d left; want 200 and 99", code, left)
+			}
+			if code, left, _ := call("pro-key", "pro", "/json?tokens=50", 65*time.Second); code != 200 || left != 39 {
+				t.Fatalf("pro, after 60 tokens: %d, %d left; want 200 and 39", code, left)
+			}
+			if code, _, retry := call("pro-key", "pro", "/json?tokens=1", 0); code != 429 || retry != "7" {
+				t.Fatalf("pro, owing 10 tokens: %d, Retry-After %q; want 429 and 7 (11 tokens at 100/m)", code, retry)
+			}
+			if code, left, _ := call("max-key", "max", "/json?tokens=60", 3*time.Second); code != 200 || left != 999 {
+				t.Fatalf("max, first: %d, %d left; want 200 and 999", code, left)
+			}
+			if code, left, _ := call("max-key", "max", "/json?tokens=1", 0); code != 200 || left != 939 {
+				t.Fatalf("max, after 60 tokens: %d, %d left; want 200 and 939", code, left)
+			}
+		})
+	}
+}
