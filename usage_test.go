@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -1070,6 +1071,79 @@ func TestUsageQuotaRefusesAlone(t *testing.T) {
 				t.Fatalf("another key: %d, RateLimit %q", code, h.Get("RateLimit"))
 			}
 		})
+	}
+}
+
+// A response without usage is counted, every one, and logged at most once
+// a minute per zone: one line for each zone, with the zone and the
+// reason of its first response without usage, and never the key. A zone
+// is one zone in every handler that has it (here a route of its own for
+// /a/), and across a config reload.
+func TestUsageMissingLoggedOnce(t *testing.T) {
+	up := startLLMUpstream(t)
+	logFile := filepath.Join(t.TempDir(), "caddy.log")
+	global := fmt.Sprintf("\tlog {\n\t\toutput file %s\n\t\tformat json\n\t}\n", logFile)
+	// site has usageSites' zones in two handlers, the second for the
+	// paths under /a/.
+	site := func(extra string) string {
+		one := usageSites(up.URL, "")
+		one = one[strings.Index(one, "{\n")+2 : strings.LastIndex(one, "}")]
+		return "http://localhost:9080 {\n" + extra + "\thandle_path /a/* {\n" + one + "\t}\n\thandle {\n" + one + "\t}\n}\n"
+	}
+	tester := startCaddy(t, global, site(""))
+	logs := watchLog(t, logFile)
+	mark := logs.mark()
+	base := scrape(t, tester)
+	const key = "sk-live-0123456789abcdef"
+	send := func(paths ...string) {
+		t.Helper()
+		for _, path := range paths {
+			if code, _, body := llmGet(t, key, path); code != 200 {
+				t.Fatalf("%s: %d %q", path, code, body)
+			}
+		}
+	}
+	send(
+		"/sse?tokens=5&usage=none", // the field missing
+		"/a/sse?tokens=5&cut=1",    // cut off
+		"/json?tokens=null",        // not a number
+		"/header?tokens=many",      // llm-header: not a number
+		"/a/trailer",               // llm-header: the trailer empty
+	)
+	reload(t, tester, global, site("\theader X-Reloaded 1\n"))
+	send("/a/sse?tokens=5&usage=none", "/header?tokens=-4")
+
+	missing := func(zone string) string {
+		return `caddy_rate_limit_usage_missing_total{limit="100/m burst 100",zone="` + zone + `"}`
+	}
+	eventually(5*time.Second, func() bool {
+		m := scrape(t, tester)
+		return m[missing("llm")] >= base[missing("llm")]+4 && m[missing("llm-header")] >= base[missing("llm-header")]+3
+	})
+	m := scrape(t, tester)
+	wantMetric(t, m, missing("llm"), base[missing("llm")]+4)
+	wantMetric(t, m, missing("llm-header"), base[missing("llm-header")]+3)
+
+	lines := logs.since(mark)
+	if leaked := leaks(lines, key, "0123456789abcdef"); len(leaked) > 0 {
+		t.Errorf("the key is in the logs:\n%s", strings.Join(leaked, "\n"))
+	}
+	got := map[string][]string{}
+	for _, l := range lines {
+		var e map[string]any
+		if json.Unmarshal([]byte(l.text), &e) != nil || e["msg"] != "rate limit: no usage in a response; the request keeps the cost it took" {
+			continue
+		}
+		zone, _ := e["zone"].(string)
+		reason, _ := e["reason"].(string)
+		got[zone] = append(got[zone], reason)
+	}
+	want := map[string][]string{
+		"llm":        {noUsageReasons[usageNoField]},
+		"llm-header": {noUsageReasons[usageNotNumber]},
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("no-usage lines by zone: %q; want %q", got, want)
 	}
 }
 
