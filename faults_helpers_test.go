@@ -141,6 +141,18 @@ func startFaultCaddy(t *testing.T, site string, ownProcess bool) *faultCaddy {
 		c.logs = watchLog(t, logPath)
 		return c
 	}
+	return startCaddyProcess(t, bin, site)
+}
+
+// startCaddyProcess runs the Caddy binary bin as a process of its own,
+// on free ports, serving one site whose directives are given, with its
+// stderr (its logs) going to a file the caller reads. It is stopped with
+// SIGTERM when the test ends.
+func startCaddyProcess(t *testing.T, bin, site string) *faultCaddy {
+	t.Helper()
+	dir := t.TempDir()
+	logPath := filepath.Join(dir, "caddy.log")
+	c := &faultCaddy{t: t, client: &http.Client{Timeout: 30 * time.Second}}
 	admin, port, tls := freePort(t, 0), freePort(t, 0), freePort(t, 0)
 	c.admin, c.url = fmt.Sprintf("localhost:%d", admin), fmt.Sprintf("http://localhost:%d", port)
 	c.global = faultGlobal(admin, port, tls, "stderr")

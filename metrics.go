@@ -9,6 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -27,6 +28,9 @@ type zoneState struct {
 	refunds      atomic.Uint64 // allowed requests given their tokens back (count)
 	usage        atomic.Uint64 // the usage that responses reported (usage)
 	usageMissing atomic.Uint64 // responses without a usage: the requests kept their cost
+	// noUsage throttles the warnings of responses without a usage: one a
+	// minute for the zone, whatever handler has it, and across reloads.
+	noUsage throttle.Throttle
 
 	delayed        atomic.Uint64 // waited for this zone's tokens (delay), then went on
 	delayAbandoned atomic.Uint64 // waited, but the client left: tokens given back

@@ -85,7 +85,13 @@ func from(ip string) []string { return []string{"X-Forwarded-For", ip} }
 // from `name{labels}` to value.
 func scrape(t *testing.T, tester *caddytest.Tester) map[string]float64 {
 	t.Helper()
-	resp, err := tester.Client.Get("http://localhost:2999/metrics")
+	return scrapeAt(t, tester.Client, "localhost:2999")
+}
+
+// scrapeAt is scrape of the Caddy whose admin API listens at admin.
+func scrapeAt(t *testing.T, c *http.Client, admin string) map[string]float64 {
+	t.Helper()
+	resp, err := c.Get("http://" + admin + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}

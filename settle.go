@@ -119,12 +119,13 @@ func (h *Handler) settle(r *http.Request, sc *scratch, status int, hdr http.Head
 // settleUsage charges m's zone the usage its response reports, less the
 // cost the request took. Without a usage, the request keeps what it
 // took: that is counted, and logged at most once a minute per zone,
-// without the key.
+// without the key. The throttle is the zone's state, which every handler
+// with the zone shares, across reloads too.
 func (h *Handler) settleUsage(sc *scratch, m *match, z *Zone, hdr http.Header, whole bool) {
 	n, why := sc.scans[m.scan].end(hdr, whole)
 	if why != usageFound {
 		z.state.usageMissing.Add(1)
-		if held, ok := z.noUsage.Allow(time.Minute); ok {
+		if held, ok := z.state.noUsage.Allow(time.Minute); ok {
 			h.logger.Warn("rate limit: no usage in a response; the request keeps the cost it took",
 				zap.String("zone", z.Name), zap.String("reason", noUsageReasons[why]), zap.Int64("more_since_last", held))
 		}

@@ -9,9 +9,11 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"net/url"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
@@ -296,8 +298,17 @@ func usageSitesAt(rate, upstream, store string) string {
 // headers and its body.
 func llmGet(t *testing.T, key, path string) (int, http.Header, string) {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080"+path, nil)
-	req.Header.Set("Authorization", key)
+	return llmGetAt(t, "http://localhost:9080", path, "Authorization", key)
+}
+
+// llmGetAt is llmGet of the site at base, with the request header
+// name/value pairs.
+func llmGetAt(t *testing.T, base, path string, header ...string) (int, http.Header, string) {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, base+path, nil)
+	for i := 0; i+1 < len(header); i += 2 {
+		req.Header.Set(header[i], header[i+1])
+	}
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		return 0, nil, err.Error()
@@ -424,7 +435,14 @@ func TestUsageThroughCaddy(t *testing.T) {
 // says of the first zone of that name to check.
 func adminKeyInfo(t *testing.T, zone, key string, check func(map[string]any)) {
 	t.Helper()
-	resp, err := http.Get("http://localhost:2999/rate_limit/" + zone + "/" + url.PathEscape(key))
+	check(adminKeyAt(t, "localhost:2999", zone, key))
+}
+
+// adminKeyAt is what the admin API at admin says of a key of the first
+// zone of that name.
+func adminKeyAt(t *testing.T, admin, zone, key string) map[string]any {
+	t.Helper()
+	resp, err := http.Get("http://" + admin + "/rate_limit/" + zone + "/" + url.PathEscape(key))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -438,7 +456,7 @@ func adminKeyInfo(t *testing.T, zone, key string, check func(map[string]any)) {
 		}
 		infos = []map[string]any{one}
 	}
-	check(infos[0])
+	return infos[0]
 }
 
 // usage goes with neither ban nor delay, and says where to read the
@@ -781,5 +799,422 @@ func TestNeedle(t *testing.T) {
 		if got := n.in([]byte(tc.data)); got != tc.want {
 			t.Errorf("%q: %v, want %v", tc.data, got, tc.want)
 		}
+	}
+}
+
+// usageKey follows one key's bucket in a zone of rate 100/m and burst
+// 100 through real Caddy instances: what each response's RateLimit field
+// says is left, and the Retry-After of a refusal, against the tokens the
+// key's earlier responses used, give or take the tokens refilled since
+// its first request was decided.
+type usageKey struct {
+	t            *testing.T
+	key, zone    string
+	born, bornBy time.Time // the key's first request was sent, answered
+	spent        float64   // the tokens its settled requests were charged
+}
+
+const usageTokenTime = 600 * time.Millisecond // 100/m
+
+// refill bounds the tokens the bucket got back from its first request's
+// decision to that of a request sent at sent and answered at answered.
+func (k *usageKey) refill(sent, answered time.Time) (lo, hi float64) {
+	return max(0, sent.Sub(k.bornBy).Seconds()/usageTokenTime.Seconds()), answered.Sub(k.born).Seconds() / usageTokenTime.Seconds()
+}
+
+// allowed sends a request of the key to path through c: it must be
+// allowed with 100 - spent - 1 tokens left (its reservation taken). Its
+// response used used tokens (1, the reservation, for one without usage):
+// allowed waits until c's store has settled them.
+func (k *usageKey) allowed(c *faultCaddy, path string, used float64) {
+	k.t.Helper()
+	sent := time.Now()
+	code, h, body := llmGetAt(k.t, c.url, path, "Authorization", k.key)
+	answered := time.Now()
+	if k.born.IsZero() {
+		k.born, k.bornBy = sent, answered
+	}
+	if code != http.StatusOK {
+		k.t.Fatalf("%s through %s: %d %q, RateLimit %q", path, c.url, code, body, h.Get("RateLimit"))
+	}
+	lo, hi := k.refill(sent, answered)
+	left := 100 - k.spent - 1
+	if got := float64(remainingOf(k.t, h, k.zone)); got < math.Floor(left+lo) || got > math.Floor(left+hi) {
+		k.t.Fatalf("%s through %s: %v left, want %v (%v tokens used before, and this request's 1, refilled %.2f to %.2f)",
+			path, c.url, got, math.Floor(left+lo), k.spent, lo, hi)
+	}
+	k.spent += used
+	if used == 1 {
+		return
+	}
+	// The client may have the whole response before the instance has
+	// settled it: wait until its store has the usage, for at most 5 s
+	// (the next request tells if it never does).
+	eventually(5*time.Second, func() bool {
+		tokens, _ := adminKeyAt(k.t, c.admin, k.zone, k.key)["tokens"].(float64)
+		_, hi := k.refill(time.Now(), time.Now())
+		return tokens < 100-k.spent+hi+0.5
+	})
+}
+
+// eventually waits until cond holds, for at most d, and reports whether
+// it did: for a condition that the checks after it tell the failure of.
+func eventually(d time.Duration, cond func() bool) bool {
+	for deadline := time.Now().Add(d); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			return false
+		}
+	}
+	return true
+}
+
+// refused sends a request of the key through c: it must be refused, with
+// the Retry-After of the tokens the bucket owes and the request's one.
+func (k *usageKey) refused(c *faultCaddy, path string) {
+	k.t.Helper()
+	sent := time.Now()
+	code, h, body := llmGetAt(k.t, c.url, path, "Authorization", k.key)
+	lo, hi := k.refill(sent, time.Now())
+	tokens := k.spent - 100 + 1 // owed, and the request's
+	shortest, longest := math.Ceil((tokens-hi)*usageTokenTime.Seconds()), math.Ceil((tokens-lo)*usageTokenTime.Seconds())
+	retry, _ := strconv.ParseFloat(h.Get("Retry-After"), 64)
+	if code != http.StatusTooManyRequests || retry < shortest || retry > longest {
+		k.t.Fatalf("%s through %s: %d %q, Retry-After %q; want 429 and %v to %v s, the time of %v tokens less %.2f to %.2f refilled",
+			path, c.url, code, body, h.Get("Retry-After"), shortest, longest, tokens, lo, hi)
+	}
+}
+
+// Two Caddy processes, built from ./cmd/caddy, sharing one Redis: each
+// instance settles in the one bucket of a key, and the other sees it.
+// 60 tokens through A, 30 through B and a stream of 45 through A leave
+// the bucket owing 35 tokens, and B refuses with the Retry-After of 36;
+// header and trailer usages add up alike; streams without usage and cut
+// off keep their reservation on either instance. Before those, 200
+// parallel requests for one fresh key with burst 100, split over both
+// instances, against an upstream that answers none until all have been
+// decided, admit exactly 100.
+func TestUsageAcrossInstances(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs Caddy")
+	}
+	bin, _ := buildCaddy(t)
+	r := startRedis(t)
+	up := startLLMUpstream(t)
+	up.resume = make(chan struct{}) // held until the parallel requests are decided
+	site := fmt.Sprintf(`	rate_limit {
+		zone llm {
+			key {http.request.header.Authorization}
+			match not path /header /trailer
+			rate 100/m
+			burst 100
+			usage json usage.total_tokens
+		}
+		zone llm-header {
+			key {http.request.header.Authorization}
+			match path /header /trailer
+			rate 100/m
+			burst 100
+			usage header X-Usage-Tokens
+		}
+		# 100/h: no token comes back while the parallel requests are decided.
+		zone llm-parallel {
+			key {http.request.header.Authorization}
+			match header X-Parallel 1
+			rate 100/h
+			burst 100
+			usage json usage.total_tokens
+		}
+		store redis {
+			address %s
+			key_prefix across:
+			timeout 5s
+		}
+	}
+	reverse_proxy %s {
+		flush_interval -1
+	}`, r.Addr(), strings.TrimPrefix(up.URL, "http://"))
+	a, b := startCaddyProcess(t, bin, site), startCaddyProcess(t, bin, site)
+
+	t.Run("parallel", func(t *testing.T) {
+		tr := &http.Transport{MaxConnsPerHost: 200, MaxIdleConnsPerHost: 200}
+		defer tr.CloseIdleConnections()
+		c := &http.Client{Transport: tr, Timeout: 30 * time.Second}
+		codes := make(chan int, 200)
+		var wg sync.WaitGroup
+		for i := range 200 {
+			wg.Go(func() {
+				rep := send(c, []*faultCaddy{a, b}[i%2].url+"/sse?tokens=1", "Authorization", "parallel", "X-Parallel", "1")
+				if rep.err != nil {
+					t.Error(rep.err)
+					return
+				}
+				codes <- rep.status
+			})
+		}
+		// Every request is decided before any is answered: the admitted
+		// ones wait in the upstream, the others have their 429.
+		deadline := time.Now().Add(20 * time.Second)
+		for len(codes)+int(up.held.Load()) < 200 && time.Now().Before(deadline) {
+			time.Sleep(10 * time.Millisecond)
+		}
+		close(up.resume)
+		wg.Wait()
+		close(codes)
+		n := map[int]int{}
+		for code := range codes {
+			n[code]++
+		}
+		if n[200] != 100 || n[429] != 100 {
+			t.Fatalf("200 parallel requests over two instances: %v, want 100 × 200 and 100 × 429", n)
+		}
+		// Each used 1 token, its reservation: both find the bucket empty.
+		for _, c := range []*faultCaddy{a, b} {
+			if code, h, _ := llmGetAt(t, c.url, "/json?tokens=1", "Authorization", "parallel", "X-Parallel", "1"); code != 429 {
+				t.Fatalf("%s after the parallel requests: %d, RateLimit %q; want 429", c.url, code, h.Get("RateLimit"))
+			}
+		}
+	})
+
+	t.Run("accounting", func(t *testing.T) {
+		k := &usageKey{t: t, key: "k1", zone: "llm"}
+		k.allowed(a, "/json?tokens=60", 60)
+		k.allowed(b, "/json?tokens=30", 30)
+		k.allowed(a, "/sse?tokens=45", 45)
+		k.refused(b, "/json?tokens=1")
+		k.refused(a, "/json?tokens=1")
+		tok, _ := adminKeyAt(t, b.admin, "llm", "k1")["tokens"].(float64)
+		if _, hi := k.refill(time.Now(), time.Now()); tok < -35 || tok > -35+hi {
+			t.Fatalf("B's admin API: tokens %v, want -35 (refilled at most %.2f)", tok, hi)
+		}
+
+		h := &usageKey{t: t, key: "h1", zone: "llm-header"}
+		h.allowed(b, "/header?tokens=30", 30)
+		h.allowed(a, "/trailer?tokens=20", 20)
+		h.allowed(b, "/header?tokens=1", 1)
+
+		// Without usage, on either instance, the reservation stands.
+		s := &usageKey{t: t, key: "s1", zone: "llm"}
+		ma, mb := scrapeAt(t, a.client, a.admin), scrapeAt(t, b.client, b.admin)
+		s.allowed(a, "/sse?tokens=45&usage=none", 1)
+		s.allowed(b, "/sse?tokens=45&cut=1", 1)
+		s.allowed(b, "/sse?tokens=45&usage=none", 1)
+		s.allowed(a, "/sse?tokens=45&cut=1", 1)
+		const missing = `caddy_rate_limit_usage_missing_total{limit="100/m burst 100",zone="llm"}`
+		for _, c := range []struct {
+			c    *faultCaddy
+			base map[string]float64
+		}{{a, ma}, {b, mb}} {
+			eventually(5*time.Second, func() bool { return scrapeAt(t, c.c.client, c.c.admin)[missing] >= c.base[missing]+2 })
+			wantMetric(t, scrapeAt(t, c.c.client, c.c.admin), missing, c.base[missing]+2)
+		}
+		s.allowed(b, "/json?tokens=1", 1)
+		s.allowed(a, "/json?tokens=1", 1)
+	})
+}
+
+// usage with a quota, through Caddy on the local store and on Redis: a
+// response whose usage takes the quota past its limit leaves the bucket
+// with room (40 of 100 tokens), and the quota alone refuses the key until
+// its window ends, counting nothing more; another key is not refused.
+func TestUsageQuotaRefusesAlone(t *testing.T) {
+	r := startRedis(t)
+	up := startLLMUpstream(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", ""},
+		{"redis", "store redis {\n\t\t\taddress " + r.Addr() + "\n\t\t\tkey_prefix usage-quota:\n\t\t\ttimeout 5s\n\t\t}"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			zone := "llm-quota-" + tc.name
+			startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	rate_limit {
+		zone %s {
+			key {http.request.header.Authorization}
+			rate 100/m
+			burst 100
+			usage json usage.total_tokens
+			quota 50 per day
+		}
+		%s
+	}
+	reverse_proxy %s
+}
+`, zone, tc.store, strings.TrimPrefix(up.URL, "http://")))
+			info := func(key string) (tokens float64, used int64) {
+				t.Helper()
+				v := adminKeyAt(t, "localhost:2999", zone, key)
+				q, _ := v["quota"].(map[string]any)
+				tokens, _ = v["tokens"].(float64)
+				n, _ := q["used"].(float64)
+				return tokens, int64(n)
+			}
+			if code, h, body := llmGet(t, "q1", "/json?tokens=60"); code != 200 {
+				t.Fatalf("first: %d %q, RateLimit %q", code, body, h.Get("RateLimit"))
+			}
+			// The client may have the whole response before Caddy has
+			// settled it.
+			eventually(5*time.Second, func() bool { _, used := info("q1"); return used == 60 })
+			day := (&quota{period: periodDay, loc: time.UTC}).windowAt(time.Now())
+			for i := range 2 {
+				code, h, _ := llmGet(t, "q1", "/json?tokens=1")
+				ra, _ := strconv.ParseInt(h.Get("Retry-After"), 10, 64)
+				if want := ceilSeconds(time.Until(day.end)); code != 429 || ra < want-2 || ra > want+1 {
+					t.Fatalf("request %d after the quota ran out: %d, Retry-After %q; want 429 and about %d s, until the day ends",
+						i, code, h.Get("Retry-After"), want)
+				}
+				// The bucket has room: it is the quota that refuses, and
+				// the refusals take nothing from either.
+				if tokens, used := info("q1"); tokens < 39.9 || tokens > 41 || used != 60 {
+					t.Fatalf("request %d after the quota ran out: %v tokens, %d counted; want 40 and 60", i, tokens, used)
+				}
+			}
+			if code, h, _ := llmGet(t, "q2", "/json?tokens=1"); code != 200 {
+				t.Fatalf("another key: %d, RateLimit %q", code, h.Get("RateLimit"))
+			}
+		})
+	}
+}
+
+// A response without usage is counted, every one, and logged at most once
+// a minute per zone: one line for each zone, with the zone and the
+// reason of its first response without usage, and never the key. A zone
+// is one zone in every handler that has it (here a route of its own for
+// /a/), and across a config reload.
+func TestUsageMissingLoggedOnce(t *testing.T) {
+	up := startLLMUpstream(t)
+	logFile := filepath.Join(t.TempDir(), "caddy.log")
+	global := fmt.Sprintf("\tlog {\n\t\toutput file %s\n\t\tformat json\n\t}\n", logFile)
+	// site has usageSites' zones in two handlers, the second for the
+	// paths under /a/.
+	site := func(extra string) string {
+		one := usageSites(up.URL, "")
+		one = one[strings.Index(one, "{\n")+2 : strings.LastIndex(one, "}")]
+		return "http://localhost:9080 {\n" + extra + "\thandle_path /a/* {\n" + one + "\t}\n\thandle {\n" + one + "\t}\n}\n"
+	}
+	tester := startCaddy(t, global, site(""))
+	logs := watchLog(t, logFile)
+	mark := logs.mark()
+	base := scrape(t, tester)
+	const key = "sk-live-0123456789abcdef"
+	send := func(paths ...string) {
+		t.Helper()
+		for _, path := range paths {
+			if code, _, body := llmGet(t, key, path); code != 200 {
+				t.Fatalf("%s: %d %q", path, code, body)
+			}
+		}
+	}
+	send(
+		"/sse?tokens=5&usage=none", // the field missing
+		"/a/sse?tokens=5&cut=1",    // cut off
+		"/json?tokens=null",        // not a number
+		"/header?tokens=many",      // llm-header: not a number
+		"/a/trailer",               // llm-header: the trailer empty
+	)
+	reload(t, tester, global, site("\theader X-Reloaded 1\n"))
+	send("/a/sse?tokens=5&usage=none", "/header?tokens=-4")
+
+	missing := func(zone string) string {
+		return `caddy_rate_limit_usage_missing_total{limit="100/m burst 100",zone="` + zone + `"}`
+	}
+	eventually(5*time.Second, func() bool {
+		m := scrape(t, tester)
+		return m[missing("llm")] >= base[missing("llm")]+4 && m[missing("llm-header")] >= base[missing("llm-header")]+3
+	})
+	m := scrape(t, tester)
+	wantMetric(t, m, missing("llm"), base[missing("llm")]+4)
+	wantMetric(t, m, missing("llm-header"), base[missing("llm-header")]+3)
+
+	lines := logs.since(mark)
+	if leaked := leaks(lines, key, "0123456789abcdef"); len(leaked) > 0 {
+		t.Errorf("the key is in the logs:\n%s", strings.Join(leaked, "\n"))
+	}
+	got := map[string][]string{}
+	for _, l := range lines {
+		var e map[string]any
+		if json.Unmarshal([]byte(l.text), &e) != nil || e["msg"] != "rate limit: no usage in a response; the request keeps the cost it took" {
+			continue
+		}
+		zone, _ := e["zone"].(string)
+		reason, _ := e["reason"].(string)
+		got[zone] = append(got[zone], reason)
+	}
+	want := map[string][]string{
+		"llm":        {noUsageReasons[usageNoField]},
+		"llm-header": {noUsageReasons[usageNotNumber]},
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Fatalf("no-usage lines by zone: %q; want %q", got, want)
+	}
+}
+
+// usage with plans, through Caddy on the local store and on Redis: the
+// settlement charges the bucket of the request's own plan, at that plan's
+// rate, and lets it owe that plan's burst. On pro (100/m, burst 100),
+// 60 tokens leave 39 for the next request, and 60 then 50 owe 10, which
+// the next request waits 7 s for; on max (1000/m, burst 1000), 60 tokens
+// leave 939.
+func TestUsageWithPlans(t *testing.T) {
+	r := startRedis(t)
+	up := startLLMUpstream(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", ""},
+		{"redis", "store redis {\n\t\t\taddress " + r.Addr() + "\n\t\t\tkey_prefix usage-plans:\n\t\t\ttimeout 5s\n\t\t}"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			zone := "llm-plans-" + tc.name
+			startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	map {http.request.header.X-Plan} {plan_rate} {plan_burst} {
+		pro     100/m  100
+		max     1000/m 1000
+		default 10/m   10
+	}
+	rate_limit {
+		zone %s {
+			key {http.request.header.Authorization}
+			rate {plan_rate}
+			burst {plan_burst}
+			usage json usage.total_tokens
+		}
+		%s
+	}
+	reverse_proxy %s
+}
+`, zone, tc.store, strings.TrimPrefix(up.URL, "http://")))
+			// call sends a request of key on plan, and returns its status,
+			// what its RateLimit field says is left and its Retry-After;
+			// then it waits until the bucket, read without a plan, is full
+			// again no sooner than after fullIn.
+			call := func(key, plan, path string, fullIn time.Duration) (int, int, string) {
+				t.Helper()
+				code, h, body := llmGetAt(t, "http://localhost:9080", path, "Authorization", key, "X-Plan", plan)
+				if code != 200 && code != 429 {
+					t.Fatalf("%s on %s: %d %q", path, plan, code, body)
+				}
+				eventually(5*time.Second, func() bool {
+					v, _ := adminKeyAt(t, "localhost:2999", zone, key)["full_in"].(float64)
+					return v >= fullIn.Seconds()
+				})
+				left := 0
+				if code == 200 {
+					left = remainingOf(t, h, zone)
+				}
+				return code, left, h.Get("Retry-After")
+			}
+			if code, left, _ := call("pro-key", "pro", "/json?tokens=60", 35*time.Second); code != 200 || left != 99 {
+				t.Fatalf("pro, first: %d, %d left; want 200 and 99", code, left)
+			}
+			if code, left, _ := call("pro-key", "pro", "/json?tokens=50", 65*time.Second); code != 200 || left != 39 {
+				t.Fatalf("pro, after 60 tokens: %d, %d left; want 200 and 39", code, left)
+			}
+			if code, _, retry := call("pro-key", "pro", "/json?tokens=1", 0); code != 429 || retry != "7" {
+				t.Fatalf("pro, owing 10 tokens: %d, Retry-After %q; want 429 and 7 (11 tokens at 100/m)", code, retry)
+			}
+			if code, left, _ := call("max-key", "max", "/json?tokens=60", 3*time.Second); code != 200 || left != 999 {
+				t.Fatalf("max, first: %d, %d left; want 200 and 999", code, left)
+			}
+			if code, left, _ := call("max-key", "max", "/json?tokens=1", 0); code != 200 || left != 939 {
+				t.Fatalf("max, after 60 tokens: %d, %d left; want 200 and 939", code, left)
+			}
+		})
 	}
 }

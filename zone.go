@@ -17,7 +17,6 @@ import (
 	"time"
 	"unicode/utf8"
 
-	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -245,9 +244,6 @@ type Zone struct {
 	// delays observes the waits of a zone with delay; nil without
 	// metrics.
 	delays prometheus.Observer
-	// noUsage throttles the warnings of responses without usage; nil
-	// without usage.
-	noUsage *throttle.Throttle
 	// adaptive is the adaptive limit on requests in flight; nil without.
 	adaptive *adaptiveZone
 }
@@ -659,7 +655,6 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	z.buildResponses()
 	if z.Usage != nil {
 		z.Usage.provision()
-		z.noUsage = new(throttle.Throttle)
 	}
 	if z.perRequest() {
 		if hasPlaceholders(z.Rate) {
