@@ -187,7 +187,14 @@ local nb, nc, ns = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 local cargs = 5 + 8 * nb -- counter j's values are ARGV[cargs + 6j - 5 ..]
 local sargs = cargs + 6 * nc -- the slot section: the id is ARGV[sargs + 1]
 
-local reply = { 1, 0 }
+-- The reply, made whole at once for the common call (one bucket): a
+-- table that grows is copied as it does.
+local reply
+if nb == 1 and nc + ns == 0 then
+	reply = { 1, 0, 0, 0, 0, 0, 0 }
+else
+	reply = { 1, 0 }
+end
 
 -- Counters, read and decided before anything is written.
 local cused, cend, cstale
@@ -233,14 +240,15 @@ end
 -- and burst of its override (0 and 0 for none); its state is 1 short (it
 -- lacked the tokens, and its ban starts), plus 2 moved (it owed more than
 -- it may, or was written under another limit), plus 4 bad (it held no
--- instant, or its hash was of another type). over[i] is {full, cost} of
--- a bucket an override decides; nil when none does.
+-- instant, or its hash was of another type). The reads leave each
+-- bucket's full, cost, ban and beyond in ARGV as numbers, an override's
+-- full and cost in place of the shape's, for the writes.
 local wrong -- the hashes found of another type, deleted before a write
-local over
 for i = 1, nb do
 	local a = 8 * i - 2
 	local h = KEYS[2 * i - 1]
 	local full, cost, ban, beyond = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+	local shapefull = full
 	local otoken, oburst = 0, 0
 	local o = KEYS[2 * i] ~= h and redis.pcall('GET', KEYS[2 * i])
 	if type(o) == 'string' then
@@ -253,8 +261,6 @@ for i = 1, nb do
 				cost = cost / token * t
 			end
 			otoken, oburst, full = t, b, t * b
-			over = over or {}
-			over[i] = { full, cost }
 		end
 	end
 	local v = redis.pcall('HGET', h, ARGV[a])
@@ -299,7 +305,7 @@ for i = 1, nb do
 			-- A change of the key's own limit: the bucket keeps the tokens it
 			-- had spent, counted in the tokens of the limit that wrote it
 			-- (its suffix's, else the call's shape), up to the new burst.
-			local f0, t0 = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 7])
+			local f0, t0 = shapefull, tonumber(ARGV[a + 7])
 			if sf and st and sf > 0 and st > 0 then
 				f0, t0 = sf, st
 			end
@@ -326,6 +332,7 @@ for i = 1, nb do
 		end
 	end
 	reply[4 * i - 1], reply[4 * i], reply[4 * i + 1], reply[4 * i + 2] = debt, state, otoken, oburst
+	ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4] = full, cost, ban, beyond
 end
 
 -- k takes: the first m that every bucket holds are allowed. The debts in
@@ -336,10 +343,7 @@ if k then
 	m = 0
 	local d, cost, full = {}, {}, {}
 	for i = 1, nb do
-		d[i], cost[i], full[i] = reply[4 * i - 1], tonumber(ARGV[8 * i]), tonumber(ARGV[8 * i - 1])
-		if over and over[i] then
-			full[i], cost[i] = over[i][1], over[i][2]
-		end
+		d[i], cost[i], full[i] = reply[4 * i - 1], ARGV[8 * i], ARGV[8 * i - 1]
 	end
 	while m < k do
 		local room = true
@@ -390,14 +394,10 @@ for i = 1, nb do
 	local debt, state = reply[4 * i - 1], reply[4 * i]
 	local short, bad = state % 2 == 1, state >= 4
 	local write = true
-	local full, cost = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2])
-	if over and over[i] then
-		full, cost = over[i][1], over[i][2]
-	end
+	local full, cost, ban = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
 	if adjust then
-		local ban = tonumber(ARGV[a + 3])
 		if cost >= 0 then
-			debt = math.min(debt + cost, full + ban + tonumber(ARGV[a + 4]))
+			debt = math.min(debt + cost, full + ban + ARGV[a + 4])
 		elseif ban == 0 or debt <= full then
 			debt = math.max(debt + cost, 0)
 		else
@@ -406,7 +406,7 @@ for i = 1, nb do
 	elseif take and reply[1] == 1 then
 		debt = debt + cost
 	elseif short then
-		debt = full + ARGV[a + 3]
+		debt = full + ban
 	elseif not take or state < 2 then
 		write = false -- else saved as read: moved, or a bad one as full
 	end
