@@ -35,13 +35,22 @@ type simConfig struct {
 	// leave after 100µs; queueCap, the upstream answer 503 at once when
 	// this many wait already (0: no cap).
 	errorEvery, cancelEvery, queueCap int
-	// slowEvery makes every slowEvery-th request take slow.
-	slowEvery int
+	// slowOneIn makes one request in slowOneIn, drawn at random, take
+	// slow at the upstream (holding its worker).
+	slowOneIn int
 	slow      time.Duration
 	// pauses: the proxy stops for pause at each of these instants, and
 	// delivers nothing meanwhile (a GC pause).
 	pauses []time.Duration
 	pause  time.Duration
+	// seed varies a run: the clock's instants (the controller draws its
+	// probes' jitter and its reservoir from them) and the jitter of the
+	// service times.
+	seed uint64
+	// clock moves the clock's instants, and nothing else: the same
+	// traffic seen by another key, or another instance, started at
+	// another instant.
+	clock time.Duration
 }
 
 // simResult is what a run measured.
@@ -50,7 +59,15 @@ type simResult struct {
 	shed    []time.Duration
 	limits  []simPoint // the limit every 10ms
 	served  int        // successful responses
+	probes  []simProbe
+	// fewestRefused is the fewest requests in flight when one was
+	// refused (shed); math.MaxInt64 when none was.
+	fewestRefused int64
 }
+
+// A simProbe is when a probe started, and when it ended (0 if it had
+// not by the end of the run).
+type simProbe struct{ start, end time.Duration }
 
 type simSample struct {
 	at, lat time.Duration
@@ -60,6 +77,7 @@ type simSample struct {
 type simPoint struct {
 	at    time.Duration
 	limit int64
+	exact float64 // the limit before rounding down
 }
 
 type simEvent struct {
@@ -71,6 +89,7 @@ type simEvent struct {
 	tk      ticket
 	admit   time.Duration
 	outcome sampleKind
+	slow    bool // its work takes cfg.slow
 }
 
 type simQueue []simEvent
@@ -111,7 +130,9 @@ func newSim(cfg simConfig) *simState {
 	if cfg.backoff == 0 {
 		cfg.backoff = 5 * time.Millisecond
 	}
-	return &simState{cfg: cfg, c: newController(cfg.min, 1000), base: time.Unix(1_000_000, 0), active: map[int]bool{}}
+	base := time.Unix(1_000_000, int64(cfg.seed*7_919_333)).Add(cfg.clock)
+	return &simState{cfg: cfg, c: newController(cfg.min, 1000), base: base, active: map[int]bool{},
+		res: simResult{fewestRefused: math.MaxInt64}}
 }
 
 func (s *simState) run() simResult {
@@ -127,7 +148,7 @@ func (s *simState) run() simResult {
 			break
 		}
 		for ; next <= e.at; next += 10 * time.Millisecond {
-			s.res.limits = append(s.res.limits, simPoint{next, int64(s.c.limit)})
+			s.res.limits = append(s.res.limits, simPoint{next, int64(s.c.limit), s.c.limit})
 		}
 		switch e.kind {
 		case 0:
@@ -137,6 +158,11 @@ func (s *simState) run() simResult {
 		case 2:
 			s.busy--
 			s.startWork(e.at)
+		}
+		if n := len(s.res.probes); s.c.probing && (n == 0 || s.res.probes[n-1].end != 0) {
+			s.res.probes = append(s.res.probes, simProbe{start: e.at})
+		} else if !s.c.probing && n > 0 && s.res.probes[n-1].end == 0 {
+			s.res.probes[n-1].end = e.at
 		}
 		s.wake(e.at)
 	}
@@ -181,12 +207,14 @@ func (s *simState) send(e simEvent) {
 	}
 	tk, ok := s.c.admit(s.base.Add(e.at))
 	if !ok {
+		s.res.fewestRefused = min(s.res.fewestRefused, s.c.inFlight)
 		s.res.shed = append(s.res.shed, e.at)
 		s.push(simEvent{at: e.at + s.cfg.backoff, kind: 0, client: e.client})
 		return
 	}
 	s.n++
 	r := simEvent{client: e.client, tk: tk, admit: e.at, outcome: sampleOK}
+	r.slow = s.cfg.slowOneIn > 0 && unitFloat(s.cfg.seed<<32+uint64(s.n))*float64(s.cfg.slowOneIn) < 1
 	switch {
 	case s.cfg.errorEvery > 0 && s.n%s.cfg.errorEvery == 0:
 		r.at, r.kind, r.outcome = e.at+100*time.Microsecond, 1, sampleError
@@ -211,8 +239,8 @@ func (s *simState) startWork(at time.Duration) {
 	for s.busy < s.cfg.workers && len(s.waiting) > 0 {
 		r := s.waiting[0]
 		s.waiting = s.waiting[1:]
-		work := s.cfg.service(r.admit)
-		if s.cfg.slowEvery > 0 && s.n%s.cfg.slowEvery == 0 {
+		work := s.cfg.service(r.admit + time.Duration(s.cfg.seed))
+		if r.slow {
 			work = s.cfg.slow
 		}
 		s.busy++
@@ -500,7 +528,7 @@ func TestAdaptivePausesAndSlowRequests(t *testing.T) {
 	})
 	t.Run("slow requests", func(t *testing.T) {
 		cfg := cfg
-		cfg.slowEvery, cfg.slow = 1000, 2*time.Second
+		cfg.slowOneIn, cfg.slow = 1000, 2*time.Second
 		lo, hi := simulate(cfg).limitRange(10*time.Second, time.Minute)
 		t.Logf("limit %d-%d with a 2s request in 1000, from %d without", lo, hi, steady)
 		if lo < steady-1 {
