@@ -415,6 +415,113 @@ func TestAdaptiveProbeDoesNotStarve(t *testing.T) {
 	}
 }
 
+// TestAdaptiveProbeFloor: Envoy's gradient controller pinned the limit
+// to 1 while it probed, and then to a floor of 3. A probe here halves
+// the limit, never below min: a request is never refused while fewer
+// than min are in flight, during a probe or not, whether min is above
+// half the limit the upstream takes (every probe would go below it) or
+// the requests are slow (a probe lasts longest).
+func TestAdaptiveProbeFloor(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		min     int64
+		workers int
+		service time.Duration
+		clients int
+		length  time.Duration
+		probes  int // at least
+	}{
+		{"min 10, 8 workers", 10, 8, 20 * simMs, 32, time.Minute, 15},
+		{"min 4, 2 workers", 4, 2, 20 * simMs, 32, time.Minute, 10},
+		{"min 4, 1s requests", 4, 8, time.Second, 16, 10 * time.Minute, 5},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := simulate(simConfig{workers: tc.workers, service: fixed(tc.service), clients: constClients(tc.clients),
+				length: tc.length, min: tc.min})
+			lo, hi := r.limitRange(0, tc.length)
+			t.Logf("%d probes; limit %d-%d; fewest in flight at a refusal %d", len(r.probes), lo, hi, r.fewestRefused)
+			if len(r.probes) < tc.probes || r.fewestRefused == math.MaxInt64 {
+				t.Fatalf("%d probes, fewest in flight at a refusal %d: the run tests nothing", len(r.probes), r.fewestRefused)
+			}
+			if r.fewestRefused < tc.min || lo < tc.min {
+				t.Errorf("a request refused with %d in flight, the limit down to %d: want neither below min %d", r.fewestRefused, lo, tc.min)
+			}
+		})
+	}
+}
+
+// TestAdaptiveProbeJitter: probes at fixed intervals put many keys, or
+// many instances in front of one upstream, in step: they all halve their
+// limits at once (Envoy added jitter to its probes for that). A probe
+// here starts a period after the last one, give or take a quarter,
+// drawn at random: the periods fill that range, and keys that see the
+// same traffic from other instants do not probe together.
+func TestAdaptiveProbeJitter(t *testing.T) {
+	cfg := simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(16), length: 3 * time.Minute}
+	t.Run("periods", func(t *testing.T) {
+		cfg := cfg
+		cfg.length = 10 * time.Minute
+		r := simulate(cfg)
+		// The period is probeEvery: 50 latencies are less. From the end
+		// of a probe to the start of the next, in fifths of [¾, 1¼) of
+		// it.
+		var bins [5]int
+		n := 0
+		for i := 1; i < len(r.probes); i++ {
+			gap := r.probes[i].start - r.probes[i-1].end
+			f := float64(gap)/float64(probeEvery) - 0.75
+			if f < 0 || f >= 0.5+0.01 {
+				t.Errorf("probe %d starts %v after the last one ended: want %v give or take a quarter", i, gap, probeEvery)
+				continue
+			}
+			bins[min(int(f*10), 4)]++
+			n++
+		}
+		t.Logf("%d probes; periods in fifths of the range: %v", len(r.probes), bins)
+		if n < 100 {
+			t.Fatalf("%d periods: want over 100", n)
+		}
+		for i, b := range bins {
+			if b*10 < n {
+				t.Errorf("%d periods of %d in the %d. fifth of the range: want at least a tenth in each, %v", b, n, i+1, bins)
+			}
+		}
+	})
+	t.Run("keys", func(t *testing.T) {
+		// Six keys with the same traffic, their clocks 1ms apart: for
+		// each probe of the first after the first 30s, the share of the
+		// others that start one within 100ms of it. At random, about
+		// 7%; in step, all.
+		var runs []simResult
+		for k := range 6 {
+			cfg := cfg
+			cfg.clock = time.Duration(k) * time.Millisecond
+			runs = append(runs, simulate(cfg))
+		}
+		together, probes := 0, 0
+		for _, p := range runs[0].probes {
+			if p.start < 30*time.Second {
+				continue
+			}
+			probes++
+			for k, r := range runs[1:] {
+				at := p.start - time.Duration(k+1)*time.Millisecond // on the first key's clock
+				for _, q := range r.probes {
+					if d := q.start - at; d > -100*simMs && d < 100*simMs {
+						together++
+						break
+					}
+				}
+			}
+		}
+		share := float64(together) / float64(5*probes)
+		t.Logf("%d probes of the first key; %.0f%% of the others' probes with them", probes, 100*share)
+		if probes < 30 || share > 0.25 {
+			t.Errorf("%d probes; %.0f%% of the other keys start one within 100ms of each: want over 30, at most 25%%", probes, 100*share)
+		}
+	})
+}
+
 // TestAdaptiveNoCreepWithQueue: a controller whose no-load latency is
 // taken from latencies with a queue in them (Vegas resetting it to the
 // latest sample; Gradient2's long average following the short one) lets
