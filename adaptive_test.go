@@ -687,6 +687,40 @@ func round(c *controller, now time.Time, lat time.Duration, kind sampleKind) tim
 	return now
 }
 
+// TestAdaptiveSettlesAfterProbe: when a probe ends, the requests in
+// flight are half the limit, and climb back as clients return; until
+// they are back, the upstream's queue is shorter than the limit's, and
+// its latencies show no queue at all. Taken as samples, they would
+// raise the limit by β after probes, and the queue with it, until two
+// intervals took it back: a controller that probes often would keep it
+// up. Here they are not samples until the requests in flight are back
+// to the limit, or for a latency. Clients that wait 100ms after a
+// refusal make the climb slow: no probe is followed by a rise of the
+// limit beyond two steps of lg (1 at this limit) within 500ms; β is 5.
+func TestAdaptiveSettlesAfterProbe(t *testing.T) {
+	for seed := range uint64(3) {
+		r := simulate(simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(16),
+			length: 2 * time.Minute, backoff: 100 * simMs, seed: seed})
+		rises, probes := 0, 0
+		for _, p := range r.probes {
+			if p.start < 10*time.Second || p.end == 0 {
+				continue
+			}
+			probes++
+			_, before := r.limitRange(p.start-10*simMs, p.start+10*simMs)
+			if _, after := r.limitRange(p.end, p.end+500*simMs); after > before+2 {
+				rises++
+				t.Logf("seed %d: the limit from %d to %d after the probe of %v", seed, before, after, p.start)
+			}
+		}
+		lo, hi := r.limitRange(10*time.Second, 2*time.Minute)
+		t.Logf("seed %d: %d probes, %d followed by a rise; limit %d-%d", seed, probes, rises, lo, hi)
+		if probes < 30 || rises > 0 {
+			t.Errorf("seed %d: %d probes of %d followed by a rise of the limit beyond 2: want none (and 30 probes)", seed, rises, probes)
+		}
+	}
+}
+
 // A request of a probe that never comes back does not keep the probe
 // going, nor the controller from learning; and a key's learning started
 // again during a probe ignores the probe's requests when they return.
