@@ -333,7 +333,7 @@ var adaptiveLatency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 	Namespace: metricsNamespace,
 	Subsystem: metricsSubsystem,
 	Name:      "adaptive_latency_seconds",
-	Help:      "Latency of the requests an adaptive concurrency limit admitted, from admission to the end of the response, by zone.",
+	Help:      "Latency of the requests an adaptive concurrency limit admitted, from when they go on to the next handler to the end of the response, by zone.",
 	Buckets:   []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60},
 }, []string{"zone", "limit"})
 
