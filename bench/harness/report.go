@@ -329,6 +329,7 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 		"Allowed path: a limit never reached (ours `rate 1000000r/s` `burst 1000000`; caddy-ratelimit `events 200` `window 100ms`, "+
 		"as its ring of `events` timestamps per key is allocated up front and a large one would slow the GC's pace enough to make it look cheaper than no limiter). "+
 		"Denied path: one key, every request after the first over the limit (ours `rate 1r/m` `burst 1`; caddy-ratelimit `events 1` `window 1m`). "+
+		"The waits row is the floor of a limiter that asks a server: caddy-peer's `bench_wait` handler (bench/peer/wait.go) makes each request wait for another goroutine, which answers the requests queued meanwhile together after 20 µs, with no network and no decision; what it costs is what waiting costs Caddy's process. "+
 		"Each configuration is its own Caddy process, with Caddy's default logging (INFO to stderr, to a file here). "+
 		"Phase: %.0f s; others' CPU %s.\n\n",
 		p.wrkDur, roundsText(p.rounds, "configurations"), tpKeys, rep.ThroughputSeconds, pct(rep.ThroughputNoise.Others))

@@ -138,7 +138,7 @@ func parseWrkDuration(s string) (time.Duration, error) {
 // where every request is over it.
 
 type tpConfig struct {
-	Key, Impl, Path string // Path: "allowed", "denied" or "" for the baseline
+	Key, Impl, Path string // Path: "allowed", "denied", "waits" (bench_wait, the floor of waiting) or "" for the baseline
 	// Keys: how many keys the requests carry in X-Key, at random: many
 	// clients, as users run it; 1 for one client.
 	Keys  int
@@ -209,6 +209,10 @@ func (e *env) tpConfigs() []*tpConfig {
 		// than nothing. 200 per 100ms is never reached by one of 10,000
 		// keys at these rates.
 		{Key: "peer-allowed", Impl: "caddy-ratelimit v0.1.0", Path: "allowed", Keys: tpKeys, spec: caddySpec{bin: e.peerBin, site: peer(200, "100ms")}},
+		// The floor of any limiter that waits for a server: each request
+		// waits for another goroutine, which answers those queued together
+		// (bench/peer/wait.go), with no network and no decision.
+		{Key: "wait", Impl: "no limiter, each request waits for a goroutine (`bench_wait`)", Path: "waits", Keys: tpKeys, spec: caddySpec{bin: e.peerBin, site: "bench_wait\nrespond \"ok\""}},
 		{Key: "redis-one-key", Impl: "rate_limit redis, one key", Path: "allowed", Keys: 1, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, redisStore)}},
 		{Key: "local-denied", Impl: "rate_limit local", Path: "denied", Keys: 1, spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, "")}},
 		{Key: "redis-denied", Impl: "rate_limit redis", Path: "denied", Keys: 1, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, redisStore)}},

@@ -4,7 +4,9 @@
 // Command caddy-peer is Caddy with its standard modules and
 // github.com/mholt/caddy-ratelimit, the benchmark's point of comparison.
 // That plugin registers the same module ID and directive (rate_limit) as
-// ours, so it lives in its own module and binary.
+// ours, so it lives in its own module and binary. It also carries
+// bench_wait (wait.go), the throughput phase's floor for a limiter that
+// waits for a server.
 package main
 
 import (
