@@ -405,7 +405,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 			}
 			if backend == "redis" {
 				c := newRedisClient(t, r.Addr())
-				key := h.store.(*RedisStore).counterKey(z.index, bucketKey{s: "k"})
+				key, _ := h.store.(*RedisStore).counterKeys(z.index, bucketKey{s: "k"})
 				ttl, err := c.PTTL(context.Background(), key).Result()
 				if err != nil || ttl <= 0 || ttl > 2*time.Second {
 					t.Fatalf("PTTL %s = %v, %v; want the time left in the window", key, ttl, err)
@@ -574,5 +574,100 @@ func TestQuotaCountAndDryRun(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// Zones of one name with quotas of different periods count apart, on
+// both stores, as a local table's counters do: a quota's counter is its
+// zone's name, period and time zone. A zone of that name and period with
+// another limit counts in the same counter: its limit may change.
+func TestQuotaZonesOfOneName(t *testing.T) {
+	r := startRedis(t)
+	for _, tc := range []struct{ name, store string }{
+		{"local", `{"backend":"local","persist":false}`},
+		{"redis", fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"qn:"}`, r.Addr())},
+		{"redis-no-cache", fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"qn2:","disable_over_limit_cache":true}`, r.Addr())},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			zone := func(limit int, period string) *Handler {
+				return newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"q-%s","key":"k","quota":%d,"quota_period":%q}],"store":%s}`,
+					tc.name, limit, period, tc.store))
+			}
+			monthly, daily, daily3 := zone(2, "month"), zone(1, "day"), zone(3, "day")
+			for _, step := range []struct {
+				h    *Handler
+				what string
+				want int
+			}{
+				{monthly, "2 a month", 200}, {monthly, "2 a month", 200}, {monthly, "2 a month", 429},
+				{daily, "1 a day, after 2 a month's", 200}, {daily, "1 a day", 429},
+				{monthly, "2 a month, after 1 a day's", 429},
+				{daily3, "3 a day, after 1 a day's one", 200}, {daily3, "3 a day", 200}, {daily3, "3 a day", 429},
+			} {
+				if code, _ := serve(step.h, "192.0.2.1"); code != step.want {
+					t.Fatalf("%s: status %d, want %d", step.what, code, step.want)
+				}
+			}
+		})
+	}
+}
+
+// TestRedisQuotaUntaggedCounter: a counter that a build before the
+// window's tag kept under the zone's name alone still counts in its
+// window, read by decisions and by the admin API while the tagged key is
+// absent and carried over by the first write; one of another window is
+// not read; a reset deletes both. The tag of month@UTC is fixed: counters
+// written by one version must be found by the next.
+func TestRedisQuotaUntaggedCounter(t *testing.T) {
+	r := startRedis(t)
+	c := newRedisClient(t, r.Addr())
+	ctx := context.Background()
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"up","key":"{http.request.header.K}","quota":3,"quota_period":"month"}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"up:","disable_over_limit_cache":true}}`, r.Addr()))
+	z, s := h.Zones[0], h.store.(*RedisStore)
+	tagged, untagged := s.counterKeys(z.index, bucketKey{s: "k"})
+	if !strings.HasSuffix(tagged, "}up:4nV7:k:quota") || !strings.HasSuffix(untagged, "}up:k:quota") {
+		t.Fatalf("keys %q and %q", tagged, untagged)
+	}
+	end := z.quota.window(time.Now()).end
+	// An earlier build counted 2 in this window.
+	c.HSet(ctx, untagged, "w", end.UnixMilli(), "n", 2)
+	c.PExpireAt(ctx, untagged, end)
+	peek := func() int64 {
+		t.Helper()
+		d := &demands{counters: []counterDemand{counterReq(z, bucketKey{s: "k"}, time.Now())}}
+		if err := s.peek(ctx, time.Now(), d); err != nil {
+			t.Fatal(err)
+		}
+		return d.counters[0].used
+	}
+	if used := peek(); used != 2 {
+		t.Fatalf("admin view before any request: used %d, want the untagged key's 2", used)
+	}
+	for i, want := range []int{200, 429} {
+		if code, _ := serve(h, "192.0.2.1", "K", "k"); code != want {
+			t.Fatalf("request %d: %d, want %d", i, code, want)
+		}
+	}
+	if n, _ := c.HGet(ctx, tagged, "n").Int64(); n != 3 {
+		t.Fatalf("tagged counter %d, want 3", n)
+	}
+	if n, _ := c.HGet(ctx, untagged, "n").Int64(); n != 2 {
+		t.Fatalf("untagged counter %d, want 2: it is never written", n)
+	}
+	if found, err := s.reset(ctx, &demands{counters: []counterDemand{counterReq(z, bucketKey{s: "k"}, time.Now())}}); err != nil || !found {
+		t.Fatalf("reset: %v, %v", found, err)
+	}
+	if n, _ := c.Exists(ctx, tagged, untagged).Result(); n != 0 {
+		t.Fatalf("%d of the two keys left after a reset", n)
+	}
+	// An untagged counter of another window (another period's, of a zone
+	// of the same name) is not this one's.
+	c.HSet(ctx, untagged, "w", end.Add(24*time.Hour).UnixMilli(), "n", 3)
+	c.PExpireAt(ctx, untagged, end.Add(24*time.Hour))
+	for i, want := range []int{200, 200, 200, 429} {
+		if code, _ := serve(h, "192.0.2.1", "K", "k"); code != want {
+			t.Fatalf("after the reset, request %d: %d, want %d", i, code, want)
+		}
 	}
 }

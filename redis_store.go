@@ -150,11 +150,16 @@ type RedisStore struct {
 
 // A redisZone is what the store keeps for one zone.
 type redisZone struct {
-	name    string
-	field   string // how its buckets' fields start: the name and a tag of the shape (rediswire.BucketField)
-	keys    string // how its counters' and slots' keys start after the hash: the name (rediswire.ZoneField)
-	refunds bool   // its buckets may be given tokens back
-	plans   bool   // its limit comes with each request: its buckets are scaled
+	name  string
+	field string // how its buckets' fields start: the name and a tag of the shape (rediswire.BucketField)
+	keys  string // how its slots' keys start after the hash: the name (rediswire.ZoneField)
+	// counters is how its quota counters' keys start after the hash: the
+	// name and a tag of the quota's window (rediswire.CounterZone). Keys
+	// start with keys alone in builds before the tag: such a counter is
+	// read while the tagged one is absent (see lua/token_bucket.lua).
+	counters string
+	refunds  bool // its buckets may be given tokens back
+	plans    bool // its limit comes with each request: its buckets are scaled
 	// The shapes of its demands as the script reads them, the last ones
 	// asked for: a zone whose limit is fixed asks for the same each time.
 	shape   atomic.Pointer[rediswire.Shape]
@@ -402,6 +407,9 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 		// A bucket's state is its zone's name and shape, as a local
 		// table's is (tableID).
 		rz.field = bucketField(z.name, z.shape)
+		if z.quota != "" {
+			rz.counters = rediswire.CounterZone(z.name, z.quota)
+		}
 		// Not known yet, and asked at the first decision.
 		rz.overridden.Store(&countedOverrides{n: -1, at: math.MinInt64 / 2})
 		rz.overriddenPoll.Store(math.MinInt64 / 2)
@@ -685,7 +693,9 @@ func (s *RedisStore) reset(ctx context.Context, d *demands) (bool, error) {
 		if t := s.zones[c.zone].counts; t != nil {
 			t.forget(c.key)
 		}
-		n, err := s.client.Del(ctx, s.counterKey(c.zone, c.key)).Result()
+		// The untagged key too: it would be read in the tagged one's place.
+		counter, untagged := s.counterKeys(c.zone, c.key)
+		n, err := s.client.Del(ctx, counter, untagged).Result()
 		if err != nil {
 			return found, err
 		}
@@ -816,10 +826,11 @@ func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *demands) {
 	for i := range d.counters {
 		k := &d.counters[i]
 		rz := &s.zones[k.zone]
+		counter, untagged := s.counterKeys(k.zone, k.key)
 		if op == rediswire.Adjust {
-			c.AdjustCounter(s.counterKey(k.zone, k.key), s.counterShape(rz, k), s.windowOf(rz, k.window), k.cost)
+			c.AdjustCounter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.window), k.cost)
 		} else {
-			c.Counter(s.counterKey(k.zone, k.key), s.counterShape(rz, k), s.windowOf(rz, k.window))
+			c.Counter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.window))
 		}
 	}
 	for i := range d.slots {
@@ -937,9 +948,11 @@ func (s *RedisStore) bucketName(zone int, key bucketKey) (hash, field string) {
 	return s.keys.Bucket(s.zones[zone].field, key.String())
 }
 
-// counterKey is the key of the quota counter of key in a zone.
-func (s *RedisStore) counterKey(zone int, key bucketKey) string {
-	return s.keys.Counter(s.zones[zone].keys, key.String())
+// counterKeys are the key of the quota counter of key in a zone, and the
+// key that builds before rediswire.CounterZone gave it.
+func (s *RedisStore) counterKeys(zone int, key bucketKey) (counter, untagged string) {
+	k := key.String()
+	return s.keys.Counter(s.zones[zone].counters, k), s.keys.Counter(s.zones[zone].keys, k)
 }
 
 // slotKey is the key of the sorted set of the slots of key in a zone.

@@ -92,7 +92,7 @@ for j = 1, nc do
 			break
 		end
 	end
-	local v = redis.pcall('HMGET', KEYS[2 * nb + j], 'w', 'n')
+	local v = redis.pcall('HMGET', KEYS[2 * nb + 2 * j - 1], 'w', 'n')
 	local used = 0
 	if v.err then
 		bad()
@@ -100,13 +100,18 @@ for j = 1, nc do
 		local w = tonumber(v[1])
 		if w and w * 1000 >= e then
 			e, used = w * 1000, tonumber(v[2]) or 0
+		elseif not w then -- what the untagged key counted in this window, as the decision script reads it
+			local u = redis.pcall('HMGET', KEYS[2 * nb + 2 * j], 'w', 'n')
+			if not u.err and tonumber(u[1]) and tonumber(u[1]) * 1000 == e then
+				used = tonumber(u[2]) or 0
+			end
 		end
 	end
 	reply[1 + 4 * nb + 2 * j], reply[2 + 4 * nb + 2 * j] = used, math.max(e - clock, 0) * 1000
 end
 
 for j = 1, ns do
-	local key, used = KEYS[2 * nb + nc + j], 0
+	local key, used = KEYS[2 * nb + 2 * nc + j], 0
 	if redis.call('TYPE', key).ok == 'zset' then
 		used = redis.call('ZCOUNT', key, '(' .. now, '+inf')
 	end

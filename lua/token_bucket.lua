@@ -11,9 +11,10 @@
 --   KEYS     the hash of each bucket and the key of its override (two
 --            keys a bucket; the hash again when the caller knows that no
 --            key of the zone has an override: then none is read), then
---            the key of each counter, then the key of each slot set, in
---            that order, all in one cluster slot. The script touches no
---            other key.
+--            the key of each counter and its untagged key (two keys a
+--            counter, below), then the key of each slot set, in that
+--            order, all in one cluster slot. The script touches no other
+--            key.
 --   ARGV[1]  op: 'take' or 'adjust'; or a number k > 1, k takes (below);
 --            or 'release' (below)
 --   ARGV[2]  clock: '' to read TIME; tests send an instant, to replay
@@ -129,6 +130,14 @@
 -- a client has one key whatever the window, and a counter found from an
 -- older window than the picked one starts again from 0.
 --
+-- A counter's key names its zone's quota window (its period and time
+-- zone), so that zones of one name with quotas of different periods
+-- count apart. Builds before that named it by the zone alone: its
+-- untagged key. While a counter's key is absent, what the untagged key
+-- counted in the very window picked is its count, which the first write
+-- carries over; the untagged key is never written, and expires with its
+-- window.
+--
 --   limit  the most units a window holds
 --   cost   the units the request counts (adjust: negative to take off)
 --
@@ -214,7 +223,7 @@ if nc > 0 then
 		if not e then
 			return redis.error_reply('ERR quota window: Redis TIME is outside the windows Caddy sent (clocks more than a window apart)')
 		end
-		local key = KEYS[2 * nb + j]
+		local key = KEYS[2 * nb + 2 * j - 1]
 		local v = redis.pcall('HMGET', key, 'w', 'n')
 		local w, used = nil, 0
 		if v.err then
@@ -226,7 +235,13 @@ if nc > 0 then
 		if w and w * 1000 >= e then
 			e = w * 1000 -- a window Redis's clock already counted in
 		else
+			-- Written whole at the first write: from 0, or from what
+			-- the untagged key counted in this window.
 			used, cstale[j] = 0, true
+			local u = not w and redis.pcall('HMGET', KEYS[2 * nb + 2 * j], 'w', 'n')
+			if u and not u.err and tonumber(u[1]) and tonumber(u[1]) * 1000 == e then
+				used = tonumber(u[2]) or 0
+			end
 		end
 		if take and used + ARGV[a + 2] > tonumber(ARGV[a + 1]) then
 			reply[1] = 0
@@ -369,7 +384,7 @@ if take and ns > 0 then
 	sused = {}
 	for j = 1, ns do
 		local a = sargs + 3 * j - 1
-		local key = KEYS[2 * nb + nc + j]
+		local key = KEYS[2 * nb + 2 * nc + j]
 		local trimmed = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
 		if type(trimmed) == 'table' then
 			reply[2] = reply[2] + 1
@@ -462,7 +477,7 @@ end
 -- Counters: count, and reply.
 for j = 1, nc do
 	local a = cargs + 6 * (j - 1)
-	local key, used, e, cost = KEYS[2 * nb + j], cused[j], cend[j], tonumber(ARGV[a + 2])
+	local key, used, e, cost = KEYS[2 * nb + 2 * j - 1], cused[j], cend[j], tonumber(ARGV[a + 2])
 	-- Numbers are written with %d: Redis would turn one of more than 14
 	-- digits into an exponent.
 	if take and reply[1] == 1 or adjust and cost > 0 then
@@ -474,9 +489,13 @@ for j = 1, nc do
 			redis.call('HINCRBY', key, 'n', ARGV[a + 2])
 		end
 		redis.call('PEXPIREAT', key, w)
-	elseif adjust and cost < 0 and not cstale[j] and used > 0 then
+	elseif adjust and cost < 0 and used > 0 then
 		used = math.max(used + cost, 0)
-		if used == 0 then
+		if cstale[j] then -- carried over from the untagged key: written whole, 0 too
+			local w = string.format('%d', math.ceil(e / 1000))
+			redis.call('HSET', key, 'w', w, 'n', string.format('%d', used))
+			redis.call('PEXPIREAT', key, w)
+		elseif used == 0 then
 			redis.call('DEL', key)
 		else
 			redis.call('HSET', key, 'n', string.format('%d', used))
@@ -488,7 +507,7 @@ end
 -- Slots: take, and reply.
 for j = 1, ns do
 	local a = sargs + 3 * j - 1
-	local key, limit = KEYS[2 * nb + nc + j], tonumber(ARGV[a])
+	local key, limit = KEYS[2 * nb + 2 * nc + j], tonumber(ARGV[a])
 	local used, held = sused and sused[j] or 0, 0
 	if take and reply[1] == 1 and used < limit then
 		redis.call('ZADD', key, now + math.floor(ARGV[a + 1] / 1000), ARGV[sargs + 1])

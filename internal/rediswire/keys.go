@@ -106,6 +106,13 @@ func BucketField(name, shape string) string {
 	return ZoneField(name) + string(tag[:])
 }
 
+// CounterZone is how the keys of a zone's quota counters start after the
+// hash: ZoneField, then the tag BucketField would make of window (the
+// quota's period and time zone). So zones of one name with quotas of
+// different periods count apart, as in the local store; a quota whose
+// limit changes keeps its counts.
+func CounterZone(name, window string) string { return BucketField(name, "quota "+window) }
+
 // Groups is how many hashes the buckets are spread over. Redis keeps a
 // hash of up to 512 short fields as one compact list
 // (hash-max-listpack-entries), so buckets cost least from 100k to a few

@@ -226,19 +226,23 @@ func (c *Call) bucket(hash, field, limit string, s *Shape, cost time.Duration, c
 }
 
 // Counter asks for s.Cost units of the quota counter key in window w.
-func (c *Call) Counter(key string, s *CounterShape, w *Window) { c.counter(key, s, w, s.args[1]) }
+// untagged is the key an earlier build kept it in (see CounterZone), read
+// while key is absent.
+func (c *Call) Counter(key, untagged string, s *CounterShape, w *Window) {
+	c.counter(key, untagged, s, w, s.args[1])
+}
 
 // AdjustCounter counts cost units more in the counter, or takes -cost
 // off.
-func (c *Call) AdjustCounter(key string, s *CounterShape, w *Window, cost int64) {
-	c.counter(key, s, w, costArg(cost, s.Cost, s.args[1], s.args[2]))
+func (c *Call) AdjustCounter(key, untagged string, s *CounterShape, w *Window, cost int64) {
+	c.counter(key, untagged, s, w, costArg(cost, s.Cost, s.args[1], s.args[2]))
 }
 
-func (c *Call) counter(key string, s *CounterShape, w *Window, costArg any) {
+func (c *Call) counter(key, untagged string, s *CounterShape, w *Window, costArg any) {
 	if c.ns > 0 {
 		panic("rediswire: counters go before slots")
 	}
-	c.keys = append(c.keys, key)
+	c.keys = append(c.keys, key, untagged)
 	c.args = append(c.args, s.args[0], costArg, w.args[0], w.args[1], w.args[2], w.args[3])
 	c.alike = false
 	c.nc++
