@@ -66,7 +66,7 @@ func (p *pipeline) run(ctx context.Context, c *Call) ([]any, time.Time, error) {
 		p.flights++
 		p.mu.Unlock()
 		ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), c.deadline)
-		reply, err := p.scripts.of(c.op).Run(ctx, p.client, c.keys, c.args...).Slice()
+		reply, err := p.alone(ctx, c)
 		at := time.Now()
 		cancel()
 		c.free()
@@ -178,18 +178,29 @@ next:
 	}
 }
 
+// alone sends one call by itself. A call that finds its script missing
+// from Redis's cache (NOSCRIPT) is sent again with the script.
+func (p *pipeline) alone(ctx context.Context, c *Call) ([]any, error) {
+	s := p.scripts.of(c.op)
+	reply, err := p.client.Do(ctx, c.command(s)...).Slice()
+	if noScript(err) {
+		reply, err = p.client.Do(ctx, c.evalSource(s)...).Slice()
+	}
+	return reply, err
+}
+
 // send1 sends calls in one pipeline. Calls that find their script missing
-// from Redis's cache (NOSCRIPT) are sent again with the script.
+// from Redis's cache are sent again with the script.
 func (p *pipeline) send1(ctx context.Context, calls []*Call) []*redis.Cmd {
 	cmds := make([]*redis.Cmd, len(calls))
 	pipe := p.client.Pipeline()
 	for i, c := range calls {
-		cmds[i] = pipe.EvalSha(ctx, p.scripts.of(c.op).Hash(), c.keys, c.argsAll()...)
+		cmds[i] = pipe.Do(ctx, c.command(p.scripts.of(c.op))...)
 	}
 	_, _ = pipe.Exec(ctx) // each call's error is in its command
 	var again []int
 	for i, cmd := range cmds {
-		if err := cmd.Err(); err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") {
+		if noScript(cmd.Err()) {
 			again = append(again, i)
 		}
 	}
@@ -197,9 +208,11 @@ func (p *pipeline) send1(ctx context.Context, calls []*Call) []*redis.Cmd {
 		pipe := p.client.Pipeline()
 		for _, i := range again {
 			c := calls[i]
-			cmds[i] = pipe.Eval(ctx, p.scripts.of(c.op).src, c.keys, c.argsAll()...)
+			cmds[i] = pipe.Do(ctx, c.evalSource(p.scripts.of(c.op))...)
 		}
 		_, _ = pipe.Exec(ctx)
 	}
 	return cmds
 }
+
+func noScript(err error) bool { return err != nil && redis.HasErrorPrefix(err, "NOSCRIPT") }

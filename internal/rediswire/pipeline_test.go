@@ -29,24 +29,33 @@ func testScripts(t *testing.T) *Scripts {
 	return NewScripts(string(decide), string(peek))
 }
 
+// taker is a take of a token from a bucket of 10 of a key, through a
+// client of r with a pool of 4 (two flights).
+func taker(t *testing.T, r *redistest.Server) func(key string) (Reply, error) {
+	c, err := NewClient(&redis.UniversalOptions{Addrs: []string{r.Addr()}, PoolSize: 4}, testScripts(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	shape := NewShape(10*time.Second, time.Second, time.Second, 0, 0, 0, false) // burst 10, a token a second
+	keys := Keys{Prefix: "pl:"}
+	return func(key string) (Reply, error) {
+		call := NewCall(Take, time.Now().Add(5*time.Second))
+		hash, field, limit := keys.BucketLimit(ZoneField("z"), key)
+		call.Bucket(hash, field, limit, shape, false)
+		return c.Run(context.Background(), call)
+	}
+}
+
 // Concurrent calls share batches, each with its own reply: 64 callers
 // of distinct buckets each get the debt of their own bucket's takes, and
 // identical takes (twins) are decided in one script call as one after
 // another would be.
 func TestPipelineKeepsEachReply(t *testing.T) {
 	r := redistest.Start(t)
-	c, err := NewClient(&redis.UniversalOptions{Addrs: []string{r.Addr()}, PoolSize: 4}, testScripts(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	shape := NewShape(10*time.Second, time.Second, time.Second, 0, 0, 0, false) // burst 10, a token a second
-	keys := Keys{Prefix: "pl:"}
+	takeOf := taker(t, r)
 	take := func(key string) (bool, time.Duration) {
-		call := NewCall(Take, time.Now().Add(5*time.Second))
-		hash, field, limit := keys.BucketLimit(ZoneField("z"), key)
-		call.Bucket(hash, field, limit, shape, false)
-		reply, err := c.Run(context.Background(), call)
+		reply, err := takeOf(key)
 		if err != nil {
 			t.Error(err)
 			return false, 0
@@ -90,4 +99,61 @@ func TestPipelineKeepsEachReply(t *testing.T) {
 	if n := r.Calls() - calls; n >= 12 {
 		t.Fatalf("%d script calls for 12 identical takes: twins were not decided together", n)
 	}
+}
+
+// A Redis that lost its scripts (SCRIPT FLUSH, a restart) is sent them
+// again, by a call alone and by each call of a batch, twins among them:
+// each still gets its own bucket's reply.
+func TestPipelineAfterScriptFlush(t *testing.T) {
+	r := redistest.Start(t)
+	takeOf := taker(t, r)
+	take := func(key string) (bool, error) {
+		reply, err := takeOf(key)
+		if err != nil {
+			return false, err
+		}
+		return reply.Allowed(), nil
+	}
+	if ok, err := take("alone"); !ok || err != nil {
+		t.Fatalf("first take: %t, %v", ok, err)
+	}
+	for round := range 3 {
+		r.CLI("SCRIPT", "FLUSH")
+		var wg sync.WaitGroup
+		var mu sync.Mutex
+		allowed := map[string]int{}
+		for i := range 48 {
+			key := fmt.Sprint(round, "k", i%24) // two takes of each: twins when they share a batch
+			if i >= 36 {
+				key = fmt.Sprint(round, "twin") // 12 takes of a bucket of 10
+			}
+			wg.Go(func() {
+				ok, err := take(key)
+				if err != nil {
+					t.Errorf("%s: %v", key, err)
+				}
+				if ok {
+					mu.Lock()
+					allowed[key]++
+					mu.Unlock()
+				}
+			})
+		}
+		wg.Wait()
+		if n := allowed[fmt.Sprint(round, "twin")]; n != 10 {
+			t.Errorf("round %d: %d of 12 takes of a bucket of 10 allowed", round, n)
+		}
+		for i := range 24 {
+			if k, want := fmt.Sprint(round, "k", i), 1+btoi(i < 12); allowed[k] != want {
+				t.Errorf("%s: %d of %d takes allowed", k, allowed[k], want)
+			}
+		}
+	}
+}
+
+func btoi(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
 }

@@ -27,12 +27,19 @@ type Scripts struct {
 
 type script struct {
 	*redis.Script
-	src string
+	// The first two words of a command that runs it: EVALSHA and its
+	// hash, or EVAL and its source; boxed once.
+	evalSHA, sha, eval, src any
+}
+
+func newScript(src string) script {
+	s := redis.NewScript(src)
+	return script{Script: s, evalSHA: "evalsha", sha: s.Hash(), eval: "eval", src: src}
 }
 
 // NewScripts makes the scripts from their sources.
 func NewScripts(decide, peek string) *Scripts {
-	return &Scripts{decide: script{redis.NewScript(decide), decide}, peek: script{redis.NewScript(peek), peek}}
+	return &Scripts{decide: newScript(decide), peek: newScript(peek)}
 }
 
 func (s *Scripts) of(op Op) *script {
@@ -134,16 +141,26 @@ func NewSlotShape(limit int64, lease time.Duration, soft bool) *SlotShape {
 
 var zero any = "0"
 
+// counts are the counts a call sends (of keys, of a section), boxed once.
+var counts = func() (n [64]any) {
+	for i := range n {
+		n[i] = strconv.Itoa(i)
+	}
+	return n
+}()
+
 func ns(d time.Duration) string { return strconv.FormatInt(int64(d), 10) }
 
 // A Call is one call of a script: an op, then its buckets, counters and
 // slot sets, added in that order. Calls come from a pool and go back to
 // it once their reply is read (see (*Client).Run), so that a decision
-// leaves no garbage of its own: keys, arguments and channel are reused.
+// leaves no garbage of its own: keys, arguments, the command made of
+// them and the channel are reused.
 type Call struct {
 	op         Op
 	keys       []string
 	args       []any
+	cmd        []any           // what is sent: see command
 	costs      []time.Duration // each bucket's cost, for twins' replies
 	tokens     []time.Duration // and its shape's token
 	nb, nc, ns int
@@ -176,8 +193,9 @@ func NewCall(op Op, deadline time.Time) *Call {
 func (c *Call) free() {
 	clear(c.keys)
 	clear(c.args)
+	clear(c.cmd)
 	clear(c.twins)
-	*c = Call{keys: c.keys[:0], args: c.args[:0], costs: c.costs[:0], tokens: c.tokens[:0], twins: c.twins[:0], done: c.done}
+	*c = Call{keys: c.keys[:0], args: c.args[:0], cmd: c.cmd[:0], costs: c.costs[:0], tokens: c.tokens[:0], twins: c.twins[:0], done: c.done}
 	calls.Put(c)
 }
 
@@ -265,8 +283,43 @@ func (c *Call) Slot(key, id string, s *SlotShape) {
 // seal writes the sections' counts into the header.
 func (c *Call) seal() {
 	if c.op != Release {
-		c.args[2], c.args[3], c.args[4] = c.nb, c.nc, c.ns
+		c.args[2], c.args[3], c.args[4] = count(c.nb), count(c.nc), count(c.ns)
 	}
+}
+
+// command makes the command that runs s with c's keys and arguments, for
+// c and its twins (k takes for k calls, in place of "take"), in c's own
+// slice: go-redis sends it as it is, with nothing copied or boxed again.
+// The twins of a call send nothing of their own.
+func (c *Call) command(s *script) []any {
+	c.cmd = append(c.cmd[:0], s.evalSHA, s.sha, count(len(c.keys)))
+	for i, k := range c.keys {
+		if i > 0 && k == c.keys[i-1] {
+			c.cmd = append(c.cmd, c.cmd[len(c.cmd)-1]) // a bucket's hash, again for its override: boxed once
+		} else {
+			c.cmd = append(c.cmd, k)
+		}
+	}
+	c.cmd = append(c.cmd, c.args...)
+	if len(c.twins) > 0 {
+		c.cmd[3+len(c.keys)] = count(len(c.twins) + 1)
+	}
+	return c.cmd
+}
+
+// count is n as an argument.
+func count(n int) any {
+	if n < len(counts) {
+		return counts[n]
+	}
+	return strconv.Itoa(n)
+}
+
+// evalSource turns c's command into one that sends s's source (EVAL), for
+// a Redis that does not have the script.
+func (c *Call) evalSource(s *script) []any {
+	c.cmd[0], c.cmd[1] = s.eval, s.src
+	return c.cmd
 }
 
 // twin reports whether c is a take that b can decide with its own: the
@@ -288,18 +341,6 @@ func (c *Call) twin(b *Call) bool {
 		}
 	}
 	return true
-}
-
-// argsAll is the script's arguments for c and its twins: k takes for k
-// calls, in place of "take".
-func (c *Call) argsAll() []any {
-	if len(c.twins) == 0 {
-		return c.args
-	}
-	args := make([]any, len(c.args))
-	copy(args, c.args)
-	args[0] = len(c.twins) + 1
-	return args
 }
 
 // A Reply is a call's answer, in the layout lua/token_bucket.lua gives.
