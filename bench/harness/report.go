@@ -329,12 +329,14 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 		"Allowed path: a limit never reached (ours `rate 1000000r/s` `burst 1000000`; caddy-ratelimit `events 200` `window 100ms`, "+
 		"as its ring of `events` timestamps per key is allocated up front and a large one would slow the GC's pace enough to make it look cheaper than no limiter). "+
 		"Denied path: one key, every request after the first over the limit (ours `rate 1r/m` `burst 1`; caddy-ratelimit `events 1` `window 1m`). "+
-		"The waits row is the floor of a limiter that asks a server: caddy-peer's `bench_wait` handler (bench/peer/wait.go) makes each request wait for another goroutine, which answers the requests queued meanwhile together after 20 µs, with no network and no decision; what it costs is what waiting costs Caddy's process. "+
+		"The waits rows are floors. The first is that of a limiter that asks a server: caddy-peer's `bench_wait` handler (bench/peer/wait.go) makes each request wait for another goroutine, which answers the requests queued meanwhile together after 20 µs, with no network and no decision; what it costs is what waiting costs Caddy's process. "+
+		"The second is that of a limiter that asks Redis through go-redis: `bench_wait redis` makes each request wait for a PING of this run's Redis, batched as the Redis store batches its calls (a request that finds nothing in flight goes alone at once, the others together, up to 4 flights); what it costs is waiting and the socket's writes and reads, with no script, arguments or decision. "+
+		"Redis CPU per request is the redis-server process's CPU over the run, per request, for the rows that ask it: it shares the cores with Caddy and wrk. "+
 		"Each configuration is its own Caddy process, with Caddy's default logging (INFO to stderr, to a file here). "+
 		"Phase: %.0f s; others' CPU %s.\n\n",
 		p.wrkDur, roundsText(p.rounds, "configurations"), tpKeys, rep.ThroughputSeconds, pct(rep.ThroughputNoise.Others))
-	pf("| configuration | path | keys | Caddy CPU per request | ratio | req/s | ratio | p50 | ratio | p99 | ratio | Redis calls per request | non-2xx | CPU per request, per round |\n")
-	pf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
+	pf("| configuration | path | keys | Caddy CPU per request | ratio | req/s | ratio | p50 | ratio | p99 | ratio | Redis calls per request | Redis CPU per request | non-2xx | CPU per request, per round |\n")
+	pf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
 	for _, r := range rep.Throughput {
 		path := r.Path
 		if path == "" {
@@ -348,9 +350,13 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 		for _, x := range r.Runs {
 			rounds = append(rounds, fmt.Sprintf("%.1f", float64(x.CPUPerReq)/1e3))
 		}
-		pf("| %s | %s | %s | %.1f µs | %.2f | %s | %.2f | %s | %.2f | %s | %.2f | %s | %s | %s |\n",
+		rcpu := "–"
+		if r.RedisCPUPerReq > 0 {
+			rcpu = fmt.Sprintf("%.1f µs", float64(r.RedisCPUPerReq)/1e3)
+		}
+		pf("| %s | %s | %s | %.1f µs | %.2f | %s | %.2f | %s | %.2f | %s | %.2f | %s | %s | %s | %s |\n",
 			r.Impl, path, humanCount(float64(r.Keys)), float64(r.CPUPerReq)/1e3, r.RatioCPU, humanCount(r.RPS), r.RatioRPS,
-			ms(r.P50), r.RatioP50, ms(r.P99), r.RatioP99, redis, pct(r.Non2xx), strings.Join(rounds, ", "))
+			ms(r.P50), r.RatioP50, ms(r.P99), r.RatioP99, redis, rcpu, pct(r.Non2xx), strings.Join(rounds, ", "))
 	}
 	pf("\nCaddy CPU per request is the Caddy process's user+system time over the run (from `/proc/<pid>/stat`) divided by the requests wrk completed: " +
 		"the steady measure on a shared machine, where req/s swings from run to run. " +

@@ -138,13 +138,15 @@ func parseWrkDuration(s string) (time.Duration, error) {
 // where every request is over it.
 
 type tpConfig struct {
-	Key, Impl, Path string // Path: "allowed", "denied", "waits" (bench_wait, the floor of waiting) or "" for the baseline
+	Key, Impl, Path string // Path: "allowed", "denied", "waits" (bench_wait, the floors of waiting) or "" for the baseline
 	// Keys: how many keys the requests carry in X-Key, at random: many
 	// clients, as users run it; 1 for one client.
-	Keys  int
-	spec  caddySpec
-	redis bool
-	inst  *caddyInst
+	Keys int
+	spec caddySpec
+	// redis: its requests make script calls, counted per request; they,
+	// or pings, ask Redis, whose CPU is counted per request.
+	redis, pings bool
+	inst         *caddyInst
 }
 
 // tpKeys is how many clients the many-keys configurations stand for.
@@ -169,8 +171,9 @@ end
 // tpRun is one wrk run of one configuration.
 type tpRun struct {
 	wrkResult
-	CPUPerReq   time.Duration // Caddy's CPU per request
-	RedisPerReq num
+	CPUPerReq      time.Duration // Caddy's CPU per request
+	RedisCPUPerReq time.Duration // Redis's, for the rows that ask it
+	RedisPerReq    num
 }
 
 // tpResult is the medians of a configuration's runs.
@@ -180,7 +183,7 @@ type tpResult struct {
 	Runs                         []tpRun
 	RPS                          float64
 	P50, P99                     time.Duration
-	CPUPerReq                    time.Duration
+	CPUPerReq, RedisCPUPerReq    time.Duration
 	RedisPerReq                  num
 	Non2xx                       float64 // share of non-2xx answers over all runs
 	RatioRPS, RatioP50, RatioP99 float64
@@ -213,6 +216,10 @@ func (e *env) tpConfigs() []*tpConfig {
 		// waits for another goroutine, which answers those queued together
 		// (bench/peer/wait.go), with no network and no decision.
 		{Key: "wait", Impl: "no limiter, each request waits for a goroutine (`bench_wait`)", Path: "waits", Keys: tpKeys, spec: caddySpec{bin: e.peerBin, site: "bench_wait\nrespond \"ok\""}},
+		// The floor of any limiter that asks Redis through go-redis: each
+		// request waits for a PING, batched as the Redis store batches.
+		{Key: "wait-redis", Impl: "no limiter, each request waits for a PING of Redis (`bench_wait redis`)", Path: "waits", Keys: tpKeys, pings: true,
+			spec: caddySpec{bin: e.peerBin, site: "bench_wait redis " + e.redis.addr + "\nrespond \"ok\""}},
 		{Key: "redis-one-key", Impl: "rate_limit redis, one key", Path: "allowed", Keys: 1, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, redisStore)}},
 		{Key: "local-denied", Impl: "rate_limit local", Path: "denied", Keys: 1, spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, "")}},
 		{Key: "redis-denied", Impl: "rate_limit redis", Path: "denied", Keys: 1, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, redisStore)}},
@@ -283,6 +290,10 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 			if err != nil {
 				return nil, noise{}, err
 			}
+			rcpu0, err := procCPU(e.redis.proc.pid())
+			if err != nil {
+				return nil, noise{}, err
+			}
 			w, err := e.tpWrk(fmt.Sprintf("%s-%d", c.Key, round+1), c, p.wrkDur)
 			if err != nil {
 				return nil, noise{}, err
@@ -295,11 +306,18 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 			if err != nil {
 				return nil, noise{}, err
 			}
+			rcpu1, err := procCPU(e.redis.proc.pid())
+			if err != nil {
+				return nil, noise{}, err
+			}
 			run := tpRun{wrkResult: w, RedisPerReq: num(nan)}
 			if w.Requests > 0 {
 				run.CPUPerReq = (cpu1 - cpu0) / time.Duration(w.Requests)
 				if c.redis {
 					run.RedisPerReq = num(float64(r1-r0) / float64(w.Requests))
+				}
+				if c.redis || c.pings {
+					run.RedisCPUPerReq = (rcpu1 - rcpu0) / time.Duration(w.Requests)
 				}
 			}
 			log.Printf("  round %d %-14s %8.0f req/s  p50 %-8s p99 %-8s non-2xx %5.1f%%  Caddy CPU %.1f µs/req",
@@ -313,19 +331,21 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 	for _, c := range cfgs {
 		rs := runs[c.Key]
 		r := &tpResult{Key: c.Key, Impl: c.Impl, Path: c.Path, Keys: c.Keys, Runs: rs}
-		var rps, p50, p99, cpu, redis []float64
+		var rps, p50, p99, cpu, rcpu, redis []float64
 		var non2xx, total int64
 		for _, x := range rs {
 			rps = append(rps, x.RPS)
 			p50 = append(p50, float64(x.P50))
 			p99 = append(p99, float64(x.P99))
 			cpu = append(cpu, float64(x.CPUPerReq))
+			rcpu = append(rcpu, float64(x.RedisCPUPerReq))
 			redis = append(redis, float64(x.RedisPerReq))
 			non2xx += x.Non2xx
 			total += x.Requests
 		}
 		r.RPS, r.P50, r.P99 = benchkit.Median(rps), time.Duration(benchkit.Median(p50)), time.Duration(benchkit.Median(p99))
 		r.CPUPerReq, r.RedisPerReq = time.Duration(benchkit.Median(cpu)), num(benchkit.Median(redis))
+		r.RedisCPUPerReq = time.Duration(benchkit.Median(rcpu))
 		r.Non2xx = float64(non2xx) / float64(max(total, 1))
 		out = append(out, r)
 	}

@@ -4,12 +4,15 @@
 package main
 
 import (
+	"context"
 	"net/http"
+	"sync"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/httpcaddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/redis/go-redis/v9"
 )
 
 // Wait is the throughput phase's floor for a limiter that asks a server:
@@ -19,41 +22,133 @@ import (
 // no network, no encoding and no decision. What it costs Caddy's process
 // per request is what waiting costs: the handler's goroutine parked and
 // woken, and net/http's read of the connection while it waits.
+//
+// With `bench_wait redis <address>`, each request makes a real round trip
+// to that Redis instead: a PING, batched as the Redis store batches its
+// calls (internal/rediswire/pipeline.go: a request that finds nothing in
+// flight goes at once, alone; the others queue and go together as the
+// next pipeline, or as another flight of at least 8, up to 4 flights).
+// That is the floor of any limiter that asks Redis through go-redis:
+// waiting, and the socket's writes and reads, with no script, no
+// arguments and no decision.
 type Wait struct {
-	queue chan chan struct{}
-	done  chan struct{}
+	Redis string `json:"redis,omitempty"`
+
+	queue  chan chan struct{}
+	done   chan struct{}
+	client *redis.Client
+
+	mu      sync.Mutex
+	flights int
+	waiting []chan struct{}
 }
 
 // waitFor stands in for a round trip to a Redis on the same host.
 const waitFor = 20 * time.Microsecond
 
 func init() {
-	caddy.RegisterModule(Wait{})
+	caddy.RegisterModule(new(Wait))
 	httpcaddyfile.RegisterHandlerDirective("bench_wait", func(h httpcaddyfile.Helper) (caddyhttp.MiddlewareHandler, error) {
 		h.Next()
+		w := new(Wait)
+		if h.NextArg() {
+			if h.Val() != "redis" || !h.NextArg() {
+				return nil, h.ArgErr()
+			}
+			w.Redis = h.Val()
+		}
 		if h.NextArg() {
 			return nil, h.ArgErr()
 		}
-		return new(Wait), nil
+		return w, nil
 	})
 	httpcaddyfile.RegisterDirectiveOrder("bench_wait", httpcaddyfile.Before, "respond")
 }
 
 // CaddyModule returns the Caddy module information.
-func (Wait) CaddyModule() caddy.ModuleInfo {
+func (*Wait) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{ID: "http.handlers.bench_wait", New: func() caddy.Module { return new(Wait) }}
 }
 
-// Provision starts the goroutine that answers.
+// Provision starts the goroutines that answer.
 func (w *Wait) Provision(caddy.Context) error {
 	w.queue, w.done = make(chan chan struct{}, 1024), make(chan struct{})
+	if w.Redis != "" {
+		w.client = redis.NewClient(&redis.Options{Addr: w.Redis})
+		return nil
+	}
 	go w.answer()
 	return nil
 }
 
-// Cleanup stops it.
+// ping waits for a PING of Redis, batched with those of other requests.
+func (w *Wait) ping() {
+	w.mu.Lock()
+	if w.flights == 0 {
+		w.flights++
+		w.mu.Unlock()
+		w.client.Ping(context.Background())
+		w.landed()
+		return
+	}
+	c := make(chan struct{}, 1)
+	w.waiting = append(w.waiting, c)
+	if w.flights < 4 && len(w.waiting) >= 8 {
+		batch := w.waiting
+		w.waiting = nil
+		w.flights++
+		w.mu.Unlock()
+		go w.send(batch)
+	} else {
+		w.mu.Unlock()
+	}
+	<-c
+}
+
+// landed ends a flight: the requests queued meanwhile go as the next.
+func (w *Wait) landed() {
+	w.mu.Lock()
+	if len(w.waiting) == 0 {
+		w.flights--
+		w.mu.Unlock()
+		return
+	}
+	batch := w.waiting
+	w.waiting = nil
+	w.mu.Unlock()
+	go w.send(batch)
+}
+
+// send sends a PING per request of batch in one pipeline, and answers
+// them, as long as requests are queued.
+func (w *Wait) send(batch []chan struct{}) {
+	for {
+		pipe := w.client.Pipeline()
+		for range batch {
+			pipe.Ping(context.Background())
+		}
+		_, _ = pipe.Exec(context.Background())
+		for _, c := range batch {
+			c <- struct{}{}
+		}
+		w.mu.Lock()
+		if len(w.waiting) == 0 {
+			w.flights--
+			w.mu.Unlock()
+			return
+		}
+		batch = w.waiting
+		w.waiting = nil
+		w.mu.Unlock()
+	}
+}
+
+// Cleanup stops them.
 func (w *Wait) Cleanup() error {
 	close(w.done)
+	if w.client != nil {
+		return w.client.Close()
+	}
 	return nil
 }
 
@@ -83,6 +178,10 @@ func (w *Wait) answer() {
 
 // ServeHTTP waits for the answer, then goes on.
 func (w *Wait) ServeHTTP(rw http.ResponseWriter, r *http.Request, next caddyhttp.Handler) error {
+	if w.client != nil {
+		w.ping()
+		return next.ServeHTTP(rw, r)
+	}
 	c := make(chan struct{}, 1)
 	w.queue <- c
 	<-c
