@@ -107,22 +107,15 @@ func (w *Wait) ping() {
 
 // landed ends a flight: the requests queued meanwhile go as the next.
 func (w *Wait) landed() {
-	w.mu.Lock()
-	if len(w.waiting) == 0 {
-		w.flights--
-		w.mu.Unlock()
-		return
+	if batch := w.next(); batch != nil {
+		go w.send(batch)
 	}
-	batch := w.waiting
-	w.waiting = nil
-	w.mu.Unlock()
-	go w.send(batch)
 }
 
 // send sends a PING per request of batch in one pipeline, and answers
 // them, as long as requests are queued.
 func (w *Wait) send(batch []chan struct{}) {
-	for {
+	for ; batch != nil; batch = w.next() {
 		pipe := w.client.Pipeline()
 		for range batch {
 			pipe.Ping(context.Background())
@@ -131,16 +124,21 @@ func (w *Wait) send(batch []chan struct{}) {
 		for _, c := range batch {
 			c <- struct{}{}
 		}
-		w.mu.Lock()
-		if len(w.waiting) == 0 {
-			w.flights--
-			w.mu.Unlock()
-			return
-		}
-		batch = w.waiting
-		w.waiting = nil
-		w.mu.Unlock()
 	}
+}
+
+// next takes the requests queued as a flight's next batch, or ends the
+// flight when none are (as internal/rediswire's pipeline does).
+func (w *Wait) next() []chan struct{} {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	batch := w.waiting
+	w.waiting = nil
+	if len(batch) == 0 {
+		w.flights--
+		return nil
+	}
+	return batch
 }
 
 // Cleanup stops them.

@@ -103,32 +103,30 @@ func (p *pipeline) run(ctx context.Context, c *Call) ([]any, time.Time, error) {
 // landed ends a flight: the calls queued meanwhile go out as the next
 // batch.
 func (p *pipeline) landed() {
-	p.mu.Lock()
-	if len(p.queue) == 0 {
-		p.flights--
-		p.mu.Unlock()
-		return
+	if batch := p.next(); batch != nil {
+		go p.send(batch)
 	}
-	batch := p.queue
-	p.queue, p.calls = nil, 0
-	p.mu.Unlock()
-	go p.send(batch)
 }
 
 // send sends batches, as long as calls are queued, then ends its flight.
 func (p *pipeline) send(batch []*Call) {
-	for {
+	for ; batch != nil; batch = p.next() {
 		p.exec(batch)
-		p.mu.Lock()
-		if len(p.queue) == 0 {
-			p.flights--
-			p.mu.Unlock()
-			return
-		}
-		batch = p.queue
-		p.queue, p.calls = nil, 0
-		p.mu.Unlock()
 	}
+}
+
+// next takes the calls queued as a flight's next batch, or ends the
+// flight when none are.
+func (p *pipeline) next() []*Call {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	batch := p.queue
+	p.queue, p.calls = nil, 0
+	if len(batch) == 0 {
+		p.flights--
+		return nil
+	}
+	return batch
 }
 
 // exec sends one batch in one pipeline, by the earliest deadline of its
