@@ -138,7 +138,7 @@ func parseWrkDuration(s string) (time.Duration, error) {
 // where every request is over it.
 
 type tpConfig struct {
-	Key, Impl, Path string // Path: "allowed", "denied", "waits" (bench_wait, the floors of waiting) or "" for the baseline
+	Key, Impl, Path string // Path: "allowed", "denied", "waits" (bench_wait, the floors of waiting), "floor" (the headers') or "" for the baseline
 	// Keys: how many keys the requests carry in X-Key, at random: many
 	// clients, as users run it; 1 for one client.
 	Keys int
@@ -205,6 +205,11 @@ func (e *env) tpConfigs() []*tpConfig {
 		{Key: "baseline-peer", Impl: "no limiter, caddy-peer binary", Keys: tpKeys, spec: caddySpec{bin: e.peerBin, site: `respond "ok"`}},
 		{Key: "local-allowed", Impl: "rate_limit local", Path: "allowed", Keys: tpKeys, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, "")}},
 		{Key: "local-headers-off", Impl: "rate_limit local, `headers off`", Path: "allowed", Keys: tpKeys, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, "\n\theaders off")}},
+		// The floor of the headers: no limiter, and Caddy's own `header`
+		// handler adds five fields as long as ours, so the row's cost is
+		// what five more fields cost Caddy and net/http to set, copy and
+		// write.
+		{Key: "static-headers", Impl: "no limiter, Caddy's `header` adds five fields like ours", Path: "floor", Keys: tpKeys, spec: caddySpec{bin: e.caddyBin, site: staticHeaders}},
 		{Key: "redis-allowed", Impl: "rate_limit redis", Path: "allowed", Keys: tpKeys, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, redisStore)}},
 		// Not events 1000000 per 1s: caddy-ratelimit allocates a ring of
 		// `events` timestamps per key, and 24 MB of live heap would make
@@ -234,6 +239,18 @@ func (e *env) tpConfigs() []*tpConfig {
 	}
 	return cfgs
 }
+
+// staticHeaders is a site without a limiter that sends the five header
+// fields an allowed request of a zone of rate 1000000r/s gets, as fixed
+// values of the same lengths.
+const staticHeaders = `header {
+	X-Ratelimit-Limit 1000000
+	X-Ratelimit-Remaining 999999
+	X-Ratelimit-Reset 1796233036
+	Ratelimit-Policy "\"local_allowed\";q=1000000;w=1"
+	Ratelimit "\"local_allowed\";r=999999;t=1"
+}
+respond "ok"`
 
 // tpWrk runs wrk against c with c's keys.
 func (e *env) tpWrk(name string, c *tpConfig, dur time.Duration) (wrkResult, error) {
