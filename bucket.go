@@ -74,20 +74,20 @@ func newLimit(ratePerSec float64, burst int64) limit {
 
 // costTime is the time that n tokens are worth. n is at most the burst:
 // configurations that ask for more are refused.
-func (l limit) costTime(n int64) time.Duration {
+func (l *limit) costTime(n int64) time.Duration {
 	return time.Duration(n) * l.tokenTime
 }
 
 // debt is how long a bucket full at fullAt needs, seen at now, to be full
 // again: 0 when it is full, never more than it may owe (a clock that went
 // backwards must not leave a bucket owing more).
-func (l limit) debt(fullAt, now time.Duration) time.Duration {
+func (l *limit) debt(fullAt, now time.Duration) time.Duration {
 	return min(max(fullAt-now, 0), l.most())
 }
 
 // most is the most a bucket may owe: a whole bucket, and a ban, a delay
 // or a debt.
-func (l limit) most() time.Duration { return l.burstTime + l.ban + l.delay + l.owe }
+func (l *limit) most() time.Duration { return l.burstTime + l.ban + l.delay + l.owe }
 
 // take charges cost (from l.costTime) to a bucket full at fullAt. It
 // returns the bucket's new instant and whether the tokens were there, or,
@@ -99,7 +99,7 @@ func (l limit) most() time.Duration { return l.burstTime + l.ban + l.delay + l.o
 // (and a ban or a delay): a bucket that owed more, under a larger limit
 // (its key's plan changed, see plans.go) or a clock that went back, is
 // from now on an empty bucket of this limit, refilling at its rate.
-func (l limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
+func (l *limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 	d := l.debt(fullAt, now)
 	if d+cost <= l.reach() {
 		return now + d + cost, true
@@ -115,7 +115,7 @@ func (l limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 // bucket may owe up to l.most(); a negative
 // cost gives back, but never to a banned bucket: a ban is never
 // shortened.
-func (l limit) adjust(fullAt, now, cost time.Duration) time.Duration {
+func (l *limit) adjust(fullAt, now, cost time.Duration) time.Duration {
 	d := l.debt(fullAt, now)
 	if cost < 0 && l.banned(d) {
 		return fullAt
@@ -125,7 +125,7 @@ func (l limit) adjust(fullAt, now, cost time.Duration) time.Duration {
 
 // spend is the time n tokens are worth, n being any count a response
 // reports: beyond what a bucket may owe, more than it may owe.
-func (l limit) spend(n int64) time.Duration {
+func (l *limit) spend(n int64) time.Duration {
 	if n > int64(l.most()/l.tokenTime) {
 		return l.most() + l.tokenTime
 	}
@@ -141,7 +141,7 @@ func (l limit) spend(n int64) time.Duration {
 // plan's rate. from 0 (not known) or l's own whole bucket changes nothing.
 // The fraction is computed in float64, as the Redis script computes it,
 // to the nanosecond below.
-func (l limit) rescale(fullAt, now, from time.Duration) time.Duration {
+func (l *limit) rescale(fullAt, now, from time.Duration) time.Duration {
 	d := fullAt - now
 	if d <= 0 || from <= 0 || from == l.burstTime {
 		return fullAt
@@ -161,7 +161,7 @@ func (l limit) rescale(fullAt, now, from time.Duration) time.Duration {
 // beyond a whole bucket (a ban, a delay's reservations, a debt) it owes
 // as it was. The sums are made in float64, as the Redis script makes
 // them, exact while the durations are under 2⁵³ ns (104 days).
-func (l limit) retune(fullAt, now time.Duration, from limit) time.Duration {
+func (l *limit) retune(fullAt, now time.Duration, from limit) time.Duration {
 	d := fullAt - now
 	if d <= 0 || from.tokenTime == l.tokenTime && from.burstTime == l.burstTime || from.tokenTime <= 0 {
 		return fullAt
@@ -184,7 +184,7 @@ func (l limit) with(tokenTime time.Duration, burst int64) limit {
 
 // clamp is the instant of a bucket full at fullAt, seen at now, owing no
 // more than it may.
-func (l limit) clamp(fullAt, now time.Duration) time.Duration {
+func (l *limit) clamp(fullAt, now time.Duration) time.Duration {
 	if fullAt <= now {
 		return fullAt
 	}
@@ -193,7 +193,7 @@ func (l limit) clamp(fullAt, now time.Duration) time.Duration {
 
 // reach is the most a take may leave the bucket owing: a whole bucket,
 // and the delay unless noDelay.
-func (l limit) reach() time.Duration {
+func (l *limit) reach() time.Duration {
 	if l.noDelay {
 		return l.burstTime
 	}
@@ -202,10 +202,10 @@ func (l limit) reach() time.Duration {
 
 // banned reports whether a bucket that owes debt is banned: the limit
 // bans, and the bucket owes more than a whole bucket.
-func (l limit) banned(debt time.Duration) bool { return l.ban > 0 && debt > l.burstTime }
+func (l *limit) banned(debt time.Duration) bool { return l.ban > 0 && debt > l.burstTime }
 
 // banLeft is how long a bucket that owes debt stays banned.
-func (l limit) banLeft(debt time.Duration) time.Duration {
+func (l *limit) banLeft(debt time.Duration) time.Duration {
 	if l.ban == 0 {
 		return 0
 	}
@@ -214,24 +214,24 @@ func (l limit) banLeft(debt time.Duration) time.Duration {
 
 // delayed is how long a request waits whose take left its bucket owing
 // debt: the time its tokens are still short, at most the delay.
-func (l limit) delayed(debt time.Duration) time.Duration {
+func (l *limit) delayed(debt time.Duration) time.Duration {
 	return min(max(debt-l.burstTime, 0), l.delay)
 }
 
 // tokens is the number of tokens, possibly fractional, in a bucket that
 // owes debt.
-func (l limit) tokens(debt time.Duration) float64 {
+func (l *limit) tokens(debt time.Duration) float64 {
 	return float64(l.burstTime-debt) / float64(l.tokenTime)
 }
 
 // wholeTokens is the number of whole tokens in a bucket that owes debt.
-func (l limit) wholeTokens(debt time.Duration) int64 {
+func (l *limit) wholeTokens(debt time.Duration) int64 {
 	return min(max(int64((l.burstTime-debt)/l.tokenTime), 0), l.burst)
 }
 
 // nextToken is how long a bucket that owes debt needs to hold one more
 // whole token than it does: 0 when it is full.
-func (l limit) nextToken(debt time.Duration) time.Duration {
+func (l *limit) nextToken(debt time.Duration) time.Duration {
 	whole := l.wholeTokens(debt)
 	if whole >= l.burst {
 		return 0
@@ -242,6 +242,6 @@ func (l limit) nextToken(debt time.Duration) time.Duration {
 // wait is how long a bucket that owes debt needs before a take of cost
 // succeeds: before it can give cost, less the delay that the take may
 // wait out itself.
-func (l limit) wait(debt, cost time.Duration) time.Duration {
+func (l *limit) wait(debt, cost time.Duration) time.Duration {
 	return max(debt+cost-l.reach(), 0)
 }

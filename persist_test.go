@@ -247,7 +247,8 @@ func TestSnapshotOverrides(t *testing.T) {
 	if o, ok := overrideOf(loaded, key("api-key"), later); !ok || o != own {
 		t.Fatalf("api-key's own limit %+v, %v; want %+v", o, ok, own)
 	}
-	if got := own.limit(a.base).tokens(fullIn(loaded, "api-key", later)); got != 52 {
+	ownLimit := own.limit(a.base)
+	if got := ownLimit.tokens(fullIn(loaded, "api-key", later)); got != 52 {
 		t.Fatalf("api-key holds %v tokens after the restart, want 52 of its 100", got)
 	}
 

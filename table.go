@@ -406,9 +406,14 @@ type charge struct {
 	overridden bool
 }
 
-// try decides c against a bucket b (tracked or not), on c's time line.
+// try decides c against a bucket b (tracked or not), on c's time line. A
+// full bucket (most, among many keys) needs no rescaling, and b.full is
+// not read.
 func (c *charge) try(b bucket) {
-	fullAt := c.l.rescale(b.fullAt, c.now, b.full)
+	fullAt := b.fullAt
+	if fullAt > c.now {
+		fullAt = c.l.rescale(fullAt, c.now, b.full)
+	}
 	c.fullAt, c.ok = c.l.take(fullAt, c.now, c.cost)
 	c.ban = !c.ok && c.l.ban > 0 && !c.l.banned(c.l.debt(fullAt, c.now))
 }
