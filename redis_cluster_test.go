@@ -60,7 +60,7 @@ func TestRedisClusterSpread(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"spread","rate":"1000r/s"}],
 		"store":{"backend":"redis","addresses":[%s],"timeout":"5s","fail_mode":"closed"}}`, strings.Join(addrs, ",")))
 	rs, z := h.store.(*RedisStore), h.Zones[0]
-	// The script loaded on every node: one EVALSHA per decision.
+	// The script loaded on every node: no EVAL.
 	before := make([]int64, len(nodes))
 	for i, n := range nodes {
 		if err := redis.NewScript(tokenBucketLua).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
@@ -90,8 +90,10 @@ func TestRedisClusterSpread(t *testing.T) {
 		per[i] = c - before[i]
 		total += per[i]
 	}
-	if total != keys {
-		t.Fatalf("%d script calls for %d decisions", total, keys)
+	// A flight's decisions of one hash tag share a call; keys of distinct
+	// tags, as nearly all of these are, a call each.
+	if total > keys || total < keys*9/10 {
+		t.Fatalf("%d script calls for %d decisions of distinct keys", total, keys)
 	}
 	mean := float64(total) / float64(len(nodes))
 	for i, c := range per {

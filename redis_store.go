@@ -792,6 +792,33 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, op rediswire.O
 	s.build(c, op, d)
 	sent := time.Now()
 	r, err := s.client.Run(ctx, c)
+	return s.answered(r, err, sent, op, d)
+}
+
+// runAll decides each of ds by op, in order, in one flight of its own:
+// the keys of each share a cluster slot (see oneTag).
+func (s *RedisStore) runAll(op rediswire.Op, ds []*demands) ([]bool, []error) {
+	deadline := time.Now().Add(s.callTimeout)
+	calls := make([]*rediswire.Call, len(ds))
+	for i, d := range ds {
+		calls[i] = rediswire.NewCall(op, deadline)
+		if s.testClock != nil {
+			calls[i].Clock(s.testClock())
+		}
+		s.build(calls[i], op, d)
+	}
+	sent := time.Now()
+	replies, errs := s.client.RunAll(calls)
+	allowed := make([]bool, len(ds))
+	for i, d := range ds {
+		allowed[i], errs[i] = s.answered(replies[i], errs[i], sent, op, d)
+	}
+	return allowed, errs
+}
+
+// answered sets d's answers from r, the reply of its call of op sent at
+// sent, or returns err.
+func (s *RedisStore) answered(r rediswire.Reply, err error, sent time.Time, op rediswire.Op, d *demands) (bool, error) {
 	if err != nil {
 		return false, err
 	}

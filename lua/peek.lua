@@ -1,9 +1,11 @@
 -- Reads buckets, counters and slot sets as the decision script
 -- (token_bucket.lua) would find them, changing nothing: for the admin
--- API. KEYS and ARGV are as the decision script's (ARGV[1] is 'peek'),
+-- API. It reads one decision, whose op is 'peek': KEYS and ARGV are as
+-- the decision script's for a call of that one decision (ARGV[1] the
+-- clock, ARGV[2] '0', ARGV[3] 'peek', then nb, nc, ns and the sections),
 -- and so is the reply's layout:
 --
---   {1, repaired, debt_1, 0, token_1, burst_1, ..., used_1, left_1, ..., 0, free_1, ..., clock}
+--   {clock, repaired, 1, debt_1, 0, token_1, burst_1, ..., used_1, left_1, ..., 0, free_1, ...}
 --
 -- where debt_i is what bucket i owes, at most full + ban + beyond (of its
 -- override when it has one: token_i and burst_i, else 0 and 0; a bucket
@@ -16,22 +18,22 @@
 
 local epoch = 1735689600000000 -- 2025-01-01T00:00:00Z, in µs since 1970
 
-local clock = tonumber(ARGV[2])
+local clock = tonumber(ARGV[1])
 if not clock then
 	local t = redis.call('TIME')
 	clock = t[1] * 1000000 + t[2]
 end
 local now = clock - epoch
-local nb, nc, ns = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local cargs, sargs = 5 + 8 * nb, 5 + 8 * nb + 6 * tonumber(ARGV[4])
-local reply = { 1, 0 }
+local nb, nc, ns = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local cargs, sargs = 6 + 8 * nb, 6 + 8 * nb + 6 * nc
+local reply = { clock, 0, 1 }
 
 local function bad()
 	reply[2] = reply[2] + 1
 end
 
 for i = 1, nb do
-	local a = 8 * i - 2
+	local a = 8 * i - 1
 	local full, token = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 7])
 	local otoken, oburst = 0, 0
 	local o = KEYS[2 * i] ~= KEYS[2 * i - 1] and redis.pcall('GET', KEYS[2 * i])
@@ -80,7 +82,7 @@ for i = 1, nb do
 		end
 	end
 	local most = full + ARGV[a + 3] + ARGV[a + 4]
-	reply[4 * i - 1], reply[4 * i], reply[4 * i + 1], reply[4 * i + 2] = math.min(math.max(d, 0), most), 0, otoken, oburst
+	reply[4 * i], reply[4 * i + 1], reply[4 * i + 2], reply[4 * i + 3] = math.min(math.max(d, 0), most), 0, otoken, oburst
 end
 
 for j = 1, nc do
@@ -107,7 +109,7 @@ for j = 1, nc do
 			end
 		end
 	end
-	reply[1 + 4 * nb + 2 * j], reply[2 + 4 * nb + 2 * j] = used, math.max(e - clock, 0) * 1000
+	reply[2 + 4 * nb + 2 * j], reply[3 + 4 * nb + 2 * j] = used, math.max(e - clock, 0) * 1000
 end
 
 for j = 1, ns do
@@ -115,8 +117,7 @@ for j = 1, ns do
 	if redis.call('TYPE', key).ok == 'zset' then
 		used = redis.call('ZCOUNT', key, '(' .. now, '+inf')
 	end
-	reply[1 + 4 * nb + 2 * (nc + j)], reply[2 + 4 * nb + 2 * (nc + j)] = 0, math.max(ARGV[sargs + 3 * j - 1] - used, 0)
+	reply[2 + 4 * nb + 2 * (nc + j)], reply[3 + 4 * nb + 2 * (nc + j)] = 0, math.max(ARGV[sargs + 3 * j - 1] - used, 0)
 end
 
-reply[3 + 4 * nb + 2 * (nc + ns)] = clock
 return reply

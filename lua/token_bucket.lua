@@ -1,5 +1,8 @@
--- The decision script: a request's token buckets, calendar quota counters
--- and concurrency slots, decided all or nothing in one atomic call.
+-- The decision script: the decisions of many requests in one atomic call.
+-- Each decision is one request's token buckets, calendar quota counters
+-- and concurrency slots, decided all or nothing; the decisions are taken
+-- in order, each independent of the others, as separate calls at one
+-- instant of Redis's clock would take them.
 --
 -- A bucket is kept as one number: the instant it is full again, on
 -- Redis's own clock, so every Caddy instance that shares this Redis
@@ -8,56 +11,71 @@
 --
 -- THE CALL
 --
---   KEYS     the hash of each bucket and the key of its override (two
---            keys a bucket; the hash again when the caller knows that no
---            key of the zone has an override: then none is read), then
---            the key of each counter and its untagged key (two keys a
---            counter, below), then the key of each slot set, in that
---            order, all in one cluster slot. The script touches no other
---            key.
---   ARGV[1]  op: 'take' or 'adjust'; or a number k > 1, k takes (below);
---            or 'release' (below)
---   ARGV[2]  clock: '' to read TIME; tests send an instant, to replay
+--   ARGV[1]  clock: '' to read TIME; tests send an instant, to replay
 --            a table of steps
---   ARGV[3]  nb, the number of buckets
---   ARGV[4]  nc, the number of counters
---   ARGV[5]  ns, the number of slot sets
---   then the three sections, in that order:
---   buckets  8 values each: field, full, cost, ban, beyond, wait, scaled,
---            token
---   counters 6 values each: limit, cost, b0, b1, b2, b3
---   slots    id, then 3 values each: limit, lease, soft
+--   ARGV[2]  np, the number of plain shapes; then 3 values each: full,
+--            cost, token (below)
+--   then the decisions, one after another, each starting with its op:
+--
+--   n        a number: a plain take of n buckets; then 2 values each:
+--            shape (its index among the plain shapes), field. KEYS: the
+--            hash of each bucket.
+--   take, adjust
+--            then nb, nc, ns (the numbers of buckets, counters and slot
+--            sets) and three sections, in that order:
+--              buckets  8 values each: field, full, cost, ban, beyond,
+--                       wait, scaled, token
+--              counters 6 values each: limit, cost, b0, b1, b2, b3
+--              slots    id, then 3 values each: limit, lease, soft
+--            KEYS: the hash of each bucket and the key of its override
+--            (two keys a bucket; the hash again when the caller knows
+--            that no key of the zone has an override: then none is
+--            read), then the key of each counter and its untagged key
+--            (two keys a counter, below), then the key of each slot set.
+--   release  then ns and the request's id: its slots go back. KEYS: the
+--            ns slot sets.
+--
+--   A decision's keys share one cluster slot; on a Redis Cluster, so do
+--   all the keys of a call. The script touches no other key.
 --
 -- Units: every duration is whole nanoseconds; every instant (the clock,
 -- b0..b3) is whole microseconds since 1970, the resolution of TIME.
 --
--- THE REPLY, one layout whatever the call:
+-- THE REPLY
 --
---   {allowed, repaired,
---    debt_1, ban_1, token_1, burst_1, ..., debt_nb, ban_nb, token_nb, burst_nb,
---    used_1, left_1, ..., used_nc, left_nc,
---    held_1, free_1, ..., held_ns, free_ns,
---    clock}
+--   {clock, repaired, the result of each decision, in order}
 --
---   allowed   1 if the take was allowed, else 0 (adjust: 1); k takes:
---             how many were allowed
+--   clock     the clock the call was decided by (µs since 1970)
 --   repaired  the keys of another type found, and overwritten by a write
---   debt_i    how long until bucket i is full again, after the call
---   ban_i     1 if this call started bucket i's ban, else 0
+--
+--   plain n   allowed, debt_1, ..., debt_n
+--   take, adjust
+--             allowed,
+--             debt_1, ban_1, token_1, burst_1, ..., (nb buckets)
+--             used_1, left_1, ..., (nc counters)
+--             held_1, free_1, ... (ns slot sets)
+--   release   the number of sets that held the request's slot
+--
+--   allowed   1 if the take was allowed, else 0 (adjust: 1); -1 when
+--             Redis's clock is outside the quota windows sent (below):
+--             nothing was decided, and the rest is 0
+--   debt_i    how long until bucket i is full again, after the decision
+--   ban_i     1 if this decision started bucket i's ban, else 0
 --   token_i   the time of a token of the override that decided bucket i,
 --   burst_i   and its burst; 0 and 0 when the bucket's own shape decided
---   used_j    counter j's count in its window, after the call
+--   used_j    counter j's count in its window, after the decision
 --   left_j    how long until that window ends
 --   held_j    1 if the request holds a slot of set j, else 0
---   free_j    how many slots of set j are free, after the call
---   clock     the clock the call was decided by (µs since 1970)
+--   free_j    how many slots of set j are free, after the decision
 --
--- BUCKETS. A bucket is the field `field` of its hash, KEYS[i]; its value
--- is the instant it is full again, in whole nanoseconds since 2025-01-01,
--- in decimal (Redis keeps it as an integer). A hash expires when the last
+-- BUCKETS. A bucket is the field `field` of its hash; its value is the
+-- instant it is full again, in whole nanoseconds since 2025-01-01, in
+-- decimal (Redis keeps it as an integer). A hash expires when the last
 -- of its buckets is full; until then a bucket that is full again stays
 -- (it carries nothing), and every new bucket removes any such among three
 -- others taken at random, which keeps them to about a third of a hash.
+-- Each bucket is read once a call and written once, at its end: the
+-- decisions in between see what the earlier ones left.
 --
 --   full   time to refill the bucket from empty: burst / rate
 --   cost   what the request's tokens are worth: cost / rate (adjust:
@@ -74,6 +92,10 @@
 --          what it owed beyond it, as it was), so that a change of plan
 --          hands back no tokens
 --   token  the time of one token: full / burst (cost is counted in them)
+--
+-- A plain bucket is one with no ban, beyond, scale or override: a take
+-- of plain buckets alone is sent as a plain decision, its shape once a
+-- call, and decided as a take would be.
 --
 -- OVERRIDES. A key's own limit, set through the admin API, is the string
 -- `<token>:<burst>:<rate as given>` at its key (KEYS, after its bucket's
@@ -104,14 +126,6 @@
 --         bucket up to what it may owe, a counter past its limit. A
 --         negative cost gives back, and never shortens a ban. No slots.
 --
--- k takes decide k takes of one request that arrived together, in order,
--- at one instant, as k calls would if Redis's clock stood still: the
--- first that a bucket lacks the tokens for is refused, and so is every
--- one after it. Only for buckets without ban or beyond, and no counters
--- or slots. allowed is the number m allowed, and debt_i bucket i's after
--- them: the j-th of them (j = 1..m) owes debt_i - (m - j) cost_i, as it
--- would have alone.
---
 -- COUNTERS. A calendar quota's counter per key and window (a day, a week
 -- or a month in a time zone), decided in the same call, all or nothing
 -- with the buckets. Lua knows no time zones, so Caddy sends, by its own
@@ -121,8 +135,9 @@
 -- before when Caddy's clock is ahead, across a boundary Redis's has not
 -- reached, the one after when it is behind. So every instance counts in
 -- the window of Redis's one clock, whatever its own clock's skew up to a
--- whole window; a clock outside the three is an error, which fail_mode
--- decides. Only boundaries travel, never an instant that decides.
+-- whole window; a clock outside the three is an error (allowed -1),
+-- which fail_mode decides. Only boundaries travel, never an instant that
+-- decides.
 --
 -- A counter is a hash {w = its window's end in ms since 1970, n = its
 -- count}, expiring at w (PEXPIREAT): a counter of an ended window, or
@@ -159,61 +174,195 @@
 -- or none when a set that is not soft is full; a soft set that is full
 -- is left as it is.
 --
--- release gives back the slots of one request, its own call: KEYS are
--- its slot sets, ARGV[2] the request's id, and the reply {n}, n the sets
--- that held it.
---
 -- A key of another type (or a bucket that holds no instant) is read as
 -- full, or empty of slots, and overwritten or deleted by the writes.
+-- Any other error (a Redis out of memory) ends the script.
 
 local epoch = 1735689600000000 -- 2025-01-01T00:00:00Z, in µs since 1970
 
--- The script runs once per decision, and Redis pays for every function
--- and table it makes: the common path (a take of buckets) makes no
--- function and one table, the reply, and the counter and slot sections
--- run only for calls that have them.
-
-local op = ARGV[1]
-if op == 'release' then
-	local n = 0
-	for i = 1, #KEYS do
-		n = n + redis.call('ZREM', KEYS[i], ARGV[2])
-	end
-	return { n }
-end
-local k = tonumber(op) -- k takes, or nil
-if k then
-	op = 'take'
-end
-local take, adjust = op == 'take', op == 'adjust'
-local clock = tonumber(ARGV[2])
+local clock = tonumber(ARGV[1])
 if not clock then
 	local t = redis.call('TIME')
 	clock = t[1] * 1000000 + t[2]
 end
 local now = clock - epoch -- µs since 2025: the buckets' time line
-local nb, nc, ns = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local cargs = 5 + 8 * nb -- counter j's values are ARGV[cargs + 6j - 5 ..]
-local sargs = cargs + 6 * nc -- the slot section: the id is ARGV[sargs + 1]
 
--- The reply, made whole at once for the common call (one bucket): a
--- table that grows is copied as it does.
-local reply
-if nb == 1 and nc + ns == 0 then
-	reply = { 1, 0, 0, 0, 0, 0, 0 }
-else
-	reply = { 1, 0 }
+local reply = { clock, 0 }
+local function repaired()
+	reply[2] = reply[2] + 1
 end
 
--- Counters, read and decided before anything is written.
-local cused, cend, cstale
-if nc > 0 then
-	cused, cend, cstale = {}, {}, {}
+-- The plain shapes.
+local np = tonumber(ARGV[2])
+local pfull, pcost, ptoken = {}, {}, {}
+for s = 1, np do
+	pfull[s], pcost[s], ptoken[s] = tonumber(ARGV[3 * s]), tonumber(ARGV[3 * s + 1]), tonumber(ARGV[3 * s + 2])
+end
+local a, k = 3 + 3 * np, 1 -- the next decision's first value in ARGV, and key in KEYS
+
+-- The buckets the call has read, by hash .. field (a hash ends with its
+-- tag's '}', which no key prefix holds): the value each has once the
+-- decisions so far are taken: false for none, a string as read, or,
+-- once a decision has saved it, what it owes from now (a number), with
+-- the suffix of the limit it was saved under in suffixes; and, for those
+-- saved, in the order first saved, the hash and the field.
+local values, suffixes, wrong = {}, {}, {} -- wrong: the hashes found of another type, deleted before a write
+local order, hashes, fields = {}, {}, {}
+
+-- load is the value of the bucket field of hash h, its name in values,
+-- and whether its hash was found of another type (read as full).
+local function load(h, field)
+	local name = h .. field
+	local v = values[name]
+	if v ~= nil then
+		return v, name, false
+	end
+	v = redis.pcall('HGET', h, field)
+	local bad = type(v) == 'table'
+	if bad then
+		wrong[h], v = true, false
+	end
+	values[name] = v
+	return v, name, bad
+end
+
+-- save makes debt (from now) what the bucket owes, under the limit of
+-- suffix, and none for debt <= 0; it is written when the call ends.
+local function save(h, field, name, debt, suffix)
+	if not hashes[name] then
+		order[#order + 1], hashes[name], fields[name] = name, h, field
+	end
+	if debt <= 0 then
+		values[name] = false
+	else
+		values[name], suffixes[name] = debt, suffix
+	end
+end
+
+-- owed is what the bucket name of value v owes now under the call's limit, of
+-- whole bucket full and token token (shapefull and token the shape's,
+-- otoken > 0 an override's token), whether that moved it (it was written
+-- under another limit), and whether v held no instant.
+local function owed(v, name, full, token, shapefull, scaled, otoken)
+	if not v then
+		return 0, false, false
+	end
+	-- A bucket written under a limit other than the call's says so:
+	-- `<instant>:<full>` (scaled), `<instant>:<full>:<token>` (an
+	-- override's).
+	local suffix, d = v, v
+	if type(v) == 'number' then
+		suffix = suffixes[name]
+	end
+	local c, sf, st = string.find(suffix, ':', 1, true), nil, nil
+	if c then
+		local r = string.sub(suffix, c + 1)
+		local e = string.find(r, ':', 1, true)
+		if e then
+			sf, st = tonumber(string.sub(r, 1, e - 1)), tonumber(string.sub(r, e + 1))
+		else
+			sf = tonumber(r)
+		end
+	end
+	if type(v) == 'string' then
+		if c then
+			v = string.sub(v, 1, c - 1)
+		end
+		-- x, the instant's double, is within a few hundred nanoseconds of
+		-- it until 2098, so its microseconds come out exact once the last
+		-- three digits are taken off and rounded: d is then exact.
+		local x, frac = tonumber(v), tonumber(string.sub(v, -3))
+		if not (x and frac and x >= 0 and x % 1 == 0) then
+			return 0, false, true
+		end
+		d = (math.floor((x - frac) / 1000 + 0.5) - now) * 1000 + frac
+	end
+	if d <= 0 then
+		return d, false, false
+	end
+	if scaled then
+		if sf and sf > 0 and sf ~= full then
+			-- Written under another limit (the key's plan changed): it owes
+			-- the same fraction of this one's bucket, and what it owed
+			-- beyond its whole bucket as it was.
+			local part = math.min(d, sf)
+			return math.floor(part / sf * full) + d - part, true, false
+		end
+	elseif st or otoken > 0 then
+		-- A change of the key's own limit: the bucket keeps the tokens it
+		-- had spent, counted in the tokens of the limit that wrote it (its
+		-- suffix's, else the call's shape), up to the new burst.
+		local f0, t0 = shapefull, token
+		if sf and st and sf > 0 and st > 0 then
+			f0, t0 = sf, st
+		end
+		local t1 = otoken > 0 and otoken or token
+		if f0 ~= full or t0 ~= t1 then
+			local part = math.min(d, f0)
+			local y = math.max(0, math.min(part, part + full / t1 * t0 - f0))
+			if t0 ~= t1 then
+				y = math.floor(y / t0 * t1)
+			end
+			return y + d - part, true, false
+		end
+	end
+	return d, false, false
+end
+
+-- A plain take of n buckets. pd, pc, pn, ph, pf and pw hold each
+-- bucket's debt, cost, name, hash, field and whether it must be written
+-- even if the take is refused (it moved, or held no instant).
+local pd, pc, pn, ph, pf, pw = {}, {}, {}, {}, {}, {}
+local function plain(n)
+	local ok = true
+	for i = 1, n do
+		local s, h, field = tonumber(ARGV[a]), KEYS[k], ARGV[a + 1]
+		a, k = a + 2, k + 1
+		local full, cost = pfull[s], pcost[s]
+		local v, name, bad = load(h, field)
+		local d, moved, nothing = owed(v, name, full, ptoken[s], full, false, 0)
+		if bad or nothing then
+			repaired()
+		end
+		local debt = math.min(math.max(d, 0), full)
+		ok = ok and debt + cost <= full
+		pd[i], pc[i], pn[i], ph[i], pf[i], pw[i] = debt, cost, name, h, field, bad or nothing or moved or d > full
+	end
+	reply[#reply + 1] = ok and 1 or 0
+	for i = 1, n do
+		local debt = pd[i]
+		if ok then
+			debt = debt + pc[i]
+		end
+		if ok or pw[i] then
+			save(ph[i], pf[i], pn[i], debt, '')
+		end
+		reply[#reply + 1] = debt
+	end
+end
+
+-- A take or an adjustment of buckets, counters and slot sets.
+local function general(op)
+	local take, adjust = op == 'take', op == 'adjust'
+	local nb, nc, ns = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+	local ab, kb = a + 4, k -- bucket i's values are ARGV[ab + 8(i-1) ..], its keys KEYS[kb + 2(i-1) ..]
+	local ac, kc = ab + 8 * nb, kb + 2 * nb -- counter j's: ARGV[ac + 6(j-1) ..], KEYS[kc + 2(j-1) ..]
+	local as, ks = ac + 6 * nc, kc + 2 * nc -- the id is ARGV[as]; set j's: ARGV[as + 1 + 3(j-1) ..], KEYS[ks + j - 1]
+	a, k = as + (ns > 0 and 1 + 3 * ns or 0), ks + ns
+	local r = #reply -- the decision's results are reply[r + 1 ..]
+	for i = r + 1, r + 1 + 4 * nb + 2 * (nc + ns) do
+		reply[i] = 0
+	end
+	reply[r + 1] = 1
+	local cr, sr = r + 1 + 4 * nb, r + 1 + 4 * nb + 2 * nc -- counter j's results are reply[cr + 2j - 1 ..], set j's reply[sr + 2j - 1 ..]
+
+	-- Counters, read and decided before anything is written.
+	local cused, cend, cstale = {}, {}, {}
 	for j = 1, nc do
-		local a = cargs + 6 * (j - 1)
+		local x = ac + 6 * (j - 1)
 		local e
-		if clock >= tonumber(ARGV[a + 3]) then
-			for b = a + 4, a + 6 do
+		if clock >= tonumber(ARGV[x + 2]) then
+			for b = x + 3, x + 5 do
 				if clock < tonumber(ARGV[b]) then
 					e = tonumber(ARGV[b])
 					break
@@ -221,13 +370,14 @@ if nc > 0 then
 			end
 		end
 		if not e then
-			return redis.error_reply('ERR quota window: Redis TIME is outside the windows Caddy sent (clocks more than a window apart)')
+			reply[r + 1] = -1 -- Redis's clock is outside the windows sent (clocks more than a window apart)
+			return
 		end
-		local key = KEYS[2 * nb + 2 * j - 1]
+		local key = KEYS[kc + 2 * (j - 1)]
 		local v = redis.pcall('HMGET', key, 'w', 'n')
 		local w, used = nil, 0
 		if v.err then
-			reply[2] = reply[2] + 1
+			repaired()
 			redis.call('DEL', key)
 		else
 			w, used = tonumber(v[1]), tonumber(v[2]) or 0
@@ -238,289 +388,232 @@ if nc > 0 then
 			-- Written whole at the first write: from 0, or from what
 			-- the untagged key counted in this window.
 			used, cstale[j] = 0, true
-			local u = not w and redis.pcall('HMGET', KEYS[2 * nb + 2 * j], 'w', 'n')
+			local u = not w and redis.pcall('HMGET', KEYS[kc + 2 * (j - 1) + 1], 'w', 'n')
 			if u and not u.err and tonumber(u[1]) and tonumber(u[1]) * 1000 == e then
 				used = tonumber(u[2]) or 0
 			end
 		end
-		if take and used + ARGV[a + 2] > tonumber(ARGV[a + 1]) then
-			reply[1] = 0
+		if take and used + ARGV[x + 1] > tonumber(ARGV[x]) then
+			reply[r + 1] = 0
 		end
 		cused[j], cend[j] = used, e
 	end
-end
 
--- Buckets, read and decided before anything is written. Until the writes,
--- reply[4i - 1 .. 4i + 2] hold bucket i's debt, its state, and the token
--- and burst of its override (0 and 0 for none); its state is 1 short (it
--- lacked the tokens, and its ban starts), plus 2 moved (it owed more than
--- it may, or was written under another limit), plus 4 bad (it held no
--- instant, or its hash was of another type). The reads leave each
--- bucket's full, cost, ban and beyond in ARGV as numbers, an override's
--- full and cost in place of the shape's, for the writes.
-local wrong -- the hashes found of another type, deleted before a write
-for i = 1, nb do
-	local a = 8 * i - 2
-	local h = KEYS[2 * i - 1]
-	local full, cost, ban, beyond = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-	local shapefull = full
-	local otoken, oburst = 0, 0
-	local o = KEYS[2 * i] ~= h and redis.pcall('GET', KEYS[2 * i])
-	if type(o) == 'string' then
-		local c = string.find(o, ':', 1, true)
-		local e = c and string.find(o, ':', c + 1, true)
-		local t, b = c and tonumber(string.sub(o, 1, c - 1)), e and tonumber(string.sub(o, c + 1, e - 1))
-		if t and b and t > 0 and b > 0 then
-			local token = tonumber(ARGV[a + 7])
-			if t ~= token then
-				cost = cost / token * t
-			end
-			otoken, oburst, full = t, b, t * b
-		end
-	end
-	local v = redis.pcall('HGET', h, ARGV[a])
-	local d, state, moved = 0, 0, false -- d: what the bucket owes; an absent one, nothing
-	if type(v) == 'table' then
-		wrong = wrong or {}
-		wrong[h], state = true, 4
-	elseif v then
-		-- A bucket written under a limit other than the call's says so:
-		-- `<instant>:<full>` (scaled), `<instant>:<full>:<token>` (an
-		-- override's).
-		local c, sf, st = string.find(v, ':', 1, true), nil, nil
-		if c then
-			local r = string.sub(v, c + 1)
-			v = string.sub(v, 1, c - 1)
-			local e = string.find(r, ':', 1, true)
-			if e then
-				sf, st = tonumber(string.sub(r, 1, e - 1)), tonumber(string.sub(r, e + 1))
-			else
-				sf = tonumber(r)
-			end
-		end
-		-- x, the instant's double, is within a few hundred nanoseconds of
-		-- it until 2098, so its microseconds come out exact once the last
-		-- three digits are taken off and rounded: d is then exact.
-		local x, frac = tonumber(v), tonumber(string.sub(v, -3))
-		if x and frac and x >= 0 and x % 1 == 0 then
-			d = (math.floor((x - frac) / 1000 + 0.5) - now) * 1000 + frac
-		else
-			state = 4
-		end
-		if d <= 0 then
-		elseif ARGV[a + 6] == '1' then
-			if sf and sf > 0 and sf ~= full then
-				-- Written under another limit (the key's plan changed): it owes
-				-- the same fraction of this one's bucket, and what it owed
-				-- beyond its whole bucket as it was; saved so.
-				local part = math.min(d, sf)
-				d, moved = math.floor(part / sf * full) + d - part, true
-			end
-		elseif st or otoken > 0 then
-			-- A change of the key's own limit: the bucket keeps the tokens it
-			-- had spent, counted in the tokens of the limit that wrote it
-			-- (its suffix's, else the call's shape), up to the new burst.
-			local f0, t0 = shapefull, tonumber(ARGV[a + 7])
-			if sf and st and sf > 0 and st > 0 then
-				f0, t0 = sf, st
-			end
-			local t1 = otoken > 0 and otoken or tonumber(ARGV[a + 7])
-			if f0 ~= full or t0 ~= t1 then
-				local part = math.min(d, f0)
-				local y = math.max(0, math.min(part, part + full / t1 * t0 - f0))
-				if t0 ~= t1 then
-					y = math.floor(y / t0 * t1)
-				end
-				d, moved = y + d - part, true
-			end
-		end
-	end
-	local most = full + ban + beyond
-	local debt = math.min(math.max(d, 0), most)
-	if moved or d > most then
-		state = state + 2
-	end
-	if take and debt + cost > full + tonumber(ARGV[a + 5]) then
-		reply[1] = 0
-		if ban > 0 and debt <= full then
-			state = state + 1
-		end
-	end
-	reply[4 * i - 1], reply[4 * i], reply[4 * i + 1], reply[4 * i + 2] = debt, state, otoken, oburst
-	ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4] = full, cost, ban, beyond
-end
-
--- k takes: the first m that every bucket holds are allowed. The debts in
--- reply are then those before the last of them, which the writes below
--- charge as a take's.
-local m
-if k then
-	m = 0
-	local d, cost, full = {}, {}, {}
+	-- Buckets, read and decided before anything is written. Until the
+	-- writes, reply[r + 4i - 2 .. r + 4i + 1] hold bucket i's debt, its
+	-- state, and the token and burst of its override (0 and 0 for none);
+	-- its state is 1 short (it lacked the tokens, and its ban starts),
+	-- plus 2 moved (it owed more than it may, or was written under
+	-- another limit), plus 4 bad (it held no instant, or its hash was of
+	-- another type). The reads leave each bucket's full, cost, ban and
+	-- beyond in ARGV as numbers, an override's full and cost in place of
+	-- the shape's, and its name in names, for the writes.
+	local names = {}
 	for i = 1, nb do
-		d[i], cost[i], full[i] = reply[4 * i - 1], ARGV[8 * i], ARGV[8 * i - 1]
-	end
-	while m < k do
-		local room = true
-		for i = 1, nb do
-			room = room and d[i] + cost[i] <= full[i]
-		end
-		if not room then
-			break -- this one is refused, and so is every one after it
-		end
-		for i = 1, nb do
-			reply[4 * i - 1], d[i] = d[i], d[i] + cost[i]
-		end
-		m = m + 1
-	end
-	reply[1] = m > 0 and 1 or 0
-end
-
--- Slot sets: count the live leases, trimming the ended ones, and refuse
--- the request when a set that is not soft is full and the buckets and
--- counters allowed it.
-local sused
-if take and ns > 0 then
-	sused = {}
-	for j = 1, ns do
-		local a = sargs + 3 * j - 1
-		local key = KEYS[2 * nb + 2 * nc + j]
-		local trimmed = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
-		if type(trimmed) == 'table' then
-			reply[2] = reply[2] + 1
-			redis.call('DEL', key)
-		end
-		local used = redis.call('ZCARD', key)
-		if reply[1] == 1 and used >= tonumber(ARGV[a]) and ARGV[a + 2] ~= '1' then
-			reply[1] = 0
-		end
-		sused[j] = used
-	end
-end
-
--- Buckets: write. A bucket that owes debt is saved as the instant now +
--- debt, written as its microseconds then three digits of nanoseconds;
--- debt <= 0 deletes it. A hash of another type is deleted first. Any other
--- error (a Redis out of memory) ends the script before it has written
--- anything.
-local nowdigits -- now in the instants' digits, for purges
-for i = 1, nb do
-	local a = 8 * i - 2
-	local debt, state = reply[4 * i - 1], reply[4 * i]
-	local short, bad = state % 2 == 1, state >= 4
-	local write = true
-	local full, cost, ban = ARGV[a + 1], ARGV[a + 2], ARGV[a + 3]
-	if adjust then
-		if cost >= 0 then
-			debt = math.min(debt + cost, full + ban + ARGV[a + 4])
-		elseif ban == 0 or debt <= full then
-			debt = math.max(debt + cost, 0)
-		else
-			write = state >= 2 -- banned: only a repair
-		end
-	elseif take and reply[1] == 1 then
-		debt = debt + cost
-	elseif short then
-		debt = full + ban
-	elseif not take or state < 2 then
-		write = false -- else saved as read: moved, or a bad one as full
-	end
-	if write then
-		local h, field = KEYS[2 * i - 1], ARGV[a]
-		if wrong and wrong[h] then
-			redis.call('DEL', h)
-			wrong[h] = nil
-		end
-		if debt <= 0 then
-			redis.call('HDEL', h, field)
-		else
-			local us = math.floor(debt / 1000)
-			local instant = string.format('%d%03d', now + us, debt - us * 1000)
-			if ARGV[a + 6] == '1' then
-				instant = instant .. ':' .. string.format('%d', full)
-			elseif reply[4 * i + 1] > 0 then
-				instant = string.format('%s:%d:%d', instant, full, reply[4 * i + 1])
-			end
-			local added = redis.call('HSET', h, field, instant)
-			local ttl = math.ceil(debt / 1000000)
-			local left = redis.call('PTTL', h) -- -1: HSET made the hash
-			if left < ttl then
-				redis.call('PEXPIRE', h, ttl)
-			end
-			if added == 1 and left >= 0 then
-				-- A new bucket in a hash that has others: remove the
-				-- buckets full again among three of the hash's, taken at
-				-- random. Instants of as many digits compare as strings.
-				if not nowdigits then
-					nowdigits = string.format('%d000', now)
+		local x, h = ab + 8 * (i - 1), KEYS[kb + 2 * (i - 1)]
+		local full, cost, ban, beyond = tonumber(ARGV[x + 1]), tonumber(ARGV[x + 2]), tonumber(ARGV[x + 3]), tonumber(ARGV[x + 4])
+		local shapefull, token = full, tonumber(ARGV[x + 7])
+		local otoken, oburst = 0, 0
+		local okey = KEYS[kb + 2 * (i - 1) + 1]
+		local o = okey ~= h and redis.pcall('GET', okey)
+		if type(o) == 'string' then
+			local c = string.find(o, ':', 1, true)
+			local e = c and string.find(o, ':', c + 1, true)
+			local t, b = c and tonumber(string.sub(o, 1, c - 1)), e and tonumber(string.sub(o, c + 1, e - 1))
+			if t and b and t > 0 and b > 0 then
+				if t ~= token then
+					cost = cost / token * t
 				end
-				local r = redis.call('HRANDFIELD', h, 3, 'WITHVALUES')
-				for j = 2, #r, 2 do
-					local w = r[j]
-					local c = string.find(w, ':', 1, true)
-					if c then
-						w = string.sub(w, 1, c - 1)
-					end
-					if #w < #nowdigits or #w == #nowdigits and w <= nowdigits then
-						redis.call('HDEL', h, r[j - 1])
-					end
-				end
+				otoken, oburst, full = t, b, t * b
 			end
 		end
-	end
-	if bad then
-		reply[2] = reply[2] + 1
-	end
-	reply[4 * i - 1], reply[4 * i] = debt, short and 1 or 0
-end
-
--- Counters: count, and reply.
-for j = 1, nc do
-	local a = cargs + 6 * (j - 1)
-	local key, used, e, cost = KEYS[2 * nb + 2 * j - 1], cused[j], cend[j], tonumber(ARGV[a + 2])
-	-- Numbers are written with %d: Redis would turn one of more than 14
-	-- digits into an exponent.
-	if take and reply[1] == 1 or adjust and cost > 0 then
-		used = used + cost
-		local w = string.format('%d', math.ceil(e / 1000))
-		if cstale[j] then
-			redis.call('HSET', key, 'w', w, 'n', string.format('%d', used))
-		else
-			redis.call('HINCRBY', key, 'n', ARGV[a + 2])
+		local v, name, bad = load(h, ARGV[x])
+		local d, moved, nothing = owed(v, name, full, token, shapefull, ARGV[x + 6] == '1', otoken)
+		local state = (bad or nothing) and 4 or 0
+		local most = full + ban + beyond
+		local debt = math.min(math.max(d, 0), most)
+		if moved or d > most then
+			state = state + 2
 		end
-		redis.call('PEXPIREAT', key, w)
-	elseif adjust and cost < 0 and used > 0 then
-		used = math.max(used + cost, 0)
-		if cstale[j] then -- carried over from the untagged key: written whole, 0 too
+		if take and debt + cost > full + tonumber(ARGV[x + 5]) then
+			reply[r + 1] = 0
+			if ban > 0 and debt <= full then
+				state = state + 1
+			end
+		end
+		local y = r + 4 * i - 2
+		reply[y], reply[y + 1], reply[y + 2], reply[y + 3] = debt, state, otoken, oburst
+		ARGV[x + 1], ARGV[x + 2], ARGV[x + 3], ARGV[x + 4], names[i] = full, cost, ban, beyond, name
+	end
+	local allowed = reply[r + 1] == 1
+
+	-- Slot sets: count the live leases, trimming the ended ones, and refuse
+	-- the request when a set that is not soft is full and the buckets and
+	-- counters allowed it.
+	local sused = {}
+	if take then
+		for j = 1, ns do
+			local x, key = as + 1 + 3 * (j - 1), KEYS[ks + j - 1]
+			local trimmed = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
+			if type(trimmed) == 'table' then
+				repaired()
+				redis.call('DEL', key)
+			end
+			local used = redis.call('ZCARD', key)
+			if allowed and used >= tonumber(ARGV[x]) and ARGV[x + 2] ~= '1' then
+				allowed, reply[r + 1] = false, 0
+			end
+			sused[j] = used
+		end
+	end
+
+	-- Buckets: save. A bucket that owes debt is saved as the instant now +
+	-- debt; debt <= 0 deletes it.
+	for i = 1, nb do
+		local x, y = ab + 8 * (i - 1), r + 4 * i - 2
+		local debt, state = reply[y], reply[y + 1]
+		local short = state % 2 == 1
+		local write = true
+		local full, cost, ban = ARGV[x + 1], ARGV[x + 2], ARGV[x + 3]
+		if adjust then
+			if cost >= 0 then
+				debt = math.min(debt + cost, full + ban + ARGV[x + 4])
+			elseif ban == 0 or debt <= full then
+				debt = math.max(debt + cost, 0)
+			else
+				write = state >= 2 -- banned: only a repair
+			end
+		elseif take and allowed then
+			debt = debt + cost
+		elseif short then
+			debt = full + ban
+		elseif not take or state < 2 then
+			write = false -- else saved as read: moved, or a bad one as full
+		end
+		if write then
+			local suffix = ''
+			if ARGV[x + 6] == '1' then
+				suffix = string.format(':%d', full)
+			elseif reply[y + 2] > 0 then
+				suffix = string.format(':%d:%d', full, reply[y + 2])
+			end
+			save(KEYS[kb + 2 * (i - 1)], ARGV[x], names[i], debt, suffix)
+		end
+		if state >= 4 then
+			repaired()
+		end
+		reply[y], reply[y + 1] = debt, short and 1 or 0
+	end
+
+	-- Counters: count, and reply.
+	for j = 1, nc do
+		local x = ac + 6 * (j - 1)
+		local key, used, e, cost = KEYS[kc + 2 * (j - 1)], cused[j], cend[j], tonumber(ARGV[x + 1])
+		-- Numbers are written with %d: Redis would turn one of more than 14
+		-- digits into an exponent.
+		if take and allowed or adjust and cost > 0 then
+			used = used + cost
 			local w = string.format('%d', math.ceil(e / 1000))
-			redis.call('HSET', key, 'w', w, 'n', string.format('%d', used))
+			if cstale[j] then
+				redis.call('HSET', key, 'w', w, 'n', string.format('%d', used))
+			else
+				redis.call('HINCRBY', key, 'n', ARGV[x + 1])
+			end
 			redis.call('PEXPIREAT', key, w)
-		elseif used == 0 then
-			redis.call('DEL', key)
-		else
-			redis.call('HSET', key, 'n', string.format('%d', used))
+		elseif adjust and cost < 0 and used > 0 then
+			used = math.max(used + cost, 0)
+			if cstale[j] then -- carried over from the untagged key: written whole, 0 too
+				local w = string.format('%d', math.ceil(e / 1000))
+				redis.call('HSET', key, 'w', w, 'n', string.format('%d', used))
+				redis.call('PEXPIREAT', key, w)
+			elseif used == 0 then
+				redis.call('DEL', key)
+			else
+				redis.call('HSET', key, 'n', string.format('%d', used))
+			end
+		end
+		reply[cr + 2 * j - 1], reply[cr + 2 * j] = used, (e - clock) * 1000
+	end
+
+	-- Slots: take, and reply.
+	for j = 1, ns do
+		local x, key = as + 1 + 3 * (j - 1), KEYS[ks + j - 1]
+		local limit = tonumber(ARGV[x])
+		local used, held = sused[j] or 0, 0
+		if take and allowed and used < limit then
+			redis.call('ZADD', key, now + math.floor(ARGV[x + 1] / 1000), ARGV[as])
+			used, held = used + 1, 1
+			-- The set lives as long as its longest lease.
+			local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+			redis.call('PEXPIRE', key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1))
+		end
+		reply[sr + 2 * j - 1], reply[sr + 2 * j] = held, math.max(limit - used, 0)
+	end
+end
+
+-- The slots of one request go back.
+local function release()
+	local ns, id, n = tonumber(ARGV[a + 1]), ARGV[a + 2], 0
+	for j = 0, ns - 1 do
+		n = n + redis.call('ZREM', KEYS[k + j], id)
+	end
+	a, k = a + 3, k + ns
+	reply[#reply + 1] = n
+end
+
+while a <= #ARGV do
+	local op = ARGV[a]
+	local n = tonumber(op)
+	if n then
+		a = a + 1
+		plain(n)
+	elseif op == 'release' then
+		release()
+	else
+		general(op)
+	end
+end
+
+-- The buckets written, each once. A hash of another type is deleted
+-- first.
+local nowdigits -- now in the instants' digits, for purges
+for i = 1, #order do
+	local name = order[i]
+	local h, field, v = hashes[name], fields[name], values[name]
+	if wrong[h] then
+		redis.call('DEL', h)
+		wrong[h] = nil
+	end
+	if not v then
+		redis.call('HDEL', h, field)
+	else
+		local us = math.floor(v / 1000)
+		local added = redis.call('HSET', h, field, string.format('%d%03d', now + us, v - us * 1000) .. suffixes[name])
+		local ttl = math.ceil(v / 1000000)
+		local left = redis.call('PTTL', h) -- -1: HSET made the hash
+		if left < ttl then
+			redis.call('PEXPIRE', h, ttl)
+		end
+		if added == 1 and left >= 0 then
+			-- A new bucket in a hash that has others: remove the buckets
+			-- full again among three of the hash's, taken at random.
+			-- Instants of as many digits compare as strings.
+			if not nowdigits then
+				nowdigits = string.format('%d000', now)
+			end
+			local r = redis.call('HRANDFIELD', h, 3, 'WITHVALUES')
+			for j = 2, #r, 2 do
+				local w = r[j]
+				local c = string.find(w, ':', 1, true)
+				if c then
+					w = string.sub(w, 1, c - 1)
+				end
+				if #w < #nowdigits or #w == #nowdigits and w <= nowdigits then
+					redis.call('HDEL', h, r[j - 1])
+				end
+			end
 		end
 	end
-	reply[1 + 4 * nb + 2 * j], reply[2 + 4 * nb + 2 * j] = used, (e - clock) * 1000
 end
 
--- Slots: take, and reply.
-for j = 1, ns do
-	local a = sargs + 3 * j - 1
-	local key, limit = KEYS[2 * nb + 2 * nc + j], tonumber(ARGV[a])
-	local used, held = sused and sused[j] or 0, 0
-	if take and reply[1] == 1 and used < limit then
-		redis.call('ZADD', key, now + math.floor(ARGV[a + 1] / 1000), ARGV[sargs + 1])
-		used, held = used + 1, 1
-		-- The set lives as long as its longest lease.
-		local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-		redis.call('PEXPIRE', key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1))
-	end
-	reply[1 + 4 * nb + 2 * (nc + j)], reply[2 + 4 * nb + 2 * (nc + j)] = held, math.max(limit - used, 0)
-end
-
-if m then
-	reply[1] = m
-end
-reply[3 + 4 * nb + 2 * (nc + ns)] = clock
 return reply

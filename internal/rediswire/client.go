@@ -59,7 +59,7 @@ func NewClient(opts *redis.UniversalOptions, scripts *Scripts) (c *Client, err e
 	uc := redis.NewUniversalClient(opts)
 	_, cluster := uc.(*redis.ClusterClient)
 	poolSize := cmp.Or(opts.PoolSize, 10*runtime.GOMAXPROCS(0)) // go-redis's default
-	pipe := &pipeline{client: uc, scripts: scripts, maxFlights: maxFlights(poolSize)}
+	pipe := &pipeline{client: uc, scripts: scripts, cluster: cluster, maxFlights: maxFlights(poolSize)}
 	return &Client{UniversalClient: uc, Cluster: cluster, pipe: pipe, scripts: scripts, closed: make(chan struct{})}, nil
 }
 
@@ -124,7 +124,7 @@ const probeKey = "{rate_limit}probe"
 
 // ping is one probe.
 func (c *Client) ping(ctx context.Context) error {
-	if err := c.scripts.decide.Run(ctx, c.UniversalClient, nil, "take", "", 0, 0, 0).Err(); err != nil {
+	if err := c.scripts.decide.Run(ctx, c.UniversalClient, nil, "", 0).Err(); err != nil { // no decisions
 		return err
 	}
 	return c.PExpire(ctx, probeKey, time.Millisecond).Err()
@@ -133,14 +133,21 @@ func (c *Client) ping(ctx context.Context) error {
 // Run sends call, through the pipeline, and returns its reply by the
 // call's deadline; call goes back to its pool.
 func (c *Client) Run(ctx context.Context, call *Call) (Reply, error) {
-	op, nb, nc, ns := call.op, call.nb, call.nc, call.ns
-	v, at, err := c.pipe.run(ctx, call)
-	if err != nil || op == Release {
-		return Reply{}, err
+	return c.pipe.run(ctx, call)
+}
+
+// RunAll sends calls as one flight of their own, decided in their order,
+// and returns each one's reply and error by the earliest deadline among
+// them; the calls go back to their pool.
+func (c *Client) RunAll(calls []*Call) ([]Reply, []error) {
+	c.pipe.fly(calls)
+	replies, errs := make([]Reply, len(calls)), make([]error, len(calls))
+	for i, call := range calls {
+		<-call.done
+		replies[i], errs[i] = call.answer()
+		call.free()
 	}
-	r, err := reply(v, nb, nc, ns)
-	r.at = at
-	return r, err
+	return replies, errs
 }
 
 // lagFor is how long the least lag between Redis's clock and a reply's

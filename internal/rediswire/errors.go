@@ -42,7 +42,7 @@ func Classify(err error) Kind {
 	if errors.Is(err, redis.ErrClosed) || errors.Is(err, redis.ErrPoolTimeout) || errors.Is(err, redis.ErrPoolExhausted) {
 		return Unknown
 	}
-	if errors.Is(err, ErrBadReply) {
+	if errors.Is(err, ErrBadReply) || errors.Is(err, ErrWindow) {
 		return Answered
 	}
 	if reply, ok := errors.AsType[redis.Error](err); ok {

@@ -47,10 +47,10 @@ func taker(t *testing.T, r *redistest.Server) func(key string) (Reply, error) {
 	}
 }
 
-// Concurrent calls share batches, each with its own reply: 64 callers
+// Concurrent calls share flights, each with its own reply: 64 callers
 // of distinct buckets each get the debt of their own bucket's takes, and
-// identical takes (twins) are decided in one script call as one after
-// another would be.
+// takes of one bucket in one flight are decided one after another, in
+// fewer script calls than takes.
 func TestPipelineKeepsEachReply(t *testing.T) {
 	r := redistest.Start(t)
 	takeOf := taker(t, r)
@@ -79,7 +79,7 @@ func TestPipelineKeepsEachReply(t *testing.T) {
 	}
 	wg.Wait()
 
-	// Twins: 12 takes of one bucket of burst 10 at once.
+	// 12 takes of one bucket of burst 10 at once.
 	calls := r.Calls()
 	var mu sync.Mutex
 	allowed := 0
@@ -97,13 +97,13 @@ func TestPipelineKeepsEachReply(t *testing.T) {
 		t.Fatalf("%d of 12 takes of a bucket of 10 allowed", allowed)
 	}
 	if n := r.Calls() - calls; n >= 12 {
-		t.Fatalf("%d script calls for 12 identical takes: twins were not decided together", n)
+		t.Fatalf("%d script calls for 12 takes at once: they did not share flights", n)
 	}
 }
 
 // A Redis that lost its scripts (SCRIPT FLUSH, a restart) is sent them
-// again, by a call alone and by each call of a batch, twins among them:
-// each still gets its own bucket's reply.
+// again, by a call alone and by a flight, with takes of one bucket among
+// them: each still gets its own bucket's reply.
 func TestPipelineAfterScriptFlush(t *testing.T) {
 	r := redistest.Start(t)
 	takeOf := taker(t, r)
@@ -123,7 +123,7 @@ func TestPipelineAfterScriptFlush(t *testing.T) {
 		var mu sync.Mutex
 		allowed := map[string]int{}
 		for i := range 48 {
-			key := fmt.Sprint(round, "k", i%24) // two takes of each: twins when they share a batch
+			key := fmt.Sprint(round, "k", i%24) // two takes of each, often in one flight
 			if i >= 36 {
 				key = fmt.Sprint(round, "twin") // 12 takes of a bucket of 10
 			}

@@ -4,7 +4,9 @@
 package rediswire
 
 import (
+	"errors"
 	"fmt"
+	"slices"
 	"strconv"
 	"sync"
 	"time"
@@ -13,9 +15,11 @@ import (
 )
 
 // This file is the Go side of the scripts' protocol (lua/token_bucket.lua
-// has the contract): a Call is built section by section with typed
-// values, sent, and its reply read back through Reply, so that nothing
-// else counts arguments or reply elements.
+// has the contract): a Call is one request's decision, built section by
+// section with typed values; the pipeline sends the calls of a flight as
+// one script call (a command), and each call's part of the reply is read
+// back through Reply, so that nothing else counts arguments or reply
+// elements.
 
 // Scripts are the store's scripts: the decision (take, adjust and the
 // release of slots) and the read-only peek, each run with EVALSHA and
@@ -61,6 +65,9 @@ const (
 
 var opArgs = [...]any{Take: "take", Adjust: "adjust", Peek: "peek", Release: "release"}
 
+// noClock is the clock argument that has the script read Redis's.
+var noClock any = ""
+
 // A Shape is a bucket's limit as the script reads it, its values formatted
 // once: a store keeps one per limit it meets.
 type Shape struct {
@@ -78,7 +85,10 @@ type Shape struct {
 	// written under another limit is read as owing the same fraction of
 	// this one's.
 	Scaled bool
-	args   [8]any // full, cost, ban, beyond, wait (the reserve), -cost, scaled, token
+	// plain: no ban, beyond or scale, so that a take of it alone is a
+	// plain decision (see Call).
+	plain bool
+	args  [8]any // full, cost, ban, beyond, wait (the reserve), -cost, scaled, token
 }
 
 // NewShape is the shape of a bucket that takes full to refill from empty,
@@ -91,6 +101,7 @@ func NewShape(full, token, cost, ban, beyond, reserve time.Duration, scaled bool
 		s.args[i] = ns(d)
 	}
 	s.args[7] = ns(token)
+	s.plain = ban == 0 && beyond == 0 && reserve == 0 && !scaled
 	if scaled {
 		s.args[6] = "1"
 	}
@@ -151,29 +162,59 @@ var counts = func() (n [64]any) {
 
 func ns(d time.Duration) string { return strconv.FormatInt(int64(d), 10) }
 
-// A Call is one call of a script: an op, then its buckets, counters and
+// count is n as an argument.
+func count(n int) any {
+	if n < len(counts) {
+		return counts[n]
+	}
+	return strconv.Itoa(n)
+}
+
+// A Call is one request's decision: an op, then its buckets, counters and
 // slot sets, added in that order. Calls come from a pool and go back to
 // it once their reply is read (see (*Client).Run), so that a decision
-// leaves no garbage of its own: keys, arguments, the command made of
-// them and the channel are reused.
+// leaves no garbage of its own.
+//
+// A take whose buckets are all plain (their shapes have no ban, beyond
+// or scale, and no override is read) and that has no counters or slots
+// is sent as a plain decision: each bucket its hash, its field and the
+// index of its shape, which the command sends once.
 type Call struct {
-	op         Op
-	keys       []string
-	args       []any
-	cmd        []any           // what is sent: see command
-	costs      []time.Duration // each bucket's cost, for twins' replies
-	tokens     []time.Duration // and its shape's token
-	nb, nc, ns int
-	alike      bool // a take of buckets without ban or delay (see twin)
-	deadline   time.Time
+	op       Op
+	buckets  []bucketArgs
+	counters []counterArgs
+	slots    []slotArgs
+	id       string // the request's, for its slots
+	plain    bool
+	clock    any
+	deadline time.Time
 
-	// The pipeline's: the identical calls decided with this one, and the
-	// reply.
-	twins []*Call
-	reply []any
-	at    time.Time // when the reply came in
-	err   error
-	done  chan struct{} // one value, when reply and err are in
+	// The pipeline's: the call's results in its command's reply, and
+	// what the reply says of the whole command.
+	reply    []any
+	at       time.Time // when the reply came in
+	clockAt  int64
+	repaired int64
+	err      error
+	done     chan struct{} // one value, when reply and err are in
+}
+
+type bucketArgs struct {
+	hash, field, limit string
+	shape              *Shape
+	cost, wait         any
+}
+
+type counterArgs struct {
+	key, untagged string
+	shape         *CounterShape
+	window        *Window
+	cost          any
+}
+
+type slotArgs struct {
+	key   string
+	shape *SlotShape
 }
 
 var calls = sync.Pool{New: func() any { return &Call{done: make(chan struct{}, 1)} }}
@@ -181,42 +222,39 @@ var calls = sync.Pool{New: func() any { return &Call{done: make(chan struct{}, 1
 // NewCall is an empty call of op that must be answered by deadline.
 func NewCall(op Op, deadline time.Time) *Call {
 	c := calls.Get().(*Call)
-	c.op, c.deadline, c.alike = op, deadline, op == Take
-	c.args = append(c.args, opArgs[op])
-	if op != Release {
-		c.args = append(c.args, "", nil, nil, nil)
-	}
+	c.op, c.deadline, c.plain, c.clock = op, deadline, op == Take, noClock
 	return c
 }
 
 // free puts c back in the pool, holding no keys, arguments or reply.
 func (c *Call) free() {
-	clear(c.keys)
-	clear(c.args)
-	clear(c.cmd)
-	clear(c.twins)
-	*c = Call{keys: c.keys[:0], args: c.args[:0], cmd: c.cmd[:0], costs: c.costs[:0], tokens: c.tokens[:0], twins: c.twins[:0], done: c.done}
+	clear(c.buckets)
+	clear(c.counters)
+	clear(c.slots)
+	*c = Call{buckets: c.buckets[:0], counters: c.counters[:0], slots: c.slots[:0], done: c.done}
 	calls.Put(c)
 }
 
 // Clock replaces Redis's clock with t for this call. Only tests set it,
-// to replay a table of instants.
-func (c *Call) Clock(t time.Time) { c.args[1] = strconv.FormatInt(t.UnixMicro(), 10) }
+// to replay a table of instants; calls of different clocks go to Redis
+// apart.
+func (c *Call) Clock(t time.Time) { c.clock = strconv.FormatInt(t.UnixMicro(), 10) }
 
 // Bucket asks for s.Cost from the bucket field of hash, whose key's own
-// limit (an override) would be the key limit; the request may wait for
-// its tokens up to s.Reserve, or, without wait, not at all.
+// limit (an override) would be the key limit, or none when limit is hash;
+// the request may wait for its tokens up to s.Reserve, or, without wait,
+// not at all.
 func (c *Call) Bucket(hash, field, limit string, s *Shape, wait bool) {
 	w := zero
 	if wait {
 		w = s.args[4]
 	}
-	c.bucket(hash, field, limit, s, s.Cost, s.args[1], w)
+	c.bucket(bucketArgs{hash, field, limit, s, s.args[1], w})
 }
 
 // AdjustBucket charges the bucket cost more, or gives -cost back.
 func (c *Call) AdjustBucket(hash, field, limit string, s *Shape, cost time.Duration) {
-	c.bucket(hash, field, limit, s, cost, costArg(int64(cost), int64(s.Cost), s.args[1], s.args[5]), zero)
+	c.bucket(bucketArgs{hash, field, limit, s, costArg(int64(cost), int64(s.Cost), s.args[1], s.args[5]), zero})
 }
 
 // costArg is the argument of an adjustment by cost, for a shape whose own
@@ -231,138 +269,234 @@ func costArg(cost, own int64, pos, neg any) any {
 	return strconv.FormatInt(cost, 10)
 }
 
-func (c *Call) bucket(hash, field, limit string, s *Shape, cost time.Duration, costArg, wait any) {
-	if c.nc+c.ns > 0 {
+func (c *Call) bucket(b bucketArgs) {
+	if len(c.counters)+len(c.slots) > 0 {
 		panic("rediswire: buckets go before counters and slots")
 	}
-	c.keys = append(c.keys, hash, limit)
-	c.args = append(c.args, field, s.args[0], costArg, s.args[2], s.args[3], wait, s.args[6], s.args[7])
-	c.costs = append(c.costs, cost)
-	c.tokens = append(c.tokens, s.Token)
-	c.alike = c.alike && s.Ban == 0 && s.Beyond == 0
-	c.nb++
+	c.buckets = append(c.buckets, b)
+	c.plain = c.plain && b.shape.plain && b.limit == b.hash
 }
 
 // Counter asks for s.Cost units of the quota counter key in window w.
 // untagged is the key an earlier build kept it in (see CounterZone), read
 // while key is absent.
 func (c *Call) Counter(key, untagged string, s *CounterShape, w *Window) {
-	c.counter(key, untagged, s, w, s.args[1])
+	c.counter(counterArgs{key, untagged, s, w, s.args[1]})
 }
 
 // AdjustCounter counts cost units more in the counter, or takes -cost
 // off.
 func (c *Call) AdjustCounter(key, untagged string, s *CounterShape, w *Window, cost int64) {
-	c.counter(key, untagged, s, w, costArg(cost, s.Cost, s.args[1], s.args[2]))
+	c.counter(counterArgs{key, untagged, s, w, costArg(cost, s.Cost, s.args[1], s.args[2])})
 }
 
-func (c *Call) counter(key, untagged string, s *CounterShape, w *Window, costArg any) {
-	if c.ns > 0 {
+func (c *Call) counter(k counterArgs) {
+	if len(c.slots) > 0 {
 		panic("rediswire: counters go before slots")
 	}
-	c.keys = append(c.keys, key, untagged)
-	c.args = append(c.args, s.args[0], costArg, w.args[0], w.args[1], w.args[2], w.args[3])
-	c.alike = false
-	c.nc++
+	c.counters = append(c.counters, k)
+	c.plain = false
 }
 
 // Slot asks for a slot of the set key for the request id, the same for
 // every slot of a call. A Release call needs only key and id.
 func (c *Call) Slot(key, id string, s *SlotShape) {
-	c.keys = append(c.keys, key)
-	if c.ns == 0 {
-		c.args = append(c.args, id)
-	}
-	if c.op != Release {
-		c.args = append(c.args, s.args[0], s.args[1], s.args[2])
-	}
-	c.alike = false
-	c.ns++
+	c.slots = append(c.slots, slotArgs{key, s})
+	c.id = id
+	c.plain = false
 }
 
-// seal writes the sections' counts into the header.
-func (c *Call) seal() {
-	if c.op != Release {
-		c.args[2], c.args[3], c.args[4] = count(c.nb), count(c.nc), count(c.ns)
+// results is how many values the call's part of the reply holds.
+func (c *Call) results() int {
+	switch {
+	case c.plain:
+		return 1 + len(c.buckets)
+	case c.op == Release:
+		return 1
 	}
+	return 1 + 4*len(c.buckets) + 2*(len(c.counters)+len(c.slots))
 }
 
-// command makes the command that runs s with c's keys and arguments, for
-// c and its twins (k takes for k calls, in place of "take"), in c's own
+// keys appends the call's keys to cmd.
+func (c *Call) keys(cmd []any) []any {
+	for i := range c.buckets {
+		b := &c.buckets[i]
+		cmd = append(cmd, b.hash)
+		if !c.plain {
+			if b.limit == b.hash {
+				cmd = append(cmd, cmd[len(cmd)-1]) // boxed once
+			} else {
+				cmd = append(cmd, b.limit)
+			}
+		}
+	}
+	for i := range c.counters {
+		cmd = append(cmd, c.counters[i].key, c.counters[i].untagged)
+	}
+	for i := range c.slots {
+		cmd = append(cmd, c.slots[i].key)
+	}
+	return cmd
+}
+
+// args appends the call's decision to cmd: plain, with its shapes' places
+// in shapes, or in sections.
+func (c *Call) args(cmd []any, shapes []*Shape) []any {
+	if c.plain {
+		cmd = append(cmd, count(len(c.buckets)))
+		for i := range c.buckets {
+			b := &c.buckets[i]
+			cmd = append(cmd, count(1+slices.Index(shapes, b.shape)), b.field)
+		}
+		return cmd
+	}
+	if c.op == Release {
+		return append(cmd, opArgs[Release], count(len(c.slots)), c.id)
+	}
+	cmd = append(cmd, opArgs[c.op], count(len(c.buckets)), count(len(c.counters)), count(len(c.slots)))
+	for i := range c.buckets {
+		b := &c.buckets[i]
+		a := &b.shape.args
+		cmd = append(cmd, b.field, a[0], b.cost, a[2], a[3], b.wait, a[6], a[7])
+	}
+	for i := range c.counters {
+		k := &c.counters[i]
+		cmd = append(cmd, k.shape.args[0], k.cost, k.window.args[0], k.window.args[1], k.window.args[2], k.window.args[3])
+	}
+	if len(c.slots) > 0 {
+		cmd = append(cmd, c.id)
+		for i := range c.slots {
+			a := &c.slots[i].shape.args
+			cmd = append(cmd, a[0], a[1], a[2])
+		}
+	}
+	return cmd
+}
+
+// A command is one script call that decides calls, in order: what a
+// flight sends for them. Its slices are reused from flight to flight.
+type command struct {
+	script *script
+	calls  []*Call
+	cmd    []any
+	shapes []*Shape // the plain shapes its calls use
+}
+
+// build makes the command that runs the script for the calls, in its own
 // slice: go-redis sends it as it is, with nothing copied or boxed again.
-// The twins of a call send nothing of their own.
-func (c *Call) command(s *script) []any {
-	c.cmd = append(c.cmd[:0], s.evalSHA, s.sha, count(len(c.keys)))
-	for i, k := range c.keys {
-		if i > 0 && k == c.keys[i-1] {
-			c.cmd = append(c.cmd, c.cmd[len(c.cmd)-1]) // a bucket's hash, again for its override: boxed once
-		} else {
-			c.cmd = append(c.cmd, k)
+// The calls share its clock (tests set it per call; such calls are not
+// put together).
+func (m *command) build() []any {
+	s := m.script
+	m.cmd = append(m.cmd[:0], s.evalSHA, s.sha, nil)
+	m.shapes = m.shapes[:0]
+	for _, c := range m.calls {
+		m.cmd = c.keys(m.cmd)
+		if !c.plain {
+			continue
+		}
+		for i := range c.buckets {
+			if sh := c.buckets[i].shape; !slices.Contains(m.shapes, sh) {
+				m.shapes = append(m.shapes, sh)
+			}
 		}
 	}
-	c.cmd = append(c.cmd, c.args...)
-	if len(c.twins) > 0 {
-		c.cmd[3+len(c.keys)] = count(len(c.twins) + 1)
+	m.cmd[2] = count(len(m.cmd) - 3)
+	m.cmd = append(m.cmd, m.calls[0].clock, count(len(m.shapes)))
+	for _, sh := range m.shapes {
+		m.cmd = append(m.cmd, sh.args[0], sh.args[1], sh.args[7])
 	}
-	return c.cmd
+	for _, c := range m.calls {
+		m.cmd = c.args(m.cmd, m.shapes)
+	}
+	return m.cmd
 }
 
-// count is n as an argument.
-func count(n int) any {
-	if n < len(counts) {
-		return counts[n]
-	}
-	return strconv.Itoa(n)
+// evalSource turns the command into one that sends the script's source
+// (EVAL), for a Redis that does not have it.
+func (m *command) evalSource() []any {
+	m.cmd[0], m.cmd[1] = m.script.eval, m.script.src
+	return m.cmd
 }
 
-// evalSource turns c's command into one that sends s's source (EVAL), for
-// a Redis that does not have the script.
-func (c *Call) evalSource(s *script) []any {
-	c.cmd[0], c.cmd[1] = s.eval, s.src
-	return c.cmd
+// reset lets go of the calls and the arguments, for the command's next
+// use.
+func (m *command) reset() {
+	clear(m.calls)
+	clear(m.cmd)
+	clear(m.shapes)
+	m.calls, m.cmd, m.shapes = m.calls[:0], m.cmd[:0], m.shapes[:0]
 }
 
-// twin reports whether c is a take that b can decide with its own: the
-// same keys and arguments. Such requests (a flood on one key, or a zone
-// that every client shares) then cost Redis one call per batch, in which
-// the script decides them one after another (k takes).
-func (c *Call) twin(b *Call) bool {
-	if !c.alike || !b.alike || len(c.keys) != len(b.keys) || len(c.args) != len(b.args) {
-		return false
+// answer hands each call its part of v, the command's reply, or err.
+// at is when the reply came in. Once done, a call is its caller's again:
+// nothing here touches it after.
+func (m *command) answer(v []any, err error, at time.Time) {
+	var clock, repaired int64
+	if err == nil {
+		clock, repaired, err = m.check(v)
 	}
-	for i := range c.keys {
-		if c.keys[i] != b.keys[i] {
-			return false
+	off := 2
+	for i, c := range m.calls {
+		c.at, c.err = at, err
+		if err == nil {
+			n := c.results()
+			c.reply, c.clockAt = v[off:off+n], clock
+			if i == 0 {
+				c.repaired = repaired
+			}
+			off += n
+		}
+		c.done <- struct{}{}
+	}
+}
+
+// check reads the head of a reply, and checks that it holds the results
+// of every call, as numbers.
+func (m *command) check(v []any) (clock, repaired int64, err error) {
+	n := 2
+	for _, c := range m.calls {
+		n += c.results()
+	}
+	if len(v) != n {
+		return 0, 0, fmt.Errorf("%w: %d values for %d calls", ErrBadReply, len(v), len(m.calls))
+	}
+	for _, x := range v {
+		if _, ok := x.(int64); !ok {
+			return 0, 0, fmt.Errorf("%w: %v", ErrBadReply, x)
 		}
 	}
-	for i := range c.args {
-		if c.args[i] != b.args[i] {
-			return false
-		}
-	}
-	return true
+	return v[0].(int64), v[1].(int64), nil
 }
 
 // A Reply is a call's answer, in the layout lua/token_bucket.lua gives.
 type Reply struct {
 	v          []any
+	plain      bool
 	nb, nc, ns int
+	clock      int64
+	repaired   int64
 	at         time.Time
 }
 
-// reply checks v, the answer to a call with nb buckets, nc counters and
-// ns slot sets.
-func reply(v []any, nb, nc, ns int) (Reply, error) {
-	if len(v) != 3+4*nb+2*(nc+ns) {
-		return Reply{}, fmt.Errorf("%w: %d values for %d buckets, %d counters and %d slot sets", ErrBadReply, len(v), nb, nc, ns)
+// answer is c's reply, or its error: the command's, or when Redis's clock is outside the quota
+// windows c sent.
+func (c *Call) answer() (Reply, error) {
+	if c.err != nil {
+		return Reply{}, c.err
 	}
-	for _, x := range v {
-		if _, ok := x.(int64); !ok {
-			return Reply{}, fmt.Errorf("%w: %v", ErrBadReply, x)
-		}
+	r := Reply{v: c.reply, plain: c.plain, nb: len(c.buckets), nc: len(c.counters), ns: len(c.slots),
+		clock: c.clockAt, repaired: c.repaired, at: c.at}
+	if c.op != Release && r.int(0) < 0 {
+		return Reply{}, ErrWindow
 	}
-	return Reply{v: v, nb: nb, nc: nc, ns: ns}, nil
+	return r, nil
 }
+
+// ErrWindow is a decision whose quota windows, by this instance's clock,
+// do not hold Redis's: the clocks are more than a window apart. Redis
+// answered, so it says nothing of Redis's health.
+var ErrWindow = errors.New("quota window: Redis TIME is outside the windows Caddy sent (clocks more than a window apart)")
 
 func (r Reply) int(i int) int64 { return r.v[i].(int64) }
 
@@ -370,73 +504,43 @@ func (r Reply) int(i int) int64 { return r.v[i].(int64) }
 func (r Reply) At() time.Time { return r.at }
 
 // Clock is the instant, on Redis's clock, that the call was decided at.
-func (r Reply) Clock() time.Time { return time.UnixMicro(r.int(len(r.v) - 1)) }
+func (r Reply) Clock() time.Time { return time.UnixMicro(r.clock) }
 
 // Allowed reports whether the take was allowed.
 func (r Reply) Allowed() bool { return r.int(0) == 1 }
 
-// Repaired is how many keys of another type the call found.
-func (r Reply) Repaired() int64 { return r.int(1) }
+// Repaired is how many keys of another type the call found (the first
+// call of a command reports the command's).
+func (r Reply) Repaired() int64 { return r.repaired }
 
 // Bucket is what the i-th bucket owes after the call, and whether the
 // call started its ban.
 func (r Reply) Bucket(i int) (debt time.Duration, banStarted bool) {
-	return time.Duration(r.int(2 + 4*i)), r.int(3+4*i) == 1
+	if r.plain {
+		return time.Duration(r.int(1 + i)), false
+	}
+	return time.Duration(r.int(1 + 4*i)), r.int(2+4*i) == 1
 }
 
 // Override is the key's own limit that decided the i-th bucket: its
 // token's time and its burst; 0, 0 when the shape sent decided.
 func (r Reply) Override(i int) (token time.Duration, burst int64) {
-	return time.Duration(r.int(4 + 4*i)), r.int(5 + 4*i)
+	if r.plain {
+		return 0, 0
+	}
+	return time.Duration(r.int(3 + 4*i)), r.int(4 + 4*i)
 }
 
 // Counter is the j-th counter's count after the call, and how long until
 // its window ends.
 func (r Reply) Counter(j int) (used int64, left time.Duration) {
-	k := 2 + 4*r.nb + 2*j
+	k := 1 + 4*r.nb + 2*j
 	return r.int(k), time.Duration(r.int(k + 1))
 }
 
 // Slot reports whether the request holds a slot of the j-th set, and how
 // many of its slots are free.
 func (r Reply) Slot(j int) (held bool, free int64) {
-	k := 2 + 4*r.nb + 2*(r.nc+j)
+	k := 1 + 4*r.nb + 2*(r.nc+j)
 	return r.int(k) == 1, r.int(k + 1)
-}
-
-// splitTwins turns the reply of k takes of nb buckets into the replies of
-// the k takes, as each would have had alone: the j-th of m allowed owes
-// debt - (m-1-j) cost, the cost of a bucket that its key's own limit
-// decided counted in that limit's tokens (tokens are the shapes'). The
-// keys found of another type count in the first's.
-func splitTwins(v []any, costs, tokens []time.Duration, k int) ([][]any, error) {
-	r, err := reply(v, len(costs), 0, 0)
-	if err != nil {
-		return nil, err
-	}
-	m := r.int(0)
-	out := make([][]any, k)
-	for j := range out {
-		t := make([]any, len(v))
-		t[0], t[1] = int64(0), int64(0)
-		if int64(j) < m {
-			t[0] = int64(1)
-		}
-		if j == 0 {
-			t[1] = v[1]
-		}
-		for i, cost := range costs {
-			debt := r.int(2 + 4*i)
-			if tok, _ := r.Override(i); tok > 0 {
-				cost = cost / tokens[i] * tok
-			}
-			if int64(j) < m {
-				debt -= (m - 1 - int64(j)) * int64(cost)
-			}
-			t[2+4*i], t[3+4*i], t[4+4*i], t[5+4*i] = debt, int64(0), v[4+4*i], v[5+4*i]
-		}
-		t[len(t)-1] = v[len(v)-1] // the clock
-		out[j] = t
-	}
-	return out, nil
 }
