@@ -577,6 +577,8 @@ end
 -- The buckets written, each once. A hash of another type is deleted
 -- first.
 local nowdigits -- now in the instants' digits, for purges
+-- PEXPIRE's NX and GT (Redis 7.0, Valkey) set the expiry without reading it.
+local expiryflags = (redis.REDIS_VERSION_NUM or 0) >= 0x070000
 for i = 1, #order do
 	local name = order[i]
 	local h, field, v = hashes[name], fields[name], values[name]
@@ -589,12 +591,22 @@ for i = 1, #order do
 	else
 		local us = math.floor(v / 1000)
 		local added = redis.call('HSET', h, field, string.format('%d%03d', now + us, v - us * 1000) .. suffixes[name])
-		local ttl = math.ceil(v / 1000000)
-		local left = redis.call('PTTL', h) -- -1: HSET made the hash
-		if left < ttl then
-			redis.call('PEXPIRE', h, ttl)
+		-- The hash lives as long as its longest debt: whether it had
+		-- an expiry (did HSET make it?) tells a new bucket among others.
+		local ttl, others = math.ceil(v / 1000000), false
+		if expiryflags then
+			if added == 0 or redis.call('PEXPIRE', h, ttl, 'NX') == 0 then
+				others = added == 1
+				redis.call('PEXPIRE', h, ttl, 'GT')
+			end
+		else
+			local left = redis.call('PTTL', h) -- -1: HSET made the hash
+			if left < ttl then
+				redis.call('PEXPIRE', h, ttl)
+			end
+			others = added == 1 and left >= 0
 		end
-		if added == 1 and left >= 0 then
+		if others then
 			-- A new bucket in a hash that has others: remove the buckets
 			-- full again among three of the hash's, taken at random.
 			-- Instants of as many digits compare as strings.
