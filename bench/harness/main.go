@@ -182,7 +182,7 @@ func (e *env) run(phases []string, note string) error {
 	if want("throughput") {
 		log.Printf("throughput: wrk -t1 -c50 -d%v, %d round(s)", e.p.wrkDur, e.p.rounds)
 		t := time.Now()
-		if rep.Throughput, rep.ThroughputNoise, err = e.runThroughput(); err != nil {
+		if rep.Throughput, rep.RedisRate, rep.ThroughputNoise, err = e.runThroughput(); err != nil {
 			return err
 		}
 		rep.ThroughputSeconds = time.Since(t).Seconds()

@@ -232,7 +232,7 @@ func (e *env) snap(c *caddyInst) (snapshot, error) {
 	if s.caddy, err = procCPU(c.proc.pid()); err != nil {
 		return s, fmt.Errorf("caddy cpu: %w", err)
 	}
-	if s.redis, err = e.redis.scriptCalls(); err != nil {
+	if s.redis, _, err = e.redis.scriptCalls(); err != nil {
 		return s, fmt.Errorf("redis stats: %w", err)
 	}
 	return s, nil

@@ -51,27 +51,46 @@ func startRedis(tmp string) (*redisServer, error) {
 	return r, nil
 }
 
-// scriptCalls is the number of EVALSHA and EVAL calls Redis has served:
-// one per round trip of the rate_limit Redis store.
-func (r *redisServer) scriptCalls() (int64, error) {
+// scriptCalls is the number of EVALSHA and EVAL calls Redis has served
+// (one per round trip of the rate_limit Redis store) and the time Redis
+// spent in them, from their usec= in INFO commandstats: the scripts' run
+// time, the commands they call included, without reading the requests or
+// writing the replies.
+func (r *redisServer) scriptCalls() (calls int64, took time.Duration, err error) {
 	info, err := r.do("INFO", "commandstats")
 	if err != nil {
-		return 0, err
+		return 0, 0, err
 	}
-	var n int64
 	for _, cmd := range []string{"cmdstat_evalsha", "cmdstat_eval"} {
-		v := infoField(info, cmd) // calls=123,usec=...
+		v := infoField(info, cmd) // calls=123,usec=4567,usec_per_call=...
 		if v == "" {
 			continue
 		}
-		calls, _, _ := strings.Cut(strings.TrimPrefix(v, "calls="), ",")
-		c, err := strconv.ParseInt(calls, 10, 64)
-		if err != nil {
-			return 0, fmt.Errorf("INFO commandstats: %s: %q", cmd, v)
+		var c, usec int64
+		if _, err := fmt.Sscanf(v, "calls=%d,usec=%d,", &c, &usec); err != nil {
+			return 0, 0, fmt.Errorf("INFO commandstats: %s: %q", cmd, v)
 		}
-		n += c
+		calls += c
+		took += time.Duration(usec) * time.Microsecond
 	}
-	return n, nil
+	return calls, took, nil
+}
+
+// redisUse is what the harness's Redis has done so far: its script calls,
+// the time it spent in them, and its process's CPU.
+type redisUse struct {
+	calls       int64
+	script, cpu time.Duration
+}
+
+func (r *redisServer) use() (redisUse, error) {
+	var u redisUse
+	var err error
+	if u.calls, u.script, err = r.scriptCalls(); err != nil {
+		return u, err
+	}
+	u.cpu, err = procCPU(r.proc.pid())
+	return u, err
 }
 
 // do sends one command and returns its reply as a string.

@@ -42,6 +42,7 @@ type machine struct {
 	Redis      string
 	Wrk        string
 	Vegeta     string
+	RedisRate  string // github.com/go-redis/redis_rate, built into the harness
 	LoadBefore string
 	LoadAfter  string
 }
@@ -60,6 +61,7 @@ type report struct {
 	NoisySeconds float64
 
 	Throughput        []*tpResult
+	RedisRate         *rrResult // redis_rate on the same Redis, in the same rounds
 	ThroughputNoise   noise
 	ThroughputSeconds float64
 
@@ -108,8 +110,11 @@ func (e *env) machine() machine {
 	}
 	if bi, ok := debug.ReadBuildInfo(); ok {
 		for _, d := range bi.Deps {
-			if d.Path == "github.com/tsenart/vegeta/v12" {
+			switch d.Path {
+			case "github.com/tsenart/vegeta/v12":
 				m.Vegeta = d.Version
+			case "github.com/go-redis/redis_rate/v10":
+				m.RedisRate = d.Version
 			}
 		}
 	}
@@ -333,19 +338,23 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 		"The waits rows are floors. The first is that of a limiter that asks a server: caddy-peer's `bench_wait` handler (bench/peer/wait.go) makes each request wait for another goroutine, which answers the requests queued meanwhile together after 20 µs, with no network and no decision; what it costs is what waiting costs Caddy's process. "+
 		"The second is that of a limiter that asks Redis through go-redis: `bench_wait redis` makes each request wait for a PING of this run's Redis, batched as the Redis store batches its calls (a request that finds nothing in flight goes alone at once, the others together, up to 4 flights); what it costs is waiting and the socket's writes and reads, with no script, arguments or decision. "+
 		"Redis CPU per request is the redis-server process's CPU over the run, per request, for the rows that ask it: it shares the cores with Caddy and wrk. "+
+		"Redis calls per request are the `EVALSHA`+`EVAL` calls in `INFO commandstats` over the run, per request: the Redis store sends the decisions queued while a flight is out in one script call. "+
+		"Redis script time per request is those calls' `usec` in `INFO commandstats` over the run, per request: the time Redis spent running the scripts, the commands they call included, "+
+		"but not reading the requests, parsing them or writing the replies, which Redis CPU counts. "+
 		"Each configuration is its own Caddy process, with Caddy's default logging (INFO to stderr, to a file here). "+
 		"Phase: %.0f s; others' CPU %s.\n\n",
 		p.wrkDur, roundsText(p.rounds, "configurations"), tpKeys, rep.ThroughputSeconds, pct(rep.ThroughputNoise.Others))
-	pf("| configuration | path | keys | Caddy CPU per request | ratio | req/s | ratio | p50 | ratio | p99 | ratio | Redis calls per request | Redis CPU per request | non-2xx | CPU per request, per round |\n")
-	pf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
+	pf("| configuration | path | keys | Caddy CPU per request | ratio | req/s | ratio | p50 | ratio | p99 | ratio | Redis calls per request | Redis script time per request | Redis CPU per request | non-2xx | CPU per request, per round |\n")
+	pf("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n")
 	for _, r := range rep.Throughput {
 		path := r.Path
 		if path == "" {
 			path = "–"
 		}
-		redis := "–"
+		redis, script := "–", "–"
 		if !math.IsNaN(float64(r.RedisPerReq)) {
 			redis = fmt.Sprintf("%.3f", float64(r.RedisPerReq))
+			script = fmt.Sprintf("%.2f µs", float64(r.ScriptPerReq)/1e3)
 		}
 		var rounds []string
 		for _, x := range r.Runs {
@@ -355,9 +364,9 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 		if r.RedisCPUPerReq > 0 {
 			rcpu = fmt.Sprintf("%.1f µs", float64(r.RedisCPUPerReq)/1e3)
 		}
-		pf("| %s | %s | %s | %.1f µs | %.2f | %s | %.2f | %s | %.2f | %s | %.2f | %s | %s | %s | %s |\n",
+		pf("| %s | %s | %s | %.1f µs | %.2f | %s | %.2f | %s | %.2f | %s | %.2f | %s | %s | %s | %s | %s |\n",
 			r.Impl, path, humanCount(float64(r.Keys)), float64(r.CPUPerReq)/1e3, r.RatioCPU, humanCount(r.RPS), r.RatioRPS,
-			ms(r.P50), r.RatioP50, ms(r.P99), r.RatioP99, redis, rcpu, pct(r.Non2xx), strings.Join(rounds, ", "))
+			ms(r.P50), r.RatioP50, ms(r.P99), r.RatioP99, redis, script, rcpu, pct(r.Non2xx), strings.Join(rounds, ", "))
 	}
 	pf("\nCaddy CPU per request is the Caddy process's user+system time over the run (from `/proc/<pid>/stat`) divided by the requests wrk completed: " +
 		"the steady measure on a shared machine, where req/s swings from run to run. " +
@@ -365,6 +374,48 @@ func (rep *report) throughputMarkdown(pf func(string, ...any), has func(string) 
 	if has("throughput.png") {
 		pf("![Requests/s relative to the baseline](throughput.png)\n\n")
 	}
+	if rep.RedisRate != nil {
+		rep.redisRateMarkdown(pf)
+	}
+}
+
+// redisRateMarkdown sets the Redis rows' allowed path against
+// redis_rate's, run on the same Redis in the same rounds.
+func (rep *report) redisRateMarkdown(pf func(string, ...any)) {
+	rr := rep.RedisRate
+	pf("### Per decision on Redis: ours and redis_rate's, same Redis, same run\n\n")
+	pf("In each round, taking its turn among the configurations above, the harness itself calls github.com/go-redis/redis_rate %s's `Allow` "+
+		"from %d goroutines (go-redis pool of %d) on %d keys at random, with `Rate 1000000`, `Burst 1000000` per second (every decision allowed), for %v, on this run's Redis. "+
+		"It makes one script call per decision. Ours are the Redis rows of the allowed path above, where a request is one decision. "+
+		"The columns are those of the table above, per decision; ratios are to redis_rate's. "+
+		"Its decisions/s do not compare with the req/s above: no HTTP, and the load comes from %d goroutines in the harness rather than 50 wrk connections through Caddy.\n\n",
+		rep.Machine.RedisRate, rr.Callers, rr.Callers, rr.Keys, rep.Params.wrkDur, rr.Callers)
+	pf("| limiter | keys | decisions/s | Redis calls per decision | Redis script time per decision | ratio | Redis CPU per decision | ratio | script time per decision, per round |\n")
+	pf("|---|---:|---:|---:|---:|---:|---:|---:|---|\n")
+	row := func(name string, keys int, perSec, calls float64, script, cpu time.Duration, rounds []time.Duration) {
+		var per []string
+		for _, d := range rounds {
+			per = append(per, fmt.Sprintf("%.2f", float64(d)/1e3))
+		}
+		pf("| %s | %s | %s | %.3f | %.2f µs | %.2f | %.1f µs | %.2f | %s |\n", name, humanCount(float64(keys)), humanCount(perSec), calls,
+			float64(script)/1e3, float64(script)/float64(rr.ScriptPerDecision), float64(cpu)/1e3, float64(cpu)/float64(rr.RedisCPUPerDecision), strings.Join(per, ", "))
+	}
+	var rounds []time.Duration
+	for _, x := range rr.Runs {
+		rounds = append(rounds, x.ScriptPerDecision)
+	}
+	row("redis_rate `Allow`", rr.Keys, rr.PerSec, rr.CallsPerDecision, rr.ScriptPerDecision, rr.RedisCPUPerDecision, rounds)
+	for _, r := range rep.Throughput {
+		if r.Path != "allowed" || math.IsNaN(float64(r.RedisPerReq)) {
+			continue
+		}
+		rounds = rounds[:0]
+		for _, x := range r.Runs {
+			rounds = append(rounds, x.ScriptPerReq)
+		}
+		row(r.Impl, r.Keys, r.RPS, float64(r.RedisPerReq), r.ScriptPerReq, r.RedisCPUPerReq, rounds)
+	}
+	pf("\n")
 }
 
 func pct(f float64) string {

@@ -9,6 +9,7 @@ import (
 	"log"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -174,6 +175,9 @@ type tpRun struct {
 	CPUPerReq      time.Duration // Caddy's CPU per request
 	RedisCPUPerReq time.Duration // Redis's, for the rows that ask it
 	RedisPerReq    num
+	// ScriptPerReq is the time Redis spent in script calls, per request,
+	// for the rows that make them.
+	ScriptPerReq time.Duration
 }
 
 // tpResult is the medians of a configuration's runs.
@@ -185,6 +189,7 @@ type tpResult struct {
 	P50, P99                     time.Duration
 	CPUPerReq, RedisCPUPerReq    time.Duration
 	RedisPerReq                  num
+	ScriptPerReq                 time.Duration
 	Non2xx                       float64 // share of non-2xx answers over all runs
 	RatioRPS, RatioP50, RatioP99 float64
 	RatioCPU                     float64 // CPU per request, to the baseline's
@@ -263,16 +268,24 @@ func (e *env) tpWrk(name string, c *tpConfig, dur time.Duration) (wrkResult, err
 	return e.runWrk(name, c.inst.url, dur, script, strconv.Itoa(c.Keys))
 }
 
-func (e *env) runThroughput() ([]*tpResult, noise, error) {
+func (e *env) runThroughput() ([]*tpResult, *rrResult, noise, error) {
 	p := e.p
 	cfgs := e.tpConfigs()
 	for _, c := range cfgs {
 		inst, err := e.startCaddy(c.spec)
 		if err != nil {
-			return nil, noise{}, err
+			return nil, nil, noise{}, err
 		}
 		c.inst = inst
 		defer inst.stop()
+	}
+	// redis_rate takes a turn in each round when Redis rows are measured,
+	// so that their script time has a reference from the same Redis and
+	// the same minutes.
+	var rr *redisRate
+	if slices.ContainsFunc(cfgs, func(c *tpConfig) bool { return c.redis }) {
+		rr = newRedisRate(e.redis.addr)
+		defer rr.close()
 	}
 	// Check each answers as it should, then warm each up.
 	for _, c := range cfgs {
@@ -281,60 +294,74 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 		case "denied":
 			_, _ = get(c.inst.url, key)
 			if err := expect(c.inst, key, 429); err != nil {
-				return nil, noise{}, err
+				return nil, nil, noise{}, err
 			}
 		default:
 			if err := expect(c.inst, key, 200); err != nil {
-				return nil, noise{}, err
+				return nil, nil, noise{}, err
 			}
 		}
 		if _, err := e.tpWrk(c.Key+"-warmup", c, p.wrkWarm); err != nil {
-			return nil, noise{}, err
+			return nil, nil, noise{}, err
+		}
+	}
+	if rr != nil {
+		if _, _, err := rr.allow(p.wrkWarm); err != nil {
+			return nil, nil, noise{}, err
 		}
 	}
 	m := meter()
 	runs := make(map[string][]tpRun)
+	var rrRuns []rrRun
+	turns := len(cfgs)
+	if rr != nil {
+		turns++ // the last turn is redis_rate's
+	}
 	for round := range p.rounds {
 		// Rotate the order, so that no configuration always runs first.
-		for i := range cfgs {
-			c := cfgs[(i+round)%len(cfgs)]
+		for i := range turns {
 			time.Sleep(p.gap)
+			j := (i + round) % turns
+			if j == len(cfgs) {
+				run, err := e.redisRateRun(rr, p.wrkDur)
+				if err != nil {
+					return nil, nil, noise{}, err
+				}
+				log.Printf("  round %d %-14s %8.0f decisions/s  Redis script %.1f µs, CPU %.1f µs per decision",
+					round+1, "redis_rate", run.PerSec, float64(run.ScriptPerDecision)/1e3, float64(run.RedisCPUPerDecision)/1e3)
+				rrRuns = append(rrRuns, run)
+				continue
+			}
+			c := cfgs[j]
 			cpu0, err := procCPU(c.inst.proc.pid())
 			if err != nil {
-				return nil, noise{}, err
+				return nil, nil, noise{}, err
 			}
-			r0, err := e.redis.scriptCalls()
+			r0, err := e.redis.use()
 			if err != nil {
-				return nil, noise{}, err
-			}
-			rcpu0, err := procCPU(e.redis.proc.pid())
-			if err != nil {
-				return nil, noise{}, err
+				return nil, nil, noise{}, err
 			}
 			w, err := e.tpWrk(fmt.Sprintf("%s-%d", c.Key, round+1), c, p.wrkDur)
 			if err != nil {
-				return nil, noise{}, err
+				return nil, nil, noise{}, err
 			}
 			cpu1, err := procCPU(c.inst.proc.pid())
 			if err != nil {
-				return nil, noise{}, fmt.Errorf("%s: %w (%v)", c.Key, err, c.inst.proc.exited())
+				return nil, nil, noise{}, fmt.Errorf("%s: %w (%v)", c.Key, err, c.inst.proc.exited())
 			}
-			r1, err := e.redis.scriptCalls()
+			r1, err := e.redis.use()
 			if err != nil {
-				return nil, noise{}, err
-			}
-			rcpu1, err := procCPU(e.redis.proc.pid())
-			if err != nil {
-				return nil, noise{}, err
+				return nil, nil, noise{}, err
 			}
 			run := tpRun{wrkResult: w, RedisPerReq: num(nan)}
-			if w.Requests > 0 {
-				run.CPUPerReq = (cpu1 - cpu0) / time.Duration(w.Requests)
+			if n := w.Requests; n > 0 {
+				run.CPUPerReq = (cpu1 - cpu0) / time.Duration(n)
 				if c.redis {
-					run.RedisPerReq = num(float64(r1-r0) / float64(w.Requests))
+					run.RedisPerReq = num(float64(r1.calls-r0.calls) / float64(n))
+					run.ScriptPerReq = (r1.script - r0.script) / time.Duration(n)
 				}
 				if c.redis || c.pings {
-					run.RedisCPUPerReq = (rcpu1 - rcpu0) / time.Duration(w.Requests)
+					run.RedisCPUPerReq = (r1.cpu - r0.cpu) / time.Duration(n)
 				}
 			}
 			log.Printf("  round %d %-14s %8.0f req/s  p50 %-8s p99 %-8s non-2xx %5.1f%%  Caddy CPU %.1f µs/req",
@@ -348,7 +375,7 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 	for _, c := range cfgs {
 		rs := runs[c.Key]
 		r := &tpResult{Key: c.Key, Impl: c.Impl, Path: c.Path, Keys: c.Keys, Runs: rs}
-		var rps, p50, p99, cpu, rcpu, redis []float64
+		var rps, p50, p99, cpu, rcpu, redis, script []float64
 		var non2xx, total int64
 		for _, x := range rs {
 			rps = append(rps, x.RPS)
@@ -357,12 +384,14 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 			cpu = append(cpu, float64(x.CPUPerReq))
 			rcpu = append(rcpu, float64(x.RedisCPUPerReq))
 			redis = append(redis, float64(x.RedisPerReq))
+			script = append(script, float64(x.ScriptPerReq))
 			non2xx += x.Non2xx
 			total += x.Requests
 		}
 		r.RPS, r.P50, r.P99 = benchkit.Median(rps), time.Duration(benchkit.Median(p50)), time.Duration(benchkit.Median(p99))
 		r.CPUPerReq, r.RedisPerReq = time.Duration(benchkit.Median(cpu)), num(benchkit.Median(redis))
 		r.RedisCPUPerReq = time.Duration(benchkit.Median(rcpu))
+		r.ScriptPerReq = time.Duration(benchkit.Median(script))
 		r.Non2xx = float64(non2xx) / float64(max(total, 1))
 		out = append(out, r)
 	}
@@ -388,5 +417,5 @@ func (e *env) runThroughput() ([]*tpResult, noise, error) {
 		r.RatioP99 = float64(r.P99) / baseP99
 		r.RatioCPU = float64(r.CPUPerReq) / baseCPU
 	}
-	return out, nz, nil
+	return out, rrMedians(rrRuns), nz, nil
 }
