@@ -1170,7 +1170,8 @@ func TestScriptsDeclareTheirKeys(t *testing.T) {
 		}
 	}
 	t.Logf("%d script calls, their commands: %v", calls, ran)
-	for _, cmd := range []string{"GET", "HGET", "HSET", "HDEL", "HRANDFIELD", "PTTL", "PEXPIRE", "HMGET", "PEXPIREAT",
+	// (PTTL runs on Redis 6.2 alone, which lacks PEXPIRE's NX and GT.)
+	for _, cmd := range []string{"GET", "HGET", "HSET", "HDEL", "HRANDFIELD", "PEXPIRE", "HMGET", "PEXPIREAT",
 		"ZREMRANGEBYSCORE", "ZCARD", "ZADD", "ZRANGE", "ZREM", "TYPE", "ZCOUNT"} {
 		if ran[cmd] == 0 {
 			t.Errorf("no script ran %s: the test does not reach every part of the scripts", cmd)

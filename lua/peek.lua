@@ -2,8 +2,8 @@
 -- (token_bucket.lua) would find them, changing nothing: for the admin
 -- API. It reads one decision, whose op is 'peek': KEYS and ARGV are as
 -- the decision script's for a call of that one decision (ARGV[1] the
--- clock, ARGV[2] '0', ARGV[3] 'peek', then nb, nc, ns and the sections),
--- and so is the reply's layout:
+-- clock, ARGV[2] '1' and ARGV[3] '0', ARGV[4] 'peek', then nb, nc, ns
+-- and the sections), and so is the reply's layout:
 --
 --   {clock, repaired, 1, debt_1, 0, token_1, burst_1, ..., used_1, left_1, ..., 0, free_1, ...}
 --
@@ -24,8 +24,8 @@ if not clock then
 	clock = t[1] * 1000000 + t[2]
 end
 local now = clock - epoch
-local nb, nc, ns = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local cargs, sargs = 6 + 8 * nb, 6 + 8 * nb + 6 * nc
+local nb, nc, ns = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local cargs, sargs = 7 + 8 * nb, 7 + 8 * nb + 6 * nc
 local reply = { clock, 0, 1 }
 
 local function bad()
@@ -33,7 +33,7 @@ local function bad()
 end
 
 for i = 1, nb do
-	local a = 8 * i - 1
+	local a = 8 * i
 	local full, token = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 7])
 	local otoken, oburst = 0, 0
 	local o = KEYS[2 * i] ~= KEYS[2 * i - 1] and redis.pcall('GET', KEYS[2 * i])

@@ -13,7 +13,9 @@
 --
 --   ARGV[1]  clock: '' to read TIME; tests send an instant, to replay
 --            a table of steps
---   ARGV[2]  np, the number of plain shapes; then 3 values each: full,
+--   ARGV[2]  the number of decisions that are not plain takes: '0' for
+--            a call of plain takes alone, which runs the short path
+--   ARGV[3]  np, the number of plain shapes; then 3 values each: full,
 --            cost, token (below)
 --   then the decisions, one after another, each starting with its op:
 --
@@ -95,7 +97,11 @@
 --
 -- A plain bucket is one with no ban, beyond, scale or override: a take
 -- of plain buckets alone is sent as a plain decision, its shape once a
--- call, and decided as a take would be.
+-- call, and decided as a take would be. Redis pays for every function
+-- and table a call makes, whatever it decides: a call of one plain take
+-- of one bucket runs straight through, making only the reply, and the
+-- functions of the other decisions are made only by a call that holds
+-- one (ARGV[2]).
 --
 -- OVERRIDES. A key's own limit, set through the admin API, is the string
 -- `<token>:<burst>:<rate as given>` at its key (KEYS, after its bucket's
@@ -187,57 +193,9 @@ if not clock then
 end
 local now = clock - epoch -- µs since 2025: the buckets' time line
 
-local reply = { clock, 0 }
-local function repaired()
-	reply[2] = reply[2] + 1
-end
+local reply = { clock, 0 } -- reply[2]: the keys found of another type
 
--- The plain shapes.
-local np = tonumber(ARGV[2])
-local pfull, pcost, ptoken = {}, {}, {}
-for s = 1, np do
-	pfull[s], pcost[s], ptoken[s] = tonumber(ARGV[3 * s]), tonumber(ARGV[3 * s + 1]), tonumber(ARGV[3 * s + 2])
-end
-local a, k = 3 + 3 * np, 1 -- the next decision's first value in ARGV, and key in KEYS
-
--- The buckets the call has read, by hash .. field (a hash ends with its
--- tag's '}', which no key prefix holds): the value each has once the
--- decisions so far are taken: false for none, a string as read, or,
--- once a decision has saved it, what it owes from now (a number), with
--- the suffix of the limit it was saved under in suffixes; and, for those
--- saved, in the order first saved, the hash and the field.
-local values, suffixes, wrong = {}, {}, {} -- wrong: the hashes found of another type, deleted before a write
-local order, hashes, fields = {}, {}, {}
-
--- load is the value of the bucket field of hash h, its name in values,
--- and whether its hash was found of another type (read as full).
-local function load(h, field)
-	local name = h .. field
-	local v = values[name]
-	if v ~= nil then
-		return v, name, false
-	end
-	v = redis.pcall('HGET', h, field)
-	local bad = type(v) == 'table'
-	if bad then
-		wrong[h], v = true, false
-	end
-	values[name] = v
-	return v, name, bad
-end
-
--- save makes debt (from now) what the bucket owes, under the limit of
--- suffix, and none for debt <= 0; it is written when the call ends.
-local function save(h, field, name, debt, suffix)
-	if not hashes[name] then
-		order[#order + 1], hashes[name], fields[name] = name, h, field
-	end
-	if debt <= 0 then
-		values[name] = false
-	else
-		values[name], suffixes[name] = debt, suffix
-	end
-end
+local values, saved, order, wrong -- (below)
 
 -- owed is what the bucket name of value v owes now under the call's limit, of
 -- whole bucket full and token token (shapefull and token the shape's,
@@ -252,7 +210,7 @@ local function owed(v, name, full, token, shapefull, scaled, otoken)
 	-- override's).
 	local suffix, d = v, v
 	if type(v) == 'number' then
-		suffix = suffixes[name]
+		suffix = saved[name]
 	end
 	local c, sf, st = string.find(suffix, ':', 1, true), nil, nil
 	if c then
@@ -309,261 +267,407 @@ local function owed(v, name, full, token, shapefull, scaled, otoken)
 	return d, false, false
 end
 
--- A plain take of n buckets. pd, pc, pn, ph, pf and pw hold each
--- bucket's debt, cost, name, hash, field and whether it must be written
--- even if the take is refused (it moved, or held no instant).
-local pd, pc, pn, ph, pf, pw = {}, {}, {}, {}, {}, {}
+-- write makes v (from now, a number, or false) what the bucket field of
+-- hash h owes, under the limit of suffix: v <= 0 or false deletes it.
+local nowdigits -- now in the instants' digits, for purges
+-- PEXPIRE's NX and GT (Redis 7.0, Valkey) set the expiry without reading it.
+local expiryflags = (redis.REDIS_VERSION_NUM or 0) >= 0x070000
+local function write(h, field, v, suffix)
+	if not v or v <= 0 then
+		redis.call('HDEL', h, field)
+		return
+	end
+	local us = math.floor(v / 1000)
+	local added = redis.call('HSET', h, field, string.format('%d%03d', now + us, v - us * 1000) .. suffix)
+	-- The hash lives as long as its longest debt: whether it had an
+	-- expiry (did HSET make it?) tells a new bucket among others.
+	local ttl, others = math.ceil(v / 1000000), false
+	if expiryflags then
+		if added == 0 or redis.call('PEXPIRE', h, ttl, 'NX') == 0 then
+			others = added == 1
+			redis.call('PEXPIRE', h, ttl, 'GT')
+		end
+	else
+		local left = redis.call('PTTL', h) -- -1: HSET made the hash
+		if left < ttl then
+			redis.call('PEXPIRE', h, ttl)
+		end
+		others = added == 1 and left >= 0
+	end
+	if others then
+		-- A new bucket in a hash that has others: remove the buckets full
+		-- again among three of the hash's, taken at random. Instants of as
+		-- many digits compare as strings.
+		if not nowdigits then
+			nowdigits = string.format('%d000', now)
+		end
+		local r = redis.call('HRANDFIELD', h, 3, 'WITHVALUES')
+		for j = 2, #r, 2 do
+			local w = r[j]
+			local c = string.find(w, ':', 1, true)
+			if c then
+				w = string.sub(w, 1, c - 1)
+			end
+			if #w < #nowdigits or #w == #nowdigits and w <= nowdigits then
+				redis.call('HDEL', h, r[j - 1])
+			end
+		end
+	end
+end
+
+-- A call of one plain take of one bucket (a request that found no call
+-- in flight): straight through, making no table but the reply.
+if ARGV[3] == '1' and ARGV[7] == '1' and #ARGV == 9 then
+	local h, field, full, cost = KEYS[1], ARGV[9], tonumber(ARGV[4]), tonumber(ARGV[5])
+	local v = redis.pcall('HGET', h, field)
+	local bad = type(v) == 'table'
+	local d, moved, nothing = 0, false, false
+	if bad then
+		reply[2] = 1
+	elseif v then
+		d, moved, nothing = owed(v, nil, full, tonumber(ARGV[6]), full, false, 0)
+		if nothing then
+			reply[2] = 1
+		end
+	end
+	local debt = d
+	if debt < 0 then
+		debt = 0
+	elseif debt > full then
+		debt = full
+	end
+	local ok = debt + cost <= full
+	if ok then
+		debt = debt + cost
+	end
+	if ok or bad or nothing or moved or d > full then
+		if bad then
+			redis.call('DEL', h)
+		end
+		write(h, field, debt, '')
+	end
+	reply[3], reply[4] = ok and 1 or 0, debt
+	return reply
+end
+
+-- The plain shapes: full, cost and token of shape s at ps[3s - 2 ..].
+local np = ARGV[3] == '1' and 1 or tonumber(ARGV[3])
+local ps = {}
+for i = 1, 3 * np do
+	ps[i] = tonumber(ARGV[3 + i])
+end
+local a, k = 4 + 3 * np, 1 -- the next decision's first value in ARGV, and key in KEYS
+
+-- The buckets the call has read, by hash .. field (a hash ends with its
+-- tag's '}', which no key prefix holds): in values, the value each has
+-- once the decisions so far are taken: false for none, a string as read,
+-- or, once a decision has saved it, what it owes from now (a number); in
+-- saved, the suffix of the limit each saved one is saved under; and in
+-- order, the name, hash and field of each saved one, in the order first
+-- saved. wrong holds the hashes found of another type, deleted before a
+-- write. (Few tables, and few closures: each costs a call, whatever it
+-- decides.)
+values, saved, order = {}, {}, {}
+
+-- load is the value of the bucket field of hash h, its name in values,
+-- and whether its hash was found of another type (read as full).
+local function load(h, field)
+	local name = h .. field
+	local v = values[name]
+	if v ~= nil then
+		return v, name, false
+	end
+	v = redis.pcall('HGET', h, field)
+	local bad = type(v) == 'table'
+	if bad then
+		wrong = wrong or {}
+		wrong[h], v = true, false
+	end
+	values[name] = v
+	return v, name, bad
+end
+
+-- save makes debt (from now) what the bucket owes, under the limit of
+-- suffix, and none for debt <= 0; it is written when the call ends.
+local function save(h, field, name, debt, suffix)
+	if not saved[name] then
+		local n = #order
+		order[n + 1], order[n + 2], order[n + 3] = name, h, field
+	end
+	saved[name] = suffix
+	values[name] = debt > 0 and debt
+end
+
+-- A plain take of n buckets. The scratch pb holds, 6 values a bucket,
+-- each one's debt, cost, name, hash, field and whether it must be
+-- written even if the take is refused (it moved, or held no instant).
+local pb = {}
 local function plain(n)
 	local ok = true
-	for i = 1, n do
-		local s, h, field = tonumber(ARGV[a]), KEYS[k], ARGV[a + 1]
+	for i = 0, 6 * (n - 1), 6 do
+		local s, h, field = ARGV[a], KEYS[k], ARGV[a + 1]
+		s = 3 * (s == '1' and 1 or tonumber(s)) -- most calls have one shape: no strtod
 		a, k = a + 2, k + 1
-		local full, cost = pfull[s], pcost[s]
+		local full, cost = ps[s - 2], ps[s - 1]
 		local v, name, bad = load(h, field)
-		local d, moved, nothing = owed(v, name, full, ptoken[s], full, false, 0)
+		local d, moved, nothing = 0, false, false
+		if v then
+			d, moved, nothing = owed(v, name, full, ps[s], full, false, 0)
+		end
 		if bad or nothing then
-			repaired()
+			reply[2] = reply[2] + 1
 		end
-		local debt = math.min(math.max(d, 0), full)
+		local debt = d
+		if debt < 0 then
+			debt = 0
+		elseif debt > full then
+			debt = full
+		end
 		ok = ok and debt + cost <= full
-		pd[i], pc[i], pn[i], ph[i], pf[i], pw[i] = debt, cost, name, h, field, bad or nothing or moved or d > full
+		pb[i + 1], pb[i + 2], pb[i + 3], pb[i + 4], pb[i + 5], pb[i + 6] = debt, cost, name, h, field, bad or nothing or moved or d > full
 	end
-	reply[#reply + 1] = ok and 1 or 0
-	for i = 1, n do
-		local debt = pd[i]
+	local r = #reply
+	reply[r + 1] = ok and 1 or 0
+	for i = 0, 6 * (n - 1), 6 do
+		local debt = pb[i + 1]
 		if ok then
-			debt = debt + pc[i]
+			debt = debt + pb[i + 2]
 		end
-		if ok or pw[i] then
-			save(ph[i], pf[i], pn[i], debt, '')
+		if ok or pb[i + 6] then
+			save(pb[i + 4], pb[i + 5], pb[i + 3], debt, '')
 		end
-		reply[#reply + 1] = debt
+		reply[r + 2 + i / 6] = debt
 	end
 end
 
--- A take or an adjustment of buckets, counters and slot sets.
-local function general(op)
-	local take, adjust = op == 'take', op == 'adjust'
-	local nb, nc, ns = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-	local ab, kb = a + 4, k -- bucket i's values are ARGV[ab + 8(i-1) ..], its keys KEYS[kb + 2(i-1) ..]
-	local ac, kc = ab + 8 * nb, kb + 2 * nb -- counter j's: ARGV[ac + 6(j-1) ..], KEYS[kc + 2(j-1) ..]
-	local as, ks = ac + 6 * nc, kc + 2 * nc -- the id is ARGV[as]; set j's: ARGV[as + 1 + 3(j-1) ..], KEYS[ks + j - 1]
-	a, k = as + (ns > 0 and 1 + 3 * ns or 0), ks + ns
-	local r = #reply -- the decision's results are reply[r + 1 ..]
-	for i = r + 1, r + 1 + 4 * nb + 2 * (nc + ns) do
-		reply[i] = 0
-	end
-	reply[r + 1] = 1
-	local cr, sr = r + 1 + 4 * nb, r + 1 + 4 * nb + 2 * nc -- counter j's results are reply[cr + 2j - 1 ..], set j's reply[sr + 2j - 1 ..]
+-- The functions of the other decisions, made only by a call that holds
+-- one: Redis pays for each function a call makes, whatever it runs.
+local general, release
+if ARGV[2] ~= '0' then
+	-- A take or an adjustment of buckets, counters and slot sets.
+	function general(op)
+		local take, adjust = op == 'take', op == 'adjust'
+		local nb, nc, ns = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+		local ab, kb = a + 4, k -- bucket i's values are ARGV[ab + 8(i-1) ..], its keys KEYS[kb + 2(i-1) ..]
+		local ac, kc = ab + 8 * nb, kb + 2 * nb -- counter j's: ARGV[ac + 6(j-1) ..], KEYS[kc + 2(j-1) ..]
+		local as, ks = ac + 6 * nc, kc + 2 * nc -- the id is ARGV[as]; set j's: ARGV[as + 1 + 3(j-1) ..], KEYS[ks + j - 1]
+		a, k = as + (ns > 0 and 1 + 3 * ns or 0), ks + ns
+		local r = #reply -- the decision's results are reply[r + 1 ..]
+		for i = r + 1, r + 1 + 4 * nb + 2 * (nc + ns) do
+			reply[i] = 0
+		end
+		reply[r + 1] = 1
+		local cr, sr = r + 1 + 4 * nb, r + 1 + 4 * nb + 2 * nc -- counter j's results are reply[cr + 2j - 1 ..], set j's reply[sr + 2j - 1 ..]
 
-	-- Counters, read and decided before anything is written.
-	local cused, cend, cstale = {}, {}, {}
-	for j = 1, nc do
-		local x = ac + 6 * (j - 1)
-		local e
-		if clock >= tonumber(ARGV[x + 2]) then
-			for b = x + 3, x + 5 do
-				if clock < tonumber(ARGV[b]) then
-					e = tonumber(ARGV[b])
-					break
+		-- Counters, read and decided before anything is written.
+		local cused, cend, cstale = {}, {}, {}
+		for j = 1, nc do
+			local x = ac + 6 * (j - 1)
+			local e
+			if clock >= tonumber(ARGV[x + 2]) then
+				for b = x + 3, x + 5 do
+					if clock < tonumber(ARGV[b]) then
+						e = tonumber(ARGV[b])
+						break
+					end
 				end
 			end
-		end
-		if not e then
-			reply[r + 1] = -1 -- Redis's clock is outside the windows sent (clocks more than a window apart)
-			return
-		end
-		local key = KEYS[kc + 2 * (j - 1)]
-		local v = redis.pcall('HMGET', key, 'w', 'n')
-		local w, used = nil, 0
-		if v.err then
-			repaired()
-			redis.call('DEL', key)
-		else
-			w, used = tonumber(v[1]), tonumber(v[2]) or 0
-		end
-		if w and w * 1000 >= e then
-			e = w * 1000 -- a window Redis's clock already counted in
-		else
-			-- Written whole at the first write: from 0, or from what
-			-- the untagged key counted in this window.
-			used, cstale[j] = 0, true
-			local u = not w and redis.pcall('HMGET', KEYS[kc + 2 * (j - 1) + 1], 'w', 'n')
-			if u and not u.err and tonumber(u[1]) and tonumber(u[1]) * 1000 == e then
-				used = tonumber(u[2]) or 0
+			if not e then
+				reply[r + 1] = -1 -- Redis's clock is outside the windows sent (clocks more than a window apart)
+				return
 			end
-		end
-		if take and used + ARGV[x + 1] > tonumber(ARGV[x]) then
-			reply[r + 1] = 0
-		end
-		cused[j], cend[j] = used, e
-	end
-
-	-- Buckets, read and decided before anything is written. Until the
-	-- writes, reply[r + 4i - 2 .. r + 4i + 1] hold bucket i's debt, its
-	-- state, and the token and burst of its override (0 and 0 for none);
-	-- its state is 1 short (it lacked the tokens, and its ban starts),
-	-- plus 2 moved (it owed more than it may, or was written under
-	-- another limit), plus 4 bad (it held no instant, or its hash was of
-	-- another type). The reads leave each bucket's full, cost, ban and
-	-- beyond in ARGV as numbers, an override's full and cost in place of
-	-- the shape's, and its name in names, for the writes.
-	local names = {}
-	for i = 1, nb do
-		local x, h = ab + 8 * (i - 1), KEYS[kb + 2 * (i - 1)]
-		local full, cost, ban, beyond = tonumber(ARGV[x + 1]), tonumber(ARGV[x + 2]), tonumber(ARGV[x + 3]), tonumber(ARGV[x + 4])
-		local shapefull, token = full, tonumber(ARGV[x + 7])
-		local otoken, oburst = 0, 0
-		local okey = KEYS[kb + 2 * (i - 1) + 1]
-		local o = okey ~= h and redis.pcall('GET', okey)
-		if type(o) == 'string' then
-			local c = string.find(o, ':', 1, true)
-			local e = c and string.find(o, ':', c + 1, true)
-			local t, b = c and tonumber(string.sub(o, 1, c - 1)), e and tonumber(string.sub(o, c + 1, e - 1))
-			if t and b and t > 0 and b > 0 then
-				if t ~= token then
-					cost = cost / token * t
+			local key = KEYS[kc + 2 * (j - 1)]
+			local v = redis.pcall('HMGET', key, 'w', 'n')
+			local w, used = nil, 0
+			if v.err then
+				reply[2] = reply[2] + 1
+				redis.call('DEL', key)
+			else
+				w, used = tonumber(v[1]), tonumber(v[2]) or 0
+			end
+			if w and w * 1000 >= e then
+				e = w * 1000 -- a window Redis's clock already counted in
+			else
+				-- Written whole at the first write: from 0, or from what
+				-- the untagged key counted in this window.
+				used, cstale[j] = 0, true
+				local u = not w and redis.pcall('HMGET', KEYS[kc + 2 * (j - 1) + 1], 'w', 'n')
+				if u and not u.err and tonumber(u[1]) and tonumber(u[1]) * 1000 == e then
+					used = tonumber(u[2]) or 0
 				end
-				otoken, oburst, full = t, b, t * b
 			end
-		end
-		local v, name, bad = load(h, ARGV[x])
-		local d, moved, nothing = owed(v, name, full, token, shapefull, ARGV[x + 6] == '1', otoken)
-		local state = (bad or nothing) and 4 or 0
-		local most = full + ban + beyond
-		local debt = math.min(math.max(d, 0), most)
-		if moved or d > most then
-			state = state + 2
-		end
-		if take and debt + cost > full + tonumber(ARGV[x + 5]) then
-			reply[r + 1] = 0
-			if ban > 0 and debt <= full then
-				state = state + 1
+			if take and used + ARGV[x + 1] > tonumber(ARGV[x]) then
+				reply[r + 1] = 0
 			end
+			cused[j], cend[j] = used, e
 		end
-		local y = r + 4 * i - 2
-		reply[y], reply[y + 1], reply[y + 2], reply[y + 3] = debt, state, otoken, oburst
-		ARGV[x + 1], ARGV[x + 2], ARGV[x + 3], ARGV[x + 4], names[i] = full, cost, ban, beyond, name
-	end
-	local allowed = reply[r + 1] == 1
 
-	-- Slot sets: count the live leases, trimming the ended ones, and refuse
-	-- the request when a set that is not soft is full and the buckets and
-	-- counters allowed it.
-	local sused = {}
-	if take then
+		-- Buckets, read and decided before anything is written. Until the
+		-- writes, reply[r + 4i - 2 .. r + 4i + 1] hold bucket i's debt, its
+		-- state, and the token and burst of its override (0 and 0 for none);
+		-- its state is 1 short (it lacked the tokens, and its ban starts),
+		-- plus 2 moved (it owed more than it may, or was written under
+		-- another limit), plus 4 bad (it held no instant, or its hash was of
+		-- another type). The reads leave each bucket's full, cost, ban and
+		-- beyond in ARGV as numbers, an override's full and cost in place of
+		-- the shape's, and its name in names, for the writes.
+		local names = {}
+		for i = 1, nb do
+			local x, h = ab + 8 * (i - 1), KEYS[kb + 2 * (i - 1)]
+			local full, cost, ban, beyond = tonumber(ARGV[x + 1]), tonumber(ARGV[x + 2]), tonumber(ARGV[x + 3]), tonumber(ARGV[x + 4])
+			local shapefull, token = full, tonumber(ARGV[x + 7])
+			local otoken, oburst = 0, 0
+			local okey = KEYS[kb + 2 * (i - 1) + 1]
+			local o = okey ~= h and redis.pcall('GET', okey)
+			if type(o) == 'string' then
+				local c = string.find(o, ':', 1, true)
+				local e = c and string.find(o, ':', c + 1, true)
+				local t, b = c and tonumber(string.sub(o, 1, c - 1)), e and tonumber(string.sub(o, c + 1, e - 1))
+				if t and b and t > 0 and b > 0 then
+					if t ~= token then
+						cost = cost / token * t
+					end
+					otoken, oburst, full = t, b, t * b
+				end
+			end
+			local v, name, bad = load(h, ARGV[x])
+			local d, moved, nothing = owed(v, name, full, token, shapefull, ARGV[x + 6] == '1', otoken)
+			local state = (bad or nothing) and 4 or 0
+			local most = full + ban + beyond
+			local debt = math.min(math.max(d, 0), most)
+			if moved or d > most then
+				state = state + 2
+			end
+			if take and debt + cost > full + tonumber(ARGV[x + 5]) then
+				reply[r + 1] = 0
+				if ban > 0 and debt <= full then
+					state = state + 1
+				end
+			end
+			local y = r + 4 * i - 2
+			reply[y], reply[y + 1], reply[y + 2], reply[y + 3] = debt, state, otoken, oburst
+			ARGV[x + 1], ARGV[x + 2], ARGV[x + 3], ARGV[x + 4], names[i] = full, cost, ban, beyond, name
+		end
+		local allowed = reply[r + 1] == 1
+
+		-- Slot sets: count the live leases, trimming the ended ones, and refuse
+		-- the request when a set that is not soft is full and the buckets and
+		-- counters allowed it.
+		local sused = {}
+		if take then
+			for j = 1, ns do
+				local x, key = as + 1 + 3 * (j - 1), KEYS[ks + j - 1]
+				local trimmed = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
+				if type(trimmed) == 'table' then
+					reply[2] = reply[2] + 1
+					redis.call('DEL', key)
+				end
+				local used = redis.call('ZCARD', key)
+				if allowed and used >= tonumber(ARGV[x]) and ARGV[x + 2] ~= '1' then
+					allowed, reply[r + 1] = false, 0
+				end
+				sused[j] = used
+			end
+		end
+
+		-- Buckets: save. A bucket that owes debt is saved as the instant now +
+		-- debt; debt <= 0 deletes it.
+		for i = 1, nb do
+			local x, y = ab + 8 * (i - 1), r + 4 * i - 2
+			local debt, state = reply[y], reply[y + 1]
+			local short = state % 2 == 1
+			local write = true
+			local full, cost, ban = ARGV[x + 1], ARGV[x + 2], ARGV[x + 3]
+			if adjust then
+				if cost >= 0 then
+					debt = math.min(debt + cost, full + ban + ARGV[x + 4])
+				elseif ban == 0 or debt <= full then
+					debt = math.max(debt + cost, 0)
+				else
+					write = state >= 2 -- banned: only a repair
+				end
+			elseif take and allowed then
+				debt = debt + cost
+			elseif short then
+				debt = full + ban
+			elseif not take or state < 2 then
+				write = false -- else saved as read: moved, or a bad one as full
+			end
+			if write then
+				local suffix = ''
+				if ARGV[x + 6] == '1' then
+					suffix = string.format(':%d', full)
+				elseif reply[y + 2] > 0 then
+					suffix = string.format(':%d:%d', full, reply[y + 2])
+				end
+				save(KEYS[kb + 2 * (i - 1)], ARGV[x], names[i], debt, suffix)
+			end
+			if state >= 4 then
+				reply[2] = reply[2] + 1
+			end
+			reply[y], reply[y + 1] = debt, short and 1 or 0
+		end
+
+		-- Counters: count, and reply.
+		for j = 1, nc do
+			local x = ac + 6 * (j - 1)
+			local key, used, e, cost = KEYS[kc + 2 * (j - 1)], cused[j], cend[j], tonumber(ARGV[x + 1])
+			-- Numbers are written with %d: Redis would turn one of more than 14
+			-- digits into an exponent.
+			if take and allowed or adjust and cost > 0 then
+				used = used + cost
+				local w = string.format('%d', math.ceil(e / 1000))
+				if cstale[j] then
+					redis.call('HSET', key, 'w', w, 'n', string.format('%d', used))
+				else
+					redis.call('HINCRBY', key, 'n', ARGV[x + 1])
+				end
+				redis.call('PEXPIREAT', key, w)
+			elseif adjust and cost < 0 and used > 0 then
+				used = math.max(used + cost, 0)
+				if cstale[j] then -- carried over from the untagged key: written whole, 0 too
+					local w = string.format('%d', math.ceil(e / 1000))
+					redis.call('HSET', key, 'w', w, 'n', string.format('%d', used))
+					redis.call('PEXPIREAT', key, w)
+				elseif used == 0 then
+					redis.call('DEL', key)
+				else
+					redis.call('HSET', key, 'n', string.format('%d', used))
+				end
+			end
+			reply[cr + 2 * j - 1], reply[cr + 2 * j] = used, (e - clock) * 1000
+		end
+
+		-- Slots: take, and reply.
 		for j = 1, ns do
 			local x, key = as + 1 + 3 * (j - 1), KEYS[ks + j - 1]
-			local trimmed = redis.pcall('ZREMRANGEBYSCORE', key, '-inf', now)
-			if type(trimmed) == 'table' then
-				repaired()
-				redis.call('DEL', key)
+			local limit = tonumber(ARGV[x])
+			local used, held = sused[j] or 0, 0
+			if take and allowed and used < limit then
+				redis.call('ZADD', key, now + math.floor(ARGV[x + 1] / 1000), ARGV[as])
+				used, held = used + 1, 1
+				-- The set lives as long as its longest lease.
+				local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+				redis.call('PEXPIRE', key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1))
 			end
-			local used = redis.call('ZCARD', key)
-			if allowed and used >= tonumber(ARGV[x]) and ARGV[x + 2] ~= '1' then
-				allowed, reply[r + 1] = false, 0
-			end
-			sused[j] = used
+			reply[sr + 2 * j - 1], reply[sr + 2 * j] = held, math.max(limit - used, 0)
 		end
 	end
 
-	-- Buckets: save. A bucket that owes debt is saved as the instant now +
-	-- debt; debt <= 0 deletes it.
-	for i = 1, nb do
-		local x, y = ab + 8 * (i - 1), r + 4 * i - 2
-		local debt, state = reply[y], reply[y + 1]
-		local short = state % 2 == 1
-		local write = true
-		local full, cost, ban = ARGV[x + 1], ARGV[x + 2], ARGV[x + 3]
-		if adjust then
-			if cost >= 0 then
-				debt = math.min(debt + cost, full + ban + ARGV[x + 4])
-			elseif ban == 0 or debt <= full then
-				debt = math.max(debt + cost, 0)
-			else
-				write = state >= 2 -- banned: only a repair
-			end
-		elseif take and allowed then
-			debt = debt + cost
-		elseif short then
-			debt = full + ban
-		elseif not take or state < 2 then
-			write = false -- else saved as read: moved, or a bad one as full
+	-- The slots of one request go back.
+	function release()
+		local ns, id, n = tonumber(ARGV[a + 1]), ARGV[a + 2], 0
+		for j = 0, ns - 1 do
+			n = n + redis.call('ZREM', KEYS[k + j], id)
 		end
-		if write then
-			local suffix = ''
-			if ARGV[x + 6] == '1' then
-				suffix = string.format(':%d', full)
-			elseif reply[y + 2] > 0 then
-				suffix = string.format(':%d:%d', full, reply[y + 2])
-			end
-			save(KEYS[kb + 2 * (i - 1)], ARGV[x], names[i], debt, suffix)
-		end
-		if state >= 4 then
-			repaired()
-		end
-		reply[y], reply[y + 1] = debt, short and 1 or 0
+		a, k = a + 3, k + ns
+		reply[#reply + 1] = n
 	end
-
-	-- Counters: count, and reply.
-	for j = 1, nc do
-		local x = ac + 6 * (j - 1)
-		local key, used, e, cost = KEYS[kc + 2 * (j - 1)], cused[j], cend[j], tonumber(ARGV[x + 1])
-		-- Numbers are written with %d: Redis would turn one of more than 14
-		-- digits into an exponent.
-		if take and allowed or adjust and cost > 0 then
-			used = used + cost
-			local w = string.format('%d', math.ceil(e / 1000))
-			if cstale[j] then
-				redis.call('HSET', key, 'w', w, 'n', string.format('%d', used))
-			else
-				redis.call('HINCRBY', key, 'n', ARGV[x + 1])
-			end
-			redis.call('PEXPIREAT', key, w)
-		elseif adjust and cost < 0 and used > 0 then
-			used = math.max(used + cost, 0)
-			if cstale[j] then -- carried over from the untagged key: written whole, 0 too
-				local w = string.format('%d', math.ceil(e / 1000))
-				redis.call('HSET', key, 'w', w, 'n', string.format('%d', used))
-				redis.call('PEXPIREAT', key, w)
-			elseif used == 0 then
-				redis.call('DEL', key)
-			else
-				redis.call('HSET', key, 'n', string.format('%d', used))
-			end
-		end
-		reply[cr + 2 * j - 1], reply[cr + 2 * j] = used, (e - clock) * 1000
-	end
-
-	-- Slots: take, and reply.
-	for j = 1, ns do
-		local x, key = as + 1 + 3 * (j - 1), KEYS[ks + j - 1]
-		local limit = tonumber(ARGV[x])
-		local used, held = sused[j] or 0, 0
-		if take and allowed and used < limit then
-			redis.call('ZADD', key, now + math.floor(ARGV[x + 1] / 1000), ARGV[as])
-			used, held = used + 1, 1
-			-- The set lives as long as its longest lease.
-			local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-			redis.call('PEXPIRE', key, math.max(math.ceil((tonumber(last[2]) - now) / 1000), 1))
-		end
-		reply[sr + 2 * j - 1], reply[sr + 2 * j] = held, math.max(limit - used, 0)
-	end
-end
-
--- The slots of one request go back.
-local function release()
-	local ns, id, n = tonumber(ARGV[a + 1]), ARGV[a + 2], 0
-	for j = 0, ns - 1 do
-		n = n + redis.call('ZREM', KEYS[k + j], id)
-	end
-	a, k = a + 3, k + ns
-	reply[#reply + 1] = n
 end
 
 while a <= #ARGV do
 	local op = ARGV[a]
-	local n = tonumber(op)
+	local n = op == '1' and 1 or tonumber(op)
 	if n then
 		a = a + 1
 		plain(n)
@@ -576,56 +680,13 @@ end
 
 -- The buckets written, each once. A hash of another type is deleted
 -- first.
-local nowdigits -- now in the instants' digits, for purges
--- PEXPIRE's NX and GT (Redis 7.0, Valkey) set the expiry without reading it.
-local expiryflags = (redis.REDIS_VERSION_NUM or 0) >= 0x070000
-for i = 1, #order do
-	local name = order[i]
-	local h, field, v = hashes[name], fields[name], values[name]
-	if wrong[h] then
+for i = 1, #order, 3 do
+	local name, h, field = order[i], order[i + 1], order[i + 2]
+	if wrong and wrong[h] then
 		redis.call('DEL', h)
 		wrong[h] = nil
 	end
-	if not v then
-		redis.call('HDEL', h, field)
-	else
-		local us = math.floor(v / 1000)
-		local added = redis.call('HSET', h, field, string.format('%d%03d', now + us, v - us * 1000) .. suffixes[name])
-		-- The hash lives as long as its longest debt: whether it had
-		-- an expiry (did HSET make it?) tells a new bucket among others.
-		local ttl, others = math.ceil(v / 1000000), false
-		if expiryflags then
-			if added == 0 or redis.call('PEXPIRE', h, ttl, 'NX') == 0 then
-				others = added == 1
-				redis.call('PEXPIRE', h, ttl, 'GT')
-			end
-		else
-			local left = redis.call('PTTL', h) -- -1: HSET made the hash
-			if left < ttl then
-				redis.call('PEXPIRE', h, ttl)
-			end
-			others = added == 1 and left >= 0
-		end
-		if others then
-			-- A new bucket in a hash that has others: remove the buckets
-			-- full again among three of the hash's, taken at random.
-			-- Instants of as many digits compare as strings.
-			if not nowdigits then
-				nowdigits = string.format('%d000', now)
-			end
-			local r = redis.call('HRANDFIELD', h, 3, 'WITHVALUES')
-			for j = 2, #r, 2 do
-				local w = r[j]
-				local c = string.find(w, ':', 1, true)
-				if c then
-					w = string.sub(w, 1, c - 1)
-				end
-				if #w < #nowdigits or #w == #nowdigits and w <= nowdigits then
-					redis.call('HDEL', h, r[j - 1])
-				end
-			end
-		end
-	end
+	write(h, field, values[name], saved[name])
 end
 
 return reply

@@ -124,7 +124,7 @@ const probeKey = "{rate_limit}probe"
 
 // ping is one probe.
 func (c *Client) ping(ctx context.Context) error {
-	if err := c.scripts.decide.Run(ctx, c.UniversalClient, nil, "", 0).Err(); err != nil { // no decisions
+	if err := c.scripts.decide.Run(ctx, c.UniversalClient, nil, "", 0, 0).Err(); err != nil { // no decisions
 		return err
 	}
 	return c.PExpire(ctx, probeKey, time.Millisecond).Err()

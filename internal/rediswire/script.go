@@ -402,7 +402,13 @@ func (m *command) build() []any {
 		}
 	}
 	m.cmd[2] = count(len(m.cmd) - 3)
-	m.cmd = append(m.cmd, m.calls[0].clock, count(len(m.shapes)))
+	others := 0 // decisions that are not plain takes
+	for _, c := range m.calls {
+		if !c.plain {
+			others++
+		}
+	}
+	m.cmd = append(m.cmd, m.calls[0].clock, count(others), count(len(m.shapes)))
 	for _, sh := range m.shapes {
 		m.cmd = append(m.cmd, sh.args[0], sh.args[1], sh.args[7])
 	}
