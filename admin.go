@@ -35,9 +35,11 @@ func init() {
 //	GET    /rate_limit/<zone>/<key>/limit  the key's own limit
 //	DELETE /rate_limit/<zone>/<key>/limit  give the key the zone's limit back
 //
-// Keys are path-escaped (an IPv6 network's "/" as %2F). A key is taken as
-// a request's key would be: an IP address finds its network's bucket, and
-// so does the network itself in CIDR notation. A DELETE of a bucket that
+// Keys are path-escaped (an IPv6 network's "/" as %2F), and a zone or key
+// named . or .. as %2E or %2E%2E, which a path would read as a step to
+// this folder or the one up. A key is taken as a request's key would be:
+// an IP address finds its network's bucket, and so does the network
+// itself in CIDR notation. A DELETE of a bucket that
 // is full already answers 404, and so does one of a limit the key does
 // not have. Keys named top or limits are written with a letter escaped
 // (%74op, %6Cimits).

@@ -134,16 +134,28 @@ func limitFlags(c *cobra.Command) ([]byte, error) {
 }
 
 // zonePath and keyPath are the admin API's paths of a zone and a key:
-// names escaped, and a key named top or limits with its first letter
-// escaped, so that it is read as a key.
-func zonePath(zone string) string { return "/rate_limit/" + url.PathEscape(zone) }
+// names escaped (segment), and a key named top or limits with its first
+// letter escaped, so that it is read as a key.
+func zonePath(zone string) string { return "/rate_limit/" + segment(zone) }
 
 func keyPath(zone, key string) string {
-	k := url.PathEscape(key)
+	k := segment(key)
 	if key == "top" || key == "limits" {
 		k = fmt.Sprintf("%%%02X", key[0]) + key[1:]
 	}
 	return zonePath(zone) + "/" + k
+}
+
+// segment is a name as one segment of a path. url.PathEscape leaves "."
+// and ".." as they are, and a path reads those as this folder and the
+// one up: Caddy's admin endpoint would clean them away and answer for
+// another path (get <zone> .. printed every zone). Their dots escaped,
+// they are names like any other.
+func segment(name string) string {
+	if name == "." || name == ".." {
+		return strings.Repeat("%2E", len(name))
+	}
+	return url.PathEscape(name)
 }
 
 // adminCall sends a request to the admin API and prints its answer: as

@@ -20,8 +20,8 @@ import (
 
 // The caddy rate-limit command against a real Caddy built from
 // ./cmd/caddy: its tables and JSON, its exit codes for an unknown zone
-// and an admin API that cannot be reached; and a key's own limit of the
-// local store across a restart.
+// and an admin API that cannot be reached; a key's own limit of the
+// local store across a restart; and zones and keys named . and .. .
 func TestRateLimitCommand(t *testing.T) {
 	if testing.Short() {
 		t.Skip("builds and runs Caddy")
@@ -35,6 +35,16 @@ http://127.0.0.1:%d {
 			key {http.request.header.X-Key}
 			rate 1r/m
 			burst 2
+		}
+		zone . {
+			key {http.request.header.X-Key}
+			rate 1r/m
+			burst 100
+		}
+		zone .. {
+			key {http.request.header.X-Key}
+			rate 1r/m
+			burst 100
 		}
 		store local {
 			persist_interval 200ms
@@ -197,4 +207,32 @@ http://127.0.0.1:%d {
 	}
 	ok("reset", "cmd", "alice")
 	spend("alice", 200)
+
+	// Zones and keys named . and ..: each a name, not this path or the
+	// one up (which the admin endpoint would answer for).
+	spend(".", 200)
+	spend("..", 200)
+	for _, zone := range []string{"cmd", ".", ".."} {
+		for _, key := range []string{".", ".."} {
+			var got struct{ Zone, Key, Bucket string }
+			if err := json.Unmarshal([]byte(ok("get", zone, key, "--json")), &got); err != nil || got.Zone != zone || got.Key != key || got.Bucket != key {
+				t.Fatalf("get %q %q: %+v, %v", zone, key, got, err)
+			}
+			ok("reset", zone, key)
+			var set struct {
+				Zone, Key string
+				Burst     int64
+			}
+			if err := json.Unmarshal([]byte(ok("limit", zone, key, "--burst", "7", "--json")), &set); err != nil || set.Zone != zone || set.Key != key || set.Burst != 7 {
+				t.Fatalf("limit %q %q: %+v, %v", zone, key, set, err)
+			}
+			if out := ok("get", zone, key); !strings.Contains(out, "override.burst") {
+				t.Fatalf("get %q %q: no own limit in\n%s", zone, key, out)
+			}
+			ok("unlimit", zone, key)
+		}
+		if out := ok("top", zone); !strings.Contains(out, "DENIALS") {
+			t.Fatalf("top %q:\n%s", zone, out)
+		}
+	}
 }

@@ -434,10 +434,12 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 }
 
 // hostileKeys are keys that might end a cluster hash tag early, start
-// another, look like the escapes the store writes, or break a protocol.
+// another, look like the escapes the store writes, name a long key as
+// the store hashes it, or break a protocol.
 var hostileKeys = []string{
 	"}evil", "{", "}", "{}", ":", "%", "%7D", "a}", "a%7D", "%25", "%%7D",
 	"\r", "\n", "\x00", "a\r\nb", "\x00}{", strings.Repeat("k", 1<<20), strings.Repeat("k", 1<<20-1) + "}",
+	hashOf(strings.Repeat("k", 1<<20)), "#" + hashOf(strings.Repeat("k", 1<<20)),
 }
 
 // A key of hostile bytes is limited exactly like a plain one, on one

@@ -5,7 +5,9 @@ package ratelimit
 
 import (
 	"context"
+	"crypto/sha256"
 	"encoding/base64"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -415,6 +417,13 @@ func waitLoaded(t *testing.T, tester *caddytest.Tester) {
 	// those it may have kept alive.
 	http.DefaultClient.CloseIdleConnections()
 	tester.Client.CloseIdleConnections()
+}
+
+// hashOf is the 32 hex digits of a key's SHA-256 that the Redis store
+// names a hashed key by.
+func hashOf(key string) string {
+	sum := sha256.Sum256([]byte(key))
+	return hex.EncodeToString(sum[:16])
 }
 
 // buildCaddy builds ./cmd/caddy into a temporary folder, and returns the

@@ -7,9 +7,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -181,6 +184,92 @@ func TestOverridesAcrossInstances(t *testing.T) {
 	list := adminSend(t, "GET", "/rate_limit/ov-shared/limits", "", 200)
 	if got := list["overrides"].([]any); len(got) != 2 {
 		t.Fatalf("the zone lists %v, want the 2 keys' own limits left", got)
+	}
+}
+
+// With the Redis store, a key longer than 128 bytes (hashed) and the key
+// of its hash's 32 hex digits, or of '#' and them, keep buckets and own
+// limits apart, through a real Caddy; keys that start with '#' work like
+// any other; and the list of own limits names each key so that the admin
+// API finds its limit again, as the list of top keys does.
+func TestRedisLongKeyApartFromItsHash(t *testing.T) {
+	r := startRedis(t)
+	loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
+		{"name":"ov-hashed","key":"{http.request.header.X-Key}","rate":"1r/m","burst":2}],
+		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"ovh:"}},
+		{"handler":"static_response","body":"ok"}`))
+	c := &http.Client{Timeout: 10 * time.Second}
+	long := strings.Repeat("k", 200)
+	digits := hashOf(long)
+	keys := []string{long, digits, "#" + digits, "##" + digits, "#foo"}
+	path := func(key string) string { return "/rate_limit/ov-hashed/" + url.PathEscape(key) }
+	for _, key := range keys {
+		for i, want := range []int{200, 200, 429} {
+			if code, _, _ := hit(t, c, "/", "192.0.2.9", "X-Key", key); code != want {
+				t.Fatalf("request %d of %.40q: %d, want %d: a bucket of its own, burst 2", i+1, key, code, want)
+			}
+		}
+	}
+	// Own limits: each key's, and none of the others'.
+	bursts := map[string]float64{long: 5, digits: 3, "#" + digits: 4, "#foo": 6}
+	for key, burst := range bursts {
+		adminSend(t, "PUT", path(key)+"/limit", fmt.Sprintf(`{"burst":%g}`, burst), 200)
+	}
+	adminSend(t, "GET", path("##"+digits)+"/limit", "", 404)
+	// spent checks the key's bucket as GET reads it: its burst, 2 tokens
+	// spent.
+	spent := func(key string, v map[string]any) {
+		t.Helper()
+		want := bursts[key]
+		if want == 0 {
+			want = 2 // the zone's
+		}
+		if v["key"] != key || v["burst"] != want || v["tokens"].(float64) > want-2+0.5 {
+			t.Fatalf("%.40q reads %v, want burst %g with 2 tokens spent", key, v, want)
+		}
+	}
+	for _, key := range keys {
+		spent(key, adminSend(t, "GET", path(key), "", 200))
+	}
+	if code, _, _ := hit(t, c, "/", "192.0.2.9", "X-Key", digits); code != 200 {
+		t.Fatalf("%s under its own burst of 3: %d", digits, code)
+	}
+	if code, _, _ := hit(t, c, "/", "192.0.2.9", "X-Key", "##"+digits); code != 429 {
+		t.Fatalf("##%s, with the zone's limit: %d", digits, code)
+	}
+	// Listed as they are: each names its own limit.
+	list := adminSend(t, "GET", "/rate_limit/ov-hashed/limits", "", 200)["overrides"].([]any)
+	if len(list) != len(bursts) {
+		t.Fatalf("the zone lists %v, want %d keys", list, len(bursts))
+	}
+	for _, o := range list {
+		o := o.(map[string]any)
+		key, _ := o["key"].(string)
+		if o["burst"] != bursts[key] {
+			t.Fatalf("listed %v, want the burst of %.40q: %g", o, key, bursts[key])
+		}
+		if v := adminSend(t, "GET", path(key)+"/limit", "", 200); v["burst"] != bursts[key] || v["key"] != key {
+			t.Fatalf("GET of %.40q as listed: %v", key, v)
+		}
+	}
+	// The top keys, but the long one, which the list holds cut short
+	// (topkeys.go).
+	top := adminSend(t, "GET", "/rate_limit/ov-hashed/top", "", 200)["top"].([]any)
+	named := 0
+	for _, o := range top {
+		if key := o.(map[string]any)["key"].(string); slices.Contains(keys[1:], key) {
+			spent(key, adminSend(t, "GET", path(key), "", 200))
+			named++
+		}
+	}
+	if named != len(keys)-1 {
+		t.Fatalf("top lists %v, want %d of the keys as they are", top, len(keys)-1)
+	}
+	// Removed, each alone.
+	adminSend(t, "DELETE", path(long)+"/limit", "", 200)
+	adminSend(t, "DELETE", path(long)+"/limit", "", 404)
+	if v := adminSend(t, "GET", path(digits)+"/limit", "", 200); v["burst"] != float64(3) {
+		t.Fatalf("%s after the long key's limit was removed: %v", digits, v)
 	}
 }
 

@@ -144,7 +144,7 @@ func (s *RedisStore) forgetKey(zone int, key bucketKey) {
 
 func (s *RedisStore) setOverride(ctx context.Context, now time.Time, zone int, key bucketKey, o override) error {
 	rz := &s.zones[zone]
-	stored := s.keys.Stored(key.String())
+	listed := s.keys.Listed(key.String())
 	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
 	index := s.keys.Limits(rz.field)
 	score := math.Inf(1)
@@ -155,14 +155,14 @@ func (s *RedisStore) setOverride(ctx context.Context, now time.Time, zone int, k
 	var added, count *redis.IntCmd
 	if _, err := s.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
 		p.ZRemRangeByScore(ctx, index, "-inf", "("+strconv.FormatInt(now.UnixMilli(), 10))
-		added = p.ZAdd(ctx, index, redis.Z{Score: score, Member: stored})
+		added = p.ZAdd(ctx, index, redis.Z{Score: score, Member: listed})
 		count = p.ZCard(ctx, index)
 		return nil
 	}); err != nil {
 		return err
 	}
 	if added.Val() == 1 && count.Val() > rz.maxOverrides {
-		return errors.Join(errTooManyOverrides, s.client.ZRem(ctx, index, stored).Err())
+		return errors.Join(errTooManyOverrides, s.client.ZRem(ctx, index, listed).Err())
 	}
 	defer s.forgetKey(zone, key)
 	// Read from now on, until a poll asked after the override was listed
@@ -179,7 +179,7 @@ func (s *RedisStore) deleteOverride(ctx context.Context, _ time.Time, zone int, 
 	if err != nil {
 		return false, err
 	}
-	return n > 0, s.client.ZRem(ctx, s.keys.Limits(rz.field), s.keys.Stored(key.String())).Err()
+	return n > 0, s.client.ZRem(ctx, s.keys.Limits(rz.field), s.keys.Listed(key.String())).Err()
 }
 
 func (s *RedisStore) override(ctx context.Context, zone int, key bucketKey) (override, bool, error) {
@@ -220,17 +220,17 @@ func (s *RedisStore) overrides(ctx context.Context, zone int) ([]keyOverride, er
 		keys = keys[len(part):]
 		gets, ttls := make([]*redis.StringCmd, len(part)), make([]*redis.DurationCmd, len(part))
 		if _, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
-			for i, stored := range part {
-				limitKey := s.keys.StoredLimit(rz.field, stored)
+			for i, listed := range part {
+				limitKey := s.keys.ListedLimit(rz.field, listed)
 				gets[i], ttls[i] = p.Get(ctx, limitKey), p.PTTL(ctx, limitKey)
 			}
 			return nil
 		}); err != nil && !errors.Is(err, redis.Nil) {
 			return nil, err
 		}
-		for i, stored := range part {
+		for i, listed := range part {
 			if o, ok := parseOverride(gets[i].Val(), ttls[i].Val(), now); ok && gets[i].Err() == nil {
-				out = append(out, keyOverride{stored, o})
+				out = append(out, keyOverride{listed, o})
 			}
 		}
 	}

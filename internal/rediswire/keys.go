@@ -23,7 +23,8 @@ import (
 // `<prefix>{<zone>:<shape>:}:limits`.
 //
 // The key never chooses its slot: the hash tag is the group, four hex
-// digits of a fixed hash of the key, whatever the key's bytes.
+// digits of a fixed hash of the key, whatever the key's bytes; nor does
+// it choose another key's names (see Stored).
 type Keys struct {
 	Prefix string
 	// Hash makes every key its SHA-256 (128 bits, in hex); keys longer
@@ -53,22 +54,64 @@ func (n Keys) BucketLimit(zone, key string) (hash, field, limit string) {
 // LimitSuffix ends the key of an override.
 const LimitSuffix = ":limit"
 
-// Stored is key as the names hold it: its SHA-256 when keys are hashed.
+// Stored is key as the names hold it, one name for each key. With Hash,
+// it is the key's SHA-256 in 32 hex digits. Without, a key longer than
+// HashLongerThan is '#' and those digits, and a shorter key is itself,
+// unless it is '#'s and 32 hex digits: that could be the name of a long
+// key, or of another such key, so it gets one '#' more. (Builds before
+// named a long key as the key of its 32 digits: only long keys and
+// these are named anew.)
 func (n Keys) Stored(key string) string {
 	if n.Hash || len(key) > HashLongerThan {
 		sum := sha256.Sum256([]byte(key))
-		return hex.EncodeToString(sum[:16])
+		if n.Hash {
+			return hex.EncodeToString(sum[:16])
+		}
+		return "#" + hex.EncodeToString(sum[:16])
+	}
+	if hashLike(key) {
+		return "#" + key
 	}
 	return key
 }
 
-// StoredLimit is the key of the override of a key as the names hold it
-// (Stored): what the list of a zone's overrides holds.
-func (n Keys) StoredLimit(zone, stored string) string { return n.named(zone, stored, LimitSuffix) }
+// hashLike reports whether s is one '#' or more, then 32 lowercase hex
+// digits: a key whose stored name gets a '#' more.
+func hashLike(s string) bool {
+	h := strings.TrimLeft(s, "#")
+	if len(h) != 32 || len(h) == len(s) {
+		return false
+	}
+	for i := 0; i < len(h); i++ {
+		if c := h[i]; (c < '0' || c > '9') && (c < 'a' || c > 'f') {
+			return false
+		}
+	}
+	return true
+}
+
+// Listed is key as the list of a zone's overrides holds it: the key
+// itself, so that the admin API lists a key it can be given, long ones
+// too; with Hash, as stored, so that the list holds no key either.
+func (n Keys) Listed(key string) string {
+	if n.Hash {
+		return n.Stored(key)
+	}
+	return key
+}
+
+// ListedLimit is the key of the override of a key as the list of the
+// zone's overrides holds it (Listed).
+func (n Keys) ListedLimit(zone, listed string) string {
+	if n.Hash {
+		return n.named(zone, listed, LimitSuffix)
+	}
+	return n.name(zone, listed, LimitSuffix)
+}
 
 // Limits is the sorted set that lists the overrides of a zone whose
 // buckets' fields start with zone (see BucketField): their keys as
-// stored, scored by when they end (ms since 1970; +inf for never). Its
+// Listed, scored by when they end (ms since 1970; +inf for never). Its
 // hash tag is zone, escaped, so it is named as no other key.
 func (n Keys) Limits(zone string) string {
 	return n.Prefix + "{" + escapeTag(zone, "%{}") + "}:limits"
