@@ -88,7 +88,7 @@ const (
 	usageNotJSON           // the response is neither JSON nor an event stream
 	usageEncoded           // the response is compressed
 	usageTooLong           // the JSON body is over maxUsageBody
-	usageCut               // the response did not end: the client left, or the upstream failed
+	usageCut               // the response was cut off before its usage: the client left, or the upstream failed
 )
 
 var noUsageReasons = [...]string{
@@ -97,7 +97,7 @@ var noUsageReasons = [...]string{
 	usageNotJSON:   "the response is neither JSON nor an event stream",
 	usageEncoded:   "the response is compressed (Content-Encoding): put rate_limit after encode, or have the upstream not compress",
 	usageTooLong:   "the JSON body is over 1 MiB",
-	usageCut:       "the response did not end: the client left or the upstream failed",
+	usageCut:       "the response was cut off before its usage: the client left or the upstream failed",
 }
 
 // usageScan finds a zone's usage in a response as it passes, holding at
@@ -170,13 +170,13 @@ func (s *usageScan) write(p []byte) {
 }
 
 // end reads the end of the response, of header h: whole says whether it
-// ended as it should. It reports the usage, or why there is none.
+// ended as it should. It reports the usage, or why there is none. A
+// response cut off still has the usage read before the cut: a stream's
+// complete event, a JSON text that had ended. The client had it, and
+// could leave before the last bytes just to be charged less.
 func (s *usageScan) end(h http.Header, whole bool) (int64, noUsage) {
 	if s.mode == scanStart {
 		s.start(h)
-	}
-	if !whole && s.mode != scanHeader {
-		return 0, usageCut
 	}
 	switch s.mode {
 	case scanHeader:
@@ -194,10 +194,13 @@ func (s *usageScan) end(h http.Header, whole bool) (int64, noUsage) {
 		}
 		return s.json.result()
 	case scanEvents:
-		if !s.events.found {
-			return 0, cmpReason(s.events.why, usageNoField)
+		switch {
+		case s.events.found:
+			return s.events.value, usageFound
+		case !whole:
+			return 0, usageCut
 		}
-		return s.events.value, usageFound
+		return 0, cmpReason(s.events.why, usageNoField)
 	}
 	return 0, s.why
 }

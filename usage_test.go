@@ -152,8 +152,8 @@ func TestUsageNotRead(t *testing.T) {
 	if got, why := scanUsage(u, "application/problem+json", `{"n":1}`, 0, true); why != usageFound || got != 1 {
 		t.Fatalf("+json: %d, %q", got, noUsageReasons[why])
 	}
-	if _, why := scanUsage(u, "application/json", `{"n":1}`, 0, false); why != usageCut {
-		t.Fatalf("a response that did not end: %q", noUsageReasons[why])
+	if _, why := scanUsage(u, "application/json", `{"n":1`, 0, false); why != usageCut {
+		t.Fatalf("a response cut off in its JSON text: %q", noUsageReasons[why])
 	}
 	long := `{"pad":"` + strings.Repeat("x", maxUsageBody) + `","n":1}`
 	if _, why := scanUsage(u, "application/json", long, 4096, true); why != usageTooLong {
@@ -166,6 +166,31 @@ func TestUsageNotRead(t *testing.T) {
 	s.start(h)
 	if _, why := s.end(h, true); why != usageEncoded {
 		t.Fatalf("gzip: %q", noUsageReasons[why])
+	}
+}
+
+// A response cut off has the usage read before the cut: that of a JSON
+// text that had ended, of a stream's last complete event with the path;
+// one cut before has none.
+func TestUsageCutOff(t *testing.T) {
+	usage := `data: {"usage":{"total_tokens":45}}` + "\n\n"
+	for _, tc := range []struct {
+		name, ct, body string
+		want           int64
+		why            noUsage
+	}{
+		{"a JSON text that had ended", "application/json", `{"n":0,"usage":{"total_tokens":12}} `, 12, usageFound},
+		{"a JSON text cut off", "application/json", `{"usage":{"total_tokens":12}`, 0, usageCut},
+		{"a JSON text cut off in the number", "application/json", `{"usage":{"total_tokens":12`, 0, usageCut},
+		{"a stream after its usage event", "text/event-stream", "data: {}\n\n" + usage + "data: [DO", 45, usageFound},
+		{"a stream in its usage event", "text/event-stream", "data: {}\n\n" + usage[:len(usage)-1], 0, usageCut},
+		{"a stream before its usage event", "text/event-stream", "data: {}\n\n", 0, usageCut},
+	} {
+		for _, n := range []int{0, 1, 5} {
+			if got, why := scanUsage(&Usage{JSON: "usage.total_tokens"}, tc.ct, tc.body, n, false); got != tc.want || why != tc.why {
+				t.Fatalf("%s, in pieces of %d: %d, %q; want %d, %q", tc.name, n, got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
+			}
+		}
 	}
 }
 
@@ -200,6 +225,8 @@ func TestUsageHeader(t *testing.T) {
 // a chat completion; /header puts the usage in a header, /trailer in a
 // trailer; /sse streams 40 chunks, then the usage chunk unless
 // usage=none, and cuts the connection off after 10 chunks with cut=1.
+// With hold=1, /json and /sse flush their usage and hold the rest of the
+// response (nothing, or [DONE]) until the client has gone.
 // first, when set, receives once the first chunk of a stream has gone
 // out; the stream goes on when go is closed.
 type llmUpstream struct {
@@ -223,6 +250,7 @@ func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
 	case "/json":
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"id":"c1","object":"chat.completion","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":1,"total_tokens":%s}}`, tokens)
+		holdUntilGone(w, r)
 	case "/header":
 		w.Header().Set("X-Usage-Tokens", tokens)
 		fmt.Fprint(w, "ok")
@@ -258,7 +286,21 @@ func (u *llmUpstream) stream(w http.ResponseWriter, r *http.Request, tokens stri
 	if r.URL.Query().Get("usage") != "none" {
 		fmt.Fprintf(w, "data: {\"choices\":[],\"usage\":{\"total_tokens\":%s}}\n\n", tokens)
 	}
+	holdUntilGone(w, r)
 	fmt.Fprint(w, "data: [DONE]\n\n")
+}
+
+// holdUntilGone, with hold=1, flushes what w has and waits until the
+// client of r has gone (for at most 10 s).
+func holdUntilGone(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Query().Get("hold") != "1" {
+		return
+	}
+	_ = http.NewResponseController(w).Flush()
+	select {
+	case <-r.Context().Done():
+	case <-time.After(10 * time.Second):
+	}
 }
 
 // usageSites is a site that limits an OpenAI-compatible upstream by the
@@ -428,6 +470,41 @@ func TestUsageThroughCaddy(t *testing.T) {
 				wantMetric(t, m, want.series, base[want.series]+want.n)
 			}
 		})
+	}
+}
+
+// A client that has read the usage and leaves before the response ends,
+// through Caddy and reverse_proxy, is charged that usage: a stream's
+// usage chunk, before [DONE]; a JSON text that has ended, while the
+// upstream holds the response open.
+func TestUsageCutAfterUsage(t *testing.T) {
+	up := startLLMUpstream(t)
+	startCaddy(t, "", usageSites(up.URL, ""))
+	for _, tc := range []struct{ path, last string }{
+		{"/sse?tokens=60&hold=1", "\"total_tokens\":60}}\n\n"},
+		{"/json?tokens=60&hold=1", "\"total_tokens\":60}}"},
+	} {
+		key := "cut-" + tc.path
+		req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080"+tc.path, nil)
+		req.Header.Set("Authorization", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var read []byte
+		for buf := make([]byte, 4096); !strings.HasSuffix(string(read), tc.last); {
+			n, err := resp.Body.Read(buf)
+			if read = append(read, buf[:n]...); err != nil {
+				t.Fatalf("%s: %q, %v before the usage", tc.path, read, err)
+			}
+		}
+		resp.Body.Close() // the client leaves, the response not ended
+		// Caddy settles once it sees the client gone.
+		tokens := func() float64 { v, _ := adminKeyAt(t, "localhost:2999", "llm", key)["tokens"].(float64); return v }
+		eventually(5*time.Second, func() bool { return tokens() < 50 })
+		if got := tokens(); got < 40 || got > 41 {
+			t.Fatalf("%s: %v tokens left, want 40: the 60 the client read", tc.path, got)
+		}
 	}
 }
 
