@@ -31,8 +31,11 @@ type Usage struct {
 
 	// The response header, or trailer (a trailer wins), that holds the
 	// number, such as `X-Usage-Tokens`: the request's cost in the zone's
-	// tokens, at least 0; a fraction rounds up. Set this or json, not
-	// both. Default: none.
+	// tokens, at least 0; a fraction rounds up. The header is read as the
+	// response starts, so one that the site hides from clients with the
+	// header handler still counts (reverse_proxy's header_down removes it
+	// before it is read); of several values, the last counts. Set this or
+	// json, not both. Default: none.
 	Header string `json:"header,omitempty"`
 
 	path   []string // JSON's keys
@@ -103,14 +106,17 @@ var noUsageReasons = [...]string{
 // usageScan finds a zone's usage in a response as it passes, holding at
 // most one event of a stream.
 type usageScan struct {
-	u      *Usage
-	mode   uint8 // scanNone until the response starts, then what it is
-	why    noUsage
-	value  int64 // the usage, when found
-	found  bool
-	n      int64 // bytes of a JSON body seen
-	json   pathScanner
-	events sseScanner
+	u         *Usage
+	mode      uint8 // scanNone until the response starts, then what it is
+	why       noUsage
+	value     int64 // the usage, when found
+	found     bool
+	n         int64  // bytes of a JSON body seen
+	hdr       string // the header's last value as the response started
+	hdrOK     bool   // the header was there
+	announced bool   // the response announced the header as a trailer
+	json      pathScanner
+	events    sseScanner
 }
 
 const (
@@ -131,10 +137,15 @@ func (s *usageScan) reset(u *Usage) {
 	*s = usageScan{u: u, json: pathScanner{path: u.path}, events: sseScanner{path: u.path, key: &u.key, buf: buf[:0]}}
 }
 
-// start reads the response's header: what its body is.
+// start reads the response's header: what its body is, or the usage
+// header. That is read now, as the response starts, because Caddy's
+// header handler hides a header from clients by deleting it when the
+// response starts, after this handler, which runs inside it, has seen it.
 func (s *usageScan) start(h http.Header) {
 	if s.u.header != "" {
 		s.mode = scanHeader
+		s.hdr, s.hdrOK = last(h[s.u.header])
+		s.announced = announces(h["Trailer"], s.u.header)
 		return
 	}
 	s.mode, s.why = scanOff, usageNotJSON
@@ -180,14 +191,20 @@ func (s *usageScan) end(h http.Header, whole bool) (int64, noUsage) {
 	}
 	switch s.mode {
 	case scanHeader:
-		v, ok := h[http.TrailerPrefix+s.u.header]
-		if !ok {
-			v, ok = h[s.u.header]
+		// A trailer wins: set with Go's TrailerPrefix, or announced in
+		// the Trailer header and then given to the header map under its
+		// own name, after the header's values, as reverse_proxy does.
+		v, ok := last(h[http.TrailerPrefix+s.u.header])
+		if !ok && s.announced {
+			v, ok = last(h[s.u.header])
 		}
-		if !ok || len(v) == 0 {
+		if !ok {
+			v, ok = s.hdr, s.hdrOK
+		}
+		if !ok {
 			return 0, usageNoField
 		}
-		return readUsage(strings.TrimSpace(v[0]))
+		return readUsage(strings.TrimSpace(v))
 	case scanJSON:
 		if !s.json.done && s.json.state != jEnd {
 			return 0, usageCut
@@ -203,6 +220,29 @@ func (s *usageScan) end(h http.Header, whole bool) (int64, noUsage) {
 		return 0, cmpReason(s.events.why, usageNoField)
 	}
 	return 0, s.why
+}
+
+// last is the last of a field's values: the one the response gave last.
+func last(v []string) (string, bool) {
+	if len(v) == 0 {
+		return "", false
+	}
+	return v[len(v)-1], true
+}
+
+// announces reports whether the values of a Trailer header name the
+// field, canonical.
+func announces(trailer []string, field string) bool {
+	for _, v := range trailer {
+		for v != "" {
+			var name string
+			name, v, _ = strings.Cut(v, ",")
+			if strings.EqualFold(strings.TrimSpace(name), field) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 func cmpReason(a, b noUsage) noUsage {

@@ -194,27 +194,47 @@ func TestUsageCutOff(t *testing.T) {
 	}
 }
 
-// A header, or a trailer of that name, whatever the body.
+// A header, or a trailer of that name, whatever the body: the header as
+// the response started (a handler around this one may delete it then,
+// to hide it from clients), the trailer at its end, which wins. Of
+// several values, the last counts.
 func TestUsageHeader(t *testing.T) {
 	u := &Usage{Header: "x-usage-tokens"}
 	u.provision()
+	// hdr is a header of the name/value pairs, a name repeated for each
+	// of its values.
+	hdr := func(kv ...string) http.Header {
+		h := http.Header{}
+		for i := 0; i+1 < len(kv); i += 2 {
+			h[kv[i]] = append(h[kv[i]], kv[i+1])
+		}
+		return h
+	}
+	const name, trailer, announce = "X-Usage-Tokens", http.TrailerPrefix + "X-Usage-Tokens", "Trailer"
 	for _, tc := range []struct {
-		name string
-		h    http.Header
-		want int64
-		why  noUsage
+		name       string
+		start, end http.Header // as the response started, and ended
+		want       int64
+		why        noUsage
 	}{
-		{"header", http.Header{"X-Usage-Tokens": {"12"}}, 12, usageFound},
-		{"trailer", http.Header{http.TrailerPrefix + "X-Usage-Tokens": {" 13 "}}, 13, usageFound},
-		{"missing", http.Header{}, 0, usageNoField},
-		{"not a number", http.Header{"X-Usage-Tokens": {"many"}}, 0, usageNotNumber},
-		{"negative", http.Header{"X-Usage-Tokens": {"-1"}}, 0, usageNotNumber},
+		{"header", hdr(name, "12"), hdr(name, "12"), 12, usageFound},
+		{"trailer", hdr(), hdr(trailer, " 13 "), 13, usageFound},
+		{"the header deleted once the response started", hdr(name, "12"), hdr(), 12, usageFound},
+		{"the last value", hdr(name, "1", name, "14"), hdr(name, "1", name, "14"), 14, usageFound},
+		{"a trailer over the header", hdr(name, "5"), hdr(name, "5", trailer, "40"), 40, usageFound},
+		{"an announced trailer after the header's value", hdr(announce, "X-Other, x-usage-tokens", name, "5"), hdr(name, "5", name, "40"), 40, usageFound},
+		{"an announced trailer, the header deleted", hdr(announce, "X-Other, x-usage-tokens", name, "5"), hdr(name, "40"), 40, usageFound},
+		{"an announced trailer that never came", hdr(announce, "X-Usage-Tokens"), hdr(), 0, usageNoField},
+		{"a value set after the start, not a trailer", hdr(name, "5"), hdr(name, "hidden"), 5, usageFound},
+		{"missing", hdr(), hdr(), 0, usageNoField},
+		{"not a number", hdr(name, "many"), hdr(name, "many"), 0, usageNotNumber},
+		{"negative", hdr(name, "-1"), hdr(name, "-1"), 0, usageNotNumber},
 	} {
 		var s usageScan
 		s.reset(u)
-		s.start(tc.h)
+		s.start(tc.start)
 		s.write([]byte("anything"))
-		if got, why := s.end(tc.h, false); got != tc.want || why != tc.why {
+		if got, why := s.end(tc.end, false); got != tc.want || why != tc.why {
 			t.Fatalf("%s: %d, %q; want %d, %q", tc.name, got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
 		}
 	}
@@ -223,7 +243,7 @@ func TestUsageHeader(t *testing.T) {
 // llmUpstream is an OpenAI-compatible upstream for the tests: the query
 // says how many tokens a response used and how it says so. /json answers
 // a chat completion; /header puts the usage in a header, /trailer in a
-// trailer; /sse streams 40 chunks, then the usage chunk unless
+// trailer, /both in a trailer and the header's value in the header; /sse streams 40 chunks, then the usage chunk unless
 // usage=none, and cuts the connection off after 10 chunks with cut=1.
 // With hold=1, /json and /sse flush their usage and hold the rest of the
 // response (nothing, or [DONE]) until the client has gone.
@@ -256,6 +276,11 @@ func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprint(w, "ok")
 	case "/trailer":
 		w.Header().Set("Trailer", "X-Usage-Tokens")
+		fmt.Fprint(w, "ok")
+		w.Header().Set("X-Usage-Tokens", tokens)
+	case "/both":
+		w.Header().Set("Trailer", "X-Usage-Tokens")
+		w.Header().Set("X-Usage-Tokens", r.URL.Query().Get("header"))
 		fmt.Fprint(w, "ok")
 		w.Header().Set("X-Usage-Tokens", tokens)
 	case "/sse":
@@ -498,13 +523,61 @@ func TestUsageCutAfterUsage(t *testing.T) {
 				t.Fatalf("%s: %q, %v before the usage", tc.path, read, err)
 			}
 		}
-		resp.Body.Close() // the client leaves, the response not ended
-		// Caddy settles once it sees the client gone.
-		tokens := func() float64 { v, _ := adminKeyAt(t, "localhost:2999", "llm", key)["tokens"].(float64); return v }
-		eventually(5*time.Second, func() bool { return tokens() < 50 })
-		if got := tokens(); got < 40 || got > 41 {
-			t.Fatalf("%s: %v tokens left, want 40: the 60 the client read", tc.path, got)
+		// The client leaves, the response not ended: Caddy settles once
+		// it sees the client gone.
+		resp.Body.Close()
+		settledTo(t, "llm", key, 100-60)
+	}
+}
+
+// settledTo waits until the bucket of key in zone, at the test Caddy,
+// holds want tokens, give or take one refilled, for at most 5 s: the
+// client may have its response before Caddy has settled it.
+func settledTo(t *testing.T, zone, key string, want float64) {
+	t.Helper()
+	tokens := func() float64 { v, _ := adminKeyAt(t, "localhost:2999", zone, key)["tokens"].(float64); return v }
+	eventually(5*time.Second, func() bool { return tokens() < want+1 })
+	if got := tokens(); got < want || got >= want+1 {
+		t.Fatalf("%s: %v tokens left in %s, want %v", key, got, zone, want)
+	}
+}
+
+// usage header through Caddy and reverse_proxy: a header the site hides
+// from clients with the header directive is read all the same, and a
+// trailer wins over the header, whether the header is hidden or not.
+func TestUsageHeaderHiddenAndTrailer(t *testing.T) {
+	up := startLLMUpstream(t)
+	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	@hide query hide=1
+	header @hide -X-Usage-Tokens
+	rate_limit {
+		zone llm-header {
+			key {http.request.header.Authorization}
+			rate 100/m
+			burst 100
+			usage header X-Usage-Tokens
 		}
+	}
+	reverse_proxy %s {
+		flush_interval -1
+	}
+}
+`, strings.TrimPrefix(up.URL, "http://")))
+	for _, tc := range []struct {
+		path   string
+		header string // what the client sees
+		used   float64
+	}{
+		{"/header?tokens=30&hide=1", "", 30},
+		{"/both?header=5&tokens=40", "5", 40},
+		{"/both?header=5&tokens=40&hide=1", "", 40},
+	} {
+		key := "h-" + tc.path
+		code, h, body := llmGet(t, key, tc.path)
+		if code != 200 || h.Get("X-Usage-Tokens") != tc.header {
+			t.Fatalf("%s: %d %q, X-Usage-Tokens %q; want 200 and %q", tc.path, code, body, h.Get("X-Usage-Tokens"), tc.header)
+		}
+		settledTo(t, "llm-header", key, 100-tc.used)
 	}
 }
 
