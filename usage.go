@@ -7,10 +7,8 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"math"
 	"net/http"
 	"net/textproto"
-	"strconv"
 	"strings"
 )
 
@@ -24,18 +22,19 @@ type Usage struct {
 	// is read as JSON, and the last event that has the path wins: OpenAI's
 	// final chunk with `stream_options.include_usage`. Keys are matched as
 	// written, without unescaping. The number is the request's cost in
-	// the zone's tokens, at least 0; a fraction rounds up. A JSON body
-	// over 1 MiB has no usage. Set this or header, not both. Default:
-	// none.
+	// the zone's tokens, at least 0; a fraction rounds up, and a number
+	// above 999,999,999,999,999 is read as that. A JSON body over 1 MiB
+	// has no usage. Set this or header, not both. Default: none.
 	JSON string `json:"json,omitempty"`
 
 	// The response header, or trailer (a trailer wins), that holds the
 	// number, such as `X-Usage-Tokens`: the request's cost in the zone's
-	// tokens, at least 0; a fraction rounds up. The header is read as the
-	// response starts, so one that the site hides from clients with the
-	// header handler still counts (reverse_proxy's header_down removes it
-	// before it is read); of several values, the last counts. Set this or
-	// json, not both. Default: none.
+	// tokens, a number as JSON writes it, at least 0; a fraction rounds
+	// up. The header is read as the response starts, so one that the
+	// site hides from clients with the header handler still counts
+	// (reverse_proxy's header_down removes it before it is read); of
+	// several values, the last counts. Set this or json, not both.
+	// Default: none.
 	Header string `json:"header,omitempty"`
 
 	path   []string // JSON's keys
@@ -252,19 +251,131 @@ func cmpReason(a, b noUsage) noUsage {
 	return b
 }
 
-// readUsage reads a usage: a number of at least 0, a fraction rounded up.
+// readUsage reads a usage from a header: a number as JSON writes it, at
+// least 0, a fraction rounded up. Inf, NaN, hex and a sign of + are no
+// numbers.
 func readUsage(s string) (int64, noUsage) {
-	if n, err := strconv.ParseInt(s, 10, 64); err == nil {
-		if n < 0 {
+	var n number
+	for i := 0; i < len(s); i++ {
+		if !n.add(s[i]) {
 			return 0, usageNotNumber
 		}
-		return min(n, maxUsage), usageFound
 	}
-	f, err := strconv.ParseFloat(s, 64)
-	if err != nil || f < 0 || math.IsNaN(f) {
+	return n.usage()
+}
+
+// A number reads a JSON number a byte at a time and rounds it up to a
+// whole usage exactly, however many digits it has: it keeps the first
+// significant digits, more than a usage's whole part can have, and
+// notes whether a digit after them is not 0. A float would read
+// 1.0000000000000000000000000001 as 1 and round it up to 1, not 2, and
+// 1e400 as no number rather than a big one.
+type number struct {
+	state  uint8
+	neg    bool
+	digits int64 // the first significant digits
+	nd     int   // how many: at most maxDigits
+	more   bool  // a significant digit after those is not 0
+	point  int   // the number is 0.<digits> × 10^(point ± exp)
+	exp    int
+	expNeg bool
+}
+
+// maxDigits is how many significant digits a number keeps: more than
+// maxUsage has, and few enough for an int64.
+const maxDigits = 18
+
+const (
+	nStart   uint8 = iota // before the number
+	nMinus                // after its minus
+	nZero                 // after a whole part of 0
+	nWhole                // in the whole part
+	nPoint                // after the decimal point
+	nFrac                 // in the fraction
+	nE                    // after the e
+	nExpSign              // after the exponent's sign
+	nExp                  // in the exponent
+)
+
+// add reads the number's next byte, and reports whether it was one: a
+// byte that cannot go on the number ends it.
+func (n *number) add(c byte) bool {
+	digit := c >= '0' && c <= '9'
+	switch s := n.state; {
+	case s == nStart && c == '-':
+		n.neg, n.state = true, nMinus
+	case (s == nStart || s == nMinus) && c == '0':
+		n.state = nZero
+	case (s == nStart || s == nMinus || s == nWhole) && digit:
+		n.state = nWhole
+		n.point++
+		n.significant(c)
+	case (s == nZero || s == nWhole) && c == '.':
+		n.state = nPoint
+	case (s == nPoint || s == nFrac) && digit:
+		n.state = nFrac
+		if n.nd == 0 && c == '0' {
+			n.point-- // a zero before the first significant digit
+		} else {
+			n.significant(c)
+		}
+	case (s == nZero || s == nWhole || s == nFrac) && (c == 'e' || c == 'E'):
+		n.state = nE
+	case s == nE && (c == '+' || c == '-'):
+		n.expNeg, n.state = c == '-', nExpSign
+	case (s == nE || s == nExpSign || s == nExp) && digit:
+		// Past 2^20, any number is 0 or more than maxUsage.
+		n.exp, n.state = min(n.exp*10+int(c-'0'), 1<<20), nExp
+	default:
+		return false
+	}
+	return true
+}
+
+// significant reads a significant digit.
+func (n *number) significant(c byte) {
+	switch {
+	case n.nd < maxDigits:
+		n.digits = n.digits*10 + int64(c-'0')
+		n.nd++
+	case c != '0':
+		n.more = true
+	}
+}
+
+// usage is the number read, rounded up to a whole usage and at most
+// maxUsage, or why it is none.
+func (n *number) usage() (int64, noUsage) {
+	switch {
+	case n.state != nZero && n.state != nWhole && n.state != nFrac && n.state != nExp:
+		return 0, usageNotNumber // not a whole number: "-", "1.", "2e"
+	case n.nd == 0:
+		return 0, usageFound // 0, or -0
+	case n.neg:
 		return 0, usageNotNumber
 	}
-	return int64(min(math.Ceil(f), maxUsage)), usageFound
+	e := n.point + n.exp // the whole part's digits
+	if n.expNeg {
+		e = n.point - n.exp
+	}
+	switch {
+	case e <= 0:
+		return 1, usageFound // more than 0, less than 1
+	case e >= maxDigits:
+		return maxUsage, usageFound // at least 10^17
+	}
+	whole, frac := n.digits, n.more
+	for d := n.nd; d > e; d-- {
+		frac = frac || whole%10 != 0
+		whole /= 10
+	}
+	for d := n.nd; d < e; d++ {
+		whole *= 10
+	}
+	if frac {
+		whole++
+	}
+	return min(whole, maxUsage), usageFound
 }
 
 // A pathScanner finds the number at a path of object keys in a JSON
@@ -281,9 +392,7 @@ type pathScanner struct {
 	hit   bool // the key read is the path's
 	esc   bool // in a string: the next byte is escaped
 	done  bool // the text ended
-	num   [24]byte
-	nn    int   // bytes in num; over len(num): too long a number
-	frac  bool  // the number has more than digits
+	num   number
 	found bool  // a value was read at the path
 	bad   bool  // the last value at the path was not a number
 	value int64 // the last number at the path
@@ -330,7 +439,7 @@ func (j *pathScanner) feed(p []byte) {
 				i++
 			}
 		case jNumber:
-			if j.digit(c) {
+			if j.num.add(c) {
 				i++
 			} else {
 				j.endNumber()
@@ -374,27 +483,13 @@ func (j *pathScanner) punctuation(c byte) {
 	}
 }
 
-// digit reads a byte of the number at the path, and reports whether it
-// was one.
-func (j *pathScanner) digit(c byte) bool {
-	if !(c >= '0' && c <= '9' || c == '.' || c == '-' || c == '+' || c == 'e' || c == 'E') {
-		return false
-	}
-	if j.nn < len(j.num) {
-		j.num[j.nn] = c
-	}
-	j.frac = j.frac || c < '0' || c > '9'
-	j.nn++
-	return true
-}
-
 // startValue reads the first byte of a value.
 func (j *pathScanner) startValue(c byte) {
 	hit := j.hit
 	j.hit = false
 	switch {
 	case hit && j.on == len(j.path) && (c == '-' || c >= '0' && c <= '9'):
-		j.nn, j.frac, j.state = 0, false, jNumber
+		j.num, j.state = number{}, jNumber
 	case hit && j.on == len(j.path):
 		j.found, j.bad = true, true // not a number
 		j.startValue(c)
@@ -414,25 +509,8 @@ func (j *pathScanner) startValue(c byte) {
 
 // endNumber reads the number at the path.
 func (j *pathScanner) endNumber() {
-	j.found, j.bad, j.state = true, true, jAfter
-	if j.nn > len(j.num) {
-		if !j.frac { // a whole number of more digits than any usage
-			j.value, j.bad = maxUsage, false
-		}
-		return
-	}
-	var n int64
-	for _, c := range j.num[:j.nn] {
-		if c < '0' || c > '9' || n > maxUsage {
-			// A fraction, an exponent or a sign: rare enough to parse as
-			// a float.
-			v, why := readUsage(string(j.num[:j.nn]))
-			j.value, j.bad = v, why != usageFound
-			return
-		}
-		n = n*10 + int64(c-'0')
-	}
-	j.value, j.bad = min(n, maxUsage), false
+	v, why := j.num.usage()
+	j.found, j.value, j.bad, j.state = true, v, why != usageFound, jAfter
 }
 
 // close ends an object on the path.

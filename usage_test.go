@@ -74,6 +74,9 @@ func TestUsageJSON(t *testing.T) {
 		{"not an object", "n", `[{"n":1}]`, 0, usageNoField},
 		{"not JSON", "n", `n = 1`, 0, usageNoField},
 		{"huge", "n", `{"n":123456789012345678901234567890}`, maxUsage, usageFound},
+		{"huge, with an exponent", "n", `{"n":1e400}`, maxUsage, usageFound},
+		{"a long fraction rounds up", "n", `{"n":1.0000000000000000000000000001}`, 2, usageFound},
+		{"a tiny fraction rounds up", "n", `{"n":1e-400}`, 1, usageFound},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			for n := 0; n <= len(tc.body); n++ {
@@ -83,6 +86,63 @@ func TestUsageJSON(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A usage is a number as JSON writes it, at least 0, rounded up exactly
+// however many digits it has, and at most maxUsage.
+func TestReadUsage(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want int64
+		why  noUsage
+	}{
+		{"0", 0, usageFound},
+		{"-0", 0, usageFound},
+		{"-0.0e5", 0, usageFound},
+		{"12", 12, usageFound},
+		{"2.25", 3, usageFound},
+		{"12.000000000000000000000000000", 12, usageFound},
+		{"1.0000000000000000000000000001", 2, usageFound},
+		{"0.0000000000000000000000000001", 1, usageFound},
+		{"5e-1", 1, usageFound},
+		{"100e-2", 1, usageFound},
+		{"0.1e1", 1, usageFound},
+		{"1.5E+2", 150, usageFound},
+		{"12345678901234567.5e-3", 12345678901235, usageFound},
+		{"1e-400", 1, usageFound},
+		{"1e-99999999999999999999", 1, usageFound},
+		{"999999999999999", maxUsage, usageFound},
+		{"999999999999998.5", maxUsage, usageFound},
+		{"123456789012344.0000000000000000000000000001", 123456789012345, usageFound},
+		{"1000000000000000", maxUsage, usageFound},
+		{"99999999999999999999999", maxUsage, usageFound},
+		{"1e17", maxUsage, usageFound},
+		{"1e400", maxUsage, usageFound},
+		{"1e99999999999999999999", maxUsage, usageFound},
+		{"0.00000000000000000000000000001e400", maxUsage, usageFound},
+		{"", 0, usageNotNumber},
+		{"-", 0, usageNotNumber},
+		{"-1", 0, usageNotNumber},
+		{"-0.5", 0, usageNotNumber},
+		{"-1e-400", 0, usageNotNumber},
+		{"1.", 0, usageNotNumber},
+		{".5", 0, usageNotNumber},
+		{"1e", 0, usageNotNumber},
+		{"1e+", 0, usageNotNumber},
+		{"01", 0, usageNotNumber},
+		{"+5", 0, usageNotNumber},
+		{"5 ", 0, usageNotNumber},
+		{"1_000", 0, usageNotNumber},
+		{"0x10", 0, usageNotNumber},
+		{"Inf", 0, usageNotNumber},
+		{"+Inf", 0, usageNotNumber},
+		{"infinity", 0, usageNotNumber},
+		{"NaN", 0, usageNotNumber},
+	} {
+		if got, why := readUsage(tc.in); got != tc.want || why != tc.why {
+			t.Errorf("%q: %d, %q; want %d, %q", tc.in, got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
+		}
 	}
 }
 
@@ -229,6 +289,8 @@ func TestUsageHeader(t *testing.T) {
 		{"missing", hdr(), hdr(), 0, usageNoField},
 		{"not a number", hdr(name, "many"), hdr(name, "many"), 0, usageNotNumber},
 		{"negative", hdr(name, "-1"), hdr(name, "-1"), 0, usageNotNumber},
+		{"infinite", hdr(name, "Inf"), hdr(name, "Inf"), 0, usageNotNumber},
+		{"a long fraction", hdr(name, "1.0000000000000000000000000001"), hdr(name, "1.0000000000000000000000000001"), 2, usageFound},
 	} {
 		var s usageScan
 		s.reset(u)
