@@ -23,8 +23,9 @@ type Usage struct {
 	// final chunk with `stream_options.include_usage`. Keys are matched as
 	// written, without unescaping. The number is the request's cost in
 	// the zone's tokens, at least 0; a fraction rounds up, and a number
-	// above 999,999,999,999,999 is read as that. A JSON body over 1 MiB
-	// has no usage. Set this or header, not both. Default: none.
+	// above 999,999,999,999,999 is read as that. A JSON body over 1 MiB,
+	// or one that turns out not to be JSON, has no usage. Set this or
+	// header, not both. Default: none.
 	JSON string `json:"json,omitempty"`
 
 	// The response header, or trailer (a trailer wins), that holds the
@@ -90,6 +91,7 @@ const (
 	usageNotJSON           // the response is neither JSON nor an event stream
 	usageEncoded           // the response is compressed
 	usageTooLong           // the JSON body is over maxUsageBody
+	usageBadJSON           // the JSON body turned out not to be JSON
 	usageCut               // the response was cut off before its usage: the client left, or the upstream failed
 )
 
@@ -99,6 +101,7 @@ var noUsageReasons = [...]string{
 	usageNotJSON:   "the response is neither JSON nor an event stream",
 	usageEncoded:   "the response is compressed (Content-Encoding): put rate_limit after encode, or have the upstream not compress",
 	usageTooLong:   "the JSON body is over 1 MiB",
+	usageBadJSON:   "the JSON body is not valid JSON",
 	usageCut:       "the response was cut off before its usage: the client left or the upstream failed",
 }
 
@@ -343,12 +346,18 @@ func (n *number) significant(c byte) {
 	}
 }
 
+// complete reports whether the bytes read are a number, not the start
+// of one.
+func (n *number) complete() bool {
+	return n.state == nZero || n.state == nWhole || n.state == nFrac || n.state == nExp
+}
+
 // usage is the number read, rounded up to a whole usage and at most
 // maxUsage, or why it is none.
 func (n *number) usage() (int64, noUsage) {
 	switch {
-	case n.state != nZero && n.state != nWhole && n.state != nFrac && n.state != nExp:
-		return 0, usageNotNumber // not a whole number: "-", "1.", "2e"
+	case !n.complete():
+		return 0, usageNotNumber // "-", "1.", "2e"
 	case n.nd == 0:
 		return 0, usageFound // 0, or -0
 	case n.neg:
@@ -382,25 +391,30 @@ func (n *number) usage() (int64, noUsage) {
 // text fed to it in pieces, without decoding it: it follows the objects
 // on the path, and skips every other value by counting brackets outside
 // strings. The last number found at the path counts, and only in a text
-// that ends (done).
+// that ends (done) and is JSON as far as the scanner checks: the objects
+// on the path, the number, and nothing but spaces after the text. A
+// usage read from a text that turns out not to be JSON is not charged:
+// the upstream is broken, and its client could not read it either.
 type pathScanner struct {
-	path  []string
-	state uint8
-	depth int  // containers open
-	on    int  // of them, the outer ones on the path: objects, each the value of the next key
-	key   int  // in a key: its bytes matched so far; -1 when it is not the path's key
-	hit   bool // the key read is the path's
-	esc   bool // in a string: the next byte is escaped
-	done  bool // the text ended
-	num   number
-	found bool  // a value was read at the path
-	bad   bool  // the last value at the path was not a number
-	value int64 // the last number at the path
+	path   []string
+	state  uint8
+	depth  int  // containers open
+	on     int  // of them, the outer ones on the path: objects, each the value of the next key
+	key    int  // in a key: its bytes matched so far; -1 when it is not the path's key
+	hit    bool // the key read is the path's
+	esc    bool // in a string: the next byte is escaped
+	done   bool // the text ended
+	broken bool // the text is not JSON
+	num    number
+	found  bool  // a value was read at the path
+	bad    bool  // the last value at the path was not a number
+	value  int64 // the last number at the path
 }
 
 const (
 	jStart      uint8 = iota // before the text
 	jKeyOrEnd                // in an object on the path: a key or its end
+	jNextKey                 // in an object on the path, after a comma
 	jKey                     // in a key
 	jColon                   // after a key
 	jValue                   // after a colon
@@ -410,7 +424,8 @@ const (
 	jAfter                   // after a value in an object on the path
 	jSkip                    // in a container off the path
 	jSkipString              // in a string in a container off the path
-	jEnd                     // after the text, or in one that is not an object
+	jTrail                   // after the text: spaces only
+	jEnd                     // after the text, or in one that is not an object or not JSON
 )
 
 // class is what a byte means to the skipping states: 1 opens a
@@ -426,7 +441,7 @@ func (j *pathScanner) feed(p []byte) {
 	for i := 0; i < len(p); {
 		c := p[i]
 		switch j.state {
-		case jStart, jKeyOrEnd, jAfter, jColon:
+		case jStart, jKeyOrEnd, jNextKey, jAfter, jColon, jTrail:
 			j.punctuation(c)
 			i++
 		case jKey:
@@ -470,16 +485,18 @@ func (j *pathScanner) punctuation(c byte) {
 	case isSpace(c):
 	case j.state == jStart && c == '{':
 		j.depth, j.on, j.state = 1, 1, jKeyOrEnd
-	case j.state == jKeyOrEnd && c == '"':
+	case (j.state == jKeyOrEnd || j.state == jNextKey) && c == '"':
 		j.key, j.state = 0, jKey
 	case j.state == jAfter && c == ',':
-		j.state = jKeyOrEnd
+		j.state = jNextKey
 	case (j.state == jKeyOrEnd || j.state == jAfter) && c == '}':
 		j.close()
 	case j.state == jColon && c == ':':
 		j.state = jValue
+	case j.state == jStart:
+		j.state = jEnd // not an object: nothing to find
 	default:
-		j.state = jEnd // not JSON, or not an object: nothing more to find
+		j.broken, j.state = true, jEnd
 	}
 }
 
@@ -509,6 +526,10 @@ func (j *pathScanner) startValue(c byte) {
 
 // endNumber reads the number at the path.
 func (j *pathScanner) endNumber() {
+	if !j.num.complete() { // "-", "1.", "2e"
+		j.broken, j.state = true, jEnd
+		return
+	}
 	v, why := j.num.usage()
 	j.found, j.value, j.bad, j.state = true, v, why != usageFound, jAfter
 }
@@ -519,7 +540,7 @@ func (j *pathScanner) close() {
 	j.on--
 	j.state = jAfter
 	if j.depth == 0 {
-		j.done, j.state = true, jEnd
+		j.done, j.state = true, jTrail
 	}
 }
 
@@ -599,6 +620,8 @@ func (j *pathScanner) skip(p []byte, i int) int {
 // result is what the scanner found in a text that ended.
 func (j *pathScanner) result() (int64, noUsage) {
 	switch {
+	case j.broken:
+		return 0, usageBadJSON
 	case !j.found:
 		return 0, usageNoField
 	case j.bad:

@@ -77,6 +77,21 @@ func TestUsageJSON(t *testing.T) {
 		{"huge, with an exponent", "n", `{"n":1e400}`, maxUsage, usageFound},
 		{"a long fraction rounds up", "n", `{"n":1.0000000000000000000000000001}`, 2, usageFound},
 		{"a tiny fraction rounds up", "n", `{"n":1e-400}`, 1, usageFound},
+		{"spaces after the text", "n", "{\"n\":1} \r\n", 1, usageFound},
+		{"an empty object", "n", `{}`, 0, usageNoField},
+		// A text that turns out not to be JSON has no usage, even when
+		// the number came before the fault. Values off the path are
+		// skipped, not checked.
+		{"hex", "usage.total_tokens", `{"usage":{"total_tokens":0x10}}`, 0, usageBadJSON},
+		{"not JSON after the usage", "usage.total_tokens", `{"usage":{"total_tokens":30},x`, 0, usageBadJSON},
+		{"letters after the number", "usage.total_tokens", `{"usage":{"total_tokens":12abc}}`, 0, usageBadJSON},
+		{"a number not ended", "n", `{"n":1.}`, 0, usageBadJSON},
+		{"a leading zero", "n", `{"n":01}`, 0, usageBadJSON},
+		{"a trailing comma", "n", `{"n":1,}`, 0, usageBadJSON},
+		{"no colon", "n", `{"m" 2,"n":1}`, 0, usageBadJSON},
+		{"more after the text", "n", `{"n":1} x`, 0, usageBadJSON},
+		{"two texts", "n", `{"n":1}{"n":2}`, 0, usageBadJSON},
+		{"a value off the path is not checked", "n", `{"x":[1,,2],"n":5}`, 5, usageFound},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			for n := 0; n <= len(tc.body); n++ {
@@ -172,6 +187,8 @@ func TestUsageEvents(t *testing.T) {
 		{"not JSON", "data: usage total_tokens 5\n\n", 0, usageNoField},
 		{"the last that has it", "data: {\"usage\":{\"total_tokens\":1}}\n\ndata: {\"usage\":{\"total_tokens\":2}}\n\ndata: {\"x\":3}\n\n", 2, usageFound},
 		{"an event not ended", "data: {\"usage\":{\"total_tokens\":1}}\n", 0, usageNoField},
+		{"an event not JSON after the usage", "data: {\"usage\":{\"total_tokens\":30},x\n\n", 0, usageNoField},
+		{"the last JSON event that has it", "data: {\"usage\":{\"total_tokens\":2}}\n\ndata: {\"usage\":{\"total_tokens\":0x10}}\n\n", 2, usageFound},
 		{"too long an event", "data: {\"usage\":{\"total_tokens\":3},\"pad\":\"" + strings.Repeat("x", maxUsageEvent) + "\"}\n\n", 0, usageNoField},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -242,6 +259,7 @@ func TestUsageCutOff(t *testing.T) {
 		{"a JSON text that had ended", "application/json", `{"n":0,"usage":{"total_tokens":12}} `, 12, usageFound},
 		{"a JSON text cut off", "application/json", `{"usage":{"total_tokens":12}`, 0, usageCut},
 		{"a JSON text cut off in the number", "application/json", `{"usage":{"total_tokens":12`, 0, usageCut},
+		{"a text not JSON, cut off", "application/json", `{"usage":{"total_tokens":12},x`, 0, usageBadJSON},
 		{"a stream after its usage event", "text/event-stream", "data: {}\n\n" + usage + "data: [DO", 45, usageFound},
 		{"a stream in its usage event", "text/event-stream", "data: {}\n\n" + usage[:len(usage)-1], 0, usageCut},
 		{"a stream before its usage event", "text/event-stream", "data: {}\n\n", 0, usageCut},
@@ -601,6 +619,32 @@ func settledTo(t *testing.T, zone, key string, want float64) {
 	eventually(5*time.Second, func() bool { return tokens() < want+1 })
 	if got := tokens(); got < want || got >= want+1 {
 		t.Fatalf("%s: %v tokens left in %s, want %v", key, got, zone, want)
+	}
+}
+
+// Usages of odd numbers and bodies, through Caddy and reverse_proxy: a
+// number too big is the largest usage, which takes the bucket to its
+// max_debt (the burst, 100); a long fraction rounds up; a body that turns
+// out not to be JSON, and a header that is not a number, have no usage.
+func TestUsageNumbersThroughCaddy(t *testing.T) {
+	up := startLLMUpstream(t)
+	startCaddy(t, "", usageSites(up.URL, ""))
+	for _, tc := range []struct {
+		path, zone string
+		left       float64
+	}{
+		{"/json?tokens=1e400", "llm", -100},
+		{"/json?tokens=99999999999999999999999", "llm", -100},
+		{"/json?tokens=1.0000000000000000000000000001", "llm", 98},
+		{"/json?tokens=0x10", "llm", 99},
+		{"/json?tokens=30},x", "llm", 99},
+		{"/header?tokens=Inf", "llm-header", 99},
+	} {
+		key := "n-" + tc.path
+		if code, _, body := llmGet(t, key, tc.path); code != 200 {
+			t.Fatalf("%s: %d %q", tc.path, code, body)
+		}
+		settledTo(t, tc.zone, key, tc.left)
 	}
 }
 
