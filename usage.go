@@ -642,6 +642,7 @@ type sseScanner struct {
 	nn    int
 	over  bool // the event's data is over maxUsageEvent: skipped
 	cr    bool // the last byte was a CR: a LF now ends no line
+	bom   int  // the stream's first bytes that match a byte order mark; len(bom) once past it
 	found bool
 	value int64
 	why   noUsage // why the last event with the path had no usage
@@ -656,6 +657,11 @@ const (
 )
 
 func (e *sseScanner) feed(p []byte) {
+	if e.bom < len(bom) {
+		if p = e.skipBOM(p); len(p) == 0 {
+			return
+		}
+	}
 	if e.state == sLine && !e.cr && bytes.IndexByte(p, '\r') < 0 {
 		if len(e.buf) == 0 && !e.over && bytes.HasSuffix(p, blankLine) && !e.key.in(p) {
 			return // whole events, none of which has the path
@@ -702,6 +708,26 @@ func (e *sseScanner) feed(p []byte) {
 			}
 		}
 	}
+}
+
+// bom is UTF-8's byte order mark, which a stream may start with: the
+// SSE spec has it ignored.
+var bom = []byte("\xEF\xBB\xBF")
+
+// skipBOM passes over the byte order mark at the start of the stream,
+// whatever its pieces, and returns the rest of p.
+func (e *sseScanner) skipBOM(p []byte) []byte {
+	for ; e.bom < len(bom) && len(p) > 0; p = p[1:] {
+		if p[0] != bom[e.bom] {
+			// Not a BOM: the bytes that looked like one are the stream's.
+			seen := e.bom
+			e.bom = len(bom)
+			e.feed(bom[:seen])
+			return p
+		}
+		e.bom++
+	}
+	return p
 }
 
 // name1 reads a byte of a field's name.

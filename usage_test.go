@@ -187,6 +187,10 @@ func TestUsageEvents(t *testing.T) {
 		{"not JSON", "data: usage total_tokens 5\n\n", 0, usageNoField},
 		{"the last that has it", "data: {\"usage\":{\"total_tokens\":1}}\n\ndata: {\"usage\":{\"total_tokens\":2}}\n\ndata: {\"x\":3}\n\n", 2, usageFound},
 		{"an event not ended", "data: {\"usage\":{\"total_tokens\":1}}\n", 0, usageNoField},
+		{"a byte order mark", "\xEF\xBB\xBFdata: {\"usage\":{\"total_tokens\":7}}\n\n", 7, usageFound},
+		{"a byte order mark, and an event", "\xEF\xBB\xBF\ndata: {\"usage\":{\"total_tokens\":7}}\n\n", 7, usageFound},
+		{"a second byte order mark", "\xEF\xBB\xBF\xEF\xBB\xBFdata: {\"usage\":{\"total_tokens\":7}}\n\n", 0, usageNoField},
+		{"the start of a byte order mark", "\xEF\xBBdata: {\"usage\":{\"total_tokens\":7}}\n\n", 0, usageNoField},
 		{"an event not JSON after the usage", "data: {\"usage\":{\"total_tokens\":30},x\n\n", 0, usageNoField},
 		{"the last JSON event that has it", "data: {\"usage\":{\"total_tokens\":2}}\n\ndata: {\"usage\":{\"total_tokens\":0x10}}\n\n", 2, usageFound},
 		{"too long an event", "data: {\"usage\":{\"total_tokens\":3},\"pad\":\"" + strings.Repeat("x", maxUsageEvent) + "\"}\n\n", 0, usageNoField},
@@ -325,7 +329,9 @@ func TestUsageHeader(t *testing.T) {
 // a chat completion; /header puts the usage in a header, /trailer in a
 // trailer, /both in a trailer and the header's value in the header; /sse streams 40 chunks, then the usage chunk unless
 // usage=none, and cuts the connection off after 10 chunks with cut=1.
-// With hold=1, /json and /sse flush their usage and hold the rest of the
+// With bom=1, /sse starts with a byte order mark and its usage chunk.
+// With hold=1, /json and
+// /sse flush their usage and hold the rest of the
 // response (nothing, or [DONE]) until the client has gone.
 // first, when set, receives once the first chunk of a stream has gone
 // out; the stream goes on when go is closed.
@@ -371,6 +377,11 @@ func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
 func (u *llmUpstream) stream(w http.ResponseWriter, r *http.Request, tokens string) {
 	w.Header().Set("Content-Type", "text/event-stream")
 	rc := http.NewResponseController(w)
+	usage := fmt.Sprintf("data: {\"choices\":[],\"usage\":{\"total_tokens\":%s}}\n\n", tokens)
+	if r.URL.Query().Get("bom") == "1" {
+		fmt.Fprint(w, "\xEF\xBB\xBF"+usage)
+		usage = ""
+	}
 	for i := range 40 {
 		fmt.Fprintf(w, "data: {\"choices\":[{\"delta\":{\"content\":\"t%d\"}}],\"usage\":null}\n\n", i)
 		_ = rc.Flush()
@@ -389,7 +400,7 @@ func (u *llmUpstream) stream(w http.ResponseWriter, r *http.Request, tokens stri
 		}
 	}
 	if r.URL.Query().Get("usage") != "none" {
-		fmt.Fprintf(w, "data: {\"choices\":[],\"usage\":{\"total_tokens\":%s}}\n\n", tokens)
+		fmt.Fprint(w, usage)
 	}
 	holdUntilGone(w, r)
 	fmt.Fprint(w, "data: [DONE]\n\n")
@@ -625,8 +636,9 @@ func settledTo(t *testing.T, zone, key string, want float64) {
 // Usages of odd numbers and bodies, through Caddy and reverse_proxy: a
 // number too big is the largest usage, which takes the bucket to its
 // max_debt (the burst, 100); a long fraction rounds up; a body that turns
-// out not to be JSON, and a header that is not a number, have no usage.
-func TestUsageNumbersThroughCaddy(t *testing.T) {
+// out not to be JSON, and a header that is not a number, have no usage;
+// a stream that starts with a byte order mark has its usage read.
+func TestUsageEdgeCasesThroughCaddy(t *testing.T) {
 	up := startLLMUpstream(t)
 	startCaddy(t, "", usageSites(up.URL, ""))
 	for _, tc := range []struct {
@@ -639,6 +651,7 @@ func TestUsageNumbersThroughCaddy(t *testing.T) {
 		{"/json?tokens=0x10", "llm", 99},
 		{"/json?tokens=30},x", "llm", 99},
 		{"/header?tokens=Inf", "llm-header", 99},
+		{"/sse?tokens=45&bom=1", "llm", 55},
 	} {
 		key := "n-" + tc.path
 		if code, _, body := llmGet(t, key, tc.path); code != 200 {
