@@ -7,10 +7,8 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
-	"math"
 	"net/http"
 	"net/textproto"
-	"strconv"
 	"strings"
 )
 
@@ -24,15 +22,20 @@ type Usage struct {
 	// is read as JSON, and the last event that has the path wins: OpenAI's
 	// final chunk with `stream_options.include_usage`. Keys are matched as
 	// written, without unescaping. The number is the request's cost in
-	// the zone's tokens, at least 0; a fraction rounds up. A JSON body
-	// over 1 MiB has no usage. Set this or header, not both. Default:
-	// none.
+	// the zone's tokens, at least 0; a fraction rounds up, and a number
+	// above 999,999,999,999,999 is read as that. A JSON body over 1 MiB,
+	// or one that turns out not to be JSON, has no usage. Set this or
+	// header, not both. Default: none.
 	JSON string `json:"json,omitempty"`
 
 	// The response header, or trailer (a trailer wins), that holds the
 	// number, such as `X-Usage-Tokens`: the request's cost in the zone's
-	// tokens, at least 0; a fraction rounds up. Set this or json, not
-	// both. Default: none.
+	// tokens, a number as JSON writes it, at least 0; a fraction rounds
+	// up. The header is read as the response starts, so one that the
+	// site hides from clients with the header handler still counts
+	// (reverse_proxy's header_down removes it before it is read); of
+	// several values, the last counts. Set this or json, not both.
+	// Default: none.
 	Header string `json:"header,omitempty"`
 
 	path   []string // JSON's keys
@@ -88,7 +91,8 @@ const (
 	usageNotJSON           // the response is neither JSON nor an event stream
 	usageEncoded           // the response is compressed
 	usageTooLong           // the JSON body is over maxUsageBody
-	usageCut               // the response did not end: the client left, or the upstream failed
+	usageBadJSON           // the JSON body turned out not to be JSON
+	usageCut               // the response was cut off before its usage: the client left, or the upstream failed
 )
 
 var noUsageReasons = [...]string{
@@ -97,20 +101,24 @@ var noUsageReasons = [...]string{
 	usageNotJSON:   "the response is neither JSON nor an event stream",
 	usageEncoded:   "the response is compressed (Content-Encoding): put rate_limit after encode, or have the upstream not compress",
 	usageTooLong:   "the JSON body is over 1 MiB",
-	usageCut:       "the response did not end: the client left or the upstream failed",
+	usageBadJSON:   "the JSON body is not valid JSON",
+	usageCut:       "the response was cut off before its usage: the client left or the upstream failed",
 }
 
 // usageScan finds a zone's usage in a response as it passes, holding at
 // most one event of a stream.
 type usageScan struct {
-	u      *Usage
-	mode   uint8 // scanNone until the response starts, then what it is
-	why    noUsage
-	value  int64 // the usage, when found
-	found  bool
-	n      int64 // bytes of a JSON body seen
-	json   pathScanner
-	events sseScanner
+	u         *Usage
+	mode      uint8 // scanNone until the response starts, then what it is
+	why       noUsage
+	value     int64 // the usage, when found
+	found     bool
+	n         int64  // bytes of a JSON body seen
+	hdr       string // the header's last value as the response started
+	hdrOK     bool   // the header was there
+	announced bool   // the response announced the header as a trailer
+	json      pathScanner
+	events    sseScanner
 }
 
 const (
@@ -131,10 +139,15 @@ func (s *usageScan) reset(u *Usage) {
 	*s = usageScan{u: u, json: pathScanner{path: u.path}, events: sseScanner{path: u.path, key: &u.key, buf: buf[:0]}}
 }
 
-// start reads the response's header: what its body is.
+// start reads the response's header: what its body is, or the usage
+// header. That is read now, as the response starts, because Caddy's
+// header handler hides a header from clients by deleting it when the
+// response starts, after this handler, which runs inside it, has seen it.
 func (s *usageScan) start(h http.Header) {
 	if s.u.header != "" {
 		s.mode = scanHeader
+		s.hdr, s.hdrOK = last(h[s.u.header])
+		s.announced = announces(h["Trailer"], s.u.header)
 		return
 	}
 	s.mode, s.why = scanOff, usageNotJSON
@@ -170,36 +183,68 @@ func (s *usageScan) write(p []byte) {
 }
 
 // end reads the end of the response, of header h: whole says whether it
-// ended as it should. It reports the usage, or why there is none.
+// ended as it should. It reports the usage, or why there is none. A
+// response cut off still has the usage read before the cut: a stream's
+// complete event, a JSON text that had ended. The client had it, and
+// could leave before the last bytes just to be charged less.
 func (s *usageScan) end(h http.Header, whole bool) (int64, noUsage) {
 	if s.mode == scanStart {
 		s.start(h)
 	}
-	if !whole && s.mode != scanHeader {
-		return 0, usageCut
-	}
 	switch s.mode {
 	case scanHeader:
-		v, ok := h[http.TrailerPrefix+s.u.header]
-		if !ok {
-			v, ok = h[s.u.header]
+		// A trailer wins: set with Go's TrailerPrefix, or announced in
+		// the Trailer header and then given to the header map under its
+		// own name, after the header's values, as reverse_proxy does.
+		v, ok := last(h[http.TrailerPrefix+s.u.header])
+		if !ok && s.announced {
+			v, ok = last(h[s.u.header])
 		}
-		if !ok || len(v) == 0 {
+		if !ok {
+			v, ok = s.hdr, s.hdrOK
+		}
+		if !ok {
 			return 0, usageNoField
 		}
-		return readUsage(strings.TrimSpace(v[0]))
+		return readUsage(strings.TrimSpace(v))
 	case scanJSON:
 		if !s.json.done && s.json.state != jEnd {
 			return 0, usageCut
 		}
 		return s.json.result()
 	case scanEvents:
-		if !s.events.found {
-			return 0, cmpReason(s.events.why, usageNoField)
+		switch {
+		case s.events.found:
+			return s.events.value, usageFound
+		case !whole:
+			return 0, usageCut
 		}
-		return s.events.value, usageFound
+		return 0, cmpReason(s.events.why, usageNoField)
 	}
 	return 0, s.why
+}
+
+// last is the last of a field's values: the one the response gave last.
+func last(v []string) (string, bool) {
+	if len(v) == 0 {
+		return "", false
+	}
+	return v[len(v)-1], true
+}
+
+// announces reports whether the values of a Trailer header name the
+// field, canonical.
+func announces(trailer []string, field string) bool {
+	for _, v := range trailer {
+		for v != "" {
+			var name string
+			name, v, _ = strings.Cut(v, ",")
+			if strings.EqualFold(strings.TrimSpace(name), field) {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 func cmpReason(a, b noUsage) noUsage {
@@ -209,46 +254,167 @@ func cmpReason(a, b noUsage) noUsage {
 	return b
 }
 
-// readUsage reads a usage: a number of at least 0, a fraction rounded up.
+// readUsage reads a usage from a header: a number as JSON writes it, at
+// least 0, a fraction rounded up. Inf, NaN, hex and a sign of + are no
+// numbers.
 func readUsage(s string) (int64, noUsage) {
-	if n, err := strconv.ParseInt(s, 10, 64); err == nil {
-		if n < 0 {
+	var n number
+	for i := 0; i < len(s); i++ {
+		if !n.add(s[i]) {
 			return 0, usageNotNumber
 		}
-		return min(n, maxUsage), usageFound
 	}
-	f, err := strconv.ParseFloat(s, 64)
-	if err != nil || f < 0 || math.IsNaN(f) {
+	return n.usage()
+}
+
+// A number reads a JSON number a byte at a time and rounds it up to a
+// whole usage exactly, however many digits it has: it keeps the first
+// significant digits, more than a usage's whole part can have, and
+// notes whether a digit after them is not 0. A float would read
+// 1.0000000000000000000000000001 as 1 and round it up to 1, not 2, and
+// 1e400 as no number rather than a big one.
+type number struct {
+	state  uint8
+	neg    bool
+	digits int64 // the first significant digits
+	nd     int   // how many: at most maxDigits
+	more   bool  // a significant digit after those is not 0
+	point  int   // the number is 0.<digits> × 10^(point ± exp)
+	exp    int
+	expNeg bool
+}
+
+// maxDigits is how many significant digits a number keeps: more than
+// maxUsage has, and few enough for an int64.
+const maxDigits = 18
+
+const (
+	nStart   uint8 = iota // before the number
+	nMinus                // after its minus
+	nZero                 // after a whole part of 0
+	nWhole                // in the whole part
+	nPoint                // after the decimal point
+	nFrac                 // in the fraction
+	nE                    // after the e
+	nExpSign              // after the exponent's sign
+	nExp                  // in the exponent
+)
+
+// add reads the number's next byte, and reports whether it was one: a
+// byte that cannot go on the number ends it.
+func (n *number) add(c byte) bool {
+	digit := c >= '0' && c <= '9'
+	switch s := n.state; {
+	case s == nStart && c == '-':
+		n.neg, n.state = true, nMinus
+	case (s == nStart || s == nMinus) && c == '0':
+		n.state = nZero
+	case (s == nStart || s == nMinus || s == nWhole) && digit:
+		n.state = nWhole
+		n.point++
+		n.significant(c)
+	case (s == nZero || s == nWhole) && c == '.':
+		n.state = nPoint
+	case (s == nPoint || s == nFrac) && digit:
+		n.state = nFrac
+		if n.nd == 0 && c == '0' {
+			n.point-- // a zero before the first significant digit
+		} else {
+			n.significant(c)
+		}
+	case (s == nZero || s == nWhole || s == nFrac) && (c == 'e' || c == 'E'):
+		n.state = nE
+	case s == nE && (c == '+' || c == '-'):
+		n.expNeg, n.state = c == '-', nExpSign
+	case (s == nE || s == nExpSign || s == nExp) && digit:
+		// Past 2^20, any number is 0 or more than maxUsage.
+		n.exp, n.state = min(n.exp*10+int(c-'0'), 1<<20), nExp
+	default:
+		return false
+	}
+	return true
+}
+
+// significant reads a significant digit.
+func (n *number) significant(c byte) {
+	switch {
+	case n.nd < maxDigits:
+		n.digits = n.digits*10 + int64(c-'0')
+		n.nd++
+	case c != '0':
+		n.more = true
+	}
+}
+
+// complete reports whether the bytes read are a number, not the start
+// of one.
+func (n *number) complete() bool {
+	return n.state == nZero || n.state == nWhole || n.state == nFrac || n.state == nExp
+}
+
+// usage is the number read, rounded up to a whole usage and at most
+// maxUsage, or why it is none.
+func (n *number) usage() (int64, noUsage) {
+	switch {
+	case !n.complete():
+		return 0, usageNotNumber // "-", "1.", "2e"
+	case n.nd == 0:
+		return 0, usageFound // 0, or -0
+	case n.neg:
 		return 0, usageNotNumber
 	}
-	return int64(min(math.Ceil(f), maxUsage)), usageFound
+	e := n.point + n.exp // the whole part's digits
+	if n.expNeg {
+		e = n.point - n.exp
+	}
+	switch {
+	case e <= 0:
+		return 1, usageFound // more than 0, less than 1
+	case e >= maxDigits:
+		return maxUsage, usageFound // at least 10^17
+	}
+	whole, frac := n.digits, n.more
+	for d := n.nd; d > e; d-- {
+		frac = frac || whole%10 != 0
+		whole /= 10
+	}
+	for d := n.nd; d < e; d++ {
+		whole *= 10
+	}
+	if frac {
+		whole++
+	}
+	return min(whole, maxUsage), usageFound
 }
 
 // A pathScanner finds the number at a path of object keys in a JSON
 // text fed to it in pieces, without decoding it: it follows the objects
 // on the path, and skips every other value by counting brackets outside
 // strings. The last number found at the path counts, and only in a text
-// that ends (done).
+// that ends (done) and is JSON as far as the scanner checks: the objects
+// on the path, the number, and nothing but spaces after the text. A
+// usage read from a text that turns out not to be JSON is not charged:
+// the upstream is broken, and its client could not read it either.
 type pathScanner struct {
-	path  []string
-	state uint8
-	depth int  // containers open
-	on    int  // of them, the outer ones on the path: objects, each the value of the next key
-	key   int  // in a key: its bytes matched so far; -1 when it is not the path's key
-	hit   bool // the key read is the path's
-	esc   bool // in a string: the next byte is escaped
-	done  bool // the text ended
-	num   [24]byte
-	nn    int   // bytes in num; over len(num): too long a number
-	frac  bool  // the number has more than digits
-	found bool  // a value was read at the path
-	bad   bool  // the last value at the path was not a number
-	value int64 // the last number at the path
+	path   []string
+	state  uint8
+	depth  int  // containers open
+	on     int  // of them, the outer ones on the path: objects, each the value of the next key
+	key    int  // in a key: its bytes matched so far; -1 when it is not the path's key
+	hit    bool // the key read is the path's
+	esc    bool // in a string: the next byte is escaped
+	done   bool // the text ended
+	broken bool // the text is not JSON
+	num    number
+	found  bool  // a value was read at the path
+	bad    bool  // the last value at the path was not a number
+	value  int64 // the last number at the path
 }
 
 const (
 	jStart      uint8 = iota // before the text
 	jKeyOrEnd                // in an object on the path: a key or its end
+	jNextKey                 // in an object on the path, after a comma
 	jKey                     // in a key
 	jColon                   // after a key
 	jValue                   // after a colon
@@ -258,7 +424,8 @@ const (
 	jAfter                   // after a value in an object on the path
 	jSkip                    // in a container off the path
 	jSkipString              // in a string in a container off the path
-	jEnd                     // after the text, or in one that is not an object
+	jTrail                   // after the text: spaces only
+	jEnd                     // after the text, or in one that is not an object or not JSON
 )
 
 // class is what a byte means to the skipping states: 1 opens a
@@ -274,7 +441,7 @@ func (j *pathScanner) feed(p []byte) {
 	for i := 0; i < len(p); {
 		c := p[i]
 		switch j.state {
-		case jStart, jKeyOrEnd, jAfter, jColon:
+		case jStart, jKeyOrEnd, jNextKey, jAfter, jColon, jTrail:
 			j.punctuation(c)
 			i++
 		case jKey:
@@ -287,7 +454,7 @@ func (j *pathScanner) feed(p []byte) {
 				i++
 			}
 		case jNumber:
-			if j.digit(c) {
+			if j.num.add(c) {
 				i++
 			} else {
 				j.endNumber()
@@ -318,31 +485,19 @@ func (j *pathScanner) punctuation(c byte) {
 	case isSpace(c):
 	case j.state == jStart && c == '{':
 		j.depth, j.on, j.state = 1, 1, jKeyOrEnd
-	case j.state == jKeyOrEnd && c == '"':
+	case (j.state == jKeyOrEnd || j.state == jNextKey) && c == '"':
 		j.key, j.state = 0, jKey
 	case j.state == jAfter && c == ',':
-		j.state = jKeyOrEnd
+		j.state = jNextKey
 	case (j.state == jKeyOrEnd || j.state == jAfter) && c == '}':
 		j.close()
 	case j.state == jColon && c == ':':
 		j.state = jValue
+	case j.state == jStart:
+		j.state = jEnd // not an object: nothing to find
 	default:
-		j.state = jEnd // not JSON, or not an object: nothing more to find
+		j.broken, j.state = true, jEnd
 	}
-}
-
-// digit reads a byte of the number at the path, and reports whether it
-// was one.
-func (j *pathScanner) digit(c byte) bool {
-	if !(c >= '0' && c <= '9' || c == '.' || c == '-' || c == '+' || c == 'e' || c == 'E') {
-		return false
-	}
-	if j.nn < len(j.num) {
-		j.num[j.nn] = c
-	}
-	j.frac = j.frac || c < '0' || c > '9'
-	j.nn++
-	return true
 }
 
 // startValue reads the first byte of a value.
@@ -351,7 +506,7 @@ func (j *pathScanner) startValue(c byte) {
 	j.hit = false
 	switch {
 	case hit && j.on == len(j.path) && (c == '-' || c >= '0' && c <= '9'):
-		j.nn, j.frac, j.state = 0, false, jNumber
+		j.num, j.state = number{}, jNumber
 	case hit && j.on == len(j.path):
 		j.found, j.bad = true, true // not a number
 		j.startValue(c)
@@ -371,25 +526,12 @@ func (j *pathScanner) startValue(c byte) {
 
 // endNumber reads the number at the path.
 func (j *pathScanner) endNumber() {
-	j.found, j.bad, j.state = true, true, jAfter
-	if j.nn > len(j.num) {
-		if !j.frac { // a whole number of more digits than any usage
-			j.value, j.bad = maxUsage, false
-		}
+	if !j.num.complete() { // "-", "1.", "2e"
+		j.broken, j.state = true, jEnd
 		return
 	}
-	var n int64
-	for _, c := range j.num[:j.nn] {
-		if c < '0' || c > '9' || n > maxUsage {
-			// A fraction, an exponent or a sign: rare enough to parse as
-			// a float.
-			v, why := readUsage(string(j.num[:j.nn]))
-			j.value, j.bad = v, why != usageFound
-			return
-		}
-		n = n*10 + int64(c-'0')
-	}
-	j.value, j.bad = min(n, maxUsage), false
+	v, why := j.num.usage()
+	j.found, j.value, j.bad, j.state = true, v, why != usageFound, jAfter
 }
 
 // close ends an object on the path.
@@ -398,7 +540,7 @@ func (j *pathScanner) close() {
 	j.on--
 	j.state = jAfter
 	if j.depth == 0 {
-		j.done, j.state = true, jEnd
+		j.done, j.state = true, jTrail
 	}
 }
 
@@ -478,6 +620,8 @@ func (j *pathScanner) skip(p []byte, i int) int {
 // result is what the scanner found in a text that ended.
 func (j *pathScanner) result() (int64, noUsage) {
 	switch {
+	case j.broken:
+		return 0, usageBadJSON
 	case !j.found:
 		return 0, usageNoField
 	case j.bad:
@@ -498,6 +642,7 @@ type sseScanner struct {
 	nn    int
 	over  bool // the event's data is over maxUsageEvent: skipped
 	cr    bool // the last byte was a CR: a LF now ends no line
+	bom   int  // the stream's first bytes that match a byte order mark; len(bom) once past it
 	found bool
 	value int64
 	why   noUsage // why the last event with the path had no usage
@@ -512,6 +657,11 @@ const (
 )
 
 func (e *sseScanner) feed(p []byte) {
+	if e.bom < len(bom) {
+		if p = e.skipBOM(p); len(p) == 0 {
+			return
+		}
+	}
 	if e.state == sLine && !e.cr && bytes.IndexByte(p, '\r') < 0 {
 		if len(e.buf) == 0 && !e.over && bytes.HasSuffix(p, blankLine) && !e.key.in(p) {
 			return // whole events, none of which has the path
@@ -558,6 +708,26 @@ func (e *sseScanner) feed(p []byte) {
 			}
 		}
 	}
+}
+
+// bom is UTF-8's byte order mark, which a stream may start with: the
+// SSE spec has it ignored.
+var bom = []byte("\xEF\xBB\xBF")
+
+// skipBOM passes over the byte order mark at the start of the stream,
+// whatever its pieces, and returns the rest of p.
+func (e *sseScanner) skipBOM(p []byte) []byte {
+	for ; e.bom < len(bom) && len(p) > 0; p = p[1:] {
+		if p[0] != bom[e.bom] {
+			// Not a BOM: the bytes that looked like one are the stream's.
+			seen := e.bom
+			e.bom = len(bom)
+			e.feed(bom[:seen])
+			return p
+		}
+		e.bom++
+	}
+	return p
 }
 
 // name1 reads a byte of a field's name.

@@ -74,6 +74,24 @@ func TestUsageJSON(t *testing.T) {
 		{"not an object", "n", `[{"n":1}]`, 0, usageNoField},
 		{"not JSON", "n", `n = 1`, 0, usageNoField},
 		{"huge", "n", `{"n":123456789012345678901234567890}`, maxUsage, usageFound},
+		{"huge, with an exponent", "n", `{"n":1e400}`, maxUsage, usageFound},
+		{"a long fraction rounds up", "n", `{"n":1.0000000000000000000000000001}`, 2, usageFound},
+		{"a tiny fraction rounds up", "n", `{"n":1e-400}`, 1, usageFound},
+		{"spaces after the text", "n", "{\"n\":1} \r\n", 1, usageFound},
+		{"an empty object", "n", `{}`, 0, usageNoField},
+		// A text that turns out not to be JSON has no usage, even when
+		// the number came before the fault. Values off the path are
+		// skipped, not checked.
+		{"hex", "usage.total_tokens", `{"usage":{"total_tokens":0x10}}`, 0, usageBadJSON},
+		{"not JSON after the usage", "usage.total_tokens", `{"usage":{"total_tokens":30},x`, 0, usageBadJSON},
+		{"letters after the number", "usage.total_tokens", `{"usage":{"total_tokens":12abc}}`, 0, usageBadJSON},
+		{"a number not ended", "n", `{"n":1.}`, 0, usageBadJSON},
+		{"a leading zero", "n", `{"n":01}`, 0, usageBadJSON},
+		{"a trailing comma", "n", `{"n":1,}`, 0, usageBadJSON},
+		{"no colon", "n", `{"m" 2,"n":1}`, 0, usageBadJSON},
+		{"more after the text", "n", `{"n":1} x`, 0, usageBadJSON},
+		{"two texts", "n", `{"n":1}{"n":2}`, 0, usageBadJSON},
+		{"a value off the path is not checked", "n", `{"x":[1,,2],"n":5}`, 5, usageFound},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			for n := 0; n <= len(tc.body); n++ {
@@ -83,6 +101,63 @@ func TestUsageJSON(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// A usage is a number as JSON writes it, at least 0, rounded up exactly
+// however many digits it has, and at most maxUsage.
+func TestReadUsage(t *testing.T) {
+	for _, tc := range []struct {
+		in   string
+		want int64
+		why  noUsage
+	}{
+		{"0", 0, usageFound},
+		{"-0", 0, usageFound},
+		{"-0.0e5", 0, usageFound},
+		{"12", 12, usageFound},
+		{"2.25", 3, usageFound},
+		{"12.000000000000000000000000000", 12, usageFound},
+		{"1.0000000000000000000000000001", 2, usageFound},
+		{"0.0000000000000000000000000001", 1, usageFound},
+		{"5e-1", 1, usageFound},
+		{"100e-2", 1, usageFound},
+		{"0.1e1", 1, usageFound},
+		{"1.5E+2", 150, usageFound},
+		{"12345678901234567.5e-3", 12345678901235, usageFound},
+		{"1e-400", 1, usageFound},
+		{"1e-99999999999999999999", 1, usageFound},
+		{"999999999999999", maxUsage, usageFound},
+		{"999999999999998.5", maxUsage, usageFound},
+		{"123456789012344.0000000000000000000000000001", 123456789012345, usageFound},
+		{"1000000000000000", maxUsage, usageFound},
+		{"99999999999999999999999", maxUsage, usageFound},
+		{"1e17", maxUsage, usageFound},
+		{"1e400", maxUsage, usageFound},
+		{"1e99999999999999999999", maxUsage, usageFound},
+		{"0.00000000000000000000000000001e400", maxUsage, usageFound},
+		{"", 0, usageNotNumber},
+		{"-", 0, usageNotNumber},
+		{"-1", 0, usageNotNumber},
+		{"-0.5", 0, usageNotNumber},
+		{"-1e-400", 0, usageNotNumber},
+		{"1.", 0, usageNotNumber},
+		{".5", 0, usageNotNumber},
+		{"1e", 0, usageNotNumber},
+		{"1e+", 0, usageNotNumber},
+		{"01", 0, usageNotNumber},
+		{"+5", 0, usageNotNumber},
+		{"5 ", 0, usageNotNumber},
+		{"1_000", 0, usageNotNumber},
+		{"0x10", 0, usageNotNumber},
+		{"Inf", 0, usageNotNumber},
+		{"+Inf", 0, usageNotNumber},
+		{"infinity", 0, usageNotNumber},
+		{"NaN", 0, usageNotNumber},
+	} {
+		if got, why := readUsage(tc.in); got != tc.want || why != tc.why {
+			t.Errorf("%q: %d, %q; want %d, %q", tc.in, got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
+		}
 	}
 }
 
@@ -112,6 +187,12 @@ func TestUsageEvents(t *testing.T) {
 		{"not JSON", "data: usage total_tokens 5\n\n", 0, usageNoField},
 		{"the last that has it", "data: {\"usage\":{\"total_tokens\":1}}\n\ndata: {\"usage\":{\"total_tokens\":2}}\n\ndata: {\"x\":3}\n\n", 2, usageFound},
 		{"an event not ended", "data: {\"usage\":{\"total_tokens\":1}}\n", 0, usageNoField},
+		{"a byte order mark", "\xEF\xBB\xBFdata: {\"usage\":{\"total_tokens\":7}}\n\n", 7, usageFound},
+		{"a byte order mark, and an event", "\xEF\xBB\xBF\ndata: {\"usage\":{\"total_tokens\":7}}\n\n", 7, usageFound},
+		{"a second byte order mark", "\xEF\xBB\xBF\xEF\xBB\xBFdata: {\"usage\":{\"total_tokens\":7}}\n\n", 0, usageNoField},
+		{"the start of a byte order mark", "\xEF\xBBdata: {\"usage\":{\"total_tokens\":7}}\n\n", 0, usageNoField},
+		{"an event not JSON after the usage", "data: {\"usage\":{\"total_tokens\":30},x\n\n", 0, usageNoField},
+		{"the last JSON event that has it", "data: {\"usage\":{\"total_tokens\":2}}\n\ndata: {\"usage\":{\"total_tokens\":0x10}}\n\n", 2, usageFound},
 		{"too long an event", "data: {\"usage\":{\"total_tokens\":3},\"pad\":\"" + strings.Repeat("x", maxUsageEvent) + "\"}\n\n", 0, usageNoField},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -152,8 +233,8 @@ func TestUsageNotRead(t *testing.T) {
 	if got, why := scanUsage(u, "application/problem+json", `{"n":1}`, 0, true); why != usageFound || got != 1 {
 		t.Fatalf("+json: %d, %q", got, noUsageReasons[why])
 	}
-	if _, why := scanUsage(u, "application/json", `{"n":1}`, 0, false); why != usageCut {
-		t.Fatalf("a response that did not end: %q", noUsageReasons[why])
+	if _, why := scanUsage(u, "application/json", `{"n":1`, 0, false); why != usageCut {
+		t.Fatalf("a response cut off in its JSON text: %q", noUsageReasons[why])
 	}
 	long := `{"pad":"` + strings.Repeat("x", maxUsageBody) + `","n":1}`
 	if _, why := scanUsage(u, "application/json", long, 4096, true); why != usageTooLong {
@@ -169,27 +250,75 @@ func TestUsageNotRead(t *testing.T) {
 	}
 }
 
-// A header, or a trailer of that name, whatever the body.
+// A response cut off has the usage read before the cut: that of a JSON
+// text that had ended, of a stream's last complete event with the path;
+// one cut before has none.
+func TestUsageCutOff(t *testing.T) {
+	usage := `data: {"usage":{"total_tokens":45}}` + "\n\n"
+	for _, tc := range []struct {
+		name, ct, body string
+		want           int64
+		why            noUsage
+	}{
+		{"a JSON text that had ended", "application/json", `{"n":0,"usage":{"total_tokens":12}} `, 12, usageFound},
+		{"a JSON text cut off", "application/json", `{"usage":{"total_tokens":12}`, 0, usageCut},
+		{"a JSON text cut off in the number", "application/json", `{"usage":{"total_tokens":12`, 0, usageCut},
+		{"a text not JSON, cut off", "application/json", `{"usage":{"total_tokens":12},x`, 0, usageBadJSON},
+		{"a stream after its usage event", "text/event-stream", "data: {}\n\n" + usage + "data: [DO", 45, usageFound},
+		{"a stream in its usage event", "text/event-stream", "data: {}\n\n" + usage[:len(usage)-1], 0, usageCut},
+		{"a stream before its usage event", "text/event-stream", "data: {}\n\n", 0, usageCut},
+	} {
+		for _, n := range []int{0, 1, 5} {
+			if got, why := scanUsage(&Usage{JSON: "usage.total_tokens"}, tc.ct, tc.body, n, false); got != tc.want || why != tc.why {
+				t.Fatalf("%s, in pieces of %d: %d, %q; want %d, %q", tc.name, n, got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
+			}
+		}
+	}
+}
+
+// A header, or a trailer of that name, whatever the body: the header as
+// the response started (a handler around this one may delete it then,
+// to hide it from clients), the trailer at its end, which wins. Of
+// several values, the last counts.
 func TestUsageHeader(t *testing.T) {
 	u := &Usage{Header: "x-usage-tokens"}
 	u.provision()
+	// hdr is a header of the name/value pairs, a name repeated for each
+	// of its values.
+	hdr := func(kv ...string) http.Header {
+		h := http.Header{}
+		for i := 0; i+1 < len(kv); i += 2 {
+			h[kv[i]] = append(h[kv[i]], kv[i+1])
+		}
+		return h
+	}
+	const name, trailer, announce = "X-Usage-Tokens", http.TrailerPrefix + "X-Usage-Tokens", "Trailer"
 	for _, tc := range []struct {
-		name string
-		h    http.Header
-		want int64
-		why  noUsage
+		name       string
+		start, end http.Header // as the response started, and ended
+		want       int64
+		why        noUsage
 	}{
-		{"header", http.Header{"X-Usage-Tokens": {"12"}}, 12, usageFound},
-		{"trailer", http.Header{http.TrailerPrefix + "X-Usage-Tokens": {" 13 "}}, 13, usageFound},
-		{"missing", http.Header{}, 0, usageNoField},
-		{"not a number", http.Header{"X-Usage-Tokens": {"many"}}, 0, usageNotNumber},
-		{"negative", http.Header{"X-Usage-Tokens": {"-1"}}, 0, usageNotNumber},
+		{"header", hdr(name, "12"), hdr(name, "12"), 12, usageFound},
+		{"trailer", hdr(), hdr(trailer, " 13 "), 13, usageFound},
+		{"the header deleted once the response started", hdr(name, "12"), hdr(), 12, usageFound},
+		{"the last value", hdr(name, "1", name, "14"), hdr(name, "1", name, "14"), 14, usageFound},
+		{"a trailer over the header", hdr(name, "5"), hdr(name, "5", trailer, "40"), 40, usageFound},
+		{"an announced trailer after the header's value", hdr(announce, "X-Other, x-usage-tokens", name, "5"), hdr(name, "5", name, "40"), 40, usageFound},
+		{"an announced trailer, the header deleted", hdr(announce, "X-Other, x-usage-tokens", name, "5"), hdr(name, "40"), 40, usageFound},
+		{"an announced trailer that never came", hdr(announce, "X-Usage-Tokens"), hdr(), 0, usageNoField},
+		{"a value set after the start, not a trailer", hdr(name, "5"), hdr(name, "hidden"), 5, usageFound},
+		{"missing", hdr(), hdr(), 0, usageNoField},
+		{"not a number", hdr(name, "many"), hdr(name, "many"), 0, usageNotNumber},
+		{"negative", hdr(name, "-1"), hdr(name, "-1"), 0, usageNotNumber},
+		{"infinite", hdr(name, "Inf"), hdr(name, "Inf"), 0, usageNotNumber},
+		{"a long fraction", hdr(name, "1.0000000000000000000000000001"), hdr(name, "1.0000000000000000000000000001"), 2, usageFound},
 	} {
 		var s usageScan
 		s.reset(u)
-		s.start(tc.h)
+		s.start(tc.start)
 		s.write([]byte("anything"))
-		if got, why := s.end(tc.h, false); got != tc.want || why != tc.why {
+		if got, why := s.end(tc.end, false); got != tc.want || why != tc.why {
 			t.Fatalf("%s: %d, %q; want %d, %q", tc.name, got, noUsageReasons[why], tc.want, noUsageReasons[tc.why])
 		}
 	}
@@ -198,8 +327,12 @@ func TestUsageHeader(t *testing.T) {
 // llmUpstream is an OpenAI-compatible upstream for the tests: the query
 // says how many tokens a response used and how it says so. /json answers
 // a chat completion; /header puts the usage in a header, /trailer in a
-// trailer; /sse streams 40 chunks, then the usage chunk unless
+// trailer, /both in a trailer and the header's value in the header; /sse streams 40 chunks, then the usage chunk unless
 // usage=none, and cuts the connection off after 10 chunks with cut=1.
+// With bom=1, /sse starts with a byte order mark and its usage chunk.
+// With hold=1, /json and
+// /sse flush their usage and hold the rest of the
+// response (nothing, or [DONE]) until the client has gone.
 // first, when set, receives once the first chunk of a stream has gone
 // out; the stream goes on when go is closed.
 type llmUpstream struct {
@@ -223,11 +356,17 @@ func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
 	case "/json":
 		w.Header().Set("Content-Type", "application/json")
 		fmt.Fprintf(w, `{"id":"c1","object":"chat.completion","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":1,"total_tokens":%s}}`, tokens)
+		holdUntilGone(w, r)
 	case "/header":
 		w.Header().Set("X-Usage-Tokens", tokens)
 		fmt.Fprint(w, "ok")
 	case "/trailer":
 		w.Header().Set("Trailer", "X-Usage-Tokens")
+		fmt.Fprint(w, "ok")
+		w.Header().Set("X-Usage-Tokens", tokens)
+	case "/both":
+		w.Header().Set("Trailer", "X-Usage-Tokens")
+		w.Header().Set("X-Usage-Tokens", r.URL.Query().Get("header"))
 		fmt.Fprint(w, "ok")
 		w.Header().Set("X-Usage-Tokens", tokens)
 	case "/sse":
@@ -238,6 +377,11 @@ func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
 func (u *llmUpstream) stream(w http.ResponseWriter, r *http.Request, tokens string) {
 	w.Header().Set("Content-Type", "text/event-stream")
 	rc := http.NewResponseController(w)
+	usage := fmt.Sprintf("data: {\"choices\":[],\"usage\":{\"total_tokens\":%s}}\n\n", tokens)
+	if r.URL.Query().Get("bom") == "1" {
+		fmt.Fprint(w, "\xEF\xBB\xBF"+usage)
+		usage = ""
+	}
 	for i := range 40 {
 		fmt.Fprintf(w, "data: {\"choices\":[{\"delta\":{\"content\":\"t%d\"}}],\"usage\":null}\n\n", i)
 		_ = rc.Flush()
@@ -256,9 +400,23 @@ func (u *llmUpstream) stream(w http.ResponseWriter, r *http.Request, tokens stri
 		}
 	}
 	if r.URL.Query().Get("usage") != "none" {
-		fmt.Fprintf(w, "data: {\"choices\":[],\"usage\":{\"total_tokens\":%s}}\n\n", tokens)
+		fmt.Fprint(w, usage)
 	}
+	holdUntilGone(w, r)
 	fmt.Fprint(w, "data: [DONE]\n\n")
+}
+
+// holdUntilGone, with hold=1, flushes what w has and waits until the
+// client of r has gone (for at most 10 s).
+func holdUntilGone(w http.ResponseWriter, r *http.Request) {
+	if r.URL.Query().Get("hold") != "1" {
+		return
+	}
+	_ = http.NewResponseController(w).Flush()
+	select {
+	case <-r.Context().Done():
+	case <-time.After(10 * time.Second):
+	}
 }
 
 // usageSites is a site that limits an OpenAI-compatible upstream by the
@@ -428,6 +586,117 @@ func TestUsageThroughCaddy(t *testing.T) {
 				wantMetric(t, m, want.series, base[want.series]+want.n)
 			}
 		})
+	}
+}
+
+// A client that has read the usage and leaves before the response ends,
+// through Caddy and reverse_proxy, is charged that usage: a stream's
+// usage chunk, before [DONE]; a JSON text that has ended, while the
+// upstream holds the response open.
+func TestUsageCutAfterUsage(t *testing.T) {
+	up := startLLMUpstream(t)
+	startCaddy(t, "", usageSites(up.URL, ""))
+	for _, tc := range []struct{ path, last string }{
+		{"/sse?tokens=60&hold=1", "\"total_tokens\":60}}\n\n"},
+		{"/json?tokens=60&hold=1", "\"total_tokens\":60}}"},
+	} {
+		key := "cut-" + tc.path
+		req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080"+tc.path, nil)
+		req.Header.Set("Authorization", key)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var read []byte
+		for buf := make([]byte, 4096); !strings.HasSuffix(string(read), tc.last); {
+			n, err := resp.Body.Read(buf)
+			if read = append(read, buf[:n]...); err != nil {
+				t.Fatalf("%s: %q, %v before the usage", tc.path, read, err)
+			}
+		}
+		// The client leaves, the response not ended: Caddy settles once
+		// it sees the client gone.
+		resp.Body.Close()
+		settledTo(t, "llm", key, 100-60)
+	}
+}
+
+// settledTo waits until the bucket of key in zone, at the test Caddy,
+// holds want tokens, give or take one refilled, for at most 5 s: the
+// client may have its response before Caddy has settled it.
+func settledTo(t *testing.T, zone, key string, want float64) {
+	t.Helper()
+	tokens := func() float64 { v, _ := adminKeyAt(t, "localhost:2999", zone, key)["tokens"].(float64); return v }
+	eventually(5*time.Second, func() bool { return tokens() < want+1 })
+	if got := tokens(); got < want || got >= want+1 {
+		t.Fatalf("%s: %v tokens left in %s, want %v", key, got, zone, want)
+	}
+}
+
+// Usages of odd numbers and bodies, through Caddy and reverse_proxy: a
+// number too big is the largest usage, which takes the bucket to its
+// max_debt (the burst, 100); a long fraction rounds up; a body that turns
+// out not to be JSON, and a header that is not a number, have no usage;
+// a stream that starts with a byte order mark has its usage read.
+func TestUsageEdgeCasesThroughCaddy(t *testing.T) {
+	up := startLLMUpstream(t)
+	startCaddy(t, "", usageSites(up.URL, ""))
+	for _, tc := range []struct {
+		path, zone string
+		left       float64
+	}{
+		{"/json?tokens=1e400", "llm", -100},
+		{"/json?tokens=99999999999999999999999", "llm", -100},
+		{"/json?tokens=1.0000000000000000000000000001", "llm", 98},
+		{"/json?tokens=0x10", "llm", 99},
+		{"/json?tokens=30},x", "llm", 99},
+		{"/header?tokens=Inf", "llm-header", 99},
+		{"/sse?tokens=45&bom=1", "llm", 55},
+	} {
+		key := "n-" + tc.path
+		if code, _, body := llmGet(t, key, tc.path); code != 200 {
+			t.Fatalf("%s: %d %q", tc.path, code, body)
+		}
+		settledTo(t, tc.zone, key, tc.left)
+	}
+}
+
+// usage header through Caddy and reverse_proxy: a header the site hides
+// from clients with the header directive is read all the same, and a
+// trailer wins over the header, whether the header is hidden or not.
+func TestUsageHeaderHiddenAndTrailer(t *testing.T) {
+	up := startLLMUpstream(t)
+	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	@hide query hide=1
+	header @hide -X-Usage-Tokens
+	rate_limit {
+		zone llm-header {
+			key {http.request.header.Authorization}
+			rate 100/m
+			burst 100
+			usage header X-Usage-Tokens
+		}
+	}
+	reverse_proxy %s {
+		flush_interval -1
+	}
+}
+`, strings.TrimPrefix(up.URL, "http://")))
+	for _, tc := range []struct {
+		path   string
+		header string // what the client sees
+		used   float64
+	}{
+		{"/header?tokens=30&hide=1", "", 30},
+		{"/both?header=5&tokens=40", "5", 40},
+		{"/both?header=5&tokens=40&hide=1", "", 40},
+	} {
+		key := "h-" + tc.path
+		code, h, body := llmGet(t, key, tc.path)
+		if code != 200 || h.Get("X-Usage-Tokens") != tc.header {
+			t.Fatalf("%s: %d %q, X-Usage-Tokens %q; want 200 and %q", tc.path, code, body, h.Get("X-Usage-Tokens"), tc.header)
+		}
+		settledTo(t, "llm-header", key, 100-tc.used)
 	}
 }
 

@@ -140,9 +140,11 @@ type Zone struct {
 	// the response has been sent, the zone's bucket and quota are charged
 	// the usage less the cost, or given back the difference. A bucket may
 	// so go past empty, by max_debt tokens at most, and then refuses every
-	// request until it holds its cost again. A response without usage
-	// keeps its reservation. Needs a rate or a quota; not with ban or
-	// delay. Default: a request's cost is its cost.
+	// request until it holds its cost again. A response cut off is
+	// charged the usage that went by before the cut; a response without
+	// usage keeps its reservation, so set cost to a typical request's
+	// usage. Needs a rate or a quota; not with ban or delay. Default: a
+	// request's cost is its cost.
 	Usage *Usage `json:"usage,omitempty"`
 
 	// How far past empty a response's usage may take the zone's bucket,
