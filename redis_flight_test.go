@@ -89,8 +89,9 @@ func stepZonesOf(h *Handler) map[byte]*Zone {
 
 // The decisions of a flight, sent to Redis in one script call, are each
 // what it would be alone, one after another: requests of every kind of
-// zone, in flights of 1 to 40 at one instant, get from Redis what the
-// local store answers them one by one.
+// zone, in flights of 1 to 40 at one instant (with runs of one request
+// repeated), get from Redis what the local store answers them one by
+// one.
 func TestRedisFlightMatchesLocal(t *testing.T) {
 	r := startRedis(t)
 	local := newTestHandler(t, `{"zones":`+strings.ReplaceAll(flightZones, `"name":"`, `"name":"fl-`)+`}`)
@@ -126,6 +127,9 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 		reqs := make([]flightReq, 1+rnd.IntN(40))
 		for i := range reqs {
 			reqs[i] = flightReq{kinds[rnd.IntN(len(kinds))], keys[rnd.IntN(len(keys))], plans[rnd.IntN(2)]}
+			if i > 0 && rnd.IntN(3) == 0 {
+				reqs[i] = reqs[i-1] // a flood of one key: runs of takes of one bucket
+			}
 		}
 		ds := make([]*demands, len(reqs))
 		for i, q := range reqs {

@@ -22,6 +22,9 @@
 --   n        a number: a plain take of n buckets; then 2 values each:
 --            shape (its index among the plain shapes), field. KEYS: the
 --            hash of each bucket.
+--   *        a run of plain takes of one bucket (a flood of one key):
+--            then r, the takes, and the bucket's shape and field. KEYS:
+--            its hash. Decided as r plain takes of it one after another.
 --   take, adjust
 --            then nb, nc, ns (the numbers of buckets, counters and slot
 --            sets) and three sections, in that order:
@@ -51,6 +54,8 @@
 --   repaired  the keys of another type found, and overwritten by a write
 --
 --   plain n   allowed, debt_1, ..., debt_n
+--   run of r  allowed_1, debt_1, ..., allowed_r, debt_r: each take's, as
+--             a plain take of one bucket replies
 --   take, adjust
 --             allowed,
 --             debt_1, ban_1, token_1, burst_1, ..., (nb buckets)
@@ -398,13 +403,15 @@ local function save(h, field, name, debt, suffix)
 	values[name] = debt > 0 and debt
 end
 
--- A plain take of n buckets. The scratch pb holds, 6 values a bucket,
--- each one's debt, cost, name, hash, field and whether it must be
--- written even if the take is refused (it moved, or held no instant).
+-- A plain take of n buckets, or a run of takes of one (n = 1): as many
+-- takes of it one after the other, each with its own result. The scratch
+-- pb holds, 7 values a bucket, each one's debt, cost, name, hash, field,
+-- whether it must be written even if the take is refused (it moved, or
+-- held no instant), and full.
 local pb = {}
-local function plain(n)
+local function plain(n, takes)
 	local ok = true
-	for i = 0, 6 * (n - 1), 6 do
+	for i = 0, 7 * (n - 1), 7 do
 		local s, h, field = ARGV[a], KEYS[k], ARGV[a + 1]
 		s = 3 * (s == '1' and 1 or tonumber(s)) -- most calls have one shape: no strtod
 		a, k = a + 2, k + 1
@@ -424,11 +431,26 @@ local function plain(n)
 			debt = full
 		end
 		ok = ok and debt + cost <= full
-		pb[i + 1], pb[i + 2], pb[i + 3], pb[i + 4], pb[i + 5], pb[i + 6] = debt, cost, name, h, field, bad or nothing or moved or d > full
+		pb[i + 1], pb[i + 2], pb[i + 3], pb[i + 4], pb[i + 5], pb[i + 6], pb[i + 7] = debt, cost, name, h, field,
+			bad or nothing or moved or d > full, full
 	end
 	local r = #reply
+	if takes then
+		local debt, cost, full, write = pb[1], pb[2], pb[7], pb[6]
+		for j = 1, takes do
+			local allowed = debt + cost <= full
+			if allowed then
+				debt, write = debt + cost, true
+			end
+			reply[r + 2 * j - 1], reply[r + 2 * j] = allowed and 1 or 0, debt
+		end
+		if write then
+			save(pb[4], pb[5], pb[3], debt, '')
+		end
+		return
+	end
 	reply[r + 1] = ok and 1 or 0
-	for i = 0, 6 * (n - 1), 6 do
+	for i = 0, 7 * (n - 1), 7 do
 		local debt = pb[i + 1]
 		if ok then
 			debt = debt + pb[i + 2]
@@ -436,7 +458,7 @@ local function plain(n)
 		if ok or pb[i + 6] then
 			save(pb[i + 4], pb[i + 5], pb[i + 3], debt, '')
 		end
-		reply[r + 2 + i / 6] = debt
+		reply[r + 2 + i / 7] = debt
 	end
 end
 
@@ -671,6 +693,9 @@ while a <= #ARGV do
 	if n then
 		a = a + 1
 		plain(n)
+	elseif op == '*' then
+		a = a + 2
+		plain(1, tonumber(ARGV[a - 1]))
 	elseif op == 'release' then
 		release()
 	else

@@ -390,9 +390,12 @@ func (m *command) build() []any {
 	s := m.script
 	m.cmd = append(m.cmd[:0], s.evalSHA, s.sha, nil)
 	m.shapes = m.shapes[:0]
-	for _, c := range m.calls {
+	others := 0 // decisions that are not plain takes
+	for i := 0; i < len(m.calls); i += run(m.calls[i:]) {
+		c := m.calls[i]
 		m.cmd = c.keys(m.cmd)
 		if !c.plain {
+			others++
 			continue
 		}
 		for i := range c.buckets {
@@ -402,20 +405,44 @@ func (m *command) build() []any {
 		}
 	}
 	m.cmd[2] = count(len(m.cmd) - 3)
-	others := 0 // decisions that are not plain takes
-	for _, c := range m.calls {
-		if !c.plain {
-			others++
-		}
-	}
 	m.cmd = append(m.cmd, m.calls[0].clock, count(others), count(len(m.shapes)))
 	for _, sh := range m.shapes {
 		m.cmd = append(m.cmd, sh.args[0], sh.args[1], sh.args[7])
 	}
-	for _, c := range m.calls {
-		m.cmd = c.args(m.cmd, m.shapes)
+	for i := 0; i < len(m.calls); {
+		n := run(m.calls[i:])
+		if n > 1 {
+			b := &m.calls[i].buckets[0]
+			m.cmd = append(m.cmd, runArg, count(n), count(1+slices.Index(m.shapes, b.shape)), b.field)
+		} else {
+			m.cmd = m.calls[i].args(m.cmd, m.shapes)
+		}
+		i += n
 	}
 	return m.cmd
+}
+
+// runArg is the op of a run of plain takes of one bucket.
+var runArg any = "*"
+
+// run is how many of calls, from the first, are plain takes of the same
+// one bucket: a flood of one key. They go as one decision, a run, whose
+// key and field are sent once; each take still has its own result.
+func run(calls []*Call) int {
+	c := calls[0]
+	if !c.plain || len(c.buckets) != 1 {
+		return 1
+	}
+	b := &c.buckets[0]
+	n := 1
+	for n < len(calls) {
+		d := calls[n]
+		if !d.plain || len(d.buckets) != 1 || d.buckets[0].shape != b.shape || d.buckets[0].hash != b.hash || d.buckets[0].field != b.field {
+			break
+		}
+		n++
+	}
+	return n
 }
 
 // evalSource turns the command into one that sends the script's source

@@ -103,3 +103,30 @@ func TestCommandLayout(t *testing.T) {
 		t.Errorf("p1 beside it: %v", err)
 	}
 }
+
+// Plain takes of one bucket in a row go as one decision, a run: its key
+// and field once, each take still with its own result.
+func TestCommandRun(t *testing.T) {
+	deadline := time.Now().Add(time.Second)
+	a := NewShape(10*time.Second, time.Second, time.Second, 0, 0, 0, false)
+	var calls []*Call
+	for _, h := range []string{"h1", "h1", "h1", "h2", "h1"} {
+		c := NewCall(Take, deadline)
+		c.Bucket(h, "f"+h, h, a, false)
+		calls = append(calls, c)
+	}
+	m := &command{script: &testScripts(t).decide, calls: calls}
+	got := fmt.Sprint(m.build()[2:])
+	want := fmt.Sprint([]any{"3", "h1", "h2", "h1", "", "0", "1", "10000000000", "1000000000", "1000000000",
+		"*", "3", "1", "fh1", "1", "1", "fh2", "1", "1", "fh1"})
+	if got != want {
+		t.Fatalf("command\n%s\nwant\n%s", got, want)
+	}
+	n := 0
+	for _, c := range calls {
+		n += c.results()
+	}
+	if n != 10 {
+		t.Fatalf("the calls expect %d results, want 2 each", n)
+	}
+}
