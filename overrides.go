@@ -91,11 +91,42 @@ func retuneBucket(t *table[bucket], s *shard[bucket], h uint64, from, to limit, 
 
 // endOverride removes the override of hash h, and carries its bucket back
 // to the zone's limit. Requires the shard's lock.
+//
+// Until then, an override that has ended stays in the shard: in a zone
+// with a fixed limit, its bucket is still on the time line of the limit
+// that wrote it, and only the override says which limit that is. So it
+// is carried back when the key's next request, a change of its limit or
+// the sweep finds it, as the Redis store carries its bucket back at the
+// key's next call; what reads the bucket meanwhile (ownBucket, the
+// snapshot) reads it as carried back then.
 func endOverride(t *table[bucket], s *shard[bucket], h uint64, now time.Duration) {
 	e := s.ov[h]
 	delete(s.ov, h)
 	t.overrides.Add(-1)
 	retuneBucket(t, s, h, e.o.limit(t.base), t.base, now)
+}
+
+// ownBucket is the instant k's bucket is full again under the limit k
+// has at now, and k's own limit if it has one that has not ended. A
+// bucket whose own limit has ended is read as carried back at now, as the
+// key's next request would carry it back, and is not written.
+func ownBucket(t *table[bucket], k bucketKey, now time.Time) (time.Duration, override, bool) {
+	n := t.instant(now)
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b := s.m[h]
+	e, ok := s.ov[h]
+	switch {
+	case !ok:
+		return b.fullAt, override{}, false
+	case !e.ended(n):
+		return b.fullAt, e.o, true
+	case t.base.burstTime == 0:
+		return b.fullAt, override{}, false // rescaled by the next request, as a change of plan
+	}
+	return t.base.retune(b.fullAt, n, e.o.limit(t.base)), override{}, false
 }
 
 // setOverride gives k the override o, at most max in the table, carrying

@@ -341,6 +341,42 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 	}
 }
 
+// When a key's own limit ends, its bucket is carried back to the zone's
+// limit alike on each store, and a GET before the key's next request
+// reads it so: the token it spent under its own limit stays spent, and
+// the zone's burst holds the rest.
+func TestOverrideEndCarriesBucketBack(t *testing.T) {
+	r := startRedis(t)
+	for _, backend := range []string{"local", "redis"} {
+		t.Run(backend, func(t *testing.T) {
+			zone := "ov-end-" + backend
+			store := storeJSON()
+			if backend == "redis" {
+				store = `{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"ove:"}`
+			}
+			loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
+				{"name":"`+zone+`","rate":"10r/m","burst":10,"usage":{"json":"usage.total_tokens"}}],"store":`+store+`},
+				{"handler":"static_response","body":"ok"}`))
+			c := &http.Client{Timeout: 10 * time.Second}
+			const ip = "198.51.100.60"
+			adminSend(t, "PUT", "/rate_limit/"+zone+"/"+ip+"/limit", `{"rate":"1r/h","burst":1,"expires_in":"1s"}`, 200)
+			if code, _, _ := hit(t, c, "/", ip); code != 200 {
+				t.Fatalf("the request under the key's own limit: %d, want 200", code)
+			}
+			time.Sleep(1300 * time.Millisecond)
+			v := adminSend(t, "GET", "/rate_limit/"+zone+"/"+ip, "", 200)
+			if tokens, _ := v["tokens"].(float64); v["override"] != nil || v["burst"] != float64(10) || tokens < 8.99 || tokens > 9.01 {
+				t.Fatalf("after the key's own limit ended it reads %v, want 9 tokens of the zone's 10 and no own limit", v)
+			}
+			for i := range 10 {
+				if code, _, _ := hit(t, c, "/", ip); code != map[bool]int{true: 200, false: 429}[i < 9] {
+					t.Fatalf("request %d after the key's own limit ended: %d", i, code)
+				}
+			}
+		})
+	}
+}
+
 // A key's own limit through a real Caddy's admin API, on each store: the
 // bodies out of the zone's bounds answer 400 with the reason, the zone's max_overrides 409, and caddy_rate_limit_overrides
 // counts the zone's keys with their own limit.
