@@ -341,6 +341,74 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 	}
 }
 
+// A PUT and a DELETE of one key's own limit at once, on two instances of
+// one Redis, leave the limit and the zone's list in agreement, whichever
+// wins: the key's limit is read if and only if it is listed, and
+// max_overrides counts it. On Redis Cluster too, where the limit and the
+// list are in different slots.
+func TestConcurrentOverrideChanges(t *testing.T) {
+	r := startRedis(t)
+	nodes := startCluster(t)
+	for name, addrs := range map[string]string{
+		"redis":   strconv.Quote(r.Addr()),
+		"cluster": strconv.Quote(nodes[0].Addr()) + "," + strconv.Quote(nodes[1].Addr()) + "," + strconv.Quote(nodes[2].Addr()),
+	} {
+		t.Run(name, func(t *testing.T) {
+			config := func(timeout string) string {
+				return `{"zones":[{"name":"ov-race","rate":"10r/m","burst":5,"max_overrides":1}],
+					"store":{"backend":"redis","addresses":[` + addrs + `],"timeout":"` + timeout + `"}}`
+			}
+			// Other timeouts: stores of their own, on clients of their own.
+			a, b := newTestHandler(t, config("2s")), newTestHandler(t, config("3s"))
+			z, race, other := a.Zones[0], bucketKey{s: "race"}, bucketKey{s: "other"}
+			o, err := z.overrideOf(limitBody{Burst: new(int64(9))}, time.Now())
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := context.Background()
+			for round := range 100 {
+				done := make(chan error, 2)
+				go func() { done <- a.store.setOverride(ctx, time.Now(), z.index, race, o) }()
+				go func() {
+					_, err := b.store.deleteOverride(ctx, time.Now(), z.index, race)
+					done <- err
+				}()
+				for range 2 {
+					if err := <-done; err != nil {
+						t.Fatalf("round %d: %v", round, err)
+					}
+				}
+				_, has, err := a.store.override(ctx, z.index, race)
+				if err != nil {
+					t.Fatal(err)
+				}
+				list, err := b.store.overrides(ctx, z.index)
+				if err != nil {
+					t.Fatal(err)
+				}
+				n, err := a.store.overrideCount(ctx, z.index)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if listed := len(list) == 1 && list[0].key == race.s; has != listed || n != len(list) {
+					t.Fatalf("round %d: the key has its own limit: %v; listed: %v (%v), counted %d", round, has, listed, list, n)
+				}
+				// max_overrides 1: another key's limit is refused while
+				// this key has one.
+				err = b.store.setOverride(ctx, time.Now(), z.index, other, o)
+				if has != errors.Is(err, errTooManyOverrides) || !has && err != nil {
+					t.Fatalf("round %d: with the key's own limit %v, another key's PUT: %v", round, has, err)
+				}
+				if !has {
+					if _, err := a.store.deleteOverride(ctx, time.Now(), z.index, other); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+		})
+	}
+}
+
 // When a key's own limit ends, its bucket is carried back to the zone's
 // limit alike on each store, and a GET before the key's next request
 // reads it so: the token it spent under its own limit stays spent, and
