@@ -409,6 +409,76 @@ func TestConcurrentOverrideChanges(t *testing.T) {
 	}
 }
 
+// In a zone whose cost comes with each request, a key's own burst may be
+// below a request's cost, which no PUT could check. Such a request is
+// answered 500, as one whose plan has a cost above its burst, on each
+// store: not a 429 whose headers promise tokens. It spends nothing, bans
+// no one, and waits for nothing; the key's cheaper requests pass.
+func TestCostAboveOwnBurst(t *testing.T) {
+	r := startRedis(t)
+	for _, backend := range []string{"local", "redis"} {
+		t.Run(backend, func(t *testing.T) {
+			store := storeJSON()
+			if backend == "redis" {
+				store = storeJSON(r.Addr())
+			}
+			zone := func(name, extra string) string {
+				return `{"name":"` + name + `-` + backend + `","rate":"100r/m","burst":100,"cost":"{http.request.header.X-Cost}",` + extra + `}`
+			}
+			banZone, delayZone := "ov-costban-"+backend, "ov-costdelay-"+backend
+			loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+zone("ov-costban", `"ban":"1h"`)+`,`+zone("ov-costdelay", `"delay":"10s"`)+`],"store":`+store+`},
+				{"handler":"static_response","body":"ok"}`))
+			get := func(ip, cost string) (int, http.Header) {
+				t.Helper()
+				req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080/", nil)
+				req.Header.Set("X-Forwarded-For", ip)
+				req.Header.Set("X-Cost", cost)
+				resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				resp.Body.Close()
+				return resp.StatusCode, resp.Header
+			}
+			for zone, ip := range map[string]string{banZone: "198.51.100.70", delayZone: "198.51.100.71"} {
+				adminSend(t, "PUT", "/rate_limit/"+zone+"/"+ip+"/limit", `{"burst":5}`, 200)
+				for i := range 2 {
+					if code, hdr := get(ip, "10"); code != 500 || hdr.Get("Retry-After") != "" || hdr.Get("Ratelimit") != "" {
+						t.Fatalf("%s, request %d: cost 10 under the key's own burst 5: %d, headers %v; want 500 and no rate-limit headers", zone, i, code, hdr)
+					}
+				}
+				if code, _ := get(ip, "1"); code != 200 {
+					t.Fatalf("%s: a request of cost 1 after those: %d, want 200 (nothing spent, no ban)", zone, code)
+				}
+				if v := adminSend(t, "GET", "/rate_limit/"+zone+"/"+ip, "", 200); v["tokens"].(float64) < 3.9 || v["burst"] != float64(5) {
+					t.Fatalf("%s: the key's bucket reads %v, want 4 of its 5 tokens", zone, v)
+				}
+			}
+		})
+	}
+
+	// The zone logs it, at most once a minute.
+	h := newTestHandler(t, `{"zones":[{"name":"ov-costlog","rate":"100r/m","burst":100,"cost":"{http.request.header.X-Cost}"}]}`)
+	core, logs := observer.New(zapcore.ErrorLevel)
+	h.logger = zap.New(core)
+	z := h.Zones[0]
+	o, err := z.overrideOf(limitBody{Burst: new(int64(5))}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.store.setOverride(context.Background(), time.Now(), z.index, z.keyFor("192.0.2.70"), o); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if code, _ := serve(h, "192.0.2.70", "X-Cost", "10"); code != 500 {
+			t.Fatalf("cost 10 under the key's own burst 5: %d, want 500", code)
+		}
+	}
+	if e := logs.All(); len(e) != 1 || e[0].ContextMap()["cost"] != int64(10) || e[0].ContextMap()["burst"] != int64(5) || e[0].ContextMap()["zone"] != "ov-costlog" {
+		t.Fatalf("logged %v, want one line with the zone, the cost and the burst", e)
+	}
+}
+
 // When a key's own limit ends, its bucket is carried back to the zone's
 // limit alike on each store, and a GET before the key's next request
 // reads it so: the token it spent under its own limit stays spent, and
