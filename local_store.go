@@ -379,7 +379,7 @@ func (s *LocalStore) overrides(_ context.Context, zone int) ([]keyOverride, erro
 }
 
 func (s *LocalStore) overrideCount(_ context.Context, zone int) (int, error) {
-	return int(s.zones[zone].buckets.overrides.Load()), nil
+	return countOverrides(s.zones[zone].buckets, time.Now()), nil
 }
 
 func (s *LocalStore) stats(zone int) zoneStats {

@@ -198,19 +198,36 @@ func overrideOf(t *table[bucket], k bucketKey, now time.Time) (override, bool) {
 
 // listOverrides lists the overrides that have not ended.
 func listOverrides(t *table[bucket], now time.Time) []keyOverride {
-	n := t.instant(now)
 	out := []keyOverride{}
+	liveOverrides(t, now, func(e *localOverride) { out = append(out, keyOverride{e.key.String(), e.o}) })
+	return out
+}
+
+// countOverrides counts the overrides that have not ended: those that
+// have, until their buckets are carried back (see endOverride), are no
+// key's own limit any more, and leave room under max_overrides.
+func countOverrides(t *table[bucket], now time.Time) int {
+	n := 0
+	if t.overrides.Load() > 0 {
+		liveOverrides(t, now, func(*localOverride) { n++ })
+	}
+	return n
+}
+
+// liveOverrides calls f with each override that has not ended, under its
+// shard's lock.
+func liveOverrides(t *table[bucket], now time.Time, f func(*localOverride)) {
+	n := t.instant(now)
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
 		for _, e := range s.ov {
 			if !e.ended(n) {
-				out = append(out, keyOverride{e.key.String(), e.o})
+				f(&e)
 			}
 		}
 		s.mu.Unlock()
 	}
-	return out
 }
 
 // endOverrides removes the overrides that have ended by now.
