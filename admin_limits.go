@@ -12,6 +12,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"slices"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -70,37 +71,24 @@ func (ref zoneRef) ownLimit(key string, o override) *ownLimit {
 }
 
 // serveLimit answers a GET, PUT or DELETE of a key's own limit in each
-// zone of refs.
+// zone of refs: all of them, or, when any cannot, none.
 func serveLimit(w http.ResponseWriter, r *http.Request, refs []zoneRef, key string) error {
-	var body limitBody
-	if r.Method == http.MethodPut {
-		if err := readLimitBody(r, &body); err != nil {
-			return apiError(http.StatusBadRequest, "%v", err)
-		}
-	}
-	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
-	defer cancel()
-	out := make([]any, 0, len(refs))
 	for _, ref := range refs {
 		if ref.z.rateless {
 			return apiError(http.StatusBadRequest, "zone %q has no rate: a key's own limit is a rate and a burst", ref.z.Name)
 		}
-		var info *limitInfo
-		var err error
-		switch r.Method {
-		case http.MethodPut:
-			info, err = ref.putLimit(ctx, r, key, body)
-		case http.MethodDelete:
-			info, err = ref.deleteLimit(ctx, r, key)
-		default:
-			info, err = ref.getLimit(ctx, key)
-		}
-		if err != nil {
-			return err
-		}
-		if info != nil {
-			out = append(out, info)
-		}
+	}
+	ctx, cancel := context.WithTimeout(r.Context(), 5*time.Second)
+	defer cancel()
+	var out []any
+	var err error
+	if r.Method == http.MethodPut {
+		out, err = putLimits(ctx, r, refs, key)
+	} else {
+		out, err = eachLimit(ctx, r, refs, key)
+	}
+	if err != nil {
+		return err
 	}
 	if len(out) == 0 {
 		return apiError(http.StatusNotFound, "no own limit: key %q has the zone's limit in zone %q", key, refs[0].z.Name)
@@ -109,6 +97,127 @@ func serveLimit(w http.ResponseWriter, r *http.Request, refs []zoneRef, key stri
 		return writeJSON(w, out[0])
 	}
 	return writeJSON(w, map[string]any{"zones": out})
+}
+
+// eachLimit answers a GET or DELETE of the key's own limit in each zone
+// of refs that has one.
+func eachLimit(ctx context.Context, r *http.Request, refs []zoneRef, key string) ([]any, error) {
+	var out []any
+	for _, ref := range refs {
+		var info *limitInfo
+		var err error
+		if r.Method == http.MethodDelete {
+			info, err = ref.deleteLimit(ctx, r, key)
+		} else {
+			info, err = ref.getLimit(ctx, key)
+		}
+		if err != nil {
+			return nil, err
+		}
+		if info != nil {
+			out = append(out, info)
+		}
+	}
+	return out, nil
+}
+
+// An ownLimitChange is a PUT's change of the key's own limit in one zone, and
+// what the key had there before.
+type ownLimitChange struct {
+	ref zoneRef
+	k   bucketKey
+	o   override
+	was override
+	had bool
+}
+
+// putLimits sets the key's own limit of a PUT's body in each zone of
+// refs, or in none (zones of one name in several sites may differ in
+// their limits, costs and max_overrides): the body is checked against
+// every zone, and so is the room each zone's max_overrides leaves,
+// before any changes. Should a zone fail even so (its store fails, or
+// other keys took its last room meanwhile), the zones changed before it
+// get back what the key had there.
+func putLimits(ctx context.Context, r *http.Request, refs []zoneRef, key string) ([]any, error) {
+	var body limitBody
+	if err := readLimitBody(r, &body); err != nil {
+		return nil, apiError(http.StatusBadRequest, "%v", err)
+	}
+	now := time.Now()
+	changes := make([]ownLimitChange, len(refs))
+	for i, ref := range refs {
+		c, err := ref.checkPut(ctx, key, body, now)
+		if err != nil {
+			return nil, err
+		}
+		changes[i] = c
+	}
+	for i, c := range changes {
+		if err := c.ref.h.store.setOverride(ctx, now, c.ref.z.index, c.k, c.o); err != nil {
+			undoLimits(ctx, changes[:i])
+			return nil, c.ref.setError(err)
+		}
+	}
+	out := make([]any, len(changes))
+	for i, c := range changes {
+		out[i] = c.ref.limitSet(r, key, c.k, c.o)
+	}
+	return out, nil
+}
+
+// checkPut checks a PUT of the key's own limit in the zone: the limit
+// the body gives, and room for it under max_overrides.
+func (ref zoneRef) checkPut(ctx context.Context, key string, body limitBody, now time.Time) (ownLimitChange, error) {
+	o, err := ref.z.overrideOf(body, now)
+	if err != nil {
+		return ownLimitChange{}, apiError(http.StatusBadRequest, "zone %q: %v", ref.z.Name, err)
+	}
+	c := ownLimitChange{ref: ref, k: ref.z.adminKey(key), o: o}
+	st := ref.h.store
+	if c.was, c.had, err = st.override(ctx, ref.z.index, c.k); err != nil {
+		return ownLimitChange{}, apiError(http.StatusBadGateway, "reading the key's limit: %v", err)
+	}
+	if c.had {
+		return c, nil
+	}
+	n, err := st.overrideCount(ctx, ref.z.index)
+	if err != nil {
+		return ownLimitChange{}, apiError(http.StatusBadGateway, "counting the keys' limits: %v", err)
+	}
+	if int64(n) >= ref.maxOverrides() {
+		return ownLimitChange{}, ref.setError(errTooManyOverrides)
+	}
+	return c, nil
+}
+
+// undoLimits gives the key back, in each zone that changes set, the limit
+// it had there before. What cannot be given back is logged.
+func undoLimits(ctx context.Context, changes []ownLimitChange) {
+	// Even when the PUT ran out of time.
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	defer cancel()
+	for _, c := range slices.Backward(changes) {
+		st, zone := c.ref.h.store, c.ref.z.index
+		var err error
+		if c.had {
+			err = st.setOverride(ctx, time.Now(), zone, c.k, c.was)
+		} else {
+			_, err = st.deleteOverride(ctx, time.Now(), zone, c.k)
+		}
+		if err != nil {
+			c.ref.h.logger.Error("rate limit: a key's own limit, set in a zone before another of its name refused it, could not be given back",
+				zap.String("zone", c.ref.z.Name), zap.String("limit", c.ref.z.id.limit), zap.Error(err))
+		}
+	}
+}
+
+// setError is the admin API's answer to a store's refusal to set a key's
+// own limit in the zone.
+func (ref zoneRef) setError(err error) error {
+	if errors.Is(err, errTooManyOverrides) {
+		return apiError(http.StatusConflict, "zone %q has %d keys with their own limit, its max_overrides: remove one first", ref.z.Name, ref.maxOverrides())
+	}
+	return apiError(http.StatusBadGateway, "setting the key's limit: %v", err)
 }
 
 // readLimitBody reads a PUT's body, refusing unknown fields.
@@ -125,24 +234,15 @@ func readLimitBody(r *http.Request, body *limitBody) error {
 	return nil
 }
 
-func (ref zoneRef) putLimit(ctx context.Context, r *http.Request, key string, body limitBody) (*limitInfo, error) {
-	now := time.Now()
-	o, err := ref.z.overrideOf(body, now)
-	if err != nil {
-		return nil, apiError(http.StatusBadRequest, "zone %q: %v", ref.z.Name, err)
-	}
-	k := ref.z.adminKey(key)
-	if err := ref.h.store.setOverride(ctx, now, ref.z.index, k, o); errors.Is(err, errTooManyOverrides) {
-		return nil, apiError(http.StatusConflict, "zone %q has %d keys with their own limit, its max_overrides: remove one first", ref.z.Name, ref.maxOverrides())
-	} else if err != nil {
-		return nil, apiError(http.StatusBadGateway, "setting the key's limit: %v", err)
-	}
+// limitSet logs the key's own limit o, set in the zone, and describes
+// it.
+func (ref zoneRef) limitSet(r *http.Request, key string, k bucketKey, o override) *limitInfo {
 	fields := []zap.Field{zap.String("rate", o.rate), zap.Int64("burst", o.burst)}
 	if !o.expires.IsZero() {
 		fields = append(fields, zap.Time("expires", o.expires))
 	}
 	ref.audit(r, "rate limit: a key's own limit set", key, fields...)
-	return &limitInfo{Zone: ref.z.Name, Limit: ref.z.id.limit, Key: key, Bucket: k.String(), ownLimit: ref.ownLimit("", o)}, nil
+	return &limitInfo{Zone: ref.z.Name, Limit: ref.z.id.limit, Key: key, Bucket: k.String(), ownLimit: ref.ownLimit("", o)}
 }
 
 func (ref zoneRef) deleteLimit(ctx context.Context, r *http.Request, key string) (*limitInfo, error) {

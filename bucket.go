@@ -96,18 +96,30 @@ func (l *limit) most() time.Duration { return l.burstTime + l.ban + l.delay + l.
 // not banned yet: then the denial starts a ban.
 //
 // Either way the instant returned is clamped to now plus a whole bucket
-// (and a ban or a delay): a bucket that owed more, under a larger limit
+// (and a ban or a delay): a bucket that owes more, under a larger limit
 // (its key's plan changed, see plans.go) or a clock that went back, is
 // from now on an empty bucket of this limit, refilling at its rate.
+//
+// A cost above the whole bucket is never there, delay or not, and its
+// refusal bans no one: it is the limit's fault, not the client's (a key's
+// own burst below a cost that comes with each request: see
+// Handler.costAboveOwnBurst).
 func (l *limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 	d := l.debt(fullAt, now)
-	if d+cost <= l.reach() {
+	if d+cost <= l.reach() && cost <= l.burstTime {
 		return now + d + cost, true
 	}
-	if l.ban > 0 && !l.banned(d) {
+	if l.startsBan(d, cost) {
 		return now + l.ban + l.burstTime, false
 	}
 	return l.clamp(fullAt, now), false
+}
+
+// startsBan reports whether a refused take of cost from a bucket that
+// owes debt bans it: the limit bans, the bucket is not banned yet, and
+// the cost is one a whole bucket holds.
+func (l *limit) startsBan(debt, cost time.Duration) bool {
+	return l.ban > 0 && !l.banned(debt) && cost <= l.burstTime
 }
 
 // adjust charges cost (a duration of tokens, as in take) to a bucket full

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"go.uber.org/zap"
 )
 
 // decide is a request's first stage: it asks the store for the demands of
@@ -35,6 +36,11 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	sc.slotOut = slotRefusal(&sc.d)
 	if h.anyDelay {
 		h.noteDelay(sc, out)
+	}
+	if out == outcomeDeny {
+		if err := h.costAboveOwnBurst(sc); err != nil {
+			return outcomeBadLimit, err
+		}
 	}
 	h.count(r, sc, out)
 	if out != outcomeAllow && out != outcomeDeny {
@@ -148,6 +154,34 @@ func (h *Handler) take(ctx context.Context, now time.Time, sc *scratch, d *deman
 		sc.by = nil
 		return outcomeFailClosed, caddyhttp.HandlerError{StatusCode: http.StatusServiceUnavailable, Err: err}
 	}
+}
+
+// costAboveOwnBurst is the error of a request refused where its key's
+// own limit has a burst below the request's cost, in a zone that
+// enforces: no request of that cost could ever pass. A zone whose cost
+// comes with each request (or that a reload gave a larger cost) could
+// not check it when the limit was set, so the request is answered as one
+// whose plan has a cost above its burst (plans.go): 500 rather than a
+// 429 that would promise tokens, logged at most once a minute for the
+// zone.
+func (h *Handler) costAboveOwnBurst(sc *scratch) error {
+	for i := range sc.d.buckets {
+		b := &sc.d.buckets[i]
+		z := h.Zones[b.zone]
+		if !b.overridden || b.cost <= b.limit.burstTime || z.inDryRun {
+			continue
+		}
+		if held, ok := z.state.ownBurst.Allow(time.Minute); ok {
+			fields := []zap.Field{zap.String("zone", z.Name), zap.Int64("cost", int64(b.cost/b.limit.tokenTime)),
+				zap.Int64("burst", b.limit.burst), zap.Int64("more_since_last", held)}
+			if h.LogKey {
+				fields = append(fields, zap.String("key", b.key.String()))
+			}
+			h.logger.Error("rate limit: the request's cost is above its key's own burst: answered 500", fields...)
+		}
+		return z.badLimit
+	}
+	return nil
 }
 
 // answerAll answers every demand of d as ok says, as a failed store's

@@ -327,10 +327,11 @@ func (s *LocalStore) peek(_ context.Context, now time.Time, d *demands) error {
 	for i := range d.buckets {
 		b := &d.buckets[i]
 		t := s.zones[b.zone].buckets
-		if o, ok := overrideOf(t, b.key, now); ok {
+		fullAt, o, own := ownBucket(t, b.key, now)
+		if own {
 			b.setOwnLimit(o.tokenTime, o.burst)
 		}
-		b.debt = b.limit.debt(bucketAt(t, b.key), t.instant(now))
+		b.debt = b.limit.debt(fullAt, t.instant(now))
 	}
 	for i := range d.counters {
 		c := &d.counters[i]
@@ -378,7 +379,7 @@ func (s *LocalStore) overrides(_ context.Context, zone int) ([]keyOverride, erro
 }
 
 func (s *LocalStore) overrideCount(_ context.Context, zone int) (int, error) {
-	return int(s.zones[zone].buckets.overrides.Load()), nil
+	return countOverrides(s.zones[zone].buckets, time.Now()), nil
 }
 
 func (s *LocalStore) stats(zone int) zoneStats {

@@ -31,6 +31,9 @@ type zoneState struct {
 	// noUsage throttles the warnings of responses without a usage: one a
 	// minute for the zone, whatever handler has it, and across reloads.
 	noUsage throttle.Throttle
+	// ownBurst throttles the errors of requests whose cost is above their
+	// key's own burst, alike.
+	ownBurst throttle.Throttle
 
 	delayed        atomic.Uint64 // waited for this zone's tokens (delay), then went on
 	delayAbandoned atomic.Uint64 // waited, but the client left: tokens given back

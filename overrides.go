@@ -91,11 +91,42 @@ func retuneBucket(t *table[bucket], s *shard[bucket], h uint64, from, to limit, 
 
 // endOverride removes the override of hash h, and carries its bucket back
 // to the zone's limit. Requires the shard's lock.
+//
+// Until then, an override that has ended stays in the shard: in a zone
+// with a fixed limit, its bucket is still on the time line of the limit
+// that wrote it, and only the override says which limit that is. So it
+// is carried back when the key's next request, a change of its limit or
+// the sweep finds it, as the Redis store carries its bucket back at the
+// key's next call; what reads the bucket meanwhile (ownBucket, the
+// snapshot) reads it as carried back then.
 func endOverride(t *table[bucket], s *shard[bucket], h uint64, now time.Duration) {
 	e := s.ov[h]
 	delete(s.ov, h)
 	t.overrides.Add(-1)
 	retuneBucket(t, s, h, e.o.limit(t.base), t.base, now)
+}
+
+// ownBucket is the instant k's bucket is full again under the limit k
+// has at now, and k's own limit if it has one that has not ended. A
+// bucket whose own limit has ended is read as carried back at now, as the
+// key's next request would carry it back, and is not written.
+func ownBucket(t *table[bucket], k bucketKey, now time.Time) (time.Duration, override, bool) {
+	n := t.instant(now)
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	b := s.m[h]
+	e, ok := s.ov[h]
+	switch {
+	case !ok:
+		return b.fullAt, override{}, false
+	case !e.ended(n):
+		return b.fullAt, e.o, true
+	case t.base.burstTime == 0:
+		return b.fullAt, override{}, false // rescaled by the next request, as a change of plan
+	}
+	return t.base.retune(b.fullAt, n, e.o.limit(t.base)), override{}, false
 }
 
 // setOverride gives k the override o, at most max in the table, carrying
@@ -167,19 +198,36 @@ func overrideOf(t *table[bucket], k bucketKey, now time.Time) (override, bool) {
 
 // listOverrides lists the overrides that have not ended.
 func listOverrides(t *table[bucket], now time.Time) []keyOverride {
-	n := t.instant(now)
 	out := []keyOverride{}
+	liveOverrides(t, now, func(e *localOverride) { out = append(out, keyOverride{e.key.String(), e.o}) })
+	return out
+}
+
+// countOverrides counts the overrides that have not ended: those that
+// have, until their buckets are carried back (see endOverride), are no
+// key's own limit any more, and leave room under max_overrides.
+func countOverrides(t *table[bucket], now time.Time) int {
+	n := 0
+	if t.overrides.Load() > 0 {
+		liveOverrides(t, now, func(*localOverride) { n++ })
+	}
+	return n
+}
+
+// liveOverrides calls f with each override that has not ended, under its
+// shard's lock.
+func liveOverrides(t *table[bucket], now time.Time, f func(*localOverride)) {
+	n := t.instant(now)
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
 		for _, e := range s.ov {
 			if !e.ended(n) {
-				out = append(out, keyOverride{e.key.String(), e.o})
+				f(&e)
 			}
 		}
 		s.mu.Unlock()
 	}
-	return out
 }
 
 // endOverrides removes the overrides that have ended by now.

@@ -20,6 +20,8 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
+	caddycmd "github.com/caddyserver/caddy/v2/cmd"
+	"github.com/spf13/cobra"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 	"go.uber.org/zap/zaptest/observer"
@@ -427,6 +429,303 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 		if code, _ := serve(busy, "198.51.100.51"); code != 200 {
 			t.Fatalf("a request of the busy zone: %d", code)
 		}
+	}
+}
+
+// A PUT and a DELETE of one key's own limit at once, on two instances of
+// one Redis, leave the limit and the zone's list in agreement, whichever
+// wins: the key's limit is read if and only if it is listed, and
+// max_overrides counts it. On Redis Cluster too, where the limit and the
+// list are in different slots.
+func TestConcurrentOverrideChanges(t *testing.T) {
+	r := startRedis(t)
+	nodes := startCluster(t)
+	for name, addrs := range map[string]string{
+		"redis":   strconv.Quote(r.Addr()),
+		"cluster": strconv.Quote(nodes[0].Addr()) + "," + strconv.Quote(nodes[1].Addr()) + "," + strconv.Quote(nodes[2].Addr()),
+	} {
+		t.Run(name, func(t *testing.T) {
+			config := func(timeout string) string {
+				return `{"zones":[{"name":"ov-race","rate":"10r/m","burst":5,"max_overrides":1}],
+					"store":{"backend":"redis","addresses":[` + addrs + `],"timeout":"` + timeout + `"}}`
+			}
+			// Other timeouts: stores of their own, on clients of their own.
+			a, b := newTestHandler(t, config("2s")), newTestHandler(t, config("3s"))
+			z, race, other := a.Zones[0], bucketKey{s: "race"}, bucketKey{s: "other"}
+			o, err := z.overrideOf(limitBody{Burst: new(int64(9))}, time.Now())
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx := context.Background()
+			for round := range 100 {
+				done := make(chan error, 2)
+				go func() { done <- a.store.setOverride(ctx, time.Now(), z.index, race, o) }()
+				go func() {
+					_, err := b.store.deleteOverride(ctx, time.Now(), z.index, race)
+					done <- err
+				}()
+				for range 2 {
+					if err := <-done; err != nil {
+						t.Fatalf("round %d: %v", round, err)
+					}
+				}
+				_, has, err := a.store.override(ctx, z.index, race)
+				if err != nil {
+					t.Fatal(err)
+				}
+				list, err := b.store.overrides(ctx, z.index)
+				if err != nil {
+					t.Fatal(err)
+				}
+				n, err := a.store.overrideCount(ctx, z.index)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if listed := len(list) == 1 && list[0].key == race.s; has != listed || n != len(list) {
+					t.Fatalf("round %d: the key has its own limit: %v; listed: %v (%v), counted %d", round, has, listed, list, n)
+				}
+				// max_overrides 1: another key's limit is refused while
+				// this key has one.
+				err = b.store.setOverride(ctx, time.Now(), z.index, other, o)
+				if has != errors.Is(err, errTooManyOverrides) || !has && err != nil {
+					t.Fatalf("round %d: with the key's own limit %v, another key's PUT: %v", round, has, err)
+				}
+				if !has {
+					if _, err := a.store.deleteOverride(ctx, time.Now(), z.index, other); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+		})
+	}
+}
+
+// In a zone whose cost comes with each request, a key's own burst may be
+// below a request's cost, which no PUT could check. Such a request is
+// answered 500, as one whose plan has a cost above its burst, on each
+// store: not a 429 whose headers promise tokens. It spends nothing, bans
+// no one, and waits for nothing; the key's cheaper requests pass.
+func TestCostAboveOwnBurst(t *testing.T) {
+	eachStore(t, func(t *testing.T, backend, store string) {
+		zone := func(name, extra string) string {
+			return `{"name":"` + name + `-` + backend + `","rate":"100r/m","burst":100,"cost":"{http.request.header.X-Cost}",` + extra + `}`
+		}
+		banZone, delayZone := "ov-costban-"+backend, "ov-costdelay-"+backend
+		loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+zone("ov-costban", `"ban":"1h"`)+`,`+zone("ov-costdelay", `"delay":"10s"`)+`],"store":`+store+`},
+			{"handler":"static_response","body":"ok"}`))
+		get := func(ip, cost string) (int, http.Header) {
+			t.Helper()
+			req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080/", nil)
+			req.Header.Set("X-Forwarded-For", ip)
+			req.Header.Set("X-Cost", cost)
+			resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			return resp.StatusCode, resp.Header
+		}
+		for zone, ip := range map[string]string{banZone: "198.51.100.70", delayZone: "198.51.100.71"} {
+			adminSend(t, "PUT", "/rate_limit/"+zone+"/"+ip+"/limit", `{"burst":5}`, 200)
+			for i := range 2 {
+				if code, hdr := get(ip, "10"); code != 500 || hdr.Get("Retry-After") != "" || hdr.Get("Ratelimit") != "" {
+					t.Fatalf("%s, request %d: cost 10 under the key's own burst 5: %d, headers %v; want 500 and no rate-limit headers", zone, i, code, hdr)
+				}
+			}
+			if code, _ := get(ip, "1"); code != 200 {
+				t.Fatalf("%s: a request of cost 1 after those: %d, want 200 (nothing spent, no ban)", zone, code)
+			}
+			if v := adminSend(t, "GET", "/rate_limit/"+zone+"/"+ip, "", 200); v["tokens"].(float64) < 3.9 || v["burst"] != float64(5) {
+				t.Fatalf("%s: the key's bucket reads %v, want 4 of its 5 tokens", zone, v)
+			}
+		}
+	})
+
+	// The zone logs it, at most once a minute.
+	h := newTestHandler(t, `{"zones":[{"name":"ov-costlog","rate":"100r/m","burst":100,"cost":"{http.request.header.X-Cost}"}]}`)
+	core, logs := observer.New(zapcore.ErrorLevel)
+	h.logger = zap.New(core)
+	z := h.Zones[0]
+	o, err := z.overrideOf(limitBody{Burst: new(int64(5))}, time.Now())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := h.store.setOverride(context.Background(), time.Now(), z.index, z.keyFor("192.0.2.70"), o); err != nil {
+		t.Fatal(err)
+	}
+	for range 3 {
+		if code, _ := serve(h, "192.0.2.70", "X-Cost", "10"); code != 500 {
+			t.Fatalf("cost 10 under the key's own burst 5: %d, want 500", code)
+		}
+	}
+	if e := logs.All(); len(e) != 1 || e[0].ContextMap()["cost"] != int64(10) || e[0].ContextMap()["burst"] != int64(5) || e[0].ContextMap()["zone"] != "ov-costlog" {
+		t.Fatalf("logged %v, want one line with the zone, the cost and the burst", e)
+	}
+}
+
+// A PUT under a name that zones with different limits share (one per
+// site, say) sets the key's own limit in all of them or in none: a body
+// that one zone refuses (400), or a zone with its max_overrides already
+// (409), leaves the others unchanged, through the API and the CLI alike;
+// PUTs of many keys at once into a zone with room for one leave every
+// zone of the name listing the same key.
+func TestPutLimitAllOrNothing(t *testing.T) {
+	eachStore(t, func(t *testing.T, backend, store string) {
+		name := "ov-dup-" + backend
+		loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[{"name":"`+name+`","rate":"10r/m","burst":20}],"store":`+store+`},
+			{"handler":"rate_limit","zones":[{"name":"`+name+`","rate":"10r/m","burst":30,"cost":5,"max_overrides":1}],"store":`+store+`},
+			{"handler":"static_response","body":"ok"}`))
+		limit := func(key string) string { return "/rate_limit/" + name + "/" + key + "/limit" }
+		// listed is the keys each zone of the name lists.
+		listed := func() [][]string {
+			t.Helper()
+			var out [][]string
+			for _, z := range adminSend(t, "GET", "/rate_limit/"+name+"/limits", "", 200)["zones"].([]any) {
+				var keys []string
+				for _, o := range z.(map[string]any)["overrides"].([]any) {
+					keys = append(keys, o.(map[string]any)["key"].(string))
+				}
+				out = append(out, keys)
+			}
+			return out
+		}
+
+		const refused = "198.51.100.80"
+		if v := adminSend(t, "PUT", limit(refused), `{"burst":3}`, 400); !strings.Contains(v["error"].(string), "cost 5 exceeds burst 3") {
+			t.Fatalf("400 says %v", v)
+		}
+		cli := caddycmd.Commands()["rate-limit"]
+		root := &cobra.Command{Use: "rate-limit"}
+		cli.CobraFunc(root)
+		root.SetOut(io.Discard)
+		root.SetErr(io.Discard)
+		root.SetArgs([]string{"limit", name, refused, "--burst", "3", "--address", "localhost:2999"})
+		if err := root.Execute(); err == nil || !strings.Contains(err.Error(), "400") {
+			t.Fatalf("caddy rate-limit limit with a burst below a zone's cost: %v, want the 400", err)
+		}
+		adminSend(t, "GET", limit(refused), "", 404)
+		c := &http.Client{Timeout: 10 * time.Second}
+		for i := range 5 {
+			if code, _, _ := hit(t, c, "/", refused); code != 200 {
+				t.Fatalf("request %d of the key whose own limit was refused: %d, want 200", i, code)
+			}
+		}
+
+		// Eight keys at once; the second zone has room for one.
+		codes := make(chan int, 8)
+		for i := range 8 {
+			go func() {
+				req, _ := http.NewRequest("PUT", "http://localhost:2999"+limit("198.51.100."+strconv.Itoa(90+i)), strings.NewReader(`{"burst":40}`))
+				resp, err := c.Do(req)
+				if err != nil {
+					codes <- 0
+					return
+				}
+				resp.Body.Close()
+				codes <- resp.StatusCode
+			}()
+		}
+		won := 0
+		for range 8 {
+			switch code := <-codes; code {
+			case 200:
+				won++
+			case 409:
+			default:
+				t.Errorf("a PUT of one of 8 keys at once: %d, want 200 or 409", code)
+			}
+		}
+		lists := listed()
+		if won != 1 || len(lists) != 2 || len(lists[0]) != 1 || !slices.Equal(lists[0], lists[1]) {
+			t.Fatalf("%d of 8 PUTs at once set the key's own limit; the zones list %v; want 1, the same key in both", won, lists)
+		}
+		adminSend(t, "PUT", limit(refused), `{"burst":40}`, 409)
+		adminSend(t, "PUT", limit(lists[0][0]), `{"burst":50}`, 200) // changing one is no more
+		if after := listed(); !slices.Equal(after[0], lists[0]) || !slices.Equal(after[1], lists[0]) {
+			t.Fatalf("after a 409 and a change, the zones list %v, want %v in both", after, lists[0])
+		}
+	})
+
+	// A zone whose store fails the change once the checks have passed
+	// (its Redis refuses scripts): the zone set before it gets back what
+	// the key had there, its own limit or none.
+	t.Run("a store that fails", func(t *testing.T) {
+		noScripts := startRedis(t, "--user", "default", "on", "nopass", "~*", "&*", "+@all", "-evalsha", "-eval")
+		const name = "ov-dup-fails"
+		loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[{"name":"`+name+`","rate":"10r/m","burst":20}],"store":`+storeJSON()+`},
+			{"handler":"rate_limit","zones":[{"name":"`+name+`","rate":"10r/m","burst":30}],"store":`+storeJSON(noScripts.Addr())+`},
+			{"handler":"static_response","body":"ok"}`))
+		first := lookupZones(name)[0]
+		if first.h.storeName != "local" {
+			t.Fatalf("the first zone of the name is on %s, want the local store", first.h.storeName)
+		}
+		own := func(key string) (override, bool) {
+			t.Helper()
+			o, ok, err := first.h.store.override(context.Background(), first.z.index, first.z.adminKey(key))
+			if err != nil {
+				t.Fatal(err)
+			}
+			return o, ok
+		}
+		adminSend(t, "PUT", "/rate_limit/"+name+"/198.51.100.98/limit", `{"burst":7}`, 502)
+		if o, ok := own("198.51.100.98"); ok {
+			t.Fatalf("after a 502 the first zone has the key's own limit %+v, want none", o)
+		}
+		had, err := first.z.overrideOf(limitBody{Burst: new(int64(4))}, time.Now())
+		if err == nil {
+			err = first.h.store.setOverride(context.Background(), time.Now(), first.z.index, first.z.adminKey("198.51.100.99"), had)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		adminSend(t, "PUT", "/rate_limit/"+name+"/198.51.100.99/limit", `{"burst":7}`, 502)
+		if o, ok := own("198.51.100.99"); !ok || o.burst != 4 {
+			t.Fatalf("after a 502 the first zone has the key's own limit %+v (%v), want the burst 4 it had", o, ok)
+		}
+	})
+}
+
+// When a key's own limit ends, its bucket is carried back to the zone's
+// limit alike on each store, and a GET before the key's next request
+// reads it so: the token it spent under its own limit stays spent, and
+// the zone's burst holds the rest.
+func TestOverrideEndCarriesBucketBack(t *testing.T) {
+	eachStore(t, func(t *testing.T, backend, store string) {
+		zone := "ov-end-" + backend
+		loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
+			{"name":"`+zone+`","rate":"10r/m","burst":10,"usage":{"json":"usage.total_tokens"}}],"store":`+store+`},
+			{"handler":"static_response","body":"ok"}`))
+		c := &http.Client{Timeout: 10 * time.Second}
+		const ip = "198.51.100.60"
+		adminSend(t, "PUT", "/rate_limit/"+zone+"/"+ip+"/limit", `{"rate":"1r/h","burst":1,"expires_in":"1s"}`, 200)
+		if code, _, _ := hit(t, c, "/", ip); code != 200 {
+			t.Fatalf("the request under the key's own limit: %d, want 200", code)
+		}
+		time.Sleep(1300 * time.Millisecond)
+		v := adminSend(t, "GET", "/rate_limit/"+zone+"/"+ip, "", 200)
+		if tokens, _ := v["tokens"].(float64); v["override"] != nil || v["burst"] != float64(10) || tokens < 8.99 || tokens > 9.01 {
+			t.Fatalf("after the key's own limit ended it reads %v, want 9 tokens of the zone's 10 and no own limit", v)
+		}
+		for i := range 10 {
+			if code, _, _ := hit(t, c, "/", ip); code != map[bool]int{true: 200, false: 429}[i < 9] {
+				t.Fatalf("request %d after the key's own limit ended: %d", i, code)
+			}
+		}
+	})
+}
+
+// eachStore runs f for the local store and for a Redis store of its own,
+// with the store's name and its JSON.
+func eachStore(t *testing.T, f func(t *testing.T, backend, store string)) {
+	r := startRedis(t)
+	for _, backend := range []string{"local", "redis"} {
+		t.Run(backend, func(t *testing.T) {
+			store := storeJSON()
+			if backend == "redis" {
+				store = storeJSON(r.Addr())
+			}
+			f(t, backend, store)
+		})
 	}
 }
 

@@ -55,7 +55,7 @@ import (
 // A zone whose limit depends on the request (plans.go) has one table
 // whatever its plans, named and written with a burst and token time of 0.
 //
-// A snapshot is, little-endian: the magic "rlbk", a uint32 version (2),
+// A snapshot is, little-endian: the magic "rlbk", a uint32 version (3),
 // the hash key's fingerprint (uint64), the token time in ns and the
 // burst (int64), the wall-clock instant it was written and the number of
 // buckets (int64, uint64), then per bucket its hash (uint64) and the Unix
@@ -63,7 +63,8 @@ import (
 // with each request, the whole-bucket time of the limit that wrote it
 // (int64; version 1 has none). A quota's counter has, after its window's
 // end, its count (int64). Then (version 3) the keys' own limits
-// (overrides.go): their number (uint64), and each one's token time in ns
+// (overrides.go), with those that have ended while their bucket is not
+// full: their number (uint64), and each one's token time in ns
 // and burst (int64), the Unix time in ns it ends (int64, 0 for never),
 // its rate as given (a uint16 length, then the bytes), and its key: 1 and
 // an IP network in CIDR notation, or 0 and the key's text (a uint32
@@ -433,8 +434,11 @@ func (t *table[E]) snapshot(now time.Time, fingerprint uint64) []byte {
 	return b
 }
 
-// appendOverrides appends the table's overrides that have not ended at
-// n (wall on the wall clock): their number, then each.
+// appendOverrides appends the table's overrides at n (wall on the wall
+// clock): their number, then each. One that has ended is written while
+// its bucket is not full: the bucket was written under it, and is carried
+// back after the restart as it would have been without one (see
+// endOverride).
 func appendOverrides[E entry](b []byte, t *table[E], n time.Duration, wall int64) []byte {
 	at := len(b)
 	b = binary.LittleEndian.AppendUint64(b, 0)
@@ -442,8 +446,8 @@ func appendOverrides[E entry](b []byte, t *table[E], n time.Duration, wall int64
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		for _, e := range s.ov {
-			if !e.ended(n) {
+		for h, e := range s.ov {
+			if !e.ended(n) || !s.m[h].spent(n) {
 				b = appendOverride(b, e, n, wall)
 				count++
 			}
@@ -474,8 +478,9 @@ func appendOverride(b []byte, e localOverride, n time.Duration, wall int64) []by
 }
 
 // mergeOverrides adds a snapshot's overrides (b, from their number on) to
-// the table, but those that have ended and those of keys that have one
-// already.
+// the table, but those of keys that have one already. One that has ended
+// (before the snapshot or since) comes back ended: its bucket, saved
+// under it, is carried back to the zone's limit as if Caddy had run on.
 func mergeOverrides(t *table[bucket], b []byte, n time.Duration, wall int64) error {
 	errTruncated := errors.New("truncated overrides")
 	if len(b) < overridesHeader {
@@ -506,10 +511,12 @@ func mergeOverrides(t *table[bucket], b []byte, n time.Duration, wall int64) err
 			e.key = bucketKey{ip: p}
 		}
 		if end != 0 {
-			if end <= wall {
-				continue // ended
-			}
+			// An instant of the table's own time line, maybe before its
+			// epoch; 0 would read as no end.
 			e.o.expires, e.at = time.Unix(0, end), n+time.Duration(end-wall)
+			if e.at == 0 {
+				e.at = -1
+			}
 		}
 		addOverride(t, e)
 	}
@@ -606,9 +613,27 @@ func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, erro
 				return 0, err
 			}
 		}
-		return mergeBuckets(t, entries, entry, n, wall), nil
+		kept := mergeBuckets(t, entries, entry, n, wall)
+		dropEnded(t, n)
+		return kept, nil
 	}
 	return 0, nil
+}
+
+// dropEnded removes the overrides that have ended and whose bucket is
+// full: there is nothing left to carry back.
+func dropEnded(t *table[bucket], n time.Duration) {
+	for i := range t.shards {
+		s := &t.shards[i]
+		s.mu.Lock()
+		for h, e := range s.ov {
+			if e.ended(n) && s.m[h].spent(n) {
+				delete(s.ov, h)
+				t.overrides.Add(-1)
+			}
+		}
+		s.mu.Unlock()
+	}
 }
 
 // mergeBuckets adds a snapshot's buckets to the table, as merge says.

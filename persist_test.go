@@ -261,6 +261,64 @@ func TestSnapshotOverrides(t *testing.T) {
 	}
 }
 
+// A key whose own limit ends while Caddy is stopped, or ended before the
+// stop with no request since, has its bucket carried back after the
+// restart as it would have been without one: the tokens it spent under
+// its own limit stay spent, counted in its own limit's tokens, and the
+// zone's burst holds the rest (9 of 10 here), not an empty bucket of the
+// zone's.
+func TestSnapshotEndedOverrides(t *testing.T) {
+	sn := testSnapshots(newTestStorage())
+	base := newLimit(1, 10) // testShape's: 1r/s burst 10
+	for _, tc := range []struct {
+		name               string
+		ends, saved, loads time.Duration // after t0, when the key spent 1 token under its own limit
+	}{
+		{"ends while stopped", 3 * time.Second, time.Second, 5 * time.Second},
+		{"ended before the stop", time.Second, 2 * time.Second, 4 * time.Second},
+	} {
+		a := newPersistedTable(sn)
+		a.base = base
+		k := key("slow")
+		slow := override{tokenTime: time.Hour, burst: 1, rate: "1r/h", expires: t0.Add(tc.ends)}
+		if err := setOverride(a, k, slow, 10, t0); err != nil {
+			t.Fatal(err)
+		}
+		if c := (charge{l: base, cost: time.Second, t: a, h: a.hash(k), now: a.instant(t0)}); !takeOne(&c) || !c.overridden {
+			t.Fatalf("%s: the take under the key's own limit was refused", tc.name)
+		}
+		b := a.snapshot(t0.Add(tc.saved), sn.key.fingerprint())
+
+		later := t0.Add(tc.loads)
+		loaded := newPersistedTable(sn)
+		loaded.base = base
+		if _, err := loaded.merge(b, sn.key.fingerprint(), later); err != nil {
+			t.Fatal(err)
+		}
+		if list := listOverrides(loaded, later); len(list) != 0 {
+			t.Fatalf("%s: listed %v after the limit's end", tc.name, list)
+		}
+		// Read as a GET reads it, then as the key's requests find it.
+		fullAt, _, own := ownBucket(loaded, k, later)
+		if got := base.tokens(base.debt(fullAt, loaded.instant(later))); own || got < 9 || got > 9.01 {
+			t.Fatalf("%s: the key reads %v tokens (own limit %v), want 9 of the zone's 10 and no own limit", tc.name, got, own)
+		}
+		allowed := 0
+		for range 10 {
+			c := charge{l: base, cost: time.Second, t: loaded, h: loaded.hash(k), now: loaded.instant(later)}
+			if takeOne(&c) {
+				allowed++
+			}
+			if c.overridden {
+				t.Fatalf("%s: a take after the limit's end was decided by it", tc.name)
+			}
+		}
+		if allowed != 9 {
+			t.Fatalf("%s: %d of 10 requests allowed after the restart, want 9", tc.name, allowed)
+		}
+	}
+}
+
 // overridesLen is the length of a snapshot's overrides section.
 func overridesLen(b []byte) int {
 	n := binary.LittleEndian.Uint64(b[40:])

@@ -5,8 +5,9 @@ package ratelimit
 
 import (
 	"context"
+	_ "embed"
 	"errors"
-	"math"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"time"
@@ -142,44 +143,116 @@ func (s *RedisStore) forgetKey(zone int, key bucketKey) {
 	}
 }
 
+//go:embed lua/override.lua
+var overrideLua string
+
+// overrideScript sets or removes a key's own limit and its place in the
+// zone's list in one step (see lua/override.lua).
+var overrideScript = redis.NewScript(overrideLua)
+
+// setOverride and deleteOverride change a key's own limit and the zone's
+// list of them together: in one script call, atomic, so that no change
+// of the key running at once on any instance can leave a limit that is
+// not listed (enforced, never counted toward max_overrides, without an
+// end), or a listed key without one. On Redis Cluster the two are in
+// different slots, which no one call changes together: there the
+// changes of one key take turns (lockOverride), and each changes the
+// list first when it sets and last when it removes, so that an instance
+// that dies halfway leaves at most a key listed without a limit, which
+// counts toward max_overrides until the key's limit is set or removed.
 func (s *RedisStore) setOverride(ctx context.Context, now time.Time, zone int, key bucketKey, o override) error {
 	rz := &s.zones[zone]
 	listed := s.keys.Listed(key.String())
 	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
-	index := s.keys.Limits(rz.field)
-	score := math.Inf(1)
+	keys := []string{s.keys.Limits(rz.field), limitKey}
+	if s.client.Cluster {
+		unlock, err := s.lockOverride(ctx, limitKey)
+		if err != nil {
+			return err
+		}
+		defer unlock()
+		keys = keys[:1]
+	}
+	score, value := "+inf", overrideValue(o)
 	var ttl time.Duration // 0: no end
 	if !o.expires.IsZero() {
-		score, ttl = float64(o.expires.UnixMilli()), max(o.expires.Sub(now), time.Millisecond)
-	}
-	var added, count *redis.IntCmd
-	if _, err := s.client.TxPipelined(ctx, func(p redis.Pipeliner) error {
-		p.ZRemRangeByScore(ctx, index, "-inf", "("+strconv.FormatInt(now.UnixMilli(), 10))
-		added = p.ZAdd(ctx, index, redis.Z{Score: score, Member: listed})
-		count = p.ZCard(ctx, index)
-		return nil
-	}); err != nil {
-		return err
-	}
-	if added.Val() == 1 && count.Val() > rz.maxOverrides {
-		return errors.Join(errTooManyOverrides, s.client.ZRem(ctx, index, listed).Err())
+		score, ttl = strconv.FormatInt(o.expires.UnixMilli(), 10), max(o.expires.Sub(now), time.Millisecond)
 	}
 	defer s.forgetKey(zone, key)
 	// Read from now on, until a poll asked after the override was listed
 	// counts it.
 	rz.overridden.Store(&countedOverrides{n: -1, at: time.Since(processStart).Nanoseconds()})
-	return s.client.Set(ctx, limitKey, overrideValue(o), ttl).Err()
+	set, err := overrideScript.Run(ctx, s.client, keys, "set", listed, now.UnixMilli(), score, value, ttl.Milliseconds(), rz.maxOverrides).Int()
+	if err == nil && set == 1 && len(keys) == 1 {
+		err = s.client.Set(ctx, limitKey, value, ttl).Err()
+	}
+	if err == nil && set == 0 {
+		return errTooManyOverrides
+	}
+	return err
 }
 
-func (s *RedisStore) deleteOverride(ctx context.Context, _ time.Time, zone int, key bucketKey) (bool, error) {
+func (s *RedisStore) deleteOverride(ctx context.Context, now time.Time, zone int, key bucketKey) (bool, error) {
 	rz := &s.zones[zone]
+	listed := s.keys.Listed(key.String())
 	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
+	keys := []string{s.keys.Limits(rz.field), limitKey}
 	defer s.forgetKey(zone, key)
+	if !s.client.Cluster {
+		n, err := overrideScript.Run(ctx, s.client, keys, "del", listed, now.UnixMilli()).Int()
+		return n > 0, err
+	}
+	unlock, err := s.lockOverride(ctx, limitKey)
+	if err != nil {
+		return false, err
+	}
+	defer unlock()
 	n, err := s.client.Del(ctx, limitKey).Result()
 	if err != nil {
 		return false, err
 	}
-	return n > 0, s.client.ZRem(ctx, s.keys.Limits(rz.field), s.keys.Listed(key.String())).Err()
+	return n > 0, overrideScript.Run(ctx, s.client, keys[:1], "del", listed, now.UnixMilli()).Err()
+}
+
+// overrideLockLease is how long a change of a key's own limit on Redis
+// Cluster holds the key's lock at most: longer than the admin API gives
+// a change, so that a change never loses its lock before it ends, and
+// short enough that one from an instance that died holds up the key's
+// next change for no more than that.
+const overrideLockLease = 10 * time.Second
+
+// lockOverride waits, until ctx ends, for the lock of the key whose own
+// limit is at limitKey (`<limitKey>:lock`, in its slot), and returns
+// what gives it back.
+func (s *RedisStore) lockOverride(ctx context.Context, limitKey string) (unlock func(), err error) {
+	lock, token := limitKey+":lock", strconv.FormatUint(rand.Uint64(), 36)
+	for {
+		ok, err := s.client.SetNX(ctx, lock, token, overrideLockLease).Result()
+		if err != nil {
+			return nil, err
+		}
+		if ok {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(5 * time.Millisecond):
+		}
+	}
+	return func() {
+		// Only while it is still this change's: a lock whose lease ran
+		// out may be another change's now.
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.callTimeout)
+		defer cancel()
+		_ = s.client.Watch(ctx, func(tx *redis.Tx) error {
+			if tx.Get(ctx, lock).Val() != token {
+				return nil
+			}
+			_, err := tx.TxPipelined(ctx, func(p redis.Pipeliner) error { return p.Del(ctx, lock).Err() })
+			return err
+		}, lock)
+	}, nil
 }
 
 func (s *RedisStore) override(ctx context.Context, zone int, key bucketKey) (override, bool, error) {

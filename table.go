@@ -415,7 +415,7 @@ func (c *charge) try(b bucket) {
 		fullAt = c.l.rescale(fullAt, c.now, b.full)
 	}
 	c.fullAt, c.ok = c.l.take(fullAt, c.now, c.cost)
-	c.ban = !c.ok && c.l.ban > 0 && !c.l.banned(c.l.debt(fullAt, c.now))
+	c.ban = !c.ok && c.l.startsBan(c.l.debt(fullAt, c.now), c.cost)
 }
 
 // entry is the bucket c leaves.

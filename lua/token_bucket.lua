@@ -129,10 +129,11 @@
 -- then on an empty bucket of the request's limit.
 --
 -- take    charges every bucket, counter and slot set, or none. A bucket
---         gives cost when debt + cost <= full + wait: the request then
---         waits out what it owes beyond full. When the take is refused,
---         each bucket with a ban that lacked the tokens and was not banned
---         yet (it owed at most full) is banned: it owes full + ban.
+--         gives cost when debt + cost <= full + wait and cost <= full:
+--         the request then waits out what it owes beyond full. When the
+--         take is refused, each bucket with a ban that lacked the tokens
+--         and was not banned yet (it owed at most full), for a cost of at
+--         most full, is banned: it owes full + ban.
 -- adjust  charges each bucket and counter its cost, refusing nothing: a
 --         bucket up to what it may owe, a counter past its limit. A
 --         negative cost gives back, and never shortens a ban. No slots.
@@ -560,9 +561,12 @@ if ARGV[2] ~= '0' then
 			if moved or d > most then
 				state = state + 2
 			end
-			if take and debt + cost > full + tonumber(ARGV[x + 5]) then
+			if take and (debt + cost > full + tonumber(ARGV[x + 5]) or cost > full) then
+				-- A cost above the whole bucket (a key's own burst below a
+				-- cost that comes with each request) is never there, and its
+				-- refusal bans no one.
 				reply[r + 1] = 0
-				if ban > 0 and debt <= full then
+				if ban > 0 and debt <= full and cost <= full then
 					state = state + 1
 				end
 			end

@@ -20,7 +20,8 @@ import (
 // `<hash><field>:limit`, after the bucket's field: all in the bucket's
 // slot, and named as no hash of buckets is (those end with the tag). The
 // overrides of a zone are listed in the sorted set
-// `<prefix>{<zone>:<shape>:}:limits`.
+// `<prefix>{<zone>:<shape>:}:limits`; on Redis Cluster, a change of a
+// key's own limit holds the lock `<hash><field>:limit:lock`.
 //
 // The key never chooses its slot: the hash tag is the group, four hex
 // digits of a fixed hash of the key, whatever the key's bytes; nor does
