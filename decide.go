@@ -29,6 +29,11 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	if h.anyDelay {
 		sc.waiter = h.enterWaiting(sc)
 	}
+	if h.holds != nil {
+		// Until finish: what the request gives back after the response
+		// goes to the store that decided it, whatever a reload does.
+		sc.held = h.holds.hold()
+	}
 	out, err = h.take(r.Context(), now, sc, &sc.d)
 	if out == outcomeDeny && h.anyDryRun {
 		out, err = h.shadow(r, now, sc)

@@ -118,6 +118,7 @@ type Handler struct {
 	Storage json.RawMessage `json:"storage,omitempty"`
 
 	store      store
+	holds      holder // store, when its requests hold it; nil otherwise
 	failMode   failMode
 	fallback   *LocalStore // decides when store fails, for fail_mode local
 	headerMode headerMode
@@ -263,6 +264,7 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 		return err
 	}
 	h.store = st
+	h.holds, _ = st.(holder)
 	if f, ok := st.(fallible); ok {
 		h.failMode = f.failMode()
 		if h.failMode == failLocal {
@@ -438,6 +440,7 @@ type scratch struct {
 	d       demands // what the request asks of the store
 	matches []match // the zones that apply to it, in the handler's order
 	by      store   // the store that took d: h.store, h.fallback, or nil (fail_mode open)
+	held    bool    // the request holds h.holds until it ends
 	top     *standing
 	std     standing
 	buf     []byte
@@ -502,13 +505,18 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	return h.serve(w, r, next, sc)
 }
 
-// finish gives back the request's slots and places, and its scratch.
+// finish gives back the request's slots and places, its hold on the
+// store, and its scratch.
 func (h *Handler) finish(r *http.Request, sc *scratch) {
 	if len(sc.d.slots) > 0 {
 		h.releaseSlots(r, sc)
 	}
 	if len(sc.adaptive.p) > 0 {
 		h.releaseAdaptive(sc)
+	}
+	if sc.held {
+		h.holds.done()
+		sc.held = false
 	}
 	sc.d.clear()
 	sc.matches, sc.by, sc.top, sc.slotOut = sc.matches[:0], nil, nil, -1

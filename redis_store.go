@@ -130,9 +130,14 @@ type RedisStore struct {
 	// false.
 	DisableOverLimitCache bool `json:"disable_over_limit_cache,omitempty"`
 
-	client      *rediswire.Client
-	poolKey     string
-	released    bool          // Cleanup gave the client back
+	client   *rediswire.Client
+	poolKey  string
+	released bool // Cleanup let go of the client
+	// users counts what keeps the client from the pool's Delete: the
+	// config until its Cleanup, and each request that holds the store
+	// (see holder). The last to let go gives it back. A pointer, as
+	// CaddyModule's value receiver copies the struct.
+	users       *atomic.Int64
 	callTimeout time.Duration // Timeout, or its default
 	keys        rediswire.Keys
 	zones       []redisZone        // by zone index
@@ -277,6 +282,8 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	}
 	s.poolKey = string(key)
 	s.client = v.(*rediswire.Client)
+	s.users = new(atomic.Int64)
+	s.users.Store(1)
 	return nil
 }
 
@@ -381,14 +388,45 @@ func checkFailMode(s string) error {
 	return nil
 }
 
-// Cleanup releases the client, which closes when no config uses it.
-// Requests of this config may still be running: they keep the client,
-// and a closed one gives them an error that fail_mode decides.
+// Cleanup lets go of the client. Requests of this config may still be
+// running, a long stream or a request waiting on its upstream: the
+// client goes back to the pool when the last of them ends (see done),
+// and closes when no config uses it either, so that they settle and
+// give their slots back through it, as they would without the reload.
 func (s *RedisStore) Cleanup() error {
 	if s.client == nil || s.released {
 		return nil
 	}
 	s.released = true
+	return s.drop()
+}
+
+// hold keeps the client for a request, unless the store let go of it
+// already.
+func (s *RedisStore) hold() bool {
+	for {
+		n := s.users.Load()
+		if n == 0 {
+			return false
+		}
+		if s.users.CompareAndSwap(n, n+1) {
+			return true
+		}
+	}
+}
+
+// done ends a request's hold.
+func (s *RedisStore) done() {
+	if err := s.drop(); err != nil {
+		s.logger.Error("rate limit: redis client not given back", zap.Error(err))
+	}
+}
+
+// drop drops one user of the client; the last gives it back to the pool.
+func (s *RedisStore) drop() error {
+	if s.users.Add(-1) != 0 {
+		return nil
+	}
 	_, err := redisClients.Delete(s.poolKey)
 	return err
 }
@@ -1164,4 +1202,5 @@ var (
 	_ caddyfile.Unmarshaler = (*RedisStore)(nil)
 	_ store                 = (*RedisStore)(nil)
 	_ fallible              = (*RedisStore)(nil)
+	_ holder                = (*RedisStore)(nil)
 )

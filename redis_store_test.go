@@ -658,8 +658,10 @@ func testCertificates(t *testing.T) (caPEM, certPEM, keyPEM string) {
 }
 
 // Caddy cleans up a config's handlers while their requests still run. A
-// request waiting on a hung Redis when its config is cleaned up (its
-// client closed under it) finishes under fail_mode: no nil store, no
+// request waiting on a hung Redis when its config is cleaned up keeps its
+// client, and finishes under fail_mode when Redis does not answer in time;
+// one that arrives after the cleanup and its config's last request finds
+// the client closed, and is decided the same way: no nil store, no
 // panic, no race.
 func TestRedisCleanupUnderRunningRequests(t *testing.T) {
 	r := startRedis(t)
@@ -690,6 +692,85 @@ func TestRedisCleanupUnderRunningRequests(t *testing.T) {
 	// A request that arrives after the cleanup is decided the same way.
 	if code, _ := serve(h, "192.0.2.91"); code != http.StatusOK {
 		t.Errorf("after cleanup: %d", code)
+	}
+}
+
+// A reload that changes the Redis store's connection settings makes a
+// new client, and the old config is cleaned up at once; a stream started
+// under the old config, in flight across the reload, still settles its
+// usage in the bucket and the quota after its response, and gives its
+// slot back, through the client it was decided with.
+func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
+	r := startRedis(t)
+	up := startLLMUpstream(t)
+	up.resume = make(chan struct{}) // streams wait after their first chunk
+	site := func(timeout string) string {
+		return fmt.Sprintf(`http://localhost:9080 {
+	rate_limit {
+		zone reload_llm {
+			key {http.request.header.X-Key}
+			rate 100/m
+			burst 100
+			usage json usage.total_tokens
+			quota 1000 per day
+		}
+		zone reload_conc {
+			key {http.request.header.X-Key}
+			concurrency 1
+		}
+		store redis {
+			address %s
+			timeout %s
+		}
+	}
+	reverse_proxy %s {
+		flush_interval -1
+	}
+}
+`, r.Addr(), timeout, strings.TrimPrefix(up.URL, "http://"))
+	}
+	tester := startCaddy(t, "", site("200ms"))
+	done := make(chan string)
+	go func() {
+		code, _, body := llmGetAt(t, "http://localhost:9080", "/sse?tokens=60", "X-Key", "k")
+		done <- fmt.Sprint(code, " ", strings.Contains(body, `"total_tokens":60`))
+	}()
+	select {
+	case <-up.first:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the stream did not reach the upstream")
+	}
+	reload(t, tester, "", site("300ms"))
+	// The new config shares the slot in Redis: taken by the stream.
+	if code, _, body := llmGetAt(t, "http://localhost:9080", "/json?tokens=1", "X-Key", "k"); code != http.StatusTooManyRequests {
+		t.Fatalf("while the stream runs: %d %q, want 429 (its slot is taken)", code, body)
+	}
+	close(up.resume)
+	if got := <-done; got != "200 true" {
+		t.Fatalf("the stream: %s, want 200 with its usage", got)
+	}
+	// The slot goes back after the settlement, as the handler returns,
+	// which may be after the client has read the end of the stream.
+	var inFlight any
+	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
+		if inFlight = adminKeyAt(t, "localhost:2999", "reload_conc", "k")["in_flight"]; inFlight == float64(0) {
+			break
+		}
+	}
+	if inFlight != float64(0) {
+		t.Errorf("in flight %v, want 0: the stream gave its slot back", inFlight)
+	}
+	adminKeyInfo(t, "reload_llm", "k", func(info map[string]any) {
+		// 100 less 60, and what came back since at 100/m.
+		if tok, _ := info["tokens"].(float64); tok < 40 || tok > 50 {
+			t.Errorf("tokens %v, want about 40: the stream's usage of 60 settled", info["tokens"])
+		}
+		if q, _ := info["quota"].(map[string]any); q["used"] != float64(60) {
+			t.Errorf("quota %v, want 60 used", info["quota"])
+		}
+	})
+	if code, _, body := llmGetAt(t, "http://localhost:9080", "/json?tokens=1", "X-Key", "k"); code != http.StatusOK {
+		t.Fatalf("after the stream: %d %q, want 200", code, body)
 	}
 }
 

@@ -256,6 +256,21 @@ type fallible interface {
 	known(now time.Time, b *bucketDemand, err error) time.Duration
 }
 
+// A holder is a store whose Cleanup would close what its requests use
+// (the Redis store's client). Caddy cleans a config up while its last
+// requests still run; each request that asks the store holds it until
+// it ends, so that what it does after its decision (its settlement after
+// the response, its slots given back) reaches the store as it was, and
+// the store lets go of its client when the last of them ends.
+type holder interface {
+	// hold keeps the store for a request until done; false when the
+	// store has let go already (a request that reached the handler after
+	// its config's Cleanup and its last request), and done must not be
+	// called.
+	hold() bool
+	done()
+}
+
 // A failMode is what the handler does when a fallible store fails.
 type failMode uint8
 
