@@ -1,0 +1,59 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+)
+
+// leaseSeq numbers the leases this process takes.
+var leaseSeq atomic.Uint64
+
+// release gives back the slots that take took, in one call where their
+// keys share a cluster slot. A slot whose release fails comes back when
+// its lease ends.
+func (s *RedisStore) release(ctx context.Context, slots []slotDemand) error {
+	if !s.client.Up() {
+		return rediswire.ErrDown // the leases will end
+	}
+	held := 0
+	for i := range slots {
+		if slots[i].held {
+			held++
+		}
+	}
+	if held == 0 {
+		return nil
+	}
+	deadline := time.Now().Add(s.callTimeout)
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	if held == len(slots) && (!s.client.Cluster || oneTag(&demands{slots: slots})) {
+		return s.releaseCall(ctx, deadline, slots)
+	}
+	var errs []error
+	for i := range slots {
+		if slots[i].held {
+			if err := s.releaseCall(ctx, deadline, slots[i:i+1]); err != nil {
+				errs = append(errs, err)
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// releaseCall gives back the slots in one call.
+func (s *RedisStore) releaseCall(ctx context.Context, deadline time.Time, slots []slotDemand) error {
+	c := rediswire.NewCall(rediswire.Release, deadline)
+	for i := range slots {
+		c.Slot(s.slotKey(slots[i].zone, slots[i].key), slots[i].claim, nil)
+	}
+	_, err := s.client.Run(ctx, c)
+	return err
+}
