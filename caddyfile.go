@@ -71,6 +71,7 @@ const anonymousZone = "default"
 //			<other options of the Redis store>
 //		}
 //		headers both|legacy|ietf|off
+//		grpc_status resource_exhausted|unavailable|off  # the gRPC code of a 429
 //		jitter  <fraction>
 //		max_delayed <n>  # requests waiting for zones with delay at once
 //		log_key
@@ -136,6 +137,11 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 			err = checkHeaderMode(h.Headers)
+		case "grpc_status":
+			if !d.AllArgs(&h.GRPCStatus) {
+				return d.ArgErr()
+			}
+			err = checkGRPCStatus(h.GRPCStatus)
 		case "jitter":
 			var v string
 			if !d.AllArgs(&v) {

@@ -256,6 +256,20 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 			want: &Handler{Zones: []*Zone{{Name: "default", Key: "{client_ip}", Rate: "1r/s"}}, Headers: "off"},
 		},
 		{
+			name: "grpc_status unavailable",
+			input: `rate_limit {client_ip} 1r/s {
+	grpc_status unavailable
+}`,
+			want: &Handler{Zones: []*Zone{{Name: "default", Key: "{client_ip}", Rate: "1r/s"}}, GRPCStatus: "unavailable"},
+		},
+		{
+			name: "grpc_status off",
+			input: `rate_limit {client_ip} 1r/s {
+	grpc_status off
+}`,
+			want: &Handler{Zones: []*Zone{{Name: "default", Key: "{client_ip}", Rate: "1r/s"}}, GRPCStatus: "off"},
+		},
+		{
 			name: "jitter and log_key",
 			input: `rate_limit {client_ip} 1r/s {
 	jitter 0.25
@@ -1000,6 +1014,22 @@ func TestUnmarshalCaddyfileErrors(t *testing.T) {
 	headers ""
 }`,
 			wantErr: "invalid headers '': expected both, legacy, ietf or off",
+			line:    2,
+		},
+		{
+			name: "grpc_status unknown",
+			input: `rate_limit {client_ip} 1r/s {
+	grpc_status 8
+}`,
+			wantErr: "invalid grpc_status '8': expected resource_exhausted, unavailable or off",
+			line:    2,
+		},
+		{
+			name: "grpc_status without argument",
+			input: `rate_limit {client_ip} 1r/s {
+	grpc_status
+}`,
+			wantErr: "wrong argument count",
 			line:    2,
 		},
 		{

@@ -42,6 +42,7 @@ func init() {
 // `Retry-After` header giving the whole seconds until it could succeed.
 // (On a server without `handle_errors`, the handler writes the bare 429
 // itself, the response Caddy would write for the error, but cheaper.)
+// A gRPC request is refused in gRPC's form instead (see `grpc_status`).
 // Allowed and denied responses carry rate-limit headers for the matched
 // zones (see `headers`). A zone with `delay` may hold an allowed request
 // until its tokens are there, at most that long, before it goes on.
@@ -82,6 +83,17 @@ type Handler struct {
 	// is at most the time the zone's bucket takes to refill from empty.
 	// Default: 0.
 	Jitter float64 `json:"jitter,omitempty"`
+
+	// How a refused gRPC request (Content-Type `application/grpc` or
+	// `application/grpc+...`) is answered: in gRPC's form, a
+	// Trailers-Only response with `grpc-status`, `grpc-message`,
+	// `grpc-retry-pushback-ms` and `google.rpc.RetryInfo`, whose code for
+	// a 429 is `resource_exhausted` (8) or `unavailable` (14, for retry
+	// policies that retry only that); a 503 is always `unavailable`. `off`
+	// answers gRPC requests as any other. gRPC refusals are written by
+	// the handler, never passed to `handle_errors`. gRPC-Web requests get
+	// the plain HTTP refusal. Default: `resource_exhausted`.
+	GRPCStatus string `json:"grpc_status,omitempty"`
 
 	// Log the bucket key with denials. Keys often hold personal data
 	// (IP addresses, API keys). Default: false.
@@ -147,6 +159,9 @@ type Handler struct {
 	// them, not returned: Caddy would log each 503 at ERROR, with the
 	// request's headers.
 	writeRefusals bool
+	// grpcCode is the gRPC code of a 429 for a gRPC request, 0 for
+	// none: grpc_status off.
+	grpcCode int
 }
 
 // fallbackStore is the store that decides when h.store fails, nil for
@@ -177,6 +192,7 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	h.headerMode = headerModes[h.Headers]
+	h.grpcCode = grpcStatuses[cmp.Or(h.GRPCStatus, "resource_exhausted")]
 	if err := h.provisionZones(ctx); err != nil {
 		return err
 	}
@@ -372,6 +388,11 @@ func (h *Handler) Validate() error {
 	}
 	if h.Headers != "" {
 		if err := checkHeaderMode(h.Headers); err != nil {
+			return err
+		}
+	}
+	if h.GRPCStatus != "" {
+		if err := checkGRPCStatus(h.GRPCStatus); err != nil {
 			return err
 		}
 	}

@@ -16,7 +16,8 @@ import (
 // refuse answers a request that does not go on: 429 when a zone refused
 // it, 503 when an adaptive limit shed it or the store failed and
 // fail_mode is closed, 500 when it cannot be decided, and nothing for a
-// client that left while it waited.
+// client that left while it waited; a gRPC request's 429s and 503s in
+// gRPC's form (grpc.go).
 // It returns the error for Caddy's error routes, or nil when it wrote the
 // response itself.
 func (h *Handler) refuse(w http.ResponseWriter, r *http.Request, sc *scratch, out outcome, err error) error {
@@ -30,10 +31,7 @@ func (h *Handler) refuse(w http.ResponseWriter, r *http.Request, sc *scratch, ou
 		return h.shedAdaptive(w, r, sc)
 	case outcomeFailClosed:
 		w.Header()["Retry-After"] = []string{"1"}
-		if h.writeRefusals {
-			w.WriteHeader(http.StatusServiceUnavailable)
-			return nil
-		}
+		return h.answer(w, r, http.StatusServiceUnavailable, time.Second, nil, "rate limit store unavailable", err)
 	case outcomeBadLimit:
 		// The zone logged the values once: Caddy would log every one.
 		if h.writeRefusals {
@@ -77,11 +75,25 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) erro
 		}
 		h.emitExceeded(r, z, wait, ban)
 	}
-	if h.writeRefusals {
-		w.WriteHeader(http.StatusTooManyRequests)
+	return h.answer(w, r, http.StatusTooManyRequests, wait, z, "rate limit exceeded", z.denial)
+}
+
+// answer ends a refusal with status, by zone z (nil: the store failed),
+// where a retry may succeed after wait. A gRPC request is answered in
+// gRPC's form (grpc.go), with msg, and written here whatever the error
+// routes: a handle_errors route would answer in HTTP's, which gRPC
+// clients cannot read. Otherwise the refusal is written bare on a server
+// without error routes, or returned to them as err.
+func (h *Handler) answer(w http.ResponseWriter, r *http.Request, status int, wait time.Duration, z *Zone, msg string, err error) error {
+	if h.grpcCode != 0 && isGRPC(r) {
+		h.writeGRPC(w, status, wait, z, msg)
 		return nil
 	}
-	return z.denial
+	if h.writeRefusals {
+		w.WriteHeader(status)
+		return nil
+	}
+	return err
 }
 
 // denySlot answers a request that a zone with concurrency refused: no
@@ -117,11 +129,7 @@ func (h *Handler) refuseInFlight(w http.ResponseWriter, r *http.Request, z *Zone
 	if h.events != nil && h.events.ShouldEmit(exceededEvent) {
 		h.emitExceeded(r, z, time.Second, false)
 	}
-	if h.writeRefusals {
-		w.WriteHeader(status)
-		return nil
-	}
-	return err
+	return h.answer(w, r, status, time.Second, z, msg, err)
 }
 
 // exceededEvent is the Caddy event emitted when a request is denied, as

@@ -1,0 +1,201 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"encoding/base64"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"net/url"
+	"strconv"
+	"testing"
+	"time"
+)
+
+func TestIsGRPC(t *testing.T) {
+	for ct, want := range map[string]bool{
+		"application/grpc":                true,
+		"application/grpc+proto":          true,
+		"application/grpc+json":           true,
+		"application/grpc;charset=utf-8":  true,
+		"application/grpc-web":            false,
+		"application/grpc-web+proto":      false,
+		"application/grpc-web-text":       false,
+		"application/grpc-web-text+proto": false,
+		"application/grpcx":               false,
+		"application/json":                false,
+		"":                                false,
+	} {
+		req := httptest.NewRequest(http.MethodPost, "/", nil)
+		if ct != "" {
+			req.Header.Set("Content-Type", ct)
+		}
+		if got := isGRPC(req); got != want {
+			t.Errorf("Content-Type %q: gRPC %t, want %t", ct, got, want)
+		}
+	}
+}
+
+// serveGRPC sends a gRPC request from ip through h. It returns the
+// handler's error and the response.
+func serveGRPC(h *Handler, ip string) (*httptest.ResponseRecorder, error) {
+	req, rr := newRequest(ip, "Content-Type", "application/grpc+proto")
+	err := h.ServeHTTP(rr, req, okHandler)
+	return rr, err
+}
+
+// checkGRPCRefusal checks a Trailers-Only refusal: HTTP 200, no body, the
+// gRPC code and message, a pushback of at least 1 and at most maxMS
+// milliseconds, and the same code, message and delay in
+// grpc-status-details-bin.
+func checkGRPCRefusal(t *testing.T, rr *httptest.ResponseRecorder, err error, code int, msg string, maxMS int64) {
+	t.Helper()
+	hdr := rr.Header()
+	if err != nil || rr.Code != http.StatusOK || rr.Body.Len() != 0 || hdr.Get("Content-Type") != "application/grpc" {
+		t.Fatalf("error %v, status %d, body %q, Content-Type %q; want a Trailers-Only response written by the handler",
+			err, rr.Code, rr.Body, hdr.Get("Content-Type"))
+	}
+	if got := hdr.Get("Grpc-Status"); got != strconv.Itoa(code) {
+		t.Errorf("grpc-status %s, want %d", got, code)
+	}
+	if got := hdr.Get("Grpc-Message"); got != msg {
+		t.Errorf("grpc-message %q, want %q", got, msg)
+	}
+	ms, perr := strconv.ParseInt(hdr.Get("Grpc-Retry-Pushback-Ms"), 10, 64)
+	if perr != nil || ms < 1 || ms > maxMS {
+		t.Errorf("grpc-retry-pushback-ms %q, want 1 to %d", hdr.Get("Grpc-Retry-Pushback-Ms"), maxMS)
+	}
+	unescaped, uerr := url.PathUnescape(msg)
+	if uerr != nil {
+		t.Fatal(uerr)
+	}
+	bin := hdr.Get("Grpc-Status-Details-Bin")
+	details, derr := base64.RawStdEncoding.DecodeString(bin)
+	if derr != nil {
+		t.Fatalf("grpc-status-details-bin %q is not unpadded base64: %v", bin, derr)
+	}
+	if want := statusProto(code, unescaped, msecs(ms)); string(details) != string(want) {
+		t.Errorf("grpc-status-details-bin %x, want %x", details, want)
+	}
+	if hdr.Get("Retry-After") == "" {
+		t.Error("no Retry-After")
+	}
+}
+
+// The protobuf bytes, written out by hand from the messages' definitions:
+// google.rpc.Status{code: 8, message: "m", details: [Any{type_url:
+// RetryInfo's, value: RetryInfo{retry_delay: {seconds: 1, nanos:
+// 500000000}}}]}.
+func TestStatusProto(t *testing.T) {
+	info := "\x0a\x08" + "\x08\x01" + "\x10\x80\xca\xb5\xee\x01" // retry_delay {seconds 1, nanos 500000000}
+	detail := "\x0a\x28" + retryInfoType + "\x12\x0a" + info
+	want := "\x08\x08" + "\x12\x01m" + "\x1a\x36" + detail
+	if got := statusProto(8, "m", 1500*msecs(1)); string(got) != want {
+		t.Errorf("statusProto: %x, want %x", got, want)
+	}
+	// A whole number of seconds has no nanos, and an empty message no
+	// field.
+	want = "\x08\x0e" + "\x1a\x30" + "\x0a\x28" + retryInfoType + "\x12\x04" + "\x0a\x02\x08\x01"
+	if got := statusProto(14, "", 1000*msecs(1)); string(got) != want {
+		t.Errorf("statusProto: %x, want %x", got, want)
+	}
+}
+
+func TestPercentEncode(t *testing.T) {
+	for in, want := range map[string]string{
+		"zone api: rate limit exceeded": "zone api: rate limit exceeded",
+		"zone é%:":                      "zone %C3%A9%25:",
+		"tab\there\x7f~":                "tab%09here%7F~",
+		"":                              "",
+	} {
+		if got := percentEncode(in); got != want {
+			t.Errorf("percentEncode(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+// A gRPC request refused by a bucket gets RESOURCE_EXHAUSTED in gRPC's
+// form, written by the handler even where error routes would take a
+// plain refusal (newTestHandler's handler has writeRefusals false), with
+// the pushback of the bucket's wait in milliseconds; it is counted as a
+// denial as any other.
+func TestGRPCDenial(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"grpc é%","key":"static","rate":"4r/s","burst":1}]}`)
+	if rr, err := serveGRPC(h, "192.0.2.1"); err != nil || rr.Code != http.StatusOK || rr.Header().Get("Grpc-Status") != "" {
+		t.Fatalf("first request: error %v, status %d, grpc-status %q; want it through", err, rr.Code, rr.Header().Get("Grpc-Status"))
+	}
+	rr, err := serveGRPC(h, "192.0.2.1")
+	checkGRPCRefusal(t, rr, err, grpcResourceExhausted, "zone grpc %C3%A9%25: rate limit exceeded", 250)
+	if rr.Header().Get("X-Ratelimit-Limit") != "1" || rr.Header().Get("Ratelimit") == "" {
+		t.Errorf("rate-limit headers %v, want them with the refusal", rr.Header())
+	}
+	if st := h.Zones[0].state; st.denied.Load() != 1 || st.allowed.Load() != 1 {
+		t.Errorf("denied %d, allowed %d; want 1 and 1", st.denied.Load(), st.allowed.Load())
+	}
+	// Other requests of the zone get the plain 429 error, gRPC-Web's too.
+	for _, ct := range []string{"", "application/grpc-web+proto", "application/grpc-web-text"} {
+		req, rr := newRequest("192.0.2.1", "Content-Type", ct)
+		if err := h.ServeHTTP(rr, req, okHandler); statusOf(err) != http.StatusTooManyRequests || rr.Header().Get("Grpc-Status") != "" {
+			t.Errorf("Content-Type %q: error %v, grpc-status %q; want the 429 error", ct, err, rr.Header().Get("Grpc-Status"))
+		}
+	}
+}
+
+// grpc_status chooses the code of a 429, or turns the gRPC form off.
+func TestGRPCStatusOption(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"grpc_unavailable","key":"static","rate":"1r/m","burst":1}],"grpc_status":"unavailable"}`)
+	serveGRPC(h, "192.0.2.1")
+	rr, err := serveGRPC(h, "192.0.2.1")
+	checkGRPCRefusal(t, rr, err, grpcUnavailable, "zone grpc_unavailable: rate limit exceeded", 60_000)
+
+	h = newTestHandler(t, `{"zones":[{"name":"grpc_off","key":"static","rate":"1r/m","burst":1}],"grpc_status":"off"}`)
+	serveGRPC(h, "192.0.2.1")
+	if rr, err := serveGRPC(h, "192.0.2.1"); statusOf(err) != http.StatusTooManyRequests || rr.Header().Get("Grpc-Status") != "" {
+		t.Errorf("grpc_status off: error %v, grpc-status %q; want the 429 error", err, rr.Header().Get("Grpc-Status"))
+	}
+	h.writeRefusals = true
+	if rr, err := serveGRPC(h, "192.0.2.1"); err != nil || rr.Code != http.StatusTooManyRequests || rr.Header().Get("Grpc-Status") != "" {
+		t.Errorf("grpc_status off, written: error %v, status %d, grpc-status %q; want a bare 429", err, rr.Code, rr.Header().Get("Grpc-Status"))
+	}
+
+	checkValidate(t, `{"zones":[{"name":"a","rate":"1r/s"}],"grpc_status":"RESOURCE_EXHAUSTED"}`,
+		"invalid grpc_status 'RESOURCE_EXHAUSTED': expected resource_exhausted, unavailable or off")
+}
+
+// A zone with concurrency refuses a gRPC request with RESOURCE_EXHAUSTED
+// and an adaptive limit sheds it with UNAVAILABLE, both with a pushback
+// of a second, as their Retry-After.
+func TestGRPCInFlight(t *testing.T) {
+	for _, tc := range []struct {
+		zone, msg string
+		code      int
+	}{
+		{`"name":"grpc_slots","concurrency":1`, "zone grpc_slots: rate limit exceeded: no slot free", grpcResourceExhausted},
+		{`"name":"grpc_shed","concurrency_adaptive":{"min":1,"max":1}`, "zone grpc_shed: rate limit: load shed", grpcUnavailable},
+	} {
+		h := newTestHandler(t, `{"zones":[{"key":"static",`+tc.zone+`}]}`)
+		release := hold(t, h, newGate(http.StatusOK), 1)
+		rr, err := serveGRPC(h, "192.0.2.1")
+		release()
+		checkGRPCRefusal(t, rr, err, tc.code, tc.msg, 1000)
+		if got := rr.Header().Get("Grpc-Retry-Pushback-Ms"); got != "1000" {
+			t.Errorf("%s: pushback %s, want 1000", tc.msg, got)
+		}
+	}
+}
+
+// fail_mode closed refuses a gRPC request with UNAVAILABLE, and a pushback
+// of its Retry-After: 1.
+func TestGRPCFailClosed(t *testing.T) {
+	dead := fmt.Sprintf("127.0.0.1:%d", freePort(t, 0))
+	h := newTestHandler(t, redisConfig(dead, "grpc_closed", "1r/m", 5, `,"fail_mode":"closed","timeout":"50ms"`))
+	rr, err := serveGRPC(h, "192.0.2.1")
+	checkGRPCRefusal(t, rr, err, grpcUnavailable, "rate limit store unavailable", 1000)
+	if st := h.Zones[0].state; st.storeErrors.Load() != 1 || st.denied.Load() != 0 {
+		t.Errorf("store errors %d, denied %d; want 1 and 0", st.storeErrors.Load(), st.denied.Load())
+	}
+}
+
+func msecs(n int64) time.Duration { return time.Duration(n) * time.Millisecond }
