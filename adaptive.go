@@ -33,17 +33,33 @@ import (
 //
 //   - R0 is the least of the medians measured in the last two probe
 //     periods. Every 3 seconds or so (jittered by a quarter, and never
-//     more often than 50 latencies) a probe halves the limit for two
-//     latencies, never below min, and takes the median latency of the
-//     requests it admits: with half as many in flight, a queue drains, so
-//     R0 is a no-load latency and does not drift up with a queue that is
-//     already there (which would let the limit creep up), yet follows an
-//     upstream that really got slower within two periods. A probe lasts a
-//     time, not a number of requests, and keeps half the limit: it cannot
-//     starve traffic; and it ends when its requests are back, or two of
-//     its times later when one hangs. Until the requests in flight are back to the limit
+//     more often than 50 latencies) a probe halves the requests in flight
+//     (the limit, or the part of it in use when less) for two latencies,
+//     never below min, and takes the median latency of the requests it
+//     admits: with half as many in flight, a queue drains, so R0 is a
+//     no-load latency and does not drift up with a queue that is already
+//     there (which would let the limit creep up), yet follows an upstream
+//     that really got slower within two periods. A probe lasts a time,
+//     not a number of requests (two of the latencies measured since the
+//     last one), and keeps half the requests: it cannot starve traffic;
+//     and it ends when its requests are back, or two of its times later
+//     when one hangs. Until the requests in flight are back to the limit
 //     after it (a latency at most), latencies are not samples: they would
 //     show a shorter queue than the limit's.
+//   - An upstream that got uniformly slower (every request slower,
+//     however many are in flight) shows a queue against the R0 it had,
+//     and 50 latencies of a slow upstream are long (25s at 500ms). A
+//     probe is flat when its median is about that of the requests
+//     admitted under the full limit: halving the requests in flight did
+//     not make them faster, there was no queue. A flat probe far above R0
+//     brings the next one a period of 3 seconds later, not 50 latencies,
+//     so that R0 follows within about 12 seconds (16 latencies when
+//     longer); meanwhile the limit falls only for the queue that the
+//     flat probe's median shows too, and not again after a fall below the
+//     requests in flight that did not make them faster. A probe that is
+//     not flat found a queue, and changes nothing of this: after a loss
+//     of workers, where a probe may not drain the queue, R0 is not taken
+//     from it any sooner.
 //   - R is the median latency of an interval: at least 100ms and about a
 //     limit's worth of requests (8 to 32, a uniform sample of more), all
 //     admitted under the current limit (the samples of requests admitted
@@ -112,6 +128,7 @@ type controller struct {
 	peak  int64 // the most in flight
 
 	over    bool          // the last interval found a queue beyond β
+	used    float64       // the last interval's mean requests in flight
 	latency time.Duration // the last interval's median
 
 	probing    bool
@@ -121,7 +138,26 @@ type controller struct {
 	probeOut   int64     // requests admitted by the probe, still in flight
 	giveUp     time.Time // the probe ends then, whatever is still out
 	probeWin   latencyWindow
+	fullWin    latencyWindow // the latencies of requests admitted under the limit, back during the probe
 	nextProbe  time.Time
+	// flat is the last probe's median when it was about the median of
+	// the requests admitted under the full limit that came back while it
+	// ran (0 otherwise): with half as many in flight the requests were no
+	// faster, so there was no queue for the probe to drain. The limit
+	// falls only for a queue that flat shows too (see next).
+	flat time.Duration
+	// fellAt is the median latency of the interval whose queue made the
+	// limit fall below the requests it had in flight; 0 when the last
+	// change was not such a fall. futile: the interval after that fall
+	// was no faster, so there was no queue of the limit's to shorten; the
+	// limit falls no further until a probe ends, or a latency beyond 1¼
+	// of futileAt shows a queue growing.
+	fellAt   time.Duration
+	futile   bool
+	futileAt time.Duration
+	// measured: an interval has ended since the last probe, so that a
+	// probe lasts two of the latencies the upstream has now.
+	measured bool
 	// settling: a probe has ended, and the requests in flight are not
 	// back to the limit yet (or for a latency at most); their samples
 	// would show a shorter queue than the limit's.
@@ -145,7 +181,7 @@ type ticket struct {
 // admit takes a place in flight at now, if one is free under the limit.
 func (c *controller) admit(now time.Time) (ticket, bool) {
 	c.checkProbe(now)
-	if !c.probing && c.noLoad > 0 && !now.Before(c.nextProbe) {
+	if !c.probing && c.noLoad > 0 && c.measured && !now.Before(c.nextProbe) {
 		c.startProbe(now)
 	}
 	limit, probe := int64(c.limit), c.probing && now.Before(c.probeEnd)
@@ -204,6 +240,9 @@ func (c *controller) done(now time.Time, t ticket, kind sampleKind, lat time.Dur
 		c.checkProbe(now)
 		return false
 	}
+	if c.probing {
+		c.fullWin.add(kind, lat, now)
+	}
 	c.checkProbe(now)
 	if c.probing || c.settling || t.gen != c.gen || kind == sampleNone {
 		return false
@@ -221,9 +260,15 @@ func (c *controller) done(now time.Time, t ticket, kind sampleKind, lat time.Dur
 func (c *controller) update(now time.Time) bool {
 	r := c.win.median()
 	if r != errorLatency {
-		c.latency = r
+		c.latency, c.measured = r, true
+		if c.fellAt > 0 && 20*r >= 19*c.fellAt {
+			c.futile, c.futileAt = true, r
+		}
+		if c.futile && 4*r > 5*c.futileAt {
+			c.futile = false
+		}
 		if c.noLoad == 0 {
-			c.nextProbe = c.probeTime(now)
+			c.nextProbe = c.probeTime(now, false)
 		}
 		if c.noLoad == 0 || r < c.noLoad {
 			c.noLoad = r
@@ -236,13 +281,19 @@ func (c *controller) update(now time.Time) bool {
 	if span := now.Sub(c.since); span > 0 {
 		iv.inFlight = c.area / float64(span)
 	}
-	iv.queue = iv.inFlight
+	c.used = iv.inFlight
+	iv.queue, iv.excess = iv.inFlight, iv.inFlight
 	if r != errorLatency {
 		iv.queue *= 1 - float64(c.noLoad)/float64(r)
+		iv.excess *= 1 - float64(max(c.noLoad, c.flat))/float64(r)
 	}
 	c.restart(now)
 	old := c.limit
 	c.limit = c.next(iv)
+	c.fellAt = 0
+	if c.limit < old && c.limit < 0.95*iv.inFlight && r != errorLatency {
+		c.fellAt = r // the next interval tells whether it was any use
+	}
 	if int64(c.limit) == int64(old) {
 		return false
 	}
@@ -255,20 +306,26 @@ func (c *controller) update(now time.Time) bool {
 type interval struct {
 	inFlight float64 // requests in flight, on average
 	queue    float64 // of which waiting in the upstream's queue
+	excess   float64 // the queue that the last probe does not contradict (see controller.flat)
 	busy     bool    // at least half the limit was in use
 }
 
 // next is the limit after iv: it rises when the queue was short and the
 // limit in use, and falls when two intervals in a row found the queue
-// long, by half its excess over the middle of the band, at most by half.
+// long, by half its excess over the middle of the band, at most by a
+// quarter. An upstream that got uniformly slower shows a queue against
+// the R0 it had before, until probes have measured R0 anew: the limit
+// falls only for the queue that the last probe does not contradict
+// (flat), and not again after a fall that did not make it faster
+// (futile).
 func (c *controller) next(iv interval) float64 {
 	l := c.limit
 	lg := max(1, math.Log10(l))
 	alpha, beta := max(2*lg, l/10), max(5*lg, l/4)
 	switch {
 	case iv.queue > beta:
-		if c.over {
-			l -= min(max(lg, (iv.queue-(alpha+beta)/2)/2), l/4)
+		if c.over && !c.futile && iv.excess > beta {
+			l -= min(max(lg, (iv.excess-(alpha+beta)/2)/2), l/4)
 		}
 		c.over = true
 	case iv.queue < alpha:
@@ -290,15 +347,18 @@ func (c *controller) restart(now time.Time) {
 	c.since, c.last, c.area, c.peak = now, now, 0, c.inFlight
 }
 
-// startProbe halves the limit for two latencies, to measure R0.
+// startProbe halves the requests in flight for two latencies, to measure
+// R0: the limit, or what the last interval used of it when less (halving
+// an unused limit would measure the queue it meant to drain).
 func (c *controller) startProbe(now time.Time) {
-	c.probing = true
+	c.probing, c.measured = true, false
 	c.probeN = max(c.probeN+1, 1)
-	c.probeLimit = max(int64(c.min), int64(math.Ceil(c.limit/2)))
+	c.probeLimit = max(int64(c.min), int64(math.Ceil(min(c.limit, c.used)/2)))
 	span := min(max(2*c.latency, time.Millisecond), maxProbeSpan)
 	c.probeEnd, c.giveUp = now.Add(span), now.Add(3*span)
 	c.probeOut = 0
 	c.probeWin.reset()
+	c.fullWin.reset()
 }
 
 // checkProbe ends the probe once its time is over and the requests it
@@ -311,10 +371,21 @@ func (c *controller) checkProbe(now time.Time) {
 }
 
 // endProbe starts a new probe period with the probe's median, and
-// forgets the oldest period.
+// forgets the oldest period. A flat probe far above R0 says that the
+// upstream got slower: the next probe, which can confirm it (R0 is the
+// least of two periods), comes a period of probeEvery later, however
+// long the latency, rather than 50 latencies later.
 func (c *controller) endProbe(now time.Time) {
-	c.probing = false
+	c.probing, c.flat, c.futile, c.fellAt = false, 0, false, 0
+	soon := false
 	if r := c.probeWin.median(); c.probeWin.seen >= 3 && r != errorLatency {
+		ref := c.latency
+		if c.fullWin.seen >= 3 {
+			ref = max(ref, c.fullWin.median())
+		}
+		if 5*r >= 4*ref {
+			c.flat, soon = r, r > 2*c.noLoad
+		}
 		c.period = (c.period + 1) % adaptivePeriods
 		c.periods[c.period] = r
 		c.noLoad = r
@@ -324,16 +395,19 @@ func (c *controller) endProbe(now time.Time) {
 			}
 		}
 	}
-	c.nextProbe = c.probeTime(now)
+	c.nextProbe = c.probeTime(now, soon)
 	c.settling, c.settleBy = true, now.Add(c.latency)
 	c.gen++
 	c.over = false
 }
 
 // probeTime is when the next probe starts: a period of probeEvery, or 50
-// latencies when longer, give or take a quarter.
-func (c *controller) probeTime(now time.Time) time.Time {
+// latencies when longer and not soon, give or take a quarter.
+func (c *controller) probeTime(now time.Time, soon bool) time.Time {
 	p := max(probeEvery, probeLatencies*c.latency)
+	if soon {
+		p = probeEvery
+	}
 	return now.Add(time.Duration(float64(p) * (0.75 + 0.5*unitFloat(uint64(now.UnixNano())))))
 }
 

@@ -43,6 +43,9 @@ type simConfig struct {
 	// delivers nothing meanwhile (a GC pause).
 	pauses []time.Duration
 	pause  time.Duration
+	// workersAfter replaces workers from workersFrom on (0: never).
+	workersFrom  time.Duration
+	workersAfter int
 	// seed varies a run: the clock's instants (the controller draws its
 	// probes' jitter and its reservoir from them) and the jitter of the
 	// service times.
@@ -75,9 +78,10 @@ type simSample struct {
 }
 
 type simPoint struct {
-	at    time.Duration
-	limit int64
-	exact float64 // the limit before rounding down
+	at     time.Duration
+	limit  int64
+	exact  float64       // the limit before rounding down
+	noLoad time.Duration // R0
 }
 
 type simEvent struct {
@@ -148,7 +152,7 @@ func (s *simState) run() simResult {
 			break
 		}
 		for ; next <= e.at; next += 10 * time.Millisecond {
-			s.res.limits = append(s.res.limits, simPoint{next, int64(s.c.limit), s.c.limit})
+			s.res.limits = append(s.res.limits, simPoint{next, int64(s.c.limit), s.c.limit, s.c.noLoad})
 		}
 		switch e.kind {
 		case 0:
@@ -236,7 +240,11 @@ func (s *simState) send(e simEvent) {
 
 // startWork gives waiting requests the free workers.
 func (s *simState) startWork(at time.Duration) {
-	for s.busy < s.cfg.workers && len(s.waiting) > 0 {
+	workers := s.cfg.workers
+	if s.cfg.workersFrom > 0 && at >= s.cfg.workersFrom {
+		workers = s.cfg.workersAfter
+	}
+	for s.busy < workers && len(s.waiting) > 0 {
 		r := s.waiting[0]
 		s.waiting = s.waiting[1:]
 		work := s.cfg.service(r.admit + time.Duration(s.cfg.seed))
@@ -397,9 +405,9 @@ func TestAdaptiveSimulated(t *testing.T) {
 // TestAdaptiveProbeDoesNotStarve: a probe for the no-load latency that
 // pins the limit low until it has its samples (Envoy's first gradient
 // controller: one request in flight, then three, until 50 had come back)
-// starves a slow upstream for a long time. A probe here halves the limit
-// for two latencies: an upstream of 1s requests keeps its goodput, in the
-// whole run and in every 20s of it.
+// starves a slow upstream for a long time. A probe here halves the
+// requests in flight for two latencies: an upstream of 1s requests keeps
+// its goodput, in the whole run and in every 20s of it.
 func TestAdaptiveProbeDoesNotStarve(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
@@ -624,6 +632,83 @@ func TestAdaptiveFailuresAreNotFastSamples(t *testing.T) {
 			t.Errorf("limit %v, no-load latency %v, %d samples, %d in flight: want 4, 0, 0, 0", c.limit, c.noLoad, c.win.seen, c.inFlight)
 		}
 	})
+}
+
+// TestAdaptiveUpstreamSlowsUniformly: an upstream without a queue that
+// turns uniformly slower (every request takes 10 to 200 times as long,
+// however many are in flight) shows a queue against the no-load latency
+// it had, until probes measure it anew. Probes 50 latencies apart took
+// R0 about 30s to follow a 500ms upstream, and meanwhile the limit fell
+// to min, shedding most requests of an upstream that was not overloaded.
+// Here R0 follows within 12s, or 16 of the new latencies when that is
+// longer, and the limit stays above half of what the clients use.
+func TestAdaptiveUpstreamSlowsUniformly(t *testing.T) {
+	const at, seeds = 10 * time.Second, 3
+	for _, slow := range []time.Duration{100 * simMs, 200 * simMs, 500 * simMs, time.Second, 2 * time.Second} {
+		for _, clients := range []int{20, 100} {
+			within := max(12*time.Second, 16*slow)
+			var worst, sum time.Duration
+			least := int64(math.MaxInt64)
+			for seed := range uint64(seeds) {
+				service := func(a time.Duration) time.Duration {
+					if a < at {
+						return jitter(10*simMs, a)
+					}
+					return jitter(slow, a)
+				}
+				r := simulate(simConfig{workers: 10_000, service: service, clients: constClients(clients),
+					length: at + within + 5*time.Second, seed: seed})
+				followed := time.Duration(-1)
+				for _, p := range r.limits {
+					if p.at < at || followed >= 0 {
+						continue
+					}
+					least = min(least, p.limit)
+					if p.noLoad >= slow*8/10 {
+						followed = p.at - at
+					}
+				}
+				if followed < 0 {
+					t.Errorf("10ms to %v, %d clients, seed %d: R0 still below %v %v after the change", slow, clients, seed, slow*8/10, within+5*time.Second)
+					followed = within + 5*time.Second
+				}
+				worst, sum = max(worst, followed), sum+followed
+			}
+			t.Logf("10ms to %v, %d clients: R0 followed in %v on average, %v at most; the limit down to %d meanwhile", slow, clients, sum/seeds, worst, least)
+			if worst > within {
+				t.Errorf("10ms to %v, %d clients: R0 followed in up to %v, want within %v", slow, clients, worst, within)
+			}
+			if least < int64(clients/2) {
+				t.Errorf("10ms to %v, %d clients: the limit fell to %d, want at least %d (half the clients)", slow, clients, least, clients/2)
+			}
+		}
+	}
+}
+
+// TestAdaptiveCapacityDrops: what keeps the limit up when the upstream
+// got uniformly slower must not keep it up when the upstream lost
+// workers, where the same latencies mean a queue. With a quarter or an
+// eighth of the workers left, the limit comes down to about the workers
+// left, whatever their speed.
+func TestAdaptiveCapacityDrops(t *testing.T) {
+	for _, svc := range []time.Duration{20 * simMs, 200 * simMs, time.Second} {
+		for _, w := range []struct{ before, after int }{{32, 8}, {16, 2}} {
+			for seed := range uint64(2) {
+				// 240 latencies after the drop, at least a minute; the
+				// limit is read in the last quarter.
+				length := time.Minute + max(time.Minute, 240*svc)
+				r := simulate(simConfig{workers: w.before, workersFrom: time.Minute, workersAfter: w.after, service: fixed(svc),
+					clients: constClients(64), length: length, seed: seed})
+				_, before := r.limitRange(50*time.Second, time.Minute)
+				lo, hi := r.limitRange(length-(length-time.Minute)/4, length)
+				t.Logf("%v, %d to %d workers, seed %d: limit %d before, %d-%d at the end", svc, w.before, w.after, seed, before, lo, hi)
+				if before <= int64(w.before) || lo < int64(w.after) || hi > int64(w.after)+8 {
+					t.Errorf("%v, %d to %d workers, seed %d: limit %d before, %d-%d at the end; want above %d, then %d to %d",
+						svc, w.before, w.after, seed, before, lo, hi, w.before, w.after, w.after+8)
+				}
+			}
+		}
+	}
 }
 
 // TestAdaptivePausesAndSlowRequests: a pause of the whole process (a GC

@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -466,5 +467,95 @@ func BenchmarkServeHTTPAdaptive(b *testing.B) {
 				}
 			}
 		})
+	}
+}
+
+// Through a real Caddy and reverse_proxy, as a user saw it: an upstream
+// without a queue turns uniformly slower, from 10ms to 500ms a request,
+// under 20 clients that wait 200ms between requests. Probes 50 latencies
+// apart took the no-load latency about 30s to follow, while the limit
+// fell to min+1. Here it follows within 12s in simulation
+// (TestAdaptiveUpstreamSlowsUniformly); this machine's own delays get a
+// few seconds more, still well short of those 30s, and the limit stays
+// above twice min meanwhile.
+func TestAdaptiveUpstreamSlowsThroughCaddy(t *testing.T) {
+	var delay atomic.Int64
+	delay.Store(int64(10 * time.Millisecond))
+	up := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		time.Sleep(time.Duration(delay.Load()))
+		io.WriteString(w, "up")
+	}))
+	t.Cleanup(up.Close)
+	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	rate_limit {
+		zone slows {
+			key static
+			concurrency adaptive {
+				min 4
+				max 100
+			}
+		}
+	}
+	reverse_proxy %s
+}
+`, strings.TrimPrefix(up.URL, "http://")))
+	client := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{MaxIdleConnsPerHost: 32}}
+	t.Cleanup(client.CloseIdleConnections)
+	clients := func(n int, think time.Duration, stop <-chan struct{}) *sync.WaitGroup {
+		var wg sync.WaitGroup
+		for range n {
+			wg.Go(func() {
+				for {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					if resp, err := client.Get("http://localhost:9080/"); err == nil {
+						io.Copy(io.Discard, resp.Body)
+						resp.Body.Close()
+					}
+					time.Sleep(think)
+				}
+			})
+		}
+		return &wg
+	}
+	state := func() (limit, noLoad float64) {
+		a, _ := adminKeyAt(t, "localhost:2999", "slows", "static")["concurrency_adaptive"].(map[string]any)
+		limit, _ = a["limit"].(float64)
+		noLoad, _ = a["no_load_latency"].(float64)
+		return limit, noLoad
+	}
+
+	stop := make(chan struct{})
+	fast := clients(16, 0, stop)
+	time.Sleep(3 * time.Second)
+	close(stop)
+	fast.Wait()
+	before, noLoad := state()
+	if noLoad <= 0 || noLoad > 0.1 {
+		t.Fatalf("no-load latency %vs at 10ms a request, want it measured", noLoad)
+	}
+
+	delay.Store(int64(500 * time.Millisecond))
+	stop = make(chan struct{})
+	defer close(stop)
+	clients(20, 200*time.Millisecond, stop)
+	changed, least := time.Now(), before
+	for {
+		limit, noLoad := state()
+		least = min(least, limit)
+		if noLoad >= 0.4 {
+			break
+		}
+		if time.Since(changed) > 20*time.Second {
+			t.Fatalf("no-load latency %vs 20s after the upstream went from 10ms to 500ms, want it to follow; limit %v, down to %v", noLoad, limit, least)
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+	t.Logf("no-load latency followed in %v; limit %v before, down to %v meanwhile", time.Since(changed).Round(100*time.Millisecond), before, least)
+	if least < 8 {
+		t.Errorf("the limit fell to %v while the no-load latency followed, want at least 8 (twice min)", least)
 	}
 }
