@@ -139,6 +139,7 @@ type RedisStore struct {
 	shapes      *shapeCache        // the shapes of limits that come with requests (plans)
 	leaseIDs    string             // what this store's lease IDs start with: unique among instances
 	flights     *flights           // calls in flight for the buckets in the over-limit cache
+	syncIDs     []syncID           // the copies of the zones with sync it holds (sync.go)
 	keyErrors   *throttle.Throttle // errors that Redis answered for one call's keys
 	repairs     *throttle.Throttle // keys of another type that the script overwrote
 	logger      *zap.Logger
@@ -180,6 +181,7 @@ type redisZone struct {
 	// the over-limit cache nothing.
 	overriddenGen atomic.Uint64
 	counts        *table[counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
+	sync          *syncZone       // this instance's copies of its buckets (see sync.go); nil without sync
 }
 
 // A window is a quota window and its boundaries as the script reads them.
@@ -277,7 +279,7 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	}
 	s.poolKey = string(key)
 	s.client = v.(*rediswire.Client)
-	return nil
+	return registerSyncMetrics(ctx)
 }
 
 // options turns the configuration into go-redis options.
@@ -389,8 +391,9 @@ func (s *RedisStore) Cleanup() error {
 		return nil
 	}
 	s.released = true
-	_, err := redisClients.Delete(s.poolKey)
-	return err
+	err := s.releaseSync() // with the client: the last reconciliation needs it
+	_, cerr := redisClients.Delete(s.poolKey)
+	return errors.Join(err, cerr)
 }
 
 func (s *RedisStore) bind(zones []zoneSpec) error {
@@ -421,7 +424,7 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 			}
 		}
 	}
-	return nil
+	return s.bindSync(zones)
 }
 
 func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
@@ -441,7 +444,16 @@ func (s *RedisStore) known(now time.Time, b *bucketDemand, err error) time.Durat
 	return debt
 }
 
-// take decides d in one call where their keys share a cluster slot.
+// take decides d: from this instance's copies, for zones with sync (see
+// takeSync), else in Redis.
+func (s *RedisStore) take(ctx context.Context, now time.Time, d *demands) (bool, error) {
+	if len(s.syncIDs) > 0 && s.synced(d) {
+		return s.takeSync(ctx, now, d)
+	}
+	return s.takeExact(ctx, now, d)
+}
+
+// takeExact decides d in one call where their keys share a cluster slot.
 // Each slot taken is a lease (see lua/token_bucket.lua): a member of a
 // sorted set whose score is the instant, on Redis's clock, when it ends.
 // A lease is not renewed: a request that runs longer than its zone's
@@ -449,7 +461,7 @@ func (s *RedisStore) known(now time.Time, b *bucketDemand, err error) time.Durat
 // comes back after the lease however it died, with no timers or writes
 // for the requests in flight. Demands the over-limit cache can refuse
 // are refused without asking Redis.
-func (s *RedisStore) take(ctx context.Context, now time.Time, d *demands) (bool, error) {
+func (s *RedisStore) takeExact(ctx context.Context, now time.Time, d *demands) (bool, error) {
 	if len(d.slots) > 0 {
 		id := s.leaseIDs + strconv.FormatUint(leaseSeq.Add(1), 36)
 		for i := range d.slots {
@@ -666,13 +678,20 @@ func (s *RedisStore) peek(ctx context.Context, _ time.Time, d *demands) error {
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	_, err := s.run(ctx, deadline, rediswire.Peek, d)
+	if err == nil && len(s.syncIDs) > 0 {
+		s.peekSync(d)
+	}
 	return err
 }
 
 // reset deletes the buckets and counters, and what this instance's
-// over-limit cache knew of them. Other instances' caches learn it when
-// their entry runs out; until then they may still deny those keys.
+// over-limit cache and copies knew of them. Other instances' caches
+// learn it when their entry runs out, until then they may still deny
+// those keys; their copies, at their next reconciliation.
 func (s *RedisStore) reset(ctx context.Context, d *demands) (bool, error) {
+	if len(s.syncIDs) > 0 {
+		s.forgetSync(d)
+	}
 	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
 	found := false
