@@ -4,8 +4,423 @@
 package ratelimit
 
 import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
 )
+
+// syncInstances are n handlers, each with its own Redis store on addr, as
+// n Caddy instances would be: each its own connection pool (pool_size
+// differs), so its own copies of the zones with sync.
+func syncInstances(t *testing.T, addr, zones string, n int) []*Handler {
+	t.Helper()
+	hs := make([]*Handler, n)
+	for i := range hs {
+		hs[i] = newTestHandler(t, fmt.Sprintf(`{"zones":[%s],
+			"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:","pool_size":%d}}`, zones, addr, 10+i))
+	}
+	return hs
+}
+
+// syncZone is a zone of rate 20r/s burst 40 keyed by X-Key, with sync
+// when it is given.
+func syncZoneJSON(name, sync string) string {
+	if sync != "" {
+		sync = fmt.Sprintf(`,"sync":%q`, sync)
+	}
+	return fmt.Sprintf(`{"name":%q,"key":"{http.request.header.X-Key}","rate":"20r/s","burst":40%s}`, name, sync)
+}
+
+// syncBound is the most the instances may allow beyond an exact zone of
+// 20r/s with sync 100ms: (N - 1) x rate x interval, and a request each
+// but one for rounding.
+func syncBound(n int) int { return (n - 1) * (20*100/1000 + 1) }
+
+// One fresh key flooded round robin on three instances, from its first
+// request, is allowed within the bound of what an exact zone allows in
+// the same run, and no less than 90% of it.
+func TestSyncFloodOneKey(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), syncZoneJSON("s", "100ms"), 3)
+	exact := newTestHandler(t, redisConfig(r.Addr(), "e", "20r/s", 40, ""))
+	allowed, exactAllowed := 0, 0
+	for i, start := 0, time.Now(); time.Since(start) < 2*time.Second; i++ {
+		if code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k"); code == http.StatusOK {
+			allowed++
+		}
+		// The exact zone's key is the client IP.
+		if code, _ := serve(exact, "10.0.0.1"); code == http.StatusOK {
+			exactAllowed++
+		}
+		time.Sleep(time.Millisecond)
+	}
+	t.Logf("allowed %d, exact %d", allowed, exactAllowed)
+	if allowed > exactAllowed+syncBound(3) || allowed < exactAllowed*9/10 {
+		t.Errorf("allowed %d, want %d to %d (exact %d)", allowed, exactAllowed*9/10, exactAllowed+syncBound(3), exactAllowed)
+	}
+}
+
+// Many keys flooded at once on three instances: each within the bound.
+func TestSyncFloodManyKeys(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), syncZoneJSON("s", "100ms"), 3)
+	const keys = 30
+	allowed := make([]int, keys)
+	start := time.Now()
+	for i := 0; time.Since(start) < 2*time.Second; i++ {
+		k := i % keys
+		if code, _ := serve(hs[i/keys%3], "10.0.0.1", "X-Key", strconv.Itoa(k)); code == http.StatusOK {
+			allowed[k]++
+		}
+		if k == keys-1 {
+			time.Sleep(2 * time.Millisecond)
+		}
+	}
+	// An exact zone allows its burst and a token every 50ms.
+	exact := 40 + int(time.Since(start)/(50*time.Millisecond))
+	for k, n := range allowed {
+		if n > exact+1+syncBound(3) || n < exact*9/10 {
+			t.Errorf("key %d: allowed %d, want %d to %d", k, n, exact*9/10, exact+1+syncBound(3))
+		}
+	}
+	t.Logf("allowed %v, exact about %d", allowed, exact)
+}
+
+// Keys under their limit on three instances are refused nothing, and
+// cost Redis far less than a script call a request: a call for each
+// key's first request on each instance, and one per reconciliation.
+func TestSyncUnderLimit(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}","rate":"100r/s","burst":200,"sync":"100ms"}`, 3)
+	const keys = 100
+	requests, refused := 0, 0
+	start := time.Now()
+	for time.Since(start) < 2*time.Second {
+		for k := range keys {
+			for _, h := range hs {
+				if code, _ := serve(h, "10.0.0.1", "X-Key", strconv.Itoa(k)); code != http.StatusOK {
+					refused++
+				}
+				requests++
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	calls, intervals := r.Calls(), int(time.Since(start)/(100*time.Millisecond))+2
+	t.Logf("%d requests, %d script calls (%.3f a request)", requests, calls, float64(calls)/float64(requests))
+	if refused > 0 {
+		t.Errorf("%d of %d requests refused", refused, requests)
+	}
+	if most := keys*len(hs) + intervals*len(hs); calls > most {
+		t.Errorf("%d script calls for %d requests, want at most %d", calls, requests, most)
+	}
+}
+
+// Redis going away: the zone with sync goes on deciding in each
+// instance, fail_mode closed notwithstanding (fail_mode is for the zones
+// without sync), new keys too; what the instances spent meanwhile goes
+// up to Redis when it is back.
+func TestSyncRedisOutage(t *testing.T) {
+	r := startRedis(t)
+	zone := syncZoneJSON("s", "100ms")
+	hs := make([]*Handler, 3)
+	for i := range hs {
+		hs[i] = newTestHandler(t, fmt.Sprintf(`{"zones":[%s],
+			"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:","pool_size":%d,"fail_mode":"closed"}}`, zone, r.Addr(), 10+i))
+	}
+	exact := newTestHandler(t, redisConfig(r.Addr(), "e", "20r/s", 40, `,"fail_mode":"closed"`))
+	for i := range 9 {
+		if code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k"); code != http.StatusOK {
+			t.Fatalf("request %d before the outage: %d", i, code)
+		}
+	}
+	r.Kill()
+	allowed := 0
+	for i := range 60 {
+		code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k")
+		switch code {
+		case http.StatusOK:
+			allowed++
+		case http.StatusTooManyRequests:
+		default:
+			t.Fatalf("request %d during the outage: %d, want 200 or 429", i, code)
+		}
+	}
+	if allowed == 0 {
+		t.Error("nothing allowed during the outage")
+	}
+	for i, h := range hs {
+		if code, _ := serve(h, "10.0.0.1", "X-Key", "new"); code != http.StatusOK {
+			t.Errorf("instance %d: a new key during the outage: %d, want 200", i, code)
+		}
+	}
+	if code, _ := serve(exact, "10.0.0.1"); code != http.StatusServiceUnavailable {
+		t.Errorf("zone without sync during the outage: %d, want 503 (fail_mode closed)", code)
+	}
+	r.Start()
+	rs := hs[0].store.(*RedisStore)
+	hash, field := rs.bucketName(0, bucketKey{s: "k"})
+	c := newRedisClient(t, r.Addr())
+	waitFor(t, 10*time.Second, "the spending of the outage in Redis", func() bool {
+		return c.HGet(context.Background(), hash, field).Val() != ""
+	})
+	if code, _ := serve(exact, "10.0.0.1"); code != http.StatusOK {
+		t.Errorf("zone without sync after the outage: %d, want 200", code)
+	}
+}
+
+// adminServe sends a request to the admin API in this process, and
+// fails the test if it fails.
+func adminServe(t *testing.T, method, path, body string) {
+	t.Helper()
+	if err := (adminAPI{}).serve(httptest.NewRecorder(), httptest.NewRequest(method, path, strings.NewReader(body))); err != nil {
+		t.Fatalf("%s %s: %v", method, path, err)
+	}
+}
+
+// emptyEverywhere floods key on every instance until each refuses it.
+func emptyEverywhere(t *testing.T, hs []*Handler, key string) {
+	t.Helper()
+	for i, h := range hs {
+		waitFor(t, 5*time.Second, fmt.Sprintf("instance %d refusing %s", i, key), func() bool {
+			code := 0
+			for range 100 {
+				code, _ = serve(h, "10.0.0.1", "X-Key", key)
+			}
+			return code == http.StatusTooManyRequests
+		})
+	}
+}
+
+// allowedEverywhere waits until each instance allows key, and returns the
+// response headers of each and how long the slowest took.
+func allowedEverywhere(t *testing.T, hs []*Handler, key string) ([]http.Header, time.Duration) {
+	t.Helper()
+	start := time.Now()
+	out := make([]http.Header, len(hs))
+	for i, h := range hs {
+		waitFor(t, time.Second, fmt.Sprintf("instance %d allowing %s", i, key), func() bool {
+			code, hdr := serve(h, "10.0.0.1", "X-Key", key)
+			out[i] = hdr
+			return code == http.StatusOK
+		})
+	}
+	return out, time.Since(start)
+}
+
+// A reset and an override made through one instance's admin API reach
+// every instance within an interval or two: their copies learn it at
+// their next reconciliation. (The zone refills a token a minute: only
+// the reset or the override can let a request through within the
+// test's second.)
+func TestSyncResetAndOverride(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"100ms"}`, 3)
+	emptyEverywhere(t, hs, "k")
+	adminServe(t, http.MethodDelete, "/rate_limit/s/k", "")
+	_, took := allowedEverywhere(t, hs, "k")
+	t.Logf("reset seen everywhere after %v", took)
+
+	emptyEverywhere(t, hs, "k")
+	adminServe(t, http.MethodPut, "/rate_limit/s/k/limit", `{"rate":"1r/m","burst":1000}`)
+	hdrs, took := allowedEverywhere(t, hs, "k")
+	t.Logf("override seen everywhere after %v", took)
+	for i, hdr := range hdrs {
+		if got := hdr.Get("X-RateLimit-Limit"); got != "1000" {
+			t.Errorf("instance %d: X-RateLimit-Limit %q, want the override's 1000", i, got)
+		}
+	}
+}
+
+// A config reload keeps the copies: the new config's store decides from
+// them. (With sync 1m no reconciliation runs within the test, and a token
+// comes back a minute: the copy of a key emptied here says so, while
+// Redis, whose bucket is deleted behind the store's back, would allow
+// it.)
+func TestSyncReloadKeepsCopies(t *testing.T) {
+	r := startRedis(t)
+	config := fmt.Sprintf(`{"zones":[{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"1m"}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr())
+	load := func() (*Handler, func()) {
+		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+		h := new(Handler)
+		if err := json.Unmarshal([]byte(config), h); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Provision(ctx); err != nil {
+			t.Fatal(err)
+		}
+		return h, func() {
+			if err := h.Cleanup(); err != nil {
+				t.Error(err)
+			}
+			cancel()
+		}
+	}
+	old, unload := load()
+	emptyEverywhere(t, []*Handler{old}, "k")
+	rs := old.store.(*RedisStore)
+	copies := rs.zones[0].sync
+	hash, field := rs.bucketName(0, bucketKey{s: "k"})
+	r.CLI("HDEL", hash, field)
+	next, unloadNext := load()
+	defer unloadNext()
+	unload()
+	if got := next.store.(*RedisStore).zones[0].sync; got != copies {
+		t.Fatal("the reloaded config has copies of its own")
+	}
+	calls := r.Calls()
+	if code, _ := serve(next, "10.0.0.1", "X-Key", "k"); code != http.StatusTooManyRequests {
+		t.Errorf("after the reload: %d, want 429 (the copy's)", code)
+	}
+	if got := r.Calls(); got != calls {
+		t.Errorf("the refusal asked Redis: %d script calls, want %d", got, calls)
+	}
+}
+
+// syncSites is a Caddy site with three instances of a zone with sync,
+// at /a, /b and /c, each its own Redis connection pool and so its own
+// copies, as three Caddy servers would be, and an exact zone at /e.
+func syncSites(addr string) string {
+	site := "http://localhost:9080 {\n"
+	for i, path := range []string{"a", "b", "c"} {
+		site += fmt.Sprintf(`	handle /%s {
+		rate_limit {
+			zone s {
+				key {http.request.header.X-Key}
+				rate 20r/s
+				burst 40
+				sync 100ms
+			}
+			store redis {
+				address %s
+				key_prefix t:
+				pool_size %d
+			}
+		}
+		respond "ok"
+	}
+`, path, addr, 10+i)
+	}
+	return site + fmt.Sprintf(`	handle /e {
+		rate_limit {
+			zone e {
+				key {http.request.header.X-Key}
+				rate 20r/s
+				burst 40
+			}
+			store redis {
+				address %s
+				key_prefix t:
+			}
+		}
+		respond "ok"
+	}
+}
+`, addr)
+}
+
+// syncCopies are the copies of the zones named name of the running
+// config's handlers.
+func syncCopies(name string) map[*syncZone]bool {
+	registry.Lock()
+	defer registry.Unlock()
+	out := make(map[*syncZone]bool)
+	for _, ref := range registry.zones[name] {
+		if rs, ok := ref.h.store.(*RedisStore); ok && rs.zones[ref.z.index].sync != nil {
+			out[rs.zones[ref.z.index].sync] = true
+		}
+	}
+	return out
+}
+
+// Through Caddy: one key flooded round robin on three instances is
+// allowed within the bound of what the exact zone allows beside it; a
+// reset through the admin API reaches the three; the reconciliations
+// are in the metrics; a reload keeps the copies.
+func TestSyncThroughCaddy(t *testing.T) {
+	r := startRedis(t)
+	tester := startCaddy(t, "", syncSites(r.Addr()))
+	send := func(path string) int {
+		req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/"+path, nil)
+		req.Header.Set("X-Key", "k")
+		resp, err := tester.Client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	allowed, exact := 0, 0
+	for i, start := 0, time.Now(); time.Since(start) < 2*time.Second; i++ {
+		if send([]string{"a", "b", "c"}[i%3]) == http.StatusOK {
+			allowed++
+		}
+		if send("e") == http.StatusOK {
+			exact++
+		}
+	}
+	t.Logf("allowed %d, exact %d", allowed, exact)
+	if allowed > exact+syncBound(3) || allowed < exact*9/10 {
+		t.Errorf("allowed %d, want %d to %d (exact %d)", allowed, exact*9/10, exact+syncBound(3), exact)
+	}
+
+	// Empty everywhere, then reset through the admin API: three
+	// intervals later the three instances know, and allow the burst
+	// between them (without a word of the reset, /a and /b would allow
+	// the refill alone, 6 tokens each, and /c its 20 requests).
+	for range 50 {
+		send("a")
+		send("b")
+		send("c")
+	}
+	resetBucket(t, "s", "k")
+	time.Sleep(300 * time.Millisecond)
+	after := 0
+	for i := range 60 {
+		if send([]string{"a", "b", "c"}[i%3]) == http.StatusOK {
+			after++
+		}
+	}
+	if after < 40 {
+		t.Errorf("%d of 60 requests allowed three intervals after the reset, want at least 40", after)
+	}
+
+	m := scrape(t, tester)
+	if n := m[`caddy_rate_limit_sync_reconciliations_total{result="ok",zone="s"}`]; n == 0 {
+		t.Error("no reconciliation in the metrics")
+	}
+	if n := m[`caddy_rate_limit_sync_reconciled_keys_total{zone="s"}`]; n == 0 {
+		t.Error("no reconciled key in the metrics")
+	}
+	if n := m[`caddy_rate_limit_sync_keys{zone="s"}`]; n != 3 {
+		t.Errorf("sync_keys %v, want 3: a copy of k in each instance", n)
+	}
+
+	copies := syncCopies("s")
+	if len(copies) != 3 {
+		t.Fatalf("%d sets of copies, want 3", len(copies))
+	}
+	reload(t, tester, "", syncSites(r.Addr()))
+	for sz := range syncCopies("s") {
+		if !copies[sz] {
+			t.Error("the reload made new copies")
+		}
+	}
+	for sz := range copies {
+		if sz.size.Load() == 0 {
+			t.Error("the reload dropped the copies")
+		}
+	}
+}
 
 func TestSyncCaddyfileErrors(t *testing.T) {
 	for _, tc := range []struct {
