@@ -286,6 +286,99 @@ func TestSyncReloadKeepsCopies(t *testing.T) {
 	}
 }
 
+// A zone with sync whose limit comes with each request (plans): a key
+// flooded on three instances is held to its plan within the bound, and
+// its copies follow it to another plan, keeping what it spent.
+func TestSyncPlans(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}",
+		"rate":"{http.request.header.X-Rate}","burst":"{http.request.header.X-Burst}","sync":"100ms"}`, 3)
+	plan := func(i int, rate, burst string) int {
+		code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k", "X-Rate", rate, "X-Burst", burst)
+		return code
+	}
+	allowed := 0
+	start := time.Now()
+	for i := 0; time.Since(start) < time.Second; i++ {
+		if plan(i, "20r/s", "40") == http.StatusOK {
+			allowed++
+		}
+		time.Sleep(time.Millisecond)
+	}
+	exact := 40 + int(time.Since(start)/(50*time.Millisecond))
+	if allowed > exact+1+syncBound(3) || allowed < exact*9/10 {
+		t.Errorf("allowed %d, want %d to %d", allowed, exact*9/10, exact+1+syncBound(3))
+	}
+	// Ten times the burst: the emptied bucket owes the same fraction of
+	// the new one, all of it, so the change of plan hands back no tokens
+	// in any instance.
+	allowed = 0
+	for i := range 300 {
+		if plan(i, "20r/s", "400") == http.StatusOK {
+			allowed++
+		}
+	}
+	if allowed > 40+syncBound(3) {
+		t.Errorf("after the change of plan: %d allowed, want at most %d", allowed, 40+syncBound(3))
+	}
+}
+
+// A request that a zone with sync and a zone without both limit is
+// decided by Redis, all or nothing: a refusal of the exact zone charges
+// the other nothing; and when Redis fails, fail_mode decides it.
+func TestSyncWithExactZone(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[%s,{"name":"e","rate":"1r/m","burst":2}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:","fail_mode":"closed"}}`, syncZoneJSON("s", "100ms"), r.Addr()))
+	for i, want := range []int{200, 200, 429, 429, 429} {
+		if code, _ := serve(h, "10.0.0.1", "X-Key", "k"); code != want {
+			t.Fatalf("request %d: %d, want %d", i, code, want)
+		}
+	}
+	// Two of the sync zone's 40 tokens are spent: the refusals took none.
+	_, hdr := serve(h, "10.0.0.2", "X-Key", "k")
+	if got := hdr.Get("RateLimit"); !strings.Contains(got, `"s";r=37;`) {
+		t.Errorf("RateLimit %q, want zone s with 37 tokens left", got)
+	}
+	r.Kill()
+	if code, _ := serve(h, "10.0.0.3", "X-Key", "k"); code != http.StatusServiceUnavailable {
+		t.Errorf("Redis down: %d, want 503 (fail_mode closed)", code)
+	}
+}
+
+// On a Redis Cluster: the bound holds for keys of every slot.
+func TestSyncCluster(t *testing.T) {
+	nodes := startCluster(t)
+	var addrs []string
+	for _, n := range nodes {
+		addrs = append(addrs, strconv.Quote(n.Addr()))
+	}
+	hs := make([]*Handler, 3)
+	for i := range hs {
+		hs[i] = newTestHandler(t, fmt.Sprintf(`{"zones":[%s],
+			"store":{"backend":"redis","addresses":[%s],"key_prefix":"t:","pool_size":%d,"timeout":"1s"}}`,
+			syncZoneJSON("s", "100ms"), strings.Join(addrs, ","), 10+i))
+	}
+	const keys = 10
+	allowed := make([]int, keys)
+	start := time.Now()
+	for i := 0; time.Since(start) < 1500*time.Millisecond; i++ {
+		k := i % keys
+		if code, _ := serve(hs[i/keys%3], "10.0.0.1", "X-Key", strconv.Itoa(k)); code == http.StatusOK {
+			allowed[k]++
+		}
+		if k == keys-1 {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	exact := 40 + int(time.Since(start)/(50*time.Millisecond))
+	for k, n := range allowed {
+		if n > exact+1+syncBound(3) || n < exact*9/10 {
+			t.Errorf("key %d: allowed %d, want %d to %d", k, n, exact*9/10, exact+1+syncBound(3))
+		}
+	}
+}
+
 // syncSites is a Caddy site with three instances of a zone with sync,
 // at /a, /b and /c, each its own Redis connection pool and so its own
 // copies, as three Caddy servers would be, and an exact zone at /e.
