@@ -24,29 +24,31 @@ import (
 // goes up, and the shared bucket, with what the other instances spent,
 // comes back.
 //
-// Three rules keep the instances together close to one exact bucket:
+// Four rules keep the instances together close to one exact bucket:
 //
-//   - A key this instance has no fresh copy of (Redis has not answered
-//     for it within two intervals) is decided by Redis, exactly: a key
-//     flooded everywhere from its first request gets no fresh burst in
-//     each instance.
+//   - A key this instance has no copy of is decided by Redis, exactly, and
+//     its copy made from the answer: a key flooded everywhere from its
+//     first request gets no fresh burst in each instance.
 //   - A copy refuses when it lacks the tokens: the other instances only
-//     take from the shared bucket, so it holds fewer still.
-//   - A copy allows by itself only within an allowance: between two of
-//     Redis's answers, this instance spends by itself at most what the
-//     shared bucket refills meanwhile, and one interval's refill more
-//     (the allowance is a bucket of one interval, refilled at the
-//     zone's rate). A request beyond it, while the copy has the tokens,
-//     is decided by Redis. So what the others spend unknown to this
-//     instance is bounded, and the copies cannot each spend the bucket's
-//     burst.
+//     take from the shared bucket, so it holds fewer still (but for a
+//     reset or an override, which reach it at its next reconciliation).
+//   - A copy allows by itself only within an allowance: a bucket of one
+//     interval's refill at the zone's rate, spent when the copy is made.
+//     Between two of Redis's answers, however far apart, this instance so
+//     spends by itself at most what the shared bucket refills meanwhile,
+//     and one interval's refill more: the copies cannot each spend the
+//     bucket's burst.
+//   - A request beyond the allowance, while the copy has the tokens, is
+//     decided by Redis, with what this instance spent of the key and has
+//     not sent yet: as if that had been sent.
 //
 // What the instances spend together beyond the shared bucket is charged
-// to it all the same, as a debt (the zone's limit may owe syncOwe beyond
-// empty): every copy then refuses until it is paid back, so the excess
-// does not add up interval after interval. It is at most about one
-// interval's refill per other instance: with N instances, over any span,
-// at most (N - 1) x rate x interval more than an exact zone allows.
+// to it all the same, as a debt (the zone's limit may owe syncOwe
+// intervals beyond empty): every copy then refuses until it is paid
+// back, so the excess does not add up interval after interval. With N
+// instances it stays within (N - 1) x rate x interval, and a request an
+// instance for rounding, of what an exact zone allows (measured in
+// docs/sync.md).
 
 const (
 	minSync, maxSync = time.Millisecond, time.Minute
@@ -56,6 +58,9 @@ const (
 	// beyond it before their copies knew, which the bound counts on being
 	// charged. About one interval an instance: room for 32 of them.
 	syncOwe = 32
+
+	// syncKeep is how long a copy with nothing to tell stays (see keep).
+	syncKeep = time.Minute
 
 	// maxSyncKeys bounds the copies of each zone in this instance: beyond
 	// it, a new key's requests are decided by Redis, as without sync.
@@ -190,7 +195,7 @@ type syncCopy struct {
 	allow     time.Duration // when this instance's allowance is whole again
 	// Tokens spent here: not sent yet, and sent in the reconciliation out.
 	pending, sent int64
-	heard         time.Duration // when Redis last answered for the key
+	heard         time.Duration // when Redis last answered for the key, or the copy was made
 	asked         bool          // a request asked since the last reconciliation
 }
 
@@ -214,8 +219,10 @@ func (sz *syncZone) Destruct() error {
 
 func (sz *syncZone) instant(t time.Time) time.Duration { return t.Sub(sz.epoch) }
 
-// fresh is how long a copy is decided by after Redis last answered for it.
-func (sz *syncZone) fresh() time.Duration { return 2 * sz.interval }
+// keep is how long a copy that has nothing to send and whose bucket is
+// full stays after Redis last answered for it: a key used again within it
+// is decided here at once, within its allowance.
+func (sz *syncZone) keep() time.Duration { return max(syncKeep, 2*sz.interval) }
 
 func (sz *syncZone) shard(h uint64) *syncShard { return &sz.shards[h&(syncShards-1)] }
 
@@ -261,7 +268,11 @@ func (sz *syncZone) add(sh *syncShard, h uint64, s *RedisStore, b *bucketDemand,
 	if sz.size.Load() >= maxSyncKeys {
 		return nil
 	}
-	c := &syncCopy{base: baseLimit(b), lim: baseLimit(b), fullAt: n + floor, heard: n - sz.fresh() - 1}
+	// Its allowance starts spent: the first interval's requests of a key
+	// new here are Redis's but for what refills meanwhile, so that the
+	// instances flooding a key from its first request spend no allowance
+	// that Redis has not seen.
+	c := &syncCopy{base: baseLimit(b), lim: baseLimit(b), fullAt: n + floor, allow: n + sz.interval, heard: n}
 	c.hash, c.field, c.limitKey = s.keys.BucketLimit(s.zones[b.zone].field, b.key.String())
 	sh.m[h] = c
 	sz.size.Add(1)
@@ -314,11 +325,26 @@ func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *demands) (b
 			return allowed, nil
 		}
 	}
+	var carriedArr [4]int64
+	carried := carriedArr[:0]
+	for range d.buckets {
+		carried = append(carried, 0)
+	}
+	s.carry(d, carried)
 	allowed, err := s.takeExact(ctx, now, d)
+	charged := err == nil && allowed
+	s.uncarry(d, carried, charged)
 	switch {
 	case err == nil:
 		if !d.remembered { // the over-limit cache's answer is a bound, not Redis's
 			s.learn(now, d)
+		}
+		if !charged {
+			// What the bucket owes counting what was not sent, as the
+			// copy says: the refusal's wait.
+			for i := range d.buckets {
+				d.buckets[i].debt += time.Duration(carried[i]) * d.buckets[i].limit.tokenTime
+			}
 		}
 		return allowed, nil
 	case !alone:
@@ -326,6 +352,51 @@ func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *demands) (b
 	}
 	allowed, _ = s.decideHere(now, d, err)
 	return allowed, nil
+}
+
+// carry adds to the cost of each of d's buckets in a zone with sync what
+// this instance spent of it and has not sent yet, in carried (in
+// tokens), so that Redis decides the request after that spending, as if
+// it had been sent: a request beyond the allowance is decided against
+// what this instance spent by itself too. (Not beyond the burst: a take
+// of more than a bucket is refused whatever it owes.)
+func (s *RedisStore) carry(d *demands, carried []int64) {
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		sz := s.zones[b.zone].sync
+		if sz == nil {
+			continue
+		}
+		sh, h := sz.lock(b.key)
+		if c := sh.m[h]; c != nil && c.pending > 0 && sameLimit(c.base, baseLimit(b)) && sameLimit(c.lim, b.limit) {
+			if extra := time.Duration(c.pending) * b.limit.tokenTime; b.cost+extra <= b.limit.burstTime {
+				carried[i], c.pending = c.pending, 0
+				b.cost += extra
+			}
+		}
+		sh.mu.Unlock()
+	}
+}
+
+// uncarry takes off the costs what carry added, and, unless the take
+// charged them, gives the tokens back to the copies to send.
+func (s *RedisStore) uncarry(d *demands, carried []int64, charged bool) {
+	for i := range d.buckets {
+		if carried[i] == 0 {
+			continue
+		}
+		b := &d.buckets[i]
+		b.cost -= time.Duration(carried[i]) * b.limit.tokenTime
+		if charged {
+			continue
+		}
+		sz := s.zones[b.zone].sync
+		sh, h := sz.lock(b.key)
+		if c := sh.m[h]; c != nil {
+			c.pending += carried[i]
+		}
+		sh.mu.Unlock()
+	}
 }
 
 // A syncLook is what decideHere found of a bucket.
@@ -393,7 +464,7 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 		switch {
 		case !b.ok:
 			denied = true
-		case strict && (n-c.heard > sz.fresh() || look.ad+b.cost > max(sz.interval, b.cost)):
+		case strict && look.ad+b.cost > max(sz.interval, b.cost):
 			here = false
 		}
 	}
@@ -563,7 +634,7 @@ func (sz *syncZone) reconcile() {
 			case c.asked || c.pending > 0:
 				batch = append(batch, syncItem{c, sh, c.base, c.pending})
 				c.sent, c.pending, c.asked = c.pending, 0, false
-			case n-c.heard > sz.fresh() && c.fullAt <= n:
+			case n-c.heard > sz.keep() && c.fullAt <= n:
 				delete(sh.m, h)
 				sz.size.Add(-1)
 			}
@@ -615,7 +686,7 @@ func (sz *syncZone) send(u syncUser, part []syncItem) {
 			// Sent again with the next; what is beyond two intervals'
 			// worth (an outage's) is forgiven, as fail_mode local forgets
 			// what its buckets spent.
-			c.pending = min(c.pending+c.sent, max(int64(sz.fresh()/c.lim.tokenTime), 1))
+			c.pending = min(c.pending+c.sent, max(int64(2*sz.interval/c.lim.tokenTime), 1))
 			c.sent = 0
 		} else {
 			c.sent = 0
