@@ -9,13 +9,38 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"runtime"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 )
+
+// provision provisions a handler from its JSON config, as a config load
+// does, and returns it with what unloads it.
+func provision(t *testing.T, config string) (*Handler, func()) {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	h := new(Handler)
+	if err := json.Unmarshal([]byte(config), h); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Provision(ctx); err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	return h, func() {
+		if err := h.Cleanup(); err != nil {
+			t.Error(err)
+		}
+		cancel()
+	}
+}
 
 // syncInstances are n handlers, each with its own Redis store on addr, as
 // n Caddy instances would be: each its own connection pool (pool_size
@@ -249,29 +274,13 @@ func TestSyncReloadKeepsCopies(t *testing.T) {
 	r := startRedis(t)
 	config := fmt.Sprintf(`{"zones":[{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"1m"}],
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr())
-	load := func() (*Handler, func()) {
-		ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
-		h := new(Handler)
-		if err := json.Unmarshal([]byte(config), h); err != nil {
-			t.Fatal(err)
-		}
-		if err := h.Provision(ctx); err != nil {
-			t.Fatal(err)
-		}
-		return h, func() {
-			if err := h.Cleanup(); err != nil {
-				t.Error(err)
-			}
-			cancel()
-		}
-	}
-	old, unload := load()
+	old, unload := provision(t, config)
 	emptyEverywhere(t, []*Handler{old}, "k")
 	rs := old.store.(*RedisStore)
 	copies := rs.zones[0].sync
 	hash, field := rs.bucketName(0, bucketKey{s: "k"})
 	r.CLI("HDEL", hash, field)
-	next, unloadNext := load()
+	next, unloadNext := provision(t, config)
 	defer unloadNext()
 	unload()
 	if got := next.store.(*RedisStore).zones[0].sync; got != copies {
@@ -637,4 +646,193 @@ func TestSyncValidate(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) { checkValidate(t, tc.json, tc.wantErr) })
 	}
+}
+
+// The load runs of docs/sync.md: `make sync` (RATE_LIMIT_SYNC=1) writes
+// bench/results/sync.md. Two redis-servers: one for the zones with sync,
+// one for the exact zones beside them, so that each side's script calls
+// and Redis CPU are its own.
+//
+//   - One fresh key flooded round robin on N instances for 5 s, at 20r/s
+//     burst 40, by 8 clients each sending a request a millisecond, for N
+//     of 1, 3 and 5 and sync of 10ms, 100ms and 1s; an exact zone beside
+//     it, flooded alike. Then the same through Caddy (three instances as
+//     three handlers of one Caddy, each its own connection pool).
+//   - 2,000 keys under their limit (100r/s burst 200, each key asked on
+//     each instance every 100ms, 60,000 requests a second): what was
+//     refused, and the script calls and Redis CPU a request, with sync
+//     100ms and exact.
+func TestSyncLoad(t *testing.T) {
+	if os.Getenv("RATE_LIMIT_SYNC") == "" {
+		t.Skip("set RATE_LIMIT_SYNC=1, or run make sync")
+	}
+	syncRedis, exactRedis := startRedis(t), startRedis(t)
+	var out strings.Builder
+	fmt.Fprintf(&out, "# sync: load runs\n\n`make sync` on %s, %d CPUs (%s).\n\n", runtime.GOOS+"/"+runtime.GOARCH, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"))
+	out.WriteString("## One fresh key flooded round robin for 5 s, rate 20r/s burst 40\n\n")
+	out.WriteString("| instances | sync | allowed | exact zone | excess | bound (N-1) x (rate x sync + 1) | script calls (sync) | script calls (exact) |\n|---|---|---|---|---|---|---|---|\n")
+	for _, n := range []int{1, 3, 5} {
+		for _, interval := range []time.Duration{10 * time.Millisecond, 100 * time.Millisecond, time.Second} {
+			name := fmt.Sprintf("flood-%d-%v", n, interval)
+			var hs []*Handler
+			for i := range n {
+				h, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"pool_size":%d}}`,
+					syncZoneJSON(name, interval.String()), syncRedis.Addr(), 10+i))
+				defer unload()
+				hs = append(hs, h)
+			}
+			exact, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q]}}`, syncZoneJSON(name, ""), exactRedis.Addr()))
+			defer unload()
+			syncCalls, exactCalls := syncRedis.Calls(), exactRedis.Calls()
+			allowed, exactAllowed := syncFlood(hs, exact, 5*time.Second)
+			syncCalls, exactCalls = syncRedis.Calls()-syncCalls, exactRedis.Calls()-exactCalls
+			bound := float64(n-1) * (20*interval.Seconds() + 1)
+			fmt.Fprintf(&out, "| %d | %v | %d | %d | %+d | %.1f | %d | %d |\n", n, interval, allowed, exactAllowed, allowed-exactAllowed, bound, syncCalls, exactCalls)
+			t.Logf("%d instances, sync %v: allowed %d, exact %d", n, interval, allowed, exactAllowed)
+		}
+	}
+
+	// Through Caddy: the sites of TestSyncThroughCaddy, flooded alike over
+	// HTTP.
+	tester := startCaddy(t, "", syncSites(syncRedis.Addr()))
+	var allowed, exactAllowed atomic.Int64
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range 8 {
+		wg.Go(func() {
+			for time.Since(start) < 5*time.Second {
+				i := next.Add(1)
+				for _, p := range []string{[]string{"a", "b", "c"}[i%3], "e"} {
+					req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/"+p, nil)
+					req.Header.Set("X-Key", "through-caddy")
+					resp, err := tester.Client.Do(req)
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					resp.Body.Close()
+					if resp.StatusCode == http.StatusOK {
+						if p == "e" {
+							exactAllowed.Add(1)
+						} else {
+							allowed.Add(1)
+						}
+					}
+				}
+				time.Sleep(time.Millisecond)
+			}
+		})
+	}
+	wg.Wait()
+	fmt.Fprintf(&out, "\nThrough Caddy, 3 instances, sync 100ms, %d requests to each side: allowed %d, exact zone %d (%+d; bound 6).\n",
+		next.Load(), allowed.Load(), exactAllowed.Load(), allowed.Load()-exactAllowed.Load())
+
+	out.WriteString("\n## 2,000 keys under their limit on three instances, rate 100r/s burst 200\n\n")
+	out.WriteString("| zone | requests | refused | script calls | calls a request | calls a request after the first pass | Redis CPU a request |\n|---|---|---|---|---|---|---|\n")
+	for _, interval := range []string{"100ms", ""} {
+		r := syncRedis
+		if interval == "" {
+			r = exactRedis
+		}
+		zone := fmt.Sprintf(`{"name":"under-%s","key":"{http.request.header.X-Key}","rate":"100r/s","burst":200%s}`, interval, map[bool]string{true: `,"sync":"` + interval + `"`}[interval != ""])
+		var hs []*Handler
+		for i := range 3 {
+			h, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"pool_size":%d}}`, zone, r.Addr(), 10+i))
+			defer unload()
+			hs = append(hs, h)
+		}
+		res := syncUnderLimit(r, hs, 2000, 10*time.Second)
+		label := "sync " + interval
+		if interval == "" {
+			label = "exact"
+		}
+		fmt.Fprintf(&out, "| %s | %d | %d | %d | %.4f | %.4f | %.2f µs |\n", label, res.requests, res.refused, res.calls,
+			float64(res.calls)/float64(res.requests), float64(res.callsAfter)/float64(res.requestsAfter), res.cpu.Seconds()*1e6/float64(res.requests))
+		t.Logf("%s: %+v", label, res)
+	}
+	if err := os.WriteFile("bench/results/sync.md", []byte(out.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Log("\n" + out.String())
+}
+
+// syncFlood floods one key round robin on hs, and the same key on exact,
+// from 8 clients each sending a request a millisecond, for d; it returns
+// what each allowed.
+func syncFlood(hs []*Handler, exact *Handler, d time.Duration) (allowed, exactAllowed int) {
+	var a, e, next atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range 8 {
+		wg.Go(func() {
+			for time.Since(start) < d {
+				i := next.Add(1)
+				if code, _ := serve(hs[int(i)%len(hs)], "10.0.0.1", "X-Key", "k"); code == http.StatusOK {
+					a.Add(1)
+				}
+				if code, _ := serve(exact, "10.0.0.1", "X-Key", "k"); code == http.StatusOK {
+					e.Add(1)
+				}
+				time.Sleep(time.Millisecond)
+			}
+		})
+	}
+	wg.Wait()
+	return int(a.Load()), int(e.Load())
+}
+
+type underLimit struct {
+	requests, refused, calls  int
+	requestsAfter, callsAfter int // after the first pass over the keys
+	cpu                       time.Duration
+}
+
+// syncUnderLimit asks each of keys on each of hs every 100ms for d, from 4
+// clients.
+func syncUnderLimit(r *redisServer, hs []*Handler, keys int, d time.Duration) underLimit {
+	var res underLimit
+	calls, cpu := r.Calls(), redisCPU(r)
+	var requests, refused atomic.Int64
+	start := time.Now()
+	for pass := 0; time.Since(start) < d; pass++ {
+		began := time.Now()
+		var wg sync.WaitGroup
+		for w := range 4 {
+			wg.Go(func() {
+				for k := w; k < keys; k += 4 {
+					for _, h := range hs {
+						if code, _ := serve(h, "10.0.0.1", "X-Key", strconv.Itoa(k)); code != http.StatusOK {
+							refused.Add(1)
+						}
+						requests.Add(1)
+					}
+				}
+			})
+		}
+		wg.Wait()
+		if pass == 0 {
+			res.requestsAfter, res.callsAfter = -int(requests.Load()), -(r.Calls() - calls)
+		}
+		time.Sleep(100*time.Millisecond - time.Since(began))
+	}
+	res.requests, res.refused, res.calls = int(requests.Load()), int(refused.Load()), r.Calls()-calls
+	res.requestsAfter += res.requests
+	res.callsAfter += res.calls
+	res.cpu = redisCPU(r) - cpu
+	return res
+}
+
+// redisCPU is the CPU time Redis has used.
+func redisCPU(r *redisServer) time.Duration {
+	var total float64
+	for _, line := range strings.Split(r.CLI("INFO", "cpu"), "\n") {
+		for _, f := range []string{"used_cpu_sys:", "used_cpu_user:"} {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(line), f); ok {
+				x, _ := strconv.ParseFloat(v, 64)
+				total += x
+			}
+		}
+	}
+	return time.Duration(total * float64(time.Second))
 }
