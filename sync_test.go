@@ -388,6 +388,29 @@ func TestSyncCluster(t *testing.T) {
 	}
 }
 
+// A refusal's Retry-After and headers are the shared bucket's: once the
+// wait it gives is over, another instance allows the key.
+func TestSyncRetryAfter(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/s","burst":3,"sync":"100ms"}`, 3)
+	emptyEverywhere(t, hs, "k")
+	code, hdr := serve(hs[0], "10.0.0.1", "X-Key", "k")
+	if code != http.StatusTooManyRequests {
+		t.Fatalf("%d, want 429", code)
+	}
+	wait, err := strconv.Atoi(hdr.Get("Retry-After"))
+	if err != nil || wait < 1 || wait > 2 {
+		t.Fatalf("Retry-After %q, want 1 or 2 (a token a second)", hdr.Get("Retry-After"))
+	}
+	if got := hdr.Get("X-RateLimit-Remaining"); got != "0" {
+		t.Errorf("X-RateLimit-Remaining %q, want 0", got)
+	}
+	time.Sleep(time.Duration(wait) * time.Second)
+	if code, hdr := serve(hs[1], "10.0.0.1", "X-Key", "k"); code != http.StatusOK {
+		t.Errorf("after Retry-After on another instance: %d (Retry-After %s), want 200", code, hdr.Get("Retry-After"))
+	}
+}
+
 // syncSites is a Caddy site with three instances of a zone with sync,
 // at /a, /b and /c, each its own Redis connection pool and so its own
 // copies, as three Caddy servers would be, and an exact zone at /e.
