@@ -211,11 +211,11 @@ type Zone struct {
 	// Decide the zone's requests in this instance, from its own copy of
 	// each key's shared bucket, and reconcile the copies with Redis every
 	// this long: what this instance spent goes up, the shared state comes
-	// back, many keys in one script call. The instances together admit
-	// at most (N - 1) x rate x sync more than Redis alone would (N
-	// instances), and a key this instance has not seen lately is decided
-	// by Redis. While Redis is down the zone goes on deciding here, not
-	// by fail_mode (see docs/sync.md). Needs the Redis store and a rate;
+	// back, many keys in one script call. With N instances, they admit
+	// together at most (N - 1) x (rate x sync + 1) more than Redis alone
+	// would, and a key this instance has no copy of is decided by Redis.
+	// While Redis is down the zone goes on deciding here, not by
+	// fail_mode (see docs/sync.md). Needs the Redis store and a rate;
 	// not with ban, delay, count, usage, quota or concurrency. A duration
 	// from 1ms to 1m. Default: none (Redis decides every request).
 	Sync caddy.Duration `json:"sync,omitempty"`
