@@ -2,7 +2,7 @@
 #   apt-get install redis-server wrk
 # make bench NOTE="machine shared with CI" adds a note to the results.
 
-.PHONY: bench bench-quick bench-adaptive faults masters
+.PHONY: bench bench-quick bench-adaptive faults masters sync
 
 bench:
 	bench/run.sh full $(if $(NOTE),-note "$(NOTE)")
@@ -15,6 +15,13 @@ bench-quick:
 # bench/faults/RESULTS.md.
 faults:
 	bench/faults/run.sh
+
+# The load runs of zones with sync (docs/sync.md): one key flooded on 1, 3
+# and 5 instances at sync 10ms, 100ms and 1s beside an exact zone, through
+# Caddy too, and 2,000 keys under their limit; needs Go and redis-server.
+# Writes bench/results/sync.md.
+sync:
+	RATE_LIMIT_SYNC=1 go test -count=1 -run '^TestSyncLoad$$' -v . | grep -E '^(---|ok|FAIL|\s+sync_test)'
 
 # How decisions spread over the masters of a 3-master Redis Cluster, and
 # the decisions/s of one master pinned to core 1, loaded by the store from

@@ -57,6 +57,7 @@ const anonymousZone = "default"
 //			max_debt    <n>         # with usage: how far past empty it may take the bucket
 //			max_overrides <n>       # keys with their own limit, set through the admin API
 //			timezone    <IANA zone>             # where the quota's days start; default UTC
+//			sync        <duration>  # decide here, reconcile with Redis this often
 //			dry_run
 //			window      <duration>  # with events: caddy-ratelimit's form of rate and burst
 //			events      <n>
@@ -194,7 +195,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if len(h.Zones) == 0 {
 		return d.Err("no zones: use 'rate_limit <key> <rate> [<burst>]' or a 'zone <name> { ... }' block")
 	}
-	if err := h.checkMaxDelayedUse(); err != nil {
+	if err := cmp.Or(h.checkMaxDelayedUse(), h.checkSyncStore()); err != nil {
 		return d.Err(err.Error())
 	}
 	return nil
@@ -361,6 +362,16 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 			if err := flag(d, &z.DryRun); err != nil {
 				return err
 			}
+		case "sync":
+			var v string
+			if !d.AllArgs(&v) {
+				return d.ArgErr()
+			}
+			t, perr := caddy.ParseDuration(v)
+			if perr != nil {
+				return d.Errf("invalid sync '%s': expected a duration such as 100ms", v)
+			}
+			z.Sync, err = caddy.Duration(t), checkSyncInterval(t)
 		case "match":
 			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
 			if err != nil {

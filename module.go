@@ -370,7 +370,7 @@ func (h *Handler) Validate() error {
 	if len(h.Zones) == 0 {
 		return errors.New("no zones: at least one zone is required")
 	}
-	if err := h.checkMaxDelayedUse(); err != nil {
+	if err := cmp.Or(h.checkMaxDelayedUse(), h.checkSyncStore()); err != nil {
 		return err
 	}
 	names := make(map[string]bool, len(h.Zones))

@@ -132,6 +132,7 @@ type RedisStore struct {
 	shapes      *shapeCache        // the shapes of limits that come with requests (plans)
 	leaseIDs    string             // what this store's lease IDs start with: unique among instances
 	flights     *flights           // calls in flight for the buckets in the over-limit cache
+	syncIDs     []syncID           // the copies of the zones with sync it holds (sync.go)
 	keyErrors   *throttle.Throttle // errors that Redis answered for one call's keys
 	repairs     *throttle.Throttle // keys of another type that the script overwrote
 	logger      *zap.Logger
@@ -173,6 +174,7 @@ type redisZone struct {
 	// the over-limit cache nothing.
 	overriddenGen atomic.Uint64
 	counts        *table[counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
+	sync          *syncZone       // this instance's copies of its buckets (see sync.go); nil without sync
 }
 
 const (
@@ -204,7 +206,8 @@ func (s *RedisStore) Cleanup() error {
 		return nil
 	}
 	s.released = true
-	return s.drop()
+	err := s.releaseSync() // with the client: the last reconciliation needs it
+	return errors.Join(err, s.drop())
 }
 
 // hold keeps the client for a request, unless the store let go of it
@@ -265,7 +268,7 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 			}
 		}
 	}
-	return nil
+	return s.bindSync(zones)
 }
 
 func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
@@ -285,7 +288,16 @@ func (s *RedisStore) known(now time.Time, b *bucketDemand, err error) time.Durat
 	return debt
 }
 
-// take decides d in one call where their keys share a cluster slot.
+// take decides d: from this instance's copies, for zones with sync (see
+// takeSync), else in Redis.
+func (s *RedisStore) take(ctx context.Context, now time.Time, d *demands) (bool, error) {
+	if len(s.syncIDs) > 0 && s.synced(d) {
+		return s.takeSync(ctx, now, d)
+	}
+	return s.takeExact(ctx, now, d)
+}
+
+// takeExact decides d in one call where their keys share a cluster slot.
 // Each slot taken is a lease (see lua/token_bucket.lua): a member of a
 // sorted set whose score is the instant, on Redis's clock, when it ends.
 // A lease is not renewed: a request that runs longer than its zone's
@@ -293,7 +305,7 @@ func (s *RedisStore) known(now time.Time, b *bucketDemand, err error) time.Durat
 // comes back after the lease however it died, with no timers or writes
 // for the requests in flight. Demands the over-limit cache can refuse
 // are refused without asking Redis.
-func (s *RedisStore) take(ctx context.Context, now time.Time, d *demands) (bool, error) {
+func (s *RedisStore) takeExact(ctx context.Context, now time.Time, d *demands) (bool, error) {
 	if len(d.slots) > 0 {
 		id := s.leaseIDs + strconv.FormatUint(leaseSeq.Add(1), 36)
 		for i := range d.slots {
@@ -396,13 +408,20 @@ func (s *RedisStore) peek(ctx context.Context, _ time.Time, d *demands) error {
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	_, err := s.run(ctx, deadline, rediswire.Peek, d)
+	if err == nil && len(s.syncIDs) > 0 {
+		s.peekSync(d)
+	}
 	return err
 }
 
 // reset deletes the buckets and counters, and what this instance's
-// over-limit cache knew of them. Other instances' caches learn it when
-// their entry runs out; until then they may still deny those keys.
+// over-limit cache and copies knew of them. Other instances' caches
+// learn it when their entry runs out, until then they may still deny
+// those keys; their copies, at their next reconciliation.
 func (s *RedisStore) reset(ctx context.Context, d *demands) (bool, error) {
+	if len(s.syncIDs) > 0 {
+		s.forgetSync(d)
+	}
 	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
 	found := false

@@ -82,6 +82,10 @@ type zoneSpec struct {
 	refunds bool
 	// maxOverrides: the most keys with a limit of their own (overrides).
 	maxOverrides int64
+	// sync: the zone's buckets are decided from this instance's copies,
+	// reconciled with the shared ones this often (see sync.go); 0 for
+	// none.
+	sync time.Duration
 }
 
 // demands are what one request asks of a store: tokens from buckets,

@@ -210,6 +210,18 @@ type Zone struct {
 	// can be told. Lets a new limit be tried safely. Default: false.
 	DryRun bool `json:"dry_run,omitempty"`
 
+	// Decide the zone's requests in this instance, from its own copy of
+	// each key's shared bucket, and reconcile the copies with Redis every
+	// this long: what this instance spent goes up, the shared state comes
+	// back, many keys in one script call. With N instances, they admit
+	// together at most (N - 1) x (rate x sync + 1) more than Redis alone
+	// would, and a key this instance has no copy of is decided by Redis.
+	// While Redis is down the zone goes on deciding here, not by
+	// fail_mode (see docs/sync.md). Needs the Redis store and a rate;
+	// not with ban, delay, count, usage, quota or concurrency. A duration
+	// from 1ms to 1m. Default: none (Redis decides every request).
+	Sync caddy.Duration `json:"sync,omitempty"`
+
 	index    int    // in Handler.Zones
 	id       zoneID // its name and its limit: what its counters are shared by
 	limit    limit
@@ -344,7 +356,7 @@ var placeholderLimit = newLimit(1, 1)
 
 // parseLimit checks the zone's numbers and returns its bucket's shape.
 func (z *Zone) parseLimit() (limit, error) {
-	if err := cmp.Or(z.checkSlots(), z.checkUsage(), z.checkOverrides()); err != nil {
+	if err := cmp.Or(z.checkSlots(), z.checkUsage(), z.checkOverrides(), z.checkSync()); err != nil {
 		return limit{}, err
 	}
 	if !z.hasRate() {
@@ -414,8 +426,12 @@ func (z *Zone) checkUsage() error {
 }
 
 // withDebt is l with the debt that usage may run up: max_debt tokens,
-// by default the burst.
+// by default the burst; or, in a zone with sync, what the instances may
+// spend together beyond empty (see syncDebt).
 func (z *Zone) withDebt(l limit) (limit, error) {
+	if z.Sync != 0 {
+		return withSyncDebt(l, time.Duration(z.Sync))
+	}
 	if z.Usage == nil || !z.hasRate() {
 		return l, nil
 	}
@@ -892,7 +908,7 @@ func (z *Zone) describe() string {
 // spec is what a store knows of the zone.
 func (z *Zone) spec() zoneSpec {
 	s := zoneSpec{name: z.Name, bucket: !z.rateless, slots: z.Concurrency != 0, refunds: z.Count != nil || z.Usage != nil,
-		maxOverrides: cmp.Or(z.MaxOverrides, defaultMaxOverrides)}
+		maxOverrides: cmp.Or(z.MaxOverrides, defaultMaxOverrides), sync: time.Duration(z.Sync)}
 	if z.plan != nil {
 		s.shape = z.limit
 	}

@@ -1,0 +1,821 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddyserver/caddy/v2"
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// Zones with sync (docs/sync.md): the Redis store decides a zone's
+// requests in this instance, from its own copy of each key's shared
+// bucket, and reconciles the copies with Redis every interval, many keys
+// in one script call (a flight of adjustments): what this instance spent
+// goes up, and the shared bucket, with what the other instances spent,
+// comes back.
+//
+// Four rules keep the instances together close to one exact bucket:
+//
+//   - A key this instance has no copy of is decided by Redis, exactly, and
+//     its copy made from the answer: a key flooded everywhere from its
+//     first request gets no fresh burst in each instance.
+//   - A copy refuses when it lacks the tokens: the other instances only
+//     take from the shared bucket, so it holds fewer still (but for a
+//     reset or an override, which reach it at its next reconciliation).
+//   - A copy allows by itself only within an allowance: a bucket of one
+//     interval's refill at the zone's rate, spent when the copy is made.
+//     Between two of Redis's answers, however far apart, this instance so
+//     spends by itself at most what the shared bucket refills meanwhile,
+//     and one interval's refill more: the copies cannot each spend the
+//     bucket's burst.
+//   - A request beyond the allowance, while the copy has the tokens, is
+//     decided by Redis, with what this instance spent of the key and has
+//     not sent yet: as if that had been sent.
+//
+// What the instances spend together beyond the shared bucket is charged
+// to it all the same, as a debt (the zone's limit may owe syncOwe
+// intervals beyond empty): every copy then refuses until it is paid
+// back, so the excess does not add up interval after interval. With N
+// instances it stays within (N - 1) x rate x interval, and a request an
+// instance for rounding, of what an exact zone allows (measured in
+// docs/sync.md).
+
+const (
+	minSync, maxSync = time.Millisecond, time.Minute
+
+	// syncOwe is how many intervals of refill the shared bucket of a zone
+	// with sync may owe beyond empty: what the instances spent together
+	// beyond it before their copies knew, which the bound counts on being
+	// charged. About one interval an instance: room for 32 of them.
+	syncOwe = 32
+
+	// syncKeep is how long a copy with nothing to tell stays (see keep).
+	syncKeep = time.Minute
+
+	// maxSyncKeys bounds the copies of each zone in this instance: beyond
+	// it, a new key's requests are decided by Redis, as without sync.
+	maxSyncKeys = 100_000
+
+	// syncFlight is how many keys one script call of a reconciliation
+	// carries at most, so that Redis, which runs a call at a time, is
+	// never held by one for long.
+	syncFlight = 512
+
+	syncShards = 16 // a power of two
+)
+
+func checkSyncInterval(d time.Duration) error {
+	if d < minSync || d > maxSync {
+		return fmt.Errorf("invalid sync %v: must be 1ms to 1m", d)
+	}
+	return nil
+}
+
+// checkSync checks a zone's sync, and what it cannot go with: what takes
+// or gives back tokens that only Redis can account for exactly.
+func (z *Zone) checkSync() error {
+	if z.Sync == 0 {
+		return nil
+	}
+	if err := checkSyncInterval(time.Duration(z.Sync)); err != nil {
+		return err
+	}
+	switch {
+	case !z.hasRate():
+		return errors.New("sync needs a rate: it shares the zone's token buckets")
+	case z.Ban != 0:
+		return errors.New("sync cannot go with ban: a ban starts once, in Redis, for every instance")
+	case z.Delay != 0:
+		return errors.New("sync cannot go with delay: a waiting request holds tokens that only Redis can reserve for every instance")
+	case z.Count != nil:
+		return errors.New("sync cannot go with count: tokens given back after the response would not reach the other instances' copies")
+	case z.Usage != nil:
+		return errors.New("sync cannot go with usage: a response's usage is charged to the shared bucket, not to this instance's copy")
+	case z.Quota != 0:
+		return errors.New("sync cannot go with quota: a calendar quota is counted exactly, in Redis")
+	case z.Concurrency != 0:
+		return errors.New("sync cannot go with concurrency: its slots are leases that Redis holds for every instance")
+	}
+	return nil
+}
+
+// checkSyncStore checks that the zones with sync have the Redis store:
+// the local store is one instance's, exact already.
+func (h *Handler) checkSyncStore() error {
+	var store struct {
+		Backend string `json:"backend"`
+	}
+	if h.StoreRaw != nil {
+		_ = json.Unmarshal(h.StoreRaw, &store) // a bad store fails when it loads
+	}
+	_, redis := h.store.(*RedisStore) // once provisioned, StoreRaw is gone
+	redis = redis || store.Backend == "redis"
+	for _, z := range h.Zones {
+		if z != nil && z.Sync != 0 && !redis {
+			return fmt.Errorf("zone %s: sync needs the Redis store (store redis { ... }): it shares a limit between instances", z.Name)
+		}
+	}
+	return nil
+}
+
+// withSyncDebt is l of a zone that syncs every interval: its bucket may
+// owe syncOwe intervals beyond empty.
+func withSyncDebt(l limit, interval time.Duration) (limit, error) {
+	l.owe = syncOwe * interval
+	if l.burstTime+l.owe > maxBurstTime {
+		return limit{}, fmt.Errorf("invalid sync %v: the burst and %d intervals must refill within 100 years", interval, syncOwe)
+	}
+	return l, nil
+}
+
+// syncZones holds the copies of every zone with sync, by its Redis
+// setup, its buckets' names and its interval, so that a reload that
+// keeps them keeps the copies and what they spent, and their
+// reconciliation goes on.
+var syncZones = caddy.NewUsagePool()
+
+type syncID struct {
+	client   string // the Redis store's connection setup
+	prefix   string
+	hashKeys bool
+	field    string // how the zone's buckets are named: its name and shape
+	interval time.Duration
+}
+
+// A syncZone is one zone's copies in this instance, and their
+// reconciliation.
+type syncZone struct {
+	interval time.Duration
+	epoch    time.Time      // the copies' instants count from here
+	hasher   *table[bucket] // its keyed hash alone: how a key's copy is found
+	shards   [syncShards]syncShard
+	size     atomic.Int64
+
+	mu    sync.Mutex
+	users []syncUser // the stores that use it, newest last: the newest reconciles
+	last  syncUser   // the last to leave: the final reconciliation's
+
+	stop, done chan struct{}
+
+	// What the reconciliations did, for the metrics.
+	calls, failed, keys atomic.Uint64
+}
+
+// A syncUser is a store and the place of the zone in it.
+type syncUser struct {
+	s    *RedisStore
+	zone int
+}
+
+type syncShard struct {
+	mu sync.Mutex
+	m  map[uint64]*syncCopy
+	_  [40]byte // keep shards on separate cache lines
+}
+
+// A syncCopy is this instance's copy of one key's shared bucket. Its
+// fields are its shard's, under its lock, but for the names.
+type syncCopy struct {
+	hash, field, limitKey string // the bucket's names in Redis, and its override's
+	// base is the limit the requests brought when Redis last answered (the
+	// zone's, or its plan's); lim the one Redis decided by: base, or the
+	// key's own (an override).
+	base, lim limit
+	fullAt    time.Duration // when the shared bucket is full again, as this instance knows it
+	allow     time.Duration // when this instance's allowance is whole again
+	// Tokens spent here: not sent yet, and sent in the reconciliation out.
+	pending, sent int64
+	heard         time.Duration // when Redis last answered for the key, or the copy was made
+	asked         bool          // a request asked since the last reconciliation
+}
+
+func newSyncZone(interval time.Duration) *syncZone {
+	now := time.Now()
+	sz := &syncZone{interval: interval, epoch: now, hasher: newBuckets(1, now), stop: make(chan struct{}), done: make(chan struct{})}
+	for i := range sz.shards {
+		sz.shards[i].m = make(map[uint64]*syncCopy)
+	}
+	go sz.loop()
+	return sz
+}
+
+// Destruct stops the reconciliation when no config has the zone any
+// more, after a last one: what this instance spent goes up.
+func (sz *syncZone) Destruct() error {
+	close(sz.stop)
+	<-sz.done
+	return nil
+}
+
+func (sz *syncZone) instant(t time.Time) time.Duration { return t.Sub(sz.epoch) }
+
+// keep is how long a copy that has nothing to send and whose bucket is
+// full stays after Redis last answered for it: a key used again within it
+// is decided here at once, within its allowance.
+func (sz *syncZone) keep() time.Duration { return max(syncKeep, 2*sz.interval) }
+
+func (sz *syncZone) shard(h uint64) *syncShard { return &sz.shards[h&(syncShards-1)] }
+
+// lock locks the shard of k's copy, and returns it and k's hash.
+func (sz *syncZone) lock(k bucketKey) (*syncShard, uint64) {
+	h := sz.hasher.hash(k)
+	sh := sz.shard(h)
+	sh.mu.Lock()
+	return sh, h
+}
+
+func (sz *syncZone) join(u syncUser) {
+	sz.mu.Lock()
+	defer sz.mu.Unlock()
+	sz.users = append(sz.users, u)
+}
+
+func (sz *syncZone) leave(s *RedisStore) {
+	sz.mu.Lock()
+	defer sz.mu.Unlock()
+	for i, u := range sz.users {
+		if u.s == s {
+			sz.last = u
+			sz.users = append(sz.users[:i], sz.users[i+1:]...)
+			return
+		}
+	}
+}
+
+// owner is the store that reconciles: the newest, or the last one.
+func (sz *syncZone) owner() (syncUser, bool) {
+	sz.mu.Lock()
+	defer sz.mu.Unlock()
+	if n := len(sz.users); n > 0 {
+		return sz.users[n-1], true
+	}
+	return sz.last, sz.last.s != nil
+}
+
+// add makes a copy of b's bucket, owing floor at n, unless the zone has
+// maxSyncKeys already. Requires sh.mu to be held.
+func (sz *syncZone) add(sh *syncShard, h uint64, s *RedisStore, b *bucketDemand, n, floor time.Duration) *syncCopy {
+	if sz.size.Load() >= maxSyncKeys {
+		return nil
+	}
+	// Its allowance starts spent: the first interval's requests of a key
+	// new here are Redis's but for what refills meanwhile, so that the
+	// instances flooding a key from its first request spend no allowance
+	// that Redis has not seen.
+	c := &syncCopy{base: baseLimit(b), lim: baseLimit(b), fullAt: n + floor, allow: n + sz.interval, heard: n}
+	c.hash, c.field, c.limitKey = s.keys.BucketLimit(s.zones[b.zone].field, b.key.String())
+	sh.m[h] = c
+	sz.size.Add(1)
+	return c
+}
+
+// baseLimit is the limit b's request brought, before any override.
+func baseLimit(b *bucketDemand) limit {
+	if b.overridden {
+		return b.base()
+	}
+	return b.limit
+}
+
+func sameLimit(a, b limit) bool { return a.tokenTime == b.tokenTime && a.burst == b.burst }
+
+// learnt sets the copy from Redis's answer at instant at: the bucket owed
+// debt, under lim. What this instance spent meanwhile, not yet in that
+// answer, is added (what a reconciliation out carries may be in it
+// already: counted twice until its answer, it only refuses sooner).
+func (c *syncCopy) learnt(at, n, debt time.Duration, lim limit, tokens int64) {
+	c.lim = lim
+	c.fullAt = min(max(at+debt, n)+time.Duration(tokens)*lim.tokenTime, n+lim.most())
+	c.heard = n
+}
+
+// synced reports whether a bucket of d is in a zone with sync.
+func (s *RedisStore) synced(d *demands) bool {
+	for i := range d.buckets {
+		if s.zones[d.buckets[i].zone].sync != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// takeSync decides demands of which a bucket is in a zone with sync. A
+// request of such buckets alone is decided here when their copies can;
+// any other goes to Redis with all its demands, all or nothing as
+// without sync, and the copies learn from the answer. When Redis fails,
+// a request of such buckets alone is decided here all the same, from
+// what this instance knows; fail_mode decides the others.
+func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *demands) (bool, error) {
+	alone := len(d.counters)+len(d.slots) == 0
+	for i := range d.buckets {
+		alone = alone && s.zones[d.buckets[i].zone].sync != nil
+	}
+	if alone {
+		if allowed, decided := s.decideHere(now, d, nil); decided {
+			return allowed, nil
+		}
+	}
+	var carriedArr [4]int64
+	carried := carriedArr[:0]
+	for range d.buckets {
+		carried = append(carried, 0)
+	}
+	s.carry(d, carried)
+	allowed, err := s.takeExact(ctx, now, d)
+	charged := err == nil && allowed
+	s.uncarry(d, carried, charged)
+	switch {
+	case err == nil:
+		if !d.remembered { // the over-limit cache's answer is a bound, not Redis's
+			s.learn(now, d)
+		}
+		if !charged {
+			// What the bucket owes counting what was not sent, as the
+			// copy says: the refusal's wait.
+			for i := range d.buckets {
+				d.buckets[i].debt += time.Duration(carried[i]) * d.buckets[i].limit.tokenTime
+			}
+		}
+		return allowed, nil
+	case !alone:
+		return false, err
+	}
+	allowed, _ = s.decideHere(now, d, err)
+	return allowed, nil
+}
+
+// carry adds to the cost of each of d's buckets in a zone with sync what
+// this instance spent of it and has not sent yet, in carried (in
+// tokens), so that Redis decides the request after that spending, as if
+// it had been sent: a request beyond the allowance is decided against
+// what this instance spent by itself too. (Not beyond the burst: a take
+// of more than a bucket is refused whatever it owes.)
+func (s *RedisStore) carry(d *demands, carried []int64) {
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		sz := s.zones[b.zone].sync
+		if sz == nil {
+			continue
+		}
+		sh, h := sz.lock(b.key)
+		if c := sh.m[h]; c != nil && c.pending > 0 && sameLimit(c.base, baseLimit(b)) && sameLimit(c.lim, b.limit) {
+			if extra := time.Duration(c.pending) * b.limit.tokenTime; b.cost+extra <= b.limit.burstTime {
+				carried[i], c.pending = c.pending, 0
+				b.cost += extra
+			}
+		}
+		sh.mu.Unlock()
+	}
+}
+
+// uncarry takes off the costs what carry added, and, unless the take
+// charged them, gives the tokens back to the copies to send.
+func (s *RedisStore) uncarry(d *demands, carried []int64, charged bool) {
+	for i := range d.buckets {
+		if carried[i] == 0 {
+			continue
+		}
+		b := &d.buckets[i]
+		b.cost -= time.Duration(carried[i]) * b.limit.tokenTime
+		if charged {
+			continue
+		}
+		sz := s.zones[b.zone].sync
+		sh, h := sz.lock(b.key)
+		if c := sh.m[h]; c != nil {
+			c.pending += carried[i]
+		}
+		sh.mu.Unlock()
+	}
+}
+
+// A syncLook is what decideHere found of a bucket.
+type syncLook struct {
+	c        *syncCopy
+	n        time.Duration
+	debt, ad time.Duration // what the copy owes, and what its allowance
+}
+
+// decideHere decides d from the copies of its buckets, all or nothing,
+// and reports whether they could: a copy that lacks the tokens refuses
+// the request (the shared bucket has no more, the other instances only
+// taking from it); the request is allowed when every copy is fresh and
+// has the tokens within its allowance; else Redis decides. failed is why
+// Redis could not decide d: the copies then decide all the same (a key
+// without one gets one, as full as the over-limit cache allows), and no
+// allowance or freshness holds them back.
+func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowed, decided bool) {
+	var lockedArr [4]*syncShard
+	var looksArr [4]syncLook
+	locked, looks := lockedArr[:0], looksArr[:0]
+	defer func() {
+		for _, sh := range locked {
+			sh.mu.Unlock()
+		}
+	}()
+	strict := failed == nil && s.client.Up()
+	here, denied := true, false
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		sz := s.zones[b.zone].sync
+		h := sz.hasher.hash(b.key)
+		sh := sz.shard(h)
+		if !containsShard(locked, sh) {
+			sh.mu.Lock()
+			locked = append(locked, sh)
+		}
+		n := sz.instant(now)
+		c := sh.m[h]
+		switch {
+		case failed == nil && c != nil && !sameLimit(c.base, baseLimit(b)):
+			c = nil // learnt under another plan: Redis rescales it
+		case failed != nil && c == nil:
+			floor := s.known(now, b, failed)
+			if c = sz.add(sh, h, s, b, n, floor); c == nil {
+				c = &syncCopy{fullAt: n + floor} // beyond maxSyncKeys: this request's alone
+			}
+			fallthrough
+		case failed != nil && !sameLimit(c.base, baseLimit(b)):
+			c.base, c.lim = baseLimit(b), baseLimit(b)
+		}
+		looks = append(looks, syncLook{c: c, n: n})
+		if c == nil {
+			here, b.ok, b.debt = false, true, 0 // not asked, unless Redis is
+			continue
+		}
+		c.asked = true
+		b.clearOwnLimit()
+		if !sameLimit(c.lim, c.base) {
+			b.setOwnLimit(c.lim.tokenTime, c.lim.burst)
+		}
+		look := &looks[i]
+		look.debt, look.ad = b.limit.debt(c.fullAt, n), max(c.allow-n, 0)
+		b.debt, b.ok = look.debt, look.debt+b.cost <= b.limit.reach()
+		switch {
+		case !b.ok:
+			denied = true
+		case strict && look.ad+b.cost > max(sz.interval, b.cost):
+			here = false
+		}
+	}
+	if denied {
+		d.at = now
+		return false, true
+	}
+	if !here {
+		return false, false
+	}
+	for i := range d.buckets {
+		b, look := &d.buckets[i], &looks[i]
+		c := look.c
+		c.fullAt = look.n + look.debt + b.cost
+		c.allow = look.n + look.ad + b.cost
+		c.pending += int64(b.cost / b.limit.tokenTime)
+		b.debt += b.cost
+	}
+	d.at = now
+	return true, true
+}
+
+func containsShard(shards []*syncShard, sh *syncShard) bool {
+	for _, x := range shards {
+		if x == sh {
+			return true
+		}
+	}
+	return false
+}
+
+// learn sets the copies of d's buckets in zones with sync from Redis's
+// answer, making those it lacks. Demands that a cluster took a slot at a
+// time (their keys in different slots) teach nothing: a bucket after a
+// refusal was not asked.
+func (s *RedisStore) learn(now time.Time, d *demands) {
+	if s.client.Cluster && !oneTag(d) {
+		return
+	}
+	s.withCopies(d, func(sz *syncZone, sh *syncShard, h uint64, b *bucketDemand) {
+		n, at := sz.instant(now), sz.instant(d.at)
+		c := sh.m[h]
+		if c == nil {
+			c = sz.add(sh, h, s, b, n, 0)
+		}
+		if c != nil {
+			c.base, c.asked = baseLimit(b), true
+			c.learnt(at, max(n, at), b.debt, b.limit, c.pending+c.sent)
+		}
+	})
+}
+
+// forgetSync drops this instance's copies of d's buckets (a reset): their
+// next requests go to Redis. The other instances learn of a reset at
+// their next reconciliation.
+func (s *RedisStore) forgetSync(d *demands) {
+	s.withCopies(d, func(sz *syncZone, sh *syncShard, h uint64, _ *bucketDemand) {
+		if _, ok := sh.m[h]; ok {
+			delete(sh.m, h)
+			sz.size.Add(-1)
+		}
+	})
+}
+
+// peekSync adds to what Redis said of d's buckets in zones with sync what
+// this instance spent that Redis has not heard of yet.
+func (s *RedisStore) peekSync(d *demands) {
+	s.withCopies(d, func(_ *syncZone, sh *syncShard, h uint64, b *bucketDemand) {
+		if c := sh.m[h]; c != nil {
+			b.debt = min(b.debt+time.Duration(c.pending+c.sent)*b.limit.tokenTime, b.limit.most())
+		}
+	})
+}
+
+// withCopies calls f for each bucket of d in a zone with sync, with the
+// shard of its copy locked, and the copy's hash.
+func (s *RedisStore) withCopies(d *demands, f func(sz *syncZone, sh *syncShard, h uint64, b *bucketDemand)) {
+	for i := range d.buckets {
+		b := &d.buckets[i]
+		if sz := s.zones[b.zone].sync; sz != nil {
+			sh, h := sz.lock(b.key)
+			f(sz, sh, h, b)
+			sh.mu.Unlock()
+		}
+	}
+}
+
+// bindSync gets the copies of the store's zones with sync.
+func (s *RedisStore) bindSync(zones []zoneSpec) error {
+	for i, z := range zones {
+		if z.sync == 0 {
+			continue
+		}
+		id := syncID{s.poolKey, s.KeyPrefix, s.HashKeys, s.zones[i].field, z.sync}
+		v, _, err := syncZones.LoadOrNew(id, func() (caddy.Destructor, error) { return newSyncZone(z.sync), nil })
+		if err != nil {
+			return err
+		}
+		sz := v.(*syncZone)
+		sz.join(syncUser{s, i})
+		s.zones[i].sync = sz
+		s.syncIDs = append(s.syncIDs, id)
+	}
+	return nil
+}
+
+// releaseSync gives the copies back; the last config that has a zone
+// reconciles its copies a last time.
+func (s *RedisStore) releaseSync() error {
+	for i := range s.zones {
+		if sz := s.zones[i].sync; sz != nil {
+			sz.leave(s)
+		}
+	}
+	var errs []error
+	for _, id := range s.syncIDs {
+		if _, err := syncZones.Delete(id); err != nil {
+			errs = append(errs, err)
+		}
+	}
+	s.syncIDs = nil
+	return errors.Join(errs...)
+}
+
+// loop reconciles every interval, and a last time when the zone goes.
+func (sz *syncZone) loop() {
+	defer close(sz.done)
+	tick := time.NewTicker(sz.interval)
+	defer tick.Stop()
+	for {
+		select {
+		case <-sz.stop:
+			sz.reconcile()
+			return
+		case <-tick.C:
+			sz.reconcile()
+		}
+	}
+}
+
+// A syncItem is a copy in a reconciliation: the tokens it sends, counted
+// in its limit base.
+type syncItem struct {
+	c      *syncCopy
+	sh     *syncShard
+	base   limit
+	tokens int64
+}
+
+// reconcile sends Redis what each copy that was asked or spent since the
+// last reconciliation spent, as adjustments, syncFlight to a script call,
+// and sets the copies from the answers. A copy not asked for two
+// intervals whose bucket has refilled goes. While Redis is down (its
+// breaker open), what the copies spend waits for the next.
+func (sz *syncZone) reconcile() {
+	u, ok := sz.owner()
+	if !ok || !u.s.client.Up() {
+		return
+	}
+	n := sz.instant(time.Now())
+	var batch []syncItem
+	for i := range sz.shards {
+		sh := &sz.shards[i]
+		sh.mu.Lock()
+		for h, c := range sh.m {
+			switch {
+			case c.asked || c.pending > 0:
+				batch = append(batch, syncItem{c, sh, c.base, c.pending})
+				c.sent, c.pending, c.asked = c.pending, 0, false
+			case n-c.heard > sz.keep() && c.fullAt <= n:
+				delete(sh.m, h)
+				sz.size.Add(-1)
+			}
+		}
+		sh.mu.Unlock()
+	}
+	for len(batch) > 0 {
+		if !u.s.client.Up() {
+			// Redis went away meanwhile: the rest waits for the next.
+			for _, p := range batch {
+				p.sh.mu.Lock()
+				p.c.pending, p.c.sent = p.c.pending+p.c.sent, 0
+				p.sh.mu.Unlock()
+			}
+			return
+		}
+		part := batch[:min(len(batch), syncFlight)]
+		batch = batch[len(part):]
+		sz.send(u, part)
+	}
+}
+
+// send reconciles part in one flight: one script call on one Redis, one
+// per hash tag on a cluster.
+func (sz *syncZone) send(u syncUser, part []syncItem) {
+	s := u.s
+	deadline := time.Now().Add(s.callTimeout)
+	calls := make([]*rediswire.Call, len(part))
+	ds := make([]demands, len(part))
+	bs := make([]bucketDemand, len(part))
+	for i := range part {
+		p := &part[i]
+		// The script applies the key's own limit itself (see build).
+		bs[i] = bucketDemand{zone: u.zone, limit: p.base, cost: time.Duration(p.tokens) * p.base.tokenTime}
+		ds[i].buckets = bs[i : i+1]
+		calls[i] = rediswire.NewCall(rediswire.Adjust, deadline)
+		calls[i].AdjustBucket(p.c.hash, p.c.field, p.c.limitKey, s.shapeOf(&bs[i], true), bs[i].cost)
+	}
+	sent := time.Now()
+	replies, errs := s.client.RunAll(calls)
+	var failure error
+	for i := range part {
+		p := &part[i]
+		_, err := s.answered(replies[i], errs[i], sent, rediswire.Adjust, &ds[i])
+		p.sh.mu.Lock()
+		c := p.c
+		if err != nil {
+			failure = cmpErr(failure, err)
+			// Sent again with the next; what is beyond two intervals'
+			// worth (an outage's) is forgiven, as fail_mode local forgets
+			// what its buckets spent.
+			c.pending = min(c.pending+c.sent, max(int64(2*sz.interval/c.lim.tokenTime), 1))
+			c.sent = 0
+		} else {
+			c.sent = 0
+			n := sz.instant(time.Now())
+			c.learnt(sz.instant(ds[i].at), n, ds[i].buckets[0].debt, ds[i].buckets[0].limit, c.pending)
+		}
+		p.sh.mu.Unlock()
+		if err == nil && ds[i].buckets[0].overridden {
+			s.sawOverride(u.zone)
+		}
+	}
+	sz.calls.Add(1)
+	sz.keys.Add(uint64(len(part)))
+	switch kind := rediswire.Classify(failure); {
+	case failure == nil || kind == rediswire.Answered:
+		s.client.Answered(s.logger)
+		if failure != nil {
+			sz.failed.Add(1)
+			s.keyErrors.Warn(s.logger, "redis refused a reconciliation of zone "+s.zones[u.zone].name, failure)
+		}
+	case kind == rediswire.Unknown:
+		sz.failed.Add(1)
+	default:
+		sz.failed.Add(1)
+		s.client.Failed(s.logger, s.FailMode, failure)
+	}
+}
+
+// sawOverride has the store's decisions of a zone read the keys' own
+// limits: a reconciliation found one, set through another instance,
+// which the zone's count of overrides may not show yet (see mayOverride).
+// What the over-limit cache learnt without reading them is forgotten, as
+// when a poll finds the zone's first override.
+func (s *RedisStore) sawOverride(zone int) {
+	rz := &s.zones[zone]
+	if c := rz.overridden.Load(); c.n == 0 {
+		if rz.overridden.CompareAndSwap(c, &countedOverrides{n: -1, at: time.Since(processStart).Nanoseconds()}) {
+			rz.overriddenGen.Add(1)
+			if rz.cache != nil {
+				rz.cache.clear()
+			}
+		}
+	}
+}
+
+func cmpErr(first, err error) error {
+	if first != nil {
+		return first
+	}
+	return err
+}
+
+// Metrics of the zones with sync, read when Prometheus scrapes: the
+// reconciliations of each zone's copies in this instance, the keys they
+// carried, and the copies held.
+var syncMetrics = newSyncCollector()
+
+type syncCollector struct{ reconciliations, keys, copies *prometheus.Desc }
+
+func newSyncCollector() *syncCollector {
+	name := func(n string) string { return prometheus.BuildFQName(metricsNamespace, metricsSubsystem, n) }
+	return &syncCollector{
+		reconciliations: prometheus.NewDesc(name("sync_reconciliations_total"),
+			"Reconciliations of a zone with sync with Redis, one script call each (one per hash tag on a cluster), by result: ok or error.",
+			[]string{"zone", "limit", "result"}, nil),
+		keys: prometheus.NewDesc(name("sync_reconciled_keys_total"),
+			"Keys that the reconciliations of a zone with sync carried: over sync_reconciliations_total, their size.",
+			[]string{"zone", "limit"}, nil),
+		copies: prometheus.NewDesc(name("sync_keys"),
+			"Keys of a zone with sync that this instance holds a copy of.",
+			[]string{"zone", "limit"}, nil),
+	}
+}
+
+// registerSyncMetrics adds the collector to the config's registry.
+func registerSyncMetrics(ctx caddy.Context) error {
+	reg := ctx.GetMetricsRegistry()
+	if reg == nil {
+		return nil
+	}
+	if err := reg.Register(syncMetrics); err != nil {
+		if _, ok := errors.AsType[prometheus.AlreadyRegisteredError](err); !ok {
+			return fmt.Errorf("registering metrics: %w", err)
+		}
+	}
+	return nil
+}
+
+func (c *syncCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- c.reconciliations
+	ch <- c.keys
+	ch <- c.copies
+}
+
+// Collect exports the zones with sync of the handlers that export their
+// zones (not disable_metrics), each zone's copies once.
+func (c *syncCollector) Collect(ch chan<- prometheus.Metric) {
+	type counts struct{ ok, failed, keys, copies uint64 }
+	zones := make(map[zoneID]*counts)
+	seen := make(map[*syncZone]bool)
+	registry.Lock()
+	for _, refs := range registry.zones {
+		for _, ref := range refs {
+			rs, ok := ref.h.store.(*RedisStore)
+			if !ok || ref.z.index >= len(rs.zones) || ref.z.state.metered.Load() <= 0 {
+				continue
+			}
+			sz := rs.zones[ref.z.index].sync
+			if sz == nil || seen[sz] {
+				continue
+			}
+			seen[sz] = true
+			n := zones[ref.z.id]
+			if n == nil {
+				n = new(counts)
+				zones[ref.z.id] = n
+			}
+			calls, failed := sz.calls.Load(), sz.failed.Load()
+			n.ok += calls - failed
+			n.failed += failed
+			n.keys += sz.keys.Load()
+			n.copies += uint64(sz.size.Load())
+		}
+	}
+	registry.Unlock()
+	for id, n := range zones {
+		ch <- prometheus.MustNewConstMetric(c.reconciliations, prometheus.CounterValue, float64(n.ok), id.name, id.limit, "ok")
+		ch <- prometheus.MustNewConstMetric(c.reconciliations, prometheus.CounterValue, float64(n.failed), id.name, id.limit, "error")
+		ch <- prometheus.MustNewConstMetric(c.keys, prometheus.CounterValue, float64(n.keys), id.name, id.limit)
+		ch <- prometheus.MustNewConstMetric(c.copies, prometheus.GaugeValue, float64(n.copies), id.name, id.limit)
+	}
+}

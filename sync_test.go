@@ -1,0 +1,861 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"runtime"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+)
+
+// provision provisions a handler from its JSON config, as a config load
+// does, and returns it with what unloads it.
+func provision(t *testing.T, config string) (*Handler, func()) {
+	t.Helper()
+	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
+	h := new(Handler)
+	if err := json.Unmarshal([]byte(config), h); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.Provision(ctx); err != nil {
+		cancel()
+		t.Fatal(err)
+	}
+	return h, func() {
+		if err := h.Cleanup(); err != nil {
+			t.Error(err)
+		}
+		cancel()
+	}
+}
+
+// syncInstances are n handlers, each with its own Redis store on addr, as
+// n Caddy instances would be: each its own connection pool (pool_size
+// differs), so its own copies of the zones with sync.
+func syncInstances(t *testing.T, addr, zones string, n int) []*Handler {
+	t.Helper()
+	hs := make([]*Handler, n)
+	for i := range hs {
+		hs[i] = newTestHandler(t, fmt.Sprintf(`{"zones":[%s],
+			"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:","pool_size":%d}}`, zones, addr, 10+i))
+	}
+	return hs
+}
+
+// syncZone is a zone of rate 20r/s burst 40 keyed by X-Key, with sync
+// when it is given.
+func syncZoneJSON(name, sync string) string {
+	if sync != "" {
+		sync = fmt.Sprintf(`,"sync":%q`, sync)
+	}
+	return fmt.Sprintf(`{"name":%q,"key":"{http.request.header.X-Key}","rate":"20r/s","burst":40%s}`, name, sync)
+}
+
+// syncBound is the most the instances may allow beyond an exact zone of
+// 20r/s with sync 100ms: (N - 1) x rate x interval, and a request each
+// but one for rounding.
+func syncBound(n int) int { return (n - 1) * (20*100/1000 + 1) }
+
+// One fresh key flooded round robin on three instances, from its first
+// request, is allowed within the bound of what an exact zone allows in
+// the same run, and no less than 90% of it.
+func TestSyncFloodOneKey(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), syncZoneJSON("s", "100ms"), 3)
+	exact := newTestHandler(t, redisConfig(r.Addr(), "e", "20r/s", 40, ""))
+	allowed, exactAllowed := 0, 0
+	for i, start := 0, time.Now(); time.Since(start) < 2*time.Second; i++ {
+		if code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k"); code == http.StatusOK {
+			allowed++
+		}
+		// The exact zone's key is the client IP.
+		if code, _ := serve(exact, "10.0.0.1"); code == http.StatusOK {
+			exactAllowed++
+		}
+		time.Sleep(time.Millisecond)
+	}
+	t.Logf("allowed %d, exact %d", allowed, exactAllowed)
+	if allowed > exactAllowed+syncBound(3) || allowed < exactAllowed*9/10 {
+		t.Errorf("allowed %d, want %d to %d (exact %d)", allowed, exactAllowed*9/10, exactAllowed+syncBound(3), exactAllowed)
+	}
+}
+
+// Many keys flooded at once on three instances: each within the bound.
+func TestSyncFloodManyKeys(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), syncZoneJSON("s", "100ms"), 3)
+	const keys = 30
+	allowed := make([]int, keys)
+	start := time.Now()
+	for i := 0; time.Since(start) < 2*time.Second; i++ {
+		k := i % keys
+		if code, _ := serve(hs[i/keys%3], "10.0.0.1", "X-Key", strconv.Itoa(k)); code == http.StatusOK {
+			allowed[k]++
+		}
+		if k == keys-1 {
+			time.Sleep(2 * time.Millisecond)
+		}
+	}
+	// An exact zone allows its burst and a token every 50ms.
+	exact := 40 + int(time.Since(start)/(50*time.Millisecond))
+	for k, n := range allowed {
+		if n > exact+1+syncBound(3) || n < exact*9/10 {
+			t.Errorf("key %d: allowed %d, want %d to %d", k, n, exact*9/10, exact+1+syncBound(3))
+		}
+	}
+	t.Logf("allowed %v, exact about %d", allowed, exact)
+}
+
+// Keys under their limit on three instances are refused nothing, and
+// cost Redis far less than a script call a request: a call for each
+// key's first request on each instance, and one per reconciliation.
+func TestSyncUnderLimit(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}","rate":"100r/s","burst":200,"sync":"100ms"}`, 3)
+	const keys = 100
+	requests, refused := 0, 0
+	start := time.Now()
+	for time.Since(start) < 2*time.Second {
+		for k := range keys {
+			for _, h := range hs {
+				if code, _ := serve(h, "10.0.0.1", "X-Key", strconv.Itoa(k)); code != http.StatusOK {
+					refused++
+				}
+				requests++
+			}
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	calls, intervals := r.Calls(), int(time.Since(start)/(100*time.Millisecond))+2
+	t.Logf("%d requests, %d script calls (%.3f a request)", requests, calls, float64(calls)/float64(requests))
+	if refused > 0 {
+		t.Errorf("%d of %d requests refused", refused, requests)
+	}
+	if most := keys*len(hs) + intervals*len(hs); calls > most {
+		t.Errorf("%d script calls for %d requests, want at most %d", calls, requests, most)
+	}
+}
+
+// Redis going away: the zone with sync goes on deciding in each
+// instance, fail_mode closed notwithstanding (fail_mode is for the zones
+// without sync), new keys too; what the instances spent meanwhile goes
+// up to Redis when it is back.
+func TestSyncRedisOutage(t *testing.T) {
+	r := startRedis(t)
+	zone := syncZoneJSON("s", "100ms")
+	hs := make([]*Handler, 3)
+	for i := range hs {
+		hs[i] = newTestHandler(t, fmt.Sprintf(`{"zones":[%s],
+			"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:","pool_size":%d,"fail_mode":"closed"}}`, zone, r.Addr(), 10+i))
+	}
+	exact := newTestHandler(t, redisConfig(r.Addr(), "e", "20r/s", 40, `,"fail_mode":"closed"`))
+	for i := range 9 {
+		if code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k"); code != http.StatusOK {
+			t.Fatalf("request %d before the outage: %d", i, code)
+		}
+	}
+	r.Kill()
+	allowed := 0
+	for i := range 60 {
+		code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k")
+		switch code {
+		case http.StatusOK:
+			allowed++
+		case http.StatusTooManyRequests:
+		default:
+			t.Fatalf("request %d during the outage: %d, want 200 or 429", i, code)
+		}
+	}
+	if allowed == 0 {
+		t.Error("nothing allowed during the outage")
+	}
+	for i, h := range hs {
+		if code, _ := serve(h, "10.0.0.1", "X-Key", "new"); code != http.StatusOK {
+			t.Errorf("instance %d: a new key during the outage: %d, want 200", i, code)
+		}
+	}
+	if code, _ := serve(exact, "10.0.0.1"); code != http.StatusServiceUnavailable {
+		t.Errorf("zone without sync during the outage: %d, want 503 (fail_mode closed)", code)
+	}
+	r.Start()
+	rs := hs[0].store.(*RedisStore)
+	hash, field := rs.bucketName(0, bucketKey{s: "k"})
+	c := newRedisClient(t, r.Addr())
+	waitFor(t, 10*time.Second, "the spending of the outage in Redis", func() bool {
+		return c.HGet(context.Background(), hash, field).Val() != ""
+	})
+	if code, _ := serve(exact, "10.0.0.1"); code != http.StatusOK {
+		t.Errorf("zone without sync after the outage: %d, want 200", code)
+	}
+}
+
+// adminServe sends a request to the admin API in this process, and
+// fails the test if it fails.
+func adminServe(t *testing.T, method, path, body string) {
+	t.Helper()
+	if err := (adminAPI{}).serve(httptest.NewRecorder(), httptest.NewRequest(method, path, strings.NewReader(body))); err != nil {
+		t.Fatalf("%s %s: %v", method, path, err)
+	}
+}
+
+// emptyEverywhere floods key on every instance until each refuses it.
+func emptyEverywhere(t *testing.T, hs []*Handler, key string) {
+	t.Helper()
+	for i, h := range hs {
+		waitFor(t, 5*time.Second, fmt.Sprintf("instance %d refusing %s", i, key), func() bool {
+			code := 0
+			for range 100 {
+				code, _ = serve(h, "10.0.0.1", "X-Key", key)
+			}
+			return code == http.StatusTooManyRequests
+		})
+	}
+}
+
+// allowedEverywhere waits until each instance allows key, and returns the
+// response headers of each and how long the slowest took.
+func allowedEverywhere(t *testing.T, hs []*Handler, key string) ([]http.Header, time.Duration) {
+	t.Helper()
+	start := time.Now()
+	out := make([]http.Header, len(hs))
+	for i, h := range hs {
+		waitFor(t, time.Second, fmt.Sprintf("instance %d allowing %s", i, key), func() bool {
+			code, hdr := serve(h, "10.0.0.1", "X-Key", key)
+			out[i] = hdr
+			return code == http.StatusOK
+		})
+	}
+	return out, time.Since(start)
+}
+
+// A reset and an override made through one instance's admin API reach
+// every instance within an interval or two: their copies learn it at
+// their next reconciliation. (The zone refills a token a minute: only
+// the reset or the override can let a request through within the
+// test's second.)
+func TestSyncResetAndOverride(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"100ms"}`, 3)
+	emptyEverywhere(t, hs, "k")
+	adminServe(t, http.MethodDelete, "/rate_limit/s/k", "")
+	_, took := allowedEverywhere(t, hs, "k")
+	t.Logf("reset seen everywhere after %v", took)
+
+	emptyEverywhere(t, hs, "k")
+	adminServe(t, http.MethodPut, "/rate_limit/s/k/limit", `{"rate":"1r/m","burst":1000}`)
+	hdrs, took := allowedEverywhere(t, hs, "k")
+	t.Logf("override seen everywhere after %v", took)
+	for i, hdr := range hdrs {
+		if got := hdr.Get("X-RateLimit-Limit"); got != "1000" {
+			t.Errorf("instance %d: X-RateLimit-Limit %q, want the override's 1000", i, got)
+		}
+	}
+}
+
+// A config reload keeps the copies: the new config's store decides from
+// them. (With sync 1m no reconciliation runs within the test, and a token
+// comes back a minute: the copy of a key emptied here says so, while
+// Redis, whose bucket is deleted behind the store's back, would allow
+// it.)
+func TestSyncReloadKeepsCopies(t *testing.T) {
+	r := startRedis(t)
+	config := fmt.Sprintf(`{"zones":[{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"1m"}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr())
+	old, unload := provision(t, config)
+	emptyEverywhere(t, []*Handler{old}, "k")
+	rs := old.store.(*RedisStore)
+	copies := rs.zones[0].sync
+	hash, field := rs.bucketName(0, bucketKey{s: "k"})
+	r.CLI("HDEL", hash, field)
+	next, unloadNext := provision(t, config)
+	defer unloadNext()
+	unload()
+	if got := next.store.(*RedisStore).zones[0].sync; got != copies {
+		t.Fatal("the reloaded config has copies of its own")
+	}
+	calls := r.Calls()
+	if code, _ := serve(next, "10.0.0.1", "X-Key", "k"); code != http.StatusTooManyRequests {
+		t.Errorf("after the reload: %d, want 429 (the copy's)", code)
+	}
+	if got := r.Calls(); got != calls {
+		t.Errorf("the refusal asked Redis: %d script calls, want %d", got, calls)
+	}
+}
+
+// A zone with sync whose limit comes with each request (plans): a key
+// flooded on three instances is held to its plan within the bound, and
+// its copies follow it to another plan, keeping what it spent.
+func TestSyncPlans(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}",
+		"rate":"{http.request.header.X-Rate}","burst":"{http.request.header.X-Burst}","sync":"100ms"}`, 3)
+	plan := func(i int, rate, burst string) int {
+		code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k", "X-Rate", rate, "X-Burst", burst)
+		return code
+	}
+	allowed := 0
+	start := time.Now()
+	for i := 0; time.Since(start) < time.Second; i++ {
+		if plan(i, "20r/s", "40") == http.StatusOK {
+			allowed++
+		}
+		time.Sleep(time.Millisecond)
+	}
+	exact := 40 + int(time.Since(start)/(50*time.Millisecond))
+	if allowed > exact+1+syncBound(3) || allowed < exact*9/10 {
+		t.Errorf("allowed %d, want %d to %d", allowed, exact*9/10, exact+1+syncBound(3))
+	}
+	// Ten times the burst: the emptied bucket owes the same fraction of
+	// the new one, all of it, so the change of plan hands back no tokens
+	// in any instance.
+	allowed = 0
+	for i := range 300 {
+		if plan(i, "20r/s", "400") == http.StatusOK {
+			allowed++
+		}
+	}
+	if allowed > 40+syncBound(3) {
+		t.Errorf("after the change of plan: %d allowed, want at most %d", allowed, 40+syncBound(3))
+	}
+}
+
+// A request that a zone with sync and a zone without both limit is
+// decided by Redis, all or nothing: a refusal of the exact zone charges
+// the other nothing; and when Redis fails, fail_mode decides it.
+func TestSyncWithExactZone(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[%s,{"name":"e","rate":"1r/m","burst":2}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:","fail_mode":"closed"}}`, syncZoneJSON("s", "100ms"), r.Addr()))
+	for i, want := range []int{200, 200, 429, 429, 429} {
+		if code, _ := serve(h, "10.0.0.1", "X-Key", "k"); code != want {
+			t.Fatalf("request %d: %d, want %d", i, code, want)
+		}
+	}
+	// Two of the sync zone's 40 tokens are spent: the refusals took none.
+	_, hdr := serve(h, "10.0.0.2", "X-Key", "k")
+	if got := hdr.Get("RateLimit"); !strings.Contains(got, `"s";r=37;`) {
+		t.Errorf("RateLimit %q, want zone s with 37 tokens left", got)
+	}
+	r.Kill()
+	if code, _ := serve(h, "10.0.0.3", "X-Key", "k"); code != http.StatusServiceUnavailable {
+		t.Errorf("Redis down: %d, want 503 (fail_mode closed)", code)
+	}
+}
+
+// On a Redis Cluster: the bound holds for keys of every slot.
+func TestSyncCluster(t *testing.T) {
+	nodes := startCluster(t)
+	var addrs []string
+	for _, n := range nodes {
+		addrs = append(addrs, strconv.Quote(n.Addr()))
+	}
+	hs := make([]*Handler, 3)
+	for i := range hs {
+		hs[i] = newTestHandler(t, fmt.Sprintf(`{"zones":[%s],
+			"store":{"backend":"redis","addresses":[%s],"key_prefix":"t:","pool_size":%d,"timeout":"1s"}}`,
+			syncZoneJSON("s", "100ms"), strings.Join(addrs, ","), 10+i))
+	}
+	const keys = 10
+	allowed := make([]int, keys)
+	start := time.Now()
+	for i := 0; time.Since(start) < 1500*time.Millisecond; i++ {
+		k := i % keys
+		if code, _ := serve(hs[i/keys%3], "10.0.0.1", "X-Key", strconv.Itoa(k)); code == http.StatusOK {
+			allowed[k]++
+		}
+		if k == keys-1 {
+			time.Sleep(time.Millisecond)
+		}
+	}
+	exact := 40 + int(time.Since(start)/(50*time.Millisecond))
+	for k, n := range allowed {
+		if n > exact+1+syncBound(3) || n < exact*9/10 {
+			t.Errorf("key %d: allowed %d, want %d to %d", k, n, exact*9/10, exact+1+syncBound(3))
+		}
+	}
+}
+
+// A refusal's Retry-After and headers are the shared bucket's: once the
+// wait it gives is over, another instance allows the key.
+func TestSyncRetryAfter(t *testing.T) {
+	r := startRedis(t)
+	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/s","burst":3,"sync":"100ms"}`, 3)
+	emptyEverywhere(t, hs, "k")
+	code, hdr := serve(hs[0], "10.0.0.1", "X-Key", "k")
+	if code != http.StatusTooManyRequests {
+		t.Fatalf("%d, want 429", code)
+	}
+	wait, err := strconv.Atoi(hdr.Get("Retry-After"))
+	if err != nil || wait < 1 || wait > 2 {
+		t.Fatalf("Retry-After %q, want 1 or 2 (a token a second)", hdr.Get("Retry-After"))
+	}
+	if got := hdr.Get("X-RateLimit-Remaining"); got != "0" {
+		t.Errorf("X-RateLimit-Remaining %q, want 0", got)
+	}
+	time.Sleep(time.Duration(wait) * time.Second)
+	if code, hdr := serve(hs[1], "10.0.0.1", "X-Key", "k"); code != http.StatusOK {
+		t.Errorf("after Retry-After on another instance: %d (Retry-After %s), want 200", code, hdr.Get("Retry-After"))
+	}
+}
+
+// syncSites is a Caddy site with three instances of a zone with sync,
+// at /a, /b and /c, each its own Redis connection pool and so its own
+// copies, as three Caddy servers would be, and an exact zone at /e.
+func syncSites(addr string) string {
+	site := "http://localhost:9080 {\n"
+	for i, path := range []string{"a", "b", "c"} {
+		site += fmt.Sprintf(`	handle /%s {
+		rate_limit {
+			zone s {
+				key {http.request.header.X-Key}
+				rate 20r/s
+				burst 40
+				sync 100ms
+			}
+			store redis {
+				address %s
+				key_prefix t:
+				pool_size %d
+			}
+		}
+		respond "ok"
+	}
+`, path, addr, 10+i)
+	}
+	return site + fmt.Sprintf(`	handle /e {
+		rate_limit {
+			zone e {
+				key {http.request.header.X-Key}
+				rate 20r/s
+				burst 40
+			}
+			store redis {
+				address %s
+				key_prefix t:
+			}
+		}
+		respond "ok"
+	}
+}
+`, addr)
+}
+
+// syncCopies are the copies of the zones named name of the running
+// config's handlers.
+func syncCopies(name string) map[*syncZone]bool {
+	registry.Lock()
+	defer registry.Unlock()
+	out := make(map[*syncZone]bool)
+	for _, ref := range registry.zones[name] {
+		if rs, ok := ref.h.store.(*RedisStore); ok && rs.zones[ref.z.index].sync != nil {
+			out[rs.zones[ref.z.index].sync] = true
+		}
+	}
+	return out
+}
+
+// Through Caddy: one key flooded round robin on three instances is
+// allowed within the bound of what the exact zone allows beside it; a
+// reset through the admin API reaches the three; the reconciliations
+// are in the metrics; a reload keeps the copies.
+func TestSyncThroughCaddy(t *testing.T) {
+	r := startRedis(t)
+	tester := startCaddy(t, "", syncSites(r.Addr()))
+	send := func(path string) int {
+		req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/"+path, nil)
+		req.Header.Set("X-Key", "k")
+		resp, err := tester.Client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode
+	}
+	allowed, exact := 0, 0
+	for i, start := 0, time.Now(); time.Since(start) < 2*time.Second; i++ {
+		if send([]string{"a", "b", "c"}[i%3]) == http.StatusOK {
+			allowed++
+		}
+		if send("e") == http.StatusOK {
+			exact++
+		}
+	}
+	t.Logf("allowed %d, exact %d", allowed, exact)
+	if allowed > exact+syncBound(3) || allowed < exact*9/10 {
+		t.Errorf("allowed %d, want %d to %d (exact %d)", allowed, exact*9/10, exact+syncBound(3), exact)
+	}
+
+	// Empty everywhere, then reset through the admin API: three
+	// intervals later the three instances know, and allow the burst
+	// between them (without a word of the reset, /a and /b would allow
+	// the refill alone, 6 tokens each, and /c its 20 requests).
+	for range 50 {
+		send("a")
+		send("b")
+		send("c")
+	}
+	resetBucket(t, "s", "k")
+	time.Sleep(300 * time.Millisecond)
+	after := 0
+	for i := range 60 {
+		if send([]string{"a", "b", "c"}[i%3]) == http.StatusOK {
+			after++
+		}
+	}
+	if after < 40 {
+		t.Errorf("%d of 60 requests allowed three intervals after the reset, want at least 40", after)
+	}
+
+	m := scrape(t, tester)
+	if n := m[`caddy_rate_limit_sync_reconciliations_total{result="ok",zone="s"}`]; n == 0 {
+		t.Error("no reconciliation in the metrics")
+	}
+	if n := m[`caddy_rate_limit_sync_reconciled_keys_total{zone="s"}`]; n == 0 {
+		t.Error("no reconciled key in the metrics")
+	}
+	if n := m[`caddy_rate_limit_sync_keys{zone="s"}`]; n != 3 {
+		t.Errorf("sync_keys %v, want 3: a copy of k in each instance", n)
+	}
+
+	copies := syncCopies("s")
+	if len(copies) != 3 {
+		t.Fatalf("%d sets of copies, want 3", len(copies))
+	}
+	reload(t, tester, "", syncSites(r.Addr()))
+	for sz := range syncCopies("s") {
+		if !copies[sz] {
+			t.Error("the reload made new copies")
+		}
+	}
+	for sz := range copies {
+		if sz.size.Load() == 0 {
+			t.Error("the reload dropped the copies")
+		}
+	}
+}
+
+func TestSyncCaddyfileErrors(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		input   string
+		wantErr string
+		line    int
+	}{
+		{
+			name: "not a duration",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		sync often
+	}
+}`,
+			wantErr: "invalid sync 'often': expected a duration such as 100ms",
+			line:    4,
+		},
+		{
+			name: "too short",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		sync 100us
+	}
+}`,
+			wantErr: "invalid sync 100µs: must be 1ms to 1m",
+			line:    4,
+		},
+		{
+			name: "no argument",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		sync
+	}
+}`,
+			wantErr: "wrong argument count",
+			line:    4,
+		},
+		{
+			name: "with delay",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		sync 100ms
+		delay 1s
+	}
+	store redis
+}`,
+			wantErr: "zone a: sync cannot go with delay",
+			line:    6,
+		},
+		{
+			name: "with concurrency",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		concurrency 4
+		sync 100ms
+	}
+	store redis
+}`,
+			wantErr: "zone a: sync cannot go with concurrency",
+			line:    6,
+		},
+		{
+			name: "without a rate",
+			input: `rate_limit {
+	zone a {
+		quota 10 per day
+		sync 100ms
+	}
+	store redis
+}`,
+			wantErr: "zone a: sync needs a rate",
+			line:    5,
+		},
+		{
+			name: "on the local store",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		sync 100ms
+	}
+}`,
+			wantErr: "zone a: sync needs the Redis store",
+			line:    6,
+		},
+		{
+			name: "on the local store, said",
+			input: `rate_limit {
+	zone a {
+		rate 1r/s
+		sync 100ms
+	}
+	store local
+}`,
+			wantErr: "zone a: sync needs the Redis store",
+			line:    7,
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) { checkCaddyfileError(t, tc.input, tc.wantErr, tc.line) })
+	}
+}
+
+func TestSyncValidate(t *testing.T) {
+	const redis = `"store":{"backend":"redis"}`
+	for _, tc := range []struct {
+		name, json, wantErr string
+	}{
+		{"ok", `{"zones":[{"name":"a","rate":"1r/s","sync":"100ms"}],` + redis + `}`, ""},
+		{"plans", `{"zones":[{"name":"a","rate":"{r}","burst":"{b}","sync":"100ms"}],` + redis + `}`, ""},
+		{"local store", `{"zones":[{"name":"a","rate":"1r/s","sync":"100ms"}]}`, "zone a: sync needs the Redis store"},
+		{"too long", `{"zones":[{"name":"a","rate":"1r/s","sync":"2m"}],` + redis + `}`, "invalid sync 2m0s: must be 1ms to 1m"},
+		{"ban", `{"zones":[{"name":"a","rate":"1r/s","ban":"1m","sync":"100ms"}],` + redis + `}`, "sync cannot go with ban"},
+		{"count", `{"zones":[{"name":"a","rate":"1r/s","count":{"status_code":[401]},"sync":"100ms"}],` + redis + `}`, "sync cannot go with count"},
+		{"usage", `{"zones":[{"name":"a","rate":"1r/s","usage":{"header":"X-Used"},"sync":"100ms"}],` + redis + `}`, "sync cannot go with usage"},
+		{"quota", `{"zones":[{"name":"a","rate":"1r/s","quota":10,"quota_period":"day","sync":"100ms"}],` + redis + `}`, "sync cannot go with quota"},
+	} {
+		t.Run(tc.name, func(t *testing.T) { checkValidate(t, tc.json, tc.wantErr) })
+	}
+}
+
+// The load runs of docs/sync.md: `make sync` (RATE_LIMIT_SYNC=1) writes
+// bench/results/sync.md. Two redis-servers: one for the zones with sync,
+// one for the exact zones beside them, so that each side's script calls
+// and Redis CPU are its own.
+//
+//   - One fresh key flooded round robin on N instances for 5 s, at 20r/s
+//     burst 40, by 8 clients each sending a request a millisecond, for N
+//     of 1, 3 and 5 and sync of 10ms, 100ms and 1s; an exact zone beside
+//     it, flooded alike. Then the same through Caddy (three instances as
+//     three handlers of one Caddy, each its own connection pool).
+//   - 2,000 keys under their limit (100r/s burst 200, each key asked on
+//     each instance every 100ms, 60,000 requests a second): what was
+//     refused, and the script calls and Redis CPU a request, with sync
+//     100ms and exact.
+func TestSyncLoad(t *testing.T) {
+	if os.Getenv("RATE_LIMIT_SYNC") == "" {
+		t.Skip("set RATE_LIMIT_SYNC=1, or run make sync")
+	}
+	syncRedis, exactRedis := startRedis(t), startRedis(t)
+	var out strings.Builder
+	fmt.Fprintf(&out, "# sync: load runs\n\n`make sync` on %s, %d CPUs (%s).\n\n", runtime.GOOS+"/"+runtime.GOARCH, runtime.NumCPU(), time.Now().UTC().Format("2006-01-02"))
+	out.WriteString("## One fresh key flooded round robin for 5 s, rate 20r/s burst 40\n\n")
+	out.WriteString("| instances | sync | allowed | exact zone | excess | bound (N-1) x (rate x sync + 1) | script calls (sync) | script calls (exact) |\n|---|---|---|---|---|---|---|---|\n")
+	for _, n := range []int{1, 3, 5} {
+		for _, interval := range []time.Duration{10 * time.Millisecond, 100 * time.Millisecond, time.Second} {
+			name := fmt.Sprintf("flood-%d-%v", n, interval)
+			var hs []*Handler
+			for i := range n {
+				h, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"pool_size":%d}}`,
+					syncZoneJSON(name, interval.String()), syncRedis.Addr(), 10+i))
+				defer unload()
+				hs = append(hs, h)
+			}
+			exact, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q]}}`, syncZoneJSON(name, ""), exactRedis.Addr()))
+			defer unload()
+			syncCalls, exactCalls := syncRedis.Calls(), exactRedis.Calls()
+			allowed, exactAllowed := syncFlood(hs, exact, 5*time.Second)
+			syncCalls, exactCalls = syncRedis.Calls()-syncCalls, exactRedis.Calls()-exactCalls
+			bound := float64(n-1) * (20*interval.Seconds() + 1)
+			fmt.Fprintf(&out, "| %d | %v | %d | %d | %+d | %.1f | %d | %d |\n", n, interval, allowed, exactAllowed, allowed-exactAllowed, bound, syncCalls, exactCalls)
+			t.Logf("%d instances, sync %v: allowed %d, exact %d", n, interval, allowed, exactAllowed)
+		}
+	}
+
+	// Through Caddy: the sites of TestSyncThroughCaddy, flooded alike over
+	// HTTP.
+	tester := startCaddy(t, "", syncSites(syncRedis.Addr()))
+	var allowed, exactAllowed atomic.Int64
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range 8 {
+		wg.Go(func() {
+			for time.Since(start) < 5*time.Second {
+				i := next.Add(1)
+				for _, p := range []string{[]string{"a", "b", "c"}[i%3], "e"} {
+					req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/"+p, nil)
+					req.Header.Set("X-Key", "through-caddy")
+					resp, err := tester.Client.Do(req)
+					if err != nil {
+						t.Error(err)
+						return
+					}
+					resp.Body.Close()
+					if resp.StatusCode == http.StatusOK {
+						if p == "e" {
+							exactAllowed.Add(1)
+						} else {
+							allowed.Add(1)
+						}
+					}
+				}
+				time.Sleep(time.Millisecond)
+			}
+		})
+	}
+	wg.Wait()
+	fmt.Fprintf(&out, "\nThrough Caddy, 3 instances, sync 100ms, %d requests to each side: allowed %d, exact zone %d (%+d; bound 6).\n",
+		next.Load(), allowed.Load(), exactAllowed.Load(), allowed.Load()-exactAllowed.Load())
+
+	out.WriteString("\n## 2,000 keys under their limit on three instances, rate 100r/s burst 200\n\n")
+	out.WriteString("| zone | requests | refused | script calls | calls a request | calls a request after the first pass | Redis CPU a request |\n|---|---|---|---|---|---|---|\n")
+	for _, interval := range []string{"100ms", ""} {
+		r := syncRedis
+		if interval == "" {
+			r = exactRedis
+		}
+		zone := fmt.Sprintf(`{"name":"under-%s","key":"{http.request.header.X-Key}","rate":"100r/s","burst":200%s}`, interval, map[bool]string{true: `,"sync":"` + interval + `"`}[interval != ""])
+		var hs []*Handler
+		for i := range 3 {
+			h, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"pool_size":%d}}`, zone, r.Addr(), 10+i))
+			defer unload()
+			hs = append(hs, h)
+		}
+		res := syncUnderLimit(r, hs, 2000, 10*time.Second)
+		label := "sync " + interval
+		if interval == "" {
+			label = "exact"
+		}
+		fmt.Fprintf(&out, "| %s | %d | %d | %d | %.4f | %.4f | %.2f µs |\n", label, res.requests, res.refused, res.calls,
+			float64(res.calls)/float64(res.requests), float64(res.callsAfter)/float64(res.requestsAfter), res.cpu.Seconds()*1e6/float64(res.requests))
+		t.Logf("%s: %+v", label, res)
+	}
+	if err := os.WriteFile("bench/results/sync.md", []byte(out.String()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	t.Log("\n" + out.String())
+}
+
+// syncFlood floods one key round robin on hs, and the same key on exact,
+// from 8 clients each sending a request a millisecond, for d; it returns
+// what each allowed.
+func syncFlood(hs []*Handler, exact *Handler, d time.Duration) (allowed, exactAllowed int) {
+	var a, e, next atomic.Int64
+	var wg sync.WaitGroup
+	start := time.Now()
+	for range 8 {
+		wg.Go(func() {
+			for time.Since(start) < d {
+				i := next.Add(1)
+				if code, _ := serve(hs[int(i)%len(hs)], "10.0.0.1", "X-Key", "k"); code == http.StatusOK {
+					a.Add(1)
+				}
+				if code, _ := serve(exact, "10.0.0.1", "X-Key", "k"); code == http.StatusOK {
+					e.Add(1)
+				}
+				time.Sleep(time.Millisecond)
+			}
+		})
+	}
+	wg.Wait()
+	return int(a.Load()), int(e.Load())
+}
+
+type underLimit struct {
+	requests, refused, calls  int
+	requestsAfter, callsAfter int // after the first pass over the keys
+	cpu                       time.Duration
+}
+
+// syncUnderLimit asks each of keys on each of hs every 100ms for d, from 4
+// clients.
+func syncUnderLimit(r *redisServer, hs []*Handler, keys int, d time.Duration) underLimit {
+	var res underLimit
+	calls, cpu := r.Calls(), redisCPU(r)
+	var requests, refused atomic.Int64
+	start := time.Now()
+	for pass := 0; time.Since(start) < d; pass++ {
+		began := time.Now()
+		var wg sync.WaitGroup
+		for w := range 4 {
+			wg.Go(func() {
+				for k := w; k < keys; k += 4 {
+					for _, h := range hs {
+						if code, _ := serve(h, "10.0.0.1", "X-Key", strconv.Itoa(k)); code != http.StatusOK {
+							refused.Add(1)
+						}
+						requests.Add(1)
+					}
+				}
+			})
+		}
+		wg.Wait()
+		if pass == 0 {
+			res.requestsAfter, res.callsAfter = -int(requests.Load()), -(r.Calls() - calls)
+		}
+		time.Sleep(100*time.Millisecond - time.Since(began))
+	}
+	res.requests, res.refused, res.calls = int(requests.Load()), int(refused.Load()), r.Calls()-calls
+	res.requestsAfter += res.requests
+	res.callsAfter += res.calls
+	res.cpu = redisCPU(r) - cpu
+	return res
+}
+
+// redisCPU is the CPU time Redis has used.
+func redisCPU(r *redisServer) time.Duration {
+	var total float64
+	for _, line := range strings.Split(r.CLI("INFO", "cpu"), "\n") {
+		for _, f := range []string{"used_cpu_sys:", "used_cpu_user:"} {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(line), f); ok {
+				x, _ := strconv.ParseFloat(v, 64)
+				total += x
+			}
+		}
+	}
+	return time.Duration(total * float64(time.Second))
+}
