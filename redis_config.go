@@ -95,7 +95,7 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	s.client = v.(*rediswire.Client)
 	s.users = new(atomic.Int64)
 	s.users.Store(1)
-	return nil
+	return registerSyncMetrics(ctx)
 }
 
 // options turns the configuration into go-redis options.
