@@ -230,7 +230,7 @@ func TestSyntaxBlocksMatchParsers(t *testing.T) {
 	parsers := map[string]string{
 		"rate_limit":  parserSyntax(t, "caddyfile.go", "Handler"),
 		"store local": parserSyntax(t, "local_store.go", "LocalStore"),
-		"store redis": parserSyntax(t, "redis_store.go", "RedisStore"),
+		"store redis": parserSyntax(t, "redis_config.go", "RedisStore"),
 	}
 	readmeHasHandler := false
 	for _, file := range docFiles(t) {
@@ -581,7 +581,7 @@ func TestConfigFieldsHaveDocComments(t *testing.T) {
 	defaultSaid := regexp.MustCompile(`\b(Default:|Required|[Rr]equired with|Refused)`)
 	fset := token.NewFileSet()
 	found := 0
-	for _, file := range []string{"module.go", "zone.go", "local_store.go", "redis_store.go", "usage.go", "adaptive_zone.go"} {
+	for _, file := range []string{"module.go", "zone.go", "local_store.go", "redis_store.go", "redis_config.go", "usage.go", "adaptive_zone.go"} {
 		f, err := parser.ParseFile(fset, file, nil, parser.ParseComments)
 		if err != nil {
 			t.Fatal(err)

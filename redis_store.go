@@ -206,8 +206,7 @@ func (s *RedisStore) Cleanup() error {
 		return nil
 	}
 	s.released = true
-	err := s.releaseSync() // with the client: the last reconciliation needs it
-	return errors.Join(err, s.drop())
+	return s.drop()
 }
 
 // hold keeps the client for a request, unless the store let go of it
@@ -236,8 +235,11 @@ func (s *RedisStore) drop() error {
 	if s.users.Add(-1) != 0 {
 		return nil
 	}
-	_, err := redisClients.Delete(s.poolKey)
-	return err
+	// The copies of sync zones go with the last user, before the client:
+	// their last reconciliation needs it.
+	err := s.releaseSync()
+	_, cerr := redisClients.Delete(s.poolKey)
+	return errors.Join(err, cerr)
 }
 
 func (s *RedisStore) bind(zones []zoneSpec) error {
