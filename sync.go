@@ -435,19 +435,7 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 			locked = append(locked, sh)
 		}
 		n := sz.instant(now)
-		c := sh.m[h]
-		switch {
-		case failed == nil && c != nil && !sameLimit(c.base, baseLimit(b)):
-			c = nil // learnt under another plan: Redis rescales it
-		case failed != nil && c == nil:
-			floor := s.known(now, b, failed)
-			if c = sz.add(sh, h, s, b, n, floor); c == nil {
-				c = &syncCopy{fullAt: n + floor} // beyond maxSyncKeys: this request's alone
-			}
-			fallthrough
-		case failed != nil && !sameLimit(c.base, baseLimit(b)):
-			c.base, c.lim = baseLimit(b), baseLimit(b)
-		}
+		c := s.copyOf(now, b, sz, sh, h, n, failed)
 		looks = append(looks, syncLook{c: c, n: n})
 		if c == nil {
 			here, b.ok, b.debt = false, true, 0 // not asked, unless Redis is
@@ -485,6 +473,27 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 	}
 	d.at = now
 	return true, true
+}
+
+// copyOf is b's copy in shard sh (h its key's hash) at instant n, for
+// decideHere: none for a copy learnt under another plan while Redis can
+// decide (Redis rescales it); while it cannot (failed), a key without one
+// gets one, and one of another plan takes b's.
+func (s *RedisStore) copyOf(now time.Time, b *bucketDemand, sz *syncZone, sh *syncShard, h uint64, n time.Duration, failed error) *syncCopy {
+	c := sh.m[h]
+	switch {
+	case failed == nil && c != nil && !sameLimit(c.base, baseLimit(b)):
+		c = nil // learnt under another plan: Redis rescales it
+	case failed != nil && c == nil:
+		floor := s.known(now, b, failed)
+		if c = sz.add(sh, h, s, b, n, floor); c == nil {
+			c = &syncCopy{fullAt: n + floor} // beyond maxSyncKeys: this request's alone
+		}
+		fallthrough
+	case failed != nil && !sameLimit(c.base, baseLimit(b)):
+		c.base, c.lim = baseLimit(b), baseLimit(b)
+	}
+	return c
 }
 
 func containsShard(shards []*syncShard, sh *syncShard) bool {
