@@ -196,12 +196,12 @@ type tpResult struct {
 }
 
 func (e *env) tpConfigs() []*tpConfig {
-	ours := func(rate string, burst int, extra string) string {
-		return fmt.Sprintf("rate_limit {\n\tzone %%s {\n\t\tkey {http.request.header.X-Key}\n\t\trate %s\n\t\tburst %d\n\t}%s\n}\nrespond \"ok\"", rate, burst, extra)
+	// zone is our zone with more of its subdirectives (lines), and more
+	// of the directive (extra) after it.
+	zone := func(rate string, burst int, lines, extra string) string {
+		return fmt.Sprintf("rate_limit {\n\tzone %%s {\n\t\tkey {http.request.header.X-Key}\n\t\trate %s\n\t\tburst %d%s\n\t}%s\n}\nrespond \"ok\"", rate, burst, lines, extra)
 	}
-	oursSync := func(rate string, burst int, interval, extra string) string {
-		return fmt.Sprintf("rate_limit {\n\tzone %%s {\n\t\tkey {http.request.header.X-Key}\n\t\trate %s\n\t\tburst %d\n\t\tsync %s\n\t}%s\n}\nrespond \"ok\"", rate, burst, interval, extra)
-	}
+	ours := func(rate string, burst int, extra string) string { return zone(rate, burst, "", extra) }
 	peer := func(events int, window string) string {
 		return fmt.Sprintf("rate_limit {\n\tzone %%s {\n\t\tkey {http.request.header.X-Key}\n\t\tevents %d\n\t\twindow %s\n\t}\n}\nrespond \"ok\"", events, window)
 	}
@@ -221,7 +221,7 @@ func (e *env) tpConfigs() []*tpConfig {
 		{Key: "redis-allowed", Impl: "rate_limit redis", Path: "allowed", Keys: tpKeys, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1000000r/s", 1000000, redisStore)}},
 		// The same zone with `sync 100ms`: decided from the instance's
 		// copies, reconciled with Redis every 100 ms.
-		{Key: "redis-sync", Impl: "rate_limit redis, `sync 100ms`", Path: "allowed", Keys: tpKeys, redis: true, spec: caddySpec{bin: e.caddyBin, site: oursSync("1000000r/s", 1000000, "100ms", redisStore)}},
+		{Key: "redis-sync", Impl: "rate_limit redis, `sync 100ms`", Path: "allowed", Keys: tpKeys, redis: true, spec: caddySpec{bin: e.caddyBin, site: zone("1000000r/s", 1000000, "\n\t\tsync 100ms", redisStore)}},
 		// Not events 1000000 per 1s: caddy-ratelimit allocates a ring of
 		// `events` timestamps per key, and 24 MB of live heap would make
 		// the GC run less often, so that the limiter seemed to cost less
