@@ -134,6 +134,7 @@ func TestDelayValidate(t *testing.T) {
 		{"with count", `{"zones":[{"name":"a","rate":"1r/s","delay":"2s","count":{"status_code":[401]}}]}`, ""},
 		{"in dry run", `{"zones":[{"name":"a","rate":"1r/s","delay":"2s","dry_run":true}]}`, ""},
 		{"without a rate", `{"zones":[{"name":"a","concurrency":2,"delay":"2s"}]}`, "zone a: delay needs a rate"},
+		{"with a quota alone", `{"zones":[{"name":"a","quota":100,"quota_period":"day","delay":"2s"}]}`, "zone a: delay needs a rate"},
 		{"negative", `{"zones":[{"name":"a","rate":"1r/s","delay":"-1s"}]}`, "zone a: invalid delay -1s: must be positive and at most 1h"},
 		{"too long", `{"zones":[{"name":"a","rate":"1r/s","delay":"2h"}]}`, "zone a: invalid delay 2h0m0s"},
 		{"with ban", `{"zones":[{"name":"a","rate":"1r/s","delay":"2s","ban":"1m"}]}`, "zone a: ban and delay exclude each other"},

@@ -488,6 +488,9 @@ func (z *Zone) ratelessLimit() (l limit, done bool, err error) {
 		if z.Burst != 0 {
 			return limit{}, true, errors.New("burst needs a rate")
 		}
+		if z.Delay != 0 {
+			return limit{}, true, errors.New("delay needs a rate: requests wait for the zone's tokens")
+		}
 		if z.Count != nil {
 			if err := checkCount(z.Count); err != nil {
 				return limit{}, true, err
