@@ -189,6 +189,26 @@ func TestDelayDryRun(t *testing.T) {
 	}
 }
 
+// A zone whose rate comes with each request (a plan) delays as one with
+// a fixed rate: its requests wait for their tokens rather than go on at
+// once.
+func TestDelayPlan(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"delay-plan","key":"{http.request.remote.host}","rate":"{http.request.header.X-Rate}","burst":1,"delay":"5s"}]}`)
+	if !h.anyDelay {
+		t.Fatal("a handler whose zone with delay has a plan's rate counts as not delaying")
+	}
+	start := time.Now()
+	for i := range 3 {
+		if code, _ := serve(h, "192.0.2.9", "X-Rate", "10r/s"); code != http.StatusOK {
+			t.Fatalf("request %d: status %d", i, code)
+		}
+	}
+	// The second and third requests wait 100 ms each for their tokens.
+	if d := time.Since(start); d < 150*time.Millisecond {
+		t.Fatalf("three requests at 10r/s with burst 1 took %v: they did not wait for their tokens", d)
+	}
+}
+
 // delayUpstream records when each request reached it, by path prefix.
 type delayUpstream struct {
 	mu       sync.Mutex

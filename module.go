@@ -243,8 +243,10 @@ func (h *Handler) provisionZones(ctx caddy.Context) error {
 		z.inDryRun = z.DryRun || h.DryRun
 		h.anyDryRun = h.anyDryRun || z.inDryRun
 		h.anySettle = h.anySettle || z.Count != nil || z.Usage != nil
-		h.anyDelay = h.anyDelay || z.limit.delay > 0 && !z.inDryRun
-		if z.limit.delay > 0 {
+		// z.Delay rather than z.limit's: a zone whose limit comes with each
+		// request (plans) has no limit of its own.
+		h.anyDelay = h.anyDelay || z.Delay != 0 && !z.inDryRun
+		if z.Delay != 0 {
 			st.delayZone.Store(true)
 		}
 		if z.Usage != nil {
@@ -308,7 +310,7 @@ func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 	for _, z := range h.Zones {
 		z.state.metered.Add(1)
 		h.metered = append(h.metered, z.state)
-		if z.limit.delay > 0 {
+		if z.Delay != 0 {
 			z.delays = delaySeconds.WithLabelValues(z.Name, z.id.limit)
 		}
 		if z.adaptive != nil {
