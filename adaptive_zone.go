@@ -24,6 +24,50 @@ import (
 // that another zone refuses gives its place back without a latency. The
 // places are this instance's own, whatever the store.
 
+// adaptiveConfig is a zone's adaptive limit on requests in flight.
+type adaptiveConfig struct {
+	// Limit the requests of a key in flight to a number learnt from
+	// their latency, within [min, max] (defaults 4 and 1000): as many as
+	// the upstream serves without a queue building up. Beyond it, a
+	// request is shed with 503 Service Unavailable and `Retry-After: 1`,
+	// before any zone charges it. `{}` takes the defaults. The limit is
+	// each instance's own, whatever the store (latency is an instance's
+	// view). Not with a fixed concurrency or a lease. Default: none.
+	ConcurrencyAdaptive *AdaptiveConcurrency `json:"concurrency_adaptive,omitempty"`
+}
+
+// adaptiveInfo is a zone's adaptive limit in the admin API.
+type adaptiveInfo struct {
+	// The adaptive limit on requests in flight, its keys summed.
+	Adaptive *adaptiveZoneInfo `json:"concurrency_adaptive,omitempty"`
+}
+
+// adaptiveKind's subdirective is concurrency's (concurrency.go), which
+// reads `concurrency adaptive` with unmarshalAdaptive.
+var adaptiveKind = kind{
+	check: (*Zone).checkAdaptive,
+	describe: func(z *Zone) string {
+		if z.ConcurrencyAdaptive == nil {
+			return ""
+		}
+		return z.ConcurrencyAdaptive.describe()
+	},
+	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
+		if z.adaptive == nil {
+			return
+		}
+		st := z.state
+		info.Adaptive = z.adaptive.info()
+		info.Requests["shed"] = st.shed.Load()
+		info.Requests["dry_run_shed"] = st.dryRunShed.Load()
+	},
+	join: func(z *Zone, st *zoneState) {
+		if z.ConcurrencyAdaptive != nil {
+			z.provisionAdaptive(st)
+		}
+	},
+}
+
 // AdaptiveConcurrency limits the requests of a key in flight to a number
 // learnt from their latency: as many as the upstream serves without a
 // queue building up, within [min, max]. Beyond it, requests are shed

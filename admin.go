@@ -134,17 +134,12 @@ type zoneInfo struct {
 	Rate  string `json:"rate,omitempty"`  // none for a zone with concurrency or a quota only
 	Burst int64  `json:"burst,omitempty"` // none for a zone with concurrency or a quota only
 	Cost  int64  `json:"cost"`
-	Ban   string `json:"ban,omitempty"`
-	Delay string `json:"delay,omitempty"`
-	// Requests in flight per key, and how long a Redis slot is held.
-	Concurrency int64  `json:"concurrency,omitempty"`
-	Lease       string `json:"lease,omitempty"`
-	// The adaptive limit on requests in flight, its keys summed.
-	Adaptive *adaptiveZoneInfo `json:"concurrency_adaptive,omitempty"`
-	// The calendar quota per key.
-	Quota    int64             `json:"quota,omitempty"`
-	Per      string            `json:"quota_period,omitempty"`
-	Timezone string            `json:"timezone,omitempty"`
+	// The kinds' fields (see kind.info).
+	banInfo
+	delayInfo
+	concurrencyInfo
+	adaptiveInfo
+	quotaZoneInfo
 	Store    string            `json:"store"`
 	DryRun   bool              `json:"dry_run"`
 	Requests map[string]uint64 `json:"requests"`
@@ -159,14 +154,13 @@ type zoneInfo struct {
 func (ref zoneRef) info() zoneInfo {
 	z, st := ref.z, ref.z.state
 	info := zoneInfo{
-		Name:   z.Name,
-		Limit:  z.id.limit,
-		Key:    z.Key,
-		Rate:   z.rateString(),
-		Burst:  z.limit.burst,
-		Cost:   z.Cost,
-		Store:  ref.h.storeName,
-		DryRun: z.inDryRun,
+		Name:  z.Name,
+		Limit: z.id.limit,
+		Key:   z.Key,
+		Rate:  z.rateString(),
+		Burst: z.limit.burst,
+		Cost:  z.Cost,
+		Store: ref.h.storeName,
 		Requests: map[string]uint64{
 			"allowed":        st.allowed.Load(),
 			"denied":         st.denied.Load(),
@@ -176,32 +170,14 @@ func (ref zoneRef) info() zoneInfo {
 		Bans:    st.bans.Load(),
 		Refunds: st.refunds.Load(),
 	}
-	if z.Ban != 0 {
-		info.Ban = time.Duration(z.Ban).String()
-	}
-	if z.quota != nil {
-		info.Quota, info.Per, info.Timezone = z.quota.limit, z.QuotaPeriod, z.quota.loc.String()
-	}
-	if z.Delay != 0 {
-		info.Delay = time.Duration(z.Delay).String()
-		info.Requests["delayed"] = st.delayed.Load()
-		info.Requests["delay_abandoned"] = st.delayAbandoned.Load()
-		info.Requests["delay_refused"] = st.delayRefused.Load()
-	}
 	if z.rateless {
 		info.Rate, info.Burst = "", 0
 	}
 	stats := ref.h.store.stats(z.index)
-	if z.Concurrency != 0 {
-		info.Concurrency = z.Concurrency
-		if stats.client != nil {
-			info.Lease = time.Duration(z.Lease).String()
+	for _, k := range kinds {
+		if k.info != nil {
+			k.info(z, stats, &info)
 		}
-	}
-	if z.adaptive != nil {
-		info.Adaptive = z.adaptive.info()
-		info.Requests["shed"] = st.shed.Load()
-		info.Requests["dry_run_shed"] = st.dryRunShed.Load()
 	}
 	info.TrackedKeys, info.Evictions = stats.keys, stats.evictions
 	if stats.overLimitCache {

@@ -7,6 +7,7 @@ import (
 	"cmp"
 	"fmt"
 	"strconv"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig"
@@ -276,102 +277,6 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 				return err
 			}
 			err = checkIPv6Prefix(z.IPv6Prefix)
-		case "ban":
-			var v string
-			if !d.AllArgs(&v) {
-				return d.ArgErr()
-			}
-			b, perr := caddy.ParseDuration(v)
-			if perr != nil {
-				return d.Errf("invalid ban '%s': expected a duration such as 15m", v)
-			}
-			z.Ban, err = caddy.Duration(b), checkBan(b)
-		case "delay":
-			var v string
-			if !d.AllArgs(&v) {
-				return d.ArgErr()
-			}
-			dl, perr := caddy.ParseDuration(v)
-			if perr != nil {
-				return d.Errf("invalid delay '%s': expected a duration such as 2s", v)
-			}
-			z.Delay, err = caddy.Duration(dl), checkDelay(dl)
-		case "count":
-			// The response matcher of handle_response and
-			// reverse_proxy, with count as its name.
-			m := make(map[string]caddyhttp.ResponseMatcher)
-			if err := caddyhttp.ParseNamedResponseMatcher(d.NewFromNextSegment(), m); err != nil {
-				return err
-			}
-			rm := m["count"]
-			z.Count, err = &rm, checkCount(&rm)
-		case "concurrency":
-			if adaptive, err := z.unmarshalAdaptive(d); adaptive || err != nil {
-				if err != nil {
-					return err
-				}
-				break
-			}
-			if z.Concurrency, err = intArg[int64](d); err != nil {
-				return err
-			}
-			err = checkConcurrency(z.Concurrency)
-		case "lease":
-			var v string
-			if !d.AllArgs(&v) {
-				return d.ArgErr()
-			}
-			l, perr := caddy.ParseDuration(v)
-			if perr != nil {
-				return d.Errf("invalid lease '%s': expected a duration such as 60s", v)
-			}
-			z.Lease, err = caddy.Duration(l), checkLease(l)
-		case "quota":
-			// quota <n> per <day|week|month>
-			var n, per, p string
-			if !d.AllArgs(&n, &per, &p) || per != "per" {
-				return d.Err("quota needs a number and a period: quota <n> per day|week|month")
-			}
-			if z.Quota, err = strconv.ParseInt(n, 10, 64); err != nil {
-				return d.Errf("invalid quota '%s': expected a whole number", n)
-			}
-			z.QuotaPeriod = p
-			err = cmp.Or(checkQuota(z.Quota), checkQuotaPeriod(p))
-		case "usage":
-			if z.Usage, err = usageArg(d); err != nil {
-				return err
-			}
-			err = z.Usage.validate()
-		case "max_overrides":
-			if z.MaxOverrides, err = intArg[int64](d); err != nil {
-				return err
-			}
-			err = checkMaxOverrides(z.MaxOverrides)
-		case "max_debt":
-			n, err := intArg[int64](d)
-			if err != nil {
-				return err
-			}
-			z.MaxDebt = &n
-		case "timezone":
-			if !d.AllArgs(&z.Timezone) {
-				return d.ArgErr()
-			}
-			_, err = loadTimezone(z.Timezone)
-		case "dry_run":
-			if err := flag(d, &z.DryRun); err != nil {
-				return err
-			}
-		case "sync":
-			var v string
-			if !d.AllArgs(&v) {
-				return d.ArgErr()
-			}
-			t, perr := caddy.ParseDuration(v)
-			if perr != nil {
-				return d.Errf("invalid sync '%s': expected a duration such as 100ms", v)
-			}
-			z.Sync, err = caddy.Duration(t), checkSyncInterval(t)
 		case "match":
 			set, err := caddyhttp.ParseCaddyfileNestedMatcherSet(d)
 			if err != nil {
@@ -394,7 +299,13 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 			}
 			err = cmp.Or(checkMin("events", z.MaxEvents, 1), checkBurst(z.MaxEvents))
 		default:
-			return d.Errf("unrecognized zone subdirective '%s'", sub)
+			parse := zoneSubdirectives[sub]
+			if parse == nil {
+				return d.Errf("unrecognized zone subdirective '%s'", sub)
+			}
+			if err := parse(d, z); err != nil {
+				return err
+			}
 		}
 		if err != nil {
 			return d.WrapErr(err)
@@ -419,19 +330,19 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 	return nil
 }
 
-// usageArg reads the arguments of usage: json <path> or header <field>.
-func usageArg(d *caddyfile.Dispenser) (*Usage, error) {
-	var kind, v string
-	if !d.AllArgs(&kind, &v) {
-		return nil, d.Err("usage needs where to read it: usage json <path> or usage header <field>")
+// durationArg reads the subdirective's one argument as a duration; a
+// duration such as example is what the error expects.
+func durationArg(d *caddyfile.Dispenser, example string) (time.Duration, error) {
+	sub := d.Val()
+	var v string
+	if !d.AllArgs(&v) {
+		return 0, d.ArgErr()
 	}
-	switch kind {
-	case "json":
-		return &Usage{JSON: v}, nil
-	case "header":
-		return &Usage{Header: v}, nil
+	t, err := caddy.ParseDuration(v)
+	if err != nil {
+		return 0, d.Errf("invalid %s '%s': expected a duration such as %s", sub, v, example)
 	}
-	return nil, d.Errf("invalid usage '%s': expected json <path> or header <field>", kind)
+	return t, nil
 }
 
 // intArg reads the subdirective's one argument as a whole number.

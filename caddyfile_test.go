@@ -44,7 +44,7 @@ func TestUnmarshalCaddyfile(t *testing.T) {
 	disable_metrics
 }`,
 			want: &Handler{
-				Zones:          []*Zone{{Name: "a", Rate: "1r/s", DryRun: true}},
+				Zones:          []*Zone{{Name: "a", Rate: "1r/s", dryRunConfig: dryRunConfig{DryRun: true}}},
 				DryRun:         true,
 				DisableMetrics: true,
 			},

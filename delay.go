@@ -5,9 +5,13 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
+	"fmt"
 	"net/http"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -20,6 +24,74 @@ import (
 // until they are there, the longest of its zones' waits. Nothing waits
 // in memory but the request itself, and at most max_delayed of them per
 // handler.
+
+// delayConfig is the delay of a zone.
+type delayConfig struct {
+	// Let a request that finds too few tokens, but would have them within
+	// this long, wait for them instead of being refused: it reserves its
+	// tokens at once and goes on when they are there, so that a short
+	// excess over the rate is smoothed rather than refused (nginx's
+	// `limit_req ... delay`). A request that would wait longer is refused
+	// as without a delay, and charged nothing; one whose client leaves
+	// while it waits gets its tokens back. A request that several zones
+	// delay waits the longest of their waits. A zone in dry run never
+	// makes a request wait. A duration such as `2s`, at most 1h. Needs a
+	// rate; not with ban. Default: no delay (refuse at once).
+	Delay caddy.Duration `json:"delay,omitempty"`
+}
+
+// delayInfo is a zone's delay in the admin API.
+type delayInfo struct {
+	Delay string `json:"delay,omitempty"`
+}
+
+var delayKind = kind{
+	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
+		"delay": durationSub("2s", func(z *Zone) *caddy.Duration { return &z.Delay }, checkDelay),
+	},
+	check: func(z *Zone) error {
+		switch {
+		case z.Delay == 0:
+			return nil
+		case !z.hasRate():
+			return errors.New("delay needs a rate: requests wait for the zone's tokens")
+		}
+		if err := checkDelay(time.Duration(z.Delay)); err != nil {
+			return err
+		}
+		if z.Ban != 0 {
+			// Both would read a bucket that owes more than a whole
+			// bucket: as a ban, or as requests waiting for their tokens.
+			return errors.New("ban and delay exclude each other: a zone either refuses an excess for a while (ban) or lets it wait (delay)")
+		}
+		return nil
+	},
+	shape: func(z *Zone, l *limit) error {
+		l.delay = time.Duration(z.Delay)
+		return nil
+	},
+	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
+		if z.Delay == 0 {
+			return
+		}
+		st := z.state
+		info.Delay = time.Duration(z.Delay).String()
+		info.Requests["delayed"] = st.delayed.Load()
+		info.Requests["delay_abandoned"] = st.delayAbandoned.Load()
+		info.Requests["delay_refused"] = st.delayRefused.Load()
+	},
+}
+
+// maxDelay bounds a zone's delay: a waiting request holds its connection
+// and a goroutine, and a client rarely waits longer.
+const maxDelay = time.Hour
+
+func checkDelay(d time.Duration) error {
+	if d <= 0 || d > maxDelay {
+		return fmt.Errorf("invalid delay %v: must be positive and at most 1h", d)
+	}
+	return nil
+}
 
 // enterWaiting takes a place among the handler's waiting requests for a
 // request that one of its zones may delay, before the store decides it,

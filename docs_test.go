@@ -499,6 +499,10 @@ func jsonReference(t *testing.T) reference {
 func jsonFields(typ reflect.Type) []string {
 	var names []string
 	for f := range typ.Fields() {
+		if f.Anonymous && f.Tag.Get("json") == "" {
+			names = append(names, jsonFields(f.Type)...) // a kind's fields (kinds.go)
+			continue
+		}
 		name, _, _ := strings.Cut(f.Tag.Get("json"), ",")
 		if name != "" && name != "-" {
 			names = append(names, name)
@@ -575,13 +579,27 @@ func (ref reference) check(t *testing.T, raw []byte) {
 // required, since caddyserver.com renders a module's JSON docs from them.
 func TestConfigFieldsHaveDocComments(t *testing.T) {
 	types := map[string]bool{"Handler": true, "Zone": true, "LocalStore": true, "RedisStore": true, "RedisTLS": true, "Usage": true, "AdaptiveConcurrency": true}
+	files := []string{"module.go", "zone.go", "local_store.go", "redis_store.go", "redis_config.go", "usage.go", "adaptive_zone.go"}
+	// The kinds' fields are the zone's own in JSON (kinds.go).
+	for f := range reflect.TypeFor[Zone]().Fields() {
+		if f.Anonymous {
+			types[f.Type.Name()] = true
+			file, ok := kindFiles[f.Type.Name()]
+			if !ok {
+				t.Fatalf("no file known for %s, embedded in Zone", f.Type.Name())
+			}
+			if !slices.Contains(files, file) {
+				files = append(files, file)
+			}
+		}
+	}
 	goName := regexp.MustCompile(`\b(Handler|Zone|LocalStore|RedisStore|RedisTLS|Usage|AdaptiveConcurrency)\.[A-Z]`)
 	// A field either has a default, or must be set, or is refused (the
 	// caddy-ratelimit options that this handler does not take).
 	defaultSaid := regexp.MustCompile(`\b(Default:|Required|[Rr]equired with|Refused)`)
 	fset := token.NewFileSet()
 	found := 0
-	for _, file := range []string{"module.go", "zone.go", "local_store.go", "redis_store.go", "redis_config.go", "usage.go", "adaptive_zone.go"} {
+	for _, file := range files {
 		f, err := parser.ParseFile(fset, file, nil, parser.ParseComments)
 		if err != nil {
 			t.Fatal(err)
@@ -621,6 +639,13 @@ func TestConfigFieldsHaveDocComments(t *testing.T) {
 	if found != len(types) {
 		t.Fatalf("found %d of the %d config types", found, len(types))
 	}
+}
+
+// kindFiles are the files of the kinds' config structs.
+var kindFiles = map[string]string{
+	"banConfig": "ban.go", "delayConfig": "delay.go", "countConfig": "count.go", "usageConfig": "usage.go",
+	"concurrencyConfig": "concurrency.go", "adaptiveConfig": "adaptive_zone.go", "quotaConfig": "quota.go",
+	"overridesConfig": "overrides.go", "dryRunConfig": "dryrun.go", "syncConfig": "sync.go",
 }
 
 // fieldsWithSeveralNames are the exported struct fields of f declared

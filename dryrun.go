@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap/zapcore"
 )
 
@@ -17,6 +18,23 @@ import (
 // zone refuses, the request is taken again without the zones that
 // refused it. A dry-run zone's slots are soft: when none is free, the
 // request goes on without one.
+
+// dryRunConfig puts a zone in dry run.
+type dryRunConfig struct {
+	// Compute, count and log decisions, and send the headers, but let
+	// requests that this zone would refuse go on (uncharged by it). The
+	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
+	// when the zone would let the request through), so that the upstream
+	// can be told. Lets a new limit be tried safely. Default: false.
+	DryRun bool `json:"dry_run,omitempty"`
+}
+
+var dryRunKind = kind{
+	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
+		"dry_run": func(d *caddyfile.Dispenser, z *Zone) error { return flag(d, &z.DryRun) },
+	},
+	info: func(z *Zone, _ zoneStats, info *zoneInfo) { info.DryRun = z.inDryRun },
+}
 
 // A retry is a second take of a request's demands, without those of the
 // dry-run zones that refused it.

@@ -6,6 +6,8 @@ package ratelimit
 import (
 	"errors"
 	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
 // Overrides: a key's own limit in a zone, set and removed through the
@@ -20,6 +22,38 @@ import (
 // for a zone with a fixed limit; in a zone whose limit comes with each
 // request, an override is one more plan, and the bucket keeps the
 // fraction it owed, as limit.rescale says).
+
+// overridesConfig bounds a zone's overrides.
+type overridesConfig struct {
+	// The most keys of the zone with a limit of their own, set through the
+	// admin API (`PUT /rate_limit/<zone>/<key>/limit`) in place of the
+	// zone's: beyond it, setting one more is refused (409). Needs a rate.
+	// Default: 100000.
+	MaxOverrides int64 `json:"max_overrides,omitempty"`
+}
+
+var overridesKind = kind{
+	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
+		"max_overrides": func(d *caddyfile.Dispenser, z *Zone) error {
+			var err error
+			if z.MaxOverrides, err = intArg[int64](d); err != nil {
+				return err
+			}
+			return wrapErr(d, checkMaxOverrides(z.MaxOverrides))
+		},
+	},
+	check: func(z *Zone) error {
+		switch {
+		case z.MaxOverrides == 0:
+			return nil
+		case !z.hasRate():
+			return errors.New("max_overrides needs a rate: an override is a key's own rate and burst")
+		}
+		return checkMaxOverrides(z.MaxOverrides)
+	},
+}
+
+func checkMaxOverrides(n int64) error { return checkMin("max_overrides", n, 1) }
 
 // An override is a key's own limit.
 type override struct {

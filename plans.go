@@ -271,9 +271,7 @@ func (z *Zone) parsePlan(k planKey) (*plan, error) {
 	if err != nil {
 		return nil, err
 	}
-	l.ban = time.Duration(z.Ban)
-	l.delay = time.Duration(z.Delay)
-	if l, err = z.withDebt(l); err != nil {
+	if err := z.shapeKinds(&l); err != nil {
 		return nil, err
 	}
 	return newPlan(l, cost), nil

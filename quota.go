@@ -4,10 +4,14 @@
 package ratelimit
 
 import (
+	"cmp"
 	"errors"
 	"fmt"
+	"strconv"
 	"sync/atomic"
 	"time"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
 // A calendar quota is the one limit that is not a token bucket: a counter
@@ -22,6 +26,82 @@ import (
 // In a request, a quota's debt is how long until its window ends (its
 // counter is 0 again), 0 while nothing is counted: the same meaning as a
 // bucket's, the time until it is full again.
+
+// quotaConfig is a zone's calendar quota.
+type quotaConfig struct {
+	// A calendar quota: at most this many units (a request counts its
+	// `cost`) per key in each window of quota_period, counted only for
+	// requests that every zone allows, and refused with a Retry-After of
+	// the time left until the window ends. With a rate, both apply; a
+	// zone may also have a quota alone. At most 999999999999999; not with
+	// ban, concurrency, window or a cost with placeholders. Default: no
+	// quota.
+	Quota int64 `json:"quota,omitempty"`
+
+	// The quota's calendar window: `day`, `week` (ISO weeks, from Monday)
+	// or `month`, starting at midnight in `timezone`. Required with quota.
+	QuotaPeriod string `json:"quota_period,omitempty"`
+
+	// The IANA time zone whose midnights start the quota's windows, such
+	// as `Europe/Paris` (daylight saving time included: such a day lasts
+	// 23 or 25 hours). Needs quota. Default: `UTC`.
+	Timezone string `json:"timezone,omitempty"`
+}
+
+// quotaZoneInfo is a zone's quota in the admin API.
+type quotaZoneInfo struct {
+	Quota    int64  `json:"quota,omitempty"`
+	Per      string `json:"quota_period,omitempty"`
+	Timezone string `json:"timezone,omitempty"`
+}
+
+var quotaKind = kind{
+	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
+		"quota": func(d *caddyfile.Dispenser, z *Zone) error {
+			// quota <n> per <day|week|month>
+			var n, per, p string
+			if !d.AllArgs(&n, &per, &p) || per != "per" {
+				return d.Err("quota needs a number and a period: quota <n> per day|week|month")
+			}
+			var err error
+			if z.Quota, err = strconv.ParseInt(n, 10, 64); err != nil {
+				return d.Errf("invalid quota '%s': expected a whole number", n)
+			}
+			z.QuotaPeriod = p
+			return wrapErr(d, cmp.Or(checkQuota(z.Quota), checkQuotaPeriod(p)))
+		},
+		"timezone": func(d *caddyfile.Dispenser, z *Zone) error {
+			if !d.AllArgs(&z.Timezone) {
+				return d.ArgErr()
+			}
+			_, err := loadTimezone(z.Timezone)
+			return wrapErr(d, err)
+		},
+	},
+	check: func(z *Zone) error {
+		_, err := z.quotaLimit()
+		return err
+	},
+	provision: func(z *Zone) (err error) {
+		z.quota, err = z.quotaLimit()
+		return err
+	},
+	describe: func(z *Zone) string {
+		if z.Quota == 0 {
+			return ""
+		}
+		q := "quota " + strconv.FormatInt(z.Quota, 10) + " per " + z.QuotaPeriod
+		if z.Timezone != "" {
+			q += " in " + z.Timezone
+		}
+		return q
+	},
+	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
+		if z.quota != nil {
+			info.Quota, info.Per, info.Timezone = z.quota.limit, z.QuotaPeriod, z.quota.loc.String()
+		}
+	},
+}
 
 // A period is the length of a quota's calendar window.
 type period uint8

@@ -14,6 +14,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
 )
 
@@ -79,6 +80,36 @@ func checkSyncInterval(d time.Duration) error {
 		return fmt.Errorf("invalid sync %v: must be 1ms to 1m", d)
 	}
 	return nil
+}
+
+// syncConfig is a zone's interval of reconciliation with Redis.
+type syncConfig struct {
+	// Decide the zone's requests in this instance, from its own copy of
+	// each key's shared bucket, and reconcile the copies with Redis every
+	// this long: what this instance spent goes up, the shared state comes
+	// back, many keys in one script call. With N instances, they admit
+	// together at most (N - 1) x (rate x sync + 1) more than Redis alone
+	// would, and a key this instance has no copy of is decided by Redis.
+	// While Redis is down the zone goes on deciding here, not by
+	// fail_mode (see docs/sync.md). Needs the Redis store and a rate;
+	// not with ban, delay, count, usage, quota or concurrency. A duration
+	// from 1ms to 1m. Default: none (Redis decides every request).
+	Sync caddy.Duration `json:"sync,omitempty"`
+}
+
+var syncKind = kind{
+	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
+		"sync": durationSub("100ms", func(z *Zone) *caddy.Duration { return &z.Sync }, checkSyncInterval),
+	},
+	check: (*Zone).checkSync,
+	shape: func(z *Zone, l *limit) error {
+		if z.Sync == 0 {
+			return nil
+		}
+		var err error
+		*l, err = withSyncDebt(*l, time.Duration(z.Sync))
+		return err
+	},
 }
 
 // checkSync checks a zone's sync, and what it cannot go with: what takes

@@ -10,7 +10,122 @@ import (
 	"net/http"
 	"net/textproto"
 	"strings"
+
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
+
+// usageConfig is where a zone reads its requests' true cost, and how far
+// past empty it may take the bucket.
+type usageConfig struct {
+	// The request's true cost, read from its response, for an upstream
+	// that bills by what it did, such as an LLM API by tokens:
+	// `{"json": "usage.total_tokens"}` reads the number at that path of
+	// object keys in a JSON response, or in the last event of a
+	// `text/event-stream` that has it (OpenAI's usage chunk);
+	// `{"header": "X-Usage-Tokens"}` reads a response header or trailer.
+	// The request takes its cost when it is admitted, as any request
+	// (a reservation: parallel requests cannot outrun the burst); once
+	// the response has been sent, the zone's bucket and quota are charged
+	// the usage less the cost, or given back the difference. A bucket may
+	// so go past empty, by max_debt tokens at most, and then refuses every
+	// request until it holds its cost again. A response cut off is
+	// charged the usage that went by before the cut; a response without
+	// usage keeps its reservation, so set cost to a typical request's
+	// usage. Needs a rate or a quota; not with ban or delay. Default: a
+	// request's cost is its cost.
+	Usage *Usage `json:"usage,omitempty"`
+
+	// How far past empty a response's usage may take the zone's bucket,
+	// in tokens. Needs usage and a rate. Default: the burst.
+	MaxDebt *int64 `json:"max_debt,omitempty"`
+}
+
+var usageKind = kind{
+	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
+		"usage": func(d *caddyfile.Dispenser, z *Zone) error {
+			var err error
+			if z.Usage, err = usageArg(d); err != nil {
+				return err
+			}
+			return wrapErr(d, z.Usage.validate())
+		},
+		"max_debt": func(d *caddyfile.Dispenser, z *Zone) error {
+			n, err := intArg[int64](d)
+			if err != nil {
+				return err
+			}
+			z.MaxDebt = &n
+			return nil
+		},
+	},
+	check: (*Zone).checkUsage,
+	shape: (*Zone).withDebt,
+	provision: func(z *Zone) error {
+		if z.Usage != nil {
+			z.Usage.provision()
+		}
+		return nil
+	},
+}
+
+// checkUsage checks usage and max_debt, and what they cannot go with.
+func (z *Zone) checkUsage() error {
+	if z.Usage == nil {
+		if z.MaxDebt != nil {
+			return errors.New("max_debt needs usage: it is how far a response's usage may take the bucket past empty")
+		}
+		return nil
+	}
+	if err := z.Usage.validate(); err != nil {
+		return err
+	}
+	switch {
+	case z.Ban != 0:
+		// Both read a bucket that owes more than a whole bucket.
+		return errors.New("usage cannot go with ban: a bucket in debt after a response's usage would read as banned")
+	case z.Delay != 0:
+		return errors.New("usage cannot go with delay: requests would wait for tokens that a bucket in debt owes")
+	case !z.hasRate() && z.Quota == 0:
+		return errors.New("usage needs a rate or a quota: they are what a response's usage is charged to")
+	case z.MaxDebt != nil && !z.hasRate():
+		return errors.New("max_debt needs a rate: it is how far the bucket may owe")
+	case z.MaxDebt != nil && (*z.MaxDebt < 0 || *z.MaxDebt > maxBurst):
+		return fmt.Errorf("invalid max_debt %d: must be 0 to %d", *z.MaxDebt, int64(maxBurst))
+	}
+	return nil
+}
+
+// withDebt sets the debt that usage may run up in l: max_debt tokens, by
+// default the burst.
+func (z *Zone) withDebt(l *limit) error {
+	if z.Usage == nil || !z.hasRate() {
+		return nil
+	}
+	n := l.burst
+	if z.MaxDebt != nil {
+		n = *z.MaxDebt
+	}
+	if n > int64((maxBurstTime-l.burstTime)/l.tokenTime) {
+		return fmt.Errorf("invalid max_debt %d: the burst and the debt must refill within 100 years at rate %s", n, z.rateString())
+	}
+	l.owe = l.costTime(n)
+	return nil
+}
+
+// usageArg reads the arguments of usage: json <path> or header <field>.
+func usageArg(d *caddyfile.Dispenser) (*Usage, error) {
+	var kind, v string
+	if !d.AllArgs(&kind, &v) {
+		return nil, d.Err("usage needs where to read it: usage json <path> or usage header <field>")
+	}
+	switch kind {
+	case "json":
+		return &Usage{JSON: v}, nil
+	case "header":
+		return &Usage{Header: v}, nil
+	}
+	return nil, d.Errf("invalid usage '%s': expected json <path> or header <field>", kind)
+}
 
 // Usage says where a response tells its request's true cost: in JSON,
 // the number at a path of object keys, or in a header. Exactly one is

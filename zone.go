@@ -102,125 +102,18 @@ type Zone struct {
 	// caddy-ratelimit.
 	IPv6Prefix int `json:"ipv6_prefix,omitempty"`
 
-	// When the zone denies a key, refuse that key for this long, however
-	// soon its bucket would have tokens again; then its bucket refills
-	// from empty as usual. Only the denial that finds the key not banned
-	// starts a ban: the denials during it do not make it longer. A
-	// duration such as `15m`, at most 100 years. Needs a rate; not with
-	// delay or quota. Default: no ban.
-	Ban caddy.Duration `json:"ban,omitempty"`
-
-	// Let a request that finds too few tokens, but would have them within
-	// this long, wait for them instead of being refused: it reserves its
-	// tokens at once and goes on when they are there, so that a short
-	// excess over the rate is smoothed rather than refused (nginx's
-	// `limit_req ... delay`). A request that would wait longer is refused
-	// as without a delay, and charged nothing; one whose client leaves
-	// while it waits gets its tokens back. A request that several zones
-	// delay waits the longest of their waits. A zone in dry run never
-	// makes a request wait. A duration such as `2s`, at most 1h. Needs a
-	// rate; not with ban. Default: no delay (refuse at once).
-	Delay caddy.Duration `json:"delay,omitempty"`
-
-	// Charge only the requests whose response matches: a request still
-	// takes its tokens before it goes on (so concurrent requests cannot
-	// outrun the burst), and gets them back after a response that does
-	// not match, e.g. `{"status_code": [401, 403]}` to count failed
-	// logins only. Needs a rate. Default: every request counts.
-	Count *caddyhttp.ResponseMatcher `json:"count,omitempty"`
-
-	// The request's true cost, read from its response, for an upstream
-	// that bills by what it did, such as an LLM API by tokens:
-	// `{"json": "usage.total_tokens"}` reads the number at that path of
-	// object keys in a JSON response, or in the last event of a
-	// `text/event-stream` that has it (OpenAI's usage chunk);
-	// `{"header": "X-Usage-Tokens"}` reads a response header or trailer.
-	// The request takes its cost when it is admitted, as any request
-	// (a reservation: parallel requests cannot outrun the burst); once
-	// the response has been sent, the zone's bucket and quota are charged
-	// the usage less the cost, or given back the difference. A bucket may
-	// so go past empty, by max_debt tokens at most, and then refuses every
-	// request until it holds its cost again. A response cut off is
-	// charged the usage that went by before the cut; a response without
-	// usage keeps its reservation, so set cost to a typical request's
-	// usage. Needs a rate or a quota; not with ban or delay. Default: a
-	// request's cost is its cost.
-	Usage *Usage `json:"usage,omitempty"`
-
-	// How far past empty a response's usage may take the zone's bucket,
-	// in tokens. Needs usage and a rate. Default: the burst.
-	MaxDebt *int64 `json:"max_debt,omitempty"`
-
-	// The most requests of one key in flight at once: a request takes a
-	// slot before it goes on, or is refused with 429 and `Retry-After: 1`,
-	// and gives the slot back when the handlers after this one return,
-	// however they return. A zone with concurrency needs no rate; with
-	// both, both apply. With the Redis store, the slots are shared by
-	// every instance (see `lease`). Not with quota. Default: no limit on
-	// requests in flight.
-	Concurrency int64 `json:"concurrency,omitempty"`
-
-	// How long a slot of a zone with concurrency is held at most, in a
-	// store shared between instances (Redis), where an instance that dies
-	// cannot give its slots back: its slots come back when their leases
-	// end. A lease is not renewed: a request that runs longer than its
-	// lease loses its slot then (renewing would cost a timer and a Redis
-	// write per request in flight, and keep the slots of an instance that
-	// is stuck), so set it above the longest request. A duration. Unused
-	// by the local store. Needs concurrency. Default: 60s.
-	Lease caddy.Duration `json:"lease,omitempty"`
-
-	// Limit the requests of a key in flight to a number learnt from
-	// their latency, within [min, max] (defaults 4 and 1000): as many as
-	// the upstream serves without a queue building up. Beyond it, a
-	// request is shed with 503 Service Unavailable and `Retry-After: 1`,
-	// before any zone charges it. `{}` takes the defaults. The limit is
-	// each instance's own, whatever the store (latency is an instance's
-	// view). Not with a fixed concurrency or a lease. Default: none.
-	ConcurrencyAdaptive *AdaptiveConcurrency `json:"concurrency_adaptive,omitempty"`
-
-	// A calendar quota: at most this many units (a request counts its
-	// `cost`) per key in each window of quota_period, counted only for
-	// requests that every zone allows, and refused with a Retry-After of
-	// the time left until the window ends. With a rate, both apply; a
-	// zone may also have a quota alone. At most 999999999999999; not with
-	// ban, concurrency, window or a cost with placeholders. Default: no
-	// quota.
-	Quota int64 `json:"quota,omitempty"`
-
-	// The quota's calendar window: `day`, `week` (ISO weeks, from Monday)
-	// or `month`, starting at midnight in `timezone`. Required with quota.
-	QuotaPeriod string `json:"quota_period,omitempty"`
-
-	// The IANA time zone whose midnights start the quota's windows, such
-	// as `Europe/Paris` (daylight saving time included: such a day lasts
-	// 23 or 25 hours). Needs quota. Default: `UTC`.
-	Timezone string `json:"timezone,omitempty"`
-
-	// The most keys of the zone with a limit of their own, set through the
-	// admin API (`PUT /rate_limit/<zone>/<key>/limit`) in place of the
-	// zone's: beyond it, setting one more is refused (409). Needs a rate.
-	// Default: 100000.
-	MaxOverrides int64 `json:"max_overrides,omitempty"`
-
-	// Compute, count and log decisions, and send the headers, but let
-	// requests that this zone would refuse go on (uncharged by it). The
-	// placeholder `{http.rate_limit.<name>.would_deny}` is then true (false
-	// when the zone would let the request through), so that the upstream
-	// can be told. Lets a new limit be tried safely. Default: false.
-	DryRun bool `json:"dry_run,omitempty"`
-
-	// Decide the zone's requests in this instance, from its own copy of
-	// each key's shared bucket, and reconcile the copies with Redis every
-	// this long: what this instance spent goes up, the shared state comes
-	// back, many keys in one script call. With N instances, they admit
-	// together at most (N - 1) x (rate x sync + 1) more than Redis alone
-	// would, and a key this instance has no copy of is decided by Redis.
-	// While Redis is down the zone goes on deciding here, not by
-	// fail_mode (see docs/sync.md). Needs the Redis store and a rate;
-	// not with ban, delay, count, usage, quota or concurrency. A duration
-	// from 1ms to 1m. Default: none (Redis decides every request).
-	Sync caddy.Duration `json:"sync,omitempty"`
+	// The kinds of limit the zone may add to its bucket, each in its own
+	// file (see kinds.go): their fields are the zone's own in JSON.
+	banConfig
+	delayConfig
+	countConfig
+	usageConfig
+	concurrencyConfig
+	adaptiveConfig
+	quotaConfig
+	overridesConfig
+	dryRunConfig
+	syncConfig
 
 	index    int    // in Handler.Zones
 	id       zoneID // its name and its limit: what its counters are shared by
@@ -280,9 +173,6 @@ func (z *Zone) validate() error {
 	if err := checkZoneName(z.Name); err != nil {
 		return err
 	}
-	if _, err := z.quotaLimit(); err != nil {
-		return err
-	}
 	_, err := z.parseLimit()
 	return err
 }
@@ -299,73 +189,19 @@ func checkZoneName(name string) error {
 	return nil
 }
 
-func checkCount(m *caddyhttp.ResponseMatcher) error {
-	if len(m.StatusCode) == 0 && len(m.Headers) == 0 {
-		return errors.New("count needs a response matcher: status <codes> or header <field> [<value>]")
-	}
-	for _, c := range m.StatusCode {
-		if c < 1 || c > 5 && c < 100 || c > 599 {
-			return fmt.Errorf("invalid count status %d: expected a status code or a class such as 4xx", c)
-		}
-	}
-	return nil
-}
-
-func checkConcurrency(n int64) error {
-	if n < 1 || n > maxBurst {
-		return fmt.Errorf("invalid concurrency %d: must be 1 to %d", n, int64(maxBurst))
-	}
-	return nil
-}
-
-func checkLease(d time.Duration) error {
-	if d <= 0 || d > maxBurstTime {
-		return fmt.Errorf("invalid lease %v: must be positive and at most 100 years", d)
-	}
-	return nil
-}
-
-// maxDelay bounds a zone's delay: a waiting request holds its connection
-// and a goroutine, and a client rarely waits longer.
-const maxDelay = time.Hour
-
-func checkDelay(d time.Duration) error {
-	if d <= 0 || d > maxDelay {
-		return fmt.Errorf("invalid delay %v: must be positive and at most 1h", d)
-	}
-	return nil
-}
-
-// defaultLease is how long a Redis slot is held when lease is not set.
-const defaultLease = 60 * time.Second
-
-func checkBan(d time.Duration) error {
-	if d <= 0 || d > maxBurstTime {
-		return fmt.Errorf("invalid ban %v: must be positive and at most 100 years", d)
-	}
-	return nil
-}
-
 // hasRate reports whether the zone has a bucket: a rate, or window and
 // max_events.
 func (z *Zone) hasRate() bool { return z.Rate != "" || z.windowForm() }
 
-// placeholderLimit is the bucket shape of a zone without a rate, which
-// the stores bind but are never asked about.
-var placeholderLimit = newLimit(1, 1)
-
 // parseLimit checks the zone's numbers and returns its bucket's shape.
 func (z *Zone) parseLimit() (limit, error) {
-	if err := cmp.Or(z.checkSlots(), z.checkUsage(), z.checkOverrides(), z.checkSync()); err != nil {
+	if err := z.checkKinds(); err != nil {
 		return limit{}, err
 	}
 	if !z.hasRate() {
 		if l, done, err := z.ratelessLimit(); done || err != nil {
 			return l, err
 		}
-	}
-	if err := z.checkRateOptions(); err != nil {
-		return limit{}, err
 	}
 	if z.perRequest() {
 		// The limit is known per request (plans.go): its bucket table
@@ -390,154 +226,51 @@ func (z *Zone) parseLimit() (limit, error) {
 	if err == nil {
 		err = z.checkPrefixes()
 	}
+	if err == nil {
+		err = z.shapeKinds(&l)
+	}
 	if err != nil {
 		return limit{}, err
 	}
-	l.ban = time.Duration(z.Ban)
-	l.delay = time.Duration(z.Delay)
-	return z.withDebt(l)
-}
-
-// checkUsage checks usage and max_debt, and what they cannot go with.
-func (z *Zone) checkUsage() error {
-	if z.Usage == nil {
-		if z.MaxDebt != nil {
-			return errors.New("max_debt needs usage: it is how far a response's usage may take the bucket past empty")
-		}
-		return nil
-	}
-	if err := z.Usage.validate(); err != nil {
-		return err
-	}
-	switch {
-	case z.Ban != 0:
-		// Both read a bucket that owes more than a whole bucket.
-		return errors.New("usage cannot go with ban: a bucket in debt after a response's usage would read as banned")
-	case z.Delay != 0:
-		return errors.New("usage cannot go with delay: requests would wait for tokens that a bucket in debt owes")
-	case !z.hasRate() && z.Quota == 0:
-		return errors.New("usage needs a rate or a quota: they are what a response's usage is charged to")
-	case z.MaxDebt != nil && !z.hasRate():
-		return errors.New("max_debt needs a rate: it is how far the bucket may owe")
-	case z.MaxDebt != nil && (*z.MaxDebt < 0 || *z.MaxDebt > maxBurst):
-		return fmt.Errorf("invalid max_debt %d: must be 0 to %d", *z.MaxDebt, int64(maxBurst))
-	}
-	return nil
-}
-
-// withDebt is l with the debt that usage may run up: max_debt tokens,
-// by default the burst; or, in a zone with sync, what the instances may
-// spend together beyond empty (see syncDebt).
-func (z *Zone) withDebt(l limit) (limit, error) {
-	if z.Sync != 0 {
-		return withSyncDebt(l, time.Duration(z.Sync))
-	}
-	if z.Usage == nil || !z.hasRate() {
-		return l, nil
-	}
-	n := l.burst
-	if z.MaxDebt != nil {
-		n = *z.MaxDebt
-	}
-	if n > int64((maxBurstTime-l.burstTime)/l.tokenTime) {
-		return limit{}, fmt.Errorf("invalid max_debt %d: the burst and the debt must refill within 100 years at rate %s", n, z.rateString())
-	}
-	l.owe = l.costTime(n)
 	return l, nil
 }
 
-func checkMaxOverrides(n int64) error { return checkMin("max_overrides", n, 1) }
-
-// checkOverrides checks a max_overrides that is set.
-func (z *Zone) checkOverrides() error {
-	switch {
-	case z.MaxOverrides == 0:
-		return nil
-	case !z.hasRate():
-		return errors.New("max_overrides needs a rate: an override is a key's own rate and burst")
-	}
-	return checkMaxOverrides(z.MaxOverrides)
-}
-
-// checkSlots checks concurrency and lease.
-func (z *Zone) checkSlots() error {
-	if err := z.checkAdaptive(); err != nil {
-		return err
-	}
-	if z.Concurrency != 0 {
-		if err := checkConcurrency(z.Concurrency); err != nil {
+// shapeKinds sets every kind's part of l, a bucket's shape.
+func (z *Zone) shapeKinds(l *limit) error {
+	for _, k := range kinds {
+		if k.shape == nil {
+			continue
+		}
+		if err := k.shape(z, l); err != nil {
 			return err
 		}
 	}
-	if z.Lease != 0 {
-		if z.Concurrency == 0 {
-			return errors.New("lease needs concurrency: it is how long a slot is held")
-		}
-		return checkLease(time.Duration(z.Lease))
-	}
 	return nil
 }
+
+// placeholderLimit is the bucket shape of a zone without a rate, which
+// the stores bind but are never asked about.
+var placeholderLimit = newLimit(1, 1)
 
 // ratelessLimit checks a zone without a rate, which limits requests in
 // flight or per calendar window. It reports done when such a zone is
 // complete; a zone that is neither is checked as one with a rate, which
 // says what it lacks.
 func (z *Zone) ratelessLimit() (l limit, done bool, err error) {
+	inFlight := z.limitsInFlight()
 	switch {
-	case z.Quota != 0:
-		if z.Burst != 0 {
-			return limit{}, true, errors.New("burst needs a rate")
-		}
-		if z.Delay != 0 {
-			return limit{}, true, errors.New("delay needs a rate: requests wait for the zone's tokens")
-		}
-		if z.Count != nil {
-			if err := checkCount(z.Count); err != nil {
-				return limit{}, true, err
-			}
-		}
-		return placeholderLimit, true, z.checkPrefixes()
-	case z.Ban != 0:
-		return limit{}, true, errors.New("ban needs a rate: it empties the zone's bucket")
-	case z.Delay != 0:
-		return limit{}, true, errors.New("delay needs a rate: requests wait for the zone's tokens")
-	case z.Count != nil:
-		return limit{}, true, errors.New("count needs a rate: it gives tokens back")
-	case (z.Burst != 0 || z.burstVar.template != "") && z.limitsInFlight():
+	case z.Quota != 0 && z.Burst != 0:
 		return limit{}, true, errors.New("burst needs a rate")
-	case (z.Cost != 0 && z.Cost != 1 || z.costVar.template != "") && z.limitsInFlight():
+	case z.Quota != 0:
+		return placeholderLimit, true, z.checkPrefixes()
+	case (z.Burst != 0 || z.burstVar.template != "") && inFlight:
+		return limit{}, true, errors.New("burst needs a rate")
+	case (z.Cost != 0 && z.Cost != 1 || z.costVar.template != "") && inFlight:
 		return limit{}, true, errors.New("cost needs a rate: a request in flight takes one slot")
-	case z.limitsInFlight():
+	case inFlight:
 		return placeholderLimit, true, z.checkPrefixes()
 	}
 	return limit{}, false, nil
-}
-
-// limitsInFlight reports whether the zone limits requests in flight.
-func (z *Zone) limitsInFlight() bool { return z.Concurrency != 0 || z.ConcurrencyAdaptive != nil }
-
-// checkRateOptions checks what a zone with a rate may add to it: ban,
-// delay and count.
-func (z *Zone) checkRateOptions() error {
-	if z.Ban != 0 {
-		if err := checkBan(time.Duration(z.Ban)); err != nil {
-			return err
-		}
-	}
-	if z.Delay != 0 {
-		if err := checkDelay(time.Duration(z.Delay)); err != nil {
-			return err
-		}
-		if z.Ban != 0 {
-			// Both would read a bucket that owes more than a whole
-			// bucket: as a ban, or as requests waiting for their tokens.
-			return errors.New("ban and delay exclude each other: a zone either refuses an excess for a while (ban) or lets it wait (delay)")
-		}
-	}
-	if z.Count != nil {
-		return checkCount(z.Count)
-	}
-	return nil
 }
 
 // rateLimit reads rate and burst: tokens per second and capacity.
@@ -659,9 +392,6 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	if z.Burst == 0 && !z.windowForm() && !z.rateless {
 		z.Burst = z.limit.burst
 	}
-	if z.quota, err = z.quotaLimit(); err != nil {
-		return err
-	}
 	z.costTime = z.limit.costTime(z.Cost)
 	z.keyKind, z.keyHeader = keyKindOf(z.Key)
 	if z.MatcherSetsRaw != nil {
@@ -674,8 +404,13 @@ func (z *Zone) provision(ctx caddy.Context) error {
 		}
 	}
 	z.buildResponses()
-	if z.Usage != nil {
-		z.Usage.provision()
+	for _, k := range kinds {
+		if k.provision == nil {
+			continue
+		}
+		if err := k.provision(z); err != nil {
+			return err
+		}
 	}
 	if z.perRequest() {
 		if hasPlaceholders(z.Rate) {
@@ -707,9 +442,6 @@ func (z *Zone) setDefaults() {
 		if z.emptyShared {
 			z.IPv6Prefix = 128
 		}
-	}
-	if z.Concurrency != 0 && z.Lease == 0 {
-		z.Lease = caddy.Duration(defaultLease)
 	}
 }
 
@@ -747,9 +479,6 @@ func (z *Zone) buildResponses() {
 	z.wouldDenyVar = "http.rate_limit." + z.Name + ".would_deny"
 	z.quotedName = sfString(z.Name)
 	z.policy = fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, z.limit.burst, ceilSeconds(z.limit.burstTime))
-	if z.Concurrency != 0 {
-		z.slotPolicy = fmt.Sprintf("%s;q=%d", z.quotedName, z.Concurrency)
-	}
 }
 
 // sfString writes a zone name as an RFC 9651 sf-string, which holds only
@@ -892,18 +621,13 @@ func (z *Zone) describe() string {
 		}
 		parts = append(parts, z.rateString()+" burst "+burst)
 	}
-	if z.Concurrency != 0 {
-		parts = append(parts, "concurrency "+strconv.FormatInt(z.Concurrency, 10))
-	}
-	if z.ConcurrencyAdaptive != nil {
-		parts = append(parts, z.ConcurrencyAdaptive.describe())
-	}
-	if z.Quota != 0 {
-		q := "quota " + strconv.FormatInt(z.Quota, 10) + " per " + z.QuotaPeriod
-		if z.Timezone != "" {
-			q += " in " + z.Timezone
+	for _, k := range kinds {
+		if k.describe == nil {
+			continue
 		}
-		parts = append(parts, q)
+		if p := k.describe(z); p != "" {
+			parts = append(parts, p)
+		}
 	}
 	return strings.Join(parts, ", ")
 }

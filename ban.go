@@ -1,0 +1,66 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// Zones with ban refuse a key they denied for a while, however soon its
+// bucket would have tokens again. A ban is the bucket's own debt: a
+// banned bucket owes its whole bucket and the ban (see limit.startsBan),
+// so every store keeps and shares it as it keeps the bucket, and the
+// over-limit cache refuses it without asking Redis.
+
+// banConfig is the ban of a zone.
+type banConfig struct {
+	// When the zone denies a key, refuse that key for this long, however
+	// soon its bucket would have tokens again; then its bucket refills
+	// from empty as usual. Only the denial that finds the key not banned
+	// starts a ban: the denials during it do not make it longer. A
+	// duration such as `15m`, at most 100 years. Needs a rate; not with
+	// delay or quota. Default: no ban.
+	Ban caddy.Duration `json:"ban,omitempty"`
+}
+
+// banInfo is a zone's ban in the admin API.
+type banInfo struct {
+	Ban string `json:"ban,omitempty"`
+}
+
+var banKind = kind{
+	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
+		"ban": durationSub("15m", func(z *Zone) *caddy.Duration { return &z.Ban }, checkBan),
+	},
+	check: func(z *Zone) error {
+		switch {
+		case z.Ban == 0:
+			return nil
+		case !z.hasRate():
+			return errors.New("ban needs a rate: it empties the zone's bucket")
+		}
+		return checkBan(time.Duration(z.Ban))
+	},
+	shape: func(z *Zone, l *limit) error {
+		l.ban = time.Duration(z.Ban)
+		return nil
+	},
+	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
+		if z.Ban != 0 {
+			info.Ban = time.Duration(z.Ban).String()
+		}
+	},
+}
+
+func checkBan(d time.Duration) error {
+	if d <= 0 || d > maxBurstTime {
+		return fmt.Errorf("invalid ban %v: must be positive and at most 100 years", d)
+	}
+	return nil
+}

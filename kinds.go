@@ -1,0 +1,110 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"time"
+
+	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+)
+
+// A zone is a token bucket per key (zone.go), and may add kinds of limit
+// to it: ban, delay, count, usage, quota, concurrency, concurrency
+// adaptive, plans, overrides, dry run and sync. Each kind is a unit of
+// its own file, which holds its config fields (a struct embedded in Zone,
+// so that the zone's JSON names them as its own), its Caddyfile
+// subdirectives, its checks, and what it adds to the zone's description,
+// its admin view and its metrics. The parser, the zone, the admin API and
+// the metrics go through kinds rather than naming each.
+//
+// What a kind asks of a store (a ban's or a delay's shape, a quota's
+// counter, a slot) is in the store contract (store.go), and its part of
+// a request in the request's stages (decide.go, delay.go, settle.go,
+// concurrency.go).
+
+// A kind is one kind of limit a zone may have. Every hook is optional.
+type kind struct {
+	// subdirectives read the kind's subdirectives of a zone block, by
+	// name: each its arguments into z, checked as far as they go alone.
+	subdirectives map[string]func(d *caddyfile.Dispenser, z *Zone) error
+
+	// check checks the kind's fields of z, and what they cannot go with.
+	check func(z *Zone) error
+
+	// shape sets the kind's part of a bucket's shape, l.
+	shape func(z *Zone, l *limit) error
+
+	// provision computes the kind's runtime state of z, after z's limit.
+	provision func(z *Zone) error
+
+	// join sets up the kind's part of the zone's state, st, once z has
+	// acquired it.
+	join func(z *Zone, st *zoneState)
+
+	// describe is the kind's part of the zone's limit in words (see
+	// Zone.describe), or "".
+	describe func(z *Zone) string
+
+	// info sets the kind's fields of the zone's admin view.
+	info func(z *Zone, stats zoneStats, info *zoneInfo)
+}
+
+// kinds are every kind, in the order their checks run (a zone with
+// several faults is told of the first) and their parts of a zone's
+// description.
+var kinds = []*kind{
+	&adaptiveKind, &concurrencyKind, &quotaKind, &usageKind, &overridesKind, &syncKind,
+	&banKind, &delayKind, &countKind, &dryRunKind,
+}
+
+// zoneSubdirectives are the subdirectives of a zone block that kinds
+// read.
+var zoneSubdirectives = func() map[string]func(d *caddyfile.Dispenser, z *Zone) error {
+	m := make(map[string]func(d *caddyfile.Dispenser, z *Zone) error)
+	for _, k := range kinds {
+		for name, f := range k.subdirectives {
+			if m[name] != nil {
+				panic("zone subdirective " + name + " registered twice")
+			}
+			m[name] = f
+		}
+	}
+	return m
+}()
+
+// checkKinds runs every kind's check of z.
+func (z *Zone) checkKinds() error {
+	for _, k := range kinds {
+		if k.check == nil {
+			continue
+		}
+		if err := k.check(z); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// durationSub reads a subdirective whose one argument is a duration (a
+// duration such as example) into the field of z that field gives, and
+// checks it.
+func durationSub(example string, field func(z *Zone) *caddy.Duration, check func(time.Duration) error) func(*caddyfile.Dispenser, *Zone) error {
+	return func(d *caddyfile.Dispenser, z *Zone) error {
+		t, err := durationArg(d, example)
+		if err != nil {
+			return err
+		}
+		*field(z) = caddy.Duration(t)
+		return wrapErr(d, check(t))
+	}
+}
+
+// wrapErr is err, at d's token.
+func wrapErr(d *caddyfile.Dispenser, err error) error {
+	if err == nil {
+		return nil
+	}
+	return d.WrapErr(err)
+}
