@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -66,6 +67,26 @@ var adaptiveKind = kind{
 			z.provisionAdaptive(st)
 		}
 	},
+	descs:      []*prometheus.Desc{adaptiveDescs.limit, adaptiveDescs.inFlight, adaptiveDescs.noLoad},
+	collectors: []prometheus.Collector{adaptiveLatency},
+	collect:    collectAdaptive,
+	meter: func(z *Zone) {
+		if z.adaptive != nil {
+			z.adaptive.latency = adaptiveLatency.WithLabelValues(z.Name, z.id.limit)
+		}
+	},
+	unmeter: func(z *Zone) {
+		if z.adaptive != nil {
+			adaptiveLatency.DeleteLabelValues(z.Name, z.id.limit)
+		}
+	},
+}
+
+// adaptiveCounts are what a zone's adaptive limit counts, in its state.
+type adaptiveCounts struct {
+	shed       atomic.Uint64                 // refused by this zone's adaptive limit: 503
+	dryRunShed atomic.Uint64                 // would have been shed (dry run)
+	adaptive   atomic.Pointer[adaptiveTable] // the keys of an adaptive limit; nil without
 }
 
 // AdaptiveConcurrency limits the requests of a key in flight to a number
@@ -392,7 +413,7 @@ var adaptiveDescs = struct{ limit, inFlight, noLoad *prometheus.Desc }{
 }
 
 // collectAdaptive exports what a zone with an adaptive limit counts.
-func collectAdaptive(ch chan<- prometheus.Metric, requests *prometheus.Desc, id zoneID, s *zoneState) {
+func collectAdaptive(ch chan<- prometheus.Metric, _ counterFunc, requests *prometheus.Desc, id zoneID, s *zoneState) {
 	t := s.adaptive.Load()
 	if t == nil {
 		return

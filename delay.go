@@ -8,10 +8,12 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
 )
@@ -70,6 +72,30 @@ var delayKind = kind{
 		l.delay = time.Duration(z.Delay)
 		return nil
 	},
+	join: func(z *Zone, st *zoneState) {
+		if z.Delay != 0 {
+			st.delayZone.Store(true)
+		}
+	},
+	descs:      []*prometheus.Desc{delayedDesc},
+	collectors: []prometheus.Collector{delaySeconds},
+	collect: func(_ chan<- prometheus.Metric, counter counterFunc, _ *prometheus.Desc, _ zoneID, s *zoneState) {
+		if s.delayZone.Load() {
+			counter(delayedDesc, &s.delayed, "served")
+			counter(delayedDesc, &s.delayAbandoned, "abandoned")
+			counter(delayedDesc, &s.delayRefused, "refused")
+		}
+	},
+	meter: func(z *Zone) {
+		if z.Delay != 0 {
+			z.delays = delaySeconds.WithLabelValues(z.Name, z.id.limit)
+		}
+	},
+	unmeter: func(z *Zone) {
+		if z.delays != nil {
+			delaySeconds.DeleteLabelValues(z.Name, z.id.limit)
+		}
+	},
 	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
 		if z.Delay == 0 {
 			return
@@ -81,6 +107,28 @@ var delayKind = kind{
 		info.Requests["delay_refused"] = st.delayRefused.Load()
 	},
 }
+
+// delayCounts are what a zone with delay counts, in its state.
+type delayCounts struct {
+	delayed        atomic.Uint64 // waited for this zone's tokens (delay), then went on
+	delayAbandoned atomic.Uint64 // waited, but the client left: tokens given back
+	delayRefused   atomic.Uint64 // would have waited, but max_delayed requests waited already
+	delayZone      atomic.Bool   // a zone of this name has a delay: export the three above
+}
+
+var (
+	delayedDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "delayed_total"),
+		"Requests a zone with delay let wait for its tokens, by how the wait ended: served (went on), abandoned (the client left; tokens given back) or refused (max_delayed requests waited already: 429).",
+		[]string{"zone", "limit", "result"}, nil)
+
+	delaySeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
+		Namespace: metricsNamespace,
+		Subsystem: metricsSubsystem,
+		Name:      "delay_seconds",
+		Help:      "Time requests waited for a zone's tokens (delay), by zone.",
+		Buckets:   []float64{0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600},
+	}, []string{"zone", "limit"})
+)
 
 // maxDelay bounds a zone's delay: a waiting request holds its connection
 // and a goroutine, and a client rarely waits longer.

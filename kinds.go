@@ -8,6 +8,7 @@ import (
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // A zone is a token bucket per key (zone.go), and may add kinds of limit
@@ -42,6 +43,20 @@ type kind struct {
 	// join sets up the kind's part of the zone's state, st, once z has
 	// acquired it.
 	join func(z *Zone, st *zoneState)
+
+	// descs are the kind's metrics that collect exports, and collectors
+	// those it observes itself.
+	descs      []*prometheus.Desc
+	collectors []prometheus.Collector
+
+	// collect exports the kind's metrics of the zone id, from its state s:
+	// counter exports one of s's counters, and requests is the metric of
+	// decisions by result.
+	collect func(ch chan<- prometheus.Metric, counter counterFunc, requests *prometheus.Desc, id zoneID, s *zoneState)
+
+	// meter starts the kind's metrics of z that it observes itself, and
+	// unmeter removes them once no config has the zone.
+	meter, unmeter func(z *Zone)
 
 	// describe is the kind's part of the zone's limit in words (see
 	// Zone.describe), or "".

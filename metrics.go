@@ -26,24 +26,15 @@ type zoneState struct {
 	cacheHits    atomic.Uint64 // denied by the Redis store's over-limit cache
 	bans         atomic.Uint64 // denials that started a ban
 	refunds      atomic.Uint64 // allowed requests given their tokens back (count)
-	usage        atomic.Uint64 // the usage that responses reported (usage)
-	usageMissing atomic.Uint64 // responses without a usage: the requests kept their cost
-	// noUsage throttles the warnings of responses without a usage: one a
-	// minute for the zone, whatever handler has it, and across reloads.
-	noUsage throttle.Throttle
 	// ownBurst throttles the errors of requests whose cost is above their
-	// key's own burst, alike.
+	// key's own burst: one a minute for the zone, whatever handler has it,
+	// and across reloads.
 	ownBurst throttle.Throttle
 
-	delayed        atomic.Uint64 // waited for this zone's tokens (delay), then went on
-	delayAbandoned atomic.Uint64 // waited, but the client left: tokens given back
-	delayRefused   atomic.Uint64 // would have waited, but max_delayed requests waited already
-	delayZone      atomic.Bool   // a zone of this name has a delay: export the three above
-	usageZone      atomic.Bool   // a zone of this name has usage: export usage and usageMissing
-
-	shed       atomic.Uint64                 // refused by this zone's adaptive limit: 503
-	dryRunShed atomic.Uint64                 // would have been shed (dry run)
-	adaptive   atomic.Pointer[adaptiveTable] // the keys of an adaptive limit; nil without
+	// What the kinds count (see kind.collect).
+	delayCounts
+	usageCounts
+	adaptiveCounts
 
 	// metered counts the handlers using the zone with metrics enabled;
 	// the zone is exported while it is above zero.
@@ -98,21 +89,13 @@ var (
 		Help:      "Requests for which the store failed and fail_mode decided.",
 	}, []string{"store"})
 
-	delaySeconds = prometheus.NewHistogramVec(prometheus.HistogramOpts{
-		Namespace: metricsNamespace,
-		Subsystem: metricsSubsystem,
-		Name:      "delay_seconds",
-		Help:      "Time requests waited for a zone's tokens (delay), by zone.",
-		Buckets:   []float64{0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 3600},
-	}, []string{"zone", "limit"})
-
 	zoneCollector = newCollector()
 )
 
 // collector exports what the zone states and the stores count, read
 // when Prometheus scrapes.
 type collector struct {
-	requests, cacheHits, bans, refunds, delayed, usage, usageMissing, keys, maxKeys, evictions, overrides, circuitOpen *prometheus.Desc
+	requests, cacheHits, bans, refunds, keys, maxKeys, evictions, overrides, circuitOpen *prometheus.Desc
 }
 
 func newCollector() *collector {
@@ -129,15 +112,6 @@ func newCollector() *collector {
 			[]string{"zone", "limit"}, nil),
 		refunds: prometheus.NewDesc(name("refunds_total"),
 			"Allowed requests whose tokens a zone with count gave back, as their response did not match.",
-			[]string{"zone", "limit"}, nil),
-		delayed: prometheus.NewDesc(name("delayed_total"),
-			"Requests a zone with delay let wait for its tokens, by how the wait ended: served (went on), abandoned (the client left; tokens given back) or refused (max_delayed requests waited already: 429).",
-			[]string{"zone", "limit", "result"}, nil),
-		usage: prometheus.NewDesc(name("usage_total"),
-			"The usage (such as an LLM API's tokens) that the responses of a zone with usage reported, and were charged.",
-			[]string{"zone", "limit"}, nil),
-		usageMissing: prometheus.NewDesc(name("usage_missing_total"),
-			"Responses of a zone with usage that reported none (the field missing, not a number, a body too long, a response cut off): their requests kept the cost they took.",
 			[]string{"zone", "limit"}, nil),
 		keys: prometheus.NewDesc(name("keys"),
 			"Buckets and calendar quota counters the local store tracks.",
@@ -162,17 +136,16 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.cacheHits
 	ch <- c.bans
 	ch <- c.refunds
-	ch <- c.delayed
-	ch <- c.usage
-	ch <- c.usageMissing
 	ch <- c.keys
 	ch <- c.maxKeys
 	ch <- c.evictions
 	ch <- c.overrides
 	ch <- c.circuitOpen
-	ch <- adaptiveDescs.limit
-	ch <- adaptiveDescs.inFlight
-	ch <- adaptiveDescs.noLoad
+	for _, k := range kinds {
+		for _, d := range k.descs {
+			ch <- d
+		}
+	}
 }
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
@@ -191,7 +164,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 
 // collectZone exports what a zone has counted.
 func (c *collector) collectZone(ch chan<- prometheus.Metric, id zoneID, s *zoneState) {
-	counter := func(d *prometheus.Desc, n *atomic.Uint64, labels ...string) {
+	var counter counterFunc = func(d *prometheus.Desc, n *atomic.Uint64, labels ...string) {
 		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(n.Load()), append([]string{id.name, id.limit}, labels...)...)
 	}
 	counter(c.requests, &s.allowed, "allowed")
@@ -201,17 +174,16 @@ func (c *collector) collectZone(ch chan<- prometheus.Metric, id zoneID, s *zoneS
 	counter(c.cacheHits, &s.cacheHits)
 	counter(c.bans, &s.bans)
 	counter(c.refunds, &s.refunds)
-	if s.delayZone.Load() {
-		counter(c.delayed, &s.delayed, "served")
-		counter(c.delayed, &s.delayAbandoned, "abandoned")
-		counter(c.delayed, &s.delayRefused, "refused")
+	for _, k := range kinds {
+		if k.collect != nil {
+			k.collect(ch, counter, c.requests, id, s)
+		}
 	}
-	if s.usageZone.Load() {
-		counter(c.usage, &s.usage)
-		counter(c.usageMissing, &s.usageMissing)
-	}
-	collectAdaptive(ch, c.requests, id, s)
 }
+
+// A counterFunc exports a counter of a zone, with the labels that follow
+// its zone and limit.
+type counterFunc func(d *prometheus.Desc, n *atomic.Uint64, labels ...string)
 
 // collectStores exports what the stores of the provisioned handlers keep
 // (read through their stats): the keys, capacity and evictions of each
@@ -288,7 +260,11 @@ func (c *collector) collectOverrides(ch chan<- prometheus.Metric, zones map[zone
 // new at every config load. Registering again in the same registry (a
 // second handler) is fine.
 func registerMetrics(reg prometheus.Registerer) error {
-	for _, c := range []prometheus.Collector{storeLatency, storeErrors, delaySeconds, adaptiveLatency, zoneCollector} {
+	collectors := []prometheus.Collector{storeLatency, storeErrors, zoneCollector}
+	for _, k := range kinds {
+		collectors = append(collectors, k.collectors...)
+	}
+	for _, c := range collectors {
 		if err := reg.Register(c); err != nil {
 			if _, ok := errors.AsType[prometheus.AlreadyRegisteredError](err); !ok {
 				return err

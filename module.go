@@ -246,14 +246,10 @@ func (h *Handler) provisionZones(ctx caddy.Context) error {
 		// z.Delay rather than z.limit's: a zone whose limit comes with each
 		// request (plans) has no limit of its own.
 		h.anyDelay = h.anyDelay || z.Delay != 0 && !z.inDryRun
-		if z.Delay != 0 {
-			st.delayZone.Store(true)
-		}
-		if z.Usage != nil {
-			st.usageZone.Store(true)
-		}
-		if z.ConcurrencyAdaptive != nil {
-			z.provisionAdaptive(st)
+		for _, k := range kinds {
+			if k.join != nil {
+				k.join(z, st)
+			}
 		}
 	}
 	return nil
@@ -310,11 +306,10 @@ func (h *Handler) provisionMetrics(ctx caddy.Context) error {
 	for _, z := range h.Zones {
 		z.state.metered.Add(1)
 		h.metered = append(h.metered, z.state)
-		if z.Delay != 0 {
-			z.delays = delaySeconds.WithLabelValues(z.Name, z.id.limit)
-		}
-		if z.adaptive != nil {
-			z.adaptive.latency = adaptiveLatency.WithLabelValues(z.Name, z.id.limit)
+		for _, k := range kinds {
+			if k.meter != nil {
+				k.meter(z)
+			}
 		}
 	}
 	return nil
@@ -332,11 +327,10 @@ func (h *Handler) Cleanup() error {
 		if st.metered.Add(-1) != 0 || i >= len(h.Zones) {
 			continue
 		}
-		if z := h.Zones[i]; z.delays != nil { // the zone is gone
-			delaySeconds.DeleteLabelValues(z.Name, z.id.limit)
-		}
-		if z := h.Zones[i]; z.adaptive != nil {
-			adaptiveLatency.DeleteLabelValues(z.Name, z.id.limit)
+		for _, k := range kinds { // the zone is gone
+			if k.unmeter != nil {
+				k.unmeter(h.Zones[i])
+			}
 		}
 	}
 	h.metered = nil

@@ -10,8 +10,11 @@ import (
 	"net/http"
 	"net/textproto"
 	"strings"
+	"sync/atomic"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // usageConfig is where a zone reads its requests' true cost, and how far
@@ -66,7 +69,38 @@ var usageKind = kind{
 		}
 		return nil
 	},
+	join: func(z *Zone, st *zoneState) {
+		if z.Usage != nil {
+			st.usageZone.Store(true)
+		}
+	},
+	descs: []*prometheus.Desc{usageDesc, usageMissingDesc},
+	collect: func(_ chan<- prometheus.Metric, counter counterFunc, _ *prometheus.Desc, _ zoneID, s *zoneState) {
+		if s.usageZone.Load() {
+			counter(usageDesc, &s.usage)
+			counter(usageMissingDesc, &s.usageMissing)
+		}
+	},
 }
+
+// usageCounts are what a zone with usage counts, in its state.
+type usageCounts struct {
+	usage        atomic.Uint64 // the usage that responses reported (usage)
+	usageMissing atomic.Uint64 // responses without a usage: the requests kept their cost
+	usageZone    atomic.Bool   // a zone of this name has usage: export usage and usageMissing
+	// noUsage throttles the warnings of responses without a usage: one a
+	// minute for the zone, whatever handler has it, and across reloads.
+	noUsage throttle.Throttle
+}
+
+var (
+	usageDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "usage_total"),
+		"The usage (such as an LLM API's tokens) that the responses of a zone with usage reported, and were charged.",
+		[]string{"zone", "limit"}, nil)
+	usageMissingDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "usage_missing_total"),
+		"Responses of a zone with usage that reported none (the field missing, not a number, a body too long, a response cut off): their requests kept the cost they took.",
+		[]string{"zone", "limit"}, nil)
+)
 
 // checkUsage checks usage and max_debt, and what they cannot go with.
 func (z *Zone) checkUsage() error {
