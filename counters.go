@@ -62,7 +62,8 @@ type count struct {
 	endAt time.Duration // the instant the current window ends, should a new one start
 	limit int64
 	units int64
-	req   int // the demand this count answers
+	req   int  // the demand this count answers
+	soft  bool // without the units, it refuses nothing (counterDemand.soft)
 
 	ok   bool
 	used int64 // the count after the decision

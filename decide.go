@@ -35,9 +35,6 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 		sc.held = h.holds.hold()
 	}
 	out, err = h.take(r.Context(), now, sc, &sc.d)
-	if out == outcomeDeny && h.anyDryRun {
-		out, err = h.shadow(r, now, sc)
-	}
 	sc.slotOut = slotRefusal(&sc.d)
 	if h.anyDelay {
 		h.noteDelay(sc, out)
@@ -50,9 +47,6 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	h.count(r, sc, out)
 	if out != outcomeAllow && out != outcomeDeny {
 		return out, err
-	}
-	if h.anyDryRun {
-		h.noteDryRunPassed(r, sc)
 	}
 	sc.top = h.mostConstrained(sc)
 	h.writeHeaders(w.Header(), now, sc)
@@ -89,14 +83,14 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 				l, cost = p.limit, p.costTime
 			}
 			m.bucket = len(sc.d.buckets)
-			sc.d.buckets = append(sc.d.buckets, bucketDemand{zone: i, key: k, limit: l, cost: cost})
+			sc.d.buckets = append(sc.d.buckets, bucketDemand{zone: i, key: k, limit: l, cost: cost, soft: z.inDryRun})
 		}
 		if z.quota != nil {
 			if now.IsZero() {
 				now = time.Now()
 			}
 			m.counter = len(sc.d.counters)
-			sc.d.counters = append(sc.d.counters, counterDemand{zone: i, key: k, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(now)})
+			sc.d.counters = append(sc.d.counters, counterDemand{zone: i, key: k, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(now), soft: z.inDryRun})
 		}
 		if z.Concurrency != 0 {
 			m.slot = len(sc.d.slots)
@@ -220,12 +214,16 @@ func (m *match) ok(d *demands) bool {
 // whatever its demands. A request that the store failed on is counted as
 // a store error (by take), and as what fail_mode decided when that was a
 // decision: allowed by open, allowed or refused by the local buckets;
-// closed refuses without deciding.
+// closed refuses without deciding. A zone in dry run, whose demands are
+// soft (the store decided the request without those that lacked), is
+// counted as one that would have refused, or not, and says so in the
+// request's placeholders (see noteDryRun).
 func (h *Handler) count(r *http.Request, sc *scratch, out outcome) {
 	if out == outcomeFailClosed || out == outcomeFailed {
 		return
 	}
 	allowed := out == outcomeAllow || out == outcomeFailOpen
+	decided := out == outcomeAllow || out == outcomeDeny
 	for i := range sc.matches {
 		m := &sc.matches[i]
 		z := h.Zones[m.zone]
@@ -237,16 +235,13 @@ func (h *Handler) count(r *http.Request, sc *scratch, out outcome) {
 		if !ok && sc.d.remembered {
 			st.cacheHits.Add(1)
 		}
-		full, soft := false, false
-		if m.slot >= 0 {
-			q := &sc.d.slots[m.slot]
-			full, soft = q.full, q.soft
+		full := m.slot >= 0 && sc.d.slots[m.slot].full
+		m.wouldDeny = z.inDryRun && (!ok || full)
+		if z.inDryRun && (decided || m.wouldDeny) {
+			h.noteDryRun(r, sc, m, z)
 		}
 		switch {
-		case m.wouldDeny || full && soft:
-			if full && soft {
-				h.noteDryRunSlot(r, z)
-			}
+		case m.wouldDeny:
 			st.dryRunDenied.Add(1)
 			st.top.add(h.keyOf(sc, m))
 		case !ok || full:

@@ -230,12 +230,12 @@ func checkValidate(t *testing.T, in, wantErr string) {
 // bucketReq is the demand of z's bucket for key, as decide makes it for a
 // zone whose limit is fixed.
 func bucketReq(z *Zone, key bucketKey) bucketDemand {
-	return bucketDemand{zone: z.index, key: key, limit: z.limit, cost: z.costTime}
+	return bucketDemand{zone: z.index, key: key, limit: z.limit, cost: z.costTime, soft: z.inDryRun}
 }
 
 // counterReq is the demand of z's quota counter for key, at now.
 func counterReq(z *Zone, key bucketKey, now time.Time) counterDemand {
-	return counterDemand{zone: z.index, key: key, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(now)}
+	return counterDemand{zone: z.index, key: key, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(now), soft: z.inDryRun}
 }
 
 // slotsOf is the local slot table of h's zone z: the local store's, or

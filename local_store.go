@@ -252,13 +252,13 @@ func (s *LocalStore) takeAll(now time.Time, d *demands) bool {
 		if b.floor > 0 {
 			raise(t, b.key, b.limit, n+b.floor, n)
 		}
-		cs = append(cs, charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n, req: i})
+		cs = append(cs, charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n, req: i, soft: b.soft})
 	}
 	for i := range d.counters {
 		c := &d.counters[i]
 		t := s.zones[c.zone].counters
 		n := t.instant(now)
-		ks = append(ks, count{t: t, h: t.hash(c.key), now: n, endAt: n + c.window.end.Sub(now), limit: c.limit, units: c.cost, req: i})
+		ks = append(ks, count{t: t, h: t.hash(c.key), now: n, endAt: n + c.window.end.Sub(now), limit: c.limit, units: c.cost, req: i, soft: c.soft})
 	}
 	for i := range d.slots {
 		q := &d.slots[i]
@@ -290,13 +290,13 @@ func (s *LocalStore) takeOne(now time.Time, b *bucketDemand) bool {
 	if b.floor > 0 {
 		raise(t, b.key, b.limit, n+b.floor, n)
 	}
-	c := charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n}
-	b.ok = takeOne(&c)
-	b.ban, b.debt = c.ban, c.debt
+	c := charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n, soft: b.soft}
+	allowed := takeOne(&c)
+	b.ok, b.ban, b.debt = c.ok, c.ban, c.debt
 	if c.overridden {
 		b.setOwnLimit(c.l.tokenTime, c.l.burst)
 	}
-	return b.ok
+	return allowed
 }
 
 func (s *LocalStore) adjust(_ context.Context, now time.Time, d *demands) error {

@@ -462,7 +462,6 @@ type scratch struct {
 	std     standing
 	buf     []byte
 	back    demands      // what goes back to the store (see giveBack)
-	retry   retry        // a second take without the dry-run zones that refused
 	slotOut int          // the slot demand that refused the request; -1 for none
 	rec     statusWriter // the response writer of a request that settles after the response
 	scans   []usageScan  // the usages read in its response (see settles)

@@ -7,7 +7,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
@@ -63,23 +62,37 @@ func part(one *demands, b []bucketDemand, c []counterDemand, sl []slotDemand) *d
 // call of another failed with err (or refused: err nil): the tokens of
 // b and c, the slots of taken; the slots not asked are left unheld.
 func (s *RedisStore) undo(ctx context.Context, deadline time.Time, err error, b []bucketDemand, c []counterDemand, taken, notAsked []slotDemand) error {
-	if len(b)+len(c) > 0 {
-		backB, backC := slices.Clone(b), slices.Clone(c)
-		for i := range backB {
-			backB[i].cost = -backB[i].cost
+	// A soft demand that lacked was charged nothing: it gets nothing back.
+	var backB []bucketDemand
+	var backC []counterDemand
+	for i := range b {
+		if b[i].ok {
+			backB = append(backB, b[i])
+			backB[len(backB)-1].cost = -b[i].cost
 		}
-		for i := range backC {
-			backC[i].cost = -backC[i].cost
+	}
+	for i := range c {
+		if c[i].ok {
+			backC = append(backC, c[i])
+			backC[len(backC)-1].cost = -c[i].cost
 		}
+	}
+	if len(backB)+len(backC) > 0 {
 		if rerr := s.adjustApart(ctx, backB, backC); rerr != nil {
 			err = errors.Join(err, fmt.Errorf("refund: %w", rerr))
 		}
 		// Each now owes what its refund left.
+		j := 0
 		for i := range b {
-			b[i].debt = backB[i].debt
+			if b[i].ok {
+				b[i].debt, j = backB[j].debt, j+1
+			}
 		}
+		j = 0
 		for i := range c {
-			c[i].used, c[i].left = backC[i].used, backC[i].left
+			if c[i].ok {
+				c[i].used, c[i].left, j = backC[j].used, backC[j].left, j+1
+			}
 		}
 	}
 	if len(taken) > 0 {

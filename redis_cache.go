@@ -38,9 +38,9 @@ import (
 // timeout at most, then fail_mode decides it.
 //
 // fromCache returns the instant to ask Redis at and the flight it joined
-// (to land when the answer is in); or that the request is denied; or why
-// no answer came in time.
-func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *demands) (time.Time, flightKey, bool, error) {
+// (to land when the answer is in); or that the cache decided the request,
+// and whether it allowed it; or why no answer came in time.
+func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *demands) (_ time.Time, _ flightKey, decided, allowed bool, _ error) {
 	deadline := now.Add(s.callTimeout)
 	var timer *time.Timer
 	defer func() {
@@ -50,12 +50,12 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *demands) (
 	}()
 	for {
 		tight, most, pace := s.look(now, d)
-		if s.cacheDenied(d) {
+		if decided, allowed := s.cacheDecides(d); decided {
 			d.at = now
-			return now, flightKey{}, true, nil
+			return now, flightKey{}, true, allowed, nil
 		}
 		if tight < 0 {
-			return now, noFlight, false, nil // counters alone: no bucket to fly for
+			return now, noFlight, false, false, nil // counters alone: no bucket to fly for
 		}
 		var landed <-chan struct{}
 		var k flightKey
@@ -63,7 +63,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *demands) (
 			b := &d.buckets[tight]
 			k = flightKey{b.zone, s.zones[b.zone].cache.hash(b.key)}
 			if landed = s.flights.join(k, max(most, 1)); landed == nil {
-				return now, k, false, nil
+				return now, k, false, false, nil
 			}
 		}
 		if timer == nil {
@@ -78,9 +78,9 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *demands) (
 		case <-landed:
 		case <-paced:
 		case <-ctx.Done():
-			return now, flightKey{}, false, ctx.Err()
+			return now, flightKey{}, false, false, ctx.Err()
 		case <-timer.C:
-			return now, flightKey{}, false, errNoAnswer
+			return now, flightKey{}, false, false, errNoAnswer
 		}
 		now = now.Add(time.Since(waitStart))
 	}
@@ -150,31 +150,36 @@ func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pac
 // flight for its buckets; they report Redis's health, this request not.
 var errNoAnswer = errors.New("redis: no answer within timeout")
 
-// cacheDenied reports whether the cache refuses d, and says so in
-// d.remembered. A bucket with a ban that the cache finds short but not
+// cacheDecides reports whether the cache decides d, whether it allows it,
+// and says so in d.remembered. It refuses d when a demand that is not
+// soft lacks; it allows d when every demand is soft and lacks, so that
+// nothing would be charged (a flood of a zone in dry run asks Redis
+// nothing). A bucket with a ban that the cache finds short but not
 // banned sends the request to Redis instead: the refusal that starts a
 // ban is Redis's to make, once for every instance. So does a zone whose
 // buckets or counters get tokens back (count): other instances' refunds
 // give them back faster than the rate, so only a ban (which refunds never
 // shorten) is a bound the cache can refuse by.
-func (s *RedisStore) cacheDenied(d *demands) bool {
-	denied := false
+func (s *RedisStore) cacheDecides(d *demands) (decided, allowed bool) {
+	denied, charged := false, len(d.slots) > 0
 	for i := range d.counters {
 		c := &d.counters[i]
 		if !c.ok && s.zones[c.zone].refunds {
-			return false
+			return false, false
 		}
-		denied = denied || !c.ok
+		denied = denied || !c.ok && !c.soft
+		charged = charged || c.ok
 	}
 	for i := range d.buckets {
 		b := &d.buckets[i]
 		if l := b.limit; !b.ok && (l.ban > 0 || s.zones[b.zone].refunds) && !l.banned(b.debt) {
-			return false
+			return false, false
 		}
-		denied = denied || !b.ok
+		denied = denied || !b.ok && !b.soft
+		charged = charged || b.ok
 	}
-	d.remembered = denied
-	return denied
+	d.remembered = denied || !charged
+	return d.remembered, !denied
 }
 
 // remember notes, for fromCache, the buckets of a request that Redis

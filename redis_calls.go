@@ -87,7 +87,7 @@ func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *demands) {
 		if op == rediswire.Adjust {
 			c.AdjustBucket(hash, field, limit, s.shapeOf(b, true), b.baseCost())
 		} else {
-			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.limit.noDelay)
+			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.limit.noDelay, b.soft)
 		}
 	}
 	for i := range d.counters {
@@ -97,7 +97,7 @@ func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *demands) {
 		if op == rediswire.Adjust {
 			c.AdjustCounter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.window), k.cost)
 		} else {
-			c.Counter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.window))
+			c.Counter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.window), k.soft)
 		}
 	}
 	for i := range d.slots {
@@ -129,8 +129,8 @@ func read(r rediswire.Reply, op rediswire.Op, d *demands) {
 		} else {
 			b.clearOwnLimit()
 		}
-		b.ok = allowed || b.wait() == 0
-		others = others && b.ok
+		b.ok = allowed && !r.BucketShort(i) || !allowed && b.wait() == 0
+		others = others && (b.ok || b.soft)
 	}
 	for j := range d.counters {
 		c := &d.counters[j]
@@ -139,8 +139,8 @@ func read(r rediswire.Reply, op rediswire.Op, d *demands) {
 		if used > 0 {
 			c.left = left
 		}
-		c.ok = allowed || used+c.cost <= c.limit
-		others = others && c.ok
+		c.ok = allowed && !r.CounterShort(j) || !allowed && used+c.cost <= c.limit
+		others = others && (c.ok || c.soft)
 	}
 	for j := range d.slots {
 		q := &d.slots[j]

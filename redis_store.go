@@ -321,10 +321,10 @@ func (s *RedisStore) takeExact(ctx context.Context, now time.Time, d *demands) (
 	cached := !s.DisableOverLimitCache && len(d.buckets)+len(d.counters) > 0
 	if cached {
 		arrived := now
-		var denied bool
+		var decided, allowed bool
 		var err error
-		if now, flight, denied, err = s.fromCache(ctx, now, d); denied || err != nil {
-			return false, err
+		if now, flight, decided, allowed, err = s.fromCache(ctx, now, d); decided || err != nil {
+			return allowed && err == nil, err
 		}
 		defer s.flights.land(flight)
 		budget -= now.Sub(arrived)

@@ -517,6 +517,34 @@ func TestRedisClusterRefundsEachSlot(t *testing.T) {
 	}
 }
 
+// On a cluster, a zone in dry run whose bucket lies in another slot and
+// lacks refuses nothing, and is given nothing back when a zone after it
+// refuses: it was charged nothing.
+func TestRedisClusterDryRunApart(t *testing.T) {
+	nodes := startCluster(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
+		{"name":"ip","rate":"1r/m","burst":5},
+		{"name":"dry","key":"{http.request.header.X-User}","rate":"1r/m","burst":1,"dry_run":true},
+		{"name":"api","key":"{http.request.header.X-Key}","rate":"1r/m","burst":1}],
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
+	ip, user, key := "10.3.0.1", "carol", "key-1"
+	if code, _ := serve(h, ip, "X-User", user, "X-Key", key); code != http.StatusOK {
+		t.Fatalf("first: %d", code)
+	}
+	// dry lacks, and refuses nothing; api refuses: ip gets its token back.
+	if code, _ := serve(h, ip, "X-User", user, "X-Key", key); code != http.StatusTooManyRequests {
+		t.Fatalf("second: %d, want 429 from api", code)
+	}
+	// dry lacks still: no token came back to it.
+	code, hdr := serve(h, ip, "X-User", user)
+	if code != http.StatusOK || !strings.Contains(hdr.Get("Ratelimit"), `"ip";r=3`) {
+		t.Fatalf("third: %d, RateLimit %q; want 200 and 3 left in zone ip", code, hdr.Get("Ratelimit"))
+	}
+	if n := h.Zones[1].state.dryRunDenied.Load(); n != 2 {
+		t.Fatalf("dry run would have refused %d requests, want 2: it was given a token it was not charged", n)
+	}
+}
+
 // Sentinel: after a failover the store follows the new master.
 func TestRedisSentinelFailover(t *testing.T) {
 	if testing.Short() {

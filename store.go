@@ -119,6 +119,10 @@ type bucketDemand struct {
 	// floor: the bucket owes at least this much now, as another store knew
 	// it (fail_mode local's buckets start from what Redis said).
 	floor time.Duration
+	// soft: a bucket without the tokens refuses nothing; it is charged
+	// nothing, and answers not ok (a zone in dry run). A refusal starts
+	// its ban as any bucket's.
+	soft bool
 
 	// The answer.
 	ok   bool          // the bucket had the tokens (or, with a delay, will have them within it)
@@ -193,6 +197,7 @@ type counterDemand struct {
 	limit  int64        // units per window
 	cost   int64        // units the request counts; adjust: negative to take off
 	window *quotaWindow // the window by this instance's clock (see quota.go)
+	soft   bool         // a counter without the units refuses nothing, and counts nothing (dry run)
 
 	// The answer.
 	ok   bool

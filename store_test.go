@@ -14,7 +14,8 @@ import (
 // The zones of the shared step table: a 10r/s burst 3; b 1r/s burst 2;
 // c 2r/s burst 4, two tokens a request; d 7r/s burst 7; e 1r/s burst 2
 // with a ban of 10s; f 10r/s burst 2 with a delay of 300ms (delaySteps);
-// q a quota of 3 alone; r 1r/s burst 2 with a quota of 3. The quotas'
+// q a quota of 3 alone; r 1r/s burst 2 with a quota of 3; s 1r/s burst 2
+// with a ban of 10s and t a quota of 2, both in dry run. The quotas'
 // windows are 100s long in the steps (stepQuotaWindow), and a step's
 // quota is its zone's letter in upper case: "rR" is zone r's bucket and
 // quota.
@@ -26,7 +27,9 @@ const stepZones = `[
 	{"name":"e","rate":"1r/s","burst":2,"ban":"10s"},
 	{"name":"f","rate":"10r/s","burst":2,"delay":"300ms"},
 	{"name":"q","quota":3,"quota_period":"day"},
-	{"name":"r","rate":"1r/s","burst":2,"quota":3,"quota_period":"month","timezone":"Europe/Paris"}]`
+	{"name":"r","rate":"1r/s","burst":2,"quota":3,"quota_period":"month","timezone":"Europe/Paris"},
+	{"name":"s","rate":"1r/s","burst":2,"ban":"10s","dry_run":true},
+	{"name":"t","quota":2,"quota_period":"day","dry_run":true}]`
 
 // stepQuotaWindow is the length of the quotas' windows in the steps,
 // which start at a window's start.
@@ -117,6 +120,20 @@ var storeSteps = []storeStep{
 	{2 * time.Second, "r", "r", true, []int64{0}, ""},
 	{3 * time.Second, "r", "rRbQ", false, []int64{1, 0, 2, 3}, ""},
 	{3 * time.Second, "r", "bQ", true, []int64{1, 2}, ""},
+	// A zone in dry run refuses nothing: the request is decided without
+	// its bucket or counter when they lack, which are charged nothing; a
+	// refusal starts its ban all the same.
+	{400 * time.Second, "s", "as", true, []int64{2, 1}, ""},
+	{400 * time.Second, "s", "as", true, []int64{1, 0}, ""},
+	{400 * time.Second, "s", "as", true, []int64{0, 0}, "s"},
+	{400 * time.Second, "s", "as", false, []int64{0, 0}, ""},
+	{400 * time.Second, "s", "bs", true, []int64{1, 0}, ""},
+	{0, "t", "T", true, []int64{1}, ""},
+	{0, "t", "T", true, []int64{0}, ""},
+	{0, "t", "T", true, []int64{0}, ""},
+	{0, "t", "aT", true, []int64{2, 0}, ""},
+	{0, "t", "QT", true, []int64{2, 0}, ""},
+	{0, "t", "aQT", true, []int64{1, 1, 0}, ""},
 }
 
 // runStoreSteps replays storeSteps against h's store, with the store's

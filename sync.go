@@ -482,7 +482,7 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 		b.debt, b.ok = look.debt, look.debt+b.cost <= b.limit.reach()
 		switch {
 		case !b.ok:
-			denied = true
+			denied = denied || !b.soft
 		case strict && look.ad+b.cost > max(sz.interval, b.cost):
 			here = false
 		}
@@ -496,6 +496,9 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 	}
 	for i := range d.buckets {
 		b, look := &d.buckets[i], &looks[i]
+		if !b.ok {
+			continue // soft: charged nothing
+		}
 		c := look.c
 		c.fullAt = look.n + look.debt + b.cost
 		c.allow = look.n + look.ad + b.cost

@@ -397,6 +397,7 @@ type charge struct {
 	h    uint64
 	now  time.Duration // t.instant of the request
 	req  int           // the demand this charge answers
+	soft bool          // without the tokens, it refuses nothing (bucketDemand.soft)
 
 	fullAt time.Duration // the bucket's instant, with this charge if ok
 	ok     bool
@@ -454,7 +455,8 @@ type slotClaim struct {
 
 // takeAll charges every bucket, counts in every counter and takes every
 // slot, or does none of it: a request refused by one spends nothing in
-// the others. Shards are locked in one global order (by table), so
+// the others. A soft bucket or counter that lacks refuses nothing, and is
+// charged nothing. Shards are locked in one global order (by table), so
 // concurrent multi-zone requests cannot deadlock; the slots are taken
 // once the buckets and counters allowed, before anything is written (a
 // slot table's locks are taken one at a time, after the tables', and
@@ -481,22 +483,22 @@ func takeAll(cs []charge, ks []count, sl []slotClaim) bool {
 			c.applyOverride(s)
 		}
 		c.try(s.m[c.h])
-		allowed = allowed && c.ok
+		allowed = allowed && (c.ok || c.soft)
 	}
 	for i := range ks {
 		k := &ks[i]
 		e, tracked := k.t.shard(k.h).m[k.h]
 		k.try(e, tracked)
-		allowed = allowed && k.ok
+		allowed = allowed && (k.ok || k.soft)
 	}
 	if allowed {
 		allowed = claimAll(sl)
 	}
 	for i := range cs {
-		cs[i].commit(cs[i].t.shard(cs[i].h), allowed)
+		cs[i].commit(cs[i].t.shard(cs[i].h), allowed && cs[i].ok)
 	}
 	for i := range ks {
-		ks[i].commit(ks[i].t.shard(ks[i].h), allowed)
+		ks[i].commit(ks[i].t.shard(ks[i].h), allowed && ks[i].ok)
 	}
 	for _, l := range locks {
 		l.mu.Unlock()
@@ -522,7 +524,7 @@ func takeOne(c *charge) bool {
 	}
 	s.mu.Unlock()
 	c.debt = c.l.debt(c.fullAt, c.now)
-	return c.ok
+	return c.ok || c.soft
 }
 
 // countOne is takeAll of one count alone.
@@ -533,7 +535,7 @@ func countOne(k *count) bool {
 	k.try(e, tracked)
 	k.commit(s, k.ok)
 	s.mu.Unlock()
-	return k.ok
+	return k.ok || k.soft
 }
 
 // claimAll takes a slot of every claim, or gives back those it took when

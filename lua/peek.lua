@@ -5,7 +5,7 @@
 -- clock, ARGV[2] '1' and ARGV[3] '0', ARGV[4] 'peek', then nb, nc, ns
 -- and the sections), and so is the reply's layout:
 --
---   {clock, repaired, 1, debt_1, 0, token_1, burst_1, ..., used_1, left_1, ..., 0, free_1, ...}
+--   {clock, repaired, 1, debt_1, 0, token_1, burst_1, ..., used_1, left_1, 0, ..., 0, free_1, ...}
 --
 -- where debt_i is what bucket i owes, at most full + ban + beyond (of its
 -- override when it has one: token_i and burst_i, else 0 and 0; a bucket
@@ -25,7 +25,7 @@ if not clock then
 end
 local now = clock - epoch
 local nb, nc, ns = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local cargs, sargs = 7 + 8 * nb, 7 + 8 * nb + 6 * nc
+local cargs, sargs = 7 + 9 * nb, 7 + 9 * nb + 7 * nc
 local reply = { clock, 0, 1 }
 
 local function bad()
@@ -33,7 +33,7 @@ local function bad()
 end
 
 for i = 1, nb do
-	local a = 8 * i
+	local a = 9 * i - 1
 	local full, token = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 7])
 	local otoken, oburst = 0, 0
 	local o = KEYS[2 * i] ~= KEYS[2 * i - 1] and redis.pcall('GET', KEYS[2 * i])
@@ -86,7 +86,7 @@ for i = 1, nb do
 end
 
 for j = 1, nc do
-	local a = cargs + 6 * (j - 1)
+	local a = cargs + 7 * (j - 1)
 	local e = tonumber(ARGV[a + 6]) -- the window that holds the clock, or the last
 	for b = a + 4, a + 6 do
 		if clock < tonumber(ARGV[b]) then
@@ -109,7 +109,7 @@ for j = 1, nc do
 			end
 		end
 	end
-	reply[2 + 4 * nb + 2 * j], reply[3 + 4 * nb + 2 * j] = used, math.max(e - clock, 0) * 1000
+	reply[1 + 4 * nb + 3 * j], reply[2 + 4 * nb + 3 * j], reply[3 + 4 * nb + 3 * j] = used, math.max(e - clock, 0) * 1000, 0
 end
 
 for j = 1, ns do
@@ -117,7 +117,7 @@ for j = 1, ns do
 	if redis.call('TYPE', key).ok == 'zset' then
 		used = redis.call('ZCOUNT', key, '(' .. now, '+inf')
 	end
-	reply[2 + 4 * nb + 2 * (nc + j)], reply[3 + 4 * nb + 2 * (nc + j)] = 0, math.max(ARGV[sargs + 3 * j - 1] - used, 0)
+	reply[2 + 4 * nb + 3 * nc + 2 * j], reply[3 + 4 * nb + 3 * nc + 2 * j] = 0, math.max(ARGV[sargs + 3 * j - 1] - used, 0)
 end
 
 return reply

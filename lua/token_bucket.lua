@@ -28,9 +28,9 @@
 --   take, adjust
 --            then nb, nc, ns (the numbers of buckets, counters and slot
 --            sets) and three sections, in that order:
---              buckets  8 values each: field, full, cost, ban, beyond,
---                       wait, scaled, token
---              counters 6 values each: limit, cost, b0, b1, b2, b3
+--              buckets  9 values each: field, full, cost, ban, beyond,
+--                       wait, scaled, token, soft
+--              counters 7 values each: limit, cost, b0, b1, b2, b3, soft
 --              slots    id, then 3 values each: limit, lease, soft
 --            KEYS: the hash of each bucket and the key of its override
 --            (two keys a bucket; the hash again when the caller knows
@@ -59,7 +59,7 @@
 --   take, adjust
 --             allowed,
 --             debt_1, ban_1, token_1, burst_1, ..., (nb buckets)
---             used_1, left_1, ..., (nc counters)
+--             used_1, left_1, short_1, ..., (nc counters)
 --             held_1, free_1, ... (ns slot sets)
 --   release   the number of sets that held the request's slot
 --
@@ -67,11 +67,13 @@
 --             Redis's clock is outside the quota windows sent (below):
 --             nothing was decided, and the rest is 0
 --   debt_i    how long until bucket i is full again, after the decision
---   ban_i     1 if this decision started bucket i's ban, else 0
+--   ban_i     1 if this decision started bucket i's ban, else 0; plus 2
+--             when bucket i is soft and lacked the tokens
 --   token_i   the time of a token of the override that decided bucket i,
 --   burst_i   and its burst; 0 and 0 when the bucket's own shape decided
 --   used_j    counter j's count in its window, after the decision
 --   left_j    how long until that window ends
+--   short_j   1 when counter j is soft and lacked the units, else 0
 --   held_j    1 if the request holds a slot of set j, else 0
 --   free_j    how many slots of set j are free, after the decision
 --
@@ -128,7 +130,10 @@
 -- key's limit changed to a smaller one) is read as owing just that: from
 -- then on an empty bucket of the request's limit.
 --
--- take    charges every bucket, counter and slot set, or none. A bucket
+-- take    charges every bucket, counter and slot set, or none. A soft
+--         bucket or counter (soft '1': a zone in dry run) that lacks
+--         refuses nothing and is charged nothing, and a refusal starts
+--         its ban all the same. A bucket
 --         gives cost when debt + cost <= full + wait and cost <= full:
 --         the request then waits out what it owes beyond full. When the
 --         take is refused, each bucket with a ban that lacked the tokens
@@ -471,21 +476,22 @@ if ARGV[2] ~= '0' then
 	function general(op)
 		local take, adjust = op == 'take', op == 'adjust'
 		local nb, nc, ns = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
-		local ab, kb = a + 4, k -- bucket i's values are ARGV[ab + 8(i-1) ..], its keys KEYS[kb + 2(i-1) ..]
-		local ac, kc = ab + 8 * nb, kb + 2 * nb -- counter j's: ARGV[ac + 6(j-1) ..], KEYS[kc + 2(j-1) ..]
-		local as, ks = ac + 6 * nc, kc + 2 * nc -- the id is ARGV[as]; set j's: ARGV[as + 1 + 3(j-1) ..], KEYS[ks + j - 1]
+		local ab, kb = a + 4, k -- bucket i's values are ARGV[ab + 9(i-1) ..], its keys KEYS[kb + 2(i-1) ..]
+		local ac, kc = ab + 9 * nb, kb + 2 * nb -- counter j's: ARGV[ac + 7(j-1) ..], KEYS[kc + 2(j-1) ..]
+		local as, ks = ac + 7 * nc, kc + 2 * nc -- the id is ARGV[as]; set j's: ARGV[as + 1 + 3(j-1) ..], KEYS[ks + j - 1]
 		a, k = as + (ns > 0 and 1 + 3 * ns or 0), ks + ns
 		local r = #reply -- the decision's results are reply[r + 1 ..]
-		for i = r + 1, r + 1 + 4 * nb + 2 * (nc + ns) do
+		for i = r + 1, r + 1 + 4 * nb + 3 * nc + 2 * ns do
 			reply[i] = 0
 		end
 		reply[r + 1] = 1
-		local cr, sr = r + 1 + 4 * nb, r + 1 + 4 * nb + 2 * nc -- counter j's results are reply[cr + 2j - 1 ..], set j's reply[sr + 2j - 1 ..]
+		local cr, sr = r + 1 + 4 * nb, r + 1 + 4 * nb + 3 * nc -- counter j's results are reply[cr + 3j - 2 ..], set j's reply[sr + 2j - 1 ..]
+		local lacked = {} -- the soft buckets without the tokens, by index
 
 		-- Counters, read and decided before anything is written.
-		local cused, cend, cstale = {}, {}, {}
+		local cused, cend, cstale, cshort = {}, {}, {}, {}
 		for j = 1, nc do
-			local x = ac + 6 * (j - 1)
+			local x = ac + 7 * (j - 1)
 			local e
 			if clock >= tonumber(ARGV[x + 2]) then
 				for b = x + 3, x + 5 do
@@ -520,7 +526,11 @@ if ARGV[2] ~= '0' then
 				end
 			end
 			if take and used + ARGV[x + 1] > tonumber(ARGV[x]) then
-				reply[r + 1] = 0
+				if ARGV[x + 6] == '1' then
+					cshort[j] = true
+				else
+					reply[r + 1] = 0
+				end
 			end
 			cused[j], cend[j] = used, e
 		end
@@ -536,7 +546,7 @@ if ARGV[2] ~= '0' then
 		-- the shape's, and its name in names, for the writes.
 		local names = {}
 		for i = 1, nb do
-			local x, h = ab + 8 * (i - 1), KEYS[kb + 2 * (i - 1)]
+			local x, h = ab + 9 * (i - 1), KEYS[kb + 2 * (i - 1)]
 			local full, cost, ban, beyond = tonumber(ARGV[x + 1]), tonumber(ARGV[x + 2]), tonumber(ARGV[x + 3]), tonumber(ARGV[x + 4])
 			local shapefull, token = full, tonumber(ARGV[x + 7])
 			local otoken, oburst = 0, 0
@@ -565,7 +575,11 @@ if ARGV[2] ~= '0' then
 				-- A cost above the whole bucket (a key's own burst below a
 				-- cost that comes with each request) is never there, and its
 				-- refusal bans no one.
-				reply[r + 1] = 0
+				if ARGV[x + 8] == '1' then
+					lacked[i] = true
+				else
+					reply[r + 1] = 0
+				end
 				if ban > 0 and debt <= full and cost <= full then
 					state = state + 1
 				end
@@ -599,7 +613,7 @@ if ARGV[2] ~= '0' then
 		-- Buckets: save. A bucket that owes debt is saved as the instant now +
 		-- debt; debt <= 0 deletes it.
 		for i = 1, nb do
-			local x, y = ab + 8 * (i - 1), r + 4 * i - 2
+			local x, y = ab + 9 * (i - 1), r + 4 * i - 2
 			local debt, state = reply[y], reply[y + 1]
 			local short = state % 2 == 1
 			local write = true
@@ -612,7 +626,7 @@ if ARGV[2] ~= '0' then
 				else
 					write = state >= 2 -- banned: only a repair
 				end
-			elseif take and allowed then
+			elseif take and allowed and not lacked[i] then
 				debt = debt + cost
 			elseif short then
 				debt = full + ban
@@ -631,16 +645,16 @@ if ARGV[2] ~= '0' then
 			if state >= 4 then
 				reply[2] = reply[2] + 1
 			end
-			reply[y], reply[y + 1] = debt, short and 1 or 0
+			reply[y], reply[y + 1] = debt, (short and 1 or 0) + (lacked[i] and 2 or 0)
 		end
 
 		-- Counters: count, and reply.
 		for j = 1, nc do
-			local x = ac + 6 * (j - 1)
+			local x = ac + 7 * (j - 1)
 			local key, used, e, cost = KEYS[kc + 2 * (j - 1)], cused[j], cend[j], tonumber(ARGV[x + 1])
 			-- Numbers are written with %d: Redis would turn one of more than 14
 			-- digits into an exponent.
-			if take and allowed or adjust and cost > 0 then
+			if take and allowed and not cshort[j] or adjust and cost > 0 then
 				used = used + cost
 				local w = string.format('%d', math.ceil(e / 1000))
 				if cstale[j] then
@@ -661,7 +675,7 @@ if ARGV[2] ~= '0' then
 					redis.call('HSET', key, 'n', string.format('%d', used))
 				end
 			end
-			reply[cr + 2 * j - 1], reply[cr + 2 * j] = used, (e - clock) * 1000
+			reply[cr + 3 * j - 2], reply[cr + 3 * j - 1], reply[cr + 3 * j] = used, (e - clock) * 1000, cshort[j] and 1 or 0
 		end
 
 		-- Slots: take, and reply.

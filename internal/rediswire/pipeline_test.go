@@ -42,7 +42,7 @@ func taker(t *testing.T, r *redistest.Server) func(key string) (Reply, error) {
 	return func(key string) (Reply, error) {
 		call := NewCall(Take, time.Now().Add(5*time.Second))
 		hash, field, limit := keys.BucketLimit(ZoneField("z"), key)
-		call.Bucket(hash, field, limit, shape, false)
+		call.Bucket(hash, field, limit, shape, false, false)
 		return c.Run(context.Background(), call)
 	}
 }

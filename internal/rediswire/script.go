@@ -143,14 +143,11 @@ type SlotShape struct {
 // NewSlotShape is a set of limit slots whose leases last lease; a soft
 // set that is full does not refuse a request.
 func NewSlotShape(limit int64, lease time.Duration, soft bool) *SlotShape {
-	s := &SlotShape{Limit: limit, Lease: lease, Soft: soft, args: [3]any{strconv.FormatInt(limit, 10), ns(lease), "0"}}
-	if soft {
-		s.args[2] = "1"
-	}
+	s := &SlotShape{Limit: limit, Lease: lease, Soft: soft, args: [3]any{strconv.FormatInt(limit, 10), ns(lease), flagArg(soft)}}
 	return s
 }
 
-var zero any = "0"
+var zero, one any = "0", "1"
 
 // counts are the counts a call sends (of keys, of a section), boxed once.
 var counts = func() (n [64]any) {
@@ -202,14 +199,14 @@ type Call struct {
 type bucketArgs struct {
 	hash, field, limit string
 	shape              *Shape
-	cost, wait         any
+	cost, wait, soft   any
 }
 
 type counterArgs struct {
 	key, untagged string
 	shape         *CounterShape
 	window        *Window
-	cost          any
+	cost, soft    any
 }
 
 type slotArgs struct {
@@ -243,18 +240,27 @@ func (c *Call) Clock(t time.Time) { c.clock = strconv.FormatInt(t.UnixMicro(), 1
 // Bucket asks for s.Cost from the bucket field of hash, whose key's own
 // limit (an override) would be the key limit, or none when limit is hash;
 // the request may wait for its tokens up to s.Reserve, or, without wait,
-// not at all.
-func (c *Call) Bucket(hash, field, limit string, s *Shape, wait bool) {
+// not at all. A soft bucket that lacks the tokens refuses nothing, and is
+// charged nothing (see Reply.BucketShort).
+func (c *Call) Bucket(hash, field, limit string, s *Shape, wait, soft bool) {
 	w := zero
 	if wait {
 		w = s.args[4]
 	}
-	c.bucket(bucketArgs{hash, field, limit, s, s.args[1], w})
+	c.bucket(bucketArgs{hash, field, limit, s, s.args[1], w, flagArg(soft)})
+}
+
+// flagArg is the script's argument of a flag.
+func flagArg(on bool) any {
+	if on {
+		return one
+	}
+	return zero
 }
 
 // AdjustBucket charges the bucket cost more, or gives -cost back.
 func (c *Call) AdjustBucket(hash, field, limit string, s *Shape, cost time.Duration) {
-	c.bucket(bucketArgs{hash, field, limit, s, costArg(int64(cost), int64(s.Cost), s.args[1], s.args[5]), zero})
+	c.bucket(bucketArgs{hash, field, limit, s, costArg(int64(cost), int64(s.Cost), s.args[1], s.args[5]), zero, zero})
 }
 
 // costArg is the argument of an adjustment by cost, for a shape whose own
@@ -274,20 +280,21 @@ func (c *Call) bucket(b bucketArgs) {
 		panic("rediswire: buckets go before counters and slots")
 	}
 	c.buckets = append(c.buckets, b)
-	c.plain = c.plain && b.shape.plain && b.limit == b.hash
+	c.plain = c.plain && b.shape.plain && b.limit == b.hash && b.soft == zero
 }
 
 // Counter asks for s.Cost units of the quota counter key in window w.
 // untagged is the key an earlier build kept it in (see CounterZone), read
-// while key is absent.
-func (c *Call) Counter(key, untagged string, s *CounterShape, w *Window) {
-	c.counter(counterArgs{key, untagged, s, w, s.args[1]})
+// while key is absent. A soft counter that lacks the units refuses
+// nothing, and counts nothing (see Reply.CounterShort).
+func (c *Call) Counter(key, untagged string, s *CounterShape, w *Window, soft bool) {
+	c.counter(counterArgs{key, untagged, s, w, s.args[1], flagArg(soft)})
 }
 
 // AdjustCounter counts cost units more in the counter, or takes -cost
 // off.
 func (c *Call) AdjustCounter(key, untagged string, s *CounterShape, w *Window, cost int64) {
-	c.counter(counterArgs{key, untagged, s, w, costArg(cost, s.Cost, s.args[1], s.args[2])})
+	c.counter(counterArgs{key, untagged, s, w, costArg(cost, s.Cost, s.args[1], s.args[2]), zero})
 }
 
 func (c *Call) counter(k counterArgs) {
@@ -314,7 +321,7 @@ func (c *Call) results() int {
 	case c.op == Release:
 		return 1
 	}
-	return 1 + 4*len(c.buckets) + 2*(len(c.counters)+len(c.slots))
+	return 1 + 4*len(c.buckets) + 3*len(c.counters) + 2*len(c.slots)
 }
 
 // keys appends the call's keys to cmd.
@@ -357,11 +364,11 @@ func (c *Call) args(cmd []any, shapes []*Shape) []any {
 	for i := range c.buckets {
 		b := &c.buckets[i]
 		a := &b.shape.args
-		cmd = append(cmd, b.field, a[0], b.cost, a[2], a[3], b.wait, a[6], a[7])
+		cmd = append(cmd, b.field, a[0], b.cost, a[2], a[3], b.wait, a[6], a[7], b.soft)
 	}
 	for i := range c.counters {
 		k := &c.counters[i]
-		cmd = append(cmd, k.shape.args[0], k.cost, k.window.args[0], k.window.args[1], k.window.args[2], k.window.args[3])
+		cmd = append(cmd, k.shape.args[0], k.cost, k.window.args[0], k.window.args[1], k.window.args[2], k.window.args[3], k.soft)
 	}
 	if len(c.slots) > 0 {
 		cmd = append(cmd, c.id)
@@ -552,8 +559,12 @@ func (r Reply) Bucket(i int) (debt time.Duration, banStarted bool) {
 	if r.plain {
 		return time.Duration(r.int(1 + i)), false
 	}
-	return time.Duration(r.int(1 + 4*i)), r.int(2+4*i) == 1
+	return time.Duration(r.int(1 + 4*i)), r.int(2+4*i)&1 == 1
 }
+
+// BucketShort reports whether the i-th bucket, soft, lacked the tokens:
+// the call charged it nothing.
+func (r Reply) BucketShort(i int) bool { return !r.plain && r.int(2+4*i)&2 != 0 }
 
 // Override is the key's own limit that decided the i-th bucket: its
 // token's time and its burst; 0, 0 when the shape sent decided.
@@ -567,13 +578,17 @@ func (r Reply) Override(i int) (token time.Duration, burst int64) {
 // Counter is the j-th counter's count after the call, and how long until
 // its window ends.
 func (r Reply) Counter(j int) (used int64, left time.Duration) {
-	k := 1 + 4*r.nb + 2*j
+	k := 1 + 4*r.nb + 3*j
 	return r.int(k), time.Duration(r.int(k + 1))
 }
+
+// CounterShort reports whether the j-th counter, soft, lacked the units:
+// the call counted nothing in it.
+func (r Reply) CounterShort(j int) bool { return r.int(1+4*r.nb+3*j+2) == 1 }
 
 // Slot reports whether the request holds a slot of the j-th set, and how
 // many of its slots are free.
 func (r Reply) Slot(j int) (held bool, free int64) {
-	k := 1 + 4*r.nb + 2*(r.nc+j)
+	k := 1 + 4*r.nb + 3*r.nc + 2*j
 	return r.int(k) == 1, r.int(k + 1)
 }

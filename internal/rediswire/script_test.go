@@ -24,13 +24,13 @@ func TestCommandLayout(t *testing.T) {
 	s := NewSlotShape(3, time.Minute, false)
 
 	p1 := NewCall(Take, deadline)
-	p1.Bucket("h1", "f1", "h1", a, false)
+	p1.Bucket("h1", "f1", "h1", a, false, false)
 	p2 := NewCall(Take, deadline) // two zones of plain shapes: still plain
-	p2.Bucket("h2", "f2a", "h2", b, true)
-	p2.Bucket("h2", "f2b", "h2", a, true)
+	p2.Bucket("h2", "f2a", "h2", b, true, false)
+	p2.Bucket("h2", "f2b", "h2", a, true, false)
 	g := NewCall(Take, deadline) // a ban and an override key: in sections
-	g.Bucket("h3", "f3", "h3:limit", banned, false)
-	g.Counter("c3", "u3", q, w)
+	g.Bucket("h3", "f3", "h3:limit", banned, false, false)
+	g.Counter("c3", "u3", q, w, false)
 	g.Slot("s3", "id3", s)
 	r := NewCall(Release, deadline)
 	r.Slot("s4", "id4", nil)
@@ -40,8 +40,8 @@ func TestCommandLayout(t *testing.T) {
 		"", "2", "2", "10000000000", "1000000000", "1000000000", "20000000000", "2000000000", "2000000000",
 		"1", "1", "f1",
 		"2", "2", "f2a", "1", "f2b",
-		"take", "1", "1", "1", "f3", "10000000000", "1000000000", "60000000000", "0", "0", "0", "1000000000",
-		"100", "1", "1000000", "2000000", "3000000", "4000000", "id3", "3", "60000000000", "0",
+		"take", "1", "1", "1", "f3", "10000000000", "1000000000", "60000000000", "0", "0", "0", "1000000000", "0",
+		"100", "1", "1000000", "2000000", "3000000", "4000000", "0", "id3", "3", "60000000000", "0",
 		"release", "1", "id4"})
 	if got != want {
 		t.Fatalf("command\n%s\nwant\n%s", got, want)
@@ -55,7 +55,7 @@ func TestCommandLayout(t *testing.T) {
 	v := []any{int64(7), int64(2),
 		int64(1), int64(3000), // p1: allowed, debt
 		int64(0), int64(11), int64(12), // p2: refused, its two debts
-		int64(1), int64(5), z, z, z, int64(9), int64(50), int64(1), int64(2), // g: a bucket, a counter, a slot
+		int64(1), int64(5), z, z, z, int64(9), int64(50), z, int64(1), int64(2), // g: a bucket, a counter, a slot
 		int64(1)} // r: one set held it
 	m.answer(v, nil, time.Unix(1, 0))
 	for _, c := range m.calls {
@@ -112,7 +112,7 @@ func TestCommandRun(t *testing.T) {
 	var calls []*Call
 	for _, h := range []string{"h1", "h1", "h1", "h2", "h1"} {
 		c := NewCall(Take, deadline)
-		c.Bucket(h, "f"+h, h, a, false)
+		c.Bucket(h, "f"+h, h, a, false, false)
 		calls = append(calls, c)
 	}
 	m := &command{script: &testScripts(t).decide, calls: calls}
