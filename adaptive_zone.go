@@ -281,19 +281,19 @@ func (h *Handler) admitAdaptive(r *http.Request, now time.Time, sc *scratch) out
 		}
 	}
 	if h.anyDryRun {
-		h.noteAdaptivePassed(r, sc)
+		h.noteAdaptivePassed(r, a)
 	}
 	return outcomeAllow
 }
 
 // noteAdaptivePassed sets the would_deny placeholder of the adaptive
 // zones in dry run alone that had a place for r.
-func (h *Handler) noteAdaptivePassed(r *http.Request, sc *scratch) {
+func (h *Handler) noteAdaptivePassed(r *http.Request, a *adaptiveScratch) {
 	repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 	if !ok {
 		return
 	}
-	for _, p := range sc.adaptive.p {
+	for _, p := range a.p {
 		if z := h.Zones[p.zone]; z.inDryRun && z.adaptiveOnly() && !p.wouldShed {
 			repl.Set(z.wouldDenyVar, false)
 		}

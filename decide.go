@@ -8,14 +8,19 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
+	"go.uber.org/zap/zapcore"
 )
 
-// decide is a request's first stage: it asks the store for the demands of
-// every zone that applies to r, all or nothing, applies fail_mode when the
-// store fails, counts the outcome and sets the response headers. The
-// error says why a request that failed cannot go on.
+// decide is a request's first stage: it gathers the demands of every zone
+// that applies to r, gives them to the kinds that decide before the store
+// (an adaptive limit's place, a delay's place among the waiting
+// requests), asks the store for them, all or nothing, applies fail_mode
+// when the store fails, counts the outcome (dry runs with it) and sets
+// the response headers. Each of those files is entered once. The error
+// says why a request that failed cannot go on.
 func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (outcome, error) {
 	now, out, err := h.gather(r, sc)
 	if out == outcomeAllow && len(sc.adaptive.p) > 0 {
@@ -36,11 +41,8 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	}
 	out, err = h.take(r.Context(), now, sc, &sc.d)
 	sc.slotOut = slotRefusal(&sc.d)
-	if h.anyDelay {
-		h.noteDelay(sc, out)
-	}
 	if out == outcomeDeny {
-		if err := h.costAboveOwnBurst(sc); err != nil {
+		if err := h.costAboveOwnBurst(&sc.d); err != nil {
 			return outcomeBadLimit, err
 		}
 	}
@@ -48,8 +50,7 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	if out != outcomeAllow && out != outcomeDeny {
 		return out, err
 	}
-	sc.top = h.mostConstrained(sc)
-	h.writeHeaders(w.Header(), now, sc)
+	h.respond(w.Header(), now, sc)
 	return out, nil
 }
 
@@ -163,9 +164,9 @@ func (h *Handler) take(ctx context.Context, now time.Time, sc *scratch, d *deman
 // whose plan has a cost above its burst (plans.go): 500 rather than a
 // 429 that would promise tokens, logged at most once a minute for the
 // zone.
-func (h *Handler) costAboveOwnBurst(sc *scratch) error {
-	for i := range sc.d.buckets {
-		b := &sc.d.buckets[i]
+func (h *Handler) costAboveOwnBurst(d *demands) error {
+	for i := range d.buckets {
+		b := &d.buckets[i]
 		z := h.Zones[b.zone]
 		if !b.overridden || b.cost <= b.limit.burstTime || z.inDryRun {
 			continue
@@ -243,23 +244,58 @@ func (h *Handler) count(r *http.Request, sc *scratch, out outcome) {
 		switch {
 		case m.wouldDeny:
 			st.dryRunDenied.Add(1)
-			st.top.add(h.keyOf(sc, m))
+			st.top.add(m.key(&sc.d))
 		case !ok || full:
 			st.denied.Add(1)
-			st.top.add(h.keyOf(sc, m))
+			st.top.add(m.key(&sc.d))
 		case allowed:
 			st.allowed.Add(1)
 		}
 	}
 }
 
-// keyOf is the key of m's zone for the request.
-func (h *Handler) keyOf(sc *scratch, m *match) bucketKey {
+// noteDryRun says in r's placeholders whether m's zone z, in dry run,
+// would have refused the request: its bucket or counter lacked (logged,
+// and named in http.rate_limit.would_deny), or it had no slot free; or,
+// for a request the store decided, that it would not.
+func (h *Handler) noteDryRun(r *http.Request, sc *scratch, m *match, z *Zone) {
+	repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
+	switch {
+	case m.wouldDeny && !m.ok(&sc.d):
+		if repl != nil {
+			repl.Set(z.wouldDenyVar, true)
+			repl.Set("http.rate_limit.would_deny", z.boxedName)
+		}
+		if c := h.logger.Check(zapcore.DebugLevel, "rate limit would be exceeded (dry run)"); c != nil {
+			c.Write(h.logFields(r, z, m.wait(&sc.d), m.key(&sc.d))...)
+		}
+	case m.wouldDeny:
+		h.noteDryRunSlot(r, z)
+	case repl != nil && !sc.adaptive.wouldShed(m.zone):
+		repl.Set(z.wouldDenyVar, false)
+	}
+}
+
+// wait is how long the request would wait for m's zone: its bucket's
+// wait, or its counter's, the longer.
+func (m *match) wait(d *demands) time.Duration {
+	var w time.Duration
+	if m.bucket >= 0 {
+		w = d.buckets[m.bucket].wait()
+	}
+	if m.counter >= 0 {
+		w = max(w, d.counters[m.counter].wait())
+	}
+	return w
+}
+
+// key is the key of m's zone for the request.
+func (m *match) key(d *demands) bucketKey {
 	switch {
 	case m.bucket >= 0:
-		return sc.d.buckets[m.bucket].key
+		return d.buckets[m.bucket].key
 	case m.counter >= 0:
-		return sc.d.counters[m.counter].key
+		return d.counters[m.counter].key
 	}
-	return sc.d.slots[m.slot].key
+	return d.slots[m.slot].key
 }

@@ -174,6 +174,19 @@ func (h *Handler) delays(b *bucketDemand) bool {
 	return b.limit.delay > 0 && !h.Zones[b.zone].inDryRun
 }
 
+// wait is a request's second stage, in a handler with a zone that may
+// delay it, once the store decided it (out): it settles the request's
+// place among the waiting requests, and an allowed request that must
+// wait for its tokens waits. A request whose client left while it waited
+// is gone.
+func (h *Handler) wait(r *http.Request, sc *scratch, out outcome) outcome {
+	h.noteDelay(sc, out)
+	if sc.waiter && !h.await(r, sc) {
+		return outcomeGone
+	}
+	return out
+}
+
 // noteDelay settles the request's place once it is decided: an allowed
 // request that must wait keeps it, with sc.delay set; any other gives it
 // back. It counts the requests refused only because max_delayed requests

@@ -56,6 +56,14 @@ func (h *Handler) counterStanding(m *match, c *counterDemand) standing {
 	return q
 }
 
+// respond sets what the response says of the request's zones: the most
+// constrained of them (sc.top, which a refusal speaks for too), and the
+// headers.
+func (h *Handler) respond(hdr http.Header, now time.Time, sc *scratch) {
+	sc.top = h.mostConstrained(sc)
+	h.writeHeaders(hdr, now, sc)
+}
+
 // mostConstrained picks the bucket or counter that speaks for the
 // response, in sc.std: of the refusing ones, the one that makes the
 // client wait longest; if all allowed (dry runs aside), the one with the

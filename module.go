@@ -509,8 +509,8 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 	sc := h.scratch.Get().(*scratch)
 	defer h.finish(r, sc)
 	out, err := h.decide(w, r, sc)
-	if sc.waiter && !h.await(r, sc) {
-		out = outcomeGone
+	if h.anyDelay {
+		out = h.wait(r, sc, out)
 	}
 	if out != outcomeAllow && out != outcomeFailOpen {
 		return h.refuse(w, r, sc, out, err)
