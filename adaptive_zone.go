@@ -62,7 +62,7 @@ var adaptiveKind = kind{
 		info.Requests["shed"] = st.shed.Load()
 		info.Requests["dry_run_shed"] = st.dryRunShed.Load()
 	},
-	join: func(z *Zone, st *zoneState) {
+	join: func(h *Handler, z *Zone, st *zoneState) {
 		if z.ConcurrencyAdaptive != nil {
 			z.provisionAdaptive(st)
 		}

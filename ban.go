@@ -6,10 +6,12 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Zones with ban refuse a key they denied for a while, however soon its
@@ -56,7 +58,20 @@ var banKind = kind{
 			info.Ban = time.Duration(z.Ban).String()
 		}
 	},
+	descs: []*prometheus.Desc{bansDesc},
+	collect: func(_ chan<- prometheus.Metric, counter counterFunc, _ *prometheus.Desc, _ zoneID, s *zoneState) {
+		counter(bansDesc, &s.bans)
+	},
 }
+
+// banCounts are what bans count, in a zone's state.
+type banCounts struct {
+	bans atomic.Uint64 // denials that started a ban
+}
+
+var bansDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "bans_total"),
+	"Denials that started a ban: each ban is counted once, whichever instance started it.",
+	[]string{"zone", "limit"}, nil)
 
 func checkBan(d time.Duration) error {
 	if d <= 0 || d > maxBurstTime {

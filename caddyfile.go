@@ -153,11 +153,6 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.Errf("invalid jitter '%s': expected a fraction such as 0.1", v)
 			}
 			err = checkJitter(h.Jitter)
-		case "max_delayed":
-			if h.MaxDelayed, err = intArg[int64](d); err != nil {
-				return err
-			}
-			err = checkMaxDelayed(h.MaxDelayed)
 		case "log_key":
 			if err := flag(d, &h.LogKey); err != nil {
 				return err
@@ -187,7 +182,13 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			}
 			h.SweepInterval = caddy.Duration(w)
 		default:
-			return d.Errf("unrecognized subdirective '%s'", sub)
+			parse := handlerSubdirectives[sub]
+			if parse == nil {
+				return d.Errf("unrecognized subdirective '%s'", sub)
+			}
+			if err := parse(d, h); err != nil {
+				return err
+			}
 		}
 		if err != nil {
 			return d.WrapErr(err)
@@ -196,7 +197,7 @@ func (h *Handler) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 	if len(h.Zones) == 0 {
 		return d.Err("no zones: use 'rate_limit <key> <rate> [<burst>]' or a 'zone <name> { ... }' block")
 	}
-	if err := cmp.Or(h.checkMaxDelayedUse(), h.checkSyncStore()); err != nil {
+	if err := h.checkKinds(); err != nil {
 		return d.Err(err.Error())
 	}
 	return nil

@@ -6,9 +6,11 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Zones with count charge only the requests whose response matches: a
@@ -49,7 +51,20 @@ var countKind = kind{
 		}
 		return checkCount(z.Count)
 	},
+	descs: []*prometheus.Desc{refundsDesc},
+	collect: func(_ chan<- prometheus.Metric, counter counterFunc, _ *prometheus.Desc, _ zoneID, s *zoneState) {
+		counter(refundsDesc, &s.refunds)
+	},
 }
+
+// countCounts are what count counts, in a zone's state.
+type countCounts struct {
+	refunds atomic.Uint64 // allowed requests given their tokens back (count)
+}
+
+var refundsDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "refunds_total"),
+	"Allowed requests whose tokens a zone with count gave back, as their response did not match.",
+	[]string{"zone", "limit"}, nil)
 
 func checkCount(m *caddyhttp.ResponseMatcher) error {
 	if len(m.StatusCode) == 0 && len(m.Headers) == 0 {

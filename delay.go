@@ -4,10 +4,12 @@
 package ratelimit
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"net/http"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -72,10 +74,27 @@ var delayKind = kind{
 		l.delay = time.Duration(z.Delay)
 		return nil
 	},
-	join: func(z *Zone, st *zoneState) {
+	join: func(h *Handler, z *Zone, st *zoneState) {
 		if z.Delay != 0 {
 			st.delayZone.Store(true)
 		}
+		// z.Delay rather than z.limit's: a zone whose limit comes with
+		// each request (plans) has no limit of its own.
+		h.anyDelay = h.anyDelay || z.Delay != 0 && !z.inDryRun
+	},
+	handlerSubdirectives: map[string]func(*caddyfile.Dispenser, *Handler) error{
+		"max_delayed": func(d *caddyfile.Dispenser, h *Handler) error {
+			var err error
+			if h.MaxDelayed, err = intArg[int64](d); err != nil {
+				return err
+			}
+			return wrapErr(d, checkMaxDelayed(h.MaxDelayed))
+		},
+	},
+	checkHandler: (*Handler).checkMaxDelayedUse,
+	provisionHandler: func(h *Handler) {
+		h.waiting = new(atomic.Int64)
+		h.maxDelayed = cmp.Or(h.MaxDelayed, defaultMaxDelayed)
 	},
 	descs:      []*prometheus.Desc{delayedDesc},
 	collectors: []prometheus.Collector{delaySeconds},
@@ -106,6 +125,44 @@ var delayKind = kind{
 		info.Requests["delay_abandoned"] = st.delayAbandoned.Load()
 		info.Requests["delay_refused"] = st.delayRefused.Load()
 	},
+}
+
+// delayHandler is what delay adds to the handler: its config field, and
+// the requests that wait.
+type delayHandler struct {
+	// The most requests that wait at once in this handler for the tokens
+	// of zones with delay. Beyond it, a request that would have to wait
+	// is decided as if its zones had no delay (refused with 429 when its
+	// tokens are short), so that a flood cannot pile up waiting requests.
+	// Needs a zone with delay. Default: 10000.
+	MaxDelayed int64 `json:"max_delayed,omitempty"`
+
+	anyDelay bool // some zone, not in dry run, lets requests wait
+	// waiting counts the requests that wait out a delay, or may (see
+	// enterWaiting): at most maxDelayed.
+	waiting    *atomic.Int64
+	maxDelayed int64
+}
+
+// defaultMaxDelayed is max_delayed's default: enough for a busy server's
+// short excesses, few enough goroutines and connections to hold.
+const defaultMaxDelayed = 10_000
+
+func checkMaxDelayed(n int64) error { return checkMin("max_delayed", n, 1) }
+
+// checkMaxDelayedUse checks a max_delayed that is set, and that a zone has
+// a delay for it to bound.
+func (h *Handler) checkMaxDelayedUse() error {
+	if h.MaxDelayed == 0 {
+		return nil
+	}
+	if err := checkMaxDelayed(h.MaxDelayed); err != nil {
+		return err
+	}
+	if !slices.ContainsFunc(h.Zones, func(z *Zone) bool { return z != nil && z.Delay != 0 }) {
+		return errors.New("max_delayed needs a zone with delay: it bounds the requests waiting for one")
+	}
+	return nil
 }
 
 // delayCounts are what a zone with delay counts, in its state.

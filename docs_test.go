@@ -580,13 +580,26 @@ func (ref reference) check(t *testing.T, raw []byte) {
 func TestConfigFieldsHaveDocComments(t *testing.T) {
 	types := map[string]bool{"Handler": true, "Zone": true, "LocalStore": true, "RedisStore": true, "RedisTLS": true, "Usage": true, "AdaptiveConcurrency": true}
 	files := []string{"module.go", "zone.go", "local_store.go", "redis_store.go", "redis_config.go", "usage.go", "adaptive_zone.go"}
-	// The kinds' fields are the zone's own in JSON (kinds.go).
-	for f := range reflect.TypeFor[Zone]().Fields() {
+	// The kinds' fields are the zone's and the handler's own in JSON
+	// (kinds.go).
+	embedded := func(yield func(reflect.StructField) bool) {
+		for f := range reflect.TypeFor[Zone]().Fields() {
+			if !yield(f) {
+				return
+			}
+		}
+		for f := range reflect.TypeFor[Handler]().Fields() {
+			if !yield(f) {
+				return
+			}
+		}
+	}
+	for f := range embedded {
 		if f.Anonymous {
 			types[f.Type.Name()] = true
 			file, ok := kindFiles[f.Type.Name()]
 			if !ok {
-				t.Fatalf("no file known for %s, embedded in Zone", f.Type.Name())
+				t.Fatalf("no file known for %s, embedded in a config", f.Type.Name())
 			}
 			if !slices.Contains(files, file) {
 				files = append(files, file)
@@ -646,6 +659,7 @@ var kindFiles = map[string]string{
 	"banConfig": "ban.go", "delayConfig": "delay.go", "countConfig": "count.go", "usageConfig": "usage.go",
 	"concurrencyConfig": "concurrency.go", "adaptiveConfig": "adaptive_zone.go", "quotaConfig": "quota.go",
 	"overridesConfig": "overrides.go", "dryRunConfig": "dryrun.go", "syncConfig": "sync.go",
+	"delayHandler": "delay.go",
 }
 
 // fieldsWithSeveralNames are the exported struct fields of f declared

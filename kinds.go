@@ -41,8 +41,16 @@ type kind struct {
 	provision func(z *Zone) error
 
 	// join sets up the kind's part of the zone's state, st, once z has
-	// acquired it.
-	join func(z *Zone, st *zoneState)
+	// acquired it, and of its handler, h.
+	join func(h *Handler, z *Zone, st *zoneState)
+
+	// handlerSubdirectives read the kind's subdirectives of the
+	// directive itself, by name, into h; checkHandler checks what the
+	// kind asks of the handler and its zones, and provisionHandler sets
+	// up the kind's part of the handler.
+	handlerSubdirectives map[string]func(d *caddyfile.Dispenser, h *Handler) error
+	checkHandler         func(h *Handler) error
+	provisionHandler     func(h *Handler)
 
 	// descs are the kind's metrics that collect exports, and collectors
 	// those it observes itself.
@@ -88,6 +96,31 @@ var zoneSubdirectives = func() map[string]func(d *caddyfile.Dispenser, z *Zone) 
 	}
 	return m
 }()
+
+// handlerSubdirectives are the subdirectives of the directive that kinds
+// read.
+var handlerSubdirectives = func() map[string]func(d *caddyfile.Dispenser, h *Handler) error {
+	m := make(map[string]func(d *caddyfile.Dispenser, h *Handler) error)
+	for _, k := range kinds {
+		for name, f := range k.handlerSubdirectives {
+			m[name] = f
+		}
+	}
+	return m
+}()
+
+// checkKinds runs every kind's check of the handler.
+func (h *Handler) checkKinds() error {
+	for _, k := range kinds {
+		if k.checkHandler == nil {
+			continue
+		}
+		if err := k.checkHandler(h); err != nil {
+			return err
+		}
+	}
+	return nil
+}
 
 // checkKinds runs every kind's check of z.
 func (z *Zone) checkKinds() error {

@@ -24,14 +24,14 @@ type zoneState struct {
 	dryRunDenied atomic.Uint64 // would have been refused (dry run)
 	storeErrors  atomic.Uint64 // the store failed; fail_mode decided
 	cacheHits    atomic.Uint64 // denied by the Redis store's over-limit cache
-	bans         atomic.Uint64 // denials that started a ban
-	refunds      atomic.Uint64 // allowed requests given their tokens back (count)
 	// ownBurst throttles the errors of requests whose cost is above their
 	// key's own burst: one a minute for the zone, whatever handler has it,
 	// and across reloads.
 	ownBurst throttle.Throttle
 
 	// What the kinds count (see kind.collect).
+	banCounts
+	countCounts
 	delayCounts
 	usageCounts
 	adaptiveCounts
@@ -95,7 +95,7 @@ var (
 // collector exports what the zone states and the stores count, read
 // when Prometheus scrapes.
 type collector struct {
-	requests, cacheHits, bans, refunds, keys, maxKeys, evictions, overrides, circuitOpen *prometheus.Desc
+	requests, cacheHits, keys, maxKeys, evictions, overrides, circuitOpen *prometheus.Desc
 }
 
 func newCollector() *collector {
@@ -106,12 +106,6 @@ func newCollector() *collector {
 			[]string{"zone", "limit", "result"}, nil),
 		cacheHits: prometheus.NewDesc(name("over_limit_cache_hits_total"),
 			"Requests the Redis store denied from its over-limit cache, without asking Redis.",
-			[]string{"zone", "limit"}, nil),
-		bans: prometheus.NewDesc(name("bans_total"),
-			"Denials that started a ban: each ban is counted once, whichever instance started it.",
-			[]string{"zone", "limit"}, nil),
-		refunds: prometheus.NewDesc(name("refunds_total"),
-			"Allowed requests whose tokens a zone with count gave back, as their response did not match.",
 			[]string{"zone", "limit"}, nil),
 		keys: prometheus.NewDesc(name("keys"),
 			"Buckets and calendar quota counters the local store tracks.",
@@ -134,8 +128,6 @@ func newCollector() *collector {
 func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.requests
 	ch <- c.cacheHits
-	ch <- c.bans
-	ch <- c.refunds
 	ch <- c.keys
 	ch <- c.maxKeys
 	ch <- c.evictions
@@ -172,8 +164,6 @@ func (c *collector) collectZone(ch chan<- prometheus.Metric, id zoneID, s *zoneS
 	counter(c.requests, &s.dryRunDenied, "dry_run_denied")
 	counter(c.requests, &s.storeErrors, "store_error")
 	counter(c.cacheHits, &s.cacheHits)
-	counter(c.bans, &s.bans)
-	counter(c.refunds, &s.refunds)
 	for _, k := range kinds {
 		if k.collect != nil {
 			k.collect(ch, counter, c.requests, id, s)

@@ -12,9 +12,7 @@ import (
 	"fmt"
 	"math"
 	"net/http"
-	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
@@ -104,12 +102,8 @@ type Handler struct {
 	// is refused. Default: false.
 	DryRun bool `json:"dry_run,omitempty"`
 
-	// The most requests that wait at once in this handler for the tokens
-	// of zones with delay. Beyond it, a request that would have to wait
-	// is decided as if its zones had no delay (refused with 429 when its
-	// tokens are short), so that a flood cannot pile up waiting requests.
-	// Needs a zone with delay. Default: 10000.
-	MaxDelayed int64 `json:"max_delayed,omitempty"`
+	// What the kinds add to the handler (see kinds.go).
+	delayHandler
 
 	// Do not export this handler's zones as Prometheus metrics. The admin
 	// API still shows them. Default: false.
@@ -136,11 +130,6 @@ type Handler struct {
 	headerMode headerMode
 	anyDryRun  bool // some zone is in dry run
 	anySettle  bool // some zone settles after the response: count, usage
-	anyDelay   bool // some zone, not in dry run, lets requests wait
-	// waiting counts the requests that wait out a delay, or may (see
-	// enterWaiting): at most maxDelayed.
-	waiting    *atomic.Int64
-	maxDelayed int64
 	scratch    *sync.Pool
 	logger     *zap.Logger
 	// refundErrors throttles the warnings of refunds that failed.
@@ -212,8 +201,11 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 	if app, err := ctx.AppIfConfigured("events"); err == nil {
 		h.events, _ = app.(*caddyevents.App)
 	}
-	h.waiting = new(atomic.Int64)
-	h.maxDelayed = cmp.Or(h.MaxDelayed, defaultMaxDelayed)
+	for _, k := range kinds {
+		if k.provisionHandler != nil {
+			k.provisionHandler(h)
+		}
+	}
 	h.refundErrors = new(throttle.Throttle)
 	n := len(h.Zones)
 	h.scratch = &sync.Pool{New: func() any { return newScratch(n) }}
@@ -243,12 +235,9 @@ func (h *Handler) provisionZones(ctx caddy.Context) error {
 		z.inDryRun = z.DryRun || h.DryRun
 		h.anyDryRun = h.anyDryRun || z.inDryRun
 		h.anySettle = h.anySettle || z.Count != nil || z.Usage != nil
-		// z.Delay rather than z.limit's: a zone whose limit comes with each
-		// request (plans) has no limit of its own.
-		h.anyDelay = h.anyDelay || z.Delay != 0 && !z.inDryRun
 		for _, k := range kinds {
 			if k.join != nil {
-				k.join(z, st)
+				k.join(h, z, st)
 			}
 		}
 	}
@@ -366,7 +355,7 @@ func (h *Handler) Validate() error {
 	if len(h.Zones) == 0 {
 		return errors.New("no zones: at least one zone is required")
 	}
-	if err := cmp.Or(h.checkMaxDelayedUse(), h.checkSyncStore()); err != nil {
+	if err := h.checkKinds(); err != nil {
 		return err
 	}
 	names := make(map[string]bool, len(h.Zones))
@@ -403,27 +392,6 @@ func (h *Handler) Validate() error {
 func checkHeaderMode(s string) error {
 	if _, ok := headerModes[s]; !ok {
 		return fmt.Errorf("invalid headers '%s': expected both, legacy, ietf or off", s)
-	}
-	return nil
-}
-
-// defaultMaxDelayed is max_delayed's default: enough for a busy server's
-// short excesses, few enough goroutines and connections to hold.
-const defaultMaxDelayed = 10_000
-
-func checkMaxDelayed(n int64) error { return checkMin("max_delayed", n, 1) }
-
-// checkMaxDelayedUse checks a max_delayed that is set, and that a zone has
-// a delay for it to bound.
-func (h *Handler) checkMaxDelayedUse() error {
-	if h.MaxDelayed == 0 {
-		return nil
-	}
-	if err := checkMaxDelayed(h.MaxDelayed); err != nil {
-		return err
-	}
-	if !slices.ContainsFunc(h.Zones, func(z *Zone) bool { return z != nil && z.Delay != 0 }) {
-		return errors.New("max_delayed needs a zone with delay: it bounds the requests waiting for one")
 	}
 	return nil
 }

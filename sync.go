@@ -101,7 +101,8 @@ var syncKind = kind{
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
 		"sync": durationSub("100ms", func(z *Zone) *caddy.Duration { return &z.Sync }, checkSyncInterval),
 	},
-	check: (*Zone).checkSync,
+	check:        (*Zone).checkSync,
+	checkHandler: (*Handler).checkSyncStore,
 	shape: func(z *Zone, l *limit) error {
 		if z.Sync == 0 {
 			return nil

@@ -69,7 +69,7 @@ var usageKind = kind{
 		}
 		return nil
 	},
-	join: func(z *Zone, st *zoneState) {
+	join: func(h *Handler, z *Zone, st *zoneState) {
 		if z.Usage != nil {
 			st.usageZone.Store(true)
 		}
