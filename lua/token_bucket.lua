@@ -486,10 +486,10 @@ if ARGV[2] ~= '0' then
 		end
 		reply[r + 1] = 1
 		local cr, sr = r + 1 + 4 * nb, r + 1 + 4 * nb + 3 * nc -- counter j's results are reply[cr + 3j - 2 ..], set j's reply[sr + 2j - 1 ..]
-		local lacked = {} -- the soft buckets without the tokens, by index
+		local lacked -- the soft buckets without the tokens, by index (made when one is)
 
 		-- Counters, read and decided before anything is written.
-		local cused, cend, cstale, cshort = {}, {}, {}, {}
+		local cused, cend, cstale, cshort = {}, {}, {}, nil -- cshort: the soft counters without the units
 		for j = 1, nc do
 			local x = ac + 7 * (j - 1)
 			local e
@@ -527,6 +527,7 @@ if ARGV[2] ~= '0' then
 			end
 			if take and used + ARGV[x + 1] > tonumber(ARGV[x]) then
 				if ARGV[x + 6] == '1' then
+					cshort = cshort or {}
 					cshort[j] = true
 				else
 					reply[r + 1] = 0
@@ -576,6 +577,7 @@ if ARGV[2] ~= '0' then
 				-- cost that comes with each request) is never there, and its
 				-- refusal bans no one.
 				if ARGV[x + 8] == '1' then
+					lacked = lacked or {}
 					lacked[i] = true
 				else
 					reply[r + 1] = 0
@@ -626,7 +628,7 @@ if ARGV[2] ~= '0' then
 				else
 					write = state >= 2 -- banned: only a repair
 				end
-			elseif take and allowed and not lacked[i] then
+			elseif take and allowed and not (lacked and lacked[i]) then
 				debt = debt + cost
 			elseif short then
 				debt = full + ban
@@ -645,7 +647,7 @@ if ARGV[2] ~= '0' then
 			if state >= 4 then
 				reply[2] = reply[2] + 1
 			end
-			reply[y], reply[y + 1] = debt, (short and 1 or 0) + (lacked[i] and 2 or 0)
+			reply[y], reply[y + 1] = debt, (short and 1 or 0) + (lacked and lacked[i] and 2 or 0)
 		end
 
 		-- Counters: count, and reply.
@@ -654,7 +656,7 @@ if ARGV[2] ~= '0' then
 			local key, used, e, cost = KEYS[kc + 2 * (j - 1)], cused[j], cend[j], tonumber(ARGV[x + 1])
 			-- Numbers are written with %d: Redis would turn one of more than 14
 			-- digits into an exponent.
-			if take and allowed and not cshort[j] or adjust and cost > 0 then
+			if take and allowed and not (cshort and cshort[j]) or adjust and cost > 0 then
 				used = used + cost
 				local w = string.format('%d', math.ceil(e / 1000))
 				if cstale[j] then
@@ -675,7 +677,7 @@ if ARGV[2] ~= '0' then
 					redis.call('HSET', key, 'n', string.format('%d', used))
 				end
 			end
-			reply[cr + 3 * j - 2], reply[cr + 3 * j - 1], reply[cr + 3 * j] = used, (e - clock) * 1000, cshort[j] and 1 or 0
+			reply[cr + 3 * j - 2], reply[cr + 3 * j - 1], reply[cr + 3 * j] = used, (e - clock) * 1000, cshort and cshort[j] and 1 or 0
 		end
 
 		-- Slots: take, and reply.
