@@ -260,7 +260,11 @@ func (h *Handler) noteDelay(sc *scratch, out outcome) {
 		h.waiting.Add(-1)
 		sc.waiter = false
 	}
-	if out != outcomeDeny {
+	// A request refused for its key's own burst (outcomeBadLimit) was
+	// refused by the store first: it counts as refused here. One refused
+	// before the store asked has no bucket that a full max_delayed
+	// decided.
+	if out != outcomeDeny && out != outcomeBadLimit {
 		return
 	}
 	for i := range sc.d.buckets {
