@@ -11,10 +11,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// A zone is a token bucket per key (zone.go), and may add kinds of limit
-// to it: ban, delay, count, usage, quota, concurrency, concurrency
-// adaptive, plans, overrides, dry run and sync. Each kind is a unit of
-// its own file, which holds its config fields (a struct embedded in Zone,
+// A zone is a token bucket per key (zone.go), whose limit may come with
+// each request (plans.go), and may add kinds of limit to it: ban, delay,
+// count, usage, quota, concurrency, concurrency adaptive, overrides, dry
+// run and sync. Each kind is a unit of its own file, which holds its config fields (a struct embedded in Zone,
 // so that the zone's JSON names them as its own), its Caddyfile
 // subdirectives, its checks, and what it adds to the zone's description,
 // its admin view and its metrics. The parser, the zone, the admin API and
@@ -82,32 +82,26 @@ var kinds = []*kind{
 	&banKind, &delayKind, &countKind, &dryRunKind,
 }
 
-// zoneSubdirectives are the subdirectives of a zone block that kinds
-// read.
-var zoneSubdirectives = func() map[string]func(d *caddyfile.Dispenser, z *Zone) error {
-	m := make(map[string]func(d *caddyfile.Dispenser, z *Zone) error)
+// zoneSubdirectives and handlerSubdirectives are the subdirectives that
+// kinds read, of a zone block and of the directive.
+var (
+	zoneSubdirectives    = byName(func(k *kind) map[string]func(*caddyfile.Dispenser, *Zone) error { return k.subdirectives })
+	handlerSubdirectives = byName(func(k *kind) map[string]func(*caddyfile.Dispenser, *Handler) error { return k.handlerSubdirectives })
+)
+
+// byName merges what every kind registers by name.
+func byName[T any](of func(*kind) map[string]T) map[string]T {
+	m := make(map[string]T)
 	for _, k := range kinds {
-		for name, f := range k.subdirectives {
-			if m[name] != nil {
-				panic("zone subdirective " + name + " registered twice")
+		for name, f := range of(k) {
+			if _, dup := m[name]; dup {
+				panic("subdirective " + name + " registered twice")
 			}
 			m[name] = f
 		}
 	}
 	return m
-}()
-
-// handlerSubdirectives are the subdirectives of the directive that kinds
-// read.
-var handlerSubdirectives = func() map[string]func(d *caddyfile.Dispenser, h *Handler) error {
-	m := make(map[string]func(d *caddyfile.Dispenser, h *Handler) error)
-	for _, k := range kinds {
-		for name, f := range k.handlerSubdirectives {
-			m[name] = f
-		}
-	}
-	return m
-}()
+}
 
 // checkKinds runs every kind's check of the handler.
 func (h *Handler) checkKinds() error {
