@@ -495,10 +495,19 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 	if !here {
 		return false, false
 	}
+	chargeCopies(d, looks)
+	d.at = now
+	return true, true
+}
+
+// chargeCopies charges each bucket of d that had the tokens its cost, in
+// its copy as decideHere looked at it; a soft one that lacked them is
+// charged nothing.
+func chargeCopies(d *demands, looks []syncLook) {
 	for i := range d.buckets {
 		b, look := &d.buckets[i], &looks[i]
 		if !b.ok {
-			continue // soft: charged nothing
+			continue
 		}
 		c := look.c
 		c.fullAt = look.n + look.debt + b.cost
@@ -506,8 +515,6 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 		c.pending += int64(b.cost / b.limit.tokenTime)
 		b.debt += b.cost
 	}
-	d.at = now
-	return true, true
 }
 
 // copyOf is b's copy in shard sh (h its key's hash) at instant n, for
