@@ -105,25 +105,22 @@ func byName[T any](of func(*kind) map[string]T) map[string]T {
 
 // checkKinds runs every kind's check of the handler.
 func (h *Handler) checkKinds() error {
-	for _, k := range kinds {
-		if k.checkHandler == nil {
-			continue
-		}
-		if err := k.checkHandler(h); err != nil {
-			return err
-		}
-	}
-	return nil
+	return eachKind(h, func(k *kind) func(*Handler) error { return k.checkHandler })
 }
 
 // checkKinds runs every kind's check of z.
 func (z *Zone) checkKinds() error {
+	return eachKind(z, func(k *kind) func(*Zone) error { return k.check })
+}
+
+// eachKind runs the hook that of gives of every kind that has one on v,
+// in the kinds' order, and returns the first error.
+func eachKind[T any](v T, of func(*kind) func(T) error) error {
 	for _, k := range kinds {
-		if k.check == nil {
-			continue
-		}
-		if err := k.check(z); err != nil {
-			return err
+		if f := of(k); f != nil {
+			if err := f(v); err != nil {
+				return err
+			}
 		}
 	}
 	return nil

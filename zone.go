@@ -404,13 +404,8 @@ func (z *Zone) provision(ctx caddy.Context) error {
 		}
 	}
 	z.buildResponses()
-	for _, k := range kinds {
-		if k.provision == nil {
-			continue
-		}
-		if err := k.provision(z); err != nil {
-			return err
-		}
+	if err := eachKind(z, func(k *kind) func(*Zone) error { return k.provision }); err != nil {
+		return err
 	}
 	if z.perRequest() {
 		if hasPlaceholders(z.Rate) {
