@@ -437,13 +437,9 @@ func (s *LocalStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 			if s.PersistInterval != 0 {
 				return d.Err("persist_interval already specified")
 			}
-			var v string
-			if !d.AllArgs(&v) {
-				return d.ArgErr()
-			}
-			dur, err := caddy.ParseDuration(v)
+			dur, err := durationArg(d, "30s")
 			if err != nil {
-				return d.Errf("invalid persist_interval '%s': expected a duration such as 30s", v)
+				return err
 			}
 			if err := checkPersistInterval(dur); err != nil {
 				return d.WrapErr(err)

@@ -283,13 +283,9 @@ func (s *RedisStore) UnmarshalCaddyfile(d *caddyfile.Dispenser) error {
 				return d.ArgErr()
 			}
 		case "timeout":
-			var v string
-			if !d.AllArgs(&v) {
-				return d.ArgErr()
-			}
-			t, perr := caddy.ParseDuration(v)
+			t, perr := durationArg(d, "100ms")
 			if perr != nil {
-				return d.Errf("invalid timeout '%s': expected a duration such as 100ms", v)
+				return perr
 			}
 			s.Timeout, err = caddy.Duration(t), checkTimeout(t)
 		case "fail_mode":
