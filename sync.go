@@ -8,6 +8,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -708,45 +710,43 @@ func (sz *syncZone) reconcile() {
 	}
 }
 
-// send reconciles part in one flight: one script call on one Redis, one
-// per hash tag on a cluster.
+// send reconciles part in one flight. An adjustment refuses nothing, so
+// each bucket is charged as it would be alone, and part goes as one
+// adjustment of all its buckets: one script call on one Redis; on a
+// cluster, one per hash tag among them (part is sorted by hash for it).
 func (sz *syncZone) send(u syncUser, part []syncItem) {
 	s := u.s
+	if s.client.Cluster {
+		slices.SortFunc(part, func(a, b syncItem) int { return strings.Compare(a.c.hash, b.c.hash) })
+	}
 	deadline := time.Now().Add(s.callTimeout)
-	calls := make([]*rediswire.Call, len(part))
-	ds := make([]demands, len(part))
 	bs := make([]bucketDemand, len(part))
+	var ds []demands
+	var calls []*rediswire.Call
 	for i := range part {
 		p := &part[i]
 		// The script applies the key's own limit itself (see build).
 		bs[i] = bucketDemand{zone: u.zone, limit: p.base, cost: time.Duration(p.tokens) * p.base.tokenTime}
-		ds[i].buckets = bs[i : i+1]
-		calls[i] = rediswire.NewCall(rediswire.Adjust, deadline)
-		calls[i].AdjustBucket(p.c.hash, p.c.field, p.c.limitKey, s.shapeOf(&bs[i], true), bs[i].cost)
+		if i == 0 || s.client.Cluster && p.c.hash != part[i-1].c.hash {
+			ds = append(ds, demands{buckets: bs[i:i]})
+			calls = append(calls, rediswire.NewCall(rediswire.Adjust, deadline))
+		}
+		d := &ds[len(ds)-1]
+		d.buckets = d.buckets[:len(d.buckets)+1] // bs[i], the call's next bucket
+		calls[len(calls)-1].AdjustBucket(p.c.hash, p.c.field, p.c.limitKey, s.shapeOf(&bs[i], true), bs[i].cost)
 	}
 	sent := time.Now()
 	replies, errs := s.client.RunAll(calls)
 	var failure error
-	for i := range part {
-		p := &part[i]
-		_, err := s.answered(replies[i], errs[i], sent, rediswire.Adjust, &ds[i])
-		p.sh.mu.Lock()
-		c := p.c
+	i := 0
+	for j := range ds {
+		_, err := s.answered(replies[j], errs[j], sent, rediswire.Adjust, &ds[j])
 		if err != nil {
 			failure = cmpErr(failure, err)
-			// Sent again with the next; what is beyond two intervals'
-			// worth (an outage's) is forgiven, as fail_mode local forgets
-			// what its buckets spent.
-			c.pending = min(c.pending+c.sent, max(int64(2*sz.interval/c.lim.tokenTime), 1))
-			c.sent = 0
-		} else {
-			c.sent = 0
-			n := sz.instant(time.Now())
-			c.learnt(sz.instant(ds[i].at), n, ds[i].buckets[0].debt, ds[i].buckets[0].limit, c.pending)
 		}
-		p.sh.mu.Unlock()
-		if err == nil && ds[i].buckets[0].overridden {
-			s.sawOverride(u.zone)
+		for k := range ds[j].buckets {
+			sz.update(u, &part[i], &ds[j], k, err)
+			i++
 		}
 	}
 	sz.calls.Add(1)
@@ -763,6 +763,29 @@ func (sz *syncZone) send(u syncUser, part []syncItem) {
 	default:
 		sz.failed.Add(1)
 		s.client.Failed(s.logger, s.FailMode, failure)
+	}
+}
+
+// update sets p's copy from bucket k of d, the answer of its call, or
+// keeps what it sent for the next reconciliation when the call failed.
+func (sz *syncZone) update(u syncUser, p *syncItem, d *demands, k int, err error) {
+	b := &d.buckets[k]
+	p.sh.mu.Lock()
+	c := p.c
+	if err != nil {
+		// Sent again with the next; what is beyond two intervals'
+		// worth (an outage's) is forgiven, as fail_mode local forgets
+		// what its buckets spent.
+		c.pending = min(c.pending+c.sent, max(int64(2*sz.interval/c.lim.tokenTime), 1))
+		c.sent = 0
+	} else {
+		c.sent = 0
+		n := sz.instant(time.Now())
+		c.learnt(sz.instant(d.at), n, b.debt, b.limit, c.pending)
+	}
+	p.sh.mu.Unlock()
+	if err == nil && b.overridden {
+		u.s.sawOverride(u.zone)
 	}
 }
 
