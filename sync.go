@@ -694,6 +694,7 @@ func (sz *syncZone) reconcile() {
 		}
 		sh.mu.Unlock()
 	}
+	own := len(batch) > 0 && sz.ownLimits(u)
 	for len(batch) > 0 {
 		if !u.s.client.Up() {
 			// Redis went away meanwhile: the rest waits for the next.
@@ -706,15 +707,28 @@ func (sz *syncZone) reconcile() {
 		}
 		part := batch[:min(len(batch), syncFlight)]
 		batch = batch[len(part):]
-		sz.send(u, part)
+		sz.send(u, part, own)
 	}
 }
 
-// send reconciles part in one flight. An adjustment refuses nothing, so
-// each bucket is charged as it would be alone, and part goes as one
-// adjustment of all its buckets: one script call on one Redis; on a
-// cluster, one per hash tag among them (part is sorted by hash for it).
-func (sz *syncZone) send(u syncUser, part []syncItem) {
+// ownLimits reports whether a reconciliation must read its keys' own
+// limits (overrides): unless Redis says, asked now, that the zone has
+// none. A count costs Redis one command a reconciliation where reading
+// would cost one a key; an override set through another instance
+// meanwhile is read by the next reconciliation, an interval later.
+func (sz *syncZone) ownLimits(u syncUser) bool {
+	at := time.Since(processStart).Nanoseconds()
+	u.s.pollOverrides(u.zone, at)
+	c := u.s.zones[u.zone].overridden.Load()
+	return c.n != 0 || c.at < at
+}
+
+// send reconciles part in one flight, reading the keys' own limits if
+// own. An adjustment refuses nothing, so each bucket is charged as it
+// would be alone, and part goes as one adjustment of all its buckets: one
+// script call on one Redis; on a cluster, one per hash tag among them
+// (part is sorted by hash for it).
+func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
 	s := u.s
 	if s.client.Cluster {
 		slices.SortFunc(part, func(a, b syncItem) int { return strings.Compare(a.c.hash, b.c.hash) })
@@ -733,7 +747,11 @@ func (sz *syncZone) send(u syncUser, part []syncItem) {
 		}
 		d := &ds[len(ds)-1]
 		d.buckets = d.buckets[:len(d.buckets)+1] // bs[i], the call's next bucket
-		calls[len(calls)-1].AdjustBucket(p.c.hash, p.c.field, p.c.limitKey, s.shapeOf(&bs[i], true), bs[i].cost)
+		limit := p.c.limitKey
+		if !own {
+			limit = p.c.hash // the script reads no override
+		}
+		calls[len(calls)-1].AdjustBucket(p.c.hash, p.c.field, limit, s.shapeOf(&bs[i], true), bs[i].cost)
 	}
 	sent := time.Now()
 	replies, errs := s.client.RunAll(calls)
