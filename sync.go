@@ -203,6 +203,11 @@ type syncZone struct {
 
 	// What the reconciliations did, for the metrics.
 	calls, failed, keys atomic.Uint64
+
+	// The reconciliations' scratch, kept from one to the next: only the
+	// loop reconciles.
+	batch []syncItem
+	bs    []bucketDemand
 }
 
 // A syncUser is a store and the place of the zone in it.
@@ -678,7 +683,8 @@ func (sz *syncZone) reconcile() {
 		return
 	}
 	n := sz.instant(time.Now())
-	var batch []syncItem
+	batch := sz.batch[:0]
+	defer func() { clear(batch); sz.batch = batch[:0] }()
 	for i := range sz.shards {
 		sh := &sz.shards[i]
 		sh.mu.Lock()
@@ -695,18 +701,18 @@ func (sz *syncZone) reconcile() {
 		sh.mu.Unlock()
 	}
 	own := len(batch) > 0 && sz.ownLimits(u)
-	for len(batch) > 0 {
+	for sent := 0; sent < len(batch); {
 		if !u.s.client.Up() {
 			// Redis went away meanwhile: the rest waits for the next.
-			for _, p := range batch {
+			for _, p := range batch[sent:] {
 				p.sh.mu.Lock()
 				p.c.pending, p.c.sent = p.c.pending+p.c.sent, 0
 				p.sh.mu.Unlock()
 			}
 			return
 		}
-		part := batch[:min(len(batch), syncFlight)]
-		batch = batch[len(part):]
+		part := batch[sent:min(len(batch), sent+syncFlight)]
+		sent += len(part)
 		sz.send(u, part, own)
 	}
 }
@@ -734,7 +740,8 @@ func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
 		slices.SortFunc(part, func(a, b syncItem) int { return strings.Compare(a.c.hash, b.c.hash) })
 	}
 	deadline := time.Now().Add(s.callTimeout)
-	bs := make([]bucketDemand, len(part))
+	bs := slices.Grow(sz.bs[:0], len(part))[:len(part)]
+	defer func() { clear(bs); sz.bs = bs[:0] }()
 	var ds []demands
 	var calls []*rediswire.Call
 	for i := range part {
