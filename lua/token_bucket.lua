@@ -13,8 +13,9 @@
 --
 --   ARGV[1]  clock: '' to read TIME; tests send an instant, to replay
 --            a table of steps
---   ARGV[2]  the number of decisions that are not plain takes: '0' for
---            a call of plain takes alone, which runs the short path
+--   ARGV[2]  the number of decisions that are not plain (takes or
+--            adjustments): '0' for a call of plain ones alone, which
+--            makes none of the others' functions
 --   ARGV[3]  np, the number of plain shapes; then 3 values each: full,
 --            cost, token (below)
 --   then the decisions, one after another, each starting with its op:
@@ -25,6 +26,10 @@
 --   *        a run of plain takes of one bucket (a flood of one key):
 --            then r, the takes, and the bucket's shape and field. KEYS:
 --            its hash. Decided as r plain takes of it one after another.
+--   +        a plain adjustment of n buckets of one plain shape (below)
+--            that may owe beyond: then n, the shape, beyond, and 2
+--            values a bucket: field, cost. KEYS: the hash of each
+--            bucket. Decided as an adjust of them would be.
 --   take, adjust
 --            then nb, nc, ns (the numbers of buckets, counters and slot
 --            sets) and three sections, in that order:
@@ -54,6 +59,7 @@
 --   repaired  the keys of another type found, and overwritten by a write
 --
 --   plain n   allowed, debt_1, ..., debt_n
+--   +         1, debt_1, ..., debt_n
 --   run of r  allowed_1, debt_1, ..., allowed_r, debt_r: each take's, as
 --             a plain take of one bucket replies
 --   take, adjust
@@ -104,11 +110,13 @@
 --
 -- A plain bucket is one with no ban, beyond, scale or override: a take
 -- of plain buckets alone is sent as a plain decision, its shape once a
--- call, and decided as a take would be. Redis pays for every function
--- and table a call makes, whatever it decides: a call of one plain take
--- of one bucket runs straight through, making only the reply, and the
--- functions of the other decisions are made only by a call that holds
--- one (ARGV[2]).
+-- call, and decided as a take would be; so is an adjustment of buckets
+-- of one shape without ban or scale and with no override read, beyond
+-- sent once (a reconciliation of a zone with sync: many keys a call).
+-- Redis pays for every function and table a call makes, whatever it
+-- decides: a call of one plain take of one bucket runs straight through,
+-- making only the reply, and the functions of the other decisions are
+-- made only by a call that holds one (ARGV[2]).
 --
 -- OVERRIDES. A key's own limit, set through the admin API, is the string
 -- `<token>:<burst>:<rate as given>` at its key (KEYS, after its bucket's
@@ -468,6 +476,37 @@ local function plain(n, takes)
 	end
 end
 
+-- A plain adjustment of n buckets: each is charged its cost, or given
+-- -cost back, refusing nothing, up to full + beyond, as adjust charges a
+-- bucket without ban, scale or override.
+local function adjusted()
+	local n, s, beyond = tonumber(ARGV[a + 1]), 3 * tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+	a = a + 4
+	local full, token = ps[s - 2], ps[s]
+	local most, r = full + beyond, #reply
+	reply[r + 1] = 1
+	for i = 1, n do
+		local h, field, cost = KEYS[k], ARGV[a], tonumber(ARGV[a + 1])
+		a, k = a + 2, k + 1
+		local v, name, bad = load(h, field)
+		local d, moved, nothing = 0, false, false -- moved or not, it is written
+		if v then
+			d, moved, nothing = owed(v, name, full, token, full, false, 0)
+		end
+		if bad or nothing then
+			reply[2] = reply[2] + 1
+		end
+		local debt = math.min(math.max(d, 0), most)
+		if cost >= 0 then
+			debt = math.min(debt + cost, most)
+		else
+			debt = math.max(debt + cost, 0)
+		end
+		save(h, field, name, debt, '')
+		reply[r + 1 + i] = debt
+	end
+end
+
 -- The functions of the other decisions, made only by a call that holds
 -- one: Redis pays for each function a call makes, whatever it runs.
 local general, release
@@ -716,6 +755,8 @@ while a <= #ARGV do
 	elseif op == '*' then
 		a = a + 2
 		plain(1, tonumber(ARGV[a - 1]))
+	elseif op == '+' then
+		adjusted()
 	elseif op == 'release' then
 		release()
 	else

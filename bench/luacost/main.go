@@ -4,11 +4,13 @@
 // Command luacost measures what a decision costs Redis in the script
 // alone: flights of plain decisions of the plugin's script, of a given
 // size, on random keys, and go-redis/redis_rate's script one decision a
-// call, on the same Redis, one after the other. It reports the script
+// call, on the same Redis, one after the other; and adjustments of many
+// buckets in one call (a zone with sync reconciles so), plain and in
+// sections. It reports the script
 // time per decision from INFO commandstats. Run it against a redis-server
 // under `valgrind --tool=callgrind` to count instructions instead.
 //
-//	go run ./luacost -addr 127.0.0.1:6379 -flight 1,8,40   # from bench/
+//	go run ./luacost -addr 127.0.0.1:6379 -flight 1,8,40 -adjust 64   # from bench/
 package main
 
 import (
@@ -33,6 +35,7 @@ func main() {
 	keys := flag.Int("keys", 10000, "random keys")
 	before := flag.Bool("before", false, "the script speaks the protocol before flights (../testdata/scripts/token_bucket_before_flights.lua): one decision a call")
 	rr := flag.Bool("redis_rate", true, "measure redis_rate too")
+	adjust := flag.Int("adjust", 0, "buckets of an adjustment to measure, plain and in sections (0: none)")
 	file := flag.String("script", "../lua/token_bucket.lua", "the plugin's decision script")
 	flag.Parse()
 	src, err := os.ReadFile(*file)
@@ -80,6 +83,39 @@ func main() {
 			return n
 		}, *decisions)
 		fmt.Printf("tokenbucket flight of %-3d %6.2f µs a decision\n", n, usec)
+	}
+	if *adjust > 0 {
+		// A shape that may owe 20 s beyond its bucket, as a sync zone's.
+		for _, sections := range []bool{false, true} {
+			usec := measure(c, func() int {
+				var keysArg []string
+				args := []any{"", 0, 1, full, cost, token, "+", *adjust, 1, 20 * full}
+				if sections {
+					args = []any{"", 1, 0, "adjust", *adjust, 0, 0}
+				}
+				for range *adjust {
+					k := rand.IntN(*keys)
+					h := fmt.Sprintf("lc:{%04x}", k%16384)
+					field := fmt.Sprintf("z:abcd:10.0.%d.%d", k>>8, k&255)
+					keysArg = append(keysArg, h)
+					if sections {
+						keysArg = append(keysArg, h) // no override read
+						args = append(args, field, full, cost, 0, 20*full, 0, 0, token, 0)
+					} else {
+						args = append(args, field, cost)
+					}
+				}
+				if err := script.EvalSha(ctx, c, keysArg, args...).Err(); err != nil {
+					log.Fatal(err)
+				}
+				return *adjust
+			}, *decisions)
+			how := "plain"
+			if sections {
+				how = "in sections"
+			}
+			fmt.Printf("adjustment of %d, %-11s %6.2f µs a bucket\n", *adjust, how, usec)
+		}
 	}
 	if !*rr {
 		return

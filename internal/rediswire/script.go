@@ -86,9 +86,10 @@ type Shape struct {
 	// this one's.
 	Scaled bool
 	// plain: no ban, beyond or scale, so that a take of it alone is a
-	// plain decision (see Call).
-	plain bool
-	args  [8]any // full, cost, ban, beyond, wait (the reserve), -cost, scaled, token
+	// plain decision (see Call); lean: no ban or scale, so that an
+	// adjustment of it alone is one.
+	plain, lean bool
+	args        [8]any // full, cost, ban, beyond, wait (the reserve), -cost, scaled, token
 }
 
 // NewShape is the shape of a bucket that takes full to refill from empty,
@@ -101,7 +102,8 @@ func NewShape(full, token, cost, ban, beyond, reserve time.Duration, scaled bool
 		s.args[i] = ns(d)
 	}
 	s.args[7] = ns(token)
-	s.plain = ban == 0 && beyond == 0 && reserve == 0 && !scaled
+	s.lean = ban == 0 && !scaled
+	s.plain = s.lean && beyond == 0 && reserve == 0
 	if scaled {
 		s.args[6] = "1"
 	}
@@ -175,7 +177,9 @@ func count(n int) any {
 // A take whose buckets are all plain (their shapes have no ban, beyond
 // or scale, and no override is read) and that has no counters or slots
 // is sent as a plain decision: each bucket its hash, its field and the
-// index of its shape, which the command sends once.
+// index of its shape, which the command sends once. So is an adjustment
+// of buckets of one shape without ban or scale, whose beyond it sends
+// once, and each bucket's cost.
 type Call struct {
 	op       Op
 	buckets  []bucketArgs
@@ -219,7 +223,7 @@ var calls = sync.Pool{New: func() any { return &Call{done: make(chan struct{}, 1
 // NewCall is an empty call of op that must be answered by deadline.
 func NewCall(op Op, deadline time.Time) *Call {
 	c := calls.Get().(*Call)
-	c.op, c.deadline, c.plain, c.clock = op, deadline, op == Take, noClock
+	c.op, c.deadline, c.plain, c.clock = op, deadline, op == Take || op == Adjust, noClock
 	return c
 }
 
@@ -279,8 +283,12 @@ func (c *Call) bucket(b bucketArgs) {
 	if len(c.counters)+len(c.slots) > 0 {
 		panic("rediswire: buckets go before counters and slots")
 	}
+	plain := b.shape.plain
+	if c.op == Adjust {
+		plain = b.shape.lean && (len(c.buckets) == 0 || c.buckets[0].shape == b.shape)
+	}
+	c.plain = c.plain && plain && b.limit == b.hash && b.soft == zero
 	c.buckets = append(c.buckets, b)
-	c.plain = c.plain && b.shape.plain && b.limit == b.hash && b.soft == zero
 }
 
 // Counter asks for s.Cost units of the quota counter key in window w.
@@ -349,6 +357,14 @@ func (c *Call) keys(cmd []any) []any {
 // args appends the call's decision to cmd: plain, with its shapes' places
 // in shapes, or in sections.
 func (c *Call) args(cmd []any, shapes []*Shape) []any {
+	if c.plain && c.op == Adjust && len(c.buckets) > 0 {
+		a := &c.buckets[0].shape.args
+		cmd = append(cmd, adjustArg, count(len(c.buckets)), count(1+slices.Index(shapes, c.buckets[0].shape)), a[3])
+		for i := range c.buckets {
+			cmd = append(cmd, c.buckets[i].field, c.buckets[i].cost)
+		}
+		return cmd
+	}
 	if c.plain {
 		cmd = append(cmd, count(len(c.buckets)))
 		for i := range c.buckets {
@@ -429,22 +445,23 @@ func (m *command) build() []any {
 	return m.cmd
 }
 
-// runArg is the op of a run of plain takes of one bucket.
-var runArg any = "*"
+// runArg is the op of a run of plain takes of one bucket, adjustArg
+// that of a plain adjustment.
+var runArg, adjustArg any = "*", "+"
 
 // run is how many of calls, from the first, are plain takes of the same
 // one bucket: a flood of one key. They go as one decision, a run, whose
 // key and field are sent once; each take still has its own result.
 func run(calls []*Call) int {
 	c := calls[0]
-	if !c.plain || len(c.buckets) != 1 {
+	if !c.plain || c.op != Take || len(c.buckets) != 1 {
 		return 1
 	}
 	b := &c.buckets[0]
 	n := 1
 	for n < len(calls) {
 		d := calls[n]
-		if !d.plain || len(d.buckets) != 1 || d.buckets[0].shape != b.shape || d.buckets[0].hash != b.hash || d.buckets[0].field != b.field {
+		if !d.plain || d.op != Take || len(d.buckets) != 1 || d.buckets[0].shape != b.shape || d.buckets[0].hash != b.hash || d.buckets[0].field != b.field {
 			break
 		}
 		n++

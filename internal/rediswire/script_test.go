@@ -6,8 +6,12 @@ package rediswire
 import (
 	"errors"
 	"fmt"
+	"strconv"
 	"testing"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
+	"github.com/redis/go-redis/v9"
 )
 
 // A flight's command is the calls' keys, in order, then the clock, the
@@ -128,5 +132,142 @@ func TestCommandRun(t *testing.T) {
 	}
 	if n != 10 {
 		t.Fatalf("the calls expect %d results, want 2 each", n)
+	}
+}
+
+// A plain adjustment of n buckets (one shape without ban or scale, no
+// override read) is decided as n adjustments in sections, one after
+// another: from every kind of value a bucket can hold (none, a debt, one
+// refilled, one written under an override or a plan, one that holds no
+// instant, a hash of another type), by costs that charge, cap at full +
+// beyond, and give back, a bucket twice among them, the same debts, the
+// same values written and the same keys repaired.
+func TestPlainAdjustMatchesSections(t *testing.T) {
+	r := redistest.Start(t)
+	c, err := NewClient(&redis.UniversalOptions{Addrs: []string{r.Addr()}}, testScripts(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	// burst 10, a token a second, up to 20 s beyond a whole bucket.
+	shape := NewShape(10*time.Second, time.Second, time.Second, 0, 20*time.Second, 0, false)
+	clock := time.Now().Truncate(time.Second)
+	inst := func(debt time.Duration) string { // the instant a bucket of debt is full again
+		return strconv.FormatInt((clock.UnixMicro()-1735689600000000)*1000+int64(debt), 10)
+	}
+	values := []string{"", inst(3 * time.Second), inst(-5 * time.Second), inst(4*time.Second) + ":4000000000:1000000000",
+		inst(6*time.Second) + ":20000000000", "x", inst(9 * time.Second), "wrongtype"}
+	costs := []time.Duration{time.Second, 5 * time.Second, -2 * time.Second, 40 * time.Second, -time.Minute}
+	for _, cost := range costs {
+		var replies [2][]Reply
+		for v, prefix := range []string{"plain:", "sections:"} {
+			var calls []*Call
+			adjust := func(h, limit string) {
+				if v == 0 && len(calls) == 1 {
+					calls[0].AdjustBucket(h, "f", limit, shape, cost)
+					return
+				}
+				call := NewCall(Adjust, clock.Add(5*time.Second))
+				call.Clock(clock)
+				call.AdjustBucket(h, "f", limit, shape, cost)
+				calls = append(calls, call)
+			}
+			for i, val := range values {
+				h := fmt.Sprintf("%s{%d}", prefix, i)
+				r.CLI("DEL", h)
+				switch val {
+				case "":
+				case "wrongtype":
+					r.CLI("SET", h, "a string")
+				default:
+					r.CLI("HSET", h, "f", val)
+				}
+				limit := h // no override read: plain
+				if v == 1 {
+					limit = prefix + "none" // read, and absent: in sections
+				}
+				adjust(h, limit)
+				if i == 1 {
+					adjust(h, limit) // the same bucket again
+				}
+			}
+			if calls[0].plain != (v == 0) {
+				t.Fatalf("%s call: plain %t", prefix, calls[0].plain)
+			}
+			var errs []error
+			replies[v], errs = c.RunAll(calls)
+			for _, err := range errs {
+				if err != nil {
+					t.Fatalf("%s adjustment by %v: %v", prefix, cost, err)
+				}
+			}
+		}
+		p, s := replies[0][0], replies[1]
+		if len(s) != len(values)+1 || !p.Allowed() || p.Repaired() != 2 {
+			t.Fatalf("by %v: %d calls in sections; plain allowed %t, repaired %d, want 2", cost, len(s), p.Allowed(), p.Repaired())
+		}
+		repaired := int64(0)
+		for i := range s {
+			dp, _ := p.Bucket(i)
+			ds, _ := s[i].Bucket(0)
+			if !s[i].Allowed() || dp != ds || dp < 0 || dp > 30*time.Second {
+				t.Errorf("by %v, bucket %d: plain owes %v, in sections %v", cost, i, dp, ds)
+			}
+			repaired += s[i].Repaired()
+		}
+		if repaired != p.Repaired() {
+			t.Errorf("by %v: %d keys repaired in sections, %d plain", cost, repaired, p.Repaired())
+		}
+		for i := range values {
+			vp := r.CLI("HGET", fmt.Sprintf("plain:{%d}", i), "f")
+			vs := r.CLI("HGET", fmt.Sprintf("sections:{%d}", i), "f")
+			if vp != vs {
+				t.Errorf("by %v, bucket %d (was %q): plain wrote %q, in sections %q", cost, i, values[i], vp, vs)
+			}
+		}
+	}
+}
+
+// A plain adjustment is one decision of its buckets' hashes, its shape's
+// place, its beyond and each bucket's field and cost; buckets of another
+// shape, or an override's key, make it one in sections; and it is never
+// part of a run of takes.
+func TestAdjustLayout(t *testing.T) {
+	deadline := time.Now().Add(time.Second)
+	owe := NewShape(10*time.Second, time.Second, time.Second, 0, 20*time.Second, 0, false)
+	banned := NewShape(10*time.Second, time.Second, time.Second, time.Minute, 0, 0, false)
+	take := NewCall(Take, deadline)
+	take.Bucket("h1", "f1", "h1", NewShape(10*time.Second, time.Second, time.Second, 0, 0, 0, false), false, false)
+	adj := NewCall(Adjust, deadline)
+	adj.AdjustBucket("h1", "f1", "h1", owe, time.Second)
+	adj.AdjustBucket("h2", "f2", "h2", owe, -3*time.Second)
+	m := &command{script: &testScripts(t).decide, calls: []*Call{take, adj}}
+	got := fmt.Sprint(m.build()[2:])
+	want := fmt.Sprint([]any{"3", "h1", "h1", "h2", "", "0", "2",
+		"10000000000", "1000000000", "1000000000", "10000000000", "1000000000", "1000000000",
+		"1", "1", "f1", "+", "2", "2", "20000000000", "f1", "1000000000", "f2", "-3000000000"})
+	if got != want {
+		t.Fatalf("command\n%s\nwant\n%s", got, want)
+	}
+	if n := take.results() + adj.results(); n != 5 {
+		t.Errorf("the calls expect %d results, want 2 and 3", n)
+	}
+	for _, b := range []struct {
+		shape *Shape
+		limit string
+	}{{banned, "h3"}, {owe, "h3:limit"}, {NewShape(time.Second, time.Second, time.Second, 0, 0, 0, false), "h3"}} {
+		c := NewCall(Adjust, deadline)
+		c.AdjustBucket("h1", "f1", "h1", owe, time.Second)
+		c.AdjustBucket("h3", "f3", b.limit, b.shape, time.Second)
+		if c.plain {
+			t.Errorf("an adjustment with a bucket of shape %+v, override key %s: plain", b.shape, b.limit)
+		}
+	}
+	// A plain adjustment of the bucket of a run of takes ends the run.
+	run1, run2 := NewCall(Take, deadline), NewCall(Adjust, deadline)
+	run1.Bucket("h1", "f1", "h1", take.buckets[0].shape, false, false)
+	run2.AdjustBucket("h1", "f1", "h1", take.buckets[0].shape, time.Second)
+	if n := run([]*Call{run1, run2}); n != 1 || !run2.plain {
+		t.Errorf("a take and an adjustment of one bucket: a run of %d (plain adjustment: %t)", n, run2.plain)
 	}
 }
