@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net/http"
@@ -37,11 +38,17 @@ type adaptiveConfig struct {
 	ConcurrencyAdaptive *AdaptiveConcurrency `json:"concurrency_adaptive,omitempty"`
 }
 
-// adaptiveInfo is a zone's adaptive limit in the admin API.
-type adaptiveInfo struct {
-	// The adaptive limit on requests in flight, its keys summed.
-	Adaptive *adaptiveZoneInfo `json:"concurrency_adaptive,omitempty"`
-}
+// adaptiveInfo is a zone's adaptive limit in the admin API, and
+// adaptiveKeyView a key's.
+type (
+	adaptiveInfo struct {
+		// The adaptive limit on requests in flight, its keys summed.
+		Adaptive *adaptiveZoneInfo `json:"concurrency_adaptive,omitempty"`
+	}
+	adaptiveKeyView struct {
+		Adaptive *adaptiveKeyInfo `json:"concurrency_adaptive,omitempty"`
+	}
+)
 
 // adaptiveKind's subdirective is concurrency's (concurrency.go), which
 // reads `concurrency adaptive` with unmarshalAdaptive.
@@ -62,6 +69,13 @@ var adaptiveKind = kind{
 		info.Requests["shed"] = st.shed.Load()
 		info.Requests["dry_run_shed"] = st.dryRunShed.Load()
 	},
+	view: func(_ context.Context, _ *Handler, z *Zone, k bucketKey, _ *demands, v *keyView) error {
+		if z.adaptive != nil {
+			v.Adaptive = z.adaptive.keyInfo(k)
+		}
+		return nil
+	},
+	forget: func(z *Zone, k bucketKey) bool { return z.adaptive != nil && z.adaptive.forget(k) },
 	join: func(h *Handler, z *Zone, st *zoneState) {
 		if z.ConcurrencyAdaptive != nil {
 			z.provisionAdaptive(st)

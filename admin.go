@@ -28,9 +28,9 @@ func init() {
 //	GET    /rate_limit/               the zones, their limits and counters
 //	GET    /rate_limit/<zone>         one zone
 //	GET    /rate_limit/<zone>/top     the keys the zone denies most
-//	GET    /rate_limit/<zone>/limits  the keys of the zone with a limit of their own (overrides)
-//	GET    /rate_limit/<zone>/<key>   a key's bucket (and quota) now, its own limit, its slots in use (concurrency), its adaptive limit
-//	DELETE /rate_limit/<zone>/<key>   reset a key's bucket to full, lifting its ban, its quota's count to 0, and its adaptive limit to min
+//	GET    /rate_limit/<zone>/limits  the keys of the zone with a limit of their own
+//	GET    /rate_limit/<zone>/<key>   a key now: its bucket, and each kind of limit's part (docs/operating.md)
+//	DELETE /rate_limit/<zone>/<key>   reset a key: its bucket to full, and each kind's state of it as it starts
 //	PUT    /rate_limit/<zone>/<key>/limit  give the key its own limit: {"rate": "100r/s", "burst": 200, "expires_in": "24h"}
 //	GET    /rate_limit/<zone>/<key>/limit  the key's own limit
 //	DELETE /rate_limit/<zone>/<key>/limit  give the key the zone's limit back
@@ -131,19 +131,12 @@ type zoneInfo struct {
 	// Its limit in words, which tells zones of one name apart.
 	Limit string `json:"limit"`
 	Key   string `json:"key"`
-	Rate  string `json:"rate,omitempty"`  // none for a zone with concurrency or a quota only
-	Burst int64  `json:"burst,omitempty"` // none for a zone with concurrency or a quota only
+	Rate  string `json:"rate,omitempty"`  // none for a zone without a rate
+	Burst int64  `json:"burst,omitempty"` // none for a zone without a rate
 	Cost  int64  `json:"cost"`
-	// The kinds' fields (see kind.info).
-	banInfo
-	delayInfo
-	concurrencyInfo
-	adaptiveInfo
-	quotaZoneInfo
+	kindsInfo
 	Store    string            `json:"store"`
-	DryRun   bool              `json:"dry_run"`
 	Requests map[string]uint64 `json:"requests"`
-	Bans     uint64            `json:"bans"`
 	Refunds  uint64            `json:"refunds"`
 
 	OverLimitCacheHits *uint64 `json:"over_limit_cache_hits,omitempty"` // Redis store
@@ -162,12 +155,10 @@ func (ref zoneRef) info() zoneInfo {
 		Cost:  z.Cost,
 		Store: ref.h.storeName,
 		Requests: map[string]uint64{
-			"allowed":        st.allowed.Load(),
-			"denied":         st.denied.Load(),
-			"dry_run_denied": st.dryRunDenied.Load(),
-			"store_error":    st.storeErrors.Load(),
+			"allowed":     st.allowed.Load(),
+			"denied":      st.denied.Load(),
+			"store_error": st.storeErrors.Load(),
 		},
-		Bans:    st.bans.Load(),
 		Refunds: st.refunds.Load(),
 	}
 	if z.rateless {
@@ -187,8 +178,9 @@ func (ref zoneRef) info() zoneInfo {
 	return info
 }
 
-// bucketInfo describes one bucket in the admin API.
-type bucketInfo struct {
+// keyView describes one key of a zone in the admin API: its bucket, and
+// the kinds' parts (see kind.view).
+type keyView struct {
 	Zone   string `json:"zone"`
 	Limit  string `json:"limit"`  // the zone's, in words
 	Key    string `json:"key"`    // as asked
@@ -197,55 +189,10 @@ type bucketInfo struct {
 	// limit comes with each request, which no request says here.
 	Tokens *float64 `json:"tokens,omitempty"`
 	Burst  *int64   `json:"burst,omitempty"`
-	// Seconds until the bucket is full again.
-	FullIn float64 `json:"full_in"`
-	// The key is banned (the zone's ban), for BannedFor seconds more.
-	Banned    bool    `json:"banned,omitempty"`
-	BannedFor float64 `json:"banned_for,omitempty"`
-	// The key's calendar quota, in a zone with one.
-	Quota *quotaInfo `json:"quota,omitempty"`
-	// The key's own limit, which tokens and burst are of, when it has one.
-	Override *ownLimit `json:"override,omitempty"`
-	slotsInfo
-}
-
-// slotsInfo describes the slots of one key of a zone with concurrency:
-// alone for a zone without a rate, with the bucket for a zone with both.
-type slotsInfo struct {
-	Concurrency int64  `json:"concurrency,omitempty"`
-	InFlight    *int64 `json:"in_flight,omitempty"` // slots held (leases not ended, in Redis)
-	Free        *int64 `json:"free,omitempty"`
-	// The key's adaptive limit on requests in flight.
-	Adaptive *adaptiveKeyInfo `json:"concurrency_adaptive,omitempty"`
-}
-
-// ratelessInfo is a key of a zone with concurrency only.
-type ratelessInfo struct {
-	Zone   string `json:"zone"`
-	Limit  string `json:"limit"`
-	Key    string `json:"key"`
-	Bucket string `json:"bucket"`
-	slotsInfo
-}
-
-// quotaInfo describes a key's calendar quota in the admin API.
-type quotaInfo struct {
-	Limit int64 `json:"limit"`
-	Used  int64 `json:"used"`
-	Left  int64 `json:"left"`
-	// Seconds until the window ends and the count starts again from 0;
-	// 0 when nothing is counted.
-	ResetIn float64 `json:"reset_in"`
-}
-
-// keyInfo describes a key of a zone with a quota alone.
-type keyInfo struct {
-	Zone     string           `json:"zone"`
-	Limit    string           `json:"limit"`
-	Key      string           `json:"key"`
-	Bucket   string           `json:"bucket"`
-	Quota    *quotaInfo       `json:"quota"`
-	Adaptive *adaptiveKeyInfo `json:"concurrency_adaptive,omitempty"`
+	// Seconds until the bucket is full again; left out for a zone
+	// without a rate.
+	FullIn *float64 `json:"full_in,omitempty"`
+	kindsKeyView
 }
 
 type topInfo struct {
@@ -359,34 +306,30 @@ func serveKey(w http.ResponseWriter, r *http.Request, refs []zoneRef, key string
 	out := make([]any, len(refs))
 	found := false
 	for i, ref := range refs {
-		d := ref.demands(ref.z.adminKey(key))
+		z, k := ref.z, ref.z.adminKey(key)
+		d := z.demands(k)
 		if r.Method == http.MethodDelete {
 			f, err := ref.h.reset(ctx, &d)
 			if err != nil {
 				return apiError(http.StatusBadGateway, "resetting the bucket: %v", err)
 			}
-			if a := ref.z.adaptive; a != nil {
-				f = a.forget(ref.z.adminKey(key)) || f
+			for _, kd := range kinds {
+				if kd.forget != nil {
+					f = kd.forget(z, k) || f
+				}
 			}
 			found = found || f
 		}
-		if !d.empty() { // an adaptive limit alone has nothing in the store
+		if !d.empty() { // a kind may keep all it knows of a key itself
 			if err := ref.h.store.peek(ctx, time.Now(), &d); err != nil {
 				return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
 			}
 		}
-		info := ref.keyInfo(key, &d)
-		if b, ok := info.(bucketInfo); ok {
-			o, has, err := ref.h.store.override(ctx, ref.z.index, ref.z.adminKey(key))
-			if err != nil {
-				return apiError(http.StatusBadGateway, "reading the key's limit: %v", err)
-			}
-			if has {
-				b.Override = ref.ownLimit("", o)
-			}
-			info = b
+		v, err := ref.view(ctx, key, k, &d)
+		if err != nil {
+			return err
 		}
-		out[i] = info
+		out[i] = v
 	}
 	if r.Method == http.MethodDelete && !found {
 		return apiError(http.StatusNotFound, "nothing to reset: key %q has a full bucket in zone %q", key, refs[0].z.Name)
@@ -397,71 +340,49 @@ func serveKey(w http.ResponseWriter, r *http.Request, refs []zoneRef, key string
 	return writeJSON(w, map[string]any{"zones": out})
 }
 
-// demands are the zone's demands of key, as a request's would be, to
-// read or reset: its bucket, its counter and its slots.
-func (ref zoneRef) demands(key bucketKey) demands {
-	z := ref.z
+// demands are the zone's demands of the key k, as a request's would be,
+// to read or reset: its bucket and the kinds' demands.
+func (z *Zone) demands(k bucketKey) demands {
 	var d demands
 	if !z.rateless {
-		l := z.limit
-		if z.plans != nil {
-			l = unknownPlan.limit
+		d.buckets = []bucketDemand{{zone: z.index, key: k, limit: z.adminLimit(), cost: z.costTime}}
+	}
+	for _, kd := range kinds {
+		if kd.demand != nil {
+			kd.demand(z, k, &d)
 		}
-		d.buckets = []bucketDemand{{zone: z.index, key: key, limit: l, cost: z.costTime}}
-	}
-	if z.quota != nil {
-		d.counters = []counterDemand{{zone: z.index, key: key, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(time.Now())}}
-	}
-	if z.Concurrency != 0 {
-		d.slots = []slotDemand{{zone: z.index, key: key, limit: z.Concurrency, lease: time.Duration(z.Lease)}}
 	}
 	return d
 }
 
-// keyInfo describes what d read of the key.
-func (ref zoneRef) keyInfo(key string, d *demands) any {
+// view describes what d read of the key k, asked for as key.
+func (ref zoneRef) view(ctx context.Context, key string, k bucketKey, d *demands) (*keyView, error) {
 	z := ref.z
-	bucket := z.adminKey(key).String()
-	var slots slotsInfo
-	if z.adaptive != nil {
-		slots.Adaptive = z.adaptive.keyInfo(z.adminKey(key))
-		if z.adaptiveOnly() {
-			return ratelessInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, slotsInfo: slots}
+	v := &keyView{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: k.String()}
+	if len(d.buckets) > 0 {
+		b := &d.buckets[0]
+		fullIn := b.debt.Seconds()
+		v.FullIn = &fullIn
+		if z.knownLimit(b) {
+			// A bucket in debt after a response's usage holds fewer than
+			// none; a bucket that owes more than its burst is shown as
+			// empty.
+			l := b.limit
+			tokens, burst := l.tokens(b.debt), l.burst
+			if l.owe == 0 {
+				tokens = max(tokens, 0)
+			}
+			v.Tokens, v.Burst = &tokens, &burst
 		}
 	}
-	if len(d.slots) > 0 {
-		q := &d.slots[0]
-		inUse, free := q.limit-q.free, q.free
-		slots = slotsInfo{Concurrency: q.limit, InFlight: &inUse, Free: &free}
-		if z.rateless {
-			return ratelessInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, slotsInfo: slots}
+	for _, kd := range kinds {
+		if kd.view != nil {
+			if err := kd.view(ctx, ref.h, z, k, d, v); err != nil {
+				return nil, err
+			}
 		}
 	}
-	var quota *quotaInfo
-	if len(d.counters) > 0 {
-		c := &d.counters[0]
-		quota = &quotaInfo{Limit: c.limit, Used: c.used, Left: c.remaining(), ResetIn: c.left.Seconds()}
-		if z.rateless {
-			return keyInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, Quota: quota, Adaptive: slots.Adaptive}
-		}
-	}
-	b := &d.buckets[0]
-	info := bucketInfo{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: bucket, FullIn: b.debt.Seconds(), Quota: quota, slotsInfo: slots}
-	if z.plans == nil || b.overridden {
-		// A zone whose limit depends on the request has no tokens or
-		// ban to tell apart without a request (but for a key with its
-		// own limit): only when it is full.
-		l := b.limit
-		// A bucket in debt after a response's usage holds fewer than
-		// none; a ban or a delay's reservations are shown as empty.
-		tokens, burst := l.tokens(b.debt), l.burst
-		if l.owe == 0 {
-			tokens = max(tokens, 0)
-		}
-		info.Tokens, info.Burst = &tokens, &burst
-		info.Banned, info.BannedFor = l.banned(b.debt), l.banLeft(b.debt).Seconds()
-	}
-	return info
+	return v, nil
 }
 
 // reset forgets d's state, in the store and in the local buckets that

@@ -10,6 +10,7 @@ import (
 	"io"
 	"net/http"
 	"net/netip"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -296,4 +297,76 @@ func TestAdminKeyNamedTop(t *testing.T) {
 		t.Fatalf("DELETE of %%74op: %v, want key top's full bucket", b)
 	}
 	get(t, tester, "/", 200, "ok", "X-Key", "top")
+}
+
+// A key's view in the admin API holds the fields of what its zone
+// limits, and only those: each kind of limit adds its own.
+func TestAdminKeyViewFields(t *testing.T) {
+	tester := startCaddy(t, "", `http://localhost:9080 {
+	rate_limit {
+		zone kv-ban {
+			key {http.request.header.K}
+			rate 1r/m
+			burst 1
+			ban 1h
+		}
+		zone kv-quota {
+			key {http.request.header.K}
+			quota 5 per day
+		}
+		zone kv-slots {
+			key {http.request.header.K}
+			concurrency 2
+		}
+		zone kv-adaptive {
+			key {http.request.header.K}
+			concurrency adaptive
+		}
+		zone kv-rate-quota {
+			key {http.request.header.K}
+			rate 10r/m
+			burst 10
+			quota 5 per day
+		}
+		zone kv-rate-slots {
+			key {http.request.header.K}
+			rate 10r/m
+			burst 10
+			concurrency 2
+		}
+		zone kv-plan {
+			key {http.request.header.K}
+			rate {http.request.header.R}
+			burst 10
+		}
+	}
+	respond "ok"
+}`)
+	get(t, tester, "/", 200, "ok", "K", "a", "R", "10r/m")
+	get(t, tester, "/", 429, "", "K", "a", "R", "10r/m")
+	common := "bucket key limit zone "
+	for _, c := range []struct{ zone, want string }{
+		{"kv-ban", common + "banned banned_for burst full_in tokens"},
+		{"kv-quota", common + "quota"},
+		{"kv-slots", common + "concurrency free in_flight"},
+		{"kv-adaptive", common + "concurrency_adaptive"},
+		{"kv-rate-quota", common + "burst full_in quota tokens"},
+		{"kv-rate-slots", common + "burst concurrency free full_in in_flight tokens"},
+		{"kv-plan", common + "full_in"},
+	} {
+		v := adminDo(t, tester, "GET", "/rate_limit/"+c.zone+"/a", 200)
+		fields := make([]string, 0, len(v))
+		for f := range v {
+			fields = append(fields, f)
+		}
+		want := strings.Fields(c.want)
+		slices.Sort(fields)
+		slices.Sort(want)
+		if !slices.Equal(fields, want) {
+			t.Errorf("%s: fields %q, want %q", c.zone, fields, want)
+		}
+	}
+	if v := adminDo(t, tester, "GET", "/rate_limit/kv-ban/a", 200); v["banned"] != true {
+		t.Errorf("kv-ban: %v, want banned", v)
+	}
 }

@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sync/atomic"
@@ -31,10 +32,20 @@ type banConfig struct {
 	Ban caddy.Duration `json:"ban,omitempty"`
 }
 
-// banInfo is a zone's ban in the admin API.
-type banInfo struct {
-	Ban string `json:"ban,omitempty"`
-}
+// banInfo is a zone's ban in the admin API, and banKeyView a key's.
+type (
+	banInfo struct {
+		Ban  string `json:"ban,omitempty"`
+		Bans uint64 `json:"bans"` // denials that started one
+	}
+	banKeyView struct {
+		// The key is banned, for BannedFor seconds more; not told for a
+		// zone whose limit comes with each request, but for a key with
+		// its own.
+		Banned    bool    `json:"banned,omitempty"`
+		BannedFor float64 `json:"banned_for,omitempty"`
+	}
+)
 
 var banKind = kind{
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
@@ -57,6 +68,14 @@ var banKind = kind{
 		if z.Ban != 0 {
 			info.Ban = time.Duration(z.Ban).String()
 		}
+		info.Bans = z.state.bans.Load()
+	},
+	view: func(_ context.Context, _ *Handler, z *Zone, _ bucketKey, d *demands, v *keyView) error {
+		if len(d.buckets) > 0 && z.knownLimit(&d.buckets[0]) {
+			b := &d.buckets[0]
+			v.Banned, v.BannedFor = b.limit.banned(b.debt), b.limit.banLeft(b.debt).Seconds()
+		}
+		return nil
 	},
 	descs: []*prometheus.Desc{bansDesc},
 	collect: func(_ chan<- prometheus.Metric, counter counterFunc, _ *prometheus.Desc, _ zoneID, s *zoneState) {

@@ -46,12 +46,19 @@ type concurrencyConfig struct {
 }
 
 // concurrencyInfo is a zone's limit on requests in flight in the admin
-// API.
-type concurrencyInfo struct {
-	// Requests in flight per key, and how long a Redis slot is held.
-	Concurrency int64  `json:"concurrency,omitempty"`
-	Lease       string `json:"lease,omitempty"`
-}
+// API, concurrencyKeyView a key's slots.
+type (
+	concurrencyInfo struct {
+		// Requests in flight per key, and how long a Redis slot is held.
+		Concurrency int64  `json:"concurrency,omitempty"`
+		Lease       string `json:"lease,omitempty"`
+	}
+	concurrencyKeyView struct {
+		Concurrency int64  `json:"concurrency,omitempty"`
+		InFlight    *int64 `json:"in_flight,omitempty"` // slots held (leases not ended, in Redis)
+		Free        *int64 `json:"free,omitempty"`
+	}
+)
 
 var concurrencyKind = kind{
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
@@ -102,6 +109,19 @@ var concurrencyKind = kind{
 		if stats.client != nil {
 			info.Lease = time.Duration(z.Lease).String()
 		}
+	},
+	demand: func(z *Zone, k bucketKey, d *demands) {
+		if z.Concurrency != 0 {
+			d.slots = append(d.slots, slotDemand{zone: z.index, key: k, limit: z.Concurrency, lease: time.Duration(z.Lease)})
+		}
+	},
+	view: func(_ context.Context, _ *Handler, _ *Zone, _ bucketKey, d *demands, v *keyView) error {
+		if len(d.slots) > 0 {
+			q := &d.slots[0]
+			inUse, free := q.limit-q.free, q.free
+			v.Concurrency, v.InFlight, v.Free = q.limit, &inUse, &free
+		}
+		return nil
 	},
 }
 

@@ -31,7 +31,15 @@ var dryRunKind = kind{
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
 		"dry_run": func(d *caddyfile.Dispenser, z *Zone) error { return flag(d, &z.DryRun) },
 	},
-	info: func(z *Zone, _ zoneStats, info *zoneInfo) { info.DryRun = z.inDryRun },
+	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
+		info.DryRun = z.inDryRun
+		info.Requests["dry_run_denied"] = z.state.dryRunDenied.Load()
+	},
+}
+
+// dryRunInfo is a zone's dry run in the admin API.
+type dryRunInfo struct {
+	DryRun bool `json:"dry_run"`
 }
 
 // noteDryRunSlot records that a dry-run zone with a limit on requests in

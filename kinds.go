@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"context"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -14,11 +15,12 @@ import (
 // A zone is a token bucket per key (zone.go), whose limit may come with
 // each request (plans.go), and may add kinds of limit to it: ban, delay,
 // count, usage, quota, concurrency, concurrency adaptive, overrides, dry
-// run and sync. Each kind is a unit of its own file, which holds its config fields (a struct embedded in Zone,
-// so that the zone's JSON names them as its own), its Caddyfile
-// subdirectives, its checks, and what it adds to the zone's description,
-// its admin view and its metrics. The parser, the zone, the admin API and
-// the metrics go through kinds rather than naming each.
+// run and sync. Each kind is a unit of its own file, which holds its
+// config fields (a struct embedded in Zone, so that the zone's JSON names
+// them as its own), its Caddyfile subdirectives, its checks, and what it
+// adds to the zone's description, the admin views of the zone and of a
+// key, and the metrics. The parser, the zone, the admin API and the
+// metrics go through kinds rather than naming each.
 //
 // What a kind asks of a store (a ban's or a delay's shape, a quota's
 // counter, a slot) is in the store contract (store.go), and its part of
@@ -72,7 +74,40 @@ type kind struct {
 
 	// info sets the kind's fields of the zone's admin view.
 	info func(z *Zone, stats zoneStats, info *zoneInfo)
+
+	// demand adds the kind's demand of the key k of z to d, as a
+	// request's would be, for the admin API to read or reset it.
+	demand func(z *Zone, k bucketKey, d *demands)
+
+	// view sets the kind's fields of the admin view of the key k of z, v,
+	// from what the store read of it into d; an error is the API's
+	// answer. forget forgets what the kind keeps of the key itself,
+	// outside the store (the admin API's DELETE), and reports whether it
+	// held anything.
+	view   func(ctx context.Context, h *Handler, z *Zone, k bucketKey, d *demands, v *keyView) error
+	forget func(z *Zone, k bucketKey) bool
 }
+
+// kindsInfo are the kinds' fields of a zone's admin view (see kind.info),
+// and kindsKeyView those of a key's (see kind.view), in the order of the
+// JSON.
+type (
+	kindsInfo struct {
+		banInfo
+		delayInfo
+		concurrencyInfo
+		adaptiveInfo
+		quotaZoneInfo
+		dryRunInfo
+	}
+	kindsKeyView struct {
+		banKeyView
+		quotaKeyView
+		overridesKeyView
+		concurrencyKeyView
+		adaptiveKeyView
+	}
+)
 
 // kinds are every kind, in the order their checks run (a zone with
 // several faults is told of the first) and their parts of a zone's

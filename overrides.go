@@ -4,7 +4,9 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
+	"net/http"
 	"time"
 
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -51,6 +53,25 @@ var overridesKind = kind{
 		}
 		return checkMaxOverrides(z.MaxOverrides)
 	},
+	view: func(ctx context.Context, h *Handler, z *Zone, k bucketKey, _ *demands, v *keyView) error {
+		if z.rateless {
+			return nil
+		}
+		o, has, err := h.store.override(ctx, z.index, k)
+		if err != nil {
+			return apiError(http.StatusBadGateway, "reading the key's limit: %v", err)
+		}
+		if has {
+			v.Override = zoneRef{h: h, z: z}.ownLimit("", o)
+		}
+		return nil
+	},
+}
+
+// overridesKeyView is a key's own limit in the admin API.
+type overridesKeyView struct {
+	// The key's own limit, which tokens and burst are of, when it has one.
+	Override *ownLimit `json:"override,omitempty"`
 }
 
 func checkMaxOverrides(n int64) error { return checkMin("max_overrides", n, 1) }

@@ -57,6 +57,21 @@ func newPlan(l limit, cost int64) *plan {
 // nothing, and tells only when the bucket is full again.
 var unknownPlan = &plan{limit: limit{tokenTime: maxBurstTime, burstTime: maxBurstTime, burst: 1}}
 
+// adminLimit is the limit of z's buckets as the admin API reads them,
+// outside of any request: unknownPlan for a zone whose limit comes with
+// each request.
+func (z *Zone) adminLimit() limit {
+	if z.plans != nil {
+		return unknownPlan.limit
+	}
+	return z.limit
+}
+
+// knownLimit reports whether the admin API knows the limit of the bucket
+// b read: for a zone whose limit comes with each request, only a key's
+// own limit is known without a request.
+func (z *Zone) knownLimit(b *bucketDemand) bool { return z.plans == nil || b.overridden }
+
 // maxPlans is the most distinct limits a zone with placeholders keeps:
 // beyond them, a request with yet another limit answers 500. It bounds
 // the memory that values a client can choose could take.

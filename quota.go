@@ -5,6 +5,7 @@ package ratelimit
 
 import (
 	"cmp"
+	"context"
 	"errors"
 	"fmt"
 	"strconv"
@@ -48,12 +49,26 @@ type quotaConfig struct {
 	Timezone string `json:"timezone,omitempty"`
 }
 
-// quotaZoneInfo is a zone's quota in the admin API.
-type quotaZoneInfo struct {
-	Quota    int64  `json:"quota,omitempty"`
-	Per      string `json:"quota_period,omitempty"`
-	Timezone string `json:"timezone,omitempty"`
-}
+// quotaZoneInfo is a zone's quota in the admin API, quotaKeyView a
+// key's.
+type (
+	quotaZoneInfo struct {
+		Quota    int64  `json:"quota,omitempty"`
+		Per      string `json:"quota_period,omitempty"`
+		Timezone string `json:"timezone,omitempty"`
+	}
+	quotaKeyView struct {
+		Quota *quotaInfo `json:"quota,omitempty"`
+	}
+	quotaInfo struct {
+		Limit int64 `json:"limit"`
+		Used  int64 `json:"used"`
+		Left  int64 `json:"left"`
+		// Seconds until the window ends and the count starts again from
+		// 0; 0 when nothing is counted.
+		ResetIn float64 `json:"reset_in"`
+	}
+)
 
 var quotaKind = kind{
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
@@ -100,6 +115,18 @@ var quotaKind = kind{
 		if z.quota != nil {
 			info.Quota, info.Per, info.Timezone = z.quota.limit, z.QuotaPeriod, z.quota.loc.String()
 		}
+	},
+	demand: func(z *Zone, k bucketKey, d *demands) {
+		if z.quota != nil {
+			d.counters = append(d.counters, counterDemand{zone: z.index, key: k, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(time.Now())})
+		}
+	},
+	view: func(_ context.Context, _ *Handler, _ *Zone, _ bucketKey, d *demands, v *keyView) error {
+		if len(d.counters) > 0 {
+			c := &d.counters[0]
+			v.Quota = &quotaInfo{Limit: c.limit, Used: c.used, Left: c.remaining(), ResetIn: c.left.Seconds()}
+		}
+		return nil
 	},
 }
 

@@ -337,7 +337,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 			}
 			send("bob", "/", 200) // another key, another count
 
-			var info bucketInfo
+			var info keyView
 			if code := adminJSON(t, "GET", "/rate_limit/"+monthly+"/alice", &info); code != 200 || info.Quota == nil ||
 				info.Quota.Used != 3 || info.Quota.Left != 0 || info.Quota.ResetIn < time.Until(mwin.end).Seconds()-2 {
 				t.Fatalf("admin GET: %d %+v %+v", code, info, info.Quota)
@@ -353,12 +353,12 @@ func TestQuotaThroughCaddy(t *testing.T) {
 			checkQuotaHeaders(t, send("carol", "/api/x", 200), api, 5, 3, dwin)
 			// The bucket refuses: neither quota counts the request.
 			send("carol", "/api/x", 429)
-			var ci bucketInfo
+			var ci keyView
 			adminJSON(t, "GET", "/rate_limit/"+api+"/carol", &ci)
 			if ci.Quota == nil || ci.Quota.Used != 2 || ci.Tokens == nil || *ci.Tokens >= 1 {
 				t.Fatalf("after a refusal by the bucket: %+v %+v", ci, ci.Quota)
 			}
-			var mi keyInfo
+			var mi keyView
 			adminJSON(t, "GET", "/rate_limit/"+monthly+"/carol", &mi)
 			if mi.Quota == nil || mi.Quota.Used != 1 {
 				t.Fatalf("monthly after a refusal by api's bucket: %+v", mi.Quota)
