@@ -5,9 +5,11 @@ package ratelimit
 
 import (
 	"net/http"
+	"sync/atomic"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Dry-run zones decide, count, log and send headers like any zone, but a
@@ -35,6 +37,14 @@ var dryRunKind = kind{
 		info.DryRun = z.inDryRun
 		info.Requests["dry_run_denied"] = z.state.dryRunDenied.Load()
 	},
+	collect: func(_ chan<- prometheus.Metric, counter counterFunc, requests *prometheus.Desc, _ zoneID, s *zoneState) {
+		counter(requests, &s.dryRunDenied, "dry_run_denied")
+	},
+}
+
+// dryRunCounts are what dry run counts, in a zone's state.
+type dryRunCounts struct {
+	dryRunDenied atomic.Uint64 // would have been refused
 }
 
 // dryRunInfo is a zone's dry run in the admin API.

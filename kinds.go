@@ -64,6 +64,11 @@ type kind struct {
 	// decisions by result.
 	collect func(ch chan<- prometheus.Metric, counter counterFunc, requests *prometheus.Desc, id zoneID, s *zoneState)
 
+	// collectStore exports the kind's metrics of the zone id that its
+	// store keeps, read through ref: once for each exported zone with a
+	// rate, zones of one name and limit counted once.
+	collectStore func(ch chan<- prometheus.Metric, id zoneID, ref zoneRef)
+
 	// meter starts the kind's metrics of z that it observes itself, and
 	// unmeter removes them once no config has the zone.
 	meter, unmeter func(z *Zone)
@@ -86,6 +91,17 @@ type kind struct {
 	// held anything.
 	view   func(ctx context.Context, h *Handler, z *Zone, k bucketKey, d *demands, v *keyView) error
 	forget func(z *Zone, k bucketKey) bool
+}
+
+// kindsCounts are what the kinds count in a zone's state (see
+// kind.collect).
+type kindsCounts struct {
+	banCounts
+	countCounts
+	delayCounts
+	usageCounts
+	adaptiveCounts
+	dryRunCounts
 }
 
 // kindsInfo are the kinds' fields of a zone's admin view (see kind.info),

@@ -4,10 +4,8 @@
 package ratelimit
 
 import (
-	"context"
 	"errors"
 	"sync/atomic"
-	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddyserver/caddy/v2"
@@ -19,22 +17,16 @@ import (
 // and config reloads, as the buckets are; the metrics and the admin API
 // read it. Counting costs an atomic add per decision.
 type zoneState struct {
-	allowed      atomic.Uint64 // passed this zone and went on
-	denied       atomic.Uint64 // refused by this zone
-	dryRunDenied atomic.Uint64 // would have been refused (dry run)
-	storeErrors  atomic.Uint64 // the store failed; fail_mode decided
-	cacheHits    atomic.Uint64 // denied by the Redis store's over-limit cache
+	allowed     atomic.Uint64 // passed this zone and went on
+	denied      atomic.Uint64 // refused by this zone
+	storeErrors atomic.Uint64 // the store failed; fail_mode decided
+	cacheHits   atomic.Uint64 // denied by the Redis store's over-limit cache
 	// ownBurst throttles the errors of requests whose cost is above their
 	// key's own burst: one a minute for the zone, whatever handler has it,
 	// and across reloads.
 	ownBurst throttle.Throttle
 
-	// What the kinds count (see kind.collect).
-	banCounts
-	countCounts
-	delayCounts
-	usageCounts
-	adaptiveCounts
+	kindsCounts
 
 	// metered counts the handlers using the zone with metrics enabled;
 	// the zone is exported while it is above zero.
@@ -95,7 +87,7 @@ var (
 // collector exports what the zone states and the stores count, read
 // when Prometheus scrapes.
 type collector struct {
-	requests, cacheHits, keys, maxKeys, evictions, overrides, circuitOpen *prometheus.Desc
+	requests, cacheHits, keys, maxKeys, evictions, circuitOpen *prometheus.Desc
 }
 
 func newCollector() *collector {
@@ -116,9 +108,6 @@ func newCollector() *collector {
 		evictions: prometheus.NewDesc(name("evictions_total"),
 			"Buckets the local store evicted before they refilled, to stay within max_keys.",
 			[]string{"zone", "limit"}, nil),
-		overrides: prometheus.NewDesc(name("overrides"),
-			"Keys with a limit of their own, set through the admin API, that have not ended.",
-			[]string{"zone", "limit"}, nil),
 		circuitOpen: prometheus.NewDesc(name("circuit_open"),
 			"Redis connections whose circuit breaker is open: their store decides by fail_mode.",
 			nil, nil),
@@ -131,7 +120,6 @@ func (c *collector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- c.keys
 	ch <- c.maxKeys
 	ch <- c.evictions
-	ch <- c.overrides
 	ch <- c.circuitOpen
 	for _, k := range kinds {
 		for _, d := range k.descs {
@@ -161,7 +149,6 @@ func (c *collector) collectZone(ch chan<- prometheus.Metric, id zoneID, s *zoneS
 	}
 	counter(c.requests, &s.allowed, "allowed")
 	counter(c.requests, &s.denied, "denied")
-	counter(c.requests, &s.dryRunDenied, "dry_run_denied")
 	counter(c.requests, &s.storeErrors, "store_error")
 	counter(c.cacheHits, &s.cacheHits)
 	for _, k := range kinds {
@@ -178,7 +165,8 @@ type counterFunc func(d *prometheus.Desc, n *atomic.Uint64, labels ...string)
 // collectStores exports what the stores of the provisioned handlers keep
 // (read through their stats): the keys, capacity and evictions of each
 // zone, the tables that zones of one name and limit share counted once,
-// and the connections whose circuit breaker is open.
+// the kinds' metrics their stores keep (see kind.collectStore), and the
+// connections whose circuit breaker is open.
 func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zoneID]bool) {
 	type tracked struct {
 		keys, capacity int
@@ -222,7 +210,13 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 		ch <- prometheus.MustNewConstMetric(c.maxKeys, prometheus.GaugeValue, float64(z.capacity), id.name, id.limit)
 		ch <- prometheus.MustNewConstMetric(c.evictions, prometheus.CounterValue, float64(z.evictions), id.name, id.limit)
 	}
-	c.collectOverrides(ch, counted)
+	for id, ref := range counted {
+		for _, k := range kinds {
+			if k.collectStore != nil {
+				k.collectStore(ch, id, ref)
+			}
+		}
+	}
 	open := 0
 	for _, down := range clients {
 		if down {
@@ -230,20 +224,6 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 		}
 	}
 	ch <- prometheus.MustNewConstMetric(c.circuitOpen, prometheus.GaugeValue, float64(open))
-}
-
-// collectOverrides exports how many keys have their own limit in each
-// zone, as its store counts them (the Redis store: in one call, within
-// its timeout; a zone whose store cannot tell is left out).
-func (c *collector) collectOverrides(ch chan<- prometheus.Metric, zones map[zoneID]zoneRef) {
-	for id, ref := range zones {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		n, err := ref.h.store.overrideCount(ctx, ref.z.index)
-		cancel()
-		if err == nil {
-			ch <- prometheus.MustNewConstMetric(c.overrides, prometheus.GaugeValue, float64(n), id.name, id.limit)
-		}
-	}
 }
 
 // registerMetrics adds the collectors to a config's registry, which is
