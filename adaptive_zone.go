@@ -53,6 +53,7 @@ type (
 // adaptiveKind's subdirective is concurrency's (concurrency.go), which
 // reads `concurrency adaptive` with unmarshalAdaptive.
 var adaptiveKind = kind{
+	in:    func(z *Zone) bool { return z.ConcurrencyAdaptive != nil },
 	check: (*Zone).checkAdaptive,
 	describe: func(z *Zone) string {
 		if z.ConcurrencyAdaptive == nil {
@@ -158,10 +159,7 @@ func (z *Zone) checkAdaptive() error {
 	if z.ConcurrencyAdaptive == nil {
 		return nil
 	}
-	if z.Concurrency != 0 {
-		return errors.New("concurrency adaptive and a fixed concurrency exclude each other: a zone has one limit on requests in flight")
-	}
-	if z.Lease != 0 {
+	if z.Lease != 0 && z.Concurrency == 0 {
 		return errors.New("lease needs a fixed concurrency: an adaptive limit is this instance's own, and holds no leases")
 	}
 	return z.ConcurrencyAdaptive.check()

@@ -91,6 +91,7 @@ func TestAdaptiveValidate(t *testing.T) {
 		{`"concurrency_adaptive":{"min":1,"max":1}`, ""},
 		{`"rate":"10r/s","concurrency_adaptive":{"max":50}`, ""},
 		{`"concurrency_adaptive":{},"concurrency":4`, "concurrency adaptive and a fixed concurrency exclude each other"},
+		{`"concurrency_adaptive":{},"concurrency":4,"lease":10000000000`, "concurrency adaptive and a fixed concurrency exclude each other"},
 		{`"concurrency_adaptive":{},"lease":10000000000`, "lease needs a fixed concurrency"},
 		{`"concurrency_adaptive":{"min":20,"max":10}`, "invalid concurrency adaptive max 10: must be at least min 20"},
 		{`"concurrency_adaptive":{"max":2000000}`, "invalid concurrency adaptive max 2000000: must be 1 to 1000000"},

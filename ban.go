@@ -48,6 +48,7 @@ type (
 )
 
 var banKind = kind{
+	in: func(z *Zone) bool { return z.Ban != 0 },
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
 		"ban": durationSub("15m", func(z *Zone) *caddy.Duration { return &z.Ban }, checkBan),
 	},

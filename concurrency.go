@@ -61,6 +61,7 @@ type (
 )
 
 var concurrencyKind = kind{
+	in: func(z *Zone) bool { return z.Concurrency != 0 },
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
 		"concurrency": func(d *caddyfile.Dispenser, z *Zone) error {
 			if adaptive, err := z.unmarshalAdaptive(d); adaptive || err != nil {

@@ -29,6 +29,7 @@ type countConfig struct {
 }
 
 var countKind = kind{
+	in: func(z *Zone) bool { return z.Count != nil },
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
 		"count": func(d *caddyfile.Dispenser, z *Zone) error {
 			// The response matcher of handle_response and reverse_proxy,

@@ -50,6 +50,7 @@ type delayInfo struct {
 }
 
 var delayKind = kind{
+	in: func(z *Zone) bool { return z.Delay != 0 },
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
 		"delay": durationSub("2s", func(z *Zone) *caddy.Duration { return &z.Delay }, checkDelay),
 	},
@@ -60,15 +61,7 @@ var delayKind = kind{
 		case !z.hasRate():
 			return errors.New("delay needs a rate: requests wait for the zone's tokens")
 		}
-		if err := checkDelay(time.Duration(z.Delay)); err != nil {
-			return err
-		}
-		if z.Ban != 0 {
-			// Both would read a bucket that owes more than a whole
-			// bucket: as a ban, or as requests waiting for their tokens.
-			return errors.New("ban and delay exclude each other: a zone either refuses an excess for a while (ban) or lets it wait (delay)")
-		}
-		return nil
+		return checkDelay(time.Duration(z.Delay))
 	},
 	shape: func(z *Zone, l *limit) error {
 		l.delay = time.Duration(z.Delay)

@@ -5,6 +5,7 @@ package ratelimit
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
@@ -29,11 +30,16 @@ import (
 
 // A kind is one kind of limit a zone may have. Every hook is optional.
 type kind struct {
+	// in reports whether z has the kind, for the rules between kinds
+	// (exclusions).
+	in func(z *Zone) bool
+
 	// subdirectives read the kind's subdirectives of a zone block, by
 	// name: each its arguments into z, checked as far as they go alone.
 	subdirectives map[string]func(d *caddyfile.Dispenser, z *Zone) error
 
-	// check checks the kind's fields of z, and what they cannot go with.
+	// check checks the kind's fields of z, and what they need of the
+	// zone; what kinds cannot go together is in exclusions.
 	check func(z *Zone) error
 
 	// shape sets the kind's part of a bucket's shape, l.
@@ -159,9 +165,43 @@ func (h *Handler) checkKinds() error {
 	return eachKind(h, func(k *kind) func(*Handler) error { return k.checkHandler })
 }
 
-// checkKinds runs every kind's check of z.
+// checkKinds runs every kind's own check of z, then checks the rules
+// between the kinds it has.
 func (z *Zone) checkKinds() error {
-	return eachKind(z, func(k *kind) func(*Zone) error { return k.check })
+	if err := eachKind(z, func(k *kind) func(*Zone) error { return k.check }); err != nil {
+		return err
+	}
+	for _, x := range exclusions {
+		if x.a.in(z) && x.b.in(z) {
+			return errors.New(x.why)
+		}
+	}
+	return nil
+}
+
+// exclusions are the kinds a zone cannot have together, and why, in the
+// order they are checked (a zone with several is told of the first).
+var exclusions = []struct {
+	a, b *kind
+	why  string
+}{
+	{&adaptiveKind, &concurrencyKind, "concurrency adaptive and a fixed concurrency exclude each other: a zone has one limit on requests in flight"},
+	{&quotaKind, &banKind, "ban does not combine with quota: a quota refuses until its window ends already; put the rate with the ban in a zone of its own"},
+	{&quotaKind, &concurrencyKind, "concurrency does not combine with quota: a zone with concurrency counts requests in flight; give the quota a zone of its own"},
+	// A bucket that owes more than a whole bucket reads as banned, as
+	// requests waiting for their tokens, or as a debt after usage: a
+	// zone has one of the three.
+	{&usageKind, &banKind, "usage cannot go with ban: a bucket in debt after a response's usage would read as banned"},
+	{&usageKind, &delayKind, "usage cannot go with delay: requests would wait for tokens that a bucket in debt owes"},
+	{&delayKind, &banKind, "ban and delay exclude each other: a zone either refuses an excess for a while (ban) or lets it wait (delay)"},
+	// A zone with sync decides from this instance's copies; what only
+	// Redis can hold for every instance stays exact.
+	{&syncKind, &banKind, "sync cannot go with ban: a ban starts once, in Redis, for every instance"},
+	{&syncKind, &delayKind, "sync cannot go with delay: a waiting request holds tokens that only Redis can reserve for every instance"},
+	{&syncKind, &countKind, "sync cannot go with count: tokens given back after the response would not reach the other instances' copies"},
+	{&syncKind, &usageKind, "sync cannot go with usage: a response's usage is charged to the shared bucket, not to this instance's copy"},
+	{&syncKind, &quotaKind, "sync cannot go with quota: a calendar quota is counted exactly, in Redis"},
+	{&syncKind, &concurrencyKind, "sync cannot go with concurrency: its slots are leases that Redis holds for every instance"},
 }
 
 // eachKind runs the hook that of gives of every kind that has one on v,

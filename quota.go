@@ -71,6 +71,7 @@ type (
 )
 
 var quotaKind = kind{
+	in: func(z *Zone) bool { return z.Quota != 0 },
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
 		"quota": func(d *caddyfile.Dispenser, z *Zone) error {
 			// quota <n> per <day|week|month>
@@ -269,10 +270,6 @@ func (z *Zone) quotaLimit() (*quota, error) {
 	switch {
 	case z.windowForm():
 		return nil, errors.New("quota does not combine with window and max_events: write the zone's limit as rate and burst")
-	case z.Ban != 0:
-		return nil, errors.New("ban does not combine with quota: a quota refuses until its window ends already; put the rate with the ban in a zone of its own")
-	case z.Concurrency != 0:
-		return nil, errors.New("concurrency does not combine with quota: a zone with concurrency counts requests in flight; give the quota a zone of its own")
 	case z.costVar.template != "":
 		return nil, errors.New("a cost with placeholders does not combine with quota: a quota counts a fixed cost per request")
 	case z.Cost > z.Quota:

@@ -100,6 +100,7 @@ type syncConfig struct {
 }
 
 var syncKind = kind{
+	in: func(z *Zone) bool { return z.Sync != 0 },
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
 		"sync": durationSub("100ms", func(z *Zone) *caddy.Duration { return &z.Sync }, checkSyncInterval),
 	},
@@ -115,8 +116,9 @@ var syncKind = kind{
 	},
 }
 
-// checkSync checks a zone's sync, and what it cannot go with: what takes
-// or gives back tokens that only Redis can account for exactly.
+// checkSync checks a zone's sync; what it cannot go with (what takes or
+// gives back tokens that only Redis can account for exactly) is in
+// exclusions.
 func (z *Zone) checkSync() error {
 	if z.Sync == 0 {
 		return nil
@@ -124,21 +126,8 @@ func (z *Zone) checkSync() error {
 	if err := checkSyncInterval(time.Duration(z.Sync)); err != nil {
 		return err
 	}
-	switch {
-	case !z.hasRate():
+	if !z.hasRate() {
 		return errors.New("sync needs a rate: it shares the zone's token buckets")
-	case z.Ban != 0:
-		return errors.New("sync cannot go with ban: a ban starts once, in Redis, for every instance")
-	case z.Delay != 0:
-		return errors.New("sync cannot go with delay: a waiting request holds tokens that only Redis can reserve for every instance")
-	case z.Count != nil:
-		return errors.New("sync cannot go with count: tokens given back after the response would not reach the other instances' copies")
-	case z.Usage != nil:
-		return errors.New("sync cannot go with usage: a response's usage is charged to the shared bucket, not to this instance's copy")
-	case z.Quota != 0:
-		return errors.New("sync cannot go with quota: a calendar quota is counted exactly, in Redis")
-	case z.Concurrency != 0:
-		return errors.New("sync cannot go with concurrency: its slots are leases that Redis holds for every instance")
 	}
 	return nil
 }

@@ -44,6 +44,7 @@ type usageConfig struct {
 }
 
 var usageKind = kind{
+	in: func(z *Zone) bool { return z.Usage != nil },
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
 		"usage": func(d *caddyfile.Dispenser, z *Zone) error {
 			var err error
@@ -102,7 +103,7 @@ var (
 		[]string{"zone", "limit"}, nil)
 )
 
-// checkUsage checks usage and max_debt, and what they cannot go with.
+// checkUsage checks usage and max_debt.
 func (z *Zone) checkUsage() error {
 	if z.Usage == nil {
 		if z.MaxDebt != nil {
@@ -114,11 +115,6 @@ func (z *Zone) checkUsage() error {
 		return err
 	}
 	switch {
-	case z.Ban != 0:
-		// Both read a bucket that owes more than a whole bucket.
-		return errors.New("usage cannot go with ban: a bucket in debt after a response's usage would read as banned")
-	case z.Delay != 0:
-		return errors.New("usage cannot go with delay: requests would wait for tokens that a bucket in debt owes")
 	case !z.hasRate() && z.Quota == 0:
 		return errors.New("usage needs a rate or a quota: they are what a response's usage is charged to")
 	case z.MaxDebt != nil && !z.hasRate():
