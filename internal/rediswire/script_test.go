@@ -231,9 +231,10 @@ func TestPlainAdjustMatchesSections(t *testing.T) {
 }
 
 // A plain adjustment is one decision of its buckets' hashes, its shape's
-// place, its beyond and each bucket's field and cost; buckets of another
-// shape, or an override's key, make it one in sections; and it is never
-// part of a run of takes.
+// place, its beyond and each bucket's field and cost, counted among the
+// decisions that are not plain takes (so that only a call that holds one
+// makes its function); buckets of another shape, or an override's key,
+// make it one in sections; and it is never part of a run of takes.
 func TestAdjustLayout(t *testing.T) {
 	deadline := time.Now().Add(time.Second)
 	owe := NewShape(10*time.Second, time.Second, time.Second, 0, 20*time.Second, 0, false)
@@ -245,7 +246,7 @@ func TestAdjustLayout(t *testing.T) {
 	adj.AdjustBucket("h2", "f2", "h2", owe, -3*time.Second)
 	m := &command{script: &testScripts(t).decide, calls: []*Call{take, adj}}
 	got := fmt.Sprint(m.build()[2:])
-	want := fmt.Sprint([]any{"3", "h1", "h1", "h2", "", "0", "2",
+	want := fmt.Sprint([]any{"3", "h1", "h1", "h2", "", "1", "2",
 		"10000000000", "1000000000", "1000000000", "10000000000", "1000000000", "1000000000",
 		"1", "1", "f1", "+", "2", "2", "20000000000", "f1", "1000000000", "f2", "-3000000000"})
 	if got != want {
