@@ -413,11 +413,11 @@ func (m *command) build() []any {
 	s := m.script
 	m.cmd = append(m.cmd[:0], s.evalSHA, s.sha, nil)
 	m.shapes = m.shapes[:0]
-	others := 0 // decisions that are not plain takes: the script makes their functions only if there are any
+	others := 0 // decisions that are not plain takes: the script makes their functions only if any
 	for i := 0; i < len(m.calls); i += run(m.calls[i:]) {
 		c := m.calls[i]
 		m.cmd = c.keys(m.cmd)
-		if !c.plain || c.op == Adjust {
+		if !c.plain || c.op != Take {
 			others++
 		}
 		if !c.plain {
