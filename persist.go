@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/certmagic"
 	"go.uber.org/zap"
@@ -96,7 +97,7 @@ const (
 type snapshots struct {
 	storage  certmagic.Storage
 	dir      string // rate_limit/<instance id>
-	key      hashKey
+	key      siphash.Key
 	interval time.Duration
 	logger   *zap.Logger
 }
@@ -138,12 +139,12 @@ type hashKeyCache struct {
 	mu      sync.Mutex
 	storage certmagic.Storage
 	name    string
-	key     hashKey
+	key     siphash.Key
 	err     error
 }
 
 // get returns the hash key stored at name, and whether it was cached.
-func (c *hashKeyCache) get(storage certmagic.Storage, name string) (hashKey, bool, error) {
+func (c *hashKeyCache) get(storage certmagic.Storage, name string) (siphash.Key, bool, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	// A storage of a type that cannot be compared is never cached.
@@ -169,16 +170,16 @@ func storageOf(ctx caddy.Context) (s certmagic.Storage) {
 // loadHashKey reads the instance's hash key, or stores a new one if there
 // is none (or it is unreadable: snapshots hashed with another key are
 // then discarded, by their fingerprint).
-func loadHashKey(storage certmagic.Storage, name string) (hashKey, error) {
-	return call(hashKeyTimeout, func(ctx context.Context) (hashKey, error) {
+func loadHashKey(storage certmagic.Storage, name string) (siphash.Key, error) {
+	return call(hashKeyTimeout, func(ctx context.Context) (siphash.Key, error) {
 		b, err := storage.Load(ctx, name)
 		if err == nil && len(b) == 16 {
-			return hashKey{binary.LittleEndian.Uint64(b), binary.LittleEndian.Uint64(b[8:])}, nil
+			return siphash.Key{binary.LittleEndian.Uint64(b), binary.LittleEndian.Uint64(b[8:])}, nil
 		}
 		if err != nil && !errors.Is(err, fs.ErrNotExist) {
-			return hashKey{}, err
+			return siphash.Key{}, err
 		}
-		k := randomHashKey()
+		k := siphash.NewKey()
 		b = binary.LittleEndian.AppendUint64(binary.LittleEndian.AppendUint64(nil, k[0]), k[1])
 		return k, storage.Store(ctx, name, b)
 	})
@@ -208,7 +209,7 @@ func call[T any](timeout time.Duration, f func(context.Context) (T, error)) (T, 
 }
 
 // fingerprint identifies a hash key in snapshots without revealing it.
-func (k hashKey) fingerprint() uint64 { return sipHash(k, "rate_limit snapshot") }
+func fingerprint(k siphash.Key) uint64 { return siphash.Sum(k, "rate_limit snapshot") }
 
 // snapshotName is the storage key of a table's snapshot, in dir. The
 // zone's name is escaped (see storageName), so that whatever it holds,
@@ -312,7 +313,7 @@ func (t *table[E]) load(sn *snapshots) {
 		log.Error("cannot load buckets: they start full", zap.Error(err))
 		return
 	}
-	kept, err := t.merge(b, sn.key.fingerprint(), time.Now())
+	kept, err := t.merge(b, fingerprint(sn.key), time.Now())
 	if err != nil {
 		log.Warn("snapshot discarded", zap.Error(err))
 		return
@@ -389,7 +390,7 @@ func (t *table[E]) save(sn *snapshots) error {
 	if !p.busy.CompareAndSwap(false, true) {
 		return errors.New("the last write has not ended") // a storage that hangs
 	}
-	b := t.snapshot(time.Now(), sn.key.fingerprint())
+	b := t.snapshot(time.Now(), fingerprint(sn.key))
 	name := sn.dir + "/" + p.name
 	_, err := call(saveTimeout, func(ctx context.Context) (struct{}, error) {
 		defer p.busy.Store(false)

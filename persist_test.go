@@ -24,6 +24,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/certmagic"
 	"go.uber.org/zap"
@@ -124,7 +125,7 @@ func newPersistedTableOf(sn *snapshots, maxKeys int64) *table[bucket] {
 }
 
 func testSnapshots(storage certmagic.Storage) *snapshots {
-	return &snapshots{storage: storage, dir: "rate_limit/test", key: randomHashKey(), interval: time.Second, logger: zap.NewNop()}
+	return &snapshots{storage: storage, dir: "rate_limit/test", key: siphash.NewKey(), interval: time.Second, logger: zap.NewNop()}
 }
 
 // set makes k's bucket in t full again at fullAt.
@@ -144,7 +145,7 @@ func TestSnapshotRoundTrip(t *testing.T) {
 	set(a, "half", t0.Add(5*time.Second))
 	set(a, "soon", t0.Add(time.Second))
 	set(a, "full", t0) // refilled: not written
-	b := a.snapshot(t0, sn.key.fingerprint())
+	b := a.snapshot(t0, fingerprint(sn.key))
 	if got, want := len(b), snapshotHeader+3*snapshotEntry+overridesHeader; got != want {
 		t.Fatalf("snapshot of 3 buckets that are not full: %d bytes, want %d", got, want)
 	}
@@ -153,7 +154,7 @@ func TestSnapshotRoundTrip(t *testing.T) {
 	later := t0.Add(2 * time.Second)
 	c := newPersistedTable(sn)
 	c.epoch = t0.Add(-time.Hour)
-	kept, err := c.merge(b, sn.key.fingerprint(), later)
+	kept, err := c.merge(b, fingerprint(sn.key), later)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -172,7 +173,7 @@ func TestSnapshotDiscarded(t *testing.T) {
 	sn := testSnapshots(newTestStorage())
 	a := newPersistedTable(sn)
 	set(a, "k", t0.Add(5*time.Second))
-	good := a.snapshot(t0, sn.key.fingerprint())
+	good := a.snapshot(t0, fingerprint(sn.key))
 
 	with := func(off int, v uint64) []byte {
 		b := append([]byte(nil), good...)
@@ -197,7 +198,7 @@ func TestSnapshotDiscarded(t *testing.T) {
 		}(), fmt.Sprintf("version %d", snapshotVersion+1)},
 	} {
 		c := newPersistedTable(sn)
-		_, err := c.merge(tc.b, sn.key.fingerprint(), t0)
+		_, err := c.merge(tc.b, fingerprint(sn.key), t0)
 		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.wantErr)
 		}
@@ -232,12 +233,12 @@ func TestSnapshotOverrides(t *testing.T) {
 			t.Fatal("a take under the key's own limit was refused")
 		}
 	}
-	b := a.snapshot(t0, sn.key.fingerprint())
+	b := a.snapshot(t0, fingerprint(sn.key))
 
 	later := t0.Add(2 * time.Second) // brief has ended; api-key has 2 tokens back
 	loaded := newPersistedTable(sn)
 	loaded.base = a.base
-	if _, err := loaded.merge(b, sn.key.fingerprint(), later); err != nil {
+	if _, err := loaded.merge(b, fingerprint(sn.key), later); err != nil {
 		t.Fatal(err)
 	}
 	list := listOverrides(loaded, later)
@@ -256,7 +257,7 @@ func TestSnapshotOverrides(t *testing.T) {
 	v2 := slices.Clone(b[:len(b)-overridesLen(b)])
 	binary.LittleEndian.PutUint32(v2[4:], 2)
 	old := newPersistedTable(sn)
-	if kept, err := old.merge(v2, sn.key.fingerprint(), later); err != nil || kept != 1 || old.overrides.Load() != 0 {
+	if kept, err := old.merge(v2, fingerprint(sn.key), later); err != nil || kept != 1 || old.overrides.Load() != 0 {
 		t.Fatalf("version 2: kept %d, %v, %d overrides; want 1, nil, 0", kept, err, old.overrides.Load())
 	}
 }
@@ -287,12 +288,12 @@ func TestSnapshotEndedOverrides(t *testing.T) {
 		if c := (charge{l: base, cost: time.Second, t: a, h: a.hash(k), now: a.instant(t0)}); !takeOne(&c) || !c.overridden {
 			t.Fatalf("%s: the take under the key's own limit was refused", tc.name)
 		}
-		b := a.snapshot(t0.Add(tc.saved), sn.key.fingerprint())
+		b := a.snapshot(t0.Add(tc.saved), fingerprint(sn.key))
 
 		later := t0.Add(tc.loads)
 		loaded := newPersistedTable(sn)
 		loaded.base = base
-		if _, err := loaded.merge(b, sn.key.fingerprint(), later); err != nil {
+		if _, err := loaded.merge(b, fingerprint(sn.key), later); err != nil {
 			t.Fatal(err)
 		}
 		if list := listOverrides(loaded, later); len(list) != 0 {
@@ -333,12 +334,12 @@ func TestMergeKeepsLaterInstant(t *testing.T) {
 	set(a, "used more since", t0.Add(2*time.Second))
 	set(a, "used more before", t0.Add(8*time.Second))
 	set(a, "clock ahead", t0.Add(time.Hour))
-	b := a.snapshot(t0, sn.key.fingerprint())
+	b := a.snapshot(t0, fingerprint(sn.key))
 
 	c := newPersistedTable(sn)
 	set(c, "used more since", t0.Add(6*time.Second))
 	set(c, "used more before", t0.Add(3*time.Second))
-	if _, err := c.merge(b, sn.key.fingerprint(), t0); err != nil {
+	if _, err := c.merge(b, fingerprint(sn.key), t0); err != nil {
 		t.Fatal(err)
 	}
 	for k, want := range map[string]time.Duration{
@@ -359,13 +360,13 @@ func TestMergeEvictsNothing(t *testing.T) {
 	for i := range 10 {
 		set(a, fmt.Sprint("old", i), t0.Add(5*time.Second))
 	}
-	b := a.snapshot(t0, sn.key.fingerprint())
+	b := a.snapshot(t0, fingerprint(sn.key))
 	c := newPersistedTable(sn)
 	c.maxKeys.Store(4)
 	for i := range 3 {
 		set(c, fmt.Sprint("new", i), t0.Add(5*time.Second))
 	}
-	kept, err := c.merge(b, sn.key.fingerprint(), t0)
+	kept, err := c.merge(b, fingerprint(sn.key), t0)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -487,7 +488,7 @@ func TestHashKeyStored(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if k1 != k2 || k1 == (hashKey{}) {
+	if k1 != k2 || k1 == (siphash.Key{}) {
 		t.Errorf("keys %x then %x, want one nonzero key", k1, k2)
 	}
 }
@@ -602,7 +603,7 @@ func BenchmarkSnapshot(b *testing.B) {
 	b.Run("write", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
-			snap = tab.snapshot(now, sn.key.fingerprint())
+			snap = tab.snapshot(now, fingerprint(sn.key))
 		}
 		b.ReportMetric(float64(len(snap)), "snapshot-bytes")
 	})
@@ -626,7 +627,7 @@ func BenchmarkSnapshot(b *testing.B) {
 			b.StopTimer()
 			c := newPersistedTableOf(sn, 2*manyKeys)
 			b.StartTimer()
-			if _, err := c.merge(snap, sn.key.fingerprint(), now); err != nil {
+			if _, err := c.merge(snap, fingerprint(sn.key), now); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -873,7 +874,7 @@ func TestSnapshotNamesEscaped(t *testing.T) {
 		}
 		fresh := newBuckets(1000, t0)
 		fresh.key, fresh.p = sn.key, tab.p
-		if n, err := fresh.merge(b, sn.key.fingerprint(), time.Now()); err != nil || n != 1 {
+		if n, err := fresh.merge(b, fingerprint(sn.key), time.Now()); err != nil || n != 1 {
 			t.Fatalf("zone %q: loaded %d buckets, %v", names[i], n, err)
 		}
 	}

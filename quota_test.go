@@ -512,7 +512,7 @@ func TestQuotaSnapshot(t *testing.T) {
 	setCount(a, "month", 7, t0.Add(10*24*time.Hour))
 	setCount(a, "both", 2, t0.Add(10*24*time.Hour))
 	setCount(a, "ending", 5, t0.Add(time.Second))
-	b := a.snapshot(t0, sn.key.fingerprint())
+	b := a.snapshot(t0, fingerprint(sn.key))
 	if got, want := len(b), snapshotHeader+3*(snapshotEntry+8); got != want {
 		t.Fatalf("snapshot of 3 counters: %d bytes, want %d", got, want)
 	}
@@ -521,7 +521,7 @@ func TestQuotaSnapshot(t *testing.T) {
 	c := newQuotaTable()
 	c.epoch = t0.Add(-time.Hour)
 	setCount(c, "both", 3, t0.Add(10*24*time.Hour))
-	kept, err := c.merge(b, sn.key.fingerprint(), later)
+	kept, err := c.merge(b, fingerprint(sn.key), later)
 	if err != nil || kept != 2 {
 		t.Fatalf("kept %d, %v; want 2", kept, err)
 	}

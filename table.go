@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -33,9 +34,9 @@ import (
 // shape, while the flood's keys, each used once, age out first); for a
 // counter, the smallest count, which forgives the least.
 type table[E entry] struct {
-	id      uint64    // orders locks when one request takes several tables
-	epoch   time.Time // instants in the shards count from here
-	key     hashKey   // keys the hashes: random, or the stored one of a persisted table
+	id      uint64      // orders locks when one request takes several tables
+	epoch   time.Time   // instants in the shards count from here
+	key     siphash.Key // keys the hashes: random, or the stored one of a persisted table
 	maxKeys atomic.Int64
 	shards  []shard[E] // a power of two of them
 	mask    uint64     // len(shards) - 1
@@ -106,7 +107,7 @@ func newTable[E entry](maxKeys int64, now time.Time) *table[E] {
 	t := &table[E]{
 		id:     tableIDs.Add(1),
 		epoch:  now,
-		key:    randomHashKey(),
+		key:    siphash.NewKey(),
 		shards: make([]shard[E], n),
 		mask:   uint64(n - 1),
 		stop:   make(chan struct{}),
@@ -135,18 +136,18 @@ func (t *table[E]) instant(now time.Time) time.Duration { return now.Sub(t.epoch
 // of 1 in 2⁶⁴, as SipHash's do.
 func (t *table[E]) hash(k bucketKey) uint64 {
 	if !k.ip.IsValid() {
-		return sipHash(t.key, k.s)
+		return siphash.Sum(t.key, k.s)
 	}
 	b := k.ip.Addr().AsSlice() // inlined, it allocates nothing (As16 costs 10 ns more)
 	if len(b) == 4 {
-		return mix64(uint64(binary.BigEndian.Uint32(b))^t.key[0]) ^ t.key[1]
+		return siphash.Mix64(uint64(binary.BigEndian.Uint32(b))^t.key[0]) ^ t.key[1]
 	}
 	bits := uint64(k.ip.Bits())
 	if bits <= 64 {
-		return mix64(binary.BigEndian.Uint64(b)^t.key[1]) ^ t.key[0]
+		return siphash.Mix64(binary.BigEndian.Uint64(b)^t.key[1]) ^ t.key[0]
 	}
 	words := [2]uint64{binary.LittleEndian.Uint64(b), binary.LittleEndian.Uint64(b[8:])}
-	return sipHashWords(hashKey{t.key[0], t.key[1] ^ 1}, words[:], 17<<56|bits)
+	return siphash.SumWords(siphash.Key{t.key[0], t.key[1] ^ 1}, words[:], 17<<56|bits)
 }
 
 func (t *table[E]) shard(h uint64) *shard[E] {

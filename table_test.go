@@ -358,3 +358,53 @@ func TestSmallTableKeepsAClientThatKeepsSending(t *testing.T) {
 		}
 	}
 }
+
+// IP networks and strings hash apart, and so do the two families. (The
+// networks of one zone have one length per family, which need not be
+// hashed.)
+func TestTableHashKinds(t *testing.T) {
+	tab := newBuckets(100, t0)
+	seen := map[uint64]string{}
+	for _, k := range []bucketKey{
+		{ip: netip.MustParsePrefix("192.0.2.1/32")},
+		{ip: netip.MustParsePrefix("192.0.2.0/24")},
+		{ip: netip.MustParsePrefix("::ffff:192.0.2.1/128")},
+		{ip: netip.MustParsePrefix("2001:db8::/64")},
+		{ip: netip.MustParsePrefix("2001:db8:0:1::/64")},
+		{ip: netip.MustParsePrefix("0:0:c000:201::/64")}, // 192.0.2.1 as an IPv6 word
+		{ip: netip.MustParsePrefix("2001:db8::1/128")},
+		{ip: netip.MustParsePrefix("2001:db8::2/128")},
+		{ip: netip.MustParsePrefix("2001:db8::/96")},
+		{s: "192.0.2.1"},
+		{s: ""},
+	} {
+		h := tab.hash(k)
+		if other, ok := seen[h]; ok {
+			t.Errorf("%v and %s hash alike", k, other)
+		}
+		seen[h] = k.String()
+	}
+	other := newBuckets(100, t0)
+	if k := key("a"); tab.hash(k) == other.hash(k) {
+		t.Error("two tables with random keys hash alike")
+	}
+	other.key = tab.key
+	if k := key("a"); tab.hash(k) != other.hash(k) {
+		t.Error("two tables with one key hash apart")
+	}
+}
+
+func BenchmarkTableHash(b *testing.B) {
+	tab := newBuckets(100, t0)
+	for _, k := range []bucketKey{
+		{ip: netip.MustParsePrefix("192.0.2.1/32")},
+		{ip: netip.MustParsePrefix("2001:db8::/64")},
+		{s: "an-api-key-of-32-bytes-abcdefghi"},
+	} {
+		b.Run(k.String()[:min(len(k.String()), 12)], func(b *testing.B) {
+			for b.Loop() {
+				_ = tab.hash(k)
+			}
+		})
+	}
+}

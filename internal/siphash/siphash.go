@@ -1,7 +1,11 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+// Package siphash is the keyed hash that names a key's state in memory:
+// SipHash-2-4 under a secret key that can be written down, and a
+// bijection of 64-bit words for keys that fit one. It knows nothing of
+// what it hashes.
+package siphash
 
 import (
 	"crypto/rand"
@@ -9,16 +13,16 @@ import (
 	"math/bits"
 )
 
-// A hashKey is the secret 128-bit key of SipHash-2-4, the keyed hash that
+// A Key is the secret 128-bit key of SipHash-2-4, the keyed hash that
 // names buckets in a table. Unlike hash/maphash's seeds, a key can be
 // written down, so a table's hashes mean the same after a restart and its
-// snapshot can be loaded back (see persist.go). Being secret, it keeps
-// clients from choosing keys that collide with another client's bucket.
-type hashKey [2]uint64
+// snapshot can be loaded back. Being secret, it keeps clients from
+// choosing keys that collide with another client's bucket.
+type Key [2]uint64
 
-// sipHash is SipHash-2-4 (Aumasson and Bernstein, 2012) of p. (The
+// Sum is SipHash-2-4 (Aumasson and Bernstein, 2012) of p. (The
 // rounds are written out, as the compiler then inlines them all.)
-func sipHash(k hashKey, p string) uint64 {
+func Sum(k Key, p string) uint64 {
 	v0, v1, v2, v3 := sipInit(k)
 	n := len(p)
 	for ; len(p) >= 8; p = p[8:] {
@@ -40,10 +44,10 @@ func sipHash(k hashKey, p string) uint64 {
 	return sipFinish(v0, v1, v2, v3)
 }
 
-// sipHashWords is sipHash of a message given as its whole 8-byte words
+// SumWords is Sum of a message given as its whole 8-byte words
 // and its last block (the message's length in the top byte, its last
 // len%8 bytes below).
-func sipHashWords(k hashKey, words []uint64, last uint64) uint64 {
+func SumWords(k Key, words []uint64, last uint64) uint64 {
 	v0, v1, v2, v3 := sipInit(k)
 	for _, m := range words {
 		v3 ^= m
@@ -58,7 +62,7 @@ func sipHashWords(k hashKey, words []uint64, last uint64) uint64 {
 	return sipFinish(v0, v1, v2, v3)
 }
 
-func sipInit(k hashKey) (v0, v1, v2, v3 uint64) {
+func sipInit(k Key) (v0, v1, v2, v3 uint64) {
 	return k[0] ^ 0x736f6d6570736575, k[1] ^ 0x646f72616e646f6d,
 		k[0] ^ 0x6c7967656e657261, k[1] ^ 0x7465646279746573
 }
@@ -90,9 +94,9 @@ func sipRound(v0, v1, v2, v3 uint64) (uint64, uint64, uint64, uint64) {
 	return v0, v1, v2, v3
 }
 
-// mix64 is a bijection of 64-bit words that spreads every bit of its
+// Mix64 is a bijection of 64-bit words that spreads every bit of its
 // input over all of its output (MurmurHash3's finalizer).
-func mix64(x uint64) uint64 {
+func Mix64(x uint64) uint64 {
 	x ^= x >> 33
 	x *= 0xff51afd7ed558ccd
 	x ^= x >> 33
@@ -101,9 +105,9 @@ func mix64(x uint64) uint64 {
 	return x
 }
 
-// randomHashKey is a new secret key.
-func randomHashKey() hashKey {
+// NewKey is a new secret key.
+func NewKey() Key {
 	var b [16]byte
 	_, _ = rand.Read(b[:]) // never fails
-	return hashKey{binary.LittleEndian.Uint64(b[:8]), binary.LittleEndian.Uint64(b[8:])}
+	return Key{binary.LittleEndian.Uint64(b[:8]), binary.LittleEndian.Uint64(b[8:])}
 }
