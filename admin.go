@@ -274,8 +274,8 @@ func writeEach[T any](w http.ResponseWriter, refs []zoneRef, f func(zoneRef) T) 
 // top lists the keys the zone refuses most.
 func (ref zoneRef) top() topInfo {
 	out := topInfo{Zone: ref.z.Name, Limit: ref.z.id.limit, Top: []topItem{}}
-	for _, k := range ref.z.state.top.list() {
-		out.Top = append(out.Top, topItem{Key: k.key.String(), Denials: k.count, Error: k.err})
+	for _, k := range ref.z.state.top.List() {
+		out.Top = append(out.Top, topItem{Key: k.Key.String(), Denials: k.Count, Error: k.Err})
 	}
 	return out
 }

@@ -244,10 +244,10 @@ func (h *Handler) count(r *http.Request, sc *scratch, out outcome) {
 		switch {
 		case m.wouldDeny:
 			st.dryRunDenied.Add(1)
-			st.top.add(m.key(&sc.d))
+			st.top.Add(topKey(m.key(&sc.d)))
 		case !ok || full:
 			st.denied.Add(1)
-			st.top.add(m.key(&sc.d))
+			st.top.Add(topKey(m.key(&sc.d)))
 		case allowed:
 			st.allowed.Add(1)
 		}

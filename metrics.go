@@ -5,9 +5,13 @@ package ratelimit
 
 import (
 	"errors"
+	"hash/fnv"
+	"strconv"
+	"strings"
 	"sync/atomic"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
+	"github.com/caddy-tokenbucket/ratelimit/internal/topn"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -32,7 +36,7 @@ type zoneState struct {
 	// the zone is exported while it is above zero.
 	metered atomic.Int64
 
-	top *topKeys
+	top *topn.Sketch[bucketKey] // the keys it refuses most (topKey)
 }
 
 // Destruct is called when no config has the zone any more.
@@ -51,9 +55,32 @@ type zoneID struct{ name, limit string }
 // topKeysSize is how many keys each zone's heavy-hitter sketch tracks.
 const topKeysSize = 64
 
+// topKeyMax bounds the bytes of a key the sketch keeps: a longer key is
+// kept as its first bytes and a hash of the whole (topKey).
+const topKeyMax = 128
+
+// topKey is k as a zone's heavy-hitter sketch counts it: a key longer
+// than topKeyMax as its first bytes and a hash of the whole, so that long
+// keys stay distinct in bounded memory.
+func topKey(k bucketKey) bucketKey {
+	if len(k.s) > topKeyMax {
+		h := fnv.New64a()
+		h.Write([]byte(k.s))
+		k.s = k.s[:topKeyMax-20] + "…" + strconv.FormatUint(h.Sum64(), 16)
+	}
+	return k
+}
+
+// keepKey is the copy of k that the sketch keeps, so that it does not
+// keep a request's memory alive.
+func keepKey(k bucketKey) bucketKey {
+	k.s = strings.Clone(k.s)
+	return k
+}
+
 func acquireZoneState(id zoneID) (*zoneState, error) {
 	v, _, err := zoneStates.LoadOrNew(id, func() (caddy.Destructor, error) {
-		return &zoneState{top: newTopKeys(topKeysSize)}, nil
+		return &zoneState{top: topn.New(topKeysSize, keepKey)}, nil
 	})
 	if err != nil {
 		return nil, err
