@@ -91,7 +91,7 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 				now = time.Now()
 			}
 			m.counter = len(sc.d.counters)
-			sc.d.counters = append(sc.d.counters, counterDemand{zone: i, key: k, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(now), soft: z.inDryRun})
+			sc.d.counters = append(sc.d.counters, counterDemand{zone: i, key: k, limit: z.quota.limit, cost: z.Cost, window: z.quota.Window(now), soft: z.inDryRun})
 		}
 		if z.Concurrency != 0 {
 			m.slot = len(sc.d.slots)

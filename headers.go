@@ -51,7 +51,7 @@ func (h *Handler) counterStanding(m *match, c *counterDemand) standing {
 	q := standing{zone: c.zone, key: c.key, denied: !c.ok && !m.wouldDeny, wait: c.wait(), remaining: c.remaining(),
 		capacity: c.limit, debt: c.left, full: h.Zones[c.zone].limit.burstTime}
 	if c.used > 0 {
-		q.end = c.window.end
+		q.end = c.window.End
 	}
 	return q
 }
@@ -178,7 +178,7 @@ func (h *Handler) appendPolicies(b []byte, sc *scratch) []byte {
 			// for a month or a day with a change of daylight saving time
 			// is that window's own.
 			b = sep(b, &n)
-			b = appendPolicy(b, z.quotedName, z.quota.limit, sc.d.counters[m.counter].window.seconds)
+			b = appendPolicy(b, z.quotedName, z.quota.limit, sc.d.counters[m.counter].window.Seconds)
 		}
 	}
 	for i := range sc.matches {

@@ -217,7 +217,7 @@ func TestQuotaResetIsTheWindowsEnd(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, tc.config)
 			for i := range 20 {
-				end := h.Zones[0].quota.window(time.Now()).end
+				end := h.Zones[0].quota.Window(time.Now()).End
 				_, hdr := serve(h, "192.0.2.1")
 				if got, want := hdr.Get("X-Ratelimit-Reset"), strconv.FormatInt(end.Unix(), 10); got != want {
 					t.Fatalf("request %d: X-RateLimit-Reset %s, want %s, the window's end", i, got, want)

@@ -235,7 +235,7 @@ func bucketReq(z *Zone, key bucketKey) bucketDemand {
 
 // counterReq is the demand of z's quota counter for key, at now.
 func counterReq(z *Zone, key bucketKey, now time.Time) counterDemand {
-	return counterDemand{zone: z.index, key: key, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(now), soft: z.inDryRun}
+	return counterDemand{zone: z.index, key: key, limit: z.quota.limit, cost: z.Cost, window: z.quota.Window(now), soft: z.inDryRun}
 }
 
 // slotsOf is the local slot table of h's zone z: the local store's, or

@@ -258,7 +258,7 @@ func (s *LocalStore) takeAll(now time.Time, d *demands) bool {
 		c := &d.counters[i]
 		t := s.zones[c.zone].counters
 		n := t.instant(now)
-		ks = append(ks, count{t: t, h: t.hash(c.key), now: n, endAt: n + c.window.end.Sub(now), limit: c.limit, units: c.cost, req: i, soft: c.soft})
+		ks = append(ks, count{t: t, h: t.hash(c.key), now: n, endAt: n + c.window.End.Sub(now), limit: c.limit, units: c.cost, req: i, soft: c.soft})
 	}
 	for i := range d.slots {
 		q := &d.slots[i]
@@ -309,7 +309,7 @@ func (s *LocalStore) adjust(_ context.Context, now time.Time, d *demands) error 
 		c := &d.counters[i]
 		t := s.zones[c.zone].counters
 		n := t.instant(now)
-		adjustCounter(t, c.key, c.cost, n+c.window.end.Sub(now), n)
+		adjustCounter(t, c.key, c.cost, n+c.window.End.Sub(now), n)
 	}
 	return nil
 }

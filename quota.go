@@ -9,9 +9,9 @@ import (
 	"errors"
 	"fmt"
 	"strconv"
-	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -114,12 +114,12 @@ var quotaKind = kind{
 	},
 	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
 		if z.quota != nil {
-			info.Quota, info.Per, info.Timezone = z.quota.limit, z.QuotaPeriod, z.quota.loc.String()
+			info.Quota, info.Per, info.Timezone = z.quota.limit, z.QuotaPeriod, z.quota.Loc.String()
 		}
 	},
 	demand: func(z *Zone, k bucketKey, d *demands) {
 		if z.quota != nil {
-			d.counters = append(d.counters, counterDemand{zone: z.index, key: k, limit: z.quota.limit, cost: z.Cost, window: z.quota.window(time.Now())})
+			d.counters = append(d.counters, counterDemand{zone: z.index, key: k, limit: z.quota.limit, cost: z.Cost, window: z.quota.Window(time.Now())})
 		}
 	},
 	view: func(_ context.Context, _ *Handler, _ *Zone, _ bucketKey, d *demands, v *keyView) error {
@@ -131,17 +131,6 @@ var quotaKind = kind{
 	},
 }
 
-// A period is the length of a quota's calendar window.
-type period uint8
-
-const (
-	periodDay period = iota + 1
-	periodWeek
-	periodMonth
-)
-
-var periods = map[string]period{"day": periodDay, "week": periodWeek, "month": periodMonth}
-
 func checkQuota(n int64) error {
 	if n < 1 || n > maxBurst {
 		return fmt.Errorf("invalid quota %d: must be 1 to %d", n, int64(maxBurst))
@@ -150,7 +139,7 @@ func checkQuota(n int64) error {
 }
 
 func checkQuotaPeriod(s string) error {
-	if _, ok := periods[s]; !ok {
+	if _, ok := calendar.Periods[s]; !ok {
 		return fmt.Errorf("invalid quota period '%s': expected day, week or month", s)
 	}
 	return nil
@@ -167,80 +156,10 @@ func loadTimezone(s string) (*time.Location, error) {
 	return loc, nil
 }
 
-// window returns the calendar window of p that holds t, in loc: from
-// midnight of its first day to midnight of the next window's first day.
-// Around a change of daylight saving time a day has 23 or 25 hours; a
-// midnight that the change skips is the first instant of that day.
-func (p period) window(t time.Time, loc *time.Location) (start, end time.Time) {
-	y, m, d := t.In(loc).Date()
-	switch p {
-	case periodWeek:
-		d -= (int(time.Date(y, m, d, 12, 0, 0, 0, loc).Weekday()) + 6) % 7 // back to Monday
-		return midnight(y, m, d, loc), midnight(y, m, d+7, loc)
-	case periodMonth:
-		return midnight(y, m, 1, loc), midnight(y, m+1, 1, loc)
-	default:
-		return midnight(y, m, d, loc), midnight(y, m, d+1, loc)
-	}
-}
-
-// midnight is the first instant of a day in loc (d may overflow the
-// month, as time.Date allows). Where a change of offset skips midnight
-// (as America/Santiago's did), time.Date may give an instant of the day
-// before: the day then starts at the change.
-func midnight(y int, m time.Month, d int, loc *time.Location) time.Time {
-	t := time.Date(y, m, d, 0, 0, 0, 0, loc)
-	wy, wm, wd := time.Date(y, m, d, 0, 0, 0, 0, time.UTC).Date()
-	if ty, tm, td := t.In(loc).Date(); ty != wy || tm != wm || td != wd {
-		_, t = t.ZoneBounds()
-	}
-	return t
-}
-
 // A quota is a zone's calendar quota, ready to use.
 type quota struct {
-	limit  int64 // units per window
-	period period
-	loc    *time.Location
-	// every, when set, replaces the calendar with windows of this length
-	// from the Unix epoch. Only tests set it: calendar windows last a day
-	// at least.
-	every time.Duration
-	cur   atomic.Pointer[quotaWindow] // the window last seen
-}
-
-// A quotaWindow is a quota window by this instance's clock, with the
-// ones before and after: what a store needs to pick the window by its
-// own clock.
-type quotaWindow struct {
-	start, end time.Time // the window is [start, end)
-	prev, next time.Time // the previous window's start, the next one's end
-	seconds    int64     // its length, for RateLimit-Policy's w
-}
-
-// window returns the window that holds now. Windows change once a day at
-// most, so the last one is kept: the common request allocates nothing.
-func (qt *quota) window(now time.Time) *quotaWindow {
-	if w := qt.cur.Load(); w != nil && !now.Before(w.start) && now.Before(w.end) {
-		return w
-	}
-	w := qt.windowAt(now)
-	qt.cur.Store(w)
-	return w
-}
-
-// windowAt computes the window that holds now.
-func (qt *quota) windowAt(now time.Time) *quotaWindow {
-	var prev, start, end, next time.Time
-	if qt.every > 0 {
-		start = time.Unix(0, now.UnixNano()/int64(qt.every)*int64(qt.every))
-		prev, end, next = start.Add(-qt.every), start.Add(qt.every), start.Add(2*qt.every)
-	} else {
-		start, end = qt.period.window(now, qt.loc)
-		prev, _ = qt.period.window(start.Add(-time.Nanosecond), qt.loc)
-		_, next = qt.period.window(end, qt.loc)
-	}
-	return &quotaWindow{start: start, end: end, prev: prev, next: next, seconds: ceilSeconds(end.Sub(start))}
+	limit int64 // units per window
+	calendar.Windows
 }
 
 // quotaLimit parses the zone's quota fields; nil when it has none.
@@ -275,7 +194,7 @@ func (z *Zone) quotaLimit() (*quota, error) {
 	case z.Cost > z.Quota:
 		return nil, fmt.Errorf("cost %d exceeds quota %d: no request could ever pass", z.Cost, z.Quota)
 	}
-	return &quota{limit: z.Quota, period: periods[z.QuotaPeriod], loc: loc}, nil
+	return &quota{limit: z.Quota, Windows: calendar.Windows{Period: calendar.Periods[z.QuotaPeriod], Loc: loc}}, nil
 }
 
 // quotaID names a quota's counters in the local store: a quota keeps them

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -25,123 +26,6 @@ func mustLoad(t *testing.T, name string) *time.Location {
 		t.Fatal(err)
 	}
 	return loc
-}
-
-// TestQuotaWindows checks the calendar windows at the boundaries that
-// make calendars hard: month ends, leap years, year ends, ISO weeks
-// across years, and days of 23 and 25 hours.
-func TestQuotaWindows(t *testing.T) {
-	paris := mustLoad(t, "Europe/Paris")
-	newYork := mustLoad(t, "America/New_York")
-	utc := time.UTC
-	at := func(loc *time.Location, s string) time.Time {
-		tm, err := time.ParseInLocation("2006-01-02 15:04:05.999999999", s, loc)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return tm
-	}
-	for _, tc := range []struct {
-		name       string
-		p          period
-		loc        *time.Location
-		at         string // in loc
-		start, end string // in loc
-		hours      float64
-	}{
-		{"day", periodDay, utc, "2026-12-01 04:38:45", "2026-12-01 00:00:00", "2026-12-02 00:00:00", 24},
-		{"day's first instant", periodDay, utc, "2026-12-01 00:00:00", "2026-12-01 00:00:00", "2026-12-02 00:00:00", 24},
-		{"day's last instant", periodDay, utc, "2026-12-01 23:59:59.999999999", "2026-12-01 00:00:00", "2026-12-02 00:00:00", 24},
-		{"month of 31 days", periodMonth, utc, "2026-01-31 23:59:59", "2026-01-01 00:00:00", "2026-02-01 00:00:00", 31 * 24},
-		{"February", periodMonth, utc, "2026-02-14 12:00:00", "2026-02-01 00:00:00", "2026-03-01 00:00:00", 28 * 24},
-		{"February of a leap year", periodMonth, utc, "2028-02-29 12:00:00", "2028-02-01 00:00:00", "2028-03-01 00:00:00", 29 * 24},
-		{"December", periodMonth, utc, "2026-12-31 23:59:59", "2026-12-01 00:00:00", "2027-01-01 00:00:00", 31 * 24},
-		{"new year", periodMonth, utc, "2027-01-01 00:00:00", "2027-01-01 00:00:00", "2027-02-01 00:00:00", 31 * 24},
-		{"week from Monday", periodWeek, utc, "2026-12-01 10:00:00", "2026-11-30 00:00:00", "2026-12-07 00:00:00", 7 * 24},
-		{"week on its Monday", periodWeek, utc, "2026-11-30 00:00:00", "2026-11-30 00:00:00", "2026-12-07 00:00:00", 7 * 24},
-		{"week on its Sunday", periodWeek, utc, "2026-12-06 23:59:59", "2026-11-30 00:00:00", "2026-12-07 00:00:00", 7 * 24},
-		// ISO week 1 of 2026 starts on Monday 29 December 2025.
-		{"week across a year end", periodWeek, utc, "2026-01-01 12:00:00", "2025-12-29 00:00:00", "2026-01-05 00:00:00", 7 * 24},
-		{"week across a year end, Sunday", periodWeek, utc, "2027-01-03 12:00:00", "2026-12-28 00:00:00", "2027-01-04 00:00:00", 7 * 24},
-		// Paris: summer time starts on 29 March 2026 (23 hours) and
-		// ends on 25 October 2026 (25 hours).
-		{"day of 23 hours", periodDay, paris, "2026-03-29 12:00:00", "2026-03-29 00:00:00", "2026-03-30 00:00:00", 23},
-		{"day of 25 hours", periodDay, paris, "2026-10-25 02:30:00", "2026-10-25 00:00:00", "2026-10-26 00:00:00", 25},
-		{"week with a day of 23 hours", periodWeek, paris, "2026-03-29 23:00:00", "2026-03-23 00:00:00", "2026-03-30 00:00:00", 7*24 - 1},
-		{"month with a day of 25 hours", periodMonth, paris, "2026-10-31 23:59:00", "2026-10-01 00:00:00", "2026-11-01 00:00:00", 31*24 + 1},
-		{"new year in Paris", periodMonth, paris, "2026-12-31 23:30:00", "2026-12-01 00:00:00", "2027-01-01 00:00:00", 31 * 24},
-		{"New York's day of 23 hours", periodDay, newYork, "2026-03-08 03:00:00", "2026-03-08 00:00:00", "2026-03-09 00:00:00", 23},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			now := at(tc.loc, tc.at)
-			start, end := tc.p.window(now, tc.loc)
-			if want := at(tc.loc, tc.start); !start.Equal(want) {
-				t.Errorf("start %v, want %v", start, want)
-			}
-			if want := at(tc.loc, tc.end); !end.Equal(want) {
-				t.Errorf("end %v, want %v", end, want)
-			}
-			if got := end.Sub(start).Hours(); got != tc.hours {
-				t.Errorf("%v hours, want %v", got, tc.hours)
-			}
-			// The same instant seen from UTC gives the same window.
-			if s2, e2 := tc.p.window(now.UTC(), tc.loc); !s2.Equal(start) || !e2.Equal(end) {
-				t.Errorf("from UTC: %v-%v", s2, e2)
-			}
-		})
-	}
-}
-
-// TestQuotaWindowsTile walks two years hour by hour, in zones whose
-// midnights can be skipped or repeated, and checks that the windows hold
-// their instants, start at a local midnight (or the day's first instant
-// when a change skips midnight), and follow one another without gap or
-// overlap.
-func TestQuotaWindowsTile(t *testing.T) {
-	for _, name := range []string{"UTC", "Europe/Paris", "America/Santiago", "America/Havana", "Asia/Kolkata", "Pacific/Apia", "Australia/Lord_Howe"} {
-		loc := mustLoad(t, name)
-		for _, p := range []period{periodDay, periodWeek, periodMonth} {
-			var lastEnd time.Time
-			for tm := time.Date(2011, 12, 25, 0, 0, 0, 0, time.UTC); tm.Year() < 2013; tm = tm.Add(time.Hour) {
-				start, end := p.window(tm, loc)
-				if tm.Before(start) || !tm.Before(end) {
-					t.Fatalf("%s %d: %v not in [%v, %v)", name, p, tm, start, end)
-				}
-				if !lastEnd.IsZero() && start.After(lastEnd) {
-					t.Fatalf("%s %d: gap between %v and %v", name, p, lastEnd, start)
-				}
-				if !lastEnd.IsZero() && !start.Equal(lastEnd) && start.Before(lastEnd) && !tm.Before(lastEnd) {
-					t.Fatalf("%s %d: window %v-%v overlaps the last, which ended %v", name, p, start, end, lastEnd)
-				}
-				if h, m, _ := start.In(loc).Clock(); m != 0 || h > 1 {
-					t.Fatalf("%s %d: window starts at %v, not at the day's start", name, p, start.In(loc))
-				}
-				if d := end.Sub(start); d < 22*time.Hour || d > 32*24*time.Hour {
-					t.Fatalf("%s %d: window of %v", name, p, d)
-				}
-				lastEnd = end
-			}
-		}
-	}
-}
-
-// TestQuotaWindowCache: the window of the last request is kept, and
-// replaced at its end.
-func TestQuotaWindowCache(t *testing.T) {
-	qt := &quota{limit: 1, period: periodDay, loc: time.UTC}
-	now := time.Date(2026, 12, 1, 23, 59, 59, 0, time.UTC)
-	w := qt.window(now)
-	if qt.window(now.Add(time.Second-1)) != w {
-		t.Fatal("a window was computed again within it")
-	}
-	next := qt.window(now.Add(time.Second))
-	if next == w || !next.start.Equal(w.end) || next.seconds != 86400 {
-		t.Fatalf("next window %+v after %+v", next, w)
-	}
-	if got := [4]time.Time{next.prev, next.start, next.end, next.next}; !got[0].Equal(w.start) || !got[1].Equal(w.end) ||
-		!got[3].Equal(w.end.Add(48*time.Hour)) {
-		t.Fatalf("bounds %v", got)
-	}
 }
 
 func TestQuotaValidation(t *testing.T) {
@@ -257,9 +141,9 @@ func TestQuotaLocalTable(t *testing.T) {
 }
 
 // quotaHeaders are a response's quota headers.
-func checkQuotaHeaders(t *testing.T, resp *http.Response, zone string, limit, left int64, win *quotaWindow) {
+func checkQuotaHeaders(t *testing.T, resp *http.Response, zone string, limit, left int64, win *calendar.Window) {
 	t.Helper()
-	policy := fmt.Sprintf(`"%s";q=%d;w=%d`, zone, limit, win.seconds)
+	policy := fmt.Sprintf(`"%s";q=%d;w=%d`, zone, limit, win.Seconds)
 	if got := resp.Header.Get("RateLimit-Policy"); !strings.Contains(got, policy) {
 		t.Errorf("RateLimit-Policy %q, want %q in it", got, policy)
 	}
@@ -270,7 +154,7 @@ func checkQuotaHeaders(t *testing.T, resp *http.Response, zone string, limit, le
 		t.Fatalf("RateLimit %q, want %q in it", got, prefix)
 	}
 	secs, _ := strconv.ParseInt(strings.SplitN(got[i+len(prefix):], ",", 2)[0], 10, 64)
-	if want := ceilSeconds(time.Until(win.end)); secs < want-2 || secs > want+1 {
+	if want := ceilSeconds(time.Until(win.End)); secs < want-2 || secs > want+1 {
 		t.Errorf("RateLimit t=%d, want about %d: the seconds until the window ends", secs, want)
 	}
 }
@@ -310,7 +194,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 				{"name":%q,"key":"{http.request.header.X-API-Key}","match":[{"path":["/api/*"]}],"rate":"1r/m","burst":2,"quota":5,"quota_period":"day","cost":2}
 			]},{"handler":"static_response","body":"ok"}`, store, monthly, api)))
 			paris := mustLoad(t, "Europe/Paris")
-			mwin := (&quota{period: periodMonth, loc: paris}).windowAt(time.Now())
+			mwin := (&calendar.Windows{Period: calendar.Month, Loc: paris}).WindowAt(time.Now())
 			send := func(key, path string, want int) *http.Response {
 				t.Helper()
 				req, _ := http.NewRequest("GET", "http://localhost:9080"+path, nil)
@@ -332,14 +216,14 @@ func TestQuotaThroughCaddy(t *testing.T) {
 			resp := send("alice", "/", 429)
 			checkQuotaHeaders(t, resp, monthly, 3, 0, mwin)
 			ra, _ := strconv.ParseInt(resp.Header.Get("Retry-After"), 10, 64)
-			if want := ceilSeconds(time.Until(mwin.end)); ra < want-2 || ra > want+1 {
+			if want := ceilSeconds(time.Until(mwin.End)); ra < want-2 || ra > want+1 {
 				t.Fatalf("Retry-After %d, want about %d: until the month ends in Paris", ra, want)
 			}
 			send("bob", "/", 200) // another key, another count
 
 			var info keyView
 			if code := adminJSON(t, "GET", "/rate_limit/"+monthly+"/alice", &info); code != 200 || info.Quota == nil ||
-				info.Quota.Used != 3 || info.Quota.Left != 0 || info.Quota.ResetIn < time.Until(mwin.end).Seconds()-2 {
+				info.Quota.Used != 3 || info.Quota.Left != 0 || info.Quota.ResetIn < time.Until(mwin.End).Seconds()-2 {
 				t.Fatalf("admin GET: %d %+v %+v", code, info, info.Quota)
 			}
 			if code := adminJSON(t, "DELETE", "/rate_limit/"+monthly+"/alice", nil); code != 200 {
@@ -349,7 +233,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 
 			// api: 1r/m burst 2, 5 a day, 2 a request. carol's first
 			// request takes 2 of each zone's (monthly: 1 of 3).
-			dwin := (&quota{period: periodDay, loc: time.UTC}).windowAt(time.Now())
+			dwin := (&calendar.Windows{Period: calendar.Day, Loc: time.UTC}).WindowAt(time.Now())
 			checkQuotaHeaders(t, send("carol", "/api/x", 200), api, 5, 3, dwin)
 			// The bucket refuses: neither quota counts the request.
 			send("carol", "/api/x", 429)
@@ -391,7 +275,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 			}
 			h := newTestHandler(t, `{"zones":[{"name":"short-`+backend+`","key":"{http.request.header.K}","quota":2,"quota_period":"day"}],"store":`+store+`}`)
 			z := h.Zones[0]
-			z.quota.every = 2 * time.Second
+			z.quota.Every = 2 * time.Second
 			// Start just after a window starts.
 			time.Sleep(time.Until(time.Now().Truncate(2 * time.Second).Add(2*time.Second + 50*time.Millisecond)))
 			for i, want := range []int{200, 200, 429} {
@@ -436,14 +320,14 @@ func TestRedisQuotaClockSkew(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"skew","quota":3,"quota_period":"day"}],
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"skew:","disable_over_limit_cache":true}}`, r.Addr()))
 	z := h.Zones[0]
-	z.quota.every = time.Hour
+	z.quota.Every = time.Hour
 	now := time.Now()
 	if now.Add(time.Minute).Truncate(time.Hour) != now.Truncate(time.Hour) {
 		t.Skip("too close to a window's end")
 	}
 	for i, skew := range []time.Duration{-59 * time.Minute, 0, 59 * time.Minute, 0} {
 		c := counterReq(z, bucketKey{s: "k"}, now)
-		c.window = z.quota.windowAt(now.Add(skew))
+		c.window = z.quota.WindowAt(now.Add(skew))
 		reqs := &demands{counters: []counterDemand{c}}
 		ok, err := h.store.take(context.Background(), now, reqs)
 		if err != nil || ok != (i < 3) || reqs.counters[0].used != min(int64(i+1), 3) {
@@ -451,7 +335,7 @@ func TestRedisQuotaClockSkew(t *testing.T) {
 		}
 	}
 	c := counterReq(z, bucketKey{s: "k"}, now)
-	c.window = z.quota.windowAt(now.Add(2 * time.Hour))
+	c.window = z.quota.WindowAt(now.Add(2 * time.Hour))
 	if _, err := h.store.take(context.Background(), now, &demands{counters: []counterDemand{c}}); err == nil || !strings.Contains(err.Error(), "quota window") {
 		t.Fatalf("two windows ahead: err %v", err)
 	}
@@ -629,7 +513,7 @@ func TestRedisQuotaUntaggedCounter(t *testing.T) {
 	if !strings.HasSuffix(tagged, "}up:4nV7:k:quota") || !strings.HasSuffix(untagged, "}up:k:quota") {
 		t.Fatalf("keys %q and %q", tagged, untagged)
 	}
-	end := z.quota.window(time.Now()).end
+	end := z.quota.Window(time.Now()).End
 	// An earlier build counted 2 in this window.
 	c.HSet(ctx, untagged, "w", end.UnixMilli(), "n", 2)
 	c.PExpireAt(ctx, untagged, end)

@@ -99,7 +99,7 @@ func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pac
 		c.used, _ = countAt(t, c.key, t.instant(now))
 		c.left = 0
 		if c.used > 0 {
-			c.left = max(c.window.end.Sub(now), 0)
+			c.left = max(c.window.End.Sub(now), 0)
 		}
 		c.ok = c.used+c.cost <= c.limit
 	}

@@ -12,12 +12,13 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 )
 
 // A window is a quota window and its boundaries as the script reads them.
 type window struct {
-	w    *quotaWindow
+	w    *calendar.Window
 	args *rediswire.Window
 }
 
@@ -195,11 +196,11 @@ func (s *RedisStore) slotShape(rz *redisZone, q *slotDemand) *rediswire.SlotShap
 
 // windowOf is the script's view of the quota window w, made once per
 // window.
-func (s *RedisStore) windowOf(rz *redisZone, w *quotaWindow) *rediswire.Window {
+func (s *RedisStore) windowOf(rz *redisZone, w *calendar.Window) *rediswire.Window {
 	if last := rz.window.Load(); last != nil && last.w == w {
 		return last.args
 	}
-	args := rediswire.NewWindow(w.prev, w.start, w.end, w.next)
+	args := rediswire.NewWindow(w.Prev, w.Start, w.End, w.Next)
 	rz.window.Store(&window{w, args})
 	return args
 }

@@ -81,7 +81,7 @@ func stepZonesOf(h *Handler) map[byte]*Zone {
 	for _, z := range h.Zones {
 		zones[z.Name[len(z.Name)-1]] = z
 		if z.quota != nil {
-			z.quota.every = stepQuotaWindow
+			z.quota.Every = stepQuotaWindow
 		}
 	}
 	return zones

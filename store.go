@@ -6,6 +6,8 @@ package ratelimit
 import (
 	"context"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 )
 
 // A store keeps the state of zones: a token bucket, a calendar quota
@@ -194,10 +196,10 @@ func (b *bucketDemand) remaining() int64 { return b.limit.wholeTokens(b.debt) }
 type counterDemand struct {
 	zone   int
 	key    bucketKey
-	limit  int64        // units per window
-	cost   int64        // units the request counts; adjust: negative to take off
-	window *quotaWindow // the window by this instance's clock (see quota.go)
-	soft   bool         // a counter without the units refuses nothing, and counts nothing (dry run)
+	limit  int64            // units per window
+	cost   int64            // units the request counts; adjust: negative to take off
+	window *calendar.Window // the window by this instance's clock
+	soft   bool             // a counter without the units refuses nothing, and counts nothing (dry run)
 
 	// The answer.
 	ok   bool

@@ -152,7 +152,7 @@ func runStoreSteps(t *testing.T, h *Handler) {
 	for _, z := range h.Zones {
 		zones[z.Name[len(z.Name)-1]] = z
 		if z.quota != nil {
-			z.quota.every = stepQuotaWindow
+			z.quota.Every = stepQuotaWindow
 		}
 	}
 	for i, s := range storeSteps {
@@ -173,7 +173,7 @@ func runStoreSteps(t *testing.T, h *Handler) {
 			// counts in whole milliseconds, its over-limit cache a
 			// millisecond less).
 			if q.quota && q.used() > 0 {
-				if want := q.counter().window.end.Sub(now); q.debt() > want || q.debt() <= want-2*time.Millisecond {
+				if want := q.counter().window.End.Sub(now); q.debt() > want || q.debt() <= want-2*time.Millisecond {
 					t.Fatalf("step %d: zone %s's quota: %v to its window's end, want %v", i, q.zone.Name, q.debt(), want)
 				}
 			}
@@ -458,7 +458,7 @@ func runUsageSteps(t *testing.T, h *Handler) {
 		rs.testClock = func() time.Time { return now }
 	}
 	z := h.Zones[0]
-	z.quota.every = stepQuotaWindow
+	z.quota.Every = stepQuotaWindow
 	k := bucketKey{s: "k"}
 	for i, s := range usageSteps {
 		now = start.Add(s.at)

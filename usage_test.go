@@ -21,6 +21,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -1322,11 +1323,11 @@ func TestUsageQuotaRefusesAlone(t *testing.T) {
 			// The client may have the whole response before Caddy has
 			// settled it.
 			eventually(5*time.Second, func() bool { _, used := info("q1"); return used == 60 })
-			day := (&quota{period: periodDay, loc: time.UTC}).windowAt(time.Now())
+			day := (&calendar.Windows{Period: calendar.Day, Loc: time.UTC}).WindowAt(time.Now())
 			for i := range 2 {
 				code, h, _ := llmGet(t, "q1", "/json?tokens=1")
 				ra, _ := strconv.ParseInt(h.Get("Retry-After"), 10, 64)
-				if want := ceilSeconds(time.Until(day.end)); code != 429 || ra < want-2 || ra > want+1 {
+				if want := ceilSeconds(time.Until(day.End)); code != 429 || ra < want-2 || ra > want+1 {
 					t.Fatalf("request %d after the quota ran out: %d, Retry-After %q; want 429 and about %d s, until the day ends",
 						i, code, h.Get("Retry-After"), want)
 				}
