@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
+	"github.com/caddy-tokenbucket/ratelimit/internal/usagescan"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -429,10 +430,10 @@ type scratch struct {
 	top     *standing
 	std     standing
 	buf     []byte
-	back    demands      // what goes back to the store (see giveBack)
-	slotOut int          // the slot demand that refused the request; -1 for none
-	rec     statusWriter // the response writer of a request that settles after the response
-	scans   []usageScan  // the usages read in its response (see settles)
+	back    demands             // what goes back to the store (see giveBack)
+	slotOut int                 // the slot demand that refused the request; -1 for none
+	rec     statusWriter        // the response writer of a request that settles after the response
+	scans   []usagescan.Scanner // the usages read in its response (see settles)
 
 	waiter bool          // holds a place among the handler's waiting requests
 	delay  time.Duration // how long the allowed request waits for its tokens

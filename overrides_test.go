@@ -255,7 +255,7 @@ func TestRedisLongKeyApartFromItsHash(t *testing.T) {
 		}
 	}
 	// The top keys, but the long one, which the list holds cut short
-	// (topkeys.go).
+	// (metrics.go's topKey).
 	top := adminSend(t, "GET", "/rate_limit/ov-hashed/top", "", 200)["top"].([]any)
 	named := 0
 	for _, o := range top {

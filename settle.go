@@ -13,6 +13,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/usagescan"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
@@ -64,16 +65,16 @@ func (h *Handler) settles(sc *scratch) bool {
 		}
 		any = true
 		if z.Usage != nil {
-			m.scan = sc.scanFor(z.Usage)
+			m.scan = sc.scanFor(&z.Usage.spec)
 		}
 	}
 	return any
 }
 
 // scanFor is the place in sc.scans of the scan that reads u.
-func (sc *scratch) scanFor(u *Usage) int {
+func (sc *scratch) scanFor(u *usagescan.Spec) int {
 	for i := range sc.scans {
-		if sc.scans[i].u.same(u) {
+		if sc.scans[i].Reads(u) {
 			return i
 		}
 	}
@@ -81,9 +82,9 @@ func (sc *scratch) scanFor(u *Usage) int {
 	if n < cap(sc.scans) {
 		sc.scans = sc.scans[:n+1] // keeps the scan's event buffer
 	} else {
-		sc.scans = append(sc.scans, usageScan{})
+		sc.scans = append(sc.scans, usagescan.Scanner{})
 	}
-	sc.scans[n].reset(u)
+	sc.scans[n].Reset(u)
 	return n
 }
 
@@ -122,12 +123,12 @@ func (h *Handler) settle(r *http.Request, sc *scratch, status int, hdr http.Head
 // without the key. The throttle is the zone's state, which every handler
 // with the zone shares, across reloads too.
 func (h *Handler) settleUsage(sc *scratch, m *match, z *Zone, hdr http.Header, whole bool) {
-	n, why := sc.scans[m.scan].end(hdr, whole)
-	if why != usageFound {
+	n, why := sc.scans[m.scan].End(hdr, whole)
+	if why != usagescan.Found {
 		z.state.usageMissing.Add(1)
 		if held, ok := z.state.noUsage.Allow(time.Minute); ok {
 			h.logger.Warn("rate limit: no usage in a response; the request keeps the cost it took",
-				zap.String("zone", z.Name), zap.String("reason", noUsageReasons[why]), zap.Int64("more_since_last", held))
+				zap.String("zone", z.Name), zap.String("reason", why.String()), zap.Int64("more_since_last", held))
 		}
 		return
 	}
@@ -210,13 +211,13 @@ func (h *Handler) adjust(ctx context.Context, now time.Time, sc *scratch, msg st
 // http.Hijacker itself.
 type statusWriter struct {
 	caddyhttp.ResponseWriterWrapper
-	status int          // the final status written; 0 until then
-	failed bool         // a write failed: the client has gone
-	scans  []usageScan  // the usages to read in the response
-	tee    readScanning // what ReadFrom reads through
+	status int                 // the final status written; 0 until then
+	failed bool                // a write failed: the client has gone
+	scans  []usagescan.Scanner // the usages to read in the response
+	tee    readScanning        // what ReadFrom reads through
 }
 
-func (w *statusWriter) reset(rw http.ResponseWriter, scans []usageScan) {
+func (w *statusWriter) reset(rw http.ResponseWriter, scans []usagescan.Scanner) {
 	*w = statusWriter{ResponseWriterWrapper: caddyhttp.ResponseWriterWrapper{ResponseWriter: rw}, scans: scans}
 }
 
@@ -225,7 +226,7 @@ func (w *statusWriter) reset(rw http.ResponseWriter, scans []usageScan) {
 func (w *statusWriter) started(status int) {
 	w.status = status
 	for i := range w.scans {
-		w.scans[i].start(w.Header())
+		w.scans[i].Start(w.Header())
 	}
 }
 
@@ -274,7 +275,7 @@ func (w *statusWriter) ReadFrom(src io.Reader) (int64, error) {
 // reading reports whether a usage is read from the body.
 func (w *statusWriter) reading() bool {
 	for i := range w.scans {
-		if w.scans[i].reading() {
+		if w.scans[i].Reading() {
 			return true
 		}
 	}
@@ -283,7 +284,7 @@ func (w *statusWriter) reading() bool {
 
 func (w *statusWriter) scan(p []byte) {
 	for i := range w.scans {
-		w.scans[i].write(p)
+		w.scans[i].Write(p)
 	}
 }
 
