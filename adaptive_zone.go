@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/adaptive"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -99,9 +100,9 @@ var adaptiveKind = kind{
 
 // adaptiveCounts are what a zone's adaptive limit counts, in its state.
 type adaptiveCounts struct {
-	shed       atomic.Uint64                 // refused by this zone's adaptive limit: 503
-	dryRunShed atomic.Uint64                 // would have been shed (dry run)
-	adaptive   atomic.Pointer[adaptiveTable] // the keys of an adaptive limit; nil without
+	shed       atomic.Uint64                             // refused by this zone's adaptive limit: 503
+	dryRunShed atomic.Uint64                             // would have been shed (dry run)
+	adaptive   atomic.Pointer[adaptive.Table[bucketKey]] // the keys of an adaptive limit; nil without
 }
 
 // AdaptiveConcurrency limits the requests of a key in flight to a number
@@ -213,8 +214,8 @@ func (z *Zone) unmarshalAdaptive(d *caddyfile.Dispenser) (bool, error) {
 
 // adaptiveZone is a zone's adaptive limit at run time.
 type adaptiveZone struct {
-	table   *adaptiveTable // the keys, shared by the zones of its name and limit
-	shed    error          // the caddyhttp.HandlerError of a shed request
+	table   *adaptive.Table[bucketKey] // the keys, shared by the zones of its name and limit
+	shed    error                      // the caddyhttp.HandlerError of a shed request
 	latency prometheus.Observer
 }
 
@@ -222,7 +223,7 @@ type adaptiveZone struct {
 // state, which zones of one name and limit share across reloads.
 func (z *Zone) provisionAdaptive(st *zoneState) {
 	lo, hi := z.ConcurrencyAdaptive.bounds()
-	st.adaptive.CompareAndSwap(nil, newAdaptiveTable(lo, hi))
+	st.adaptive.CompareAndSwap(nil, adaptive.NewTable[bucketKey](lo, hi))
 	z.adaptive = &adaptiveZone{
 		table: st.adaptive.Load(),
 		shed: caddyhttp.HandlerError{
@@ -241,9 +242,9 @@ func (a *AdaptiveConcurrency) describe() string {
 // adaptiveScratch is a request's places in zones with an adaptive limit.
 type adaptiveScratch struct {
 	p    []adaptivePlace
-	shed *adaptivePlace // the place refused, in a zone not in dry run
-	held bool           // the request holds a place
-	kind sampleKind     // what its response says
+	shed *adaptivePlace  // the place refused, in a zone not in dry run
+	held bool            // the request holds a place
+	kind adaptive.Sample // what its response says
 	lat  time.Duration
 	rec  statusWriter
 }
@@ -252,8 +253,8 @@ type adaptiveScratch struct {
 type adaptivePlace struct {
 	zone int
 	key  bucketKey
-	k    *adaptiveKey
-	tk   ticket
+	k    *adaptive.Key
+	tk   adaptive.Ticket
 	held bool
 	// wouldShed: the zone is in dry run and had no place: the request
 	// goes on without one.
@@ -276,8 +277,8 @@ func (h *Handler) admitAdaptive(r *http.Request, now time.Time, sc *scratch) out
 	for i := range a.p {
 		p := &a.p[i]
 		z := h.Zones[p.zone]
-		if p.k = z.adaptive.table.key(p.key, now); p.k != nil {
-			p.tk, p.held = p.k.admit(now)
+		if p.k = z.adaptive.table.Key(p.key, now); p.k != nil {
+			p.tk, p.held = p.k.Admit(now)
 		}
 		a.held = a.held || p.held
 		switch {
@@ -348,13 +349,13 @@ func (h *Handler) serveAdaptive(w http.ResponseWriter, r *http.Request, next cad
 	}
 	switch {
 	case r.Context().Err() != nil:
-		a.kind = sampleGone
+		a.kind = adaptive.SampleGone
 	case status >= 500:
-		a.kind = sampleError
+		a.kind = adaptive.SampleError
 	case status == http.StatusSwitchingProtocols:
-		a.kind = sampleNone
+		a.kind = adaptive.SampleNone
 	default:
-		a.kind = sampleOK
+		a.kind = adaptive.SampleOK
 	}
 	return err
 }
@@ -371,25 +372,25 @@ func (h *Handler) releaseAdaptive(sc *scratch) {
 			}
 		}
 	}
-	a.p, a.shed, a.held, a.kind, a.lat = a.p[:0], nil, false, sampleNone, 0
+	a.p, a.shed, a.held, a.kind, a.lat = a.p[:0], nil, false, adaptive.SampleNone, 0
 	a.rec = statusWriter{}
 }
 
-func (h *Handler) releasePlace(p *adaptivePlace, kind sampleKind, lat time.Duration, now time.Time) {
+func (h *Handler) releasePlace(p *adaptivePlace, kind adaptive.Sample, lat time.Duration, now time.Time) {
 	z := h.Zones[p.zone]
-	if obs := z.adaptive.latency; obs != nil && (kind == sampleOK || kind == sampleError) {
+	if obs := z.adaptive.latency; obs != nil && (kind == adaptive.SampleOK || kind == adaptive.SampleError) {
 		obs.Observe(lat.Seconds())
 	}
-	ch, changed := p.k.release(now, p.tk, kind, lat)
+	ch, changed := p.k.Release(now, p.tk, kind, lat)
 	if !changed {
 		return
 	}
-	if _, ok := z.adaptive.table.logged.Allow(adaptiveLogEvery); !ok {
+	if _, ok := z.adaptive.table.Logged.Allow(adaptiveLogEvery); !ok {
 		return
 	}
 	fields := []zap.Field{
-		zap.String("zone", z.Name), zap.Int64("limit", ch.to), zap.Int64("previous", ch.from),
-		zap.Duration("latency", ch.latency), zap.Duration("no_load_latency", ch.noLoad),
+		zap.String("zone", z.Name), zap.Int64("limit", ch.To), zap.Int64("previous", ch.From),
+		zap.Duration("latency", ch.Latency), zap.Duration("no_load_latency", ch.NoLoad),
 	}
 	if h.LogKey {
 		fields = append(fields, zap.String("key", p.key.String()))
@@ -432,10 +433,10 @@ func collectAdaptive(ch chan<- prometheus.Metric, _ counterFunc, requests *prome
 	}
 	ch <- prometheus.MustNewConstMetric(requests, prometheus.CounterValue, float64(s.shed.Load()), id.name, id.limit, "shed")
 	ch <- prometheus.MustNewConstMetric(requests, prometheus.CounterValue, float64(s.dryRunShed.Load()), id.name, id.limit, "dry_run_shed")
-	tot := t.totals()
-	ch <- prometheus.MustNewConstMetric(adaptiveDescs.limit, prometheus.GaugeValue, float64(tot.limit), id.name, id.limit)
-	ch <- prometheus.MustNewConstMetric(adaptiveDescs.inFlight, prometheus.GaugeValue, float64(tot.inFlight), id.name, id.limit)
-	ch <- prometheus.MustNewConstMetric(adaptiveDescs.noLoad, prometheus.GaugeValue, tot.noLoad.Seconds(), id.name, id.limit)
+	tot := t.Totals()
+	ch <- prometheus.MustNewConstMetric(adaptiveDescs.limit, prometheus.GaugeValue, float64(tot.Limit), id.name, id.limit)
+	ch <- prometheus.MustNewConstMetric(adaptiveDescs.inFlight, prometheus.GaugeValue, float64(tot.InFlight), id.name, id.limit)
+	ch <- prometheus.MustNewConstMetric(adaptiveDescs.noLoad, prometheus.GaugeValue, tot.NoLoad.Seconds(), id.name, id.limit)
 }
 
 // adaptiveZoneInfo describes a zone's adaptive limit in the admin API.
@@ -450,8 +451,8 @@ type adaptiveZoneInfo struct {
 }
 
 func (a *adaptiveZone) info() *adaptiveZoneInfo {
-	tot := a.table.totals()
-	return &adaptiveZoneInfo{Min: a.table.min, Max: a.table.max, Keys: tot.keys, Limit: tot.limit, InFlight: tot.inFlight}
+	tot := a.table.Totals()
+	return &adaptiveZoneInfo{Min: a.table.Min, Max: a.table.Max, Keys: tot.Keys, Limit: tot.Limit, InFlight: tot.InFlight}
 }
 
 // adaptiveKeyInfo describes a key's adaptive limit in the admin API; a
@@ -467,21 +468,21 @@ type adaptiveKeyInfo struct {
 }
 
 func (a *adaptiveZone) keyInfo(key bucketKey) *adaptiveKeyInfo {
-	st := adaptiveState{limit: a.table.min}
-	if k := a.table.lookup(key); k != nil {
-		st = k.state()
+	st := adaptive.State{Limit: a.table.Min}
+	if k := a.table.Lookup(key); k != nil {
+		st = k.State()
 	}
-	return &adaptiveKeyInfo{Limit: st.limit, InFlight: st.inFlight, Latency: st.latency.Seconds(),
-		NoLoadLatency: st.noLoad.Seconds(), Probing: st.probing}
+	return &adaptiveKeyInfo{Limit: st.Limit, InFlight: st.InFlight, Latency: st.Latency.Seconds(),
+		NoLoadLatency: st.NoLoad.Seconds(), Probing: st.Probing}
 }
 
 // forget starts the key's learning again (the admin API's DELETE), and
 // reports whether it had learnt anything.
 func (a *adaptiveZone) forget(key bucketKey) bool {
-	k := a.table.lookup(key)
+	k := a.table.Lookup(key)
 	if k == nil {
 		return false
 	}
-	k.forget()
+	k.Forget()
 	return true
 }

@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/adaptive"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -179,8 +180,8 @@ func TestAdaptiveShed(t *testing.T) {
 	if rate := h.Zones[1].state; rate.allowed.Load() != 4 || rate.denied.Load() != 1 {
 		t.Errorf("rate zone: allowed %d, denied %d; want 4 and 1", rate.allowed.Load(), rate.denied.Load())
 	}
-	if tot := h.Zones[0].adaptive.table.totals(); tot.inFlight != 0 || tot.keys != 1 {
-		t.Errorf("%d in flight in %d keys after, want 0 in 1", tot.inFlight, tot.keys)
+	if tot := h.Zones[0].adaptive.table.Totals(); tot.InFlight != 0 || tot.Keys != 1 {
+		t.Errorf("%d in flight in %d keys after, want 0 in 1", tot.InFlight, tot.Keys)
 	}
 }
 
@@ -234,17 +235,17 @@ func TestAdaptiveResponseKinds(t *testing.T) {
 		name string
 		next caddyhttp.HandlerFunc
 		gone bool
-		want sampleKind
+		want adaptive.Sample
 	}{
-		{"200", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(200); return nil }, false, sampleOK},
-		{"a body alone", func(w http.ResponseWriter, _ *http.Request) error { _, err := io.WriteString(w, "ok"); return err }, false, sampleOK},
-		{"404", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(404); return nil }, false, sampleOK},
-		{"an error of 404", func(http.ResponseWriter, *http.Request) error { return caddyhttp.Error(404, nil) }, false, sampleOK},
-		{"502", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(502); return nil }, false, sampleError},
-		{"an error of 503", func(http.ResponseWriter, *http.Request) error { return caddyhttp.Error(503, nil) }, false, sampleError},
-		{"an error without a status", func(http.ResponseWriter, *http.Request) error { return io.ErrUnexpectedEOF }, false, sampleError},
-		{"101", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(101); return nil }, false, sampleNone},
-		{"the client left", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(502); return nil }, true, sampleGone},
+		{"200", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(200); return nil }, false, adaptive.SampleOK},
+		{"a body alone", func(w http.ResponseWriter, _ *http.Request) error { _, err := io.WriteString(w, "ok"); return err }, false, adaptive.SampleOK},
+		{"404", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(404); return nil }, false, adaptive.SampleOK},
+		{"an error of 404", func(http.ResponseWriter, *http.Request) error { return caddyhttp.Error(404, nil) }, false, adaptive.SampleOK},
+		{"502", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(502); return nil }, false, adaptive.SampleError},
+		{"an error of 503", func(http.ResponseWriter, *http.Request) error { return caddyhttp.Error(503, nil) }, false, adaptive.SampleError},
+		{"an error without a status", func(http.ResponseWriter, *http.Request) error { return io.ErrUnexpectedEOF }, false, adaptive.SampleError},
+		{"101", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(101); return nil }, false, adaptive.SampleNone},
+		{"the client left", func(w http.ResponseWriter, _ *http.Request) error { w.WriteHeader(502); return nil }, true, adaptive.SampleGone},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			req, rr := newRequest("192.0.2.1")
@@ -281,7 +282,7 @@ func TestAdaptiveLogsLargeChanges(t *testing.T) {
 	var wg sync.WaitGroup
 	for range 4 {
 		wg.Go(func() {
-			for start := time.Now(); time.Since(start) < 8*adaptiveInterval; {
+			for start := time.Now(); time.Since(start) < 8*adaptive.Interval; {
 				req, rr := newRequest("192.0.2.1")
 				if err := h.ServeHTTP(rr, req, next); err != nil && statusOf(err) != http.StatusServiceUnavailable {
 					t.Error(err)
@@ -324,7 +325,7 @@ func TestAdaptiveAdmin(t *testing.T) {
 		{"name":"admin_adaptive_both","key":"{http.request.header.X-Key}","rate":"1r/m","burst":1000,"concurrency_adaptive":{}}]}`)
 	// Requests of key a, without a queue, for a few of the controller's
 	// intervals.
-	for start := time.Now(); time.Since(start) < 4*adaptiveInterval; time.Sleep(2 * time.Millisecond) {
+	for start := time.Now(); time.Since(start) < 4*adaptive.Interval; time.Sleep(2 * time.Millisecond) {
 		req, rr := newRequest("192.0.2.1", "X-Key", "a")
 		if err := h.ServeHTTP(rr, req, okHandler); err != nil {
 			t.Fatal(err)
@@ -417,7 +418,7 @@ func TestAdaptiveThroughCaddy(t *testing.T) {
 	wg.Wait()
 	// Requests for a few of the controller's intervals.
 	n := 0
-	for start := time.Now(); time.Since(start) < 4*adaptiveInterval; time.Sleep(5 * time.Millisecond) {
+	for start := time.Now(); time.Since(start) < 4*adaptive.Interval; time.Sleep(5 * time.Millisecond) {
 		get(t, tester, "/", 200, "up")
 		n++
 	}

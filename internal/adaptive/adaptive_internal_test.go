@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package adaptive
 
 import (
 	"container/heap"
@@ -90,9 +90,9 @@ type simEvent struct {
 	kind int // 0: a client sends; 1: a response is delivered; 2: a worker is free
 	// for deliveries
 	client  int
-	tk      ticket
+	tk      Ticket
 	admit   time.Duration
-	outcome sampleKind
+	outcome Sample
 	slow    bool // its work takes cfg.slow
 }
 
@@ -201,7 +201,7 @@ func (s *simState) delivered(at time.Duration) time.Duration {
 
 func (s *simState) send(e simEvent) {
 	if e.client < 0 { // background: straight to the upstream
-		s.waiting = append(s.waiting, simEvent{client: e.client, admit: e.at, outcome: sampleNone})
+		s.waiting = append(s.waiting, simEvent{client: e.client, admit: e.at, outcome: SampleNone})
 		s.startWork(e.at)
 		return
 	}
@@ -217,19 +217,19 @@ func (s *simState) send(e simEvent) {
 		return
 	}
 	s.n++
-	r := simEvent{client: e.client, tk: tk, admit: e.at, outcome: sampleOK}
+	r := simEvent{client: e.client, tk: tk, admit: e.at, outcome: SampleOK}
 	r.slow = s.cfg.slowOneIn > 0 && unitFloat(s.cfg.seed<<32+uint64(s.n))*float64(s.cfg.slowOneIn) < 1
 	switch {
 	case s.cfg.errorEvery > 0 && s.n%s.cfg.errorEvery == 0:
-		r.at, r.kind, r.outcome = e.at+100*time.Microsecond, 1, sampleError
+		r.at, r.kind, r.outcome = e.at+100*time.Microsecond, 1, SampleError
 		s.push(r)
 		return
 	case s.cfg.cancelEvery > 0 && s.n%s.cfg.cancelEvery == 0:
-		r.at, r.kind, r.outcome = e.at+100*time.Microsecond, 1, sampleGone
+		r.at, r.kind, r.outcome = e.at+100*time.Microsecond, 1, SampleGone
 		s.push(r)
 		return
 	case s.cfg.queueCap > 0 && len(s.waiting) >= s.cfg.queueCap:
-		r.at, r.kind, r.outcome = e.at+time.Millisecond, 1, sampleError
+		r.at, r.kind, r.outcome = e.at+time.Millisecond, 1, SampleError
 		s.push(r)
 		return
 	}
@@ -265,12 +265,12 @@ func (s *simState) deliver(e simEvent) {
 	}
 	lat := e.at - e.admit
 	s.c.done(s.base.Add(e.at), e.tk, e.outcome, lat)
-	if e.outcome == sampleOK {
+	if e.outcome == SampleOK {
 		s.res.served++
 	}
-	s.res.samples = append(s.res.samples, simSample{at: e.at, lat: lat, ok: e.outcome == sampleOK})
+	s.res.samples = append(s.res.samples, simSample{at: e.at, lat: lat, ok: e.outcome == SampleOK})
 	next := e.at
-	if e.outcome == sampleGone {
+	if e.outcome == SampleGone {
 		next += s.cfg.backoff
 	}
 	s.push(simEvent{at: next, kind: 0, client: e.client})
@@ -626,7 +626,7 @@ func TestAdaptiveFailuresAreNotFastSamples(t *testing.T) {
 				t.Fatal("refused with nothing in flight")
 			}
 			now = now.Add(simMs)
-			c.done(now, tk, sampleNone, 0)
+			c.done(now, tk, SampleNone, 0)
 		}
 		if c.limit != 4 || c.noLoad != 0 || c.win.seen != 0 || c.inFlight != 0 {
 			t.Errorf("limit %v, no-load latency %v, %d samples, %d in flight: want 4, 0, 0, 0", c.limit, c.noLoad, c.win.seen, c.inFlight)
@@ -770,18 +770,18 @@ func TestAdaptivePausesAndSlowRequests(t *testing.T) {
 		// queue; after the first five, each has one request of 5s: the
 		// limit rises as if it were not there.
 		for i := range 40 {
-			var tks []ticket
+			var tks []Ticket
 			for range int(c.limit) {
 				tk, _ := c.admit(now)
 				tks = append(tks, tk)
 			}
-			now = now.Add(adaptiveInterval) // one interval a round
+			now = now.Add(Interval) // one interval a round
 			for j, tk := range tks {
 				lat := 20 * simMs
 				if j == 0 && i >= 5 {
 					lat = 5 * time.Second
 				}
-				c.done(now, tk, sampleOK, lat)
+				c.done(now, tk, SampleOK, lat)
 			}
 		}
 		if c.limit < 100 {
@@ -792,8 +792,8 @@ func TestAdaptivePausesAndSlowRequests(t *testing.T) {
 
 // round admits as many requests as c lets in at now, and gives them back
 // after lat, with kind; it returns the instant they ended.
-func round(c *controller, now time.Time, lat time.Duration, kind sampleKind) time.Time {
-	var tks []ticket
+func round(c *controller, now time.Time, lat time.Duration, kind Sample) time.Time {
+	var tks []Ticket
 	for {
 		tk, ok := c.admit(now)
 		if !ok {
@@ -850,30 +850,30 @@ func TestAdaptiveProbeRequests(t *testing.T) {
 		c := newController(4, 1000)
 		now := time.Unix(0, 0)
 		for !c.probing {
-			now = round(&c, now, 20*simMs, sampleOK)
+			now = round(&c, now, 20*simMs, SampleOK)
 		}
 		if _, ok := c.admit(now); !ok { // never given back
 			t.Fatal("the probe admitted nothing")
 		}
 		limit := c.limit
 		for range 20 {
-			now = round(&c, now, 100*simMs, sampleOK) // a queue: the limit falls
+			now = round(&c, now, 100*simMs, SampleOK) // a queue: the limit falls
 		}
 		if c.probing || c.limit >= limit {
 			t.Errorf("probing %v, limit %v from %v: want the probe over and the limit lower", c.probing, c.limit, limit)
 		}
 	})
 	t.Run("learning starts again", func(t *testing.T) {
-		k := &adaptiveKey{c: newController(4, 1000)}
+		k := &Key{c: newController(4, 1000)}
 		now := time.Unix(0, 0)
 		for !k.c.probing {
-			now = round(&k.c, now, 20*simMs, sampleOK)
+			now = round(&k.c, now, 20*simMs, SampleOK)
 		}
-		tk, _ := k.admit(now)
-		k.forget()
-		k.release(now, tk, sampleOK, time.Millisecond)
+		tk, _ := k.Admit(now)
+		k.Forget()
+		k.Release(now, tk, SampleOK, time.Millisecond)
 		for range 100 {
-			now = round(&k.c, now, 20*simMs, sampleOK)
+			now = round(&k.c, now, 20*simMs, SampleOK)
 		}
 		if k.c.inFlight != 0 || k.c.probeOut != 0 || k.c.noLoad != 20*simMs {
 			t.Errorf("%d in flight, %d out for the probe, no-load latency %v: want 0, 0, 20ms", k.c.inFlight, k.c.probeOut, k.c.noLoad)

@@ -1,7 +1,12 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+// Package adaptive is the controller of `concurrency adaptive`: a limit
+// on requests in flight per key, learnt from the latency of the requests
+// it admits. It is an instance's own view, kept in memory; it knows
+// nothing of HTTP, zones, stores or Caddy, and is tested on simulated
+// latencies.
+package adaptive
 
 import (
 	"hash/maphash"
@@ -86,7 +91,7 @@ import (
 const (
 	adaptiveWindow    = 32                     // samples kept per interval (a reservoir beyond)
 	adaptiveMinSample = 8                      // samples per interval at least
-	adaptiveInterval  = 100 * time.Millisecond // an interval lasts at least this long
+	Interval          = 100 * time.Millisecond // an interval lasts at least this long
 	adaptivePeriods   = 2                      // probe periods that R0 remembers
 	probeEvery        = 3 * time.Second        // the base probe period
 	probeLatencies    = 50                     // a probe period lasts at least this many latencies
@@ -95,18 +100,18 @@ const (
 	errorLatency = time.Duration(math.MaxInt64)
 )
 
-// A sampleKind is what a request's response tells the controller.
-type sampleKind uint8
+// A Sample is what a request's response tells the controller.
+type Sample uint8
 
 const (
-	sampleNone  sampleKind = iota // nothing: not served, or a protocol switch
-	sampleOK                      // a response: its latency is a sample
-	sampleError                   // an error status: a sign of overload
-	sampleGone                    // the client left before the end
+	SampleNone  Sample = iota // nothing: not served, or a protocol switch
+	SampleOK                  // a response: its latency is a sample
+	SampleError               // an error status: a sign of overload
+	SampleGone                // the client left before the end
 )
 
 // A controller is the adaptive limit of one key. It is not safe for
-// concurrent use: adaptiveKey guards it.
+// concurrent use: Key guards it.
 type controller struct {
 	min, max float64
 	limit    float64
@@ -171,15 +176,15 @@ func newController(min, max int64) controller {
 	return controller{min: float64(min), max: float64(max), limit: float64(min), logged: float64(min)}
 }
 
-// A ticket is what a request admitted by a controller carries to its
+// A Ticket is what a request admitted by a controller carries to its
 // release.
-type ticket struct {
+type Ticket struct {
 	gen   uint32
 	probe uint32 // the probe that admitted it; 0 for none
 }
 
 // admit takes a place in flight at now, if one is free under the limit.
-func (c *controller) admit(now time.Time) (ticket, bool) {
+func (c *controller) admit(now time.Time) (Ticket, bool) {
 	c.checkProbe(now)
 	if !c.probing && c.noLoad > 0 && c.measured && !now.Before(c.nextProbe) {
 		c.startProbe(now)
@@ -189,7 +194,7 @@ func (c *controller) admit(now time.Time) (ticket, bool) {
 		limit = c.probeLimit
 	}
 	if c.inFlight >= limit {
-		return ticket{}, false
+		return Ticket{}, false
 	}
 	if c.settling && (c.inFlight+1 >= limit || !now.Before(c.settleBy)) {
 		c.settling = false
@@ -199,7 +204,7 @@ func (c *controller) admit(now time.Time) (ticket, bool) {
 	c.tick(now)
 	c.inFlight++
 	c.peak = max(c.peak, c.inFlight)
-	t := ticket{gen: c.gen}
+	t := Ticket{gen: c.gen}
 	if probe {
 		c.probeOut++
 		t.probe = c.probeN
@@ -221,15 +226,15 @@ func (c *controller) tick(now time.Time) {
 
 // done gives back the place of a request admitted with t, whose response
 // ended at now after lat. It reports whether the limit changed.
-func (c *controller) done(now time.Time, t ticket, kind sampleKind, lat time.Duration) bool {
+func (c *controller) done(now time.Time, t Ticket, kind Sample, lat time.Duration) bool {
 	c.tick(now)
 	c.inFlight--
-	if kind == sampleGone {
+	if kind == SampleGone {
 		// A lower bound of the latency: it shows slowness only when it
 		// is long already.
-		kind = sampleOK
+		kind = SampleOK
 		if c.latency == 0 || lat < c.latency {
-			kind = sampleNone
+			kind = SampleNone
 		}
 	}
 	if t.probe != 0 {
@@ -244,11 +249,11 @@ func (c *controller) done(now time.Time, t ticket, kind sampleKind, lat time.Dur
 		c.fullWin.add(kind, lat, now)
 	}
 	c.checkProbe(now)
-	if c.probing || c.settling || t.gen != c.gen || kind == sampleNone {
+	if c.probing || c.settling || t.gen != c.gen || kind == SampleNone {
 		return false
 	}
 	c.win.add(kind, lat, now)
-	if c.win.seen < min(max(int(c.limit), adaptiveMinSample), adaptiveWindow) || now.Sub(c.since) < adaptiveInterval {
+	if c.win.seen < min(max(int(c.limit), adaptiveMinSample), adaptiveWindow) || now.Sub(c.since) < Interval {
 		return false
 	}
 	return c.update(now)
@@ -432,11 +437,11 @@ type latencyWindow struct {
 func (w *latencyWindow) reset() { w.seen, w.n = 0, 0 }
 
 // add adds a sample; an error's ranks above every success.
-func (w *latencyWindow) add(kind sampleKind, lat time.Duration, now time.Time) {
+func (w *latencyWindow) add(kind Sample, lat time.Duration, now time.Time) {
 	switch kind {
-	case sampleNone:
+	case SampleNone:
 		return
-	case sampleError:
+	case SampleError:
 		lat = errorLatency
 	}
 	w.seen++
@@ -474,55 +479,57 @@ func lowerMedian(v []time.Duration) time.Duration {
 	return v[k]
 }
 
-// An adaptiveKey is the controller of one key, and its lock.
-type adaptiveKey struct {
+// A Key is the controller of one key, and its lock.
+type Key struct {
 	mu sync.Mutex
 	c  controller
 }
 
-// A limitChange is a change of a key's limit by half or more since it
+// A Change is a change of a key's limit by half or more since it
 // was last logged.
-type limitChange struct {
-	from, to        int64
-	latency, noLoad time.Duration
+type Change struct {
+	From, To        int64
+	Latency, NoLoad time.Duration
 }
 
-// release gives back a place; it reports a large change of the limit.
-func (k *adaptiveKey) release(now time.Time, t ticket, kind sampleKind, lat time.Duration) (limitChange, bool) {
+// Release gives back a place; it reports a large change of the limit.
+func (k *Key) Release(now time.Time, t Ticket, kind Sample, lat time.Duration) (Change, bool) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	c := &k.c
 	if !c.done(now, t, kind, lat) || c.limit < 1.5*c.logged && c.limit > c.logged/1.5 {
-		return limitChange{}, false
+		return Change{}, false
 	}
-	ch := limitChange{from: int64(c.logged), to: int64(c.limit), latency: c.latency, noLoad: c.noLoad}
+	ch := Change{From: int64(c.logged), To: int64(c.limit), Latency: c.latency, NoLoad: c.noLoad}
 	c.logged = c.limit
 	return ch, true
 }
 
-func (k *adaptiveKey) admit(now time.Time) (ticket, bool) {
+// Admit takes a place in flight at now, if one is free under the limit.
+func (k *Key) Admit(now time.Time) (Ticket, bool) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	return k.c.admit(now)
 }
 
-// adaptiveState is a key's state, for the admin API and the metrics.
-type adaptiveState struct {
-	limit, inFlight int64
-	latency, noLoad time.Duration
-	probing         bool
+// State is a key's state, for the admin API and the metrics.
+type State struct {
+	Limit, InFlight int64
+	Latency, NoLoad time.Duration
+	Probing         bool
 }
 
-func (k *adaptiveKey) state() adaptiveState {
+// State is the key's state now.
+func (k *Key) State() State {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	c := &k.c
-	return adaptiveState{limit: int64(c.limit), inFlight: c.inFlight, latency: c.latency, noLoad: c.noLoad, probing: c.probing}
+	return State{Limit: int64(c.limit), InFlight: c.inFlight, Latency: c.latency, NoLoad: c.noLoad, Probing: c.probing}
 }
 
-// forget starts the key's learning again, from min; its requests in
+// Forget starts the key's learning again, from min; its requests in
 // flight stay counted.
-func (k *adaptiveKey) forget() {
+func (k *Key) Forget() {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	c := &k.c
@@ -531,16 +538,16 @@ func (k *adaptiveKey) forget() {
 	*c = fresh
 }
 
-// adaptiveTable holds the keys of a zone with an adaptive limit, shared
-// by the zones of one name and limit across reloads. It keeps at most
+// A Table holds the keys of an adaptive limit (a zone shares its table
+// with the zones of its name and limit, across reloads). It keeps at most
 // adaptiveMaxKeys keys: a new key takes the place of the key idle for
 // longest in its shard, and when every key of the shard has requests in
 // flight, its request is shed.
-type adaptiveTable struct {
+type Table[K comparable] struct {
 	seed     maphash.Seed
-	min, max int64
-	shards   [adaptiveShards]adaptiveShard
-	logged   throttle.Throttle // the INFO lines of large changes
+	Min, Max int64
+	shards   [adaptiveShards]adaptiveShard[K]
+	Logged   throttle.Throttle // the INFO lines of large changes
 }
 
 const (
@@ -548,22 +555,23 @@ const (
 	adaptiveMaxKeys = 16384
 )
 
-type adaptiveShard struct {
+type adaptiveShard[K comparable] struct {
 	mu sync.Mutex
-	m  map[bucketKey]*adaptiveKey
+	m  map[K]*Key
 }
 
-func newAdaptiveTable(min, max int64) *adaptiveTable {
-	t := &adaptiveTable{seed: maphash.MakeSeed(), min: min, max: max}
+// NewTable is an empty table of keys whose limits lie in [min, max].
+func NewTable[K comparable](min, max int64) *Table[K] {
+	t := &Table[K]{seed: maphash.MakeSeed(), Min: min, Max: max}
 	for i := range t.shards {
-		t.shards[i].m = make(map[bucketKey]*adaptiveKey)
+		t.shards[i].m = make(map[K]*Key)
 	}
 	return t
 }
 
-// key finds k's state, or makes it; nil when the shard is full of keys
+// Key finds k's state, or makes it; nil when the shard is full of keys
 // with requests in flight.
-func (t *adaptiveTable) key(k bucketKey, now time.Time) *adaptiveKey {
+func (t *Table[K]) Key(k K, now time.Time) *Key {
 	s := &t.shards[maphash.Comparable(t.seed, k)%adaptiveShards]
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -573,7 +581,7 @@ func (t *adaptiveTable) key(k bucketKey, now time.Time) *adaptiveKey {
 	if len(s.m) >= adaptiveMaxKeys/adaptiveShards && !s.evict() {
 		return nil
 	}
-	a := &adaptiveKey{c: newController(t.min, t.max)}
+	a := &Key{c: newController(t.Min, t.Max)}
 	a.c.last = now
 	s.m[k] = a
 	return a
@@ -581,8 +589,8 @@ func (t *adaptiveTable) key(k bucketKey, now time.Time) *adaptiveKey {
 
 // evict drops the key idle for longest, and reports whether there was
 // one.
-func (s *adaptiveShard) evict() bool {
-	var oldest bucketKey
+func (s *adaptiveShard[K]) evict() bool {
+	var oldest K
 	var at time.Time
 	found := false
 	for k, a := range s.m {
@@ -599,43 +607,43 @@ func (s *adaptiveShard) evict() bool {
 	return found
 }
 
-// lookup finds k's state, nil when the table has none.
-func (t *adaptiveTable) lookup(k bucketKey) *adaptiveKey {
+// Lookup finds k's state, nil when the table has none.
+func (t *Table[K]) Lookup(k K) *Key {
 	s := &t.shards[maphash.Comparable(t.seed, k)%adaptiveShards]
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.m[k]
 }
 
-// adaptiveTotals sum up the keys of a table.
-type adaptiveTotals struct {
-	keys            int
-	limit, inFlight int64
-	noLoad          time.Duration // the mean of the keys that measured one
+// Totals sum up the keys of a table.
+type Totals struct {
+	Keys            int
+	Limit, InFlight int64
+	NoLoad          time.Duration // the mean of the keys that measured one
 }
 
-// totals sums the limits and the requests in flight of every key.
-func (t *adaptiveTable) totals() adaptiveTotals {
-	var tot adaptiveTotals
+// Totals sums the limits and the requests in flight of every key.
+func (t *Table[K]) Totals() Totals {
+	var tot Totals
 	var noLoad time.Duration
 	measured := 0
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
 		for _, a := range s.m {
-			st := a.state()
-			tot.keys++
-			tot.limit += st.limit
-			tot.inFlight += st.inFlight
-			if st.noLoad > 0 {
-				noLoad += st.noLoad
+			st := a.State()
+			tot.Keys++
+			tot.Limit += st.Limit
+			tot.InFlight += st.InFlight
+			if st.NoLoad > 0 {
+				noLoad += st.NoLoad
 				measured++
 			}
 		}
 		s.mu.Unlock()
 	}
 	if measured > 0 {
-		tot.noLoad = noLoad / time.Duration(measured)
+		tot.NoLoad = noLoad / time.Duration(measured)
 	}
 	return tot
 }
