@@ -19,7 +19,7 @@ import (
 	"go.uber.org/zap"
 )
 
-// Zones with `concurrency adaptive` (adaptive.go has the controller): a
+// Zones with `concurrency adaptive` (internal/adaptive has the controller): a
 // request takes a place among its key's requests in flight before the
 // store is asked for anything, so that a shed request spends no tokens
 // in any zone and costs no store call; the place is given back, with the
