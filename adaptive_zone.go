@@ -169,7 +169,7 @@ func (z *Zone) checkAdaptive() error {
 // adaptiveOnly reports whether the zone limits nothing but requests in
 // flight adaptively: it has no demand for the store.
 func (z *Zone) adaptiveOnly() bool {
-	return z.ConcurrencyAdaptive != nil && z.rateless && z.quota == nil && z.Concurrency == 0
+	return z.ConcurrencyAdaptive != nil && !z.charges() && z.Concurrency == 0
 }
 
 // unmarshalAdaptive reads `concurrency adaptive [{ min <n>; max <n> }]`.

@@ -65,6 +65,12 @@ var banKind = kind{
 		l.ban = time.Duration(z.Ban)
 		return nil
 	},
+	fixedShape: func(z *Zone, l *limit) { l.ban = time.Duration(z.Ban) },
+	decided: func(st *zoneState, d *demands, m *match) {
+		if m.bucket >= 0 && d.buckets[m.bucket].ban {
+			st.bans.Add(1)
+		}
+	},
 	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
 		if z.Ban != 0 {
 			info.Ban = time.Duration(z.Ban).String()

@@ -47,7 +47,7 @@ var countKind = kind{
 		switch {
 		case z.Count == nil:
 			return nil
-		case !z.hasRate() && z.Quota == 0:
+		case !z.charges():
 			return errors.New("count needs a rate: it gives tokens back")
 		}
 		return checkCount(z.Count)

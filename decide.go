@@ -229,8 +229,8 @@ func (h *Handler) count(r *http.Request, sc *scratch, out outcome) {
 		m := &sc.matches[i]
 		z := h.Zones[m.zone]
 		st := z.state
-		if m.bucket >= 0 && sc.d.buckets[m.bucket].ban {
-			st.bans.Add(1)
+		for _, f := range z.decided {
+			f(st, &sc.d, m)
 		}
 		ok := m.ok(&sc.d)
 		if !ok && sc.d.remembered {

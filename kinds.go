@@ -42,8 +42,12 @@ type kind struct {
 	// zone; what kinds cannot go together is in exclusions.
 	check func(z *Zone) error
 
-	// shape sets the kind's part of a bucket's shape, l.
-	shape func(z *Zone, l *limit) error
+	// shape sets the kind's part of a bucket's shape, l. fixedShape sets
+	// the part that a zone whose limit comes with each request (plans)
+	// has whatever the request's limit: its buckets are named by it in
+	// the stores (a ban).
+	shape      func(z *Zone, l *limit) error
+	fixedShape func(z *Zone, l *limit)
 
 	// provision computes the kind's runtime state of z, after z's limit.
 	provision func(z *Zone) error
@@ -74,6 +78,11 @@ type kind struct {
 	// store keeps, read through ref: once for each exported zone with a
 	// rate, zones of one name and limit counted once.
 	collectStore func(ch chan<- prometheus.Metric, id zoneID, ref zoneRef)
+
+	// decided counts in st what the store's answer d to a request says of
+	// the kind in the zone's match m (a refusal that started a ban). Only
+	// the zones that have the kind (in) run it.
+	decided func(st *zoneState, d *demands, m *match)
 
 	// meter starts the kind's metrics of z that it observes itself, and
 	// unmeter removes them once no config has the zone.

@@ -113,7 +113,7 @@ func (z *Zone) checkUsage() error {
 		return err
 	}
 	switch {
-	case !z.hasRate() && z.Quota == 0:
+	case !z.charges():
 		return errors.New("usage needs a rate or a quota: they are what a response's usage is charged to")
 	case z.MaxDebt != nil && !z.hasRate():
 		return errors.New("max_debt needs a rate: it is how far the bucket may owe")

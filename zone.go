@@ -145,7 +145,10 @@ type Zone struct {
 	// rateless: the zone limits only requests in flight (concurrency)
 	// or per calendar window (quota); it has no bucket, and the store
 	// never sees one.
-	rateless   bool
+	rateless bool
+	// decided count what the store's answer to a request says of the
+	// zone's kinds (kind.decided), for the kinds it has.
+	decided    []func(st *zoneState, d *demands, m *match)
 	slotPolicy string // the RateLimit-Policy item of the concurrency limit
 	quota      *quota // nil: no calendar quota
 	// delays observes the waits of a zone with delay; nil without
@@ -193,6 +196,11 @@ func checkZoneName(name string) error {
 // max_events.
 func (z *Zone) hasRate() bool { return z.Rate != "" || z.windowForm() }
 
+// charges reports whether the zone has something to charge a request's
+// cost to, or give tokens back to: a bucket (a rate) or a calendar
+// quota's counter.
+func (z *Zone) charges() bool { return z.hasRate() || z.Quota != 0 }
+
 // parseLimit checks the zone's numbers and returns its bucket's shape.
 func (z *Zone) parseLimit() (limit, error) {
 	if err := z.checkKinds(); err != nil {
@@ -209,7 +217,13 @@ func (z *Zone) parseLimit() (limit, error) {
 		if err := cmp.Or(z.checkVars(), z.checkPrefixes()); err != nil {
 			return limit{}, err
 		}
-		return limit{ban: time.Duration(z.Ban)}, nil
+		var l limit
+		for _, k := range kinds {
+			if k.fixedShape != nil {
+				k.fixedShape(z, &l)
+			}
+		}
+		return l, nil
 	}
 	var perSec float64
 	var burst int64
@@ -406,6 +420,12 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	z.buildResponses()
 	if err := eachKind(z, func(k *kind) func(*Zone) error { return k.provision }); err != nil {
 		return err
+	}
+	z.decided = nil
+	for _, k := range kinds {
+		if k.decided != nil && k.in(z) {
+			z.decided = append(z.decided, k.decided)
+		}
 	}
 	if z.perRequest() {
 		if hasPlaceholders(z.Rate) {
