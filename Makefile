@@ -27,7 +27,8 @@ sync:
 # the decisions/s of one master pinned to core 1, loaded by the store from
 # core 0 (docs/performance.md, "Redis"); needs Go, redis-server and
 # taskset. RUNS=n runs each load n times (default 5); SCRIPT=<file> runs
-# another version of lua/token_bucket.lua for comparison. Writes
+# another version of the decision script (one file, such as an older
+# version's lua/token_bucket.lua) for comparison. Writes
 # bench/results/masters.log.
 masters:
 	RATE_LIMIT_MASTERS=1 RATE_LIMIT_MASTERS_RUNS=$(RUNS) RATE_LIMIT_SCRIPT=$(SCRIPT) \

@@ -21,7 +21,7 @@ import (
 // store takes it with them, all or nothing; it is given back when the
 // handlers after this one return, however they return. The local store
 // counts slots in memory (slots.go), the Redis store keeps them as leases
-// shared by every instance (lua/token_bucket.lua).
+// shared by every instance (lua/decide/60_slots.lua).
 
 // concurrencyConfig is a zone's limit on requests in flight.
 type concurrencyConfig struct {

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -469,7 +470,7 @@ func TestFaultHostileKeys(t *testing.T) {
 				addrs = append(addrs, fmt.Sprintf("%q", n.Addr()))
 				// Loaded on every node, the script takes one EVALSHA
 				// per decision, never a NOSCRIPT and an EVAL.
-				if err := redis.NewScript(tokenBucketLua).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
+				if err := redis.NewScript(lua.Decide).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
 					t.Fatal(err)
 				}
 			}

@@ -22,7 +22,7 @@ import (
 // ends. Each store keeps it beside its buckets and decides it in the same
 // all-or-nothing take; a request carries the window its instance's clock
 // sees, and the store's own clock picks the window (see
-// lua/token_bucket.lua).
+// lua/decide/50_counters.lua).
 //
 // In a request, a quota's debt is how long until its window ends (its
 // counter is 0 again), 0 while nothing is counted: the same meaning as a

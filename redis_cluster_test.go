@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -63,7 +64,7 @@ func TestRedisClusterSpread(t *testing.T) {
 	// The script loaded on every node: no EVAL.
 	before := make([]int64, len(nodes))
 	for i, n := range nodes {
-		if err := redis.NewScript(tokenBucketLua).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
+		if err := redis.NewScript(lua.Decide).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
 			t.Fatal(err)
 		}
 		before[i], _ = evalStats(t, n)
@@ -129,7 +130,7 @@ func TestMastersThroughput(t *testing.T) {
 			t.Fatal(err)
 		}
 		saved := redisScripts
-		redisScripts = rediswire.NewScripts(string(src), peekLua)
+		redisScripts = rediswire.NewScripts(string(src), lua.Peek)
 		t.Cleanup(func() { redisScripts = saved })
 		t.Logf("script %s", f)
 	}

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -247,7 +248,7 @@ func TestRedisClusterFlight(t *testing.T) {
 	// The script is loaded on every master, so that no call is sent twice.
 	var before int64
 	for _, n := range nodes {
-		if err := redis.NewScript(tokenBucketLua).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
+		if err := redis.NewScript(lua.Decide).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
 			t.Fatal(err)
 		}
 		c, _ := evalStats(t, n)

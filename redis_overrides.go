@@ -5,7 +5,6 @@ package ratelimit
 
 import (
 	"context"
-	_ "embed"
 	"errors"
 	"math/rand/v2"
 	"strconv"
@@ -13,13 +12,14 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
 
 // The Redis store's overrides (see overrides.go). A key's own limit is
 // the string `<token ns>:<burst>:<rate>` at `<hash><field>:limit`, in
 // its bucket's cluster slot, which the decision script reads with the
-// bucket (lua/token_bucket.lua, OVERRIDES); it expires by itself when it
+// bucket (lua/decide/20_buckets.lua, OVERRIDES); it expires by itself when it
 // has an end. The zone's overrides are listed in a sorted set of their
 // keys, scored by their end (see rediswire.Keys.Limits), which bounds
 // them to max_overrides, instance by instance alike.
@@ -143,12 +143,9 @@ func (s *RedisStore) forgetKey(zone int, key bucketKey) {
 	}
 }
 
-//go:embed lua/override.lua
-var overrideLua string
-
 // overrideScript sets or removes a key's own limit and its place in the
 // zone's list in one step (see lua/override.lua).
-var overrideScript = redis.NewScript(overrideLua)
+var overrideScript = redis.NewScript(lua.Override)
 
 // setOverride and deleteOverride change a key's own limit and the zone's
 // list of them together: in one script call, atomic, so that no change

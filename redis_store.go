@@ -6,7 +6,6 @@ package ratelimit
 import (
 	"context"
 	"crypto/rand"
-	_ "embed"
 	"encoding/base64"
 	"errors"
 	"math"
@@ -16,6 +15,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
+	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"go.uber.org/zap"
@@ -25,15 +25,9 @@ func init() {
 	caddy.RegisterModule(RedisStore{})
 }
 
-//go:embed lua/token_bucket.lua
-var tokenBucketLua string
-
-//go:embed lua/peek.lua
-var peekLua string
-
 // redisScripts run with EVALSHA and are sent again with EVAL on NOSCRIPT,
 // so a flushed script cache heals itself.
-var redisScripts = rediswire.NewScripts(tokenBucketLua, peekLua)
+var redisScripts = rediswire.NewScripts(lua.Decide, lua.Peek)
 
 // RedisStore keeps buckets in Redis, so that any number of Caddy instances
 // share one exact limit per key. Each decision is one atomic script call
@@ -150,7 +144,7 @@ type redisZone struct {
 	// counters is how its quota counters' keys start after the hash: the
 	// name and a tag of the quota's window (rediswire.CounterZone). Keys
 	// start with keys alone in builds before the tag: such a counter is
-	// read while the tagged one is absent (see lua/token_bucket.lua).
+	// read while the tagged one is absent (see lua/decide/50_counters.lua).
 	counters string
 	refunds  bool // its buckets may be given tokens back
 	plans    bool // its limit comes with each request: its buckets are scaled
@@ -300,7 +294,7 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, d *demands) (bool,
 }
 
 // takeExact decides d in one call where their keys share a cluster slot.
-// Each slot taken is a lease (see lua/token_bucket.lua): a member of a
+// Each slot taken is a lease (see lua/decide/60_slots.lua): a member of a
 // sorted set whose score is the instant, on Redis's clock, when it ends.
 // A lease is not renewed: a request that runs longer than its zone's
 // lease loses its slot then, so that a slot held by an instance that died

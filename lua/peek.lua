@@ -1,5 +1,5 @@
 -- Reads buckets, counters and slot sets as the decision script
--- (token_bucket.lua) would find them, changing nothing: for the admin
+-- (lua/decide/) would find them, changing nothing: for the admin
 -- API. It reads one decision, whose op is 'peek': KEYS and ARGV are as
 -- the decision script's for a call of that one decision (ARGV[1] the
 -- clock, ARGV[2] '1' and ARGV[3] '0', ARGV[4] 'peek', then nb, nc, ns

@@ -24,6 +24,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/go-redis/redis_rate/v10"
 	"github.com/redis/go-redis/v9"
 )
@@ -36,11 +37,14 @@ func main() {
 	before := flag.Bool("before", false, "the script speaks the protocol before flights (../testdata/scripts/token_bucket_before_flights.lua): one decision a call")
 	rr := flag.Bool("redis_rate", true, "measure redis_rate too")
 	adjust := flag.Int("adjust", 0, "buckets of an adjustment to measure, plain and in sections (0: none)")
-	file := flag.String("script", "../lua/token_bucket.lua", "the plugin's decision script")
+	file := flag.String("script", "", "a decision script to measure instead of the plugin's (lua.Decide), such as an older version's")
 	flag.Parse()
-	src, err := os.ReadFile(*file)
-	if err != nil {
-		log.Fatal(err)
+	src := []byte(lua.Decide)
+	if *file != "" {
+		var err error
+		if src, err = os.ReadFile(*file); err != nil {
+			log.Fatal(err)
+		}
 	}
 	ctx := context.Background()
 	c := redis.NewClient(&redis.Options{Addr: *addr, PoolSize: 4})

@@ -6,27 +6,19 @@ package rediswire
 import (
 	"context"
 	"fmt"
-	"os"
 	"sync"
 	"testing"
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
+	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
 
-// testScripts are the store's scripts, read from the module's lua/.
+// testScripts are the store's scripts, from the module's lua/.
 func testScripts(t *testing.T) *Scripts {
 	t.Helper()
-	decide, err := os.ReadFile("../../lua/token_bucket.lua")
-	if err != nil {
-		t.Fatal(err)
-	}
-	peek, err := os.ReadFile("../../lua/peek.lua")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return NewScripts(string(decide), string(peek))
+	return NewScripts(lua.Decide, lua.Peek)
 }
 
 // taker is a take of a token from a bucket of 10 of a key, through a

@@ -14,7 +14,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// This file is the Go side of the scripts' protocol (lua/token_bucket.lua
+// This file is the Go side of the scripts' protocol (lua/decide/10_call.lua
 // has the contract): a Call is one request's decision, built section by
 // section with typed values; the pipeline sends the calls of a flight as
 // one script call (a command), and each call's part of the reply is read
@@ -528,7 +528,7 @@ func (m *command) check(v []any) (clock, repaired int64, err error) {
 	return v[0].(int64), v[1].(int64), nil
 }
 
-// A Reply is a call's answer, in the layout lua/token_bucket.lua gives.
+// A Reply is a call's answer, in the layout lua/decide/10_call.lua gives.
 type Reply struct {
 	v          []any
 	plain      bool
