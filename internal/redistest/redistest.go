@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -159,26 +160,88 @@ func FreePort(t testing.TB, bus int) int {
 // StartCluster starts a Redis Cluster of three masters.
 func StartCluster(t testing.TB) []*Server {
 	t.Helper()
+	return StartClusterWith(t, 0, "--cluster-node-timeout", "2000")
+}
+
+// StartReplicatedCluster starts a Redis Cluster of three masters, each
+// with a replica, that fails over as soon as Redis can: a node that does
+// not answer for a second is failed, and its replica takes over however
+// long ago it last heard from its master. replicas[i] is masters[i]'s,
+// linked to it when this returns.
+func StartReplicatedCluster(t testing.TB) (masters, replicas []*Server) {
+	t.Helper()
+	nodes := StartClusterWith(t, 1, "--cluster-node-timeout", "1000", "--cluster-replica-validity-factor", "0")
+	byPort := make(map[string]*Server, len(nodes))
+	for _, n := range nodes {
+		byPort[strconv.Itoa(n.Port)] = n
+	}
+	deadline := time.Now().Add(20 * time.Second)
+	for _, n := range nodes {
+		for {
+			// A replica's ROLE: slave, its master's host and port, the
+			// link's state, the offset.
+			role := strings.Fields(n.CLI("ROLE"))
+			if role[0] == "master" {
+				masters = append(masters, n)
+				break
+			}
+			if len(role) >= 4 && role[3] == "connected" {
+				replicas = append(replicas, n)
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("replica on port %d did not link to its master: %v", n.Port, role)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
+	ordered := make([]*Server, len(masters))
+	for _, r := range replicas {
+		m := byPort[strings.Fields(r.CLI("ROLE"))[2]]
+		for i := range masters {
+			if masters[i] == m {
+				ordered[i] = r
+			}
+		}
+	}
+	if len(masters) != 3 || slices.Contains(ordered, nil) {
+		t.Fatalf("cluster of %d masters and %d replicas, not three of each linked", len(masters), len(replicas))
+	}
+	return masters, ordered
+}
+
+// ClusterOK reports whether the node sees its cluster serve every slot.
+func (r *Server) ClusterOK() bool {
+	out, err := r.TryCLI("CLUSTER", "INFO")
+	return err == nil && strings.Contains(out, "cluster_state:ok")
+}
+
+// StartClusterWith starts a Redis Cluster of three masters with the
+// given replicas each, its nodes started with the extra arguments. Each
+// keeps its cluster config in its Dir, so that a node restarted takes
+// its place again.
+func StartClusterWith(t testing.TB, replicas int, extra ...string) []*Server {
+	t.Helper()
 	Require(t)
 	var nodes []*Server
 	var addrs []string
-	for range 3 {
+	for range 3 * (1 + replicas) {
 		r := &Server{T: t, Port: FreePort(t, 10000), Dir: t.TempDir()}
-		r.Args = []string{"--bind", "127.0.0.1", "--port", strconv.Itoa(r.Port), "--save", "", "--appendonly", "no",
-			"--dir", r.Dir, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"}
+		r.Args = append([]string{"--bind", "127.0.0.1", "--port", strconv.Itoa(r.Port), "--save", "", "--appendonly", "no",
+			"--dir", r.Dir, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"}, extra...)
 		r.Start()
 		t.Cleanup(r.Kill)
 		nodes = append(nodes, r)
 		addrs = append(addrs, r.Addr())
 	}
 	args := append([]string{"--cluster", "create"}, addrs...)
-	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
 	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
 		t.Fatalf("redis-cli --cluster create: %v: %s", err, out)
 	}
 	deadline := time.Now().Add(20 * time.Second)
 	for _, n := range nodes {
-		for !strings.Contains(n.CLI("CLUSTER", "INFO"), "cluster_state:ok") {
+		for !n.ClusterOK() {
 			if time.Now().After(deadline) {
 				t.Fatal("cluster did not come up")
 			}
