@@ -29,6 +29,7 @@ type Client struct {
 	redis.UniversalClient
 	Cluster bool // a Redis Cluster: keys in different slots need calls of their own
 	Breaker Breaker
+	cluster *redis.ClusterClient // the client, on a cluster
 	pipe    *pipeline
 	scripts *Scripts
 	closed  chan struct{} // closed by Destruct: probes stop
@@ -57,10 +58,10 @@ func NewClient(opts *redis.UniversalOptions, scripts *Scripts) (c *Client, err e
 		}
 	}()
 	uc := redis.NewUniversalClient(opts)
-	_, cluster := uc.(*redis.ClusterClient)
+	cc, cluster := uc.(*redis.ClusterClient)
 	poolSize := cmp.Or(opts.PoolSize, 10*runtime.GOMAXPROCS(0)) // go-redis's default
 	pipe := &pipeline{client: uc, scripts: scripts, cluster: cluster, maxFlights: maxFlights(poolSize)}
-	return &Client{UniversalClient: uc, Cluster: cluster, pipe: pipe, scripts: scripts, closed: make(chan struct{})}, nil
+	return &Client{UniversalClient: uc, Cluster: cluster, cluster: cc, pipe: pipe, scripts: scripts, closed: make(chan struct{})}, nil
 }
 
 // Destruct closes the client when no config uses it any more.
@@ -83,7 +84,17 @@ func (c *Client) Answered(logger *zap.Logger) {
 // Failed records an outage, seen by a call that failed with err. When it
 // opens the breaker, the outage is logged, and Redis is probed in the
 // background until it answers.
+//
+// On a cluster, the client also asks for the slots again at once (in the
+// background, at most every 200 ms however many calls fail): go-redis
+// learns where the slots are only from a MOVED or an ASK, which a dead
+// master never sends, and otherwise once a minute, so the slots of a
+// master that failed over would go on being sent to it for up to a
+// minute after its replica took them over.
 func (c *Client) Failed(logger *zap.Logger, failMode string, err error) {
+	if c.cluster != nil {
+		c.cluster.ReloadState(context.Background())
+	}
 	if c.Breaker.Outage() {
 		c.LogOutage(logger, failMode, err)
 		go c.probe(logger)

@@ -5,8 +5,13 @@ package rediswire
 
 import (
 	"context"
+	"fmt"
+	"slices"
+	"strings"
 	"testing"
+	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/redis/go-redis/v9"
 	"go.uber.org/zap"
@@ -49,4 +54,76 @@ func TestGoRedisLogLines(t *testing.T) {
 			t.Fatalf("line %v", logs.All()[0])
 		}
 	}
+}
+
+// clusterClient is a client of the cluster of nodes, with the store's
+// timeouts and retries, closed when the test ends.
+func clusterClient(t *testing.T, nodes []*redistest.Server) *Client {
+	t.Helper()
+	var addrs []string
+	for _, n := range nodes {
+		addrs = append(addrs, n.Addr())
+	}
+	c, err := NewClient(&redis.UniversalOptions{Addrs: addrs, MaxRetries: -1, ContextTimeoutEnabled: true,
+		DialTimeout: 200 * time.Millisecond, ReadTimeout: 200 * time.Millisecond}, testScripts(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Destruct() })
+	return c
+}
+
+// masterOf is the address of the master of key's slot, as the client
+// knows it.
+func masterOf(t *testing.T, c *Client, key string) string {
+	t.Helper()
+	m, err := c.UniversalClient.(*redis.ClusterClient).MasterForKey(context.Background(), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return m.Options().Addr
+}
+
+// When a master of a cluster dies and its replica takes over, the
+// client sends the master's slots to the replica as soon as a call that
+// went to the dead master has failed: go-redis by itself would ask for
+// the slots again only a minute later, as a dead master sends no MOVED.
+func TestClusterFollowsFailover(t *testing.T) {
+	masters, replicas := redistest.StartReplicatedCluster(t)
+	c := clusterClient(t, append(slices.Clone(masters), replicas...))
+	ctx := context.Background()
+	victim, heir := masters[0], replicas[0]
+	var key string
+	for i := 0; key == ""; i++ {
+		if k := fmt.Sprintf("k%d", i); masterOf(t, c, k) == victim.Addr() {
+			key = k
+		}
+	}
+	victim.Kill()
+	deadline := time.Now().Add(20 * time.Second)
+	for strings.Fields(heir.CLI("ROLE"))[0] != "master" || !masters[1].ClusterOK() || !masters[2].ClusterOK() {
+		if time.Now().After(deadline) {
+			t.Fatal("the replica did not take over")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	// The store's call fails, and it tells the client so.
+	if err := c.PExpire(ctx, key, time.Millisecond).Err(); err != nil {
+		c.Failed(zap.NewNop(), "local", err)
+	}
+	took := time.Now()
+	for {
+		err := c.PExpire(ctx, key, time.Millisecond).Err()
+		if err == nil {
+			break
+		}
+		if time.Since(took) > 2*time.Second {
+			t.Fatalf("the replica took over, and %v later a call of its slots still fails: %v", time.Since(took), err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	if m := masterOf(t, c, key); m != heir.Addr() {
+		t.Fatalf("the slot's master is %s, want the replica that took over, %s", m, heir.Addr())
+	}
+	t.Logf("the replica's slots answered %v after a call failed", time.Since(took))
 }
