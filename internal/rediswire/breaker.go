@@ -14,7 +14,9 @@ import (
 // client probes Redis in the background (see (*Client).probe), and the
 // first probe that Redis answers closes it: a recovered Redis is noticed
 // without a request paying for it, and no request is decided by the
-// fallback from then on.
+// fallback from then on. On a Redis Cluster there is one for all the
+// masters: outages of any count, and a probe answers for the cluster
+// only when every master answers.
 type Breaker struct {
 	failures atomic.Int32 // outages in a row, while closed
 	opened   atomic.Bool
@@ -39,6 +41,11 @@ func (b *Breaker) Success() bool {
 	b.failures.Store(0)
 	return b.opened.Load() && b.opened.CompareAndSwap(true, false)
 }
+
+// Answered records that one of several Redis servers answered (a
+// master of a cluster): outages are no longer in a row, but an open
+// breaker stays open, as another may still be down.
+func (b *Breaker) Answered() { b.failures.Store(0) }
 
 // Outage records that Redis did not answer, or answered that it cannot
 // serve. It reports whether that opened the breaker. An outage of a call

@@ -37,6 +37,22 @@ func TestBreaker(t *testing.T) {
 	if b.Outage() || b.Open() {
 		t.Fatal("outages with an answer between them opened the breaker")
 	}
+	// One master of several answering ends a run of outages alike, but
+	// closes no open breaker.
+	b.Answered()
+	b.Outage()
+	b.Outage()
+	b.Answered()
+	if b.Outage() || b.Open() {
+		t.Fatal("outages with a master's answer between them opened the breaker")
+	}
+	b.Outage()
+	if b.Outage(); !b.Open() {
+		t.Fatal("three outages in a row did not open the breaker")
+	}
+	if b.Answered(); !b.Open() {
+		t.Fatal("a master's answer closed the breaker")
+	}
 }
 
 // A Redis that is back is noticed with no request: the client probes it
@@ -69,4 +85,39 @@ func TestClientProbesInTheBackground(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	t.Logf("closed %v after Redis was back", time.Since(back))
+}
+
+// On a cluster the breaker is the store's: once open, it stays open
+// while a master is down, though the others answer the probes and the
+// calls made before it opened, and it closes when a probe finds every
+// master answering again (here, with a cluster that serves the slots of
+// the masters that are up, cluster-require-full-coverage no).
+func TestClusterBreakerWaitsForEveryMaster(t *testing.T) {
+	nodes := redistest.StartClusterWith(t, 0, "--cluster-node-timeout", "2000", "--cluster-require-full-coverage", "no")
+	c := clusterClient(t, nodes)
+	// Not the master of the probe's key, whose answer alone would keep
+	// the breaker open.
+	victim := nodes[0]
+	if masterOf(t, c, probeKey) == victim.Addr() {
+		victim = nodes[1]
+	}
+	victim.Kill()
+	for range TripAfter {
+		c.Failed(zap.NewNop(), "local", redis.ErrClosed)
+	}
+	c.Answered(zap.NewNop()) // a call that another master answered
+	for start := time.Now(); time.Since(start) < 3*MaxBackoff; time.Sleep(10 * time.Millisecond) {
+		if c.Up() {
+			t.Fatalf("a master is down, and the breaker closed %v after it opened", time.Since(start))
+		}
+	}
+	victim.Start() // with its slots, from its cluster config
+	back := time.Now()
+	for !c.Up() {
+		if time.Since(back) > MaxBackoff+time.Second {
+			t.Fatalf("every master has been back %v, and the breaker is still open", time.Since(back))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("closed %v after the master was back", time.Since(back))
 }

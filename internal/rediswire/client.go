@@ -28,6 +28,8 @@ import (
 type Client struct {
 	redis.UniversalClient
 	Cluster bool // a Redis Cluster: keys in different slots need calls of their own
+	// Breaker is the store's: on a cluster, of all its masters together
+	// (see Answered and probe).
 	Breaker Breaker
 	cluster *redis.ClusterClient // the client, on a cluster
 	pipe    *pipeline
@@ -74,8 +76,22 @@ func (c *Client) Destruct() error {
 func (c *Client) Up() bool { return !c.Breaker.Open() }
 
 // Answered records that Redis answered a call; a breaker that this
-// closes is logged as a recovery.
+// closes is logged as a recovery. On a cluster, the call's master alone
+// answered: that ends a run of outages, but the breaker of all the
+// masters, once open, only closes when a probe finds each answering
+// (were one master's answer enough, the breaker would open and close
+// by turns while another is down, and a request's store would depend
+// on which master answered last).
 func (c *Client) Answered(logger *zap.Logger) {
+	if c.cluster != nil {
+		c.Breaker.Answered()
+		return
+	}
+	c.recovered(logger)
+}
+
+// recovered closes the breaker, and logs a recovery if that closed it.
+func (c *Client) recovered(logger *zap.Logger) {
 	if c.Breaker.Success() {
 		c.LogRecovery(logger)
 	}
@@ -122,7 +138,7 @@ func (c *Client) probe(logger *zap.Logger) {
 		err := c.ping(ctx)
 		cancel()
 		if err == nil || Classify(err) == Answered {
-			c.Answered(logger)
+			c.recovered(logger)
 			return
 		}
 		backoff = min(2*backoff, MaxBackoff)
@@ -133,9 +149,22 @@ func (c *Client) probe(logger *zap.Logger) {
 // does not exist, which writes nothing.
 const probeKey = "{rate_limit}probe"
 
-// ping is one probe.
+// ping is one probe. On a cluster, the script runs on every master of
+// the slots as the cluster says they are now (go-redis asks for them
+// again first), so that the breaker closes when all the masters answer,
+// new ones that took over a dead one's slots included, and not while one
+// of them is still down.
 func (c *Client) ping(ctx context.Context) error {
-	if err := c.scripts.decide.Run(ctx, c.UniversalClient, nil, "", 0, 0).Err(); err != nil { // no decisions
+	run := func(ctx context.Context, r redis.Scripter) error {
+		return c.scripts.decide.Run(ctx, r, nil, "", 0, 0).Err() // no decisions
+	}
+	var err error
+	if c.cluster != nil {
+		err = c.cluster.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error { return run(ctx, m) })
+	} else {
+		err = run(ctx, c.UniversalClient)
+	}
+	if err != nil {
 		return err
 	}
 	return c.PExpire(ctx, probeKey, time.Millisecond).Err()
