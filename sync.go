@@ -361,7 +361,7 @@ func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *demands) (b
 	s.carry(d, carried)
 	allowed, err := s.takeExact(ctx, now, d)
 	charged := err == nil && allowed
-	s.uncarry(d, carried, charged)
+	s.uncarry(d, carried, charged, err != nil)
 	switch {
 	case err == nil:
 		if !d.remembered { // the over-limit cache's answer is a bound, not Redis's
@@ -407,8 +407,9 @@ func (s *RedisStore) carry(d *demands, carried []int64) {
 }
 
 // uncarry takes off the costs what carry added, and, unless the take
-// charged them, gives the tokens back to the copies to send.
-func (s *RedisStore) uncarry(d *demands, carried []int64, charged bool) {
+// charged them, gives the tokens back to the copies to send: away when
+// the take failed (see owe).
+func (s *RedisStore) uncarry(d *demands, carried []int64, charged, away bool) {
 	for i := range d.buckets {
 		if carried[i] == 0 {
 			continue
@@ -421,7 +422,7 @@ func (s *RedisStore) uncarry(d *demands, carried []int64, charged bool) {
 		sz := s.zones[b.zone].sync
 		sh, h := sz.lock(b.key)
 		if c := sh.m[h]; c != nil {
-			c.pending += carried[i]
+			sz.owe(c, carried[i], away)
 		}
 		sh.mu.Unlock()
 	}
@@ -429,6 +430,7 @@ func (s *RedisStore) uncarry(d *demands, carried []int64, charged bool) {
 
 // A syncLook is what decideHere found of a bucket.
 type syncLook struct {
+	sz       *syncZone
 	c        *syncCopy
 	n        time.Duration
 	debt, ad time.Duration // what the copy owes, and what its allowance
@@ -464,7 +466,7 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 		}
 		n := sz.instant(now)
 		c := s.copyOf(now, b, sz, sh, h, n, failed)
-		looks = append(looks, syncLook{c: c, n: n})
+		looks = append(looks, syncLook{sz: sz, c: c, n: n})
 		if c == nil {
 			here, b.ok, b.debt = false, true, 0 // not asked, unless Redis is
 			continue
@@ -491,15 +493,15 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 	if !here {
 		return false, false
 	}
-	chargeCopies(d, looks)
+	chargeCopies(d, looks, !strict)
 	d.at = now
 	return true, true
 }
 
 // chargeCopies charges each bucket of d that had the tokens its cost, in
 // its copy as decideHere looked at it; a soft one that lacked them is
-// charged nothing.
-func chargeCopies(d *demands, looks []syncLook) {
+// charged nothing. away: decided while Redis was away (see owe).
+func chargeCopies(d *demands, looks []syncLook, away bool) {
 	for i := range d.buckets {
 		b, look := &d.buckets[i], &looks[i]
 		if !b.ok {
@@ -508,7 +510,7 @@ func chargeCopies(d *demands, looks []syncLook) {
 		c := look.c
 		c.fullAt = look.n + look.debt + b.cost
 		c.allow = look.n + look.ad + b.cost
-		c.pending += int64(b.cost / b.limit.tokenTime)
+		look.sz.owe(c, int64(b.cost/b.limit.tokenTime), away)
 		b.debt += b.cost
 	}
 }
@@ -665,7 +667,8 @@ type syncItem struct {
 // last reconciliation spent, as adjustments, syncFlight to a script call,
 // and sets the copies from the answers. A copy not asked for two
 // intervals whose bucket has refilled goes. While Redis is down (its
-// breaker open), what the copies spend waits for the next.
+// breaker open), what the copies spend waits for the next, forgiven
+// beyond two intervals of refill (see owe).
 func (sz *syncZone) reconcile() {
 	u, ok := sz.owner()
 	if !ok || !u.s.client.Up() {
@@ -693,9 +696,10 @@ func (sz *syncZone) reconcile() {
 	for sent := 0; sent < len(batch); {
 		if !u.s.client.Up() {
 			// Redis went away meanwhile: the rest waits for the next.
-			for _, p := range batch[sent:] {
+			for i := range batch[sent:] {
+				p := &batch[sent+i]
 				p.sh.mu.Lock()
-				p.c.pending, p.c.sent = p.c.pending+p.c.sent, 0
+				sz.unsent(p)
 				p.sh.mu.Unlock()
 			}
 			return
@@ -787,11 +791,7 @@ func (sz *syncZone) update(u syncUser, p *syncItem, d *demands, k int, err error
 	p.sh.mu.Lock()
 	c := p.c
 	if err != nil {
-		// Sent again with the next; what is beyond two intervals'
-		// worth (an outage's) is forgiven, as fail_mode local forgets
-		// what its buckets spent.
-		c.pending = min(c.pending+c.sent, max(int64(2*sz.interval/c.lim.tokenTime), 1))
-		c.sent = 0
+		sz.unsent(p)
 	} else {
 		c.sent = 0
 		n := sz.instant(time.Now())
@@ -801,6 +801,34 @@ func (sz *syncZone) update(u syncUser, p *syncItem, d *demands, k int, err error
 	if err == nil && b.overridden {
 		u.s.sawOverride(u.zone)
 	}
+}
+
+// owe adds tokens to what c spent here and has not sent. Requires the
+// lock of c's shard. away says that they wait for Redis because Redis
+// could not take them: decided here while it was away (its breaker open,
+// or the request's call failed), or sent in a reconciliation that failed
+// or was not made. What waits so is forgiven beyond two intervals of
+// refill, as fail_mode local forgets what its buckets spent: no allowance
+// held an outage's spending back, and all of it charged to the shared
+// bucket at once would refuse the keys used during the outage for up to
+// syncOwe intervals after. Spending that Redis could have taken (within
+// the allowance, while it answers) is always sent whole: the bound
+// counts on it.
+func (sz *syncZone) owe(c *syncCopy, tokens int64, away bool) {
+	c.pending += tokens
+	if away {
+		c.pending = min(c.pending, max(int64(2*sz.interval/c.lim.tokenTime), 1))
+	}
+}
+
+// unsent puts back what p's copy sent in a call that failed or was not
+// made, for the next reconciliation to send again, with the shared state
+// to learn: Redis could not take it (see owe). Requires p.sh.mu.
+func (sz *syncZone) unsent(p *syncItem) {
+	c := p.c
+	tokens := c.sent
+	c.sent, c.asked = 0, true
+	sz.owe(c, tokens, true)
 }
 
 // sawOverride has the store's decisions of a zone read the keys' own

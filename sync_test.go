@@ -6,6 +6,7 @@ package ratelimit
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"net/http"
 	"net/http/httptest"
@@ -19,6 +20,8 @@ import (
 	"time"
 
 	"github.com/caddyserver/caddy/v2"
+	"github.com/caddyserver/caddy/v2/caddytest"
+	"github.com/redis/go-redis/v9"
 )
 
 // provision provisions a handler from its JSON config, as a config load
@@ -411,31 +414,38 @@ func TestSyncRetryAfter(t *testing.T) {
 	}
 }
 
-// syncSites is a Caddy site with three instances of a zone with sync,
-// at /a, /b and /c, each its own Redis connection pool and so its own
-// copies, as three Caddy servers would be, and an exact zone at /e.
-func syncSites(addr string) string {
-	site := "http://localhost:9080 {\n"
-	for i, path := range []string{"a", "b", "c"} {
-		site += fmt.Sprintf(`	handle /%s {
+// syncHandles are n handles of a site, /a, /b, ..., each a rate_limit
+// with zone s of limit (its rate and burst lines) and sync 100ms on store
+// (its address lines), each its own Redis connection pool (pool_size 10,
+// 11, ...) and so its own copies: n instances, as n Caddy servers would
+// be.
+func syncHandles(store, limit string, n int) string {
+	var out strings.Builder
+	for i := range n {
+		fmt.Fprintf(&out, `	handle /%c {
 		rate_limit {
 			zone s {
 				key {http.request.header.X-Key}
-				rate 20r/s
-				burst 40
+				%s
 				sync 100ms
 			}
 			store redis {
-				address %s
+				%s
 				key_prefix t:
 				pool_size %d
 			}
 		}
 		respond "ok"
 	}
-`, path, addr, 10+i)
+`, 'a'+i, limit, store, 10+i)
 	}
-	return site + fmt.Sprintf(`	handle /e {
+	return out.String()
+}
+
+// syncSites is a Caddy site with three instances of a zone with sync,
+// at /a, /b and /c, and an exact zone at /e.
+func syncSites(addr string) string {
+	return "http://localhost:9080 {\n" + syncHandles("address "+addr, "rate 20r/s\n\t\t\t\tburst 40", 3) + fmt.Sprintf(`	handle /e {
 		rate_limit {
 			zone e {
 				key {http.request.header.X-Key}
@@ -474,16 +484,7 @@ func syncCopies(name string) map[*syncZone]bool {
 func TestSyncThroughCaddy(t *testing.T) {
 	r := startRedis(t)
 	tester := startCaddy(t, "", syncSites(r.Addr()))
-	send := func(path string) int {
-		req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/"+path, nil)
-		req.Header.Set("X-Key", "k")
-		resp, err := tester.Client.Do(req)
-		if err != nil {
-			t.Fatal(err)
-		}
-		resp.Body.Close()
-		return resp.StatusCode
-	}
+	send := func(path string) int { return sendKey(t, tester, path, "k") }
 	allowed, exact := 0, 0
 	for i, start := 0, time.Now(); time.Since(start) < 2*time.Second; i++ {
 		if send([]string{"a", "b", "c"}[i%3]) == http.StatusOK {
@@ -545,6 +546,130 @@ func TestSyncThroughCaddy(t *testing.T) {
 			t.Error("the reload dropped the copies")
 		}
 	}
+}
+
+// sendKey sends a GET of path on the test site with X-Key key, and
+// returns the status.
+func sendKey(t *testing.T, tester *caddytest.Tester, path, key string) int {
+	t.Helper()
+	req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/"+path, nil)
+	req.Header.Set("X-Key", key)
+	resp, err := tester.Client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// syncBucket is the bucket in Redis of key in the running config's zone
+// named name with sync: its hash and field.
+func syncBucket(t *testing.T, name, key string) (hash, field string) {
+	t.Helper()
+	registry.Lock()
+	defer registry.Unlock()
+	for _, ref := range registry.zones[name] {
+		if rs, ok := ref.h.store.(*RedisStore); ok && rs.zones[ref.z.index].sync != nil {
+			return rs.bucketName(ref.z.index, bucketKey{s: key})
+		}
+	}
+	t.Fatalf("no zone %s with sync", name)
+	return "", ""
+}
+
+// tokensInRedis is what the bucket (hash, field) of burst tokens, one
+// every token, holds in Redis now: from the one number Redis keeps, the
+// instant it is full again (nanoseconds since 2025), and Redis's clock.
+func tokensInRedis(t *testing.T, c *redis.Client, hash, field string, burst int, token time.Duration) float64 {
+	t.Helper()
+	ctx := context.Background()
+	var clock *redis.TimeCmd
+	var full *redis.StringCmd
+	if _, err := c.Pipelined(ctx, func(p redis.Pipeliner) error {
+		clock, full = p.Time(ctx), p.HGet(ctx, hash, field)
+		return nil
+	}); err != nil && !errors.Is(err, redis.Nil) {
+		t.Fatal(err)
+	}
+	at, err := full.Int64()
+	if errors.Is(err, redis.Nil) {
+		return float64(burst) // no bucket: a full one
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	debt := time.Duration(at) - clock.Val().Sub(time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC))
+	return float64(burst) - float64(max(debt, 0))/float64(token)
+}
+
+// After an outage, what each instance spent while Redis was away reaches
+// Redis capped at two intervals of refill a key (docs/sync.md): at 10r/s
+// burst 10 with sync 100ms, a key used at half its rate all along on one
+// instance, and another on two, with Redis away for 5 s: killed and
+// started again empty (its buckets full), or frozen (SIGSTOP: calls time
+// out) and thawed. The reconciliations after it leave the shared buckets
+// at 8 and 6 tokens or more (two tokens an instance), where the whole
+// outage's spending (25 tokens a key) would leave them 15 tokens in debt;
+// and neither key is ever refused.
+func TestSyncOutageForgiven(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		away, recover func(r *redisServer)
+	}{
+		{"killed", (*redisServer).Kill, (*redisServer).Start},
+		{"frozen", (*redisServer).Pause, (*redisServer).Resume},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := startRedis(t)
+			tester := startCaddy(t, "", "http://localhost:9080 {\n"+syncHandles("address "+r.Addr(), "rate 10r/s\n\t\t\t\tburst 10", 2)+"}\n")
+			instances := map[string][]string{"one": {"a"}, "two": {"a", "b"}}
+			halfRate := func(when string, d time.Duration) {
+				for i, start := 0, time.Now(); time.Since(start) < d; i++ {
+					for key, paths := range instances {
+						if code := sendKey(t, tester, paths[i%len(paths)], key); code != http.StatusOK {
+							t.Errorf("%s: key %s, request %d: %d, want 200", when, key, i, code)
+						}
+					}
+					time.Sleep(200 * time.Millisecond)
+				}
+			}
+			halfRate("before the outage", 400*time.Millisecond)
+			tc.away(r)
+			halfRate("during the outage", 5*time.Second)
+			tc.recover(r)
+			least := leastTokens(t, r, []string{"one", "two"}, 1500*time.Millisecond)
+			for key, paths := range instances {
+				t.Logf("key %s on %d instances: %.2f tokens at least after the outage", key, len(paths), least[key])
+				if want := float64(10 - 2*len(paths)); least[key] < want-1e-6 {
+					t.Errorf("key %s on %d instances: the shared bucket went down to %.2f tokens after the outage, want %v or more (two intervals of refill an instance)",
+						key, len(paths), least[key], want)
+				}
+				if least[key] > 9.5 {
+					t.Errorf("key %s: %.2f tokens at least: nothing of the outage's spending reached Redis", key, least[key])
+				}
+			}
+			halfRate("after the outage", 3*time.Second)
+		})
+	}
+}
+
+// leastTokens is the least each key's bucket of zone s (10r/s burst 10)
+// holds in Redis over d: refills only add to it, so what was charged
+// meanwhile is at most what it lacks of the burst.
+func leastTokens(t *testing.T, r *redisServer, keys []string, d time.Duration) map[string]float64 {
+	t.Helper()
+	c := newRedisClient(t, r.Addr())
+	least := make(map[string]float64)
+	for _, key := range keys {
+		least[key] = 10
+	}
+	for start := time.Now(); time.Since(start) < d; time.Sleep(10 * time.Millisecond) {
+		for _, key := range keys {
+			hash, field := syncBucket(t, "s", key)
+			least[key] = min(least[key], tokensInRedis(t, c, hash, field, 10, 100*time.Millisecond))
+		}
+	}
+	return least
 }
 
 func TestSyncCaddyfileErrors(t *testing.T) {
