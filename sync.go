@@ -190,7 +190,9 @@ type syncZone struct {
 
 	stop, done chan struct{}
 
-	// What the reconciliations did, for the metrics.
+	// What the reconciliations did, for the metrics: their script calls
+	// (one per hash tag on a cluster), those that failed, and the keys
+	// they carried.
 	calls, failed, keys atomic.Uint64
 
 	// The reconciliations' scratch, kept from one to the next: only the
@@ -756,30 +758,30 @@ func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
 	sent := time.Now()
 	replies, errs := s.client.RunAll(calls)
 	var failure error
+	var failed uint64
 	i := 0
 	for j := range ds {
 		_, err := s.answered(replies[j], errs[j], sent, rediswire.Adjust, &ds[j])
 		if err != nil {
 			failure = cmpErr(failure, err)
+			failed++
 		}
 		for k := range ds[j].buckets {
 			sz.update(u, &part[i], &ds[j], k, err)
 			i++
 		}
 	}
-	sz.calls.Add(1)
+	// The metrics count script calls: one per hash tag on a cluster.
+	sz.calls.Add(uint64(len(calls)))
+	sz.failed.Add(failed)
 	sz.keys.Add(uint64(len(part)))
 	switch kind := rediswire.Classify(failure); {
 	case failure == nil || kind == rediswire.Answered:
 		s.client.Answered(s.logger)
 		if failure != nil {
-			sz.failed.Add(1)
 			s.keyErrors.Warn(s.logger, "redis refused a reconciliation of zone "+s.zones[u.zone].name, failure)
 		}
-	case kind == rediswire.Unknown:
-		sz.failed.Add(1)
-	default:
-		sz.failed.Add(1)
+	case kind != rediswire.Unknown: // an Unknown failure says nothing of Redis
 		s.client.Failed(s.logger, s.FailMode, failure)
 	}
 }

@@ -672,6 +672,55 @@ func leastTokens(t *testing.T, r *redisServer, keys []string, d time.Duration) m
 	return least
 }
 
+// On a Redis Cluster, the reconciliations are counted a script call each,
+// one per hash tag (docs/operating.md): 30 keys, nearly each its own hash
+// tag, used on one instance once every 150 ms, eight times. The calls
+// counted are the script calls the masters ran meanwhile (only the
+// reconciliations ran any), none failed, and they carried each key once
+// a use.
+func TestSyncClusterReconciliationCalls(t *testing.T) {
+	nodes := startCluster(t)
+	var addrs []string
+	for _, n := range nodes {
+		addrs = append(addrs, n.Addr())
+	}
+	tester := startCaddy(t, "", "http://localhost:9080 {\n"+syncHandles("address "+strings.Join(addrs, " "), "rate 20r/s\n\t\t\t\tburst 40", 1)+"}\n")
+	const keys, uses = 30, 8
+	use := func() {
+		for k := range keys {
+			if code := sendKey(t, tester, "a", strconv.Itoa(k)); code != http.StatusOK {
+				t.Fatalf("key %d: %d, want 200", k, code)
+			}
+		}
+		time.Sleep(150 * time.Millisecond)
+	}
+	use() // the copies, made from Redis's answers
+	calls := func() (n int) {
+		for _, node := range nodes {
+			n += node.Calls()
+		}
+		return n
+	}
+	const ok, failed, carried = `caddy_rate_limit_sync_reconciliations_total{result="ok",zone="s"}`,
+		`caddy_rate_limit_sync_reconciliations_total{result="error",zone="s"}`, `caddy_rate_limit_sync_reconciled_keys_total{zone="s"}`
+	before, m0 := calls(), scrape(t, tester)
+	for range uses {
+		use()
+	}
+	time.Sleep(200 * time.Millisecond) // the last reconciliation
+	made, m := calls()-before, scrape(t, tester)
+	t.Logf("%d script calls, counted %v ok and %v failed, carrying %v keys", made, m[ok]-m0[ok], m[failed]-m0[failed], m[carried]-m0[carried])
+	if n := m[failed] - m0[failed]; n != 0 {
+		t.Errorf("%v failed reconciliations, want none", n)
+	}
+	if n := m[ok] - m0[ok]; int(n) != made {
+		t.Errorf("%v reconciliations counted, while the masters ran %d script calls", n, made)
+	}
+	if n := m[carried] - m0[carried]; n != keys*uses {
+		t.Errorf("%v keys carried, want %d (each key once a use)", n, keys*uses)
+	}
+}
+
 func TestSyncCaddyfileErrors(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
