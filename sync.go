@@ -194,6 +194,9 @@ type syncZone struct {
 	// (one per hash tag on a cluster), those that failed, and the keys
 	// they carried.
 	calls, failed, keys atomic.Uint64
+	// visited counts the copies the reconciliations looked at: their
+	// work, which follows the copies used, not those held.
+	visited atomic.Uint64
 
 	// The reconciliations' scratch, kept from one to the next: only the
 	// loop reconciles.
@@ -210,13 +213,59 @@ type syncUser struct {
 type syncShard struct {
 	mu sync.Mutex
 	m  map[uint64]*syncCopy
-	_  [40]byte // keep shards on separate cache lines
+	// used are the copies asked or spent since the last reconciliation,
+	// each once: what the next one sends.
+	used   []*syncCopy
+	expiry syncQueue
+	_      [56]byte // keep shards on separate cache lines
+}
+
+// use lists c for the next reconciliation, once. Requires sh.mu.
+func (sh *syncShard) use(c *syncCopy) {
+	if !c.used {
+		c.used = true
+		sh.used = append(sh.used, c)
+	}
+}
+
+// A syncQueue is a shard's copies in the order their expiry falls due to
+// be checked: each copy once, from when it is made until it goes (a
+// reset one until its check finds it gone).
+type syncQueue struct {
+	items []syncDue
+	head  int
+}
+
+type syncDue struct {
+	c   *syncCopy
+	due time.Duration
+}
+
+func (q *syncQueue) push(c *syncCopy, due time.Duration) {
+	q.items = append(q.items, syncDue{c, due})
+}
+
+// pop takes the first copy whose check is due at n, or nil.
+func (q *syncQueue) pop(n time.Duration) *syncCopy {
+	if q.head == len(q.items) || q.items[q.head].due > n {
+		return nil
+	}
+	c := q.items[q.head].c
+	q.items[q.head] = syncDue{}
+	q.head++
+	if 2*q.head >= len(q.items) { // the room before the head is the larger: reuse it
+		k := copy(q.items, q.items[q.head:])
+		clear(q.items[k:])
+		q.items, q.head = q.items[:k], 0
+	}
+	return c
 }
 
 // A syncCopy is this instance's copy of one key's shared bucket. Its
 // fields are its shard's, under its lock, but for the names.
 type syncCopy struct {
 	hash, field, limitKey string // the bucket's names in Redis, and its override's
+	key                   uint64 // its key's hash: its place in the shard
 	// base is the limit the requests brought when Redis last answered (the
 	// zone's, or its plan's); lim the one Redis decided by: base, or the
 	// key's own (an override).
@@ -226,7 +275,7 @@ type syncCopy struct {
 	// Tokens spent here: not sent yet, and sent in the reconciliation out.
 	pending, sent int64
 	heard         time.Duration // when Redis last answered for the key, or the copy was made
-	asked         bool          // a request asked since the last reconciliation
+	used          bool          // asked or spent since the last reconciliation: in the shard's used
 }
 
 func newSyncZone(interval time.Duration) *syncZone {
@@ -250,8 +299,9 @@ func (sz *syncZone) Destruct() error {
 func (sz *syncZone) instant(t time.Time) time.Duration { return t.Sub(sz.epoch) }
 
 // keep is how long a copy that has nothing to send and whose bucket is
-// full stays after Redis last answered for it: a key used again within it
-// is decided here at once, within its allowance.
+// full stays at least after Redis last answered for it (the sweep finds
+// it within another keep): a key used again within it is decided here at
+// once, within its allowance.
 func (sz *syncZone) keep() time.Duration { return max(syncKeep, 2*sz.interval) }
 
 func (sz *syncZone) shard(h uint64) *syncShard { return &sz.shards[h&(syncShards-1)] }
@@ -302,9 +352,10 @@ func (sz *syncZone) add(sh *syncShard, h uint64, s *RedisStore, b *bucketDemand,
 	// new here are Redis's but for what refills meanwhile, so that the
 	// instances flooding a key from its first request spend no allowance
 	// that Redis has not seen.
-	c := &syncCopy{base: baseLimit(b), lim: baseLimit(b), fullAt: n + floor, allow: n + sz.interval, heard: n}
+	c := &syncCopy{base: baseLimit(b), lim: baseLimit(b), fullAt: n + floor, allow: n + sz.interval, heard: n, key: h}
 	c.hash, c.field, c.limitKey = s.keys.BucketLimit(s.zones[b.zone].field, b.key.String())
 	sh.m[h] = c
+	sh.expiry.push(c, n+sz.keep())
 	sz.size.Add(1)
 	return c
 }
@@ -424,7 +475,7 @@ func (s *RedisStore) uncarry(d *demands, carried []int64, charged, away bool) {
 		sz := s.zones[b.zone].sync
 		sh, h := sz.lock(b.key)
 		if c := sh.m[h]; c != nil {
-			sz.owe(c, carried[i], away)
+			sz.owe(sh, c, carried[i], away)
 		}
 		sh.mu.Unlock()
 	}
@@ -433,6 +484,7 @@ func (s *RedisStore) uncarry(d *demands, carried []int64, charged, away bool) {
 // A syncLook is what decideHere found of a bucket.
 type syncLook struct {
 	sz       *syncZone
+	sh       *syncShard
 	c        *syncCopy
 	n        time.Duration
 	debt, ad time.Duration // what the copy owes, and what its allowance
@@ -468,12 +520,12 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 		}
 		n := sz.instant(now)
 		c := s.copyOf(now, b, sz, sh, h, n, failed)
-		looks = append(looks, syncLook{sz: sz, c: c, n: n})
+		looks = append(looks, syncLook{sz: sz, sh: sh, c: c, n: n})
 		if c == nil {
 			here, b.ok, b.debt = false, true, 0 // not asked, unless Redis is
 			continue
 		}
-		c.asked = true
+		sh.use(c)
 		b.clearOwnLimit()
 		if !sameLimit(c.lim, c.base) {
 			b.setOwnLimit(c.lim.tokenTime, c.lim.burst)
@@ -512,7 +564,7 @@ func chargeCopies(d *demands, looks []syncLook, away bool) {
 		c := look.c
 		c.fullAt = look.n + look.debt + b.cost
 		c.allow = look.n + look.ad + b.cost
-		look.sz.owe(c, int64(b.cost/b.limit.tokenTime), away)
+		look.sz.owe(look.sh, c, int64(b.cost/b.limit.tokenTime), away)
 		b.debt += b.cost
 	}
 }
@@ -529,7 +581,7 @@ func (s *RedisStore) copyOf(now time.Time, b *bucketDemand, sz *syncZone, sh *sy
 	case failed != nil && c == nil:
 		floor := s.known(now, b, failed)
 		if c = sz.add(sh, h, s, b, n, floor); c == nil {
-			c = &syncCopy{fullAt: n + floor} // beyond maxSyncKeys: this request's alone
+			c = &syncCopy{fullAt: n + floor, used: true} // beyond maxSyncKeys: this request's alone, in no list
 		}
 		fallthrough
 	case failed != nil && !sameLimit(c.base, baseLimit(b)):
@@ -562,7 +614,8 @@ func (s *RedisStore) learn(now time.Time, d *demands) {
 			c = sz.add(sh, h, s, b, n, 0)
 		}
 		if c != nil {
-			c.base, c.asked = baseLimit(b), true
+			c.base = baseLimit(b)
+			sh.use(c)
 			c.learnt(at, max(n, at), b.debt, b.limit, c.pending+c.sent)
 		}
 	})
@@ -667,30 +720,26 @@ type syncItem struct {
 
 // reconcile sends Redis what each copy that was asked or spent since the
 // last reconciliation spent, as adjustments, syncFlight to a script call,
-// and sets the copies from the answers. A copy not asked for two
-// intervals whose bucket has refilled goes. While Redis is down (its
-// breaker open), what the copies spend waits for the next, forgiven
-// beyond two intervals of refill (see owe).
+// and sets the copies from the answers; and drops the copies that have
+// had their day (see sweep). Its work follows the copies used since the
+// last one, not the copies held: an idle zone costs a lock of each shard.
+// While Redis is down (its breaker open), what the copies spend waits
+// for the next, forgiven beyond two intervals of refill (see owe).
 func (sz *syncZone) reconcile() {
 	u, ok := sz.owner()
-	if !ok || !u.s.client.Up() {
+	if !ok {
 		return
 	}
+	up := u.s.client.Up()
 	n := sz.instant(time.Now())
 	batch := sz.batch[:0]
 	defer func() { clear(batch); sz.batch = batch[:0] }()
 	for i := range sz.shards {
 		sh := &sz.shards[i]
 		sh.mu.Lock()
-		for h, c := range sh.m {
-			switch {
-			case c.asked || c.pending > 0:
-				batch = append(batch, syncItem{c, sh, c.base, c.pending})
-				c.sent, c.pending, c.asked = c.pending, 0, false
-			case n-c.heard > sz.keep() && c.fullAt <= n:
-				delete(sh.m, h)
-				sz.size.Add(-1)
-			}
+		sz.sweep(sh, n)
+		if up {
+			batch = sz.collect(sh, batch)
 		}
 		sh.mu.Unlock()
 	}
@@ -710,6 +759,47 @@ func (sz *syncZone) reconcile() {
 		sent += len(part)
 		sz.send(u, part, own)
 	}
+}
+
+// collect appends to batch the copies of sh used since the last
+// reconciliation, each with what it spent, which it now sends. Requires
+// sh.mu.
+func (sz *syncZone) collect(sh *syncShard, batch []syncItem) []syncItem {
+	for _, c := range sh.used {
+		c.used = false
+		if sh.m[c.key] != c {
+			continue // reset meanwhile: its key's next request goes to Redis
+		}
+		batch = append(batch, syncItem{c, sh, c.base, c.pending})
+		c.sent, c.pending = c.pending, 0
+	}
+	sz.visited.Add(uint64(len(sh.used)))
+	clear(sh.used)
+	sh.used = sh.used[:0]
+	return batch
+}
+
+// sweep drops the copies of sh whose check is due at n and that have had
+// their day: no request used them since the last reconciliation, their
+// bucket is full, and Redis last answered for them more than keep ago.
+// It checks the others again keep later: each copy is looked at once
+// every keep, from when it is made, so that what the sweep costs an
+// interval is the copies made or checked keep earlier, not all those
+// held. Requires sh.mu.
+func (sz *syncZone) sweep(sh *syncShard, n time.Duration) {
+	visited := uint64(0)
+	for c := sh.expiry.pop(n); c != nil; c = sh.expiry.pop(n) {
+		visited++
+		switch {
+		case sh.m[c.key] != c: // reset: gone already
+		case !c.used && n-c.heard > sz.keep() && c.fullAt <= n:
+			delete(sh.m, c.key)
+			sz.size.Add(-1)
+		default:
+			sh.expiry.push(c, n+sz.keep())
+		}
+	}
+	sz.visited.Add(visited)
 }
 
 // ownLimits reports whether a reconciliation must read its keys' own
@@ -805,32 +895,33 @@ func (sz *syncZone) update(u syncUser, p *syncItem, d *demands, k int, err error
 	}
 }
 
-// owe adds tokens to what c spent here and has not sent. Requires the
-// lock of c's shard. away says that they wait for Redis because Redis
-// could not take them: decided here while it was away (its breaker open,
-// or the request's call failed), or sent in a reconciliation that failed
-// or was not made. What waits so is forgiven beyond two intervals of
-// refill, as fail_mode local forgets what its buckets spent: no allowance
-// held an outage's spending back, and all of it charged to the shared
-// bucket at once would refuse the keys used during the outage for up to
-// syncOwe intervals after. Spending that Redis could have taken (within
-// the allowance, while it answers) is always sent whole: the bound
-// counts on it.
-func (sz *syncZone) owe(c *syncCopy, tokens int64, away bool) {
+// owe adds tokens to what c spent here and has not sent, for the next
+// reconciliation to send. Requires sh.mu, c's shard's lock. away says
+// that they wait for Redis because Redis could not take them: decided
+// here while it was away (its breaker open, or the request's call
+// failed), or sent in a reconciliation that failed or was not made. What
+// waits so is forgiven beyond two intervals of refill, as fail_mode
+// local forgets what its buckets spent: no allowance held an outage's
+// spending back, and all of it charged to the shared bucket at once
+// would refuse the keys used during the outage for up to syncOwe
+// intervals after. Spending that Redis could have taken (within the
+// allowance, while it answers) is always sent whole: the bound counts on
+// it.
+func (sz *syncZone) owe(sh *syncShard, c *syncCopy, tokens int64, away bool) {
 	c.pending += tokens
 	if away {
 		c.pending = min(c.pending, max(int64(2*sz.interval/c.lim.tokenTime), 1))
 	}
+	sh.use(c)
 }
 
 // unsent puts back what p's copy sent in a call that failed or was not
 // made, for the next reconciliation to send again, with the shared state
 // to learn: Redis could not take it (see owe). Requires p.sh.mu.
 func (sz *syncZone) unsent(p *syncItem) {
-	c := p.c
-	tokens := c.sent
-	c.sent, c.asked = 0, true
-	sz.owe(c, tokens, true)
+	tokens := p.c.sent
+	p.c.sent = 0
+	sz.owe(p.sh, p.c, tokens, true)
 }
 
 // sawOverride has the store's decisions of a zone read the keys' own

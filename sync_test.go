@@ -721,6 +721,80 @@ func TestSyncClusterReconciliationCalls(t *testing.T) {
 	}
 }
 
+// An idle zone's reconciliations look at none of its copies, however
+// many it holds: their work follows the keys used since the last one,
+// not the copies held (an idle instance costs nothing an interval). 2,000
+// copies at sync 10ms, each reconciled once: the next 20 intervals' look
+// at none of them, and one key used again is looked at once.
+func TestSyncIdleReconciliation(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, syncZoneJSON("s", "10ms"), r.Addr()))
+	sz := h.store.(*RedisStore).zones[0].sync
+	const keys = 2000
+	for k := range keys {
+		serve(h, "10.0.0.1", "X-Key", strconv.Itoa(k))
+	}
+	waitFor(t, 5*time.Second, "the copies' reconciliation", func() bool { return sz.keys.Load() >= keys })
+	visited := sz.visited.Load()
+	time.Sleep(200 * time.Millisecond)
+	if n := sz.visited.Load() - visited; n != 0 {
+		t.Errorf("the reconciliations of 20 idle intervals looked at %d copies, want none (%d held)", n, sz.size.Load())
+	}
+	visited = sz.visited.Load()
+	if code, _ := serve(h, "10.0.0.1", "X-Key", "7"); code != http.StatusOK {
+		t.Fatalf("key 7 again: %d, want 200", code)
+	}
+	waitFor(t, 5*time.Second, "key 7's reconciliation", func() bool { return sz.keys.Load() > keys })
+	time.Sleep(50 * time.Millisecond)
+	if n := sz.visited.Load() - visited; n != 1 {
+		t.Errorf("the reconciliations after one key was used looked at %d copies, want 1", n)
+	}
+}
+
+// The sweep drops a copy once its bucket is full and no request used it
+// for keep() since Redis last answered for it; it keeps the others, and
+// looks at them again keep() later. (At sync 1m no reconciliation runs by
+// itself within the test: the test reconciles, and sweeps at instants of
+// its own.)
+func TestSyncSweep(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"1m"}],
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr()))
+	sz := h.store.(*RedisStore).zones[0].sync
+	serve(h, "10.0.0.1", "X-Key", "once") // full again a minute later
+	for range 10 {
+		serve(h, "10.0.0.1", "X-Key", "emptied") // ten minutes later
+	}
+	sz.reconcile()
+	serve(h, "10.0.0.1", "X-Key", "used") // used since the reconciliation
+	n, keep := sz.instant(time.Now()), sz.keep()
+	sweep := func(at time.Duration, want ...string) {
+		t.Helper()
+		visited := sz.visited.Load()
+		for i := range sz.shards {
+			sh := &sz.shards[i]
+			sh.mu.Lock()
+			sz.sweep(sh, n+at)
+			sh.mu.Unlock()
+		}
+		var held []string
+		for _, key := range []string{"once", "emptied", "used"} {
+			sh, h := sz.lock(bucketKey{s: key})
+			if sh.m[h] != nil {
+				held = append(held, key)
+			}
+			sh.mu.Unlock()
+		}
+		t.Logf("%v later: looked at %d copies, holds %v", at, sz.visited.Load()-visited, held)
+		if fmt.Sprint(held) != fmt.Sprint(want) || sz.size.Load() != int64(len(want)) {
+			t.Errorf("%v later: holds %v (%d copies), want %v", at, held, sz.size.Load(), want)
+		}
+	}
+	sweep(keep-time.Second, "once", "emptied", "used")
+	sweep(keep+2*time.Minute, "emptied", "used")
+	sweep(keep+11*time.Minute, "used")
+}
+
 func TestSyncCaddyfileErrors(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
