@@ -43,11 +43,19 @@ func checkGRPCStatus(s string) error {
 	return nil
 }
 
-// isGRPC reports whether r is a gRPC request: its Content-Type is
+// isGRPC reports whether r is a gRPC request: a POST over HTTP/2 or
+// later (gRPC is nothing else: PROTOCOL-HTTP2.md) whose Content-Type is
 // application/grpc, or that followed by "+codec" or, as grpc-go's server
-// also accepts, by ";". gRPC-Web (application/grpc-web...) is not: its
-// clients read HTTP statuses, and get the plain refusal.
+// also accepts, by ";". Any other request gets the plain refusal, whatever
+// its Content-Type: an HTTP/1.1 GET that carries gRPC's would otherwise
+// turn a 429 into an empty 200, which a shared cache in front of Caddy
+// may keep for the URL and serve to everyone. gRPC-Web
+// (application/grpc-web...) is not gRPC either: its clients read HTTP
+// statuses.
 func isGRPC(r *http.Request) bool {
+	if r.ProtoMajor < 2 || r.Method != http.MethodPost {
+		return false
+	}
 	ct := r.Header["Content-Type"]
 	if len(ct) == 0 {
 		return false
@@ -72,6 +80,9 @@ func (h *Handler) writeGRPC(w http.ResponseWriter, status int, wait time.Duratio
 	ms := (wait + time.Millisecond - 1) / time.Millisecond
 	hdr := w.Header()
 	hdr["Content-Type"] = []string{"application/grpc"}
+	// An HTTP 200 that is no success: no cache keeps it (gRPC clients
+	// read the header as metadata, and ignore it).
+	hdr["Cache-Control"] = []string{"no-store"}
 	hdr["Grpc-Status"] = []string{strconv.Itoa(code)}
 	hdr["Grpc-Message"] = []string{percentEncode(msg)}
 	hdr["Grpc-Retry-Pushback-Ms"] = []string{strconv.FormatInt(int64(ms), 10)}

@@ -10,6 +10,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 )
@@ -29,6 +30,7 @@ func TestIsGRPC(t *testing.T) {
 		"":                                false,
 	} {
 		req := httptest.NewRequest(http.MethodPost, "/", nil)
+		req.ProtoMajor, req.ProtoMinor = 2, 0
 		if ct != "" {
 			req.Header.Set("Content-Type", ct)
 		}
@@ -36,19 +38,40 @@ func TestIsGRPC(t *testing.T) {
 			t.Errorf("Content-Type %q: gRPC %t, want %t", ct, got, want)
 		}
 	}
+	// gRPC is a POST over HTTP/2 or later: no other request is, whatever
+	// its Content-Type.
+	for _, tc := range []struct {
+		method string
+		major  int
+		want   bool
+	}{
+		{http.MethodPost, 3, true},
+		{http.MethodPost, 1, false},
+		{http.MethodGet, 1, false},
+		{http.MethodGet, 2, false},
+		{http.MethodPut, 2, false},
+	} {
+		req := httptest.NewRequest(tc.method, "/", nil)
+		req.ProtoMajor, req.ProtoMinor = tc.major, 0
+		req.Header.Set("Content-Type", "application/grpc")
+		if got := isGRPC(req); got != tc.want {
+			t.Errorf("%s over HTTP/%d: gRPC %t, want %t", tc.method, tc.major, got, tc.want)
+		}
+	}
 }
 
-// serveGRPC sends a gRPC request from ip through h. It returns the
-// handler's error and the response.
+// serveGRPC sends a gRPC request (a POST over HTTP/2) from ip through h.
+// It returns the handler's error and the response.
 func serveGRPC(h *Handler, ip string) (*httptest.ResponseRecorder, error) {
 	req, rr := newRequest(ip, "Content-Type", "application/grpc+proto")
+	req.Method, req.Proto, req.ProtoMajor, req.ProtoMinor = http.MethodPost, "HTTP/2.0", 2, 0
 	err := h.ServeHTTP(rr, req, okHandler)
 	return rr, err
 }
 
-// checkGRPCRefusal checks a Trailers-Only refusal: HTTP 200, no body, the
-// gRPC code and message, a pushback of at least 1 and at most maxMS
-// milliseconds, and the same code, message and delay in
+// checkGRPCRefusal checks a Trailers-Only refusal: HTTP 200, no body, no
+// cache to keep it, the gRPC code and message, a pushback of at least 1
+// and at most maxMS milliseconds, and the same code, message and delay in
 // grpc-status-details-bin.
 func checkGRPCRefusal(t *testing.T, rr *httptest.ResponseRecorder, err error, code int, msg string, maxMS int64) {
 	t.Helper()
@@ -56,6 +79,9 @@ func checkGRPCRefusal(t *testing.T, rr *httptest.ResponseRecorder, err error, co
 	if err != nil || rr.Code != http.StatusOK || rr.Body.Len() != 0 || hdr.Get("Content-Type") != "application/grpc" {
 		t.Fatalf("error %v, status %d, body %q, Content-Type %q; want a Trailers-Only response written by the handler",
 			err, rr.Code, rr.Body, hdr.Get("Content-Type"))
+	}
+	if got := hdr.Get("Cache-Control"); got != "no-store" {
+		t.Errorf("Cache-Control %q, want no-store: a refusal is no 200 to keep", got)
 	}
 	if got := hdr.Get("Grpc-Status"); got != strconv.Itoa(code) {
 		t.Errorf("grpc-status %s, want %d", got, code)
@@ -134,8 +160,9 @@ func TestGRPCDenial(t *testing.T) {
 	if st := h.Zones[0].state; st.denied.Load() != 1 || st.allowed.Load() != 1 {
 		t.Errorf("denied %d, allowed %d; want 1 and 1", st.denied.Load(), st.allowed.Load())
 	}
-	// Other requests of the zone get the plain 429 error, gRPC-Web's too.
-	for _, ct := range []string{"", "application/grpc-web+proto", "application/grpc-web-text"} {
+	// Other requests of the zone get the plain 429 error, gRPC-Web's too,
+	// and an HTTP/1.1 GET with gRPC's Content-Type.
+	for _, ct := range []string{"", "application/grpc-web+proto", "application/grpc-web-text", "application/grpc"} {
 		req, rr := newRequest("192.0.2.1", "Content-Type", ct)
 		if err := h.ServeHTTP(rr, req, okHandler); statusOf(err) != http.StatusTooManyRequests || rr.Header().Get("Grpc-Status") != "" {
 			t.Errorf("Content-Type %q: error %v, grpc-status %q; want the 429 error", ct, err, rr.Header().Get("Grpc-Status"))
@@ -199,3 +226,37 @@ func TestGRPCFailClosed(t *testing.T) {
 }
 
 func msecs(n int64) time.Duration { return time.Duration(n) * time.Millisecond }
+
+// Only a gRPC request, a POST over HTTP/2, gets gRPC's form, through a
+// real Caddy: a refused HTTP/1.1 GET, or a GET over HTTP/2, that carries
+// gRPC's Content-Type gets the 429 a plain request gets, never an empty
+// 200 that a shared cache could keep for the URL. gRPC's own refusal
+// says that no cache may keep it.
+func TestGRPCFormOnlyForGRPC(t *testing.T) {
+	loadJSON(t, strings.Replace(jsonServer(`{"handler":"rate_limit","zones":[{"name":"grpc-only","key":"{http.request.header.X-Client}","rate":"1r/m","burst":1}]},
+		{"handler":"static_response","body":"page"}`), `"listen": [":9080"],`, `"listen": [":9080"], "protocols": ["h1", "h2", "h2c"],`, 1))
+	h1 := &http.Client{Timeout: 10 * time.Second}
+	h2c := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{Protocols: new(http.Protocols)}}
+	h2c.Transport.(*http.Transport).Protocols.SetUnencryptedHTTP2(true)
+	const path = "/app.js"
+	sendExpect(t, h1, http.MethodGet, path, http.StatusOK, "X-Client", "a")
+	for _, tc := range []struct {
+		name   string
+		c      *http.Client
+		method string
+	}{
+		{"HTTP/1.1 GET", h1, http.MethodGet},
+		{"HTTP/1.1 POST", h1, http.MethodPost},
+		{"HTTP/2 GET", h2c, http.MethodGet},
+	} {
+		hdr := sendExpect(t, tc.c, tc.method, path, http.StatusTooManyRequests, "X-Client", "a", "Content-Type", "application/grpc")
+		if hdr.Get("Grpc-Status") != "" || hdr.Get("Retry-After") == "" {
+			t.Errorf("%s with gRPC's Content-Type: grpc-status %q, Retry-After %q; want the plain 429",
+				tc.name, hdr.Get("Grpc-Status"), hdr.Get("Retry-After"))
+		}
+	}
+	hdr := sendExpect(t, h2c, http.MethodPost, path, http.StatusOK, "X-Client", "a", "Content-Type", "application/grpc")
+	if hdr.Get("Content-Type") != "application/grpc" || hdr.Get("Grpc-Status") != strconv.Itoa(grpcResourceExhausted) || hdr.Get("Cache-Control") != "no-store" {
+		t.Errorf("gRPC request: headers %v; want a Trailers-Only RESOURCE_EXHAUSTED with Cache-Control: no-store", hdr)
+	}
+}

@@ -106,6 +106,11 @@ func TestGRPCRefusals(t *testing.T) {
 	if hdr := get(t, port, "c", http.StatusTooManyRequests, ""); hdr.Get("Retry-After") != "1" || hdr.Get("Grpc-Status") != "" {
 		t.Errorf("plain 429: Retry-After %q, grpc-status %q; want 1 and none", hdr.Get("Retry-After"), hdr.Get("Grpc-Status"))
 	}
+	// So does a request over HTTP/1.1 with gRPC's Content-Type: gRPC is
+	// HTTP/2.
+	if hdr := post(t, port, "c"); hdr.Get("Grpc-Status") != "" {
+		t.Errorf("HTTP/1.1 with gRPC's Content-Type: grpc-status %q, want the plain 429", hdr.Get("Grpc-Status"))
+	}
 
 	// handle_errors shapes the plain 429s; gRPC's are written by the
 	// handler, which a gRPC client can read.
@@ -122,9 +127,14 @@ func TestGRPCRefusals(t *testing.T) {
 	// With grpc_status off, a handle_errors route of docs/grpc.md answers
 	// gRPC requests in gRPC's form itself.
 	port = load(t, up.addr, "\t\tgrpc_status off\n", `	handle_errors 429 {
-		@grpc header Content-Type application/grpc*
+		@grpc {
+			method POST
+			protocol http/2+
+			header Content-Type application/grpc*
+		}
 		header @grpc {
 			Content-Type application/grpc
+			Cache-Control no-store
 			Grpc-Status 8
 			Grpc-Message "zone {http.rate_limit.exceeded.name}: rate limit exceeded"
 		}
@@ -139,6 +149,7 @@ func TestGRPCRefusals(t *testing.T) {
 	}
 	get(t, port, "j", http.StatusOK, "")
 	get(t, port, "j", http.StatusTooManyRequests, "slow down")
+	post(t, port, "j") // gRPC's Content-Type over HTTP/1.1: the route's 429, not its 200
 
 	// grpc_status unavailable, for retry policies of UNAVAILABLE only.
 	port = load(t, up.addr, "\t\tgrpc_status unavailable\n", "")
