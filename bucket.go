@@ -58,9 +58,26 @@ type limit struct {
 	noDelay bool
 }
 
-// maxBurstTime bounds C/r so that instants and sums of them never
-// overflow.
+// maxBurstTime bounds C/r, and a ban: a bucket owes at most two of them,
+// 200 years, which an instant holds. Sums beyond that (a take's cost on a
+// banned bucket, jitter on its wait) pass the 292 years of a
+// time.Duration: they are made with addSat.
 const maxBurstTime = 100 * 365 * 24 * time.Hour
+
+// maxDuration is the longest duration a sum of durations gives (addSat):
+// about 292 years, in whole seconds, so that rounding it up to seconds or
+// milliseconds stays within a time.Duration.
+const maxDuration = math.MaxInt64 / time.Second * time.Second
+
+// addSat is a + b, or maxDuration when that is longer: a sum that would
+// wrap around to a negative duration is the longest instead, so that a
+// wait never turns into none.
+func addSat(a, b time.Duration) time.Duration {
+	if s := a + b; b <= 0 || s >= a && s <= maxDuration {
+		return s
+	}
+	return maxDuration
+}
 
 // maxRate is the fastest rate: a token a nanosecond.
 const maxRate = 1e9
@@ -106,7 +123,7 @@ func (l *limit) most() time.Duration { return l.burstTime + l.ban + l.delay + l.
 // Handler.costAboveOwnBurst).
 func (l *limit) take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 	d := l.debt(fullAt, now)
-	if d+cost <= l.reach() && cost <= l.burstTime {
+	if addSat(d, cost) <= l.reach() && cost <= l.burstTime {
 		return now + d + cost, true
 	}
 	if l.startsBan(d, cost) {
@@ -132,7 +149,7 @@ func (l *limit) adjust(fullAt, now, cost time.Duration) time.Duration {
 	if cost < 0 && l.banned(d) {
 		return fullAt
 	}
-	return now + min(max(d+cost, 0), l.most())
+	return now + min(max(addSat(d, cost), 0), l.most())
 }
 
 // spend is the time n tokens are worth, n being any count a response
@@ -248,12 +265,12 @@ func (l *limit) nextToken(debt time.Duration) time.Duration {
 	if whole >= l.burst {
 		return 0
 	}
-	return debt + time.Duration(whole+1)*l.tokenTime - l.burstTime
+	return debt - l.burstTime + time.Duration(whole+1)*l.tokenTime
 }
 
 // wait is how long a bucket that owes debt needs before a take of cost
 // succeeds: before it can give cost, less the delay that the take may
 // wait out itself.
 func (l *limit) wait(debt, cost time.Duration) time.Duration {
-	return max(debt+cost-l.reach(), 0)
+	return max(debt-l.reach()+cost, 0)
 }

@@ -425,3 +425,132 @@ func TestBanAcrossInstances(t *testing.T) {
 		})
 	}
 }
+
+// The longest ban after the longest refill, 100 years each: a banned
+// bucket owes 200 years, and a take of a whole bucket on it, 300 years,
+// passes the 292 years a time.Duration holds. It is refused all the same,
+// with the wait of the ban and the refill, and a charge on it leaves it
+// owing what it owed, never full.
+func TestBucketLongestBan(t *testing.T) {
+	l := newLimit(1/maxBurstTime.Seconds(), 1)
+	l.ban = maxBurstTime
+	cost := l.costTime(1)
+	f, ok := l.take(0, 0, cost)
+	if !ok {
+		t.Fatal("the first take was refused")
+	}
+	if f, ok = l.take(f, time.Second, cost); ok || f != time.Second+2*maxBurstTime {
+		t.Fatalf("the take that bans: %v, full at %v; want refused, full at %v", ok, f, time.Second+2*maxBurstTime)
+	}
+	for _, now := range []time.Duration{time.Second, time.Hour, maxBurstTime} { // banned throughout
+		nf, ok := l.take(f, now, cost)
+		if ok || nf != f {
+			t.Fatalf("at %v: %v, full at %v; want refused, the bucket as it was (%v)", now, ok, nf, f)
+		}
+		debt := l.debt(f, now)
+		if w, next := l.wait(debt, cost), l.nextToken(debt); w != f-now || next != f-now {
+			t.Fatalf("at %v: wait %v, next token in %v; want both %v", now, w, next, f-now)
+		}
+	}
+	if got := l.adjust(f, time.Second, cost); got != f {
+		t.Fatalf("a charge on the banned bucket leaves it full at %v, want %v: it owes all it may", got, f)
+	}
+}
+
+// A key banned for the longest ban after the longest refill is refused
+// every time, on both stores, with and without jitter (whose extra wait,
+// up to another refill, passes time.Duration's 292 years): Retry-After is
+// never earlier than RateLimit's t, and a gRPC refusal's pushback is as
+// long as Retry-After, never negative.
+func TestLongestBanRefuses(t *testing.T) {
+	r := startRedis(t)
+	for _, tc := range []struct{ name, store, jitter string }{
+		{"local", storeJSON(), ""},
+		{"local-jitter", storeJSON(), `,"jitter":5`},
+		{"redis", storeJSON(r.Addr()), ""},
+		{"redis-jitter", storeJSON(r.Addr()), `,"jitter":5`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newTestHandler(t, `{"zones":[{"name":"longest-ban-`+tc.name+`","rate":"1/876000h","burst":1,"ban":"876000h"}],"store":`+tc.store+tc.jitter+`}`)
+			const ip = "198.51.100.50"
+			if code, _ := serve(h, ip); code != http.StatusOK {
+				t.Fatalf("first request: %d", code)
+			}
+			for i := range 8 {
+				hdr := http.Header{}
+				if i%2 == 0 {
+					var code int
+					if code, hdr = serve(h, ip); code != http.StatusTooManyRequests {
+						t.Fatalf("request %d: %d, want 429", i, code)
+					}
+				} else if rr, err := serveGRPC(h, ip); err != nil || rr.Header().Get("Grpc-Status") != "8" {
+					t.Fatalf("gRPC request %d: error %v, grpc-status %q; want RESOURCE_EXHAUSTED", i, err, rr.Header().Get("Grpc-Status"))
+				} else {
+					hdr = rr.Header()
+				}
+				checkLongWait(t, i, hdr)
+			}
+		})
+	}
+}
+
+// checkLongWait checks a refusal's Retry-After against its RateLimit t,
+// and its gRPC pushback, if any, against its Retry-After.
+func checkLongWait(t *testing.T, i int, hdr http.Header) {
+	t.Helper()
+	rl := hdr.Get("Ratelimit")
+	secs, err := strconv.ParseInt(rl[strings.LastIndex(rl, "t=")+2:], 10, 64)
+	if err != nil {
+		t.Fatalf("request %d: RateLimit %q: %v", i, rl, err)
+	}
+	retry, err := strconv.ParseInt(hdr.Get("Retry-After"), 10, 64)
+	if err != nil || retry < secs || secs < 6307200000 {
+		t.Fatalf("request %d: Retry-After %q, RateLimit %q; want t of at least 200 years, Retry-After no earlier", i, hdr.Get("Retry-After"), rl)
+	}
+	if p := hdr.Get("Grpc-Retry-Pushback-Ms"); p != "" {
+		if ms, err := strconv.ParseInt(p, 10, 64); err != nil || ms <= (retry-1)*1000 || ms > retry*1000 {
+			t.Fatalf("request %d: pushback %q ms, Retry-After %d s; want the same wait", i, p, retry)
+		}
+	}
+}
+
+// When a request gives up waiting for the calls in flight for its bucket,
+// the floor that fail_mode local decides it by counts their tokens, up to
+// what the bucket may owe: for the longest ban, the calls' costs on top
+// of it would pass a time.Duration.
+func TestLongestBanFloor(t *testing.T) {
+	r := startRedis(t)
+	h := newTestHandler(t, `{"zones":[{"name":"longest-floor","key":"static","rate":"1/876000h","burst":1,"ban":"876000h"}],"store":`+storeJSON(r.Addr())+`}`)
+	for i, want := range []int{http.StatusOK, http.StatusTooManyRequests} { // the second bans
+		if code, _ := serve(h, "192.0.2.1"); code != want {
+			t.Fatalf("request %d: %d, want %d", i, code, want)
+		}
+	}
+	rs, z := h.store.(*RedisStore), h.Zones[0]
+	b := bucketReq(z, bucketKey{s: "static"})
+	k := flightKey{z.index, rs.zones[z.index].cache.hash(b.key)}
+	rs.flights.join(k, 10)
+	rs.flights.join(k, 10)
+	if got, most := rs.known(time.Now(), &b, errNoAnswer), z.limit.most(); got != most {
+		t.Fatalf("floor %v, want %v: all the bucket may owe", got, most)
+	}
+}
+
+// A sum of durations past what a time.Duration holds is the longest one,
+// in whole seconds, and rounds up to seconds without wrapping around.
+func TestAddSat(t *testing.T) {
+	for _, tc := range []struct{ a, b, want time.Duration }{
+		{time.Second, time.Second, 2 * time.Second},
+		{time.Second, -2 * time.Second, -time.Second},
+		{2 * maxBurstTime, maxBurstTime, maxDuration},
+		{maxDuration, 1, maxDuration},
+		{math.MaxInt64, math.MaxInt64, maxDuration},
+	} {
+		if got := addSat(tc.a, tc.b); got != tc.want {
+			t.Errorf("addSat(%v, %v) = %v, want %v", tc.a, tc.b, got, tc.want)
+		}
+	}
+	if got := ceilSeconds(maxDuration - 1); got != int64(maxDuration/time.Second) {
+		t.Errorf("ceilSeconds(maxDuration-1) = %d, want %d", got, maxDuration/time.Second)
+	}
+}

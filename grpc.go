@@ -77,7 +77,7 @@ func (h *Handler) writeGRPC(w http.ResponseWriter, status int, wait time.Duratio
 	if z != nil {
 		msg = "zone " + z.Name + ": " + msg
 	}
-	ms := (wait + time.Millisecond - 1) / time.Millisecond
+	ms := addSat(wait, time.Millisecond-1) / time.Millisecond
 	hdr := w.Header()
 	hdr["Content-Type"] = []string{"application/grpc"}
 	// An HTTP 200 that is no success: no cache keeps it (gRPC clients

@@ -267,5 +267,5 @@ var smallSeconds = func() (v [100]any) {
 
 // ceilSeconds rounds d up to whole seconds.
 func ceilSeconds(d time.Duration) int64 {
-	return int64((d + time.Second - 1) / time.Second)
+	return int64(addSat(d, time.Second-1) / time.Second)
 }

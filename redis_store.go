@@ -278,8 +278,14 @@ func (s *RedisStore) known(now time.Time, b *bucketDemand, err error) time.Durat
 		return 0
 	}
 	debt := b.limit.debt(bucketAt(t, b.key), t.instant(now))
-	if errors.Is(err, errNoAnswer) {
-		debt += time.Duration(s.flights.calls(flightKey{b.zone, t.hash(b.key)})) * b.cost
+	if errors.Is(err, errNoAnswer) && b.cost > 0 {
+		// No more than the bucket may owe, which a take clamps it to
+		// anyway: the calls' costs could pass a time.Duration.
+		n, most := s.flights.calls(flightKey{b.zone, t.hash(b.key)}), b.limit.most()
+		if n > int64((most-debt)/b.cost) {
+			return most
+		}
+		debt += time.Duration(n) * b.cost
 	}
 	return debt
 }

@@ -56,9 +56,11 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) erro
 	wait := top.wait
 	if h.Jitter > 0 {
 		// A client need never wait longer than a full refill beyond its
-		// due: that also bounds a large jitter far from overflow.
+		// due: that also bounds a large jitter. A wait that would pass a
+		// time.Duration (a ban and a refill of 100 years, and another
+		// refill) is the longest one instead.
 		extra := float64(wait) * h.Jitter * rand.Float64()
-		wait += time.Duration(min(extra, float64(top.full)))
+		wait = addSat(wait, time.Duration(min(extra, float64(top.full))))
 	}
 	retryAfter := setRetryAfter(w.Header(), wait)
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
