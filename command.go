@@ -43,7 +43,8 @@ be left out: the zone's is kept), for a while with --for; unlimit gives it
 the zone's back. The admin address is --address, else the one of --config,
 or of a Caddyfile in the current directory, else the default, as for
 'caddy reload'. Output is a table, or with --json
-the admin API's JSON. A failed request prints the API's message and exits 1.
+the admin API's JSON. A failed request prints the API's message and exits 1,
+as does an unknown subcommand.
 `,
 		CobraFunc: func(cmd *cobra.Command) {
 			cmd.PersistentFlags().String("address", "", "The address of the admin API, if not the default or the config's")
@@ -51,6 +52,11 @@ the admin API's JSON. A failed request prints the API's message and exits 1.
 			cmd.PersistentFlags().StringP("adapter", "a", "", "Name of the config adapter (with --config)")
 			cmd.PersistentFlags().Bool("json", false, "Print the admin API's JSON")
 			cmd.AddCommand(rateLimitCommands()...)
+			// Alone, the command prints its help; with a word that is no
+			// subcommand, it fails, so that a script's typo is no success
+			// (cobra would print the help and exit 0).
+			cmd.Args, cmd.SuggestionsMinimumDistance = unknownSubcommand, 2
+			cmd.RunE = func(c *cobra.Command, _ []string) error { return c.Help() }
 		},
 	})
 }
@@ -94,6 +100,20 @@ func rateLimitCommands() []*cobra.Command {
 				return adminCall(c, http.MethodDelete, keyPath(args[0], args[1])+"/limit", nil, printFields)
 			}},
 	}
+}
+
+// unknownSubcommand refuses the arguments of caddy rate-limit itself: the
+// first is a subcommand it does not have, told with the ones it may have
+// meant.
+func unknownSubcommand(c *cobra.Command, args []string) error {
+	if len(args) == 0 {
+		return nil
+	}
+	msg := fmt.Sprintf("unknown command %q for %q", args[0], c.CommandPath())
+	if s := c.SuggestionsFor(args[0]); len(s) > 0 {
+		msg += ": did you mean " + strings.Join(s, " or ") + "?"
+	}
+	return errors.New(msg)
 }
 
 // names checks that a subcommand has its n arguments, a zone and maybe

@@ -19,8 +19,8 @@ import (
 )
 
 // The caddy rate-limit command against a real Caddy built from
-// ./cmd/caddy: its tables and JSON, its exit codes for an unknown zone
-// and an admin API that cannot be reached; a key's own limit of the
+// ./cmd/caddy: its tables and JSON, its exit codes for an unknown zone,
+// an admin API that cannot be reached and a mistyped subcommand; a key's own limit of the
 // local store across a restart; and zones and keys named . and .. .
 func TestRateLimitCommand(t *testing.T) {
 	if testing.Short() {
@@ -167,6 +167,17 @@ http://127.0.0.1:%d {
 	}
 	if _, errOut, code := run("zones", "--address", fmt.Sprintf("localhost:%d", freePort(t, 0))); code != 1 || !strings.Contains(errOut, "connection refused") {
 		t.Fatalf("an admin API that is not there: exit %d, %q", code, errOut)
+	}
+	// A mistyped subcommand fails, with the one meant, rather than print
+	// the help and exit 0; alone, the command prints its help.
+	for typo, meant := range map[string]string{"rest": "reset", "unlimt": "unlimit"} {
+		_, errOut, code := run(typo, "cmd", "alice", "--address", address)
+		if _, hint, _ := strings.Cut(errOut, "did you mean "); code != 1 || !strings.Contains(errOut, `unknown command "`+typo+`"`) || !strings.Contains(hint, meant) {
+			t.Fatalf("the mistyped subcommand %q: exit %d, %q", typo, code, errOut)
+		}
+	}
+	if out, errOut, code := run("--address", address); code != 0 || !strings.Contains(out, "caddy rate-limit get") {
+		t.Fatalf("caddy rate-limit alone: exit %d, %q%q; want its help", code, out, errOut)
 	}
 	if _, errOut, code := run("limit", "cmd", "alice", "--address", address); code != 1 || !strings.Contains(errOut, "--rate") {
 		t.Fatalf("limit without a limit: exit %d, %q", code, errOut)
