@@ -17,6 +17,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -862,6 +863,75 @@ func TestCaddyfileExample(t *testing.T) {
 	}
 	if got, want := strings.Join(names, ","), "api,login,per_key"; got != want {
 		t.Errorf("zones %s, want %s", got, want)
+	}
+}
+
+// The demo Caddyfile does what its comments and the README say, through
+// a real Caddy: a client without a key gets 10 requests in a row, then
+// 429s (the README's loop); a made-up key no more than its IP's 10; the
+// pro key 200 at once, 100 a second, from an IP that has spent its 10.
+func TestCaddyfileExampleRuns(t *testing.T) {
+	src, err := os.ReadFile("Caddyfile.example")
+	if err != nil {
+		t.Fatal(err)
+	}
+	site := string(src[strings.Index(string(src), "http://127.0.0.1:8080 {"):])
+	startCaddy(t, "\tauto_https off\n", strings.Replace(site, ":8080", ":9080", 1))
+	// send makes a request of /api/ from 127.0.0.2 with key, if any, and
+	// returns its status and its RateLimit-Policy.
+	send := func(key string) (int, string, error) {
+		req, err := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080/api/", nil)
+		if err != nil {
+			return 0, "", err
+		}
+		if key != "" {
+			req.Header.Set("X-API-Key", key)
+		}
+		resp, err := loopback(2).Do(req)
+		if err != nil {
+			return 0, "", err
+		}
+		resp.Body.Close()
+		return resp.StatusCode, resp.Header.Get("RateLimit-Policy"), nil
+	}
+	var codes []string
+	for range 12 {
+		code, _, err := send("")
+		if err != nil {
+			t.Fatal(err)
+		}
+		codes = append(codes, strconv.Itoa(code))
+	}
+	if got, want := strings.Join(codes, " "), "200 200 200 200 200 200 200 200 200 200 429 429"; got != want {
+		t.Fatalf("the README's loop: %s, want %s", got, want)
+	}
+	if code, _, err := send("made-up"); err != nil || code != http.StatusTooManyRequests {
+		t.Fatalf("a made-up key from an IP that spent its 10: %d %v, want 429", code, err)
+	}
+	// 200 at once: all together, so that no refill comes between.
+	var wg sync.WaitGroup
+	var allowed atomic.Int64
+	errs := make(chan error, 200)
+	for range 200 {
+		wg.Go(func() {
+			code, policy, err := send("demo-pro-key")
+			switch {
+			case err != nil:
+				errs <- err
+			case code == http.StatusOK && policy == `"per_key";q=200;w=2`:
+				allowed.Add(1)
+			case code == http.StatusOK:
+				errs <- fmt.Errorf("RateLimit-Policy %s, want the pro plan's alone: 200 a 2 s", policy)
+			}
+		})
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if n := allowed.Load(); n != 200 {
+		t.Fatalf("the pro key, 200 requests at once: %d allowed, want 200", n)
 	}
 }
 
