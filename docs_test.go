@@ -332,6 +332,21 @@ func TestDocJSONLoads(t *testing.T) {
 	}
 }
 
+// maxREADME is the most the README may hold, in bytes: it is the front
+// door, and the detail is in docs/.
+const maxREADME = 20_000
+
+// TestREADMESize: the README holds no more than maxREADME bytes.
+func TestREADMESize(t *testing.T) {
+	b, err := os.ReadFile("README.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(b) > maxREADME {
+		t.Errorf("README.md is %d bytes, over %d: tighten it, or move detail to docs/", len(b), maxREADME)
+	}
+}
+
 // TestREADMEJSONIsQuickStart: the README's JSON example is the handler
 // that its quick start's Caddyfile adapts to.
 func TestREADMEJSONIsQuickStart(t *testing.T) {
