@@ -458,35 +458,37 @@ func TestBucketLongestBan(t *testing.T) {
 }
 
 // A key banned for the longest ban after the longest refill is refused
-// every time, on both stores, with and without jitter (whose extra wait,
-// up to another refill, passes time.Duration's 292 years): Retry-After is
-// never earlier than RateLimit's t, and a gRPC refusal's pushback is as
-// long as Retry-After, never negative.
+// every time, through a real Caddy, on both stores, with and without
+// jitter (whose extra wait, up to another refill, passes time.Duration's
+// 292 years): Retry-After is never earlier than RateLimit's t, and a gRPC
+// refusal's pushback is as long as Retry-After, never negative.
 func TestLongestBanRefuses(t *testing.T) {
 	r := startRedis(t)
-	for _, tc := range []struct{ name, store, jitter string }{
+	cases := []struct{ name, store, jitter string }{
 		{"local", storeJSON(), ""},
 		{"local-jitter", storeJSON(), `,"jitter":5`},
 		{"redis", storeJSON(r.Addr()), ""},
 		{"redis-jitter", storeJSON(r.Addr()), `,"jitter":5`},
-	} {
+	}
+	var routes []string
+	for _, tc := range cases {
+		routes = append(routes, `{"match":[{"path":["/`+tc.name+`"]}],"handle":[{"handler":"rate_limit","zones":[{"name":"longest-ban-`+tc.name+
+			`","rate":"1/876000h","burst":1,"ban":"876000h"}],"store":`+tc.store+tc.jitter+`},{"handler":"static_response","body":"ok"}]}`)
+	}
+	loadJSON(t, jsonServerH2C(`{"handler":"subroute","routes":[`+strings.Join(routes, ",")+`]}`))
+	h1, h2c := &http.Client{Timeout: 10 * time.Second}, h2cClient()
+	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			h := newTestHandler(t, `{"zones":[{"name":"longest-ban-`+tc.name+`","rate":"1/876000h","burst":1,"ban":"876000h"}],"store":`+tc.store+tc.jitter+`}`)
-			const ip = "198.51.100.50"
-			if code, _ := serve(h, ip); code != http.StatusOK {
-				t.Fatalf("first request: %d", code)
-			}
+			path := "/" + tc.name
+			sendExpect(t, h1, http.MethodGet, path, http.StatusOK)
 			for i := range 8 {
-				hdr := http.Header{}
 				if i%2 == 0 {
-					var code int
-					if code, hdr = serve(h, ip); code != http.StatusTooManyRequests {
-						t.Fatalf("request %d: %d, want 429", i, code)
-					}
-				} else if rr, err := serveGRPC(h, ip); err != nil || rr.Header().Get("Grpc-Status") != "8" {
-					t.Fatalf("gRPC request %d: error %v, grpc-status %q; want RESOURCE_EXHAUSTED", i, err, rr.Header().Get("Grpc-Status"))
-				} else {
-					hdr = rr.Header()
+					checkLongWait(t, i, sendExpect(t, h1, http.MethodGet, path, http.StatusTooManyRequests))
+					continue
+				}
+				hdr := sendExpect(t, h2c, http.MethodPost, path, http.StatusOK, "Content-Type", "application/grpc")
+				if hdr.Get("Grpc-Status") != "8" {
+					t.Fatalf("gRPC request %d: grpc-status %q, want RESOURCE_EXHAUSTED", i, hdr.Get("Grpc-Status"))
 				}
 				checkLongWait(t, i, hdr)
 			}

@@ -10,7 +10,6 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 )
@@ -233,11 +232,9 @@ func msecs(n int64) time.Duration { return time.Duration(n) * time.Millisecond }
 // 200 that a shared cache could keep for the URL. gRPC's own refusal
 // says that no cache may keep it.
 func TestGRPCFormOnlyForGRPC(t *testing.T) {
-	loadJSON(t, strings.Replace(jsonServer(`{"handler":"rate_limit","zones":[{"name":"grpc-only","key":"{http.request.header.X-Client}","rate":"1r/m","burst":1}]},
-		{"handler":"static_response","body":"page"}`), `"listen": [":9080"],`, `"listen": [":9080"], "protocols": ["h1", "h2", "h2c"],`, 1))
-	h1 := &http.Client{Timeout: 10 * time.Second}
-	h2c := &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{Protocols: new(http.Protocols)}}
-	h2c.Transport.(*http.Transport).Protocols.SetUnencryptedHTTP2(true)
+	loadJSON(t, jsonServerH2C(`{"handler":"rate_limit","zones":[{"name":"grpc-only","key":"{http.request.header.X-Client}","rate":"1r/m","burst":1}]},
+		{"handler":"static_response","body":"page"}`))
+	h1, h2c := &http.Client{Timeout: 10 * time.Second}, h2cClient()
 	const path = "/app.js"
 	sendExpect(t, h1, http.MethodGet, path, http.StatusOK, "X-Client", "a")
 	for _, tc := range []struct {

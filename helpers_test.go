@@ -205,6 +205,20 @@ func jsonServer(handlers string) string {
 }`
 }
 
+// jsonServerH2C is jsonServer whose server speaks HTTP/2 without TLS too
+// (h2c), as gRPC clients do to a Caddy in front of gRPC services.
+func jsonServerH2C(handlers string) string {
+	return strings.Replace(jsonServer(handlers), `"listen": [":9080"],`, `"listen": [":9080"], "protocols": ["h1", "h2", "h2c"],`, 1)
+}
+
+// h2cClient is a client that speaks HTTP/2 without TLS (h2c), as a gRPC
+// client does.
+func h2cClient() *http.Client {
+	tr := &http.Transport{Protocols: new(http.Protocols)}
+	tr.Protocols.SetUnencryptedHTTP2(true)
+	return &http.Client{Timeout: 10 * time.Second, Transport: tr}
+}
+
 // checkValidate decodes a handler's JSON, refusing unknown fields, and
 // checks that Validate fails with an error containing wantErr, or
 // succeeds when wantErr is "".
