@@ -151,7 +151,7 @@ func (ref zoneRef) info() zoneInfo {
 		Limit: z.id.limit,
 		Key:   z.Key,
 		Rate:  z.rateString(),
-		Burst: z.limit.burst,
+		Burst: z.limit.Burst,
 		Cost:  z.Cost,
 		Store: ref.h.storeName,
 		Requests: map[string]uint64{
@@ -368,8 +368,8 @@ func (ref zoneRef) view(ctx context.Context, key string, k bucketKey, d *demands
 			// none; a bucket that owes more than its burst is shown as
 			// empty.
 			l := b.limit
-			tokens, burst := l.tokens(b.debt), l.burst
-			if l.owe == 0 {
+			tokens, burst := l.Tokens(b.debt), l.Burst
+			if l.Owe == 0 {
 				tokens = max(tokens, 0)
 			}
 			v.Tokens, v.Burst = &tokens, &burst

@@ -15,6 +15,7 @@ import (
 	"slices"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 )
@@ -339,10 +340,10 @@ func (z *Zone) overrideOf(b limitBody, now time.Time) (override, error) {
 	if err != nil {
 		return override{}, err
 	}
-	if l.burstTime+z.limit.owe > maxBurstTime {
+	if l.BurstTime+z.limit.Owe > gcra.MaxBurstTime {
 		return override{}, fmt.Errorf("burst %d at rate %s and the zone's max_debt take more than 100 years to refill", burst, rate)
 	}
-	o := override{tokenTime: l.tokenTime, burst: burst, rate: rate}
+	o := override{tokenTime: l.TokenTime, burst: burst, rate: rate}
 	if b.ExpiresIn != nil {
 		if *b.ExpiresIn <= 0 {
 			return override{}, fmt.Errorf("invalid expires_in %v: must be positive", time.Duration(*b.ExpiresIn))
@@ -364,7 +365,7 @@ func (z *Zone) overrideBurst(given *int64, n float64) (int64, error) {
 	case z.burstVar.template != "":
 		return 0, errors.New("the zone's burst comes with each request: give one")
 	case z.plans == nil:
-		return z.limit.burst, nil
+		return z.limit.Burst, nil
 	case z.Burst != 0:
 		return z.Burst, nil
 	case n > maxBurst:

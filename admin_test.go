@@ -30,7 +30,7 @@ func TestAdminBucket(t *testing.T) {
 		t.Fatal(err)
 	}
 	q := &d.buckets[0]
-	if tokens := z.limit.tokens(q.debt); tokens > 0.1 {
+	if tokens := z.limit.Tokens(q.debt); tokens > 0.1 {
 		t.Fatalf("tokens %v, want about 0", tokens)
 	}
 	if q.key.ip != netip.MustParsePrefix("2001:db8:1::/64") {

@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
@@ -61,11 +62,11 @@ var banKind = kind{
 		}
 		return checkBan(time.Duration(z.Ban))
 	},
-	shape: func(z *Zone, l *limit) error {
-		l.ban = time.Duration(z.Ban)
+	shape: func(z *Zone, l *gcra.Limit) error {
+		l.Ban = time.Duration(z.Ban)
 		return nil
 	},
-	fixedShape: func(z *Zone, l *limit) { l.ban = time.Duration(z.Ban) },
+	fixedShape: func(z *Zone, l *gcra.Limit) { l.Ban = time.Duration(z.Ban) },
 	decided: func(st *zoneState, d *demands, m *match) {
 		if m.bucket >= 0 && d.buckets[m.bucket].ban {
 			st.bans.Add(1)
@@ -80,7 +81,7 @@ var banKind = kind{
 	view: func(_ context.Context, _ *Handler, z *Zone, _ bucketKey, d *demands, v *keyView) error {
 		if len(d.buckets) > 0 && z.knownLimit(&d.buckets[0]) {
 			b := &d.buckets[0]
-			v.Banned, v.BannedFor = b.limit.banned(b.debt), b.limit.banLeft(b.debt).Seconds()
+			v.Banned, v.BannedFor = b.limit.Banned(b.debt), b.limit.BanLeft(b.debt).Seconds()
 		}
 		return nil
 	},
@@ -100,7 +101,7 @@ var bansDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metri
 	[]string{"zone", "limit"}, nil)
 
 func checkBan(d time.Duration) error {
-	if d <= 0 || d > maxBurstTime {
+	if d <= 0 || d > gcra.MaxBurstTime {
 		return fmt.Errorf("invalid ban %v: must be positive and at most 100 years", d)
 	}
 	return nil

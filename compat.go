@@ -10,6 +10,8 @@ import (
 	"maps"
 	"slices"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 )
 
 // Configs written for github.com/mholt/caddy-ratelimit load unchanged:
@@ -62,8 +64,8 @@ func (z *Zone) windowLimit() (perSec float64, burst int64, err error) {
 		return 0, 0, err
 	}
 	perSec = float64(z.MaxEvents) / time.Duration(z.Window).Seconds()
-	if perSec > maxRate {
-		return 0, 0, fmt.Errorf("%d events per %s is more than %.0fr/s", z.MaxEvents, time.Duration(z.Window), maxRate)
+	if perSec > gcra.MaxRate {
+		return 0, 0, fmt.Errorf("%d events per %s is more than %.0fr/s", z.MaxEvents, time.Duration(z.Window), gcra.MaxRate)
 	}
 	return perSec, z.MaxEvents, nil
 }

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -134,7 +135,7 @@ func checkConcurrency(n int64) error {
 }
 
 func checkLease(d time.Duration) error {
-	if d <= 0 || d > maxBurstTime {
+	if d <= 0 || d > gcra.MaxBurstTime {
 		return fmt.Errorf("invalid lease %v: must be positive and at most 100 years", d)
 	}
 	return nil

@@ -168,12 +168,12 @@ func (h *Handler) costAboveOwnBurst(d *demands) error {
 	for i := range d.buckets {
 		b := &d.buckets[i]
 		z := h.Zones[b.zone]
-		if !b.overridden || b.cost <= b.limit.burstTime || z.inDryRun {
+		if !b.overridden || b.cost <= b.limit.BurstTime || z.inDryRun {
 			continue
 		}
 		if held, ok := z.state.ownBurst.Allow(time.Minute); ok {
-			fields := []zap.Field{zap.String("zone", z.Name), zap.Int64("cost", int64(b.cost/b.limit.tokenTime)),
-				zap.Int64("burst", b.limit.burst), zap.Int64("more_since_last", held)}
+			fields := []zap.Field{zap.String("zone", z.Name), zap.Int64("cost", int64(b.cost/b.limit.TokenTime)),
+				zap.Int64("burst", b.limit.Burst), zap.Int64("more_since_last", held)}
 			if h.LogKey {
 				fields = append(fields, zap.String("key", b.key.String()))
 			}

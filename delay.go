@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
@@ -63,8 +64,8 @@ var delayKind = kind{
 		}
 		return checkDelay(time.Duration(z.Delay))
 	},
-	shape: func(z *Zone, l *limit) error {
-		l.delay = time.Duration(z.Delay)
+	shape: func(z *Zone, l *gcra.Limit) error {
+		l.Delay = time.Duration(z.Delay)
 		return nil
 	},
 	join: func(h *Handler, z *Zone, st *zoneState) {
@@ -212,7 +213,7 @@ func (h *Handler) enterWaiting(sc *scratch) bool {
 	h.waiting.Add(-1)
 	for i := range sc.d.buckets {
 		if b := &sc.d.buckets[i]; h.delays(b) {
-			b.limit.noDelay = true
+			b.limit.NoDelay = true
 		}
 	}
 	return false
@@ -221,7 +222,7 @@ func (h *Handler) enterWaiting(sc *scratch) bool {
 // delays reports whether b's zone may delay the request: it has a delay,
 // and is not in dry run.
 func (h *Handler) delays(b *bucketDemand) bool {
-	return b.limit.delay > 0 && !h.Zones[b.zone].inDryRun
+	return b.limit.Delay > 0 && !h.Zones[b.zone].inDryRun
 }
 
 // wait is a request's second stage, in a handler with a zone that may
@@ -263,8 +264,8 @@ func (h *Handler) noteDelay(sc *scratch, out outcome) {
 	for i := range sc.d.buckets {
 		b := &sc.d.buckets[i]
 		l := b.limit
-		l.noDelay = false
-		if b.limit.noDelay && !b.ok && l.wait(b.debt, b.cost) == 0 {
+		l.NoDelay = false
+		if b.limit.NoDelay && !b.ok && l.Wait(b.debt, b.cost) == 0 {
 			h.Zones[b.zone].state.delayRefused.Add(1)
 		}
 	}

@@ -15,39 +15,40 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
 // The math of a delay: a bucket of 10r/s, burst 2, delay 300ms lets a
 // request wait for up to three tokens it lacks, and no more.
 func TestBucketDelay(t *testing.T) {
-	l := newLimit(10, 2)
-	l.delay = 300 * time.Millisecond
-	cost := l.costTime(1)
+	l := gcra.NewLimit(10, 2)
+	l.Delay = 300 * time.Millisecond
+	cost := l.CostTime(1)
 	var f time.Duration
 	for i, want := range []time.Duration{0, 0, 100, 200, 300} {
 		var ok bool
-		if f, ok = l.take(f, 0, cost); !ok {
+		if f, ok = l.Take(f, 0, cost); !ok {
 			t.Fatalf("take %d refused", i)
 		}
-		if got := l.delayed(l.debt(f, 0)); got != want*time.Millisecond {
+		if got := l.Delayed(l.Debt(f, 0)); got != want*time.Millisecond {
 			t.Fatalf("take %d waits %v, want %v", i, got, want*time.Millisecond)
 		}
 	}
-	if nf, ok := l.take(f, 0, cost); ok || nf != f {
+	if nf, ok := l.Take(f, 0, cost); ok || nf != f {
 		t.Fatalf("take beyond the delay: ok %v, instant %v (was %v)", ok, nf, f)
 	}
-	if got := l.wait(l.debt(f, 0), cost); got != 100*time.Millisecond {
+	if got := l.Wait(l.Debt(f, 0), cost); got != 100*time.Millisecond {
 		t.Fatalf("wait %v, want 100ms: then the request waits the whole delay", got)
 	}
 	// Owing more than a whole bucket is a reservation, not a ban.
-	if l.banned(l.debt(f, 0)) || l.banLeft(l.debt(f, 0)) != 0 {
+	if l.Banned(l.Debt(f, 0)) || l.BanLeft(l.Debt(f, 0)) != 0 {
 		t.Fatal("a delayed bucket reads as banned")
 	}
 	// A clock that went back leaves the bucket owing at most a whole
 	// bucket and the delay.
-	if got := l.debt(f+time.Hour, 0); got != l.burstTime+l.delay {
-		t.Fatalf("debt %v, want %v", got, l.burstTime+l.delay)
+	if got := l.Debt(f+time.Hour, 0); got != l.BurstTime+l.Delay {
+		t.Fatalf("debt %v, want %v", got, l.BurstTime+l.Delay)
 	}
 }
 

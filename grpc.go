@@ -11,6 +11,8 @@ import (
 	"strconv"
 	"strings"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 )
 
 // A gRPC client never sees a 429: a response without grpc-status is
@@ -77,7 +79,7 @@ func (h *Handler) writeGRPC(w http.ResponseWriter, status int, wait time.Duratio
 	if z != nil {
 		msg = "zone " + z.Name + ": " + msg
 	}
-	ms := addSat(wait, time.Millisecond-1) / time.Millisecond
+	ms := gcra.AddSat(wait, time.Millisecond-1) / time.Millisecond
 	hdr := w.Header()
 	hdr["Content-Type"] = []string{"application/grpc"}
 	// An HTTP 200 that is no success: no cache keeps it (gRPC clients

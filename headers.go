@@ -7,6 +7,8 @@ import (
 	"net/http"
 	"strconv"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 )
 
 // A headerMode says which rate-limit header families a handler sends.
@@ -44,12 +46,12 @@ type standing struct {
 
 func (h *Handler) bucketStanding(m *match, b *bucketDemand) standing {
 	return standing{zone: b.zone, key: b.key, denied: !b.ok && !m.wouldDeny, wait: b.wait(), remaining: b.remaining(),
-		capacity: b.limit.burst, debt: b.debt, full: b.limit.burstTime}
+		capacity: b.limit.Burst, debt: b.debt, full: b.limit.BurstTime}
 }
 
 func (h *Handler) counterStanding(m *match, c *counterDemand) standing {
 	q := standing{zone: c.zone, key: c.key, denied: !c.ok && !m.wouldDeny, wait: c.wait(), remaining: c.remaining(),
-		capacity: c.limit, debt: c.left, full: h.Zones[c.zone].limit.burstTime}
+		capacity: c.limit, debt: c.left, full: h.Zones[c.zone].limit.BurstTime}
 	if c.used > 0 {
 		q.end = c.window.End
 	}
@@ -168,7 +170,7 @@ func (h *Handler) appendPolicies(b []byte, sc *scratch) []byte {
 		if m.bucket >= 0 {
 			b = sep(b, &n)
 			if q := &sc.d.buckets[m.bucket]; z.plans != nil || q.overridden {
-				b = appendPolicy(b, z.quotedName, q.limit.burst, ceilSeconds(q.limit.burstTime))
+				b = appendPolicy(b, z.quotedName, q.limit.Burst, ceilSeconds(q.limit.BurstTime))
 			} else {
 				b = append(b, z.policy...)
 			}
@@ -198,7 +200,7 @@ func (h *Handler) appendItems(b []byte, sc *scratch) []byte {
 		z := h.Zones[m.zone]
 		if m.bucket >= 0 {
 			q := &sc.d.buckets[m.bucket]
-			b = appendItem(sep(b, &n), z.quotedName, q.remaining(), ceilSeconds(q.limit.nextToken(q.debt)))
+			b = appendItem(sep(b, &n), z.quotedName, q.remaining(), ceilSeconds(q.limit.NextToken(q.debt)))
 		}
 		if m.counter >= 0 {
 			c := &sc.d.counters[m.counter]
@@ -267,5 +269,5 @@ var smallSeconds = func() (v [100]any) {
 
 // ceilSeconds rounds d up to whole seconds.
 func ceilSeconds(d time.Duration) int64 {
-	return int64(addSat(d, time.Second-1) / time.Second)
+	return int64(gcra.AddSat(d, time.Second-1) / time.Second)
 }

@@ -14,6 +14,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
 )
@@ -276,5 +277,12 @@ func BenchmarkHeadersWritten(b *testing.B) {
 				out.Flush()
 			}
 		})
+	}
+}
+
+// Seconds round up without wrapping around, up to the longest duration.
+func TestCeilSecondsLongest(t *testing.T) {
+	if got := ceilSeconds(gcra.MaxDuration - 1); got != int64(gcra.MaxDuration/time.Second) {
+		t.Errorf("ceilSeconds(maxDuration-1) = %d, want %d", got, gcra.MaxDuration/time.Second)
 	}
 }

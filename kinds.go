@@ -8,6 +8,7 @@ import (
 	"errors"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
@@ -46,8 +47,8 @@ type kind struct {
 	// the part that a zone whose limit comes with each request (plans)
 	// has whatever the request's limit: its buckets are named by it in
 	// the stores (a ban).
-	shape      func(z *Zone, l *limit) error
-	fixedShape func(z *Zone, l *limit)
+	shape      func(z *Zone, l *gcra.Limit) error
+	fixedShape func(z *Zone, l *gcra.Limit)
 
 	// provision computes the kind's runtime state of z, after z's limit.
 	provision func(z *Zone) error

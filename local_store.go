@@ -137,8 +137,8 @@ func (s *LocalStore) bind(zones []zoneSpec) error {
 		var err error
 		if z.bucket {
 			l := z.shape
-			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.name, tokenTime: l.tokenTime, burst: l.burst}, l.most())
-			if err == nil && l.burst != 0 {
+			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.name, tokenTime: l.TokenTime, burst: l.Burst}, l.Most())
+			if err == nil && l.Burst != 0 {
 				lz.buckets.base = l
 			}
 			lz.maxOv = z.maxOverrides
@@ -269,7 +269,7 @@ func (s *LocalStore) takeAll(now time.Time, d *demands) bool {
 		b := &d.buckets[cs[i].req]
 		b.ok, b.ban, b.debt = cs[i].ok, cs[i].ban, cs[i].debt
 		if cs[i].overridden {
-			b.setOwnLimit(cs[i].l.tokenTime, cs[i].l.burst)
+			b.setOwnLimit(cs[i].l.TokenTime, cs[i].l.Burst)
 		}
 	}
 	for i := range ks {
@@ -294,7 +294,7 @@ func (s *LocalStore) takeOne(now time.Time, b *bucketDemand) bool {
 	allowed := takeOne(&c)
 	b.ok, b.ban, b.debt = c.ok, c.ban, c.debt
 	if c.overridden {
-		b.setOwnLimit(c.l.tokenTime, c.l.burst)
+		b.setOwnLimit(c.l.TokenTime, c.l.Burst)
 	}
 	return allowed
 }
@@ -331,7 +331,7 @@ func (s *LocalStore) peek(_ context.Context, now time.Time, d *demands) error {
 		if own {
 			b.setOwnLimit(o.tokenTime, o.burst)
 		}
-		b.debt = b.limit.debt(fullAt, t.instant(now))
+		b.debt = b.limit.Debt(fullAt, t.instant(now))
 	}
 	for i := range d.counters {
 		c := &d.counters[i]

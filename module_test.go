@@ -143,7 +143,7 @@ func TestServeHTTPDirect(t *testing.T) {
 	// Cancelling the config releases the tables.
 	ids := make([]tableID, len(h.Zones))
 	for i, z := range h.Zones {
-		ids[i] = tableID{name: z.Name, tokenTime: z.limit.tokenTime, burst: z.limit.burst}
+		ids[i] = tableID{name: z.Name, tokenTime: z.limit.TokenTime, burst: z.limit.Burst}
 		if n, ok := localTables.References(ids[i]); !ok || n != 1 {
 			t.Errorf("zone %s: %d references (found %t), want 1", z.Name, n, ok)
 		}

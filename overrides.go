@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -104,7 +105,7 @@ type override struct {
 }
 
 // limit is base with o's rate and burst.
-func (o override) limit(base limit) limit { return base.with(o.tokenTime, o.burst) }
+func (o override) limit(base gcra.Limit) gcra.Limit { return base.With(o.tokenTime, o.burst) }
 
 // A keyOverride is an override and the key it is for, as a store lists
 // them.
@@ -142,7 +143,7 @@ func (c *charge) applyOverride(s *shard[bucket]) {
 		endOverride(c.t, s, c.h, c.now)
 		return
 	}
-	c.cost = c.cost / c.l.tokenTime * e.o.tokenTime
+	c.cost = c.cost / c.l.TokenTime * e.o.tokenTime
 	c.l = e.o.limit(c.l)
 	c.overridden = true
 }
@@ -151,15 +152,15 @@ func (c *charge) applyOverride(s *shard[bucket]) {
 // to, in a table of a zone with a fixed limit (a zone with plans rescales
 // its buckets as each request comes: see charge.try). Requires the
 // shard's lock.
-func retuneBucket(t *table[bucket], s *shard[bucket], h uint64, from, to limit, now time.Duration) {
-	if t.base.burstTime == 0 {
+func retuneBucket(t *table[bucket], s *shard[bucket], h uint64, from, to gcra.Limit, now time.Duration) {
+	if t.base.BurstTime == 0 {
 		return
 	}
 	b, ok := s.m[h]
 	if !ok {
 		return
 	}
-	b.fullAt, b.full = to.retune(b.fullAt, now, from), to.burstTime
+	b.fullAt, b.full = to.Retune(b.fullAt, now, from), to.BurstTime
 	s.m[h] = b
 }
 
@@ -197,10 +198,10 @@ func ownBucket(t *table[bucket], k bucketKey, now time.Time) (time.Duration, ove
 		return b.fullAt, override{}, false
 	case !e.ended(n):
 		return b.fullAt, e.o, true
-	case t.base.burstTime == 0:
+	case t.base.BurstTime == 0:
 		return b.fullAt, override{}, false // rescaled by the next request, as a change of plan
 	}
-	return t.base.retune(b.fullAt, n, e.o.limit(t.base)), override{}, false
+	return t.base.Retune(b.fullAt, n, e.o.limit(t.base)), override{}, false
 }
 
 // setOverride gives k the override o, at most max in the table, carrying

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
@@ -789,7 +790,7 @@ func TestOverrideBoundsAndMetric(t *testing.T) {
 				// The refused one left nothing in Redis: the zone lists b
 				// and c.
 				perSec, _, _ := parseRate("10r/m")
-				list := rediswire.Keys{Prefix: "ovb:"}.Limits(bucketField(zone, newLimit(perSec, 4)))
+				list := rediswire.Keys{Prefix: "ovb:"}.Limits(bucketField(zone, gcra.NewLimit(perSec, 4)))
 				if n := rc.ZCard(context.Background(), list).Val(); n != 2 {
 					t.Fatalf("the zone's list of keys with their own limit holds %d, want 2", n)
 				}

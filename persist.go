@@ -16,6 +16,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/certmagic"
@@ -644,7 +645,7 @@ func mergeBuckets(t *table[bucket], entries []byte, entry int, n time.Duration, 
 	if burst == 0 {
 		// A zone whose limit depends on the request (plans.go): each
 		// take clamps its bucket to the request's own burst.
-		most = n + maxBurstTime
+		most = n + gcra.MaxBurstTime
 	}
 	capacity := t.shardCap()
 	kept := 0
@@ -669,7 +670,7 @@ func mergeBuckets(t *table[bucket], entries []byte, entry int, n time.Duration, 
 		if e, ok := locked.ov[h]; ok && burst != 0 {
 			// A key with its own limit: its bucket was saved under it.
 			own := e.o.limit(t.base)
-			full, fullAt = own.burstTime, min(fullAt, most+own.burstTime-full)
+			full, fullAt = own.BurstTime, min(fullAt, most+own.BurstTime-full)
 		} else {
 			fullAt = min(fullAt, most)
 		}

@@ -24,6 +24,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/certmagic"
@@ -130,7 +131,7 @@ func testSnapshots(storage certmagic.Storage) *snapshots {
 
 // set makes k's bucket in t full again at fullAt.
 func set(t *table[bucket], k string, fullAt time.Time) {
-	raise(t, key(k), newLimit(1, 10), t.instant(fullAt), t.instant(t0)) // testShape's limit
+	raise(t, key(k), gcra.NewLimit(1, 10), t.instant(fullAt), t.instant(t0)) // testShape's limit
 }
 
 // fullIn is how long k's bucket in t needs to be full again, seen at now.
@@ -214,7 +215,7 @@ func TestSnapshotDiscarded(t *testing.T) {
 func TestSnapshotOverrides(t *testing.T) {
 	sn := testSnapshots(newTestStorage())
 	a := newPersistedTable(sn)
-	a.base = newLimit(1, 10) // testShape's
+	a.base = gcra.NewLimit(1, 10) // testShape's
 	own := override{tokenTime: time.Second, burst: 100, rate: "1r/s"}
 	for _, k := range []bucketKey{key("api-key"), {ip: netip.MustParsePrefix("2001:db8::/64")}} {
 		if err := setOverride(a, k, own, 10, t0); err != nil {
@@ -249,7 +250,7 @@ func TestSnapshotOverrides(t *testing.T) {
 		t.Fatalf("api-key's own limit %+v, %v; want %+v", o, ok, own)
 	}
 	ownLimit := own.limit(a.base)
-	if got := ownLimit.tokens(fullIn(loaded, "api-key", later)); got != 52 {
+	if got := ownLimit.Tokens(fullIn(loaded, "api-key", later)); got != 52 {
 		t.Fatalf("api-key holds %v tokens after the restart, want 52 of its 100", got)
 	}
 
@@ -270,7 +271,7 @@ func TestSnapshotOverrides(t *testing.T) {
 // zone's.
 func TestSnapshotEndedOverrides(t *testing.T) {
 	sn := testSnapshots(newTestStorage())
-	base := newLimit(1, 10) // testShape's: 1r/s burst 10
+	base := gcra.NewLimit(1, 10) // testShape's: 1r/s burst 10
 	for _, tc := range []struct {
 		name               string
 		ends, saved, loads time.Duration // after t0, when the key spent 1 token under its own limit
@@ -301,7 +302,7 @@ func TestSnapshotEndedOverrides(t *testing.T) {
 		}
 		// Read as a GET reads it, then as the key's requests find it.
 		fullAt, _, own := ownBucket(loaded, k, later)
-		if got := base.tokens(base.debt(fullAt, loaded.instant(later))); own || got < 9 || got > 9.01 {
+		if got := base.Tokens(base.Debt(fullAt, loaded.instant(later))); own || got < 9 || got > 9.01 {
 			t.Fatalf("%s: the key reads %v tokens (own limit %v), want 9 of the zone's 10 and no own limit", tc.name, got, own)
 		}
 		allowed := 0

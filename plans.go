@@ -5,7 +5,6 @@ package ratelimit
 
 import (
 	"bytes"
-	"cmp"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -19,6 +18,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -42,25 +42,25 @@ import (
 // cost, computed once. A zone with fixed numbers has one plan; a zone
 // with placeholders one per distinct set of values.
 type plan struct {
-	limit    limit
+	limit    gcra.Limit
 	cost     int64         // tokens a request takes
 	costTime time.Duration // what cost tokens are worth: limit.costTime(cost)
 }
 
 // newPlan is the plan of limit l and a cost of cost tokens.
-func newPlan(l limit, cost int64) *plan {
-	return &plan{limit: l, cost: cost, costTime: l.costTime(cost)}
+func newPlan(l gcra.Limit, cost int64) *plan {
+	return &plan{limit: l, cost: cost, costTime: l.CostTime(cost)}
 }
 
 // unknownPlan reads the bucket of a zone whose limit depends on the
 // request, where no request says which (the admin API): it clamps
 // nothing, and tells only when the bucket is full again.
-var unknownPlan = &plan{limit: limit{tokenTime: maxBurstTime, burstTime: maxBurstTime, burst: 1}}
+var unknownPlan = &plan{limit: gcra.Limit{TokenTime: gcra.MaxBurstTime, BurstTime: gcra.MaxBurstTime, Burst: 1}}
 
 // adminLimit is the limit of z's buckets as the admin API reads them,
 // outside of any request: unknownPlan for a zone whose limit comes with
 // each request.
-func (z *Zone) adminLimit() limit {
+func (z *Zone) adminLimit() gcra.Limit {
 	if z.plans != nil {
 		return unknownPlan.limit
 	}
@@ -234,20 +234,6 @@ func (z *Zone) checkVars() error {
 		return fmt.Errorf("cost %d exceeds burst %d: no request could ever pass", z.Cost, z.Burst)
 	}
 	return nil
-}
-
-// checkLimit checks a bucket's numbers, and returns its shape.
-func checkLimit(rate string, perSec float64, burst, cost int64) (limit, error) {
-	if err := cmp.Or(checkBurst(burst), checkMin("cost", cost, 1)); err != nil {
-		return limit{}, err
-	}
-	if cost > burst {
-		return limit{}, fmt.Errorf("cost %d exceeds burst %d: no request could ever pass", cost, burst)
-	}
-	if float64(burst)/perSec > maxBurstTime.Seconds() {
-		return limit{}, fmt.Errorf("burst %d at rate %s takes more than 100 years to refill", burst, rate)
-	}
-	return newLimit(perSec, burst), nil
 }
 
 // A planKey is the values of a zone's placeholders for one request: ""

@@ -11,6 +11,8 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 )
 
 // The Redis store's over-limit cache: what this instance learnt of the
@@ -118,14 +120,14 @@ func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pac
 		}
 		l := b.limit
 		fullAt, n := known.fullAt, t.instant(now)
-		if known.full != l.burstTime {
+		if known.full != l.BurstTime {
 			// Learnt under another limit (the key's plan changed): Redis
 			// rescales it, which no bound from the old limit foresees.
 			fullAt = 0
 		}
-		_, b.ok = l.take(fullAt, n, b.cost)
-		b.debt = l.debt(fullAt, n)
-		if m := int64((l.reach() - b.debt) / b.cost); m < most {
+		_, b.ok = l.Take(fullAt, n, b.cost)
+		b.debt = l.Debt(fullAt, n)
+		if m := int64((l.Reach() - b.debt) / b.cost); m < most {
 			tight, most = i, m
 		}
 		if fullAt != 0 && n-known.usedAt > trusted(l) {
@@ -140,7 +142,7 @@ func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pac
 		// round trip of the bound would mostly find the bucket still
 		// short. Wait out that round trip instead.
 		if fullAt != 0 {
-			pace = max(pace, fullAt-l.reach()+b.cost+rtt-n)
+			pace = max(pace, fullAt-l.Reach()+b.cost+rtt-n)
 		}
 	}
 	return tight, most, pace
@@ -172,7 +174,7 @@ func (s *RedisStore) cacheDecides(d *demands) (decided, allowed bool) {
 	}
 	for i := range d.buckets {
 		b := &d.buckets[i]
-		if l := b.limit; !b.ok && (l.ban > 0 || s.zones[b.zone].refunds) && !l.banned(b.debt) {
+		if l := b.limit; !b.ok && (l.Ban > 0 || s.zones[b.zone].refunds) && !l.Banned(b.debt) {
 			return false, false
 		}
 		denied = denied || !b.ok && !b.soft
@@ -212,7 +214,7 @@ func (s *RedisStore) remember(now time.Time, d *demands, flight flightKey) {
 			t.forget(b.key)
 			continue
 		}
-		learn(t, b.key, t.instant(now)+b.debt, b.limit.burstTime, t.instant(now))
+		learn(t, b.key, t.instant(now)+b.debt, b.limit.BurstTime, t.instant(now))
 	}
 }
 
@@ -240,7 +242,7 @@ const overLimitTrust = time.Second
 
 // trusted is how long what Redis said of a bucket of limit l is refused
 // by.
-func trusted(l limit) time.Duration { return min(overLimitTrust, l.tokenTime) }
+func trusted(l gcra.Limit) time.Duration { return min(overLimitTrust, l.TokenTime) }
 
 // quotaCacheFor is how long this instance refuses an exhausted quota by
 // itself, without asking Redis. A count only grows in its window, but a
@@ -297,7 +299,7 @@ func (lo *learnedOverrides) apply(b *bucketDemand, h uint64, now time.Duration) 
 
 // learn notes the own limit l of the key of hash h. Beyond
 // overLimitCacheKeys of them, the stale ones go, or all.
-func (lo *learnedOverrides) learn(h uint64, l limit, now time.Duration) {
+func (lo *learnedOverrides) learn(h uint64, l gcra.Limit, now time.Duration) {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
 	if lo.m == nil {
@@ -309,7 +311,7 @@ func (lo *learnedOverrides) learn(h uint64, l limit, now time.Duration) {
 			clear(lo.m)
 		}
 	}
-	lo.m[h] = learnedOverride{l.tokenTime, l.burst, now}
+	lo.m[h] = learnedOverride{l.TokenTime, l.Burst, now}
 	lo.n.Store(int64(len(lo.m)))
 }
 

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 )
 
@@ -88,7 +89,7 @@ func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *demands) {
 		if op == rediswire.Adjust {
 			c.AdjustBucket(hash, field, limit, s.shapeOf(b, true), b.baseCost())
 		} else {
-			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.limit.noDelay, b.soft)
+			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.limit.NoDelay, b.soft)
 		}
 	}
 	for i := range d.counters {
@@ -159,14 +160,14 @@ func (s *RedisStore) shapeOf(b *bucketDemand, adjust bool) *rediswire.Shape {
 	if b.overridden {
 		l, cost = b.base(), b.baseCost()
 	}
-	if last := rz.shape.Load(); last != nil && last.Full == l.burstTime && (adjust || last.Cost == cost) && last.Token == l.tokenTime &&
-		last.Ban == l.ban && last.Beyond == l.delay+l.owe && last.Reserve == l.delay && last.Scaled == rz.plans {
+	if last := rz.shape.Load(); last != nil && last.Full == l.BurstTime && (adjust || last.Cost == cost) && last.Token == l.TokenTime &&
+		last.Ban == l.Ban && last.Beyond == l.Delay+l.Owe && last.Reserve == l.Delay && last.Scaled == rz.plans {
 		return last
 	}
 	if adjust {
-		cost = l.tokenTime
+		cost = l.TokenTime
 	}
-	shape := s.shapes.get(shapeKey{l.burstTime, l.tokenTime, cost, l.ban, l.delay + l.owe, l.delay, rz.plans})
+	shape := s.shapes.get(shapeKey{l.BurstTime, l.TokenTime, cost, l.Ban, l.Delay + l.Owe, l.Delay, rz.plans})
 	if !adjust {
 		rz.shape.Store(shape)
 	}
@@ -207,8 +208,8 @@ func (s *RedisStore) windowOf(rz *redisZone, w *calendar.Window) *rediswire.Wind
 
 // bucketField is how the fields of the buckets of a zone of shape l start
 // (the zero limit for a zone whose limit comes with each request).
-func bucketField(name string, l limit) string {
-	return rediswire.BucketField(name, strconv.FormatInt(int64(l.tokenTime), 10)+"/"+strconv.FormatInt(l.burst, 10))
+func bucketField(name string, l gcra.Limit) string {
+	return rediswire.BucketField(name, strconv.FormatInt(int64(l.TokenTime), 10)+"/"+strconv.FormatInt(l.Burst, 10))
 }
 
 // bucketName is the hash and the field of the bucket of key in a zone.

@@ -64,7 +64,7 @@ func flightAnswer(ok bool, d *demands) string {
 	fmt.Fprint(&b, ok)
 	for i := range d.buckets {
 		q := &d.buckets[i]
-		fmt.Fprintf(&b, " %d/%d", q.remaining(), q.limit.burst)
+		fmt.Fprintf(&b, " %d/%d", q.remaining(), q.limit.Burst)
 		if q.ban {
 			b.WriteString(" ban")
 		}

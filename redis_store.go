@@ -256,7 +256,7 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 		// Not known yet, and asked at the first decision.
 		rz.overridden.Store(&countedOverrides{n: -1, at: math.MinInt64 / 2})
 		rz.overriddenPoll.Store(math.MinInt64 / 2)
-		rz.plans = z.bucket && z.shape.burst == 0
+		rz.plans = z.bucket && z.shape.Burst == 0
 		if !s.DisableOverLimitCache {
 			rz.cache = newBuckets(overLimitCacheKeys, time.Now())
 			if z.quota != "" {
@@ -277,11 +277,11 @@ func (s *RedisStore) known(now time.Time, b *bucketDemand, err error) time.Durat
 	if t == nil {
 		return 0
 	}
-	debt := b.limit.debt(bucketAt(t, b.key), t.instant(now))
+	debt := b.limit.Debt(bucketAt(t, b.key), t.instant(now))
 	if errors.Is(err, errNoAnswer) && b.cost > 0 {
 		// No more than the bucket may owe, which a take clamps it to
 		// anyway: the calls' costs could pass a time.Duration.
-		n, most := s.flights.calls(flightKey{b.zone, t.hash(b.key)}), b.limit.most()
+		n, most := s.flights.calls(flightKey{b.zone, t.hash(b.key)}), b.limit.Most()
 		if n > int64((most-debt)/b.cost) {
 			return most
 		}

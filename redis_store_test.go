@@ -30,6 +30,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -94,13 +95,13 @@ func bucketOf(h *Handler, i int, key string) (hash, field string) {
 // of that rate and burst; rate "" for a zone whose limit comes with each
 // request.
 func bucketName(t testing.TB, prefix, zone, rate string, burst int64, key string) (hash, field string) {
-	var l limit
+	var l gcra.Limit
 	if rate != "" {
 		perSec, _, err := parseRate(rate)
 		if err != nil {
 			t.Fatal(err)
 		}
-		l = newLimit(perSec, burst)
+		l = gcra.NewLimit(perSec, burst)
 	}
 	return rediswire.Keys{Prefix: prefix}.Bucket(bucketField(zone, l), key)
 }

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -60,7 +61,7 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) erro
 		// time.Duration (a ban and a refill of 100 years, and another
 		// refill) is the longest one instead.
 		extra := float64(wait) * h.Jitter * rand.Float64()
-		wait = addSat(wait, time.Duration(min(extra, float64(top.full))))
+		wait = gcra.AddSat(wait, time.Duration(min(extra, float64(top.full))))
 	}
 	retryAfter := setRetryAfter(w.Header(), wait)
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {

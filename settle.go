@@ -137,7 +137,7 @@ func (h *Handler) settleUsage(sc *scratch, m *match, z *Zone, hdr http.Header, w
 	var units int64
 	if m.bucket >= 0 {
 		b := &sc.d.buckets[m.bucket]
-		spent = b.limit.spend(n) - b.cost
+		spent = b.limit.Spend(n) - b.cost
 	}
 	if m.counter >= 0 {
 		units = n - sc.d.counters[m.counter].cost

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 )
 
 // A store keeps the state of zones: a token bucket, a calendar quota
@@ -72,7 +73,7 @@ type zoneSpec struct {
 	// bucket: the zone has a token bucket per key, of shape when its
 	// limit is fixed (the zero limit when each request brings its own).
 	bucket bool
-	shape  limit
+	shape  gcra.Limit
 	// quota names the zone's calendar windows (period and time zone): ""
 	// for a zone without a quota. Counters of one name and quota are
 	// shared, whatever the quota's limit.
@@ -116,7 +117,7 @@ func (d *demands) empty() bool { return len(d.buckets)+len(d.counters)+len(d.slo
 type bucketDemand struct {
 	zone  int
 	key   bucketKey
-	limit limit         // the bucket's shape
+	limit gcra.Limit    // the bucket's shape
 	cost  time.Duration // what the tokens are worth (limit.costTime); adjust: negative to give back
 	// floor: the bucket owes at least this much now, as another store knew
 	// it (fail_mode local's buckets start from what Redis said).
@@ -142,10 +143,10 @@ type bucketDemand struct {
 // and burst: its limit, and its cost counted in that limit's tokens.
 func (b *bucketDemand) setOwnLimit(tokenTime time.Duration, burst int64) {
 	if !b.overridden {
-		b.baseToken, b.baseBurst, b.overridden = b.limit.tokenTime, b.limit.burst, true
+		b.baseToken, b.baseBurst, b.overridden = b.limit.TokenTime, b.limit.Burst, true
 	}
-	b.cost = b.cost / b.limit.tokenTime * tokenTime
-	b.limit = b.limit.with(tokenTime, burst)
+	b.cost = b.cost / b.limit.TokenTime * tokenTime
+	b.limit = b.limit.With(tokenTime, burst)
 }
 
 // clearOwnLimit gives b back the limit an override replaced, when the
@@ -164,7 +165,7 @@ func (b *bucketDemand) baseCost() time.Duration {
 	if !b.overridden {
 		return b.cost
 	}
-	t := b.limit.tokenTime
+	t := b.limit.TokenTime
 	n := b.cost / t
 	if b.cost%t > 0 {
 		n++
@@ -173,23 +174,23 @@ func (b *bucketDemand) baseCost() time.Duration {
 }
 
 // base is the limit an override replaced.
-func (b *bucketDemand) base() limit { return b.limit.with(b.baseToken, b.baseBurst) }
+func (b *bucketDemand) base() gcra.Limit { return b.limit.With(b.baseToken, b.baseBurst) }
 
 // wait is how long the bucket needs before it can give the tokens (or,
 // with a delay, before a take of them would wait no longer than the
 // delay).
-func (b *bucketDemand) wait() time.Duration { return b.limit.wait(b.debt, b.cost) }
+func (b *bucketDemand) wait() time.Duration { return b.limit.Wait(b.debt, b.cost) }
 
 // delayed is how long an allowed request waits for the bucket's tokens.
 func (b *bucketDemand) delayed() time.Duration {
-	if !b.ok || b.limit.noDelay {
+	if !b.ok || b.limit.NoDelay {
 		return 0
 	}
-	return b.limit.delayed(b.debt)
+	return b.limit.Delayed(b.debt)
 }
 
 // remaining is the number of whole tokens left in the bucket.
-func (b *bucketDemand) remaining() int64 { return b.limit.wholeTokens(b.debt) }
+func (b *bucketDemand) remaining() int64 { return b.limit.WholeTokens(b.debt) }
 
 // A counterDemand asks a zone's calendar quota counter of key for cost
 // units in the current window.

@@ -166,7 +166,7 @@ func runStoreSteps(t *testing.T, h *Handler) {
 			if want := strings.IndexByte(s.ban, s.zones[j]) >= 0; q.ban() != want {
 				t.Fatalf("step %d: zone %s started a ban: %v, want %v", i, q.zone.Name, q.ban(), want)
 			}
-			if q.ban() && q.wait() != q.zone.limit.ban+q.zone.costTime {
+			if q.ban() && q.wait() != q.zone.limit.Ban+q.zone.costTime {
 				t.Fatalf("step %d: zone %s: wait %v after a ban started, want the ban and a token", i, q.zone.Name, q.wait())
 			}
 			// A quota that counts waits for its window's end (Redis
@@ -251,7 +251,7 @@ func stepDemands(zones map[byte]*Zone, now time.Time, s storeStep, noDelay bool)
 		}
 		z := zones[c]
 		b := bucketReq(z, k)
-		b.limit.noDelay = noDelay
+		b.limit.NoDelay = noDelay
 		reqs = append(reqs, stepAnswer{zone: z, d: d, i: len(d.buckets)})
 		d.buckets = append(d.buckets, b)
 	}
@@ -469,11 +469,11 @@ func runUsageSteps(t *testing.T, h *Handler) {
 			if ok, err = h.store.take(context.Background(), now, d); ok != s.ok {
 				t.Fatalf("step %d: allowed = %v, want %v", i, ok, s.ok)
 			}
-			if b := &d.buckets[0]; !s.ok && b.debt > z.limit.burstTime && b.wait() != time.Duration(s.owed+1-100)*z.costTime {
+			if b := &d.buckets[0]; !s.ok && b.debt > z.limit.BurstTime && b.wait() != time.Duration(s.owed+1-100)*z.costTime {
 				t.Fatalf("step %d: wait %v for a bucket owing %d tokens, want the time of %d tokens", i, b.wait(), s.owed, s.owed+1-100)
 			}
 		} else {
-			d.buckets[0].cost = z.limit.spend(s.adjust+1) - z.costTime
+			d.buckets[0].cost = z.limit.Spend(s.adjust+1) - z.costTime
 			d.counters[0].cost = s.adjust
 			err = h.store.adjust(context.Background(), now, d)
 		}
@@ -616,8 +616,8 @@ func runOverrideSteps(t *testing.T, h *Handler) {
 		if err != nil {
 			t.Fatalf("step %d: %v", i, err)
 		}
-		if q := &d.buckets[0]; ok != s.ok || q.remaining() != s.rem || q.limit.burst != s.limit {
-			t.Fatalf("step %d: allowed %v, %d tokens left of %d; want %v, %d of %d", i, ok, q.remaining(), q.limit.burst, s.ok, s.rem, s.limit)
+		if q := &d.buckets[0]; ok != s.ok || q.remaining() != s.rem || q.limit.Burst != s.limit {
+			t.Fatalf("step %d: allowed %v, %d tokens left of %d; want %v, %d of %d", i, ok, q.remaining(), q.limit.Burst, s.ok, s.rem, s.limit)
 		}
 	}
 }

@@ -14,6 +14,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -106,7 +107,7 @@ var syncKind = kind{
 	},
 	check:        (*Zone).checkSync,
 	checkHandler: (*Handler).checkSyncStore,
-	shape: func(z *Zone, l *limit) error {
+	shape: func(z *Zone, l *gcra.Limit) error {
 		if z.Sync == 0 {
 			return nil
 		}
@@ -153,10 +154,10 @@ func (h *Handler) checkSyncStore() error {
 
 // withSyncDebt is l of a zone that syncs every interval: its bucket may
 // owe syncOwe intervals beyond empty.
-func withSyncDebt(l limit, interval time.Duration) (limit, error) {
-	l.owe = syncOwe * interval
-	if l.burstTime+l.owe > maxBurstTime {
-		return limit{}, fmt.Errorf("invalid sync %v: the burst and %d intervals must refill within 100 years", interval, syncOwe)
+func withSyncDebt(l gcra.Limit, interval time.Duration) (gcra.Limit, error) {
+	l.Owe = syncOwe * interval
+	if l.BurstTime+l.Owe > gcra.MaxBurstTime {
+		return gcra.Limit{}, fmt.Errorf("invalid sync %v: the burst and %d intervals must refill within 100 years", interval, syncOwe)
 	}
 	return l, nil
 }
@@ -269,7 +270,7 @@ type syncCopy struct {
 	// base is the limit the requests brought when Redis last answered (the
 	// zone's, or its plan's); lim the one Redis decided by: base, or the
 	// key's own (an override).
-	base, lim limit
+	base, lim gcra.Limit
 	fullAt    time.Duration // when the shared bucket is full again, as this instance knows it
 	allow     time.Duration // when this instance's allowance is whole again
 	// Tokens spent here: not sent yet, and sent in the reconciliation out.
@@ -361,22 +362,22 @@ func (sz *syncZone) add(sh *syncShard, h uint64, s *RedisStore, b *bucketDemand,
 }
 
 // baseLimit is the limit b's request brought, before any override.
-func baseLimit(b *bucketDemand) limit {
+func baseLimit(b *bucketDemand) gcra.Limit {
 	if b.overridden {
 		return b.base()
 	}
 	return b.limit
 }
 
-func sameLimit(a, b limit) bool { return a.tokenTime == b.tokenTime && a.burst == b.burst }
+func sameLimit(a, b gcra.Limit) bool { return a.TokenTime == b.TokenTime && a.Burst == b.Burst }
 
 // learnt sets the copy from Redis's answer at instant at: the bucket owed
 // debt, under lim. What this instance spent meanwhile, not yet in that
 // answer, is added (what a reconciliation out carries may be in it
 // already: counted twice until its answer, it only refuses sooner).
-func (c *syncCopy) learnt(at, n, debt time.Duration, lim limit, tokens int64) {
+func (c *syncCopy) learnt(at, n, debt time.Duration, lim gcra.Limit, tokens int64) {
 	c.lim = lim
-	c.fullAt = min(max(at+debt, n)+time.Duration(tokens)*lim.tokenTime, n+lim.most())
+	c.fullAt = min(max(at+debt, n)+time.Duration(tokens)*lim.TokenTime, n+lim.Most())
 	c.heard = n
 }
 
@@ -424,7 +425,7 @@ func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *demands) (b
 			// What the bucket owes counting what was not sent, as the
 			// copy says: the refusal's wait.
 			for i := range d.buckets {
-				d.buckets[i].debt += time.Duration(carried[i]) * d.buckets[i].limit.tokenTime
+				d.buckets[i].debt += time.Duration(carried[i]) * d.buckets[i].limit.TokenTime
 			}
 		}
 		return allowed, nil
@@ -450,7 +451,7 @@ func (s *RedisStore) carry(d *demands, carried []int64) {
 		}
 		sh, h := sz.lock(b.key)
 		if c := sh.m[h]; c != nil && c.pending > 0 && sameLimit(c.base, baseLimit(b)) && sameLimit(c.lim, b.limit) {
-			if extra := time.Duration(c.pending) * b.limit.tokenTime; b.cost+extra <= b.limit.burstTime {
+			if extra := time.Duration(c.pending) * b.limit.TokenTime; b.cost+extra <= b.limit.BurstTime {
 				carried[i], c.pending = c.pending, 0
 				b.cost += extra
 			}
@@ -468,7 +469,7 @@ func (s *RedisStore) uncarry(d *demands, carried []int64, charged, away bool) {
 			continue
 		}
 		b := &d.buckets[i]
-		b.cost -= time.Duration(carried[i]) * b.limit.tokenTime
+		b.cost -= time.Duration(carried[i]) * b.limit.TokenTime
 		if charged {
 			continue
 		}
@@ -528,11 +529,11 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 		sh.use(c)
 		b.clearOwnLimit()
 		if !sameLimit(c.lim, c.base) {
-			b.setOwnLimit(c.lim.tokenTime, c.lim.burst)
+			b.setOwnLimit(c.lim.TokenTime, c.lim.Burst)
 		}
 		look := &looks[i]
-		look.debt, look.ad = b.limit.debt(c.fullAt, n), max(c.allow-n, 0)
-		b.debt, b.ok = look.debt, look.debt+b.cost <= b.limit.reach()
+		look.debt, look.ad = b.limit.Debt(c.fullAt, n), max(c.allow-n, 0)
+		b.debt, b.ok = look.debt, look.debt+b.cost <= b.limit.Reach()
 		switch {
 		case !b.ok:
 			denied = denied || !b.soft
@@ -564,7 +565,7 @@ func chargeCopies(d *demands, looks []syncLook, away bool) {
 		c := look.c
 		c.fullAt = look.n + look.debt + b.cost
 		c.allow = look.n + look.ad + b.cost
-		look.sz.owe(look.sh, c, int64(b.cost/b.limit.tokenTime), away)
+		look.sz.owe(look.sh, c, int64(b.cost/b.limit.TokenTime), away)
 		b.debt += b.cost
 	}
 }
@@ -638,7 +639,7 @@ func (s *RedisStore) forgetSync(d *demands) {
 func (s *RedisStore) peekSync(d *demands) {
 	s.withCopies(d, func(_ *syncZone, sh *syncShard, h uint64, b *bucketDemand) {
 		if c := sh.m[h]; c != nil {
-			b.debt = min(b.debt+time.Duration(c.pending+c.sent)*b.limit.tokenTime, b.limit.most())
+			b.debt = min(b.debt+time.Duration(c.pending+c.sent)*b.limit.TokenTime, b.limit.Most())
 		}
 	})
 }
@@ -714,7 +715,7 @@ func (sz *syncZone) loop() {
 type syncItem struct {
 	c      *syncCopy
 	sh     *syncShard
-	base   limit
+	base   gcra.Limit
 	tokens int64
 }
 
@@ -832,7 +833,7 @@ func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
 	for i := range part {
 		p := &part[i]
 		// The script applies the key's own limit itself (see build).
-		bs[i] = bucketDemand{zone: u.zone, limit: p.base, cost: time.Duration(p.tokens) * p.base.tokenTime}
+		bs[i] = bucketDemand{zone: u.zone, limit: p.base, cost: time.Duration(p.tokens) * p.base.TokenTime}
 		if i == 0 || s.client.Cluster && p.c.hash != part[i-1].c.hash {
 			ds = append(ds, demands{buckets: bs[i:i]})
 			calls = append(calls, rediswire.NewCall(rediswire.Adjust, deadline))
@@ -910,7 +911,7 @@ func (sz *syncZone) update(u syncUser, p *syncItem, d *demands, k int, err error
 func (sz *syncZone) owe(sh *syncShard, c *syncCopy, tokens int64, away bool) {
 	c.pending += tokens
 	if away {
-		c.pending = min(c.pending, max(int64(2*sz.interval/c.lim.tokenTime), 1))
+		c.pending = min(c.pending, max(int64(2*sz.interval/c.lim.TokenTime), 1))
 	}
 	sh.use(c)
 }

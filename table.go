@@ -10,6 +10,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 	"github.com/caddyserver/caddy/v2"
 )
@@ -46,7 +47,7 @@ type table[E entry] struct {
 	// carried over eagerly when an override changes it); zero for a zone
 	// whose limit comes with each request. overrides counts the keys'
 	// own limits in the shards.
-	base      limit
+	base      gcra.Limit
 	overrides atomic.Int64
 	stop      chan struct{}
 	stopOnce  sync.Once
@@ -356,20 +357,20 @@ func bucketAt(t *table[bucket], k bucketKey) time.Duration {
 // raise makes k's bucket of limit l full again no sooner than fullAt.
 // now is the current table instant, which tells the eviction what has
 // refilled.
-func raise(t *table[bucket], k bucketKey, l limit, fullAt, now time.Duration) {
+func raise(t *table[bucket], k bucketKey, l gcra.Limit, fullAt, now time.Duration) {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	b := s.m[h]
-	if fullAt > l.rescale(b.fullAt, now, b.full) {
-		s.set(t, h, bucket{fullAt, now, l.burstTime}, now)
+	if fullAt > l.Rescale(b.fullAt, now, b.full) {
+		s.set(t, h, bucket{fullAt, now, l.BurstTime}, now)
 	}
 }
 
 // adjustBucket charges cost to k's bucket of limit l, refusing nothing
 // (see limit.adjust). now is the current table instant.
-func adjustBucket(t *table[bucket], k bucketKey, l limit, cost, now time.Duration) {
+func adjustBucket(t *table[bucket], k bucketKey, l gcra.Limit, cost, now time.Duration) {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
@@ -378,13 +379,13 @@ func adjustBucket(t *table[bucket], k bucketKey, l limit, cost, now time.Duratio
 	if !ok && cost <= 0 {
 		return // full already
 	}
-	was := l.rescale(b.fullAt, now, b.full)
-	switch fullAt := l.adjust(was, now, cost); {
+	was := l.Rescale(b.fullAt, now, b.full)
+	switch fullAt := l.Adjust(was, now, cost); {
 	case fullAt == b.fullAt:
 	case fullAt <= now:
 		delete(s.m, h) // full again
 	default:
-		s.set(t, h, bucket{fullAt, now, l.burstTime}, now)
+		s.set(t, h, bucket{fullAt, now, l.BurstTime}, now)
 	}
 }
 
@@ -392,7 +393,7 @@ func adjustBucket(t *table[bucket], k bucketKey, l limit, cost, now time.Duratio
 // table. The charges and counts of one request are in distinct tables
 // (one per zone and kind).
 type charge struct {
-	l    limit
+	l    gcra.Limit
 	cost time.Duration // l.costTime(n)
 	t    *table[bucket]
 	h    uint64
@@ -414,14 +415,14 @@ type charge struct {
 func (c *charge) try(b bucket) {
 	fullAt := b.fullAt
 	if fullAt > c.now {
-		fullAt = c.l.rescale(fullAt, c.now, b.full)
+		fullAt = c.l.Rescale(fullAt, c.now, b.full)
 	}
-	c.fullAt, c.ok = c.l.take(fullAt, c.now, c.cost)
-	c.ban = !c.ok && c.l.startsBan(c.l.debt(fullAt, c.now), c.cost)
+	c.fullAt, c.ok = c.l.Take(fullAt, c.now, c.cost)
+	c.ban = !c.ok && c.l.StartsBan(c.l.Debt(fullAt, c.now), c.cost)
 }
 
 // entry is the bucket c leaves.
-func (c *charge) entry() bucket { return bucket{c.fullAt, c.now, c.l.burstTime} }
+func (c *charge) entry() bucket { return bucket{c.fullAt, c.now, c.l.BurstTime} }
 
 // commit writes what try decided, once every charge of the request is
 // decided: the take when all allowed, a ban that started, and the
@@ -433,12 +434,12 @@ func (c *charge) commit(s *shard[bucket], allowed bool) {
 	case !tracked:
 		c.fullAt = 0 // not charged after all, and full
 	case c.ok:
-		c.fullAt = c.l.clamp(c.l.rescale(b.fullAt, c.now, b.full), c.now) // not charged after all
+		c.fullAt = c.l.Clamp(c.l.Rescale(b.fullAt, c.now, b.full), c.now) // not charged after all
 		s.m[c.h] = c.entry()
 	default:
 		s.m[c.h] = c.entry()
 	}
-	c.debt = c.l.debt(c.fullAt, c.now)
+	c.debt = c.l.Debt(c.fullAt, c.now)
 }
 
 // A slotClaim is a slot a request takes, located in its table.
@@ -524,7 +525,7 @@ func takeOne(c *charge) bool {
 		s.insert(c.t, c.h, c.entry(), c.now)
 	}
 	s.mu.Unlock()
-	c.debt = c.l.debt(c.fullAt, c.now)
+	c.debt = c.l.Debt(c.fullAt, c.now)
 	return c.ok || c.soft
 }
 

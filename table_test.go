@@ -13,19 +13,21 @@ import (
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 )
 
 func key(s string) bucketKey { return bucketKey{s: s} }
 
-func newTestCharge(tab *table[bucket], l limit, k string, now time.Time) charge {
-	return charge{l: l, cost: l.costTime(1), t: tab, h: tab.hash(key(k)), now: tab.instant(now)}
+func newTestCharge(tab *table[bucket], l gcra.Limit, k string, now time.Time) charge {
+	return charge{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(key(k)), now: tab.instant(now)}
 }
 
 func TestTakeAllIsAllOrNothing(t *testing.T) {
 	a := newBuckets(100, t0)
 	b := newBuckets(100, t0)
-	la := newLimit(10, 5)
-	lb := newLimit(10, 1)
+	la := gcra.NewLimit(10, 5)
+	lb := gcra.NewLimit(10, 1)
 
 	cs := []charge{newTestCharge(a, la, "k", t0), newTestCharge(b, lb, "k", t0)}
 	if ok := takeAll(cs, nil, nil); !ok {
@@ -38,14 +40,14 @@ func TestTakeAllIsAllOrNothing(t *testing.T) {
 		t.Fatal("second request allowed past an empty bucket")
 	}
 	for _, c := range cs {
-		if c.t == a && (!c.ok || la.tokens(c.debt) != 4) {
-			t.Fatalf("zone a: ok = %v, remaining %v, want true, 4", c.ok, la.tokens(c.debt))
+		if c.t == a && (!c.ok || la.Tokens(c.debt) != 4) {
+			t.Fatalf("zone a: ok = %v, remaining %v, want true, 4", c.ok, la.Tokens(c.debt))
 		}
 		if c.t == b && c.ok {
 			t.Fatal("zone b allowed")
 		}
 	}
-	if got := la.tokens(la.debt(bucketAt(a, key("k")), 0)); got != 4 {
+	if got := la.Tokens(la.Debt(bucketAt(a, key("k")), 0)); got != 4 {
 		t.Fatalf("zone a holds %v tokens, want 4: the denied request spent some", got)
 	}
 }
@@ -55,7 +57,7 @@ func TestTakeAllIsAllOrNothing(t *testing.T) {
 func TestTakeAllConcurrentNoDeadlock(t *testing.T) {
 	a := newBuckets(1000, t0)
 	b := newBuckets(1000, t0)
-	l := newLimit(1, 1_000_000)
+	l := gcra.NewLimit(1, 1_000_000)
 	var wg sync.WaitGroup
 	var allowed atomic.Int64
 	for g := range 8 {
@@ -74,7 +76,7 @@ func TestTakeAllConcurrentNoDeadlock(t *testing.T) {
 	wg.Wait()
 	for _, tab := range []*table[bucket]{a, b} {
 		h := tab.hash(key("k"))
-		if got := l.tokens(l.debt(tab.shard(h).m[h].fullAt, 0)); math.Round(got) != float64(1_000_000-allowed.Load()) {
+		if got := l.Tokens(l.Debt(tab.shard(h).m[h].fullAt, 0)); math.Round(got) != float64(1_000_000-allowed.Load()) {
 			t.Fatalf("bucket holds %v, want %d", got, 1_000_000-allowed.Load())
 		}
 	}
@@ -82,7 +84,7 @@ func TestTakeAllConcurrentNoDeadlock(t *testing.T) {
 
 func TestTableDropsFullBucketsFirst(t *testing.T) {
 	tab := newBuckets(10, t0) // one shard of 10
-	l := newLimit(10, 1)      // a bucket is full again 100ms after its request
+	l := gcra.NewLimit(10, 1) // a bucket is full again 100ms after its request
 	for i := range 10 {
 		cs := []charge{newTestCharge(tab, l, string(rune('a'+i)), t0)}
 		takeAll(cs, nil, nil)
@@ -104,9 +106,9 @@ func TestTableDropsFullBucketsFirst(t *testing.T) {
 func TestTableNeverGrowsPastMaxKeys(t *testing.T) {
 	const maxKeys = 64 * 64 * 2 // sharded
 	tab := newBuckets(maxKeys, t0)
-	l := newLimit(1.0/3600, 10) // nothing refills during the test
+	l := gcra.NewLimit(1.0/3600, 10) // nothing refills during the test
 	for i := range 5 * maxKeys {
-		cs := []charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}), now: time.Duration(i)}}
+		cs := []charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}), now: time.Duration(i)}}
 		takeAll(cs, nil, nil)
 		if i%1000 == 0 {
 			if n := tab.len(); n > maxKeys {
@@ -147,10 +149,10 @@ func TestMemoryPerKey(t *testing.T) {
 	runtime.GC()
 	runtime.ReadMemStats(&before)
 	tab := newBuckets(2*n, t0) // room for all: no evictions
-	l := newLimit(1, 10)
+	l := gcra.NewLimit(1, 10)
 	for i := range n {
 		k := bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
-		takeAll([]charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(k), now: 0}}, nil, nil)
+		takeAll([]charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(k), now: 0}}, nil, nil)
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&after)
@@ -193,8 +195,8 @@ func TestEvictionSparesClientsThatKeepSending(t *testing.T) {
 		{"burst 3, cost 2, at 1r/m, polling every 100ms", 1.0 / 60, 3, 2, 100 * time.Millisecond},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			l := newLimit(tc.rate, tc.burst)
-			cost := l.costTime(tc.cost)
+			l := gcra.NewLimit(tc.rate, tc.burst)
+			cost := l.CostTime(tc.cost)
 			tab := newBuckets(maxKeys, t0)
 			oracle := newBuckets(1<<20, t0) // never full: never evicts
 			hot := bucketKey{s: "hot"}
@@ -243,12 +245,12 @@ func BenchmarkDecision(b *testing.B) {
 			name := fmt.Sprintf("keys=%d/parallel=%v", keys, parallel)
 			b.Run("tokenbucket/"+name, func(b *testing.B) {
 				tab := newBuckets(2*manyKeys, time.Now())
-				l := newLimit(1e9, 1e9)
+				l := gcra.NewLimit(1e9, 1e9)
 				ks := ipKeys()[:keys]
 				for _, k := range ks { // steady state: keys already tracked
-					takeAll([]charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(k), now: 1}}, nil, nil)
+					takeAll([]charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(k), now: 1}}, nil, nil)
 				}
-				cost := l.costTime(1) // per zone, once
+				cost := l.CostTime(1) // per zone, once
 				decide := func(i int, now time.Time) {
 					k := ks[i]
 					cs := [1]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: tab.instant(now)}}
@@ -306,8 +308,8 @@ func BenchmarkClock(b *testing.B) {
 func BenchmarkEviction(b *testing.B) {
 	const maxKeys = 100_000
 	tab := newBuckets(maxKeys, time.Now())
-	l := newLimit(1.0/60, 1)
-	cost := l.costTime(1)
+	l := gcra.NewLimit(1.0/60, 1)
+	cost := l.CostTime(1)
 	keys := ipKeys()
 	for i := range maxKeys { // full, of buckets that refill in a minute
 		takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(keys[i]), now: 1}}, nil, nil)
@@ -333,11 +335,11 @@ func TestSmallTableKeepsAClientThatKeepsSending(t *testing.T) {
 	for _, created := range []int64{100, 1_000_000} {
 		tab := newBuckets(created, t0)
 		tab.maxKeys.Store(100)
-		l := newLimit(1.0/60, 1) // a token a minute: nothing refills during the test
+		l := gcra.NewLimit(1.0/60, 1) // a token a minute: nothing refills during the test
 		now := time.Duration(0)
 		take := func(k string) {
 			now += time.Microsecond
-			takeAll([]charge{{l: l, cost: l.costTime(1), t: tab, h: tab.hash(key(k)), now: now}}, nil, nil)
+			takeAll([]charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(key(k)), now: now}}, nil, nil)
 		}
 		take("hot")
 		lost := 0

@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync/atomic"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddy-tokenbucket/ratelimit/internal/usagescan"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -125,18 +126,18 @@ func (z *Zone) checkUsage() error {
 
 // withDebt sets the debt that usage may run up in l: max_debt tokens, by
 // default the burst.
-func (z *Zone) withDebt(l *limit) error {
+func (z *Zone) withDebt(l *gcra.Limit) error {
 	if z.Usage == nil || !z.hasRate() {
 		return nil
 	}
-	n := l.burst
+	n := l.Burst
 	if z.MaxDebt != nil {
 		n = *z.MaxDebt
 	}
-	if n > int64((maxBurstTime-l.burstTime)/l.tokenTime) {
+	if n > int64((gcra.MaxBurstTime-l.BurstTime)/l.TokenTime) {
 		return fmt.Errorf("invalid max_debt %d: the burst and the debt must refill within 100 years at rate %s", n, z.rateString())
 	}
-	l.owe = l.costTime(n)
+	l.Owe = l.CostTime(n)
 	return nil
 }
 

@@ -7,7 +7,6 @@ import (
 	"cmp"
 	"errors"
 	"fmt"
-	"math"
 	"net"
 	"net/http"
 	"net/netip"
@@ -17,6 +16,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -117,7 +117,7 @@ type Zone struct {
 
 	index    int    // in Handler.Zones
 	id       zoneID // its name and its limit: what its counters are shared by
-	limit    limit
+	limit    gcra.Limit
 	costTime time.Duration // what Cost tokens are worth: limit.costTime(Cost)
 	// Burst and Cost when they hold placeholders, and Rate's.
 	burstVar, costVar, rateVar valueVar
@@ -201,130 +201,6 @@ func (z *Zone) hasRate() bool { return z.Rate != "" || z.windowForm() }
 // quota's counter.
 func (z *Zone) charges() bool { return z.hasRate() || z.Quota != 0 }
 
-// parseLimit checks the zone's numbers and returns its bucket's shape.
-func (z *Zone) parseLimit() (limit, error) {
-	if err := z.checkKinds(); err != nil {
-		return limit{}, err
-	}
-	if !z.hasRate() {
-		if l, done, err := z.ratelessLimit(); done || err != nil {
-			return l, err
-		}
-	}
-	if z.perRequest() {
-		// The limit is known per request (plans.go): its bucket table
-		// and the stores' fixed arguments have no shape of their own.
-		if err := cmp.Or(z.checkVars(), z.checkPrefixes()); err != nil {
-			return limit{}, err
-		}
-		var l limit
-		for _, k := range kinds {
-			if k.fixedShape != nil {
-				k.fixedShape(z, &l)
-			}
-		}
-		return l, nil
-	}
-	var perSec float64
-	var burst int64
-	var err error
-	if z.windowForm() {
-		perSec, burst, err = z.windowLimit()
-	} else {
-		perSec, burst, err = z.rateLimit()
-	}
-	if err != nil {
-		return limit{}, err
-	}
-	l, err := checkLimit(z.rateString(), perSec, burst, cmp.Or(z.Cost, 1))
-	if err == nil {
-		err = z.checkPrefixes()
-	}
-	if err == nil {
-		err = z.shapeKinds(&l)
-	}
-	if err != nil {
-		return limit{}, err
-	}
-	return l, nil
-}
-
-// shapeKinds sets every kind's part of l, a bucket's shape.
-func (z *Zone) shapeKinds(l *limit) error {
-	for _, k := range kinds {
-		if k.shape == nil {
-			continue
-		}
-		if err := k.shape(z, l); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// placeholderLimit is the bucket shape of a zone without a rate, which
-// the stores bind but are never asked about.
-var placeholderLimit = newLimit(1, 1)
-
-// ratelessLimit checks a zone without a rate, which limits requests in
-// flight or per calendar window. It reports done when such a zone is
-// complete; a zone that is neither is checked as one with a rate, which
-// says what it lacks.
-func (z *Zone) ratelessLimit() (l limit, done bool, err error) {
-	inFlight := z.limitsInFlight()
-	switch {
-	case z.Quota != 0 && z.Burst != 0:
-		return limit{}, true, errors.New("burst needs a rate")
-	case z.Quota != 0:
-		return placeholderLimit, true, z.checkPrefixes()
-	case (z.Burst != 0 || z.burstVar.template != "") && inFlight:
-		return limit{}, true, errors.New("burst needs a rate")
-	case (z.Cost != 0 && z.Cost != 1 || z.costVar.template != "") && inFlight:
-		return limit{}, true, errors.New("cost needs a rate: a request in flight takes one slot")
-	case inFlight:
-		return placeholderLimit, true, z.checkPrefixes()
-	}
-	return limit{}, false, nil
-}
-
-// rateLimit reads rate and burst: tokens per second and capacity.
-func (z *Zone) rateLimit() (perSec float64, burst int64, err error) {
-	if z.Rate == "" {
-		return 0, 0, errors.New("rate is required (or window and max_events, concurrency or quota)")
-	}
-	perSec, n, err := parseRate(z.Rate)
-	if err != nil {
-		return 0, 0, err
-	}
-	burst = z.Burst
-	if burst == 0 {
-		if n > maxBurst {
-			return 0, 0, fmt.Errorf("invalid rate '%s': %g is too large a default burst: set a burst of at most %d", z.Rate, n, int64(maxBurst))
-		}
-		burst = int64(math.Ceil(n))
-	}
-	return perSec, burst, nil
-}
-
-// rateString is the zone's rate as configured, for messages.
-func (z *Zone) rateString() string {
-	if z.windowForm() {
-		return fmt.Sprintf("%d/%s", z.MaxEvents, time.Duration(z.Window))
-	}
-	return z.Rate
-}
-
-// maxBurst is the largest burst: the headers carry it (RateLimit-Policy's
-// q), and a structured-field integer has at most 15 digits.
-const maxBurst = 999_999_999_999_999
-
-func checkBurst(n int64) error {
-	if n > maxBurst {
-		return fmt.Errorf("invalid burst %d: at most %d, the largest integer the RateLimit headers can carry", n, int64(maxBurst))
-	}
-	return checkMin("burst", n, 1)
-}
-
 // checkPrefixes checks the IP prefix lengths that are set.
 func (z *Zone) checkPrefixes() error {
 	if z.IPv4Prefix != 0 {
@@ -341,60 +217,6 @@ func (z *Zone) checkPrefixes() error {
 func checkIPv4Prefix(bits int) error { return checkRange("ipv4_prefix", bits, 1, 32) }
 func checkIPv6Prefix(bits int) error { return checkRange("ipv6_prefix", bits, 1, 128) }
 
-// parseRate reads `<n>r/<unit>` or `<n>[r]/<duration>` and returns the
-// rate in tokens per second and n.
-func parseRate(s string) (perSec, n float64, err error) {
-	perSec, n, err = parseRateNumbers(s)
-	if err == nil && perSec > maxRate {
-		err = fmt.Errorf("at most %.0fr/s", maxRate)
-	}
-	if err != nil {
-		return 0, 0, fmt.Errorf("invalid rate '%s': %w", s, err)
-	}
-	return perSec, n, nil
-}
-
-func parseRateNumbers(s string) (perSec, n float64, err error) {
-	num, per, ok := strings.Cut(s, "/")
-	if !ok {
-		return 0, 0, errors.New("expected <n>r/s, <n>r/m, <n>r/h or <n>/<duration> such as 100/10s")
-	}
-	num = strings.TrimSuffix(num, "r")
-	n, err = strconv.ParseFloat(num, 64)
-	if err != nil || math.IsInf(n, 0) || math.IsNaN(n) {
-		return 0, 0, fmt.Errorf("'%s' is not a number", num)
-	}
-	if n <= 0 {
-		return 0, 0, errors.New("must be positive")
-	}
-	switch per {
-	case "s", "m", "h", "d":
-		per = "1" + per
-	}
-	d, err := caddy.ParseDuration(per)
-	if err != nil {
-		if isNumberWithUnit(per) {
-			return 0, 0, fmt.Errorf("interval '%s' is too long: at most about 290 years", per)
-		}
-		return 0, 0, fmt.Errorf("unknown unit '%s': expected s, m, h, d or a duration such as 10s", per)
-	}
-	if d <= 0 {
-		return 0, 0, fmt.Errorf("interval '%s' must be positive", per)
-	}
-	return n / d.Seconds(), n, nil
-}
-
-// isNumberWithUnit reports whether s is a number and a duration unit,
-// which caddy.ParseDuration refuses only when it overflows.
-func isNumberWithUnit(s string) bool {
-	for _, unit := range []string{"ns", "us", "µs", "ms", "s", "m", "h", "d"} {
-		if num, ok := strings.CutSuffix(s, unit); ok {
-			return num != "" && strings.Trim(num, "0123456789.") == ""
-		}
-	}
-	return false
-}
-
 // provision computes the zone's runtime state. The zone must be valid.
 func (z *Zone) provision(ctx caddy.Context) error {
 	z.setDefaults()
@@ -404,9 +226,9 @@ func (z *Zone) provision(ctx caddy.Context) error {
 	}
 	z.rateless = !z.hasRate()
 	if z.Burst == 0 && !z.windowForm() && !z.rateless {
-		z.Burst = z.limit.burst
+		z.Burst = z.limit.Burst
 	}
-	z.costTime = z.limit.costTime(z.Cost)
+	z.costTime = z.limit.CostTime(z.Cost)
 	z.keyKind, z.keyHeader = keyKindOf(z.Key)
 	if z.MatcherSetsRaw != nil {
 		v, err := ctx.LoadModule(z, "MatcherSetsRaw")
@@ -493,7 +315,7 @@ func (z *Zone) buildResponses() {
 	z.boxedName = z.Name
 	z.wouldDenyVar = "http.rate_limit." + z.Name + ".would_deny"
 	z.quotedName = sfString(z.Name)
-	z.policy = fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, z.limit.burst, ceilSeconds(z.limit.burstTime))
+	z.policy = fmt.Sprintf("%s;q=%d;w=%d", z.quotedName, z.limit.Burst, ceilSeconds(z.limit.BurstTime))
 }
 
 // sfString writes a zone name as an RFC 9651 sf-string, which holds only
