@@ -142,7 +142,7 @@ func TestMastersThroughput(t *testing.T) {
 	}
 	requireRedis(t)
 	r := &redisServer{T: t, Port: freePort(t, 0), Dir: t.TempDir()}
-	r.Cmd = exec.Command("taskset", "-c", core, "redis-server", "--bind", "127.0.0.1", "--port", strconv.Itoa(r.Port),
+	r.Cmd = exec.Command("taskset", "-c", core, redistest.ServerBin(), "--bind", "127.0.0.1", "--port", strconv.Itoa(r.Port),
 		"--save", "", "--appendonly", "no", "--dir", r.Dir)
 	if err := r.Cmd.Start(); err != nil {
 		t.Fatal(err)

@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -626,12 +627,12 @@ func TestRedisTLS(t *testing.T) {
 		"--tls-port", strconv.Itoa(port), "--tls-cert-file", writeFile(t, dir, "cert.pem", certPEM),
 		"--tls-key-file", writeFile(t, dir, "key.pem", keyPEM), "--tls-ca-cert-file", ca,
 		"--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", dir}}
-	r.Cmd = exec.Command("redis-server", r.Args...)
+	r.Cmd = exec.Command(redistest.ServerBin(), r.Args...)
 	if err := r.Cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(r.Kill)
-	waitFor(t, 10*time.Second, "redis-server with TLS", func() bool {
+	waitFor(t, 10*time.Second, "the server with TLS", func() bool {
 		_, err := r.TryCLI("--tls", "--cacert", ca, "PING")
 		return err == nil
 	})
@@ -1188,7 +1189,7 @@ func TestRedisMemoryPerKey(t *testing.T) {
 // commands the script ran, while a handler decides every kind of zone.
 func TestScriptsDeclareTheirKeys(t *testing.T) {
 	r := startRedis(t)
-	mon := exec.Command("redis-cli", "-p", strconv.Itoa(r.Port), "MONITOR")
+	mon := exec.Command(redistest.CLIBin(), "-p", strconv.Itoa(r.Port), "MONITOR")
 	out, err := mon.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)

@@ -3,6 +3,7 @@
 #   quick  under 2 minutes (the default)
 #   full   under 10 minutes; the results committed in bench/results/
 # Needs Go, redis-server and wrk: apt-get install redis-server wrk
+# (RATE_LIMIT_REDIS_SERVER=valkey-server runs another server instead.)
 # Extra flags go to the harness, e.g. -note "machine shared with CI" or
 # -only noisy,throughput,memory. Results go to bench/results/ (-out to change).
 set -euo pipefail
@@ -19,7 +20,7 @@ quick | full) shift || true ;;
 esac
 
 missing=()
-for tool in go redis-server wrk; do
+for tool in go "${RATE_LIMIT_REDIS_SERVER:-redis-server}" wrk; do
 	command -v "$tool" >/dev/null || missing+=("$tool")
 done
 if [ ${#missing[@]} -gt 0 ]; then

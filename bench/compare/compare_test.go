@@ -41,6 +41,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/go-redis/redis_rate/v10"
@@ -305,7 +306,8 @@ func newHandler(b *testing.B, config string) *ratelimit.Handler {
 	return h
 }
 
-// startRedis starts a throwaway redis-server on a free port.
+// startRedis starts a throwaway redis-server on a free port (or the server
+// that RATE_LIMIT_REDIS_SERVER names).
 func startRedis(b *testing.B) string {
 	b.Helper()
 	l, err := net.Listen("tcp", "127.0.0.1:0")
@@ -314,10 +316,10 @@ func startRedis(b *testing.B) string {
 	}
 	port := l.Addr().(*net.TCPAddr).Port
 	l.Close()
-	cmd := exec.Command("redis-server", "--bind", "127.0.0.1", "--port", strconv.Itoa(port),
+	cmd := exec.Command(redistest.ServerBin(), "--bind", "127.0.0.1", "--port", strconv.Itoa(port),
 		"--save", "", "--appendonly", "no", "--dir", b.TempDir())
 	if err := cmd.Start(); err != nil {
-		b.Fatalf("starting redis-server (apt-get install redis-server): %v", err)
+		b.Fatalf("starting %s (apt-get install redis-server): %v", redistest.ServerBin(), err)
 	}
 	b.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 	addr := "127.0.0.1:" + strconv.Itoa(port)
@@ -325,7 +327,7 @@ func startRedis(b *testing.B) string {
 	defer c.Close()
 	for deadline := time.Now().Add(10 * time.Second); c.Ping(context.Background()).Err() != nil; {
 		if time.Now().After(deadline) {
-			b.Fatal("redis-server did not start")
+			b.Fatal(redistest.ServerBin() + " did not start")
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The long version of the fault and attack scenarios (faults_test.go):
 # bench/faults/run.sh, or make faults. Writes bench/faults/RESULTS.md.
-# Needs Go and redis-server (apt-get install redis-server).
+# Needs Go and redis-server (apt-get install redis-server), or the server
+# that RATE_LIMIT_REDIS_SERVER names.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -53,7 +54,7 @@ minutes=$(( ($(date +%s) - start + 59) / 60 )) load_after=$(cut -d' ' -f1-3 /pro
 	echo "# Fault and attack scenarios: results of the long version"
 	echo
 	echo "Run with \`make faults\` (bench/faults/run.sh) on $(date -u +%Y-%m-%d), commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!bench/faults' || echo ' plus uncommitted changes'), in about $minutes minutes."
-	echo "Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'); $(go version | cut -d' ' -f3); $(redis-server --version | cut -d' ' -f3 | tr -d 'v='); load average $load_before before the run, $load_after after."
+	echo "Machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'); $(go version | cut -d' ' -f3); $("${RATE_LIMIT_REDIS_SERVER:-redis-server}" --version | cut -d' ' -f1,3 | tr -d 'v='); load average $load_before before the run, $load_after after."
 	echo "The commands it ran, each with RATELIMIT_FAULTS=long (the long version) and RATELIMIT_FAULTS_REPORT (this file), from the repository's root:"
 	echo
 	echo '```sh'

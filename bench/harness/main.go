@@ -19,6 +19,8 @@ import (
 	"strings"
 	"syscall"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 )
 
 var nan = math.NaN()
@@ -135,7 +137,7 @@ func (e *env) run(phases []string, note string) error {
 			return fmt.Errorf("%v (run bench/run.sh, which builds it)", err)
 		}
 	}
-	for _, tool := range []string{"redis-server", "wrk"} {
+	for _, tool := range []string{redistest.ServerBin(), "wrk"} {
 		if _, err := exec.LookPath(tool); err != nil {
 			return fmt.Errorf("%s not found: apt-get install redis-server wrk", tool)
 		}

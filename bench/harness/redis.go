@@ -14,10 +14,12 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/bench/internal/benchkit"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 )
 
-// redisServer is the harness's own redis-server, on a free loopback port,
-// without persistence.
+// redisServer is the harness's own redis-server (or the server that
+// RATE_LIMIT_REDIS_SERVER names), on a free loopback port, without
+// persistence.
 type redisServer struct {
 	proc    *proc
 	addr    string
@@ -33,7 +35,7 @@ func startRedis(tmp string) (*redisServer, error) {
 	if err := mkdir(dir); err != nil {
 		return nil, err
 	}
-	p, err := start("redis-server", filepath.Join(tmp, "redis.log"), nil, "redis-server",
+	p, err := start("redis-server", filepath.Join(tmp, "redis.log"), nil, redistest.ServerBin(),
 		"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
 		"--daemonize", "no", "--dir", dir, "--databases", "1")
 	if err != nil {

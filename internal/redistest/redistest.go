@@ -3,13 +3,14 @@
 
 // Package redistest starts throwaway redis-server processes on free
 // ports for tests, so that a test can kill, pause and restart them. It is
-// imported by tests only.
+// imported by tests and benchmarks only.
 package redistest
 
 import (
 	"net"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -18,16 +19,49 @@ import (
 	"time"
 )
 
-// Require skips the test, loudly, when redis-server is missing, and fails
-// it in CI, where the Redis tests must run.
+// The variables that name the server and its command-line client, so
+// that the tests run on any Redis-compatible server:
+//
+//	RATE_LIMIT_REDIS_SERVER=valkey-server go test ./...
+//
+// The server is redis-server by default. The client is, by default, the
+// server's own: its name with -cli for -server, in the server's folder
+// when it is named by a path (valkey-server: valkey-cli); else redis-cli.
+const (
+	ServerEnv = "RATE_LIMIT_REDIS_SERVER"
+	CLIEnv    = "RATE_LIMIT_REDIS_CLI"
+)
+
+// ServerBin is the server binary the tests start.
+func ServerBin() string {
+	if bin := os.Getenv(ServerEnv); bin != "" {
+		return bin
+	}
+	return "redis-server"
+}
+
+// CLIBin is the command-line client the tests run.
+func CLIBin() string {
+	if bin := os.Getenv(CLIEnv); bin != "" {
+		return bin
+	}
+	dir, name := filepath.Split(ServerBin())
+	if base, ok := strings.CutSuffix(name, "-server"); ok {
+		return dir + base + "-cli"
+	}
+	return "redis-cli"
+}
+
+// Require skips the test, loudly, when the server or its client is
+// missing, and fails it in CI, where the Redis tests must run.
 func Require(t testing.TB) {
 	t.Helper()
-	for _, bin := range []string{"redis-server", "redis-cli"} {
+	for _, bin := range []string{ServerBin(), CLIBin()} {
 		if _, err := exec.LookPath(bin); err != nil {
 			if os.Getenv("CI") == "true" {
-				t.Fatalf("%s not found: CI must run the Redis tests (apt-get install redis-server)", bin)
+				t.Fatalf("%s not found: CI must run the Redis tests (apt-get install redis-server, or name the server in %s)", bin, ServerEnv)
 			}
-			t.Skipf("REDIS TESTS SKIPPED: %s not found in PATH (apt-get install redis-server)", bin)
+			t.Skipf("REDIS TESTS SKIPPED: %s not found (apt-get install redis-server, or name the server in %s and its client in %s)", bin, ServerEnv, CLIEnv)
 		}
 	}
 }
@@ -57,10 +91,10 @@ func Start(t testing.TB, extra ...string) *Server {
 // Start starts the server (again) with its arguments.
 func (r *Server) Start() {
 	r.T.Helper()
-	r.Cmd = exec.Command("redis-server", r.Args...)
+	r.Cmd = exec.Command(ServerBin(), r.Args...)
 	r.Cmd.Dir = r.Dir
 	if err := r.Cmd.Start(); err != nil {
-		r.T.Fatalf("starting redis-server: %v", err)
+		r.T.Fatalf("starting %s: %v", ServerBin(), err)
 	}
 	r.WaitReady()
 }
@@ -75,7 +109,7 @@ func (r *Server) WaitReady() {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	r.T.Fatalf("redis-server on port %d did not start", r.Port)
+	r.T.Fatalf("%s on port %d did not start", ServerBin(), r.Port)
 }
 
 // Addr is the server's address.
@@ -100,18 +134,19 @@ func (r *Server) Pause() { _ = r.Cmd.Process.Signal(syscall.SIGSTOP) }
 // Resume unfreezes a paused server.
 func (r *Server) Resume() { _ = r.Cmd.Process.Signal(syscall.SIGCONT) }
 
-// TryCLI runs redis-cli against the server.
+// TryCLI runs the command-line client against the server.
 func (r *Server) TryCLI(args ...string) (string, error) {
-	out, err := exec.Command("redis-cli", append([]string{"-p", strconv.Itoa(r.Port)}, args...)...).CombinedOutput()
+	out, err := exec.Command(CLIBin(), append([]string{"-p", strconv.Itoa(r.Port)}, args...)...).CombinedOutput()
 	return strings.TrimSpace(string(out)), err
 }
 
-// CLI runs redis-cli against the server, and fails the test if it fails.
+// CLI runs the command-line client against the server, and fails the
+// test if it fails.
 func (r *Server) CLI(args ...string) string {
 	r.T.Helper()
 	out, err := r.TryCLI(args...)
 	if err != nil {
-		r.T.Fatalf("redis-cli %v: %v: %s", args, err, out)
+		r.T.Fatalf("%s %v: %v: %s", CLIBin(), args, err, out)
 	}
 	return out
 }
@@ -236,8 +271,8 @@ func StartClusterWith(t testing.TB, replicas int, extra ...string) []*Server {
 	}
 	args := append([]string{"--cluster", "create"}, addrs...)
 	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
-	if out, err := exec.Command("redis-cli", args...).CombinedOutput(); err != nil {
-		t.Fatalf("redis-cli --cluster create: %v: %s", err, out)
+	if out, err := exec.Command(CLIBin(), args...).CombinedOutput(); err != nil {
+		t.Fatalf("%s --cluster create: %v: %s", CLIBin(), err, out)
 	}
 	deadline := time.Now().Add(20 * time.Second)
 	for _, n := range nodes {
