@@ -263,6 +263,13 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 				rz.counts = newCounters(overLimitCacheKeys, time.Now())
 			}
 		}
+		// A store whose zones ask Redis something asks it at load
+		// whether it runs scripts, so that a refusal is said then rather
+		// than at the first request; one whose zones ask nothing (an
+		// adaptive limit alone) never calls Redis.
+		if z.bucket || z.quota != "" || z.slots {
+			s.client.Check(s.logger, s.FailMode, s.callTimeout)
+		}
 	}
 	return s.bindSync(zones)
 }

@@ -333,9 +333,11 @@ func TestRedisFailModes(t *testing.T) {
 				fmt.Sprintf(`,"fail_mode":%q,"timeout":%d`, mode, timeout)))
 			ip := "203.0.113.1"
 			// Another key first, until Redis has decided one: the first
-			// call dials and loads the script, which a loaded machine
-			// may not do within the short timeout.
-			for deadline := time.Now().Add(5 * time.Second); r.Calls() == 0; {
+			// call loads the script, which a loaded machine may not do
+			// within the short timeout. (The store's check at load ran
+			// a script of its own.)
+			checked := r.Calls()
+			for deadline := time.Now().Add(5 * time.Second); r.Calls() == checked; {
 				if time.Now().After(deadline) {
 					t.Fatal("Redis decided nothing in 5s")
 				}
@@ -613,6 +615,145 @@ func waitFor(t *testing.T, d time.Duration, what string, cond func() bool) {
 		}
 		time.Sleep(50 * time.Millisecond)
 	}
+}
+
+// A Redis that refuses the scripts, to an ACL user without +evalsha and
+// +eval or as a server that has none, is said once, when the config
+// loads: which commands the store needs, and why. Then fail_mode decides
+// every request at once, without a call to Redis or a line in the log,
+// and the store decides again soon after the user is granted them.
+func TestRedisScriptsRefused(t *testing.T) {
+	requireRedis(t)
+	c := startFaultCaddy(t, `respond "idle"`, false)
+	noScripts := []string{"--rename-command", "EVALSHA", "", "--rename-command", "EVAL", ""}
+	for _, tc := range []struct {
+		name, mode, says string
+		server           []string // the server's arguments
+	}{
+		{"acl local", "local", "redis refuses this user the scripts", nil},
+		{"acl open", "open", "redis refuses this user the scripts", nil},
+		{"acl closed", "closed", "redis refuses this user the scripts", nil},
+		{"no scripts closed", "closed", "redis cannot run the scripts", noScripts},
+		{"no scripts local", "local", "redis cannot run the scripts", noScripts},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := startRedis(t, tc.server...)
+			r.CLI("ACL", "SETUSER", "limited", "on", ">pw-limited", "~*", "+@all", "-eval", "-evalsha", "-script")
+			mark := c.logs.mark()
+			c.load(fmt.Sprintf(`rate_limit {
+		zone refused {
+			key {http.request.header.X-Key}
+			rate 1r/m
+			burst 2
+		}
+		store redis {
+			address %s
+			username limited
+			password pw-limited
+			fail_mode %s
+		}
+	}
+	respond "ok"`, r.Addr(), tc.mode))
+			refusal := waitLogLine(t, c, mark, tc.says)
+			for _, want := range []string{`"level":"error"`, "+evalsha +eval", "EVALSHA", `"user":"limited"`, `"fail_mode":"` + tc.mode + `"`} {
+				if tc.server != nil && want == "+evalsha +eval" {
+					want = "Lua scripting"
+				}
+				if !strings.Contains(refusal, want) {
+					t.Errorf("the refusal does not say %s: %s", want, refusal)
+				}
+			}
+
+			// Every request is decided by fail_mode, none by a call.
+			refused := errorReplies(t, r)
+			began := time.Now()
+			want := map[string]string{"local": "200 200 429", "open": "200 200 200", "closed": "503 503 503"}[tc.mode]
+			for k := range 10 {
+				var codes []string
+				for range 3 {
+					codes = append(codes, strconv.Itoa(send(c.client, c.url, "X-Key", fmt.Sprintf("keysecret-%d", k)).status))
+				}
+				if got := strings.Join(codes, " "); got != want {
+					t.Errorf("key %d: %s, want %s (fail_mode %s)", k, got, want, tc.mode)
+				}
+			}
+			// The probes alone ask Redis, at most every half second.
+			probes := int(time.Since(began)/rediswire.MaxBackoff) + 2
+			if n := errorReplies(t, r) - refused; n > probes {
+				t.Errorf("Redis refused %d calls during 30 requests, more than the %d probes: requests still ask Redis", n, probes)
+			}
+			lines := storeLines(c.logs.since(mark))
+			if len(lines) != 1 {
+				t.Errorf("%d warnings and errors from the handler and store, want the refusal alone:\n%s", len(lines), strings.Join(lines, "\n"))
+			}
+			for _, l := range lines {
+				if strings.Contains(l, "keysecret") {
+					t.Errorf("a log line holds a key: %s", l)
+				}
+			}
+			if tc.server != nil {
+				return
+			}
+
+			// Granted the scripts, the store decides again by Redis.
+			r.CLI("ACL", "SETUSER", "limited", "+evalsha", "+eval")
+			hash, field := bucketName(t, "rl:", "refused", "1r/m", 2, "granted")
+			waitFor(t, 2*time.Second, "the store to decide by Redis", func() bool {
+				send(c.client, c.url, "X-Key", "granted")
+				return r.CLI("HEXISTS", hash, field) == "1"
+			})
+			waitLogLine(t, c, mark, "redis store available again")
+		})
+	}
+}
+
+// waitLogLine waits for the first line of c's log since mark that holds
+// text, and returns it.
+func waitLogLine(t *testing.T, c *faultCaddy, mark int, text string) string {
+	t.Helper()
+	var found string
+	waitFor(t, 5*time.Second, "a log line that says "+text, func() bool {
+		for _, l := range c.logs.since(mark) {
+			if strings.Contains(l.text, text) {
+				found = l.text
+				return true
+			}
+		}
+		return false
+	})
+	return found
+}
+
+// storeLines are the warnings and errors of the handler and its stores
+// among lines, but the warning of fail_mode open that each load gives.
+func storeLines(lines []logLine) []string {
+	var out []string
+	for _, l := range lines {
+		var e struct{ Level, Logger, Msg string }
+		if json.Unmarshal([]byte(l.text), &e) != nil || !strings.HasPrefix(e.Logger, "http.handlers.rate_limit") ||
+			e.Level != "warn" && e.Level != "error" || strings.HasPrefix(e.Msg, "fail_mode open") {
+			continue
+		}
+		out = append(out, l.text)
+	}
+	return out
+}
+
+// errorReplies is how many error replies Redis has sent: the calls it
+// refused among them.
+func errorReplies(t *testing.T, r *redisServer) int {
+	t.Helper()
+	for _, line := range strings.Split(r.CLI("INFO", "stats"), "\n") {
+		if v, ok := strings.CutPrefix(strings.TrimSpace(line), "total_error_replies:"); ok {
+			n, err := strconv.Atoi(v)
+			if err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+	}
+	t.Fatal("INFO stats has no total_error_replies")
+	return 0
 }
 
 // The store talks TLS to a Redis that only speaks TLS, trusting the CA

@@ -47,6 +47,10 @@ func (b *Breaker) Success() bool {
 // breaker stays open, as another may still be down.
 func (b *Breaker) Answered() { b.failures.Store(0) }
 
+// Trip opens the breaker at once: Redis answered that no call can
+// succeed. It reports whether that opened it.
+func (b *Breaker) Trip() bool { return b.opened.CompareAndSwap(false, true) }
+
 // Outage records that Redis did not answer, or answered that it cannot
 // serve. It reports whether that opened the breaker. An outage of a call
 // made before the breaker opened changes nothing once it is open.

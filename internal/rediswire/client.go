@@ -14,6 +14,7 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -41,6 +42,12 @@ type Client struct {
 	outageLogs throttle.Throttle
 	outageSaid atomic.Bool  // its start was logged, its end not yet
 	rtt        atomic.Int64 // a moving average of the calls' round trips, in nanoseconds
+	// A refusal of the scripts is logged once, until Redis runs them
+	// again, and at most once every outageLogPeriod; it names the user.
+	refusalLogs throttle.Throttle
+	refusalSaid atomic.Bool
+	user        string
+	checked     atomic.Bool // Check asked Redis
 
 	// The least lag seen lately between Redis's clock and this process's
 	// receipt of a reply decided by it: what links the two clocks (see
@@ -63,7 +70,8 @@ func NewClient(opts *redis.UniversalOptions, scripts *Scripts) (c *Client, err e
 	cc, cluster := uc.(*redis.ClusterClient)
 	poolSize := cmp.Or(opts.PoolSize, 10*runtime.GOMAXPROCS(0)) // go-redis's default
 	pipe := &pipeline{client: uc, scripts: scripts, cluster: cluster, maxFlights: maxFlights(poolSize)}
-	return &Client{UniversalClient: uc, Cluster: cluster, cluster: cc, pipe: pipe, scripts: scripts, closed: make(chan struct{})}, nil
+	return &Client{UniversalClient: uc, Cluster: cluster, cluster: cc, pipe: pipe, scripts: scripts, closed: make(chan struct{}),
+		user: cmp.Or(opts.Username, "default")}, nil
 }
 
 // Destruct closes the client when no config uses it any more.
@@ -99,7 +107,8 @@ func (c *Client) recovered(logger *zap.Logger) {
 
 // Failed records an outage, seen by a call that failed with err. When it
 // opens the breaker, the outage is logged, and Redis is probed in the
-// background until it answers.
+// background until it answers. A refusal of the scripts is not an
+// outage, and is recorded as a refusal (see Refuse).
 //
 // On a cluster, the client also asks for the slots again at once (in the
 // background, at most every 200 ms however many calls fail): go-redis
@@ -108,14 +117,57 @@ func (c *Client) recovered(logger *zap.Logger) {
 // master that failed over would go on being sent to it for up to a
 // minute after its replica took them over.
 func (c *Client) Failed(logger *zap.Logger, failMode string, err error) {
+	if Classify(err) == Refused {
+		c.Refuse(logger, failMode, err)
+		return
+	}
 	if c.cluster != nil {
 		c.cluster.ReloadState(context.Background())
 	}
 	if c.Breaker.Outage() {
 		c.LogOutage(logger, failMode, err)
-		go c.probe(logger)
+		go c.probe(logger, failMode)
 	}
 }
+
+// Refuse records that Redis refuses the scripts, as err says: no call can
+// succeed until its ACL or its modules change, so the breaker opens at
+// once, rather than after outages in a row, and fail_mode decides every
+// request without a call; the refusal is logged once. Redis is probed in
+// the background, as after an outage, so the store decides again soon
+// after the scripts are allowed.
+func (c *Client) Refuse(logger *zap.Logger, failMode string, err error) {
+	c.LogRefusal(logger, failMode, err)
+	if c.Breaker.Trip() {
+		go c.probe(logger, failMode)
+	}
+}
+
+// Check asks Redis once, within timeout, whether it runs scripts for
+// this client's user: a script that does nothing, sent with EVAL and then
+// EVALSHA, the commands the store runs its scripts by (the store's own
+// are loaded by their first call, as without the check). A refusal is
+// recorded (see Refuse) before any request pays a call for it; any other
+// answer, NOSCRIPT included, or none (Caddy starts while Redis is down)
+// is left to the requests, whose calls find a refusal as well when Redis
+// comes. A client checks once: a reload that keeps it keeps what it found.
+func (c *Client) Check(logger *zap.Logger, failMode string, timeout time.Duration) {
+	if !c.checked.CompareAndSwap(false, true) {
+		return
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	err := checkScript.Eval(ctx, c, nil).Err()
+	if err == nil {
+		err = checkScript.EvalSha(ctx, c, nil).Err()
+	}
+	if err != nil && Classify(err) == Refused {
+		c.Refuse(logger, failMode, err)
+	}
+}
+
+// checkScript is the script Check sends: it does nothing.
+var checkScript = redis.NewScript("return 0")
 
 // probe asks Redis, after a backoff that doubles up to MaxBackoff, until
 // it answers as a decision needs: the decision script runs (it is loaded
@@ -125,8 +177,9 @@ func (c *Client) Failed(logger *zap.Logger, failMode string, err error) {
 // one that Redis would answer later is answered as soon as Redis can
 // (a frozen Redis answers what it was sent when it thaws), so a Redis
 // that is back decides again within MaxBackoff and a round trip. It
-// stops when the client is closed.
-func (c *Client) probe(logger *zap.Logger) {
+// stops when the client is closed. A probe that Redis refuses the scripts
+// logs the refusal, once (it may follow an outage).
+func (c *Client) probe(logger *zap.Logger, failMode string) {
 	backoff := MinBackoff
 	for {
 		select {
@@ -140,6 +193,9 @@ func (c *Client) probe(logger *zap.Logger) {
 		if err == nil || Classify(err) == Answered {
 			c.recovered(logger)
 			return
+		}
+		if Classify(err) == Refused {
+			c.LogRefusal(logger, failMode, err)
 		}
 		backoff = min(2*backoff, MaxBackoff)
 	}
@@ -155,19 +211,22 @@ const probeKey = "{rate_limit}probe"
 // new ones that took over a dead one's slots included, and not while one
 // of them is still down.
 func (c *Client) ping(ctx context.Context) error {
-	run := func(ctx context.Context, r redis.Scripter) error {
-		return c.scripts.decide.Run(ctx, r, nil, "", 0, 0).Err() // no decisions
-	}
-	var err error
-	if c.cluster != nil {
-		err = c.cluster.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error { return run(ctx, m) })
-	} else {
-		err = run(ctx, c.UniversalClient)
-	}
-	if err != nil {
+	if err := c.decideNothing(ctx); err != nil {
 		return err
 	}
 	return c.PExpire(ctx, probeKey, time.Millisecond).Err()
+}
+
+// decideNothing runs the decision script without decisions, loading it
+// if Redis lacks it.
+func (c *Client) decideNothing(ctx context.Context) error {
+	run := func(ctx context.Context, r redis.Scripter) error {
+		return c.scripts.decide.Run(ctx, r, nil, "", 0, 0).Err()
+	}
+	if c.cluster != nil {
+		return c.cluster.ForEachMaster(ctx, func(ctx context.Context, m *redis.Client) error { return run(ctx, m) })
+	}
+	return run(ctx, c.UniversalClient)
 }
 
 // Run sends call, through the pipeline, and returns its reply by the
@@ -242,9 +301,34 @@ func (c *Client) LogOutage(logger *zap.Logger, failMode string, err error) {
 	}
 }
 
-// LogRecovery logs that Redis answers again, if its going was logged.
+// LogRefusal logs, at ERROR, that Redis refuses the scripts (err says
+// how), what the store needs and why, unless that was logged since the
+// store last decided, or less than outageLogPeriod ago. The reply is
+// logged without the arguments it may echo, among which are keys.
+func (c *Client) LogRefusal(logger *zap.Logger, failMode string, err error) {
+	if c.refusalSaid.Load() {
+		return
+	}
+	if _, ok := c.refusalLogs.Allow(outageLogPeriod); !ok || !c.refusalSaid.CompareAndSwap(false, true) {
+		return
+	}
+	reply, _ := scriptsRefused(err)
+	msg := "redis cannot run the scripts the store decides by: it needs Lua scripting " +
+		"(EVALSHA, and EVAL when Redis lacks the script; on Valkey 9.1 and later, its Lua module loaded); " +
+		"until then fail_mode decides every request"
+	if strings.HasPrefix(reply, "NOPERM") {
+		msg = "redis refuses this user the scripts the store decides by: grant it +evalsha +eval " +
+			"(each decision is a Lua script, run with EVALSHA, and with EVAL when Redis lacks it); " +
+			"until then fail_mode decides every request"
+	}
+	logger.Error(msg, zap.String("user", c.user), zap.String("fail_mode", failMode), zap.String("error", reply))
+}
+
+// LogRecovery logs that Redis answers again, if its going, or its refusal
+// of the scripts, was logged.
 func (c *Client) LogRecovery(logger *zap.Logger) {
-	if c.outageSaid.CompareAndSwap(true, false) {
+	outage, refusal := c.outageSaid.Swap(false), c.refusalSaid.Swap(false)
+	if outage || refusal {
 		logger.Info("redis store available again")
 	}
 }

@@ -5,6 +5,7 @@ package rediswire
 
 import (
 	"errors"
+	"strings"
 
 	"github.com/redis/go-redis/v9"
 )
@@ -25,6 +26,7 @@ const (
 	Outage   Kind = iota // Redis is unreachable, slow, or cannot serve
 	Answered             // Redis answered, with an error about this call's keys
 	Unknown              // the call never reached Redis: the client was closed, or its pool full
+	Refused              // Redis answers, but will not run the scripts: no call can succeed until its ACL or its modules change
 )
 
 // outageReplies are the error replies that say Redis cannot serve at all:
@@ -45,6 +47,9 @@ func Classify(err error) Kind {
 	if errors.Is(err, ErrBadReply) || errors.Is(err, ErrWindow) {
 		return Answered
 	}
+	if _, ok := scriptsRefused(err); ok {
+		return Refused
+	}
 	if reply, ok := errors.AsType[redis.Error](err); ok {
 		for _, prefix := range outageReplies {
 			if redis.HasErrorPrefix(reply, prefix) {
@@ -54,4 +59,44 @@ func Classify(err error) Kind {
 		return Answered
 	}
 	return Outage // dial errors, timeouts, resets
+}
+
+// scriptCommands are the commands by which the store runs its scripts:
+// EVALSHA, and EVAL when Redis lacks the script (NOSCRIPT).
+var scriptCommands = []string{"evalsha", "eval"}
+
+// scriptsRefused reports whether err is Redis refusing the scripts, and
+// returns its reply without the arguments it may echo (a client's key
+// among them): this user may not run them (an ACL without +evalsha or
+// +eval: NOPERM, naming the command), the server has no such command
+// (built without scripting, or the command renamed away), or no Lua to
+// run them (Valkey 9.1 with its Lua module unloaded has no script,
+// NOSCRIPT, then refuses the EVAL that sends it).
+func scriptsRefused(err error) (string, bool) {
+	reply, ok := errors.AsType[redis.Error](err)
+	if !ok {
+		return "", false
+	}
+	msg := reply.Error()
+	if strings.HasPrefix(msg, "ERR Could not find scripting engine") {
+		return msg, true
+	}
+	named := ""
+	if rest, ok := strings.CutPrefix(msg, "NOPERM "); ok {
+		_, named, _ = strings.Cut(rest, "to run the ")
+	} else if rest, ok := strings.CutPrefix(msg, "ERR unknown command "); ok {
+		named = rest
+		msg, _, _ = strings.Cut(msg, ", with args")
+	}
+	// The command is quoted, '...' (or `...` before Redis 7).
+	if len(named) < 2 || named[0] != '\'' && named[0] != '`' {
+		return "", false
+	}
+	cmd, _, _ := strings.Cut(named[1:], named[:1])
+	for _, c := range scriptCommands {
+		if strings.EqualFold(cmd, c) {
+			return msg, true
+		}
+	}
+	return "", false
 }

@@ -54,3 +54,57 @@ func TestClassifyRedisErrors(t *testing.T) {
 		}
 	}
 }
+
+// Redis refusing the scripts is a kind of its own: to an ACL user
+// without +evalsha or +eval (NOPERM, as Redis 6.2 to 7.2 word it), as a
+// server without the commands, or, on Valkey 9.1 with its Lua module
+// unloaded, without Lua. Other refusals keep their kind, and the reply
+// logged keeps none of the arguments the server echoes.
+func TestClassifyRefusedScripts(t *testing.T) {
+	r := redistest.Start(t)
+	r.CLI("ACL", "SETUSER", "limited", "on", ">pw", "~*", "+@all", "-eval", "-evalsha", "-script")
+	ctx := context.Background()
+	c := redis.NewClient(&redis.Options{Addr: r.Addr()})
+	defer c.Close()
+	limited := redis.NewClient(&redis.Options{Addr: r.Addr(), Username: "limited", Password: "pw"})
+	defer limited.Close()
+	bare := redis.NewClient(&redis.Options{Addr: redistest.Start(t, "--rename-command", "EVALSHA", "").Addr()})
+	defer bare.Close()
+	const sha = "0123456789012345678901234567890123456789"
+	reply := func(msg string) error {
+		return c.Eval(ctx, "return redis.error_reply(ARGV[1])", nil, msg).Err()
+	}
+	for _, tc := range []struct {
+		name, logged string
+		err          error
+		want         Kind
+	}{
+		{"NOPERM evalsha", "NOPERM this user has no permissions to run the 'evalsha' command",
+			limited.EvalSha(ctx, sha, nil).Err(), Refused},
+		{"NOPERM eval", "NOPERM this user has no permissions to run the 'eval' command",
+			limited.Eval(ctx, "return 1", nil).Err(), Refused},
+		{"NOPERM, Redis 6.2", "NOPERM this user has no permissions to run the 'evalsha' command or its subcommand",
+			reply("NOPERM this user has no permissions to run the 'evalsha' command or its subcommand"), Refused},
+		{"NOPERM, Redis 7.2", "NOPERM User limited has no permissions to run the 'eval' command",
+			reply("NOPERM User limited has no permissions to run the 'eval' command"), Refused},
+		{"unknown command", "ERR unknown command 'evalsha'",
+			bare.EvalSha(ctx, sha, []string{"rl:{1}secret"}).Err(), Refused},
+		{"unknown command, Redis 6", "ERR unknown command `EVALSHA`",
+			reply("ERR unknown command `EVALSHA`, with args beginning with: `x`, `1`, `rl:{1}secret`, "), Refused},
+		{"no Lua", "ERR Could not find scripting engine 'lua'",
+			reply("ERR Could not find scripting engine 'lua'"), Refused},
+		{"NOPERM of another command", "", limited.ScriptFlush(ctx).Err(), Outage},
+		{"NOPERM of a key", "", reply("NOPERM this user has no permissions to access one of the keys used as arguments"), Outage},
+		{"another unknown command", "", reply("ERR unknown command 'evalshax', with args beginning with: "), Answered},
+	} {
+		if tc.err == nil {
+			t.Fatalf("%s: no error to classify", tc.name)
+		}
+		if got := Classify(tc.err); got != tc.want {
+			t.Errorf("%s (%v): kind %d, want %d", tc.name, tc.err, got, tc.want)
+		}
+		if logged, _ := scriptsRefused(tc.err); logged != tc.logged {
+			t.Errorf("%s (%v): logged as %q, want %q", tc.name, tc.err, logged, tc.logged)
+		}
+	}
+}
