@@ -1350,59 +1350,7 @@ func TestScriptsDeclareTheirKeys(t *testing.T) {
 	}()
 	time.Sleep(100 * time.Millisecond) // MONITOR is on
 
-	h := newTestHandler(t, `{"zones":[
-		{"name":"mon_a","rate":"1r/m","burst":3},
-		{"name":"mon_b","rate":"1r/m","burst":1,"ban":"1h"},
-		{"name":"mon_d","rate":"1r/m","burst":1,"delay":"10ms"},
-		{"name":"mon_q","quota":2,"quota_period":"day"},
-		{"name":"mon_k","concurrency":2},
-		{"name":"mon_p","rate":"{http.vars.plan_rate}","burst":2},
-		{"name":"mon_n","rate":"1r/m","burst":2,"count":{"status_code":[401]}},
-		{"name":"mon_s","concurrency":1,"dry_run":true}],
-		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"mon:"}}`)
-	// Keys with their own limit: the script reads and writes their
-	// buckets under it, beside the others.
-	for _, z := range []*Zone{h.Zones[0], h.Zones[5]} {
-		o, err := z.overrideOf(limitBody{Rate: "2r/m", Burst: new(int64(4))}, time.Now())
-		if err == nil {
-			err = h.store.setOverride(context.Background(), time.Now(), z.index, z.keyFor("192.0.2.9"), o)
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-	}
-	// While the first request holds its slots, every zone's state in
-	// Redis, through the admin API.
-	peek := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
-		for _, z := range h.Zones {
-			rec := httptest.NewRecorder()
-			if err := (adminAPI{}).serve(rec, httptest.NewRequest(http.MethodGet, "/rate_limit/"+z.Name+"/192.0.2.9", nil)); err != nil {
-				t.Errorf("admin GET of zone %s: %v", z.Name, err)
-			}
-		}
-		return nil
-	})
-	for i := range 4 {
-		req, rr := newRequest("192.0.2.9")
-		caddyhttp.SetVar(req.Context(), "plan_rate", "2r/m")
-		next := okHandler
-		if i == 0 {
-			next = peek
-		}
-		_ = h.ServeHTTP(rr, req, next)
-	}
-	// A flood of one key: many takes in one call.
-	flood := newTestHandler(t, `{"zones":[{"name":"mon_f","rate":"1r/m","burst":5}],
-		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"mon:","disable_over_limit_cache":true}}`)
-	var wg sync.WaitGroup
-	for range 64 {
-		wg.Go(func() { serve(flood, "192.0.2.10") })
-	}
-	wg.Wait()
-	// A key's own limit removed, with its place in the zone's list.
-	if _, err := h.store.deleteOverride(context.Background(), time.Now(), h.Zones[0].index, h.Zones[0].keyFor("192.0.2.9")); err != nil {
-		t.Fatal(err)
-	}
+	everyKind(t, r.Addr(), `"key_prefix":"mon:"`)
 
 	time.Sleep(100 * time.Millisecond)
 	_ = mon.Process.Kill()
@@ -1436,6 +1384,98 @@ func TestScriptsDeclareTheirKeys(t *testing.T) {
 			t.Errorf("no script ran %s: the test does not reach every part of the scripts", cmd)
 		}
 	}
+}
+
+// The ACL user of docs/redis.md is enough: as that user, a store of
+// every kind of zone decides, reads, sets and removes keys' own limits
+// and resets a key with no error, and Redis refuses it nothing.
+func TestRedisDocumentedACLUser(t *testing.T) {
+	r := startRedis(t)
+	doc, err := os.ReadFile("docs/redis.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	user := regexp.MustCompile(`(?m)^\s*user caddy on >secret (.+)$`).FindSubmatch(doc)
+	if user == nil {
+		t.Fatal("docs/redis.md gives no ACL user `user caddy on >secret ...`")
+	}
+	r.CLI(append([]string{"ACL", "SETUSER", "caddy", "on", ">secret"}, strings.Fields(string(user[1]))...)...)
+	hs := everyKind(t, r.Addr(), `"username":"caddy","password":"secret","fail_mode":"closed"`)
+	rec := httptest.NewRecorder()
+	if err := (adminAPI{}).serve(rec, httptest.NewRequest(http.MethodDelete, "/rate_limit/mon_q/192.0.2.9", nil)); err != nil || rec.Code != http.StatusOK {
+		t.Errorf("admin reset as the user: %d, %v", rec.Code, err)
+	}
+	for _, h := range hs {
+		for _, z := range h.Zones {
+			if n := z.state.storeErrors.Load(); n != 0 {
+				t.Errorf("zone %s: %d decisions failed as the user", z.Name, n)
+			}
+		}
+	}
+	if log := r.CLI("ACL", "LOG"); log != "" {
+		t.Errorf("Redis refused the user:\n%s", log)
+	}
+}
+
+// everyKind has a handler of the store at addr, with the store's fields
+// store (JSON), decide every kind of zone: keys with their own limit set
+// and one removed, the admin API's reads, a flood of one key. It returns
+// the handlers, the flood's last.
+func everyKind(t *testing.T, addr, store string) []*Handler {
+	h := newTestHandler(t, `{"zones":[
+		{"name":"mon_a","rate":"1r/m","burst":3},
+		{"name":"mon_b","rate":"1r/m","burst":1,"ban":"1h"},
+		{"name":"mon_d","rate":"1r/m","burst":1,"delay":"10ms"},
+		{"name":"mon_q","quota":2,"quota_period":"day"},
+		{"name":"mon_k","concurrency":2},
+		{"name":"mon_p","rate":"{http.vars.plan_rate}","burst":2},
+		{"name":"mon_n","rate":"1r/m","burst":2,"count":{"status_code":[401]}},
+		{"name":"mon_s","concurrency":1,"dry_run":true}],
+		"store":{"backend":"redis","addresses":["`+addr+`"],`+store+`}}`)
+	// Keys with their own limit: the script reads and writes their
+	// buckets under it, beside the others.
+	for _, z := range []*Zone{h.Zones[0], h.Zones[5]} {
+		o, err := z.overrideOf(limitBody{Rate: "2r/m", Burst: new(int64(4))}, time.Now())
+		if err == nil {
+			err = h.store.setOverride(context.Background(), time.Now(), z.index, z.keyFor("192.0.2.9"), o)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	// While the first request holds its slots, every zone's state in
+	// Redis, through the admin API.
+	peek := caddyhttp.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) error {
+		for _, z := range h.Zones {
+			rec := httptest.NewRecorder()
+			if err := (adminAPI{}).serve(rec, httptest.NewRequest(http.MethodGet, "/rate_limit/"+z.Name+"/192.0.2.9", nil)); err != nil {
+				t.Errorf("admin GET of zone %s: %v", z.Name, err)
+			}
+		}
+		return nil
+	})
+	for i := range 4 {
+		req, rr := newRequest("192.0.2.9")
+		caddyhttp.SetVar(req.Context(), "plan_rate", "2r/m")
+		next := okHandler
+		if i == 0 {
+			next = peek
+		}
+		_ = h.ServeHTTP(rr, req, next)
+	}
+	// A flood of one key: many takes in one call.
+	flood := newTestHandler(t, `{"zones":[{"name":"mon_f","rate":"1r/m","burst":5}],
+		"store":{"backend":"redis","addresses":["`+addr+`"],`+store+`,"disable_over_limit_cache":true}}`)
+	var wg sync.WaitGroup
+	for range 64 {
+		wg.Go(func() { serve(flood, "192.0.2.10") })
+	}
+	wg.Wait()
+	// A key's own limit removed, with its place in the zone's list.
+	if _, err := h.store.deleteOverride(context.Background(), time.Now(), h.Zones[0].index, h.Zones[0].keyFor("192.0.2.9")); err != nil {
+		t.Fatal(err)
+	}
+	return []*Handler{h, flood}
 }
 
 // monitorLine reads a line of MONITOR: `<time> [<db> <source>] "<cmd>"
