@@ -684,13 +684,15 @@ func (s *RedisStore) releaseSync() error {
 			sz.leave(s)
 		}
 	}
+	// syncIDs stay as they are: the last user drops the store once, and a
+	// request that reached it later (its hold refused) still reads them,
+	// to be decided by fail_mode when its call fails on the closed client.
 	var errs []error
 	for _, id := range s.syncIDs {
 		if _, err := syncZones.Delete(id); err != nil {
 			errs = append(errs, err)
 		}
 	}
-	s.syncIDs = nil
 	return errors.Join(errs...)
 }
 
