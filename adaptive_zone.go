@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/adaptive"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -62,7 +63,7 @@ var adaptiveKind = kind{
 		}
 		return z.ConcurrencyAdaptive.describe()
 	},
-	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
+	info: func(z *Zone, _ store.ZoneStats, info *zoneInfo) {
 		if z.adaptive == nil {
 			return
 		}
@@ -71,13 +72,13 @@ var adaptiveKind = kind{
 		info.Requests["shed"] = st.shed.Load()
 		info.Requests["dry_run_shed"] = st.dryRunShed.Load()
 	},
-	view: func(_ context.Context, _ *Handler, z *Zone, k bucketKey, _ *demands, v *keyView) error {
+	view: func(_ context.Context, _ *Handler, z *Zone, k store.Key, _ *store.Demands, v *keyView) error {
 		if z.adaptive != nil {
 			v.Adaptive = z.adaptive.keyInfo(k)
 		}
 		return nil
 	},
-	forget: func(z *Zone, k bucketKey) bool { return z.adaptive != nil && z.adaptive.forget(k) },
+	forget: func(z *Zone, k store.Key) bool { return z.adaptive != nil && z.adaptive.forget(k) },
 	join: func(h *Handler, z *Zone, st *zoneState) {
 		if z.ConcurrencyAdaptive != nil {
 			z.provisionAdaptive(st)
@@ -102,7 +103,7 @@ var adaptiveKind = kind{
 type adaptiveCounts struct {
 	shed       atomic.Uint64                             // refused by this zone's adaptive limit: 503
 	dryRunShed atomic.Uint64                             // would have been shed (dry run)
-	adaptive   atomic.Pointer[adaptive.Table[bucketKey]] // the keys of an adaptive limit; nil without
+	adaptive   atomic.Pointer[adaptive.Table[store.Key]] // the keys of an adaptive limit; nil without
 }
 
 // AdaptiveConcurrency limits the requests of a key in flight to a number
@@ -214,7 +215,7 @@ func (z *Zone) unmarshalAdaptive(d *caddyfile.Dispenser) (bool, error) {
 
 // adaptiveZone is a zone's adaptive limit at run time.
 type adaptiveZone struct {
-	table   *adaptive.Table[bucketKey] // the keys, shared by the zones of its name and limit
+	table   *adaptive.Table[store.Key] // the keys, shared by the zones of its name and limit
 	shed    error                      // the caddyhttp.HandlerError of a shed request
 	latency prometheus.Observer
 }
@@ -223,7 +224,7 @@ type adaptiveZone struct {
 // state, which zones of one name and limit share across reloads.
 func (z *Zone) provisionAdaptive(st *zoneState) {
 	lo, hi := z.ConcurrencyAdaptive.bounds()
-	st.adaptive.CompareAndSwap(nil, adaptive.NewTable[bucketKey](lo, hi))
+	st.adaptive.CompareAndSwap(nil, adaptive.NewTable[store.Key](lo, hi))
 	z.adaptive = &adaptiveZone{
 		table: st.adaptive.Load(),
 		shed: caddyhttp.HandlerError{
@@ -252,7 +253,7 @@ type adaptiveScratch struct {
 // An adaptivePlace is a request's place in one zone.
 type adaptivePlace struct {
 	zone int
-	key  bucketKey
+	key  store.Key
 	k    *adaptive.Key
 	tk   adaptive.Ticket
 	held bool
@@ -261,7 +262,7 @@ type adaptivePlace struct {
 	wouldShed bool
 }
 
-func (a *adaptiveScratch) add(zone int, key bucketKey) {
+func (a *adaptiveScratch) add(zone int, key store.Key) {
 	a.p = append(a.p, adaptivePlace{zone: zone, key: key})
 }
 
@@ -467,7 +468,7 @@ type adaptiveKeyInfo struct {
 	Probing       bool    `json:"probing,omitempty"`
 }
 
-func (a *adaptiveZone) keyInfo(key bucketKey) *adaptiveKeyInfo {
+func (a *adaptiveZone) keyInfo(key store.Key) *adaptiveKeyInfo {
 	st := adaptive.State{Limit: a.table.Min}
 	if k := a.table.Lookup(key); k != nil {
 		st = k.State()
@@ -478,7 +479,7 @@ func (a *adaptiveZone) keyInfo(key bucketKey) *adaptiveKeyInfo {
 
 // forget starts the key's learning again (the admin API's DELETE), and
 // reports whether it had learnt anything.
-func (a *adaptiveZone) forget(key bucketKey) bool {
+func (a *adaptiveZone) forget(key store.Key) bool {
 	k := a.table.Lookup(key)
 	if k == nil {
 		return false

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/adaptive"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -291,7 +292,7 @@ func TestAdaptiveLogsLargeChanges(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	if limit := h.Zones[0].adaptive.keyInfo(bucketKey{s: "static"}).Limit; limit < 9 {
+	if limit := h.Zones[0].adaptive.keyInfo(store.Key{Text: "static"}).Limit; limit < 9 {
 		t.Fatalf("limit %d after rising twice, want at least 9", limit)
 	}
 	entries := logs.FilterMessage("adaptive concurrency limit changed").All()

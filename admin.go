@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -164,14 +165,14 @@ func (ref zoneRef) info() zoneInfo {
 	if z.rateless {
 		info.Rate, info.Burst = "", 0
 	}
-	stats := ref.h.store.stats(z.index)
+	stats := ref.h.store.Stats(z.index)
 	for _, k := range kinds {
 		if k.info != nil {
 			k.info(z, stats, &info)
 		}
 	}
-	info.TrackedKeys, info.Evictions = stats.keys, stats.evictions
-	if stats.overLimitCache {
+	info.TrackedKeys, info.Evictions = stats.Keys, stats.Evictions
+	if stats.OverLimitCache {
 		n := st.cacheHits.Load()
 		info.OverLimitCacheHits = &n
 	}
@@ -320,8 +321,8 @@ func serveKey(w http.ResponseWriter, r *http.Request, refs []zoneRef, key string
 			}
 			found = found || f
 		}
-		if !d.empty() { // a kind may keep all it knows of a key itself
-			if err := ref.h.store.peek(ctx, time.Now(), &d); err != nil {
+		if !d.Empty() { // a kind may keep all it knows of a key itself
+			if err := ref.h.store.Peek(ctx, time.Now(), &d); err != nil {
 				return apiError(http.StatusBadGateway, "reading the bucket: %v", err)
 			}
 		}
@@ -342,10 +343,10 @@ func serveKey(w http.ResponseWriter, r *http.Request, refs []zoneRef, key string
 
 // demands are the zone's demands of the key k, as a request's would be,
 // to read or reset: its bucket and the kinds' demands.
-func (z *Zone) demands(k bucketKey) demands {
-	var d demands
+func (z *Zone) demands(k store.Key) store.Demands {
+	var d store.Demands
 	if !z.rateless {
-		d.buckets = []bucketDemand{{zone: z.index, key: k, limit: z.adminLimit(), cost: z.costTime}}
+		d.Buckets = []store.BucketDemand{{Zone: z.index, Key: k, Limit: z.adminLimit(), Cost: z.costTime}}
 	}
 	for _, kd := range kinds {
 		if kd.demand != nil {
@@ -356,19 +357,19 @@ func (z *Zone) demands(k bucketKey) demands {
 }
 
 // view describes what d read of the key k, asked for as key.
-func (ref zoneRef) view(ctx context.Context, key string, k bucketKey, d *demands) (*keyView, error) {
+func (ref zoneRef) view(ctx context.Context, key string, k store.Key, d *store.Demands) (*keyView, error) {
 	z := ref.z
 	v := &keyView{Zone: z.Name, Limit: z.id.limit, Key: key, Bucket: k.String()}
-	if len(d.buckets) > 0 {
-		b := &d.buckets[0]
-		fullIn := b.debt.Seconds()
+	if len(d.Buckets) > 0 {
+		b := &d.Buckets[0]
+		fullIn := b.Debt.Seconds()
 		v.FullIn = &fullIn
 		if z.knownLimit(b) {
 			// A bucket in debt after a response's usage holds fewer than
 			// none; a bucket that owes more than its burst is shown as
 			// empty.
-			l := b.limit
-			tokens, burst := l.Tokens(b.debt), l.Burst
+			l := b.Limit
+			tokens, burst := l.Tokens(b.Debt), l.Burst
 			if l.Owe == 0 {
 				tokens = max(tokens, 0)
 			}
@@ -387,19 +388,19 @@ func (ref zoneRef) view(ctx context.Context, key string, k bucketKey, d *demands
 
 // reset forgets d's state, in the store and in the local buckets that
 // decide while the store fails. It reports whether either held any.
-func (h *Handler) reset(ctx context.Context, d *demands) (bool, error) {
+func (h *Handler) reset(ctx context.Context, d *store.Demands) (bool, error) {
 	var inFallback bool
 	if h.fallback != nil {
-		inFallback, _ = h.fallback.reset(ctx, d)
+		inFallback, _ = h.fallback.Reset(ctx, d)
 	}
-	found, err := h.store.reset(ctx, d)
+	found, err := h.store.Reset(ctx, d)
 	return found || inFallback, err
 }
 
 // adminKey is the bucket that a key in an admin path names: what a
 // request's key would name, and for a network in CIDR notation, as the
 // API prints them (2001:db8::/64), the bucket of its first address.
-func (z *Zone) adminKey(s string) bucketKey {
+func (z *Zone) adminKey(s string) store.Key {
 	if p, err := netip.ParsePrefix(s); err == nil {
 		return z.keyFor(p.Addr().String())
 	}

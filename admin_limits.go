@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 )
@@ -62,11 +63,11 @@ type limitsInfo struct {
 	Overrides []*ownLimit `json:"overrides"`
 }
 
-func (ref zoneRef) ownLimit(key string, o override) *ownLimit {
-	out := &ownLimit{Key: key, Rate: o.rate, Burst: o.burst}
-	if !o.expires.IsZero() {
-		out.ExpiresIn = math.Max(time.Until(o.expires).Seconds(), 0)
-		out.ExpiresAt = o.expires.UTC().Format(time.RFC3339)
+func (ref zoneRef) ownLimit(key string, o store.Override) *ownLimit {
+	out := &ownLimit{Key: key, Rate: o.Rate, Burst: o.Burst}
+	if !o.Expires.IsZero() {
+		out.ExpiresIn = math.Max(time.Until(o.Expires).Seconds(), 0)
+		out.ExpiresAt = o.Expires.UTC().Format(time.RFC3339)
 	}
 	return out
 }
@@ -126,9 +127,9 @@ func eachLimit(ctx context.Context, r *http.Request, refs []zoneRef, key string)
 // what the key had there before.
 type ownLimitChange struct {
 	ref zoneRef
-	k   bucketKey
-	o   override
-	was override
+	k   store.Key
+	o   store.Override
+	was store.Override
 	had bool
 }
 
@@ -154,7 +155,7 @@ func putLimits(ctx context.Context, r *http.Request, refs []zoneRef, key string)
 		changes[i] = c
 	}
 	for i, c := range changes {
-		if err := c.ref.h.store.setOverride(ctx, now, c.ref.z.index, c.k, c.o); err != nil {
+		if err := c.ref.h.store.SetOverride(ctx, now, c.ref.z.index, c.k, c.o); err != nil {
 			undoLimits(ctx, changes[:i])
 			return nil, c.ref.setError(err)
 		}
@@ -175,18 +176,18 @@ func (ref zoneRef) checkPut(ctx context.Context, key string, body limitBody, now
 	}
 	c := ownLimitChange{ref: ref, k: ref.z.adminKey(key), o: o}
 	st := ref.h.store
-	if c.was, c.had, err = st.override(ctx, ref.z.index, c.k); err != nil {
+	if c.was, c.had, err = st.Override(ctx, ref.z.index, c.k); err != nil {
 		return ownLimitChange{}, apiError(http.StatusBadGateway, "reading the key's limit: %v", err)
 	}
 	if c.had {
 		return c, nil
 	}
-	n, err := st.overrideCount(ctx, ref.z.index)
+	n, err := st.OverrideCount(ctx, ref.z.index)
 	if err != nil {
 		return ownLimitChange{}, apiError(http.StatusBadGateway, "counting the keys' limits: %v", err)
 	}
 	if int64(n) >= ref.maxOverrides() {
-		return ownLimitChange{}, ref.setError(errTooManyOverrides)
+		return ownLimitChange{}, ref.setError(store.ErrTooManyOverrides)
 	}
 	return c, nil
 }
@@ -201,9 +202,9 @@ func undoLimits(ctx context.Context, changes []ownLimitChange) {
 		st, zone := c.ref.h.store, c.ref.z.index
 		var err error
 		if c.had {
-			err = st.setOverride(ctx, time.Now(), zone, c.k, c.was)
+			err = st.SetOverride(ctx, time.Now(), zone, c.k, c.was)
 		} else {
-			_, err = st.deleteOverride(ctx, time.Now(), zone, c.k)
+			_, err = st.DeleteOverride(ctx, time.Now(), zone, c.k)
 		}
 		if err != nil {
 			c.ref.h.logger.Error("rate limit: a key's own limit, set in a zone before another of its name refused it, could not be given back",
@@ -215,7 +216,7 @@ func undoLimits(ctx context.Context, changes []ownLimitChange) {
 // setError is the admin API's answer to a store's refusal to set a key's
 // own limit in the zone.
 func (ref zoneRef) setError(err error) error {
-	if errors.Is(err, errTooManyOverrides) {
+	if errors.Is(err, store.ErrTooManyOverrides) {
 		return apiError(http.StatusConflict, "zone %q has %d keys with their own limit, its max_overrides: remove one first", ref.z.Name, ref.maxOverrides())
 	}
 	return apiError(http.StatusBadGateway, "setting the key's limit: %v", err)
@@ -237,10 +238,10 @@ func readLimitBody(r *http.Request, body *limitBody) error {
 
 // limitSet logs the key's own limit o, set in the zone, and describes
 // it.
-func (ref zoneRef) limitSet(r *http.Request, key string, k bucketKey, o override) *limitInfo {
-	fields := []zap.Field{zap.String("rate", o.rate), zap.Int64("burst", o.burst)}
-	if !o.expires.IsZero() {
-		fields = append(fields, zap.Time("expires", o.expires))
+func (ref zoneRef) limitSet(r *http.Request, key string, k store.Key, o store.Override) *limitInfo {
+	fields := []zap.Field{zap.String("rate", o.Rate), zap.Int64("burst", o.Burst)}
+	if !o.Expires.IsZero() {
+		fields = append(fields, zap.Time("expires", o.Expires))
 	}
 	ref.audit(r, "rate limit: a key's own limit set", key, fields...)
 	return &limitInfo{Zone: ref.z.Name, Limit: ref.z.id.limit, Key: key, Bucket: k.String(), ownLimit: ref.ownLimit("", o)}
@@ -248,7 +249,7 @@ func (ref zoneRef) limitSet(r *http.Request, key string, k bucketKey, o override
 
 func (ref zoneRef) deleteLimit(ctx context.Context, r *http.Request, key string) (*limitInfo, error) {
 	k := ref.z.adminKey(key)
-	found, err := ref.h.store.deleteOverride(ctx, time.Now(), ref.z.index, k)
+	found, err := ref.h.store.DeleteOverride(ctx, time.Now(), ref.z.index, k)
 	if err != nil {
 		return nil, apiError(http.StatusBadGateway, "removing the key's limit: %v", err)
 	}
@@ -261,7 +262,7 @@ func (ref zoneRef) deleteLimit(ctx context.Context, r *http.Request, key string)
 
 func (ref zoneRef) getLimit(ctx context.Context, key string) (*limitInfo, error) {
 	k := ref.z.adminKey(key)
-	o, ok, err := ref.h.store.override(ctx, ref.z.index, k)
+	o, ok, err := ref.h.store.Override(ctx, ref.z.index, k)
 	if err != nil {
 		return nil, apiError(http.StatusBadGateway, "reading the key's limit: %v", err)
 	}
@@ -282,7 +283,7 @@ func (ref zoneRef) audit(r *http.Request, msg, key string, fields ...zap.Field) 
 	ref.h.logger.Info(msg, fields...)
 }
 
-func (ref zoneRef) maxOverrides() int64 { return ref.z.spec().maxOverrides }
+func (ref zoneRef) maxOverrides() int64 { return ref.z.spec().MaxOverrides }
 
 // serveLimits lists the keys of each zone of refs with their own limit.
 func serveLimits(w http.ResponseWriter, r *http.Request, refs []zoneRef) error {
@@ -294,12 +295,12 @@ func serveLimits(w http.ResponseWriter, r *http.Request, refs []zoneRef) error {
 		if ref.z.rateless {
 			continue
 		}
-		list, err := ref.h.store.overrides(ctx, ref.z.index)
+		list, err := ref.h.store.Overrides(ctx, ref.z.index)
 		if err != nil {
 			return apiError(http.StatusBadGateway, "listing the keys' limits: %v", err)
 		}
 		for _, ko := range list {
-			out[i].Overrides = append(out[i].Overrides, ref.ownLimit(ko.key, ko.o))
+			out[i].Overrides = append(out[i].Overrides, ref.ownLimit(ko.Key, ko.Override))
 		}
 	}
 	if len(out) == 1 {
@@ -310,27 +311,27 @@ func serveLimits(w http.ResponseWriter, r *http.Request, refs []zoneRef) error {
 
 // overrideOf is the key's own limit a PUT's body gives in the zone: the
 // zone's rate or burst where it gives none, checked as the zone's own.
-func (z *Zone) overrideOf(b limitBody, now time.Time) (override, error) {
+func (z *Zone) overrideOf(b limitBody, now time.Time) (store.Override, error) {
 	if b.Rate == "" && b.Burst == nil {
-		return override{}, errors.New("a key's own limit needs a rate, a burst or both")
+		return store.Override{}, errors.New("a key's own limit needs a rate, a burst or both")
 	}
 	rate := b.Rate
 	if rate == "" {
 		if hasPlaceholders(z.Rate) {
-			return override{}, errors.New("the zone's rate comes with each request: give one")
+			return store.Override{}, errors.New("the zone's rate comes with each request: give one")
 		}
 		rate = z.rateString()
 	}
 	if len(rate) > maxRateText {
-		return override{}, fmt.Errorf("invalid rate: %d bytes, at most %d", len(rate), maxRateText)
+		return store.Override{}, fmt.Errorf("invalid rate: %d bytes, at most %d", len(rate), maxRateText)
 	}
 	perSec, n, err := parseRate(rate)
 	if err != nil {
-		return override{}, err
+		return store.Override{}, err
 	}
 	burst, err := z.overrideBurst(b.Burst, n)
 	if err != nil {
-		return override{}, err
+		return store.Override{}, err
 	}
 	cost := z.Cost
 	if z.costVar.template != "" {
@@ -338,17 +339,17 @@ func (z *Zone) overrideOf(b limitBody, now time.Time) (override, error) {
 	}
 	l, err := checkLimit(rate, perSec, burst, cost)
 	if err != nil {
-		return override{}, err
+		return store.Override{}, err
 	}
 	if l.BurstTime+z.limit.Owe > gcra.MaxBurstTime {
-		return override{}, fmt.Errorf("burst %d at rate %s and the zone's max_debt take more than 100 years to refill", burst, rate)
+		return store.Override{}, fmt.Errorf("burst %d at rate %s and the zone's max_debt take more than 100 years to refill", burst, rate)
 	}
-	o := override{tokenTime: l.TokenTime, burst: burst, rate: rate}
+	o := store.Override{TokenTime: l.TokenTime, Burst: burst, Rate: rate}
 	if b.ExpiresIn != nil {
 		if *b.ExpiresIn <= 0 {
-			return override{}, fmt.Errorf("invalid expires_in %v: must be positive", time.Duration(*b.ExpiresIn))
+			return store.Override{}, fmt.Errorf("invalid expires_in %v: must be positive", time.Duration(*b.ExpiresIn))
 		}
-		o.expires = now.Add(time.Duration(*b.ExpiresIn))
+		o.Expires = now.Add(time.Duration(*b.ExpiresIn))
 	}
 	return o, nil
 }

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2/caddytest"
 )
 
@@ -25,16 +26,16 @@ func TestAdminBucket(t *testing.T) {
 		serve(h, "2001:db8:1::5")
 	}
 	z := h.Zones[0]
-	d := &demands{buckets: []bucketDemand{bucketReq(z, z.keyFor("2001:db8:1::77"))}} // the same /64
-	if err := h.store.peek(context.Background(), nowForTest(), d); err != nil {
+	d := &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, z.keyFor("2001:db8:1::77"))}} // the same /64
+	if err := h.store.Peek(context.Background(), nowForTest(), d); err != nil {
 		t.Fatal(err)
 	}
-	q := &d.buckets[0]
-	if tokens := z.limit.Tokens(q.debt); tokens > 0.1 {
+	q := &d.Buckets[0]
+	if tokens := z.limit.Tokens(q.Debt); tokens > 0.1 {
 		t.Fatalf("tokens %v, want about 0", tokens)
 	}
-	if q.key.ip != netip.MustParsePrefix("2001:db8:1::/64") {
-		t.Fatalf("bucket %v", q.key)
+	if q.Key.Net != netip.MustParsePrefix("2001:db8:1::/64") {
+		t.Fatalf("bucket %v", q.Key)
 	}
 	if found, err := h.reset(context.Background(), d); err != nil || !found {
 		t.Fatalf("reset: found %t, %v; want true, nil", found, err)
@@ -43,7 +44,7 @@ func TestAdminBucket(t *testing.T) {
 		t.Fatalf("after reset: %d, remaining %s", code, hdr.Get("X-Ratelimit-Remaining"))
 	}
 	// A full bucket has nothing to reset.
-	if found, err := h.reset(context.Background(), &demands{buckets: []bucketDemand{bucketReq(z, z.keyFor("192.0.2.200"))}}); err != nil || found {
+	if found, err := h.reset(context.Background(), &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, z.keyFor("192.0.2.200"))}}); err != nil || found {
 		t.Fatalf("reset of a full bucket: found %t, %v; want false, nil", found, err)
 	}
 }

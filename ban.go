@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
@@ -67,21 +68,21 @@ var banKind = kind{
 		return nil
 	},
 	fixedShape: func(z *Zone, l *gcra.Limit) { l.Ban = time.Duration(z.Ban) },
-	decided: func(st *zoneState, d *demands, m *match) {
-		if m.bucket >= 0 && d.buckets[m.bucket].ban {
+	decided: func(st *zoneState, d *store.Demands, m *match) {
+		if m.bucket >= 0 && d.Buckets[m.bucket].Ban {
 			st.bans.Add(1)
 		}
 	},
-	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
+	info: func(z *Zone, _ store.ZoneStats, info *zoneInfo) {
 		if z.Ban != 0 {
 			info.Ban = time.Duration(z.Ban).String()
 		}
 		info.Bans = z.state.bans.Load()
 	},
-	view: func(_ context.Context, _ *Handler, z *Zone, _ bucketKey, d *demands, v *keyView) error {
-		if len(d.buckets) > 0 && z.knownLimit(&d.buckets[0]) {
-			b := &d.buckets[0]
-			v.Banned, v.BannedFor = b.limit.Banned(b.debt), b.limit.BanLeft(b.debt).Seconds()
+	view: func(_ context.Context, _ *Handler, z *Zone, _ store.Key, d *store.Demands, v *keyView) error {
+		if len(d.Buckets) > 0 && z.knownLimit(&d.Buckets[0]) {
+			b := &d.Buckets[0]
+			v.Banned, v.BannedFor = b.Limit.Banned(b.Debt), b.Limit.BanLeft(b.Debt).Seconds()
 		}
 		return nil
 	},

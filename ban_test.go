@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -270,11 +271,11 @@ func TestLongestBanFloor(t *testing.T) {
 		}
 	}
 	rs, z := h.store.(*RedisStore), h.Zones[0]
-	b := bucketReq(z, bucketKey{s: "static"})
-	k := flightKey{z.index, rs.zones[z.index].cache.hash(b.key)}
+	b := bucketReq(z, store.Key{Text: "static"})
+	k := flightKey{z.index, rs.zones[z.index].cache.hash(b.Key)}
 	rs.flights.join(k, 10)
 	rs.flights.join(k, 10)
-	if got, most := rs.known(time.Now(), &b, errNoAnswer), z.limit.Most(); got != most {
+	if got, most := rs.Known(time.Now(), &b, errNoAnswer), z.limit.Most(); got != most {
 		t.Fatalf("floor %v, want %v: all the bucket may owe", got, most)
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
 // Clients that go away cancel their requests' contexts: that says nothing
@@ -20,8 +21,8 @@ func TestRedisCancelledRequestsKeepBreakerClosed(t *testing.T) {
 	for range 2 * rediswire.TripAfter {
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
-		reqs := &demands{buckets: []bucketDemand{bucketReq(h.Zones[0], bucketKey{s: "gone"})}}
-		if _, err := rs.take(ctx, time.Now(), reqs); err == nil {
+		reqs := &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[0], store.Key{Text: "gone"})}}
+		if _, err := rs.Take(ctx, time.Now(), reqs); err == nil {
 			t.Fatal("a cancelled request reached a decision")
 		}
 	}
@@ -53,7 +54,7 @@ func TestRedisCancelledProbeDoesNotStickBreaker(t *testing.T) {
 		time.Sleep(rediswire.MinBackoff + 10*time.Millisecond)
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
-		rs.take(ctx, time.Now(), &demands{buckets: []bucketDemand{bucketReq(h.Zones[0], bucketKey{s: "impatient"})}})
+		rs.Take(ctx, time.Now(), &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[0], store.Key{Text: "impatient"})}})
 	}
 	deadline := time.Now().Add(rediswire.MaxBackoff + 500*time.Millisecond)
 	for r.CLI(append([]string{"HEXISTS"}, pair(bucketOf(h, 0, "192.0.2.81"))...)...) != "1" {

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -103,25 +104,25 @@ var concurrencyKind = kind{
 		}
 		return "concurrency " + strconv.FormatInt(z.Concurrency, 10)
 	},
-	info: func(z *Zone, stats zoneStats, info *zoneInfo) {
+	info: func(z *Zone, stats store.ZoneStats, info *zoneInfo) {
 		if z.Concurrency == 0 {
 			return
 		}
 		info.Concurrency = z.Concurrency
-		if stats.client != nil {
+		if stats.Client != nil {
 			info.Lease = time.Duration(z.Lease).String()
 		}
 	},
-	demand: func(z *Zone, k bucketKey, d *demands) {
+	demand: func(z *Zone, k store.Key, d *store.Demands) {
 		if z.Concurrency != 0 {
-			d.slots = append(d.slots, slotDemand{zone: z.index, key: k, limit: z.Concurrency, lease: time.Duration(z.Lease)})
+			d.Slots = append(d.Slots, store.SlotDemand{Zone: z.index, Key: k, Limit: z.Concurrency, Lease: time.Duration(z.Lease)})
 		}
 	},
-	view: func(_ context.Context, _ *Handler, _ *Zone, _ bucketKey, d *demands, v *keyView) error {
-		if len(d.slots) > 0 {
-			q := &d.slots[0]
-			inUse, free := q.limit-q.free, q.free
-			v.Concurrency, v.InFlight, v.Free = q.limit, &inUse, &free
+	view: func(_ context.Context, _ *Handler, _ *Zone, _ store.Key, d *store.Demands, v *keyView) error {
+		if len(d.Slots) > 0 {
+			q := &d.Slots[0]
+			inUse, free := q.Limit-q.Free, q.Free
+			v.Concurrency, v.InFlight, v.Free = q.Limit, &inUse, &free
 		}
 		return nil
 	},
@@ -149,9 +150,9 @@ func (z *Zone) limitsInFlight() bool { return z.Concurrency != 0 || z.Concurrenc
 
 // slotRefusal is the slot demand of d that refused the request, a zone
 // not in dry run with no slot free; -1 for none.
-func slotRefusal(d *demands) int {
-	for i := range d.slots {
-		if d.slots[i].full && !d.slots[i].soft {
+func slotRefusal(d *store.Demands) int {
+	for i := range d.Slots {
+		if d.Slots[i].Full && !d.Slots[i].Soft {
 			return i
 		}
 	}
@@ -164,16 +165,16 @@ func slotRefusal(d *demands) int {
 // covered by the lease.
 func (h *Handler) releaseSlots(r *http.Request, sc *scratch) {
 	held := false
-	for i := range sc.d.slots {
-		held = held || sc.d.slots[i].held
+	for i := range sc.d.Slots {
+		held = held || sc.d.Slots[i].Held
 	}
 	if !held || sc.by == nil {
 		return
 	}
-	if err := sc.by.release(context.WithoutCancel(r.Context()), sc.d.slots); err != nil {
+	if err := sc.by.Release(context.WithoutCancel(r.Context()), sc.d.Slots); err != nil {
 		h.refundErrors.Warn(h.logger, "rate limit: slots not given back: they come back when their lease ends", err)
 	}
-	for i := range sc.d.slots {
-		sc.d.slots[i].held = false
+	for i := range sc.d.Slots {
+		sc.d.Slots[i].Held = false
 	}
 }

@@ -355,20 +355,20 @@ func runSlotSteps(t *testing.T, h *Handler) {
 			t.Fatalf("step %d: allowed = %v, want %v", i, got, s.ok)
 		}
 		if s.rem >= 0 {
-			if len(sc.d.buckets) != 1 {
-				t.Fatalf("step %d: %d rate zones applied, want 1", i, len(sc.d.buckets))
+			if len(sc.d.Buckets) != 1 {
+				t.Fatalf("step %d: %d rate zones applied, want 1", i, len(sc.d.Buckets))
 			}
-			if got := sc.d.buckets[0].remaining(); got != s.rem {
+			if got := sc.d.Buckets[0].Remaining(); got != s.rem {
 				t.Fatalf("step %d: r has %d tokens left, want %d", i, got, s.rem)
 			}
 		}
 		if s.free != nil {
-			if len(sc.d.slots) != len(s.free) {
-				t.Fatalf("step %d: %d zones with concurrency applied, want %d", i, len(sc.d.slots), len(s.free))
+			if len(sc.d.Slots) != len(s.free) {
+				t.Fatalf("step %d: %d zones with concurrency applied, want %d", i, len(sc.d.Slots), len(s.free))
 			}
 			for j, want := range s.free {
-				if got := sc.d.slots[j].free; got != want {
-					t.Fatalf("step %d: zone %s has %d slots free, want %d", i, h.Zones[sc.d.slots[j].zone].Name, got, want)
+				if got := sc.d.Slots[j].Free; got != want {
+					t.Fatalf("step %d: zone %s has %d slots free, want %d", i, h.Zones[sc.d.Slots[j].Zone].Name, got, want)
 				}
 			}
 		}
@@ -398,11 +398,11 @@ func TestSlotStepsAgree(t *testing.T) {
 		}
 	})
 	r := startRedis(t)
-	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
-		t.Run("redis"+store, func(t *testing.T) {
+	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
+		t.Run("redis"+storeCfg, func(t *testing.T) {
 			prefix := t.Name() + ":"
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
-				fmt.Sprintf(slotStepZones, ""), r.Addr(), prefix, store))
+				fmt.Sprintf(slotStepZones, ""), r.Addr(), prefix, storeCfg))
 			runSlotSteps(t, h)
 			c := newRedisClient(t, r.Addr())
 			keys, err := c.Keys(context.Background(), prefix+"*:s").Result()
@@ -459,7 +459,7 @@ func TestConcurrencyRedisInstances(t *testing.T) {
 		io.WriteString(w, "up")
 	}))
 	defer up.Close()
-	store := `store redis {
+	storeCfg := `store redis {
 			address %s
 			key_prefix inst:
 			timeout 5s
@@ -471,7 +471,7 @@ func TestConcurrencyRedisInstances(t *testing.T) {
 			key static
 			concurrency 4
 		}
-		`+store+`
+		`+storeCfg+`
 	}
 	reverse_proxy %s
 }

@@ -3,7 +3,11 @@
 
 package ratelimit
 
-import "time"
+import (
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
+)
 
 // A counter is a calendar quota's count of one key in one window. Once
 // its window has ended it carries nothing, as a full bucket.
@@ -22,7 +26,7 @@ func newCounters(maxKeys int64, now time.Time) *table[counter] {
 
 // countAt returns k's count at now and the instant its window ends (0, 0
 // when nothing is counted).
-func countAt(t *table[counter], k bucketKey, now time.Duration) (int64, time.Duration) {
+func countAt(t *table[counter], k store.Key, now time.Duration) (int64, time.Duration) {
 	c, ok := t.lookup(k)
 	if !ok || c.spent(now) {
 		return 0, 0
@@ -34,7 +38,7 @@ func countAt(t *table[counter], k bucketKey, now time.Duration) (int64, time.Dur
 // the window it counts in while it runs, else in a new one that ends at
 // endAt. Negative units take off, only in the window that counted them.
 // now is the current table instant.
-func adjustCounter(t *table[counter], k bucketKey, units int64, endAt, now time.Duration) {
+func adjustCounter(t *table[counter], k store.Key, units int64, endAt, now time.Duration) {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()

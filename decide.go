@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -28,7 +29,7 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 			return out, nil
 		}
 	}
-	if out != outcomeAllow || sc.d.empty() {
+	if out != outcomeAllow || sc.d.Empty() {
 		return out, err
 	}
 	if h.anyDelay {
@@ -37,7 +38,7 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	if h.holds != nil {
 		// Until finish: what the request gives back after the response
 		// goes to the store that decided it, whatever a reload does.
-		sc.held = h.holds.hold()
+		sc.held = h.holds.Hold()
 	}
 	out, err = h.take(r.Context(), now, sc, &sc.d)
 	sc.slotOut = slotRefusal(&sc.d)
@@ -83,19 +84,19 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 				}
 				l, cost = p.limit, p.costTime
 			}
-			m.bucket = len(sc.d.buckets)
-			sc.d.buckets = append(sc.d.buckets, bucketDemand{zone: i, key: k, limit: l, cost: cost, soft: z.inDryRun})
+			m.bucket = len(sc.d.Buckets)
+			sc.d.Buckets = append(sc.d.Buckets, store.BucketDemand{Zone: i, Key: k, Limit: l, Cost: cost, Soft: z.inDryRun})
 		}
 		if z.quota != nil {
 			if now.IsZero() {
 				now = time.Now()
 			}
-			m.counter = len(sc.d.counters)
-			sc.d.counters = append(sc.d.counters, counterDemand{zone: i, key: k, limit: z.quota.limit, cost: z.Cost, window: z.quota.Window(now), soft: z.inDryRun})
+			m.counter = len(sc.d.Counters)
+			sc.d.Counters = append(sc.d.Counters, store.CounterDemand{Zone: i, Key: k, Limit: z.quota.limit, Cost: z.Cost, Window: z.quota.Window(now), Soft: z.inDryRun})
 		}
 		if z.Concurrency != 0 {
-			m.slot = len(sc.d.slots)
-			sc.d.slots = append(sc.d.slots, slotDemand{zone: i, key: k, limit: z.Concurrency, lease: time.Duration(z.Lease), soft: z.inDryRun})
+			m.slot = len(sc.d.Slots)
+			sc.d.Slots = append(sc.d.Slots, store.SlotDemand{Zone: i, Key: k, Limit: z.Concurrency, Lease: time.Duration(z.Lease), Soft: z.inDryRun})
 		}
 		if z.adaptive != nil {
 			sc.adaptive.add(i, k)
@@ -105,7 +106,7 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 		}
 		sc.matches = append(sc.matches, m)
 	}
-	if now.IsZero() && !sc.d.empty() {
+	if now.IsZero() && !sc.d.Empty() {
 		now = time.Now()
 	}
 	return now, outcomeAllow, nil
@@ -113,8 +114,8 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 
 // take asks the store to take d, and applies fail_mode when it fails. It
 // sets sc.by, the store that took d.
-func (h *Handler) take(ctx context.Context, now time.Time, sc *scratch, d *demands) (outcome, error) {
-	allowed, err := h.store.take(ctx, now, d)
+func (h *Handler) take(ctx context.Context, now time.Time, sc *scratch, d *store.Demands) (outcome, error) {
+	allowed, err := h.store.Take(ctx, now, d)
 	if h.latency != nil {
 		h.latency.Observe(time.Since(now).Seconds())
 	}
@@ -128,24 +129,24 @@ func (h *Handler) take(ctx context.Context, now time.Time, sc *scratch, d *deman
 	if h.storeErrors != nil {
 		h.storeErrors.Inc()
 	}
-	f, ok := h.store.(fallible)
+	f, ok := h.store.(store.Fallible)
 	if !ok {
 		answerAll(d, false)
 		sc.by = nil
 		return outcomeFailed, caddyhttp.HandlerError{StatusCode: http.StatusInternalServerError, Err: err}
 	}
 	switch h.failMode {
-	case failLocal:
-		for i := range d.buckets {
-			d.buckets[i].floor = f.known(now, &d.buckets[i], err)
+	case store.FailLocal:
+		for i := range d.Buckets {
+			d.Buckets[i].Floor = f.Known(now, &d.Buckets[i], err)
 		}
-		allowed, err := h.fallback.take(ctx, now, d)
-		for i := range d.buckets {
-			d.buckets[i].floor = 0
+		allowed, err := h.fallback.Take(ctx, now, d)
+		for i := range d.Buckets {
+			d.Buckets[i].Floor = 0
 		}
 		sc.by = h.fallback
 		return verdict(allowed), err
-	case failOpen:
+	case store.FailOpen:
 		answerAll(d, true)
 		sc.by = nil
 		return outcomeFailOpen, nil
@@ -164,18 +165,18 @@ func (h *Handler) take(ctx context.Context, now time.Time, sc *scratch, d *deman
 // whose plan has a cost above its burst (plans.go): 500 rather than a
 // 429 that would promise tokens, logged at most once a minute for the
 // zone.
-func (h *Handler) costAboveOwnBurst(d *demands) error {
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		z := h.Zones[b.zone]
-		if !b.overridden || b.cost <= b.limit.BurstTime || z.inDryRun {
+func (h *Handler) costAboveOwnBurst(d *store.Demands) error {
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		z := h.Zones[b.Zone]
+		if !b.Overridden || b.Cost <= b.Limit.BurstTime || z.inDryRun {
 			continue
 		}
 		if held, ok := z.state.ownBurst.Allow(time.Minute); ok {
-			fields := []zap.Field{zap.String("zone", z.Name), zap.Int64("cost", int64(b.cost/b.limit.TokenTime)),
-				zap.Int64("burst", b.limit.Burst), zap.Int64("more_since_last", held)}
+			fields := []zap.Field{zap.String("zone", z.Name), zap.Int64("cost", int64(b.Cost/b.Limit.TokenTime)),
+				zap.Int64("burst", b.Limit.Burst), zap.Int64("more_since_last", held)}
 			if h.LogKey {
-				fields = append(fields, zap.String("key", b.key.String()))
+				fields = append(fields, zap.String("key", b.Key.String()))
 			}
 			h.logger.Error("rate limit: the request's cost is above its key's own burst: answered 500", fields...)
 		}
@@ -186,15 +187,15 @@ func (h *Handler) costAboveOwnBurst(d *demands) error {
 
 // answerAll answers every demand of d as ok says, as a failed store's
 // fail_mode decides: no bucket charged, no slot held.
-func answerAll(d *demands, ok bool) {
-	for i := range d.buckets {
-		d.buckets[i].ok, d.buckets[i].ban, d.buckets[i].debt = ok, false, 0
+func answerAll(d *store.Demands, ok bool) {
+	for i := range d.Buckets {
+		d.Buckets[i].OK, d.Buckets[i].Ban, d.Buckets[i].Debt = ok, false, 0
 	}
-	for i := range d.counters {
-		d.counters[i].ok, d.counters[i].used, d.counters[i].left = ok, 0, 0
+	for i := range d.Counters {
+		d.Counters[i].OK, d.Counters[i].Used, d.Counters[i].Left = ok, 0, 0
 	}
-	for i := range d.slots {
-		d.slots[i].held, d.slots[i].free, d.slots[i].full = false, 0, false
+	for i := range d.Slots {
+		d.Slots[i].Held, d.Slots[i].Free, d.Slots[i].Full = false, 0, false
 	}
 }
 
@@ -207,8 +208,8 @@ func verdict(allowed bool) outcome {
 }
 
 // ok reports whether m's bucket and counter had what the request takes.
-func (m *match) ok(d *demands) bool {
-	return (m.bucket < 0 || d.buckets[m.bucket].ok) && (m.counter < 0 || d.counters[m.counter].ok)
+func (m *match) ok(d *store.Demands) bool {
+	return (m.bucket < 0 || d.Buckets[m.bucket].OK) && (m.counter < 0 || d.Counters[m.counter].OK)
 }
 
 // count adds a request's outcome to its zones' counters: once per zone,
@@ -233,10 +234,10 @@ func (h *Handler) count(r *http.Request, sc *scratch, out outcome) {
 			f(st, &sc.d, m)
 		}
 		ok := m.ok(&sc.d)
-		if !ok && sc.d.remembered {
+		if !ok && sc.d.Remembered {
 			st.cacheHits.Add(1)
 		}
-		full := m.slot >= 0 && sc.d.slots[m.slot].full
+		full := m.slot >= 0 && sc.d.Slots[m.slot].Full
 		m.wouldDeny = z.inDryRun && (!ok || full)
 		if z.inDryRun && (decided || m.wouldDeny) {
 			h.noteDryRun(r, sc, m, z)
@@ -278,24 +279,24 @@ func (h *Handler) noteDryRun(r *http.Request, sc *scratch, m *match, z *Zone) {
 
 // wait is how long the request would wait for m's zone: its bucket's
 // wait, or its counter's, the longer.
-func (m *match) wait(d *demands) time.Duration {
+func (m *match) wait(d *store.Demands) time.Duration {
 	var w time.Duration
 	if m.bucket >= 0 {
-		w = d.buckets[m.bucket].wait()
+		w = d.Buckets[m.bucket].Wait()
 	}
 	if m.counter >= 0 {
-		w = max(w, d.counters[m.counter].wait())
+		w = max(w, d.Counters[m.counter].Wait())
 	}
 	return w
 }
 
 // key is the key of m's zone for the request.
-func (m *match) key(d *demands) bucketKey {
+func (m *match) key(d *store.Demands) store.Key {
 	switch {
 	case m.bucket >= 0:
-		return d.buckets[m.bucket].key
+		return d.Buckets[m.bucket].Key
 	case m.counter >= 0:
-		return d.counters[m.counter].key
+		return d.Counters[m.counter].Key
 	}
-	return d.slots[m.slot].key
+	return d.Slots[m.slot].Key
 }

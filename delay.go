@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
@@ -109,7 +110,7 @@ var delayKind = kind{
 			delaySeconds.DeleteLabelValues(z.Name, z.id.limit)
 		}
 	},
-	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
+	info: func(z *Zone, _ store.ZoneStats, info *zoneInfo) {
 		if z.Delay == 0 {
 			return
 		}
@@ -198,8 +199,8 @@ func checkDelay(d time.Duration) error {
 // already, the request's zones decide it as if they had no delay.
 func (h *Handler) enterWaiting(sc *scratch) bool {
 	delays := false
-	for i := range sc.d.buckets {
-		if h.delays(&sc.d.buckets[i]) {
+	for i := range sc.d.Buckets {
+		if h.delays(&sc.d.Buckets[i]) {
 			delays = true
 			break
 		}
@@ -211,9 +212,9 @@ func (h *Handler) enterWaiting(sc *scratch) bool {
 		return true
 	}
 	h.waiting.Add(-1)
-	for i := range sc.d.buckets {
-		if b := &sc.d.buckets[i]; h.delays(b) {
-			b.limit.NoDelay = true
+	for i := range sc.d.Buckets {
+		if b := &sc.d.Buckets[i]; h.delays(b) {
+			b.Limit.NoDelay = true
 		}
 	}
 	return false
@@ -221,8 +222,8 @@ func (h *Handler) enterWaiting(sc *scratch) bool {
 
 // delays reports whether b's zone may delay the request: it has a delay,
 // and is not in dry run.
-func (h *Handler) delays(b *bucketDemand) bool {
-	return b.limit.Delay > 0 && !h.Zones[b.zone].inDryRun
+func (h *Handler) delays(b *store.BucketDemand) bool {
+	return b.Limit.Delay > 0 && !h.Zones[b.Zone].inDryRun
 }
 
 // wait is a request's second stage, in a handler with a zone that may
@@ -244,9 +245,9 @@ func (h *Handler) wait(r *http.Request, sc *scratch, out outcome) outcome {
 // were waiting already.
 func (h *Handler) noteDelay(sc *scratch, out outcome) {
 	if sc.waiter && out == outcomeAllow {
-		for i := range sc.d.buckets {
-			if b := &sc.d.buckets[i]; !h.Zones[b.zone].inDryRun {
-				sc.delay = max(sc.delay, b.delayed())
+		for i := range sc.d.Buckets {
+			if b := &sc.d.Buckets[i]; !h.Zones[b.Zone].inDryRun {
+				sc.delay = max(sc.delay, b.Delayed())
 			}
 		}
 	}
@@ -261,12 +262,12 @@ func (h *Handler) noteDelay(sc *scratch, out outcome) {
 	if out != outcomeDeny && out != outcomeBadLimit {
 		return
 	}
-	for i := range sc.d.buckets {
-		b := &sc.d.buckets[i]
-		l := b.limit
+	for i := range sc.d.Buckets {
+		b := &sc.d.Buckets[i]
+		l := b.Limit
 		l.NoDelay = false
-		if b.limit.NoDelay && !b.ok && l.Wait(b.debt, b.cost) == 0 {
-			h.Zones[b.zone].state.delayRefused.Add(1)
+		if b.Limit.NoDelay && !b.OK && l.Wait(b.Debt, b.Cost) == 0 {
+			h.Zones[b.Zone].state.delayRefused.Add(1)
 		}
 	}
 }
@@ -276,22 +277,22 @@ func (h *Handler) noteDelay(sc *scratch, out outcome) {
 // when the client left first: the tokens are then given back too.
 func (h *Handler) await(r *http.Request, sc *scratch) bool {
 	defer h.waiting.Add(-1)
-	var top *bucketDemand
-	for i := range sc.d.buckets {
-		b := &sc.d.buckets[i]
-		if d := b.delayed(); d > 0 && h.delays(b) {
-			if z := h.Zones[b.zone]; z.delays != nil {
+	var top *store.BucketDemand
+	for i := range sc.d.Buckets {
+		b := &sc.d.Buckets[i]
+		if d := b.Delayed(); d > 0 && h.delays(b) {
+			if z := h.Zones[b.Zone]; z.delays != nil {
 				z.delays.Observe(d.Seconds())
 			}
-			if top == nil || d > top.delayed() {
+			if top == nil || d > top.Delayed() {
 				top = b
 			}
 		}
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit: request waits for its tokens"); c != nil && top != nil {
-		fields := []zap.Field{zap.String("zone", h.Zones[top.zone].Name), zap.Duration("delay", sc.delay), zap.String("remote_ip", clientIP(r))}
+		fields := []zap.Field{zap.String("zone", h.Zones[top.Zone].Name), zap.Duration("delay", sc.delay), zap.String("remote_ip", clientIP(r))}
 		if h.LogKey {
-			fields = append(fields, zap.String("key", top.key.String()))
+			fields = append(fields, zap.String("key", top.Key.String()))
 		}
 		c.Write(fields...)
 	}
@@ -299,7 +300,7 @@ func (h *Handler) await(r *http.Request, sc *scratch) bool {
 	// The tokens are there sc.delay after the store's answer, which
 	// counts from sc.d.at: the time this request took to resume since
 	// is not waited twice.
-	timer := time.NewTimer(time.Until(sc.d.at.Add(sc.delay)))
+	timer := time.NewTimer(time.Until(sc.d.At.Add(sc.delay)))
 	defer timer.Stop()
 	select {
 	case <-timer.C:
@@ -318,9 +319,9 @@ func (h *Handler) await(r *http.Request, sc *scratch) bool {
 // countDelayed counts, in each zone that delayed the request, how its
 // wait ended.
 func (h *Handler) countDelayed(sc *scratch, abandoned bool) {
-	for i := range sc.d.buckets {
-		if b := &sc.d.buckets[i]; b.delayed() > 0 && h.delays(b) {
-			if st := h.Zones[b.zone].state; abandoned {
+	for i := range sc.d.Buckets {
+		if b := &sc.d.Buckets[i]; b.Delayed() > 0 && h.delays(b) {
+			if st := h.Zones[b.Zone].state; abandoned {
 				st.delayAbandoned.Add(1)
 			} else {
 				st.delayed.Add(1)

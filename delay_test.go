@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -107,10 +108,10 @@ func runDelaySteps(t *testing.T, h *Handler, zones map[byte]*Zone, start time.Ti
 		setNow(now)
 		if s.refund {
 			d, _ := stepDemands(zones, now, s.storeStep, false)
-			for i := range d.buckets {
-				d.buckets[i].cost = -d.buckets[i].cost
+			for i := range d.Buckets {
+				d.Buckets[i].Cost = -d.Buckets[i].Cost
 			}
-			if err := h.store.adjust(context.Background(), now, d); err != nil {
+			if err := h.store.Adjust(context.Background(), now, d); err != nil {
 				t.Fatalf("delay step %d: refund: %v", i, err)
 			}
 			continue
@@ -239,7 +240,7 @@ func (u *delayUpstream) at(path string) []time.Time {
 // delaySite has three rate_limit handlers with delay: /spacing (10r/s,
 // burst 1, delay 10s), /leave (1r/s, burst 1, delay 5s) and /max (the
 // same as /leave, with max_delayed 3), their zone names ending in -name.
-func delaySite(name, store, upstream string) string {
+func delaySite(name, storeCfg, upstream string) string {
 	return fmt.Sprintf(`http://localhost:9080 {
 	handle /spacing* {
 		rate_limit {
@@ -279,7 +280,7 @@ func delaySite(name, store, upstream string) string {
 		reverse_proxy %[3]s
 	}
 }
-`, name, store, upstream)
+`, name, storeCfg, upstream)
 }
 
 // delayReply is what a client got.
@@ -323,11 +324,11 @@ func zoneRefOf(t *testing.T, name string) zoneRef {
 // debtOf is how long the bucket of key k in ref's zone owes now.
 func debtOf(t *testing.T, ref zoneRef) time.Duration {
 	t.Helper()
-	d := &demands{buckets: []bucketDemand{bucketReq(ref.z, ref.z.keyFor("k"))}}
-	if err := ref.h.store.peek(context.Background(), time.Now(), d); err != nil {
+	d := &store.Demands{Buckets: []store.BucketDemand{bucketReq(ref.z, ref.z.keyFor("k"))}}
+	if err := ref.h.store.Peek(context.Background(), time.Now(), d); err != nil {
 		t.Fatal(err)
 	}
-	return d.buckets[0].debt
+	return d.Buckets[0].Debt
 }
 
 // TestDelay runs the delay scenarios through Caddy on each store.

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"sync/atomic"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
@@ -33,7 +34,7 @@ var dryRunKind = kind{
 	subdirectives: map[string]func(*caddyfile.Dispenser, *Zone) error{
 		"dry_run": func(d *caddyfile.Dispenser, z *Zone) error { return flag(d, &z.DryRun) },
 	},
-	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
+	info: func(z *Zone, _ store.ZoneStats, info *zoneInfo) {
 		info.DryRun = z.inDryRun
 		info.Requests["dry_run_denied"] = z.state.dryRunDenied.Load()
 	},

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
 // A headerMode says which rate-limit header families a handler sends.
@@ -34,7 +35,7 @@ var headerModes = map[string]headerMode{
 // for the headers and the 429.
 type standing struct {
 	zone      int
-	key       bucketKey
+	key       store.Key
 	denied    bool          // it refused the request, dry runs aside
 	wait      time.Duration // how long until the request could go on
 	remaining int64         // whole tokens, or units, left
@@ -44,16 +45,16 @@ type standing struct {
 	full      time.Duration // how long its bucket takes to refill from empty: jitter's bound
 }
 
-func (h *Handler) bucketStanding(m *match, b *bucketDemand) standing {
-	return standing{zone: b.zone, key: b.key, denied: !b.ok && !m.wouldDeny, wait: b.wait(), remaining: b.remaining(),
-		capacity: b.limit.Burst, debt: b.debt, full: b.limit.BurstTime}
+func (h *Handler) bucketStanding(m *match, b *store.BucketDemand) standing {
+	return standing{zone: b.Zone, key: b.Key, denied: !b.OK && !m.wouldDeny, wait: b.Wait(), remaining: b.Remaining(),
+		capacity: b.Limit.Burst, debt: b.Debt, full: b.Limit.BurstTime}
 }
 
-func (h *Handler) counterStanding(m *match, c *counterDemand) standing {
-	q := standing{zone: c.zone, key: c.key, denied: !c.ok && !m.wouldDeny, wait: c.wait(), remaining: c.remaining(),
-		capacity: c.limit, debt: c.left, full: h.Zones[c.zone].limit.BurstTime}
-	if c.used > 0 {
-		q.end = c.window.End
+func (h *Handler) counterStanding(m *match, c *store.CounterDemand) standing {
+	q := standing{zone: c.Zone, key: c.Key, denied: !c.OK && !m.wouldDeny, wait: c.Wait(), remaining: c.Remaining(),
+		capacity: c.Limit, debt: c.Left, full: h.Zones[c.Zone].limit.BurstTime}
+	if c.Used > 0 {
+		q.end = c.Window.End
 	}
 	return q
 }
@@ -75,12 +76,12 @@ func (h *Handler) mostConstrained(sc *scratch) *standing {
 	for i := range sc.matches {
 		m := &sc.matches[i]
 		if m.bucket >= 0 {
-			if q := h.bucketStanding(m, &sc.d.buckets[m.bucket]); top == nil || q.before(top) {
+			if q := h.bucketStanding(m, &sc.d.Buckets[m.bucket]); top == nil || q.before(top) {
 				sc.std, top = q, &sc.std
 			}
 		}
 		if m.counter >= 0 {
-			if q := h.counterStanding(m, &sc.d.counters[m.counter]); top == nil || q.before(top) {
+			if q := h.counterStanding(m, &sc.d.Counters[m.counter]); top == nil || q.before(top) {
 				sc.std, top = q, &sc.std
 			}
 		}
@@ -169,8 +170,8 @@ func (h *Handler) appendPolicies(b []byte, sc *scratch) []byte {
 		z := h.Zones[m.zone]
 		if m.bucket >= 0 {
 			b = sep(b, &n)
-			if q := &sc.d.buckets[m.bucket]; z.plans != nil || q.overridden {
-				b = appendPolicy(b, z.quotedName, q.limit.Burst, ceilSeconds(q.limit.BurstTime))
+			if q := &sc.d.Buckets[m.bucket]; z.plans != nil || q.Overridden {
+				b = appendPolicy(b, z.quotedName, q.Limit.Burst, ceilSeconds(q.Limit.BurstTime))
 			} else {
 				b = append(b, z.policy...)
 			}
@@ -180,7 +181,7 @@ func (h *Handler) appendPolicies(b []byte, sc *scratch) []byte {
 			// for a month or a day with a change of daylight saving time
 			// is that window's own.
 			b = sep(b, &n)
-			b = appendPolicy(b, z.quotedName, z.quota.limit, sc.d.counters[m.counter].window.Seconds)
+			b = appendPolicy(b, z.quotedName, z.quota.limit, sc.d.Counters[m.counter].Window.Seconds)
 		}
 	}
 	for i := range sc.matches {
@@ -199,12 +200,12 @@ func (h *Handler) appendItems(b []byte, sc *scratch) []byte {
 		m := &sc.matches[i]
 		z := h.Zones[m.zone]
 		if m.bucket >= 0 {
-			q := &sc.d.buckets[m.bucket]
-			b = appendItem(sep(b, &n), z.quotedName, q.remaining(), ceilSeconds(q.limit.NextToken(q.debt)))
+			q := &sc.d.Buckets[m.bucket]
+			b = appendItem(sep(b, &n), z.quotedName, q.Remaining(), ceilSeconds(q.Limit.NextToken(q.Debt)))
 		}
 		if m.counter >= 0 {
-			c := &sc.d.counters[m.counter]
-			b = appendItem(sep(b, &n), z.quotedName, c.remaining(), ceilSeconds(c.left))
+			c := &sc.d.Counters[m.counter]
+			b = appendItem(sep(b, &n), z.quotedName, c.Remaining(), ceilSeconds(c.Left))
 		}
 	}
 	for i := range sc.matches {
@@ -212,7 +213,7 @@ func (h *Handler) appendItems(b []byte, sc *scratch) []byte {
 			b = sep(b, &n)
 			b = append(b, h.Zones[m.zone].quotedName...)
 			b = append(b, ";r="...)
-			b = strconv.AppendInt(b, sc.d.slots[m.slot].free, 10)
+			b = strconv.AppendInt(b, sc.d.Slots[m.slot].Free, 10)
 		}
 	}
 	return b

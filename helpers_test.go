@@ -27,6 +27,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -124,9 +125,9 @@ func serve(h *Handler, ip string, header ...string) (int, http.Header) {
 func nowForTest() time.Time { return time.Now() }
 
 // redisConfig is a handler config with one zone and a Redis store.
-func redisConfig(addr, zone, rate string, burst int, store string) string {
+func redisConfig(addr, zone, rate string, burst int, storeCfg string) string {
 	return fmt.Sprintf(`{"zones":[{"name":%q,"rate":%q,"burst":%d}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"%s}}`, zone, rate, burst, addr, store)
+		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"%s}}`, zone, rate, burst, addr, storeCfg)
 }
 
 // newRedisClient is a plain client for checking what the store wrote.
@@ -243,13 +244,13 @@ func checkValidate(t *testing.T, in, wantErr string) {
 
 // bucketReq is the demand of z's bucket for key, as decide makes it for a
 // zone whose limit is fixed.
-func bucketReq(z *Zone, key bucketKey) bucketDemand {
-	return bucketDemand{zone: z.index, key: key, limit: z.limit, cost: z.costTime, soft: z.inDryRun}
+func bucketReq(z *Zone, key store.Key) store.BucketDemand {
+	return store.BucketDemand{Zone: z.index, Key: key, Limit: z.limit, Cost: z.costTime, Soft: z.inDryRun}
 }
 
 // counterReq is the demand of z's quota counter for key, at now.
-func counterReq(z *Zone, key bucketKey, now time.Time) counterDemand {
-	return counterDemand{zone: z.index, key: key, limit: z.quota.limit, cost: z.Cost, window: z.quota.Window(now), soft: z.inDryRun}
+func counterReq(z *Zone, key store.Key, now time.Time) store.CounterDemand {
+	return store.CounterDemand{Zone: z.index, Key: key, Limit: z.quota.limit, Cost: z.Cost, Window: z.quota.Window(now), Soft: z.inDryRun}
 }
 
 // slotsOf is the local slot table of h's zone z: the local store's, or

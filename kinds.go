@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
@@ -83,7 +84,7 @@ type kind struct {
 	// decided counts in st what the store's answer d to a request says of
 	// the kind in the zone's match m (a refusal that started a ban). Only
 	// the zones that have the kind (in) run it.
-	decided func(st *zoneState, d *demands, m *match)
+	decided func(st *zoneState, d *store.Demands, m *match)
 
 	// meter starts the kind's metrics of z that it observes itself, and
 	// unmeter removes them once no config has the zone.
@@ -94,19 +95,19 @@ type kind struct {
 	describe func(z *Zone) string
 
 	// info sets the kind's fields of the zone's admin view.
-	info func(z *Zone, stats zoneStats, info *zoneInfo)
+	info func(z *Zone, stats store.ZoneStats, info *zoneInfo)
 
 	// demand adds the kind's demand of the key k of z to d, as a
 	// request's would be, for the admin API to read or reset it.
-	demand func(z *Zone, k bucketKey, d *demands)
+	demand func(z *Zone, k store.Key, d *store.Demands)
 
 	// view sets the kind's fields of the admin view of the key k of z, v,
 	// from what the store read of it into d; an error is the API's
 	// answer. forget forgets what the kind keeps of the key itself,
 	// outside the store (the admin API's DELETE), and reports whether it
 	// held anything.
-	view   func(ctx context.Context, h *Handler, z *Zone, k bucketKey, d *demands, v *keyView) error
-	forget func(z *Zone, k bucketKey) bool
+	view   func(ctx context.Context, h *Handler, z *Zone, k store.Key, d *store.Demands, v *keyView) error
+	forget func(z *Zone, k store.Key) bool
 }
 
 // kindsCounts are what the kinds count in a zone's state (see

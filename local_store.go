@@ -9,6 +9,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -127,7 +128,7 @@ func checkPersistInterval(d time.Duration) error {
 	return nil
 }
 
-func (s *LocalStore) bind(zones []zoneSpec) error {
+func (s *LocalStore) Bind(zones []store.ZoneSpec) error {
 	if len(s.zones) > 0 {
 		return errors.New("local store is already in use by another handler")
 	}
@@ -135,19 +136,19 @@ func (s *LocalStore) bind(zones []zoneSpec) error {
 	for i, z := range zones {
 		lz := &s.zones[i]
 		var err error
-		if z.bucket {
-			l := z.shape
-			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.name, tokenTime: l.TokenTime, burst: l.Burst}, l.Most())
+		if z.Bucket {
+			l := z.Shape
+			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.Name, tokenTime: l.TokenTime, burst: l.Burst}, l.Most())
 			if err == nil && l.Burst != 0 {
 				lz.buckets.base = l
 			}
-			lz.maxOv = z.maxOverrides
+			lz.maxOv = z.MaxOverrides
 		}
-		if err == nil && z.quota != "" {
-			lz.counters, err = acquireTable[counter](s, tableID{name: z.name, quota: z.quota}, 0)
+		if err == nil && z.Quota != "" {
+			lz.counters, err = acquireTable[counter](s, tableID{name: z.Name, quota: z.Quota}, 0)
 		}
-		if err == nil && z.slots {
-			lz.slots, err = s.acquireSlots(z.name)
+		if err == nil && z.Slots {
+			lz.slots, err = s.acquireSlots(z.Name)
 		}
 		if err != nil {
 			return err
@@ -215,10 +216,10 @@ func (s *LocalStore) Cleanup() error {
 
 // take decides the demands on the zones' tables in one all-or-nothing
 // step (see takeAll).
-func (s *LocalStore) take(_ context.Context, now time.Time, d *demands) (bool, error) {
-	d.at = now
-	if len(d.buckets) == 1 && len(d.counters)+len(d.slots) == 0 {
-		return s.takeOne(now, &d.buckets[0]), nil // the common case
+func (s *LocalStore) Take(_ context.Context, now time.Time, d *store.Demands) (bool, error) {
+	d.At = now
+	if len(d.Buckets) == 1 && len(d.Counters)+len(d.Slots) == 0 {
+		return s.takeOne(now, &d.Buckets[0]), nil // the common case
 	}
 	return s.takeAll(now, d), nil
 }
@@ -228,161 +229,161 @@ func (s *LocalStore) take(_ context.Context, now time.Time, d *demands) (bool, e
 // grows its stack less often.
 //
 //go:noinline
-func (s *LocalStore) takeAll(now time.Time, d *demands) bool {
+func (s *LocalStore) takeAll(now time.Time, d *store.Demands) bool {
 	// Room for the usual few zones, on the stack; more spill.
 	var cs []charge
-	if len(d.buckets) > 0 {
+	if len(d.Buckets) > 0 {
 		var cbuf [2]charge
 		cs = cbuf[:0]
 	}
 	var ks []count
-	if len(d.counters) > 0 {
+	if len(d.Counters) > 0 {
 		var kbuf [1]count
 		ks = kbuf[:0]
 	}
 	var sl []slotClaim
-	if len(d.slots) > 0 {
+	if len(d.Slots) > 0 {
 		var sbuf [1]slotClaim
 		sl = sbuf[:0]
 	}
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		t := s.zones[b.zone].buckets
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		t := s.zones[b.Zone].buckets
 		n := t.instant(now)
-		if b.floor > 0 {
-			raise(t, b.key, b.limit, n+b.floor, n)
+		if b.Floor > 0 {
+			raise(t, b.Key, b.Limit, n+b.Floor, n)
 		}
-		cs = append(cs, charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n, req: i, soft: b.soft})
+		cs = append(cs, charge{l: b.Limit, cost: b.Cost, t: t, h: t.hash(b.Key), now: n, req: i, soft: b.Soft})
 	}
-	for i := range d.counters {
-		c := &d.counters[i]
-		t := s.zones[c.zone].counters
+	for i := range d.Counters {
+		c := &d.Counters[i]
+		t := s.zones[c.Zone].counters
 		n := t.instant(now)
-		ks = append(ks, count{t: t, h: t.hash(c.key), now: n, endAt: n + c.window.End.Sub(now), limit: c.limit, units: c.cost, req: i, soft: c.soft})
+		ks = append(ks, count{t: t, h: t.hash(c.Key), now: n, endAt: n + c.Window.End.Sub(now), limit: c.Limit, units: c.Cost, req: i, soft: c.Soft})
 	}
-	for i := range d.slots {
-		q := &d.slots[i]
-		sl = append(sl, slotClaim{t: s.zones[q.zone].slots, key: q.key, n: q.limit, soft: q.soft, req: i})
+	for i := range d.Slots {
+		q := &d.Slots[i]
+		sl = append(sl, slotClaim{t: s.zones[q.Zone].slots, key: q.Key, n: q.Limit, soft: q.Soft, req: i})
 	}
 	allowed := takeAll(cs, ks, sl)
 	for i := range cs {
-		b := &d.buckets[cs[i].req]
-		b.ok, b.ban, b.debt = cs[i].ok, cs[i].ban, cs[i].debt
+		b := &d.Buckets[cs[i].req]
+		b.OK, b.Ban, b.Debt = cs[i].ok, cs[i].ban, cs[i].debt
 		if cs[i].overridden {
-			b.setOwnLimit(cs[i].l.TokenTime, cs[i].l.Burst)
+			b.SetOwnLimit(cs[i].l.TokenTime, cs[i].l.Burst)
 		}
 	}
 	for i := range ks {
-		c := &d.counters[ks[i].req]
-		c.ok, c.used, c.left = ks[i].ok, ks[i].used, ks[i].left()
+		c := &d.Counters[ks[i].req]
+		c.OK, c.Used, c.Left = ks[i].ok, ks[i].used, ks[i].left()
 	}
 	for i := range sl {
-		q := &d.slots[sl[i].req]
-		q.held, q.free, q.full = sl[i].held, sl[i].free, sl[i].full
+		q := &d.Slots[sl[i].req]
+		q.Held, q.Free, q.Full = sl[i].held, sl[i].free, sl[i].full
 	}
 	return allowed
 }
 
 // takeOne is take of one bucket alone.
-func (s *LocalStore) takeOne(now time.Time, b *bucketDemand) bool {
-	t := s.zones[b.zone].buckets
+func (s *LocalStore) takeOne(now time.Time, b *store.BucketDemand) bool {
+	t := s.zones[b.Zone].buckets
 	n := t.instant(now)
-	if b.floor > 0 {
-		raise(t, b.key, b.limit, n+b.floor, n)
+	if b.Floor > 0 {
+		raise(t, b.Key, b.Limit, n+b.Floor, n)
 	}
-	c := charge{l: b.limit, cost: b.cost, t: t, h: t.hash(b.key), now: n, soft: b.soft}
+	c := charge{l: b.Limit, cost: b.Cost, t: t, h: t.hash(b.Key), now: n, soft: b.Soft}
 	allowed := takeOne(&c)
-	b.ok, b.ban, b.debt = c.ok, c.ban, c.debt
+	b.OK, b.Ban, b.Debt = c.ok, c.ban, c.debt
 	if c.overridden {
-		b.setOwnLimit(c.l.TokenTime, c.l.Burst)
+		b.SetOwnLimit(c.l.TokenTime, c.l.Burst)
 	}
 	return allowed
 }
 
-func (s *LocalStore) adjust(_ context.Context, now time.Time, d *demands) error {
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		t := s.zones[b.zone].buckets
-		adjustBucket(t, b.key, b.limit, b.cost, t.instant(now))
+func (s *LocalStore) Adjust(_ context.Context, now time.Time, d *store.Demands) error {
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		t := s.zones[b.Zone].buckets
+		adjustBucket(t, b.Key, b.Limit, b.Cost, t.instant(now))
 	}
-	for i := range d.counters {
-		c := &d.counters[i]
-		t := s.zones[c.zone].counters
+	for i := range d.Counters {
+		c := &d.Counters[i]
+		t := s.zones[c.Zone].counters
 		n := t.instant(now)
-		adjustCounter(t, c.key, c.cost, n+c.window.End.Sub(now), n)
+		adjustCounter(t, c.Key, c.Cost, n+c.Window.End.Sub(now), n)
 	}
 	return nil
 }
 
-func (s *LocalStore) release(_ context.Context, slots []slotDemand) error {
+func (s *LocalStore) Release(_ context.Context, slots []store.SlotDemand) error {
 	for i := range slots {
-		if q := &slots[i]; q.held {
-			s.zones[q.zone].slots.release(q.key)
+		if q := &slots[i]; q.Held {
+			s.zones[q.Zone].slots.release(q.Key)
 		}
 	}
 	return nil
 }
 
-func (s *LocalStore) peek(_ context.Context, now time.Time, d *demands) error {
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		t := s.zones[b.zone].buckets
-		fullAt, o, own := ownBucket(t, b.key, now)
+func (s *LocalStore) Peek(_ context.Context, now time.Time, d *store.Demands) error {
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		t := s.zones[b.Zone].buckets
+		fullAt, o, own := ownBucket(t, b.Key, now)
 		if own {
-			b.setOwnLimit(o.tokenTime, o.burst)
+			b.SetOwnLimit(o.TokenTime, o.Burst)
 		}
-		b.debt = b.limit.Debt(fullAt, t.instant(now))
+		b.Debt = b.Limit.Debt(fullAt, t.instant(now))
 	}
-	for i := range d.counters {
-		c := &d.counters[i]
-		t := s.zones[c.zone].counters
+	for i := range d.Counters {
+		c := &d.Counters[i]
+		t := s.zones[c.Zone].counters
 		n := t.instant(now)
-		used, endAt := countAt(t, c.key, n)
-		c.used, c.left = used, max(endAt-n, 0)
+		used, endAt := countAt(t, c.Key, n)
+		c.Used, c.Left = used, max(endAt-n, 0)
 	}
-	for i := range d.slots {
-		q := &d.slots[i]
-		q.free = s.zones[q.zone].slots.free(q.key, q.limit)
+	for i := range d.Slots {
+		q := &d.Slots[i]
+		q.Free = s.zones[q.Zone].slots.free(q.Key, q.Limit)
 	}
 	return nil
 }
 
-func (s *LocalStore) reset(_ context.Context, d *demands) (bool, error) {
+func (s *LocalStore) Reset(_ context.Context, d *store.Demands) (bool, error) {
 	found := false
-	for i := range d.buckets {
-		t := s.zones[d.buckets[i].zone].buckets
-		found = t.forget(d.buckets[i].key).fullAt > t.instant(time.Now()) || found
+	for i := range d.Buckets {
+		t := s.zones[d.Buckets[i].Zone].buckets
+		found = t.forget(d.Buckets[i].Key).fullAt > t.instant(time.Now()) || found
 	}
-	for i := range d.counters {
-		t := s.zones[d.counters[i].zone].counters
-		found = !t.forget(d.counters[i].key).spent(t.instant(time.Now())) || found
+	for i := range d.Counters {
+		t := s.zones[d.Counters[i].Zone].counters
+		found = !t.forget(d.Counters[i].Key).spent(t.instant(time.Now())) || found
 	}
 	return found, nil
 }
 
-func (s *LocalStore) setOverride(_ context.Context, now time.Time, zone int, key bucketKey, o override) error {
+func (s *LocalStore) SetOverride(_ context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
 	z := &s.zones[zone]
 	return setOverride(z.buckets, key, o, z.maxOv, now)
 }
 
-func (s *LocalStore) deleteOverride(_ context.Context, now time.Time, zone int, key bucketKey) (bool, error) {
+func (s *LocalStore) DeleteOverride(_ context.Context, now time.Time, zone int, key store.Key) (bool, error) {
 	return deleteOverride(s.zones[zone].buckets, key, now), nil
 }
 
-func (s *LocalStore) override(_ context.Context, zone int, key bucketKey) (override, bool, error) {
+func (s *LocalStore) Override(_ context.Context, zone int, key store.Key) (store.Override, bool, error) {
 	o, ok := overrideOf(s.zones[zone].buckets, key, time.Now())
 	return o, ok, nil
 }
 
-func (s *LocalStore) overrides(_ context.Context, zone int) ([]keyOverride, error) {
+func (s *LocalStore) Overrides(_ context.Context, zone int) ([]store.KeyOverride, error) {
 	return listOverrides(s.zones[zone].buckets, time.Now()), nil
 }
 
-func (s *LocalStore) overrideCount(_ context.Context, zone int) (int, error) {
+func (s *LocalStore) OverrideCount(_ context.Context, zone int) (int, error) {
 	return countOverrides(s.zones[zone].buckets, time.Now()), nil
 }
 
-func (s *LocalStore) stats(zone int) zoneStats {
+func (s *LocalStore) Stats(zone int) store.ZoneStats {
 	z := &s.zones[zone]
 	n, e, c := 0, uint64(0), 0
 	if z.buckets != nil {
@@ -391,7 +392,7 @@ func (s *LocalStore) stats(zone int) zoneStats {
 	if z.counters != nil {
 		n, e, c = n+z.counters.len(), e+z.counters.evictions.Load(), c+z.counters.capacity()
 	}
-	return zoneStats{keys: &n, evictions: &e, capacity: c, table: *z}
+	return store.ZoneStats{Keys: &n, Evictions: &e, Capacity: c, Table: *z}
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
@@ -461,5 +462,5 @@ var (
 	_ caddy.Validator       = (*LocalStore)(nil)
 	_ caddy.CleanerUpper    = (*LocalStore)(nil)
 	_ caddyfile.Unmarshaler = (*LocalStore)(nil)
-	_ store                 = (*LocalStore)(nil)
+	_ store.Store           = (*LocalStore)(nil)
 )

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync/atomic"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddy-tokenbucket/ratelimit/internal/topn"
 	"github.com/caddyserver/caddy/v2"
@@ -36,7 +37,7 @@ type zoneState struct {
 	// the zone is exported while it is above zero.
 	metered atomic.Int64
 
-	top *topn.Sketch[bucketKey] // the keys it refuses most (topKey)
+	top *topn.Sketch[store.Key] // the keys it refuses most (topKey)
 }
 
 // Destruct is called when no config has the zone any more.
@@ -62,19 +63,19 @@ const topKeyMax = 128
 // topKey is k as a zone's heavy-hitter sketch counts it: a key longer
 // than topKeyMax as its first bytes and a hash of the whole, so that long
 // keys stay distinct in bounded memory.
-func topKey(k bucketKey) bucketKey {
-	if len(k.s) > topKeyMax {
+func topKey(k store.Key) store.Key {
+	if len(k.Text) > topKeyMax {
 		h := fnv.New64a()
-		h.Write([]byte(k.s))
-		k.s = k.s[:topKeyMax-20] + "…" + strconv.FormatUint(h.Sum64(), 16)
+		h.Write([]byte(k.Text))
+		k.Text = k.Text[:topKeyMax-20] + "…" + strconv.FormatUint(h.Sum64(), 16)
 	}
 	return k
 }
 
 // keepKey is the copy of k that the sketch keeps, so that it does not
 // keep a request's memory alive.
-func keepKey(k bucketKey) bucketKey {
-	k.s = strings.Clone(k.s)
+func keepKey(k store.Key) store.Key {
+	k.Text = strings.Clone(k.Text)
 	return k
 }
 
@@ -210,24 +211,24 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 			if _, ok := counted[id]; !ok && exported[id] && !ref.z.rateless {
 				counted[id] = ref
 			}
-			for _, s := range []store{ref.h.store, ref.h.fallbackStore()} {
+			for _, s := range []store.Store{ref.h.store, ref.h.fallbackStore()} {
 				if s == nil {
 					continue
 				}
-				st := s.stats(ref.z.index)
-				if st.client != nil {
-					clients[st.client] = st.unavailable
+				st := s.Stats(ref.z.index)
+				if st.Client != nil {
+					clients[st.Client] = st.Unavailable
 				}
-				if st.keys == nil || tables[st.table] || !exported[id] {
+				if st.Keys == nil || tables[st.Table] || !exported[id] {
 					continue
 				}
-				tables[st.table] = true
+				tables[st.Table] = true
 				if zones[id] == nil {
 					zones[id] = new(tracked)
 				}
-				zones[id].keys += *st.keys
-				zones[id].capacity += st.capacity
-				zones[id].evictions += *st.evictions
+				zones[id].keys += *st.Keys
+				zones[id].capacity += st.Capacity
+				zones[id].evictions += *st.Evictions
 			}
 		}
 	}

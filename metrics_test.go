@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/internal/topn"
 	"github.com/caddyserver/caddy/v2/caddytest"
 )
@@ -247,11 +248,11 @@ const opsGlobal = `	servers {
 func TestTopKeyLong(t *testing.T) {
 	long := strings.Repeat("x", 1<<20)
 	top := topn.New(4, keepKey)
-	top.Add(topKey(bucketKey{s: long + "a"}))
-	top.Add(topKey(bucketKey{s: long + "b"}))
-	top.Add(topKey(bucketKey{s: long + "a"}))
+	top.Add(topKey(store.Key{Text: long + "a"}))
+	top.Add(topKey(store.Key{Text: long + "b"}))
+	top.Add(topKey(store.Key{Text: long + "a"}))
 	list := top.List()
-	if len(list) != 2 || list[0].Count != 2 || len(list[0].Key.s) > topKeyMax+8 {
-		t.Fatalf("long keys: %d entries, first %d long with %d", len(list), len(list[0].Key.s), list[0].Count)
+	if len(list) != 2 || list[0].Count != 2 || len(list[0].Key.Text) > topKeyMax+8 {
+		t.Fatalf("long keys: %d entries, first %d long with %d", len(list), len(list[0].Key.Text), list[0].Count)
 	}
 }

@@ -15,6 +15,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddy-tokenbucket/ratelimit/internal/usagescan"
 	"github.com/caddyserver/caddy/v2"
@@ -124,9 +125,9 @@ type Handler struct {
 	// pointer to the Redis store.
 	Storage json.RawMessage `json:"storage,omitempty"`
 
-	store      store
-	holds      holder // store, when its requests hold it; nil otherwise
-	failMode   failMode
+	store      store.Store
+	holds      store.Holder // store, when its requests hold it; nil otherwise
+	failMode   store.FailMode
 	fallback   *LocalStore // decides when store fails, for fail_mode local
 	headerMode headerMode
 	anyDryRun  bool // some zone is in dry run
@@ -156,7 +157,7 @@ type Handler struct {
 
 // fallbackStore is the store that decides when h.store fails, nil for
 // none.
-func (h *Handler) fallbackStore() store {
+func (h *Handler) fallbackStore() store.Store {
 	if h.fallback == nil {
 		return nil
 	}
@@ -255,25 +256,25 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("loading store: %w", err)
 	}
-	st, ok := mod.(store)
+	st, ok := mod.(store.Store)
 	if !ok {
 		return fmt.Errorf("module %T is not a rate_limit store", mod)
 	}
 	h.storeName = mod.(caddy.Module).CaddyModule().ID.Name()
-	specs := make([]zoneSpec, len(h.Zones))
+	specs := make([]store.ZoneSpec, len(h.Zones))
 	for i, z := range h.Zones {
 		specs[i] = z.spec()
 	}
-	if err := st.bind(specs); err != nil {
+	if err := st.Bind(specs); err != nil {
 		return err
 	}
 	h.store = st
-	h.holds, _ = st.(holder)
-	if f, ok := st.(fallible); ok {
-		h.failMode = f.failMode()
-		if h.failMode == failLocal {
+	h.holds, _ = st.(store.Holder)
+	if f, ok := st.(store.Fallible); ok {
+		h.failMode = f.FailureMode()
+		if h.failMode == store.FailLocal {
 			h.fallback = &LocalStore{MaxKeys: defaultMaxKeys}
-			if err := h.fallback.bind(specs); err != nil {
+			if err := h.fallback.Bind(specs); err != nil {
 				return err
 			}
 		}
@@ -423,14 +424,14 @@ func checkRange[T ~int | ~int64](field string, n, lo, hi T) error {
 
 // scratch is the per-request working memory, pooled per handler.
 type scratch struct {
-	d       demands // what the request asks of the store
-	matches []match // the zones that apply to it, in the handler's order
-	by      store   // the store that took d: h.store, h.fallback, or nil (fail_mode open)
-	held    bool    // the request holds h.holds until it ends
+	d       store.Demands // what the request asks of the store
+	matches []match       // the zones that apply to it, in the handler's order
+	by      store.Store   // the store that took d: h.store, h.fallback, or nil (fail_mode open)
+	held    bool          // the request holds h.holds until it ends
 	top     *standing
 	std     standing
 	buf     []byte
-	back    demands             // what goes back to the store (see giveBack)
+	back    store.Demands       // what goes back to the store (see giveBack)
 	slotOut int                 // the slot demand that refused the request; -1 for none
 	rec     statusWriter        // the response writer of a request that settles after the response
 	scans   []usagescan.Scanner // the usages read in its response (see settles)
@@ -493,17 +494,17 @@ func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request, next caddyht
 // finish gives back the request's slots and places, its hold on the
 // store, and its scratch.
 func (h *Handler) finish(r *http.Request, sc *scratch) {
-	if len(sc.d.slots) > 0 {
+	if len(sc.d.Slots) > 0 {
 		h.releaseSlots(r, sc)
 	}
 	if len(sc.adaptive.p) > 0 {
 		h.releaseAdaptive(sc)
 	}
 	if sc.held {
-		h.holds.done()
+		h.holds.Done()
 		sc.held = false
 	}
-	sc.d.clear()
+	sc.d.Clear()
 	sc.matches, sc.by, sc.top, sc.slotOut = sc.matches[:0], nil, nil, -1
 	sc.rec = statusWriter{}
 	sc.waiter, sc.delay = false, 0

@@ -1210,13 +1210,13 @@ func TestExceededEventBan(t *testing.T) {
 // match. A later handler's error counts by its status.
 func TestCount(t *testing.T) {
 	r := startRedis(t)
-	for _, store := range []string{"local", "redis"} {
-		t.Run(store, func(t *testing.T) {
+	for _, storeCfg := range []string{"local", "redis"} {
+		t.Run(storeCfg, func(t *testing.T) {
 			storeConfig := ""
-			if store == "redis" {
+			if storeCfg == "redis" {
 				storeConfig = fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t}", r.Addr())
 			}
-			zone := "count-" + store
+			zone := "count-" + storeCfg
 			tester := startCaddy(t, "", fmt.Sprintf(`
 http://localhost:9080 {
 	rate_limit {

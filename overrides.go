@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
 )
@@ -57,11 +58,11 @@ var overridesKind = kind{
 	},
 	descs:        []*prometheus.Desc{overridesDesc},
 	collectStore: collectOverrides,
-	view: func(ctx context.Context, h *Handler, z *Zone, k bucketKey, _ *demands, v *keyView) error {
+	view: func(ctx context.Context, h *Handler, z *Zone, k store.Key, _ *store.Demands, v *keyView) error {
 		if z.rateless {
 			return nil
 		}
-		o, has, err := h.store.override(ctx, z.index, k)
+		o, has, err := h.store.Override(ctx, z.index, k)
 		if err != nil {
 			return apiError(http.StatusBadGateway, "reading the key's limit: %v", err)
 		}
@@ -81,7 +82,7 @@ var overridesDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, 
 // its timeout; a zone whose store cannot tell is left out).
 func collectOverrides(ch chan<- prometheus.Metric, id zoneID, ref zoneRef) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-	n, err := ref.h.store.overrideCount(ctx, ref.z.index)
+	n, err := ref.h.store.OverrideCount(ctx, ref.z.index)
 	cancel()
 	if err == nil {
 		ch <- prometheus.MustNewConstMetric(overridesDesc, prometheus.GaugeValue, float64(n), id.name, id.limit)
@@ -96,35 +97,10 @@ type overridesKeyView struct {
 
 func checkMaxOverrides(n int64) error { return checkMin("max_overrides", n, 1) }
 
-// An override is a key's own limit.
-type override struct {
-	tokenTime time.Duration // 1/rate
-	burst     int64
-	rate      string    // the rate as it was given, for the admin API
-	expires   time.Time // when it ends by itself; zero: when it is removed
-}
-
-// limit is base with o's rate and burst.
-func (o override) limit(base gcra.Limit) gcra.Limit { return base.With(o.tokenTime, o.burst) }
-
-// A keyOverride is an override and the key it is for, as a store lists
-// them.
-type keyOverride struct {
-	key string
-	o   override
-}
-
-// defaultMaxOverrides is how many overrides a zone keeps at most by
-// default.
-const defaultMaxOverrides = 100_000
-
-// errTooManyOverrides refuses an override beyond a zone's max_overrides.
-var errTooManyOverrides = errors.New("the zone has max_overrides overrides already")
-
 // A localOverride is an override in a table's shard.
 type localOverride struct {
-	key bucketKey
-	o   override
+	key store.Key
+	o   store.Override
 	// at is the table instant at which it ends; 0: never.
 	at time.Duration
 }
@@ -143,8 +119,8 @@ func (c *charge) applyOverride(s *shard[bucket]) {
 		endOverride(c.t, s, c.h, c.now)
 		return
 	}
-	c.cost = c.cost / c.l.TokenTime * e.o.tokenTime
-	c.l = e.o.limit(c.l)
+	c.cost = c.cost / c.l.TokenTime * e.o.TokenTime
+	c.l = e.o.Limit(c.l)
 	c.overridden = true
 }
 
@@ -178,14 +154,14 @@ func endOverride(t *table[bucket], s *shard[bucket], h uint64, now time.Duration
 	e := s.ov[h]
 	delete(s.ov, h)
 	t.overrides.Add(-1)
-	retuneBucket(t, s, h, e.o.limit(t.base), t.base, now)
+	retuneBucket(t, s, h, e.o.Limit(t.base), t.base, now)
 }
 
 // ownBucket is the instant k's bucket is full again under the limit k
 // has at now, and k's own limit if it has one that has not ended. A
 // bucket whose own limit has ended is read as carried back at now, as the
 // key's next request would carry it back, and is not written.
-func ownBucket(t *table[bucket], k bucketKey, now time.Time) (time.Duration, override, bool) {
+func ownBucket(t *table[bucket], k store.Key, now time.Time) (time.Duration, store.Override, bool) {
 	n := t.instant(now)
 	h := t.hash(k)
 	s := t.shard(h)
@@ -195,18 +171,18 @@ func ownBucket(t *table[bucket], k bucketKey, now time.Time) (time.Duration, ove
 	e, ok := s.ov[h]
 	switch {
 	case !ok:
-		return b.fullAt, override{}, false
+		return b.fullAt, store.Override{}, false
 	case !e.ended(n):
 		return b.fullAt, e.o, true
 	case t.base.BurstTime == 0:
-		return b.fullAt, override{}, false // rescaled by the next request, as a change of plan
+		return b.fullAt, store.Override{}, false // rescaled by the next request, as a change of plan
 	}
-	return t.base.Retune(b.fullAt, n, e.o.limit(t.base)), override{}, false
+	return t.base.Retune(b.fullAt, n, e.o.Limit(t.base)), store.Override{}, false
 }
 
 // setOverride gives k the override o, at most max in the table, carrying
 // its bucket over to the new limit.
-func setOverride(t *table[bucket], k bucketKey, o override, most int64, now time.Time) error {
+func setOverride(t *table[bucket], k store.Key, o store.Override, most int64, now time.Time) error {
 	n := t.instant(now)
 	if t.overrides.Load() >= most {
 		endOverrides(t, n)
@@ -221,16 +197,16 @@ func setOverride(t *table[bucket], k bucketKey, o override, most int64, now time
 		had = false
 	}
 	if !had && t.overrides.Load() >= most {
-		return errTooManyOverrides
+		return store.ErrTooManyOverrides
 	}
 	from := t.base
 	if had {
-		from = old.o.limit(t.base)
+		from = old.o.Limit(t.base)
 	}
-	retuneBucket(t, s, h, from, o.limit(t.base), n)
+	retuneBucket(t, s, h, from, o.Limit(t.base), n)
 	e := localOverride{key: k, o: o}
-	if !o.expires.IsZero() {
-		e.at = max(t.instant(o.expires), 1)
+	if !o.Expires.IsZero() {
+		e.at = max(t.instant(o.Expires), 1)
 	}
 	if s.ov == nil {
 		s.ov = make(map[uint64]localOverride)
@@ -244,7 +220,7 @@ func setOverride(t *table[bucket], k bucketKey, o override, most int64, now time
 
 // deleteOverride removes k's override, and reports whether it had one
 // that had not ended.
-func deleteOverride(t *table[bucket], k bucketKey, now time.Time) bool {
+func deleteOverride(t *table[bucket], k store.Key, now time.Time) bool {
 	n := t.instant(now)
 	h := t.hash(k)
 	s := t.shard(h)
@@ -259,22 +235,22 @@ func deleteOverride(t *table[bucket], k bucketKey, now time.Time) bool {
 }
 
 // override is k's override, if it has one that has not ended.
-func overrideOf(t *table[bucket], k bucketKey, now time.Time) (override, bool) {
+func overrideOf(t *table[bucket], k store.Key, now time.Time) (store.Override, bool) {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e, ok := s.ov[h]
 	if !ok || e.ended(t.instant(now)) {
-		return override{}, false
+		return store.Override{}, false
 	}
 	return e.o, true
 }
 
 // listOverrides lists the overrides that have not ended.
-func listOverrides(t *table[bucket], now time.Time) []keyOverride {
-	out := []keyOverride{}
-	liveOverrides(t, now, func(e *localOverride) { out = append(out, keyOverride{e.key.String(), e.o}) })
+func listOverrides(t *table[bucket], now time.Time) []store.KeyOverride {
+	out := []store.KeyOverride{}
+	liveOverrides(t, now, func(e *localOverride) { out = append(out, store.KeyOverride{Key: e.key.String(), Override: e.o}) })
 	return out
 }
 

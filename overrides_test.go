@@ -20,6 +20,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	caddycmd "github.com/caddyserver/caddy/v2/cmd"
 	"github.com/spf13/cobra"
@@ -59,11 +60,11 @@ func adminSend(t *testing.T, method, path, body string, want int) map[string]any
 // a decision is still one script call.
 func TestOverridesAcrossInstances(t *testing.T) {
 	r := startRedis(t)
-	store := `{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"ovx:"}`
+	storeCfg := `{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"ovx:"}`
 	zone := `{"name":"ov-shared","rate":"1r/m","burst":2}`
 	// The other instance first: the admin API acts on the newest, Caddy.
-	other := newTestHandler(t, `{"zones":[`+zone+`],"store":`+strings.Replace(store, "}", `,"timeout":"2s"}`, 1)+`}`)
-	loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+zone+`],"store":`+store+`},{"handler":"static_response","body":"ok"}`))
+	other := newTestHandler(t, `{"zones":[`+zone+`],"store":`+strings.Replace(storeCfg, "}", `,"timeout":"2s"}`, 1)+`}`)
+	loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+zone+`],"store":`+storeCfg+`},{"handler":"static_response","body":"ok"}`))
 	limitOf := func(ip string) (int, string, string) {
 		code, hdr := serve(other, ip)
 		limit := hdr.Get("X-Ratelimit-Limit")
@@ -452,7 +453,7 @@ func TestConcurrentOverrideChanges(t *testing.T) {
 			}
 			// Other timeouts: stores of their own, on clients of their own.
 			a, b := newTestHandler(t, config("2s")), newTestHandler(t, config("3s"))
-			z, race, other := a.Zones[0], bucketKey{s: "race"}, bucketKey{s: "other"}
+			z, race, other := a.Zones[0], store.Key{Text: "race"}, store.Key{Text: "other"}
 			o, err := z.overrideOf(limitBody{Burst: new(int64(9))}, time.Now())
 			if err != nil {
 				t.Fatal(err)
@@ -460,9 +461,9 @@ func TestConcurrentOverrideChanges(t *testing.T) {
 			ctx := context.Background()
 			for round := range 100 {
 				done := make(chan error, 2)
-				go func() { done <- a.store.setOverride(ctx, time.Now(), z.index, race, o) }()
+				go func() { done <- a.store.SetOverride(ctx, time.Now(), z.index, race, o) }()
 				go func() {
-					_, err := b.store.deleteOverride(ctx, time.Now(), z.index, race)
+					_, err := b.store.DeleteOverride(ctx, time.Now(), z.index, race)
 					done <- err
 				}()
 				for range 2 {
@@ -470,29 +471,29 @@ func TestConcurrentOverrideChanges(t *testing.T) {
 						t.Fatalf("round %d: %v", round, err)
 					}
 				}
-				_, has, err := a.store.override(ctx, z.index, race)
+				_, has, err := a.store.Override(ctx, z.index, race)
 				if err != nil {
 					t.Fatal(err)
 				}
-				list, err := b.store.overrides(ctx, z.index)
+				list, err := b.store.Overrides(ctx, z.index)
 				if err != nil {
 					t.Fatal(err)
 				}
-				n, err := a.store.overrideCount(ctx, z.index)
+				n, err := a.store.OverrideCount(ctx, z.index)
 				if err != nil {
 					t.Fatal(err)
 				}
-				if listed := len(list) == 1 && list[0].key == race.s; has != listed || n != len(list) {
+				if listed := len(list) == 1 && list[0].Key == race.Text; has != listed || n != len(list) {
 					t.Fatalf("round %d: the key has its own limit: %v; listed: %v (%v), counted %d", round, has, listed, list, n)
 				}
 				// max_overrides 1: another key's limit is refused while
 				// this key has one.
-				err = b.store.setOverride(ctx, time.Now(), z.index, other, o)
-				if has != errors.Is(err, errTooManyOverrides) || !has && err != nil {
+				err = b.store.SetOverride(ctx, time.Now(), z.index, other, o)
+				if has != errors.Is(err, store.ErrTooManyOverrides) || !has && err != nil {
 					t.Fatalf("round %d: with the key's own limit %v, another key's PUT: %v", round, has, err)
 				}
 				if !has {
-					if _, err := a.store.deleteOverride(ctx, time.Now(), z.index, other); err != nil {
+					if _, err := a.store.DeleteOverride(ctx, time.Now(), z.index, other); err != nil {
 						t.Fatal(err)
 					}
 				}
@@ -507,12 +508,12 @@ func TestConcurrentOverrideChanges(t *testing.T) {
 // store: not a 429 whose headers promise tokens. It spends nothing, bans
 // no one, and waits for nothing; the key's cheaper requests pass.
 func TestCostAboveOwnBurst(t *testing.T) {
-	eachStore(t, func(t *testing.T, backend, store string) {
+	eachStore(t, func(t *testing.T, backend, storeCfg string) {
 		zone := func(name, extra string) string {
 			return `{"name":"` + name + `-` + backend + `","rate":"100r/m","burst":100,"cost":"{http.request.header.X-Cost}",` + extra + `}`
 		}
 		banZone, delayZone := "ov-costban-"+backend, "ov-costdelay-"+backend
-		loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+zone("ov-costban", `"ban":"1h"`)+`,`+zone("ov-costdelay", `"delay":"10s"`)+`],"store":`+store+`},
+		loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+zone("ov-costban", `"ban":"1h"`)+`,`+zone("ov-costdelay", `"delay":"10s"`)+`],"store":`+storeCfg+`},
 			{"handler":"static_response","body":"ok"}`))
 		get := func(ip, cost string) (int, http.Header) {
 			t.Helper()
@@ -551,7 +552,7 @@ func TestCostAboveOwnBurst(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := h.store.setOverride(context.Background(), time.Now(), z.index, z.keyFor("192.0.2.70"), o); err != nil {
+	if err := h.store.SetOverride(context.Background(), time.Now(), z.index, z.keyFor("192.0.2.70"), o); err != nil {
 		t.Fatal(err)
 	}
 	for range 3 {
@@ -571,10 +572,10 @@ func TestCostAboveOwnBurst(t *testing.T) {
 // PUTs of many keys at once into a zone with room for one leave every
 // zone of the name listing the same key.
 func TestPutLimitAllOrNothing(t *testing.T) {
-	eachStore(t, func(t *testing.T, backend, store string) {
+	eachStore(t, func(t *testing.T, backend, storeCfg string) {
 		name := "ov-dup-" + backend
-		loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[{"name":"`+name+`","rate":"10r/m","burst":20}],"store":`+store+`},
-			{"handler":"rate_limit","zones":[{"name":"`+name+`","rate":"10r/m","burst":30,"cost":5,"max_overrides":1}],"store":`+store+`},
+		loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[{"name":"`+name+`","rate":"10r/m","burst":20}],"store":`+storeCfg+`},
+			{"handler":"rate_limit","zones":[{"name":"`+name+`","rate":"10r/m","burst":30,"cost":5,"max_overrides":1}],"store":`+storeCfg+`},
 			{"handler":"static_response","body":"ok"}`))
 		limit := func(key string) string { return "/rate_limit/" + name + "/" + key + "/limit" }
 		// listed is the keys each zone of the name lists.
@@ -660,9 +661,9 @@ func TestPutLimitAllOrNothing(t *testing.T) {
 		if first.h.storeName != "local" {
 			t.Fatalf("the first zone of the name is on %s, want the local store", first.h.storeName)
 		}
-		own := func(key string) (override, bool) {
+		own := func(key string) (store.Override, bool) {
 			t.Helper()
-			o, ok, err := first.h.store.override(context.Background(), first.z.index, first.z.adminKey(key))
+			o, ok, err := first.h.store.Override(context.Background(), first.z.index, first.z.adminKey(key))
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -674,13 +675,13 @@ func TestPutLimitAllOrNothing(t *testing.T) {
 		}
 		had, err := first.z.overrideOf(limitBody{Burst: new(int64(4))}, time.Now())
 		if err == nil {
-			err = first.h.store.setOverride(context.Background(), time.Now(), first.z.index, first.z.adminKey("198.51.100.99"), had)
+			err = first.h.store.SetOverride(context.Background(), time.Now(), first.z.index, first.z.adminKey("198.51.100.99"), had)
 		}
 		if err != nil {
 			t.Fatal(err)
 		}
 		adminSend(t, "PUT", "/rate_limit/"+name+"/198.51.100.99/limit", `{"burst":7}`, 502)
-		if o, ok := own("198.51.100.99"); !ok || o.burst != 4 {
+		if o, ok := own("198.51.100.99"); !ok || o.Burst != 4 {
 			t.Fatalf("after a 502 the first zone has the key's own limit %+v (%v), want the burst 4 it had", o, ok)
 		}
 	})
@@ -691,10 +692,10 @@ func TestPutLimitAllOrNothing(t *testing.T) {
 // reads it so: the token it spent under its own limit stays spent, and
 // the zone's burst holds the rest.
 func TestOverrideEndCarriesBucketBack(t *testing.T) {
-	eachStore(t, func(t *testing.T, backend, store string) {
+	eachStore(t, func(t *testing.T, backend, storeCfg string) {
 		zone := "ov-end-" + backend
 		loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
-			{"name":"`+zone+`","rate":"10r/m","burst":10,"usage":{"json":"usage.total_tokens"}}],"store":`+store+`},
+			{"name":"`+zone+`","rate":"10r/m","burst":10,"usage":{"json":"usage.total_tokens"}}],"store":`+storeCfg+`},
 			{"handler":"static_response","body":"ok"}`))
 		c := &http.Client{Timeout: 10 * time.Second}
 		const ip = "198.51.100.60"
@@ -717,15 +718,15 @@ func TestOverrideEndCarriesBucketBack(t *testing.T) {
 
 // eachStore runs f for the local store and for a Redis store of its own,
 // with the store's name and its JSON.
-func eachStore(t *testing.T, f func(t *testing.T, backend, store string)) {
+func eachStore(t *testing.T, f func(t *testing.T, backend, storeCfg string)) {
 	r := startRedis(t)
 	for _, backend := range []string{"local", "redis"} {
 		t.Run(backend, func(t *testing.T) {
-			store := storeJSON()
+			storeCfg := storeJSON()
 			if backend == "redis" {
-				store = storeJSON(r.Addr())
+				storeCfg = storeJSON(r.Addr())
 			}
-			f(t, backend, store)
+			f(t, backend, storeCfg)
 		})
 	}
 }
@@ -739,12 +740,12 @@ func TestOverrideBoundsAndMetric(t *testing.T) {
 	for _, backend := range []string{"local", "redis"} {
 		t.Run(backend, func(t *testing.T) {
 			zone := "ov-bounds-" + backend
-			store := storeJSON()
+			storeCfg := storeJSON()
 			if backend == "redis" {
-				store = `{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"ovb:"}`
+				storeCfg = `{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"ovb:"}`
 			}
 			tester := loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
-				{"name":"`+zone+`","rate":"10r/m","burst":4,"cost":2,"max_overrides":2}],"store":`+store+`},
+				{"name":"`+zone+`","rate":"10r/m","burst":4,"cost":2,"max_overrides":2}],"store":`+storeCfg+`},
 				{"handler":"static_response","body":"ok"}`))
 			path := func(key string) string { return "/rate_limit/" + zone + "/" + key + "/limit" }
 			for body, reason := range map[string]string{

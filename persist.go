@@ -18,6 +18,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/certmagic"
 	"go.uber.org/zap"
@@ -465,14 +466,14 @@ func appendOverride(b []byte, e localOverride, n time.Duration, wall int64) []by
 	if e.at != 0 {
 		end = wall + int64(e.at-n)
 	}
-	for _, v := range [3]int64{int64(e.o.tokenTime), e.o.burst, end} {
+	for _, v := range [3]int64{int64(e.o.TokenTime), e.o.Burst, end} {
 		b = binary.LittleEndian.AppendUint64(b, uint64(v))
 	}
-	b = binary.LittleEndian.AppendUint16(b, uint16(len(e.o.rate)))
-	b = append(b, e.o.rate...)
-	kind, key := byte(0), e.key.s
-	if e.key.ip.IsValid() {
-		kind, key = 1, e.key.ip.String()
+	b = binary.LittleEndian.AppendUint16(b, uint16(len(e.o.Rate)))
+	b = append(b, e.o.Rate...)
+	kind, key := byte(0), e.key.Text
+	if e.key.Net.IsValid() {
+		kind, key = 1, e.key.Net.String()
 	}
 	b = append(b, kind)
 	b = binary.LittleEndian.AppendUint32(b, uint32(len(key)))
@@ -504,18 +505,18 @@ func mergeOverrides(t *table[bucket], b []byte, n time.Duration, wall int64) err
 		}
 		text := string(b[:kl])
 		b = b[kl:]
-		e := localOverride{key: bucketKey{s: text}, o: override{tokenTime: time.Duration(token), burst: burst, rate: rate}}
+		e := localOverride{key: store.Key{Text: text}, o: store.Override{TokenTime: time.Duration(token), Burst: burst, Rate: rate}}
 		if kind == 1 {
 			p, err := netip.ParsePrefix(text)
 			if err != nil {
 				return fmt.Errorf("override of %q: %v", text, err)
 			}
-			e.key = bucketKey{ip: p}
+			e.key = store.Key{Net: p}
 		}
 		if end != 0 {
 			// An instant of the table's own time line, maybe before its
 			// epoch; 0 would read as no end.
-			e.o.expires, e.at = time.Unix(0, end), n+time.Duration(end-wall)
+			e.o.Expires, e.at = time.Unix(0, end), n+time.Duration(end-wall)
 			if e.at == 0 {
 				e.at = -1
 			}
@@ -669,7 +670,7 @@ func mergeBuckets(t *table[bucket], entries []byte, entry int, n time.Duration, 
 		}
 		if e, ok := locked.ov[h]; ok && burst != 0 {
 			// A key with its own limit: its bucket was saved under it.
-			own := e.o.limit(t.base)
+			own := e.o.Limit(t.base)
 			full, fullAt = own.BurstTime, min(fullAt, most+own.BurstTime-full)
 		} else {
 			fullAt = min(fullAt, most)

@@ -26,6 +26,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/certmagic"
 	"go.uber.org/zap"
@@ -216,14 +217,14 @@ func TestSnapshotOverrides(t *testing.T) {
 	sn := testSnapshots(newTestStorage())
 	a := newPersistedTable(sn)
 	a.base = gcra.NewLimit(1, 10) // testShape's
-	own := override{tokenTime: time.Second, burst: 100, rate: "1r/s"}
-	for _, k := range []bucketKey{key("api-key"), {ip: netip.MustParsePrefix("2001:db8::/64")}} {
+	own := store.Override{TokenTime: time.Second, Burst: 100, Rate: "1r/s"}
+	for _, k := range []store.Key{key("api-key"), {Net: netip.MustParsePrefix("2001:db8::/64")}} {
 		if err := setOverride(a, k, own, 10, t0); err != nil {
 			t.Fatal(err)
 		}
 	}
 	brief := own
-	brief.expires = t0.Add(time.Second)
+	brief.Expires = t0.Add(time.Second)
 	if err := setOverride(a, key("brief"), brief, 10, t0); err != nil {
 		t.Fatal(err)
 	}
@@ -249,7 +250,7 @@ func TestSnapshotOverrides(t *testing.T) {
 	if o, ok := overrideOf(loaded, key("api-key"), later); !ok || o != own {
 		t.Fatalf("api-key's own limit %+v, %v; want %+v", o, ok, own)
 	}
-	ownLimit := own.limit(a.base)
+	ownLimit := own.Limit(a.base)
 	if got := ownLimit.Tokens(fullIn(loaded, "api-key", later)); got != 52 {
 		t.Fatalf("api-key holds %v tokens after the restart, want 52 of its 100", got)
 	}
@@ -282,7 +283,7 @@ func TestSnapshotEndedOverrides(t *testing.T) {
 		a := newPersistedTable(sn)
 		a.base = base
 		k := key("slow")
-		slow := override{tokenTime: time.Hour, burst: 1, rate: "1r/h", expires: t0.Add(tc.ends)}
+		slow := store.Override{TokenTime: time.Hour, Burst: 1, Rate: "1r/h", Expires: t0.Add(tc.ends)}
 		if err := setOverride(a, k, slow, 10, t0); err != nil {
 			t.Fatal(err)
 		}
@@ -392,7 +393,7 @@ func bindTestStore(t *testing.T, sn *snapshots, zone string) (*LocalStore, *Zone
 		t.Fatal(err)
 	}
 	s := &LocalStore{MaxKeys: 1000, snaps: sn}
-	if err := s.bind([]zoneSpec{z.spec()}); err != nil {
+	if err := s.Bind([]store.ZoneSpec{z.spec()}); err != nil {
 		t.Fatal(err)
 	}
 	return s, z
@@ -402,7 +403,7 @@ func bindTestStore(t *testing.T, sn *snapshots, zone string) (*LocalStore, *Zone
 // the request was allowed.
 func spend(t *testing.T, s *LocalStore, z *Zone, k string) bool {
 	t.Helper()
-	ok, err := s.take(context.Background(), time.Now(), &demands{buckets: []bucketDemand{bucketReq(z, key(k))}})
+	ok, err := s.Take(context.Background(), time.Now(), &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, key(k))}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -563,7 +564,7 @@ func TestPersistOffOnReload(t *testing.T) {
 	<-tab.p.ready
 	off := false
 	s2 := &LocalStore{MaxKeys: 1000, Persist: &off}
-	if err := s2.bind([]zoneSpec{z.spec()}); err != nil {
+	if err := s2.Bind([]store.ZoneSpec{z.spec()}); err != nil {
 		t.Fatal(err)
 	}
 	if s2.zones[0].buckets != tab {

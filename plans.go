@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -70,7 +71,7 @@ func (z *Zone) adminLimit() gcra.Limit {
 // knownLimit reports whether the admin API knows the limit of the bucket
 // b read: for a zone whose limit comes with each request, only a key's
 // own limit is known without a request.
-func (z *Zone) knownLimit(b *bucketDemand) bool { return z.plans == nil || b.overridden }
+func (z *Zone) knownLimit(b *store.BucketDemand) bool { return z.plans == nil || b.Overridden }
 
 // maxPlans is the most distinct limits a zone with placeholders keeps:
 // beyond them, a request with yet another limit answers 500. It bounds

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
 
@@ -112,20 +113,20 @@ var quotaKind = kind{
 		}
 		return q
 	},
-	info: func(z *Zone, _ zoneStats, info *zoneInfo) {
+	info: func(z *Zone, _ store.ZoneStats, info *zoneInfo) {
 		if z.quota != nil {
 			info.Quota, info.Per, info.Timezone = z.quota.limit, z.QuotaPeriod, z.quota.Loc.String()
 		}
 	},
-	demand: func(z *Zone, k bucketKey, d *demands) {
+	demand: func(z *Zone, k store.Key, d *store.Demands) {
 		if z.quota != nil {
-			d.counters = append(d.counters, counterDemand{zone: z.index, key: k, limit: z.quota.limit, cost: z.Cost, window: z.quota.Window(time.Now())})
+			d.Counters = append(d.Counters, store.CounterDemand{Zone: z.index, Key: k, Limit: z.quota.limit, Cost: z.Cost, Window: z.quota.Window(time.Now())})
 		}
 	},
-	view: func(_ context.Context, _ *Handler, _ *Zone, _ bucketKey, d *demands, v *keyView) error {
-		if len(d.counters) > 0 {
-			c := &d.counters[0]
-			v.Quota = &quotaInfo{Limit: c.limit, Used: c.used, Left: c.remaining(), ResetIn: c.left.Seconds()}
+	view: func(_ context.Context, _ *Handler, _ *Zone, _ store.Key, d *store.Demands, v *keyView) error {
+		if len(d.Counters) > 0 {
+			c := &d.Counters[0]
+			v.Quota = &quotaInfo{Limit: c.Limit, Used: c.Used, Left: c.Remaining(), ResetIn: c.Left.Seconds()}
 		}
 		return nil
 	},

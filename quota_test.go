@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 )
@@ -112,8 +113,8 @@ func TestQuotaLocalTable(t *testing.T) {
 	now := time.Now()
 	take := func(key string, n int) {
 		for range n {
-			reqs := &demands{counters: []counterDemand{counterReq(z, bucketKey{s: key}, now)}}
-			if ok, _ := s.take(context.Background(), now, reqs); !ok {
+			reqs := &store.Demands{Counters: []store.CounterDemand{counterReq(z, store.Key{Text: key}, now)}}
+			if ok, _ := s.Take(context.Background(), now, reqs); !ok {
 				t.Fatalf("key %s refused", key)
 			}
 		}
@@ -126,12 +127,12 @@ func TestQuotaLocalTable(t *testing.T) {
 	if n := qt.len(); n > 50 {
 		t.Fatalf("%d counters kept, max_keys 50", n)
 	}
-	if used, _ := countAt(qt, bucketKey{s: "heavy"}, qt.instant(now)); used != 50 {
+	if used, _ := countAt(qt, store.Key{Text: "heavy"}, qt.instant(now)); used != 50 {
 		t.Fatalf("the heaviest counter was evicted: used %d", used)
 	}
 	// A counter of a window that has ended carries nothing.
 	later := now.Add(25 * time.Hour)
-	if used, _ := countAt(qt, bucketKey{s: "heavy"}, qt.instant(later)); used != 0 {
+	if used, _ := countAt(qt, store.Key{Text: "heavy"}, qt.instant(later)); used != 0 {
 		t.Fatalf("used %d in the next window", used)
 	}
 	qt.sweepAll(later)
@@ -182,9 +183,9 @@ func adminJSON(t *testing.T, method, path string, v any) int {
 // and the admin API's view and reset.
 func TestQuotaThroughCaddy(t *testing.T) {
 	r := startRedis(t)
-	for _, store := range []string{`{"backend":"local","persist":false}`, fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"thru:"}`, r.Addr())} {
+	for _, storeCfg := range []string{`{"backend":"local","persist":false}`, fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"thru:"}`, r.Addr())} {
 		backend := "local"
-		if strings.Contains(store, "redis") {
+		if strings.Contains(storeCfg, "redis") {
 			backend = "redis"
 		}
 		t.Run(backend, func(t *testing.T) {
@@ -192,7 +193,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 			loadJSON(t, jsonServer(fmt.Sprintf(`{"handler":"rate_limit","headers":"ietf","store":%s,"zones":[
 				{"name":%q,"key":"{http.request.header.X-API-Key}","quota":3,"quota_period":"month","timezone":"Europe/Paris"},
 				{"name":%q,"key":"{http.request.header.X-API-Key}","match":[{"path":["/api/*"]}],"rate":"1r/m","burst":2,"quota":5,"quota_period":"day","cost":2}
-			]},{"handler":"static_response","body":"ok"}`, store, monthly, api)))
+			]},{"handler":"static_response","body":"ok"}`, storeCfg, monthly, api)))
 			paris := mustLoad(t, "Europe/Paris")
 			mwin := (&calendar.Windows{Period: calendar.Month, Loc: paris}).WindowAt(time.Now())
 			send := func(key, path string, want int) *http.Response {
@@ -269,11 +270,11 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 	r := startRedis(t)
 	for _, backend := range []string{"local", "redis"} {
 		t.Run(backend, func(t *testing.T) {
-			store := `{"backend":"local","persist":false}`
+			storeCfg := `{"backend":"local","persist":false}`
 			if backend == "redis" {
-				store = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"short:"}`, r.Addr())
+				storeCfg = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"short:"}`, r.Addr())
 			}
-			h := newTestHandler(t, `{"zones":[{"name":"short-`+backend+`","key":"{http.request.header.K}","quota":2,"quota_period":"day"}],"store":`+store+`}`)
+			h := newTestHandler(t, `{"zones":[{"name":"short-`+backend+`","key":"{http.request.header.K}","quota":2,"quota_period":"day"}],"store":`+storeCfg+`}`)
 			z := h.Zones[0]
 			z.quota.Every = 2 * time.Second
 			// Start just after a window starts.
@@ -289,7 +290,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 			}
 			if backend == "redis" {
 				c := newRedisClient(t, r.Addr())
-				key, _ := h.store.(*RedisStore).counterKeys(z.index, bucketKey{s: "k"})
+				key, _ := h.store.(*RedisStore).counterKeys(z.index, store.Key{Text: "k"})
 				ttl, err := c.PTTL(context.Background(), key).Result()
 				if err != nil || ttl <= 0 || ttl > 2*time.Second {
 					t.Fatalf("PTTL %s = %v, %v; want the time left in the window", key, ttl, err)
@@ -326,17 +327,17 @@ func TestRedisQuotaClockSkew(t *testing.T) {
 		t.Skip("too close to a window's end")
 	}
 	for i, skew := range []time.Duration{-59 * time.Minute, 0, 59 * time.Minute, 0} {
-		c := counterReq(z, bucketKey{s: "k"}, now)
-		c.window = z.quota.WindowAt(now.Add(skew))
-		reqs := &demands{counters: []counterDemand{c}}
-		ok, err := h.store.take(context.Background(), now, reqs)
-		if err != nil || ok != (i < 3) || reqs.counters[0].used != min(int64(i+1), 3) {
-			t.Fatalf("skew %v: ok %v used %d err %v", skew, ok, reqs.counters[0].used, err)
+		c := counterReq(z, store.Key{Text: "k"}, now)
+		c.Window = z.quota.WindowAt(now.Add(skew))
+		reqs := &store.Demands{Counters: []store.CounterDemand{c}}
+		ok, err := h.store.Take(context.Background(), now, reqs)
+		if err != nil || ok != (i < 3) || reqs.Counters[0].Used != min(int64(i+1), 3) {
+			t.Fatalf("skew %v: ok %v used %d err %v", skew, ok, reqs.Counters[0].Used, err)
 		}
 	}
-	c := counterReq(z, bucketKey{s: "k"}, now)
-	c.window = z.quota.WindowAt(now.Add(2 * time.Hour))
-	if _, err := h.store.take(context.Background(), now, &demands{counters: []counterDemand{c}}); err == nil || !strings.Contains(err.Error(), "quota window") {
+	c := counterReq(z, store.Key{Text: "k"}, now)
+	c.Window = z.quota.WindowAt(now.Add(2 * time.Hour))
+	if _, err := h.store.Take(context.Background(), now, &store.Demands{Counters: []store.CounterDemand{c}}); err == nil || !strings.Contains(err.Error(), "quota window") {
 		t.Fatalf("two windows ahead: err %v", err)
 	}
 }
@@ -358,10 +359,10 @@ func TestRedisQuotaCluster(t *testing.T) {
 	if code, _ := serve(h, "192.0.2.1", "K", "a", "R", "x"); code != 429 {
 		t.Fatalf("second: %d", code)
 	}
-	d := &demands{counters: []counterDemand{counterReq(h.Zones[0], bucketKey{s: "a"}, time.Now())}}
-	q := &d.counters[0]
-	if err := h.store.peek(context.Background(), time.Now(), d); err != nil || q.used != 1 {
-		t.Fatalf("count %d, %v; want 1: a refused request is not counted", q.used, err)
+	d := &store.Demands{Counters: []store.CounterDemand{counterReq(h.Zones[0], store.Key{Text: "a"}, time.Now())}}
+	q := &d.Counters[0]
+	if err := h.store.Peek(context.Background(), time.Now(), d); err != nil || q.Used != 1 {
+		t.Fatalf("count %d, %v; want 1: a refused request is not counted", q.Used, err)
 	}
 	for i, want := range []int{200, 429} {
 		if code, _ := serve(h, "192.0.2.1", "K", "a", "R", fmt.Sprint("y", i)); code != want {
@@ -427,23 +428,23 @@ func TestQuotaCountAndDryRun(t *testing.T) {
 	r := startRedis(t)
 	for _, backend := range []string{"local", "redis"} {
 		t.Run(backend, func(t *testing.T) {
-			store := `{"backend":"local","persist":false}`
+			storeCfg := `{"backend":"local","persist":false}`
 			if backend == "redis" {
-				store = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"cdr:"}`, r.Addr())
+				storeCfg = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"cdr:"}`, r.Addr())
 			}
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 				{"name":"qc-%s","quota":2,"quota_period":"day","count":{"status_code":[5]}},
-				{"name":"qd-%s","quota":1,"quota_period":"week","dry_run":true,"match":[{"path":["/dry"]}]}],"store":%s}`, backend, backend, store))
+				{"name":"qd-%s","quota":1,"quota_period":"week","dry_run":true,"match":[{"path":["/dry"]}]}],"store":%s}`, backend, backend, storeCfg))
 			// 200s are given back: the quota of 2 never runs out.
 			for i := range 5 {
 				if code, _ := serve(h, "192.0.2.1"); code != 200 {
 					t.Fatalf("request %d: %d", i, code)
 				}
 			}
-			d := &demands{counters: []counterDemand{counterReq(h.Zones[0], bucketKey{s: "192.0.2.1"}, time.Now())}}
-			q := &d.counters[0]
-			if err := h.store.peek(context.Background(), time.Now(), d); err != nil || q.used != 0 {
-				t.Fatalf("count %d, %v; want 0: every response was given back", q.used, err)
+			d := &store.Demands{Counters: []store.CounterDemand{counterReq(h.Zones[0], store.Key{Text: "192.0.2.1"}, time.Now())}}
+			q := &d.Counters[0]
+			if err := h.store.Peek(context.Background(), time.Now(), d); err != nil || q.Used != 0 {
+				t.Fatalf("count %d, %v; want 0: every response was given back", q.Used, err)
 			}
 			// Dry run: the second request in the week would be refused.
 			for i, want := range []bool{false, true} {
@@ -509,7 +510,7 @@ func TestRedisQuotaUntaggedCounter(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"up","key":"{http.request.header.K}","quota":3,"quota_period":"month"}],
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"up:","disable_over_limit_cache":true}}`, r.Addr()))
 	z, s := h.Zones[0], h.store.(*RedisStore)
-	tagged, untagged := s.counterKeys(z.index, bucketKey{s: "k"})
+	tagged, untagged := s.counterKeys(z.index, store.Key{Text: "k"})
 	if !strings.HasSuffix(tagged, "}up:4nV7:k:quota") || !strings.HasSuffix(untagged, "}up:k:quota") {
 		t.Fatalf("keys %q and %q", tagged, untagged)
 	}
@@ -519,11 +520,11 @@ func TestRedisQuotaUntaggedCounter(t *testing.T) {
 	c.PExpireAt(ctx, untagged, end)
 	peek := func() int64 {
 		t.Helper()
-		d := &demands{counters: []counterDemand{counterReq(z, bucketKey{s: "k"}, time.Now())}}
-		if err := s.peek(ctx, time.Now(), d); err != nil {
+		d := &store.Demands{Counters: []store.CounterDemand{counterReq(z, store.Key{Text: "k"}, time.Now())}}
+		if err := s.Peek(ctx, time.Now(), d); err != nil {
 			t.Fatal(err)
 		}
-		return d.counters[0].used
+		return d.Counters[0].Used
 	}
 	if used := peek(); used != 2 {
 		t.Fatalf("admin view before any request: used %d, want the untagged key's 2", used)
@@ -539,7 +540,7 @@ func TestRedisQuotaUntaggedCounter(t *testing.T) {
 	if n, _ := c.HGet(ctx, untagged, "n").Int64(); n != 2 {
 		t.Fatalf("untagged counter %d, want 2: it is never written", n)
 	}
-	if found, err := s.reset(ctx, &demands{counters: []counterDemand{counterReq(z, bucketKey{s: "k"}, time.Now())}}); err != nil || !found {
+	if found, err := s.Reset(ctx, &store.Demands{Counters: []store.CounterDemand{counterReq(z, store.Key{Text: "k"}, time.Now())}}); err != nil || !found {
 		t.Fatalf("reset: %v, %v", found, err)
 	}
 	if n, _ := c.Exists(ctx, tagged, untagged).Result(); n != 0 {

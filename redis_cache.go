@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
 // The Redis store's over-limit cache: what this instance learnt of the
@@ -42,7 +43,7 @@ import (
 // fromCache returns the instant to ask Redis at and the flight it joined
 // (to land when the answer is in); or that the cache decided the request,
 // and whether it allowed it; or why no answer came in time.
-func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *demands) (_ time.Time, _ flightKey, decided, allowed bool, _ error) {
+func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *store.Demands) (_ time.Time, _ flightKey, decided, allowed bool, _ error) {
 	deadline := now.Add(s.callTimeout)
 	var timer *time.Timer
 	defer func() {
@@ -53,7 +54,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *demands) (
 	for {
 		tight, most, pace := s.look(now, d)
 		if decided, allowed := s.cacheDecides(d); decided {
-			d.at = now
+			d.At = now
 			return now, flightKey{}, true, allowed, nil
 		}
 		if tight < 0 {
@@ -62,8 +63,8 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *demands) (
 		var landed <-chan struct{}
 		var k flightKey
 		if pace <= 0 || !now.Add(pace).Before(deadline) {
-			b := &d.buckets[tight]
-			k = flightKey{b.zone, s.zones[b.zone].cache.hash(b.key)}
+			b := &d.Buckets[tight]
+			k = flightKey{b.Zone, s.zones[b.Zone].cache.hash(b.Key)}
 			if landed = s.flights.join(k, max(most, 1)); landed == nil {
 				return now, k, false, false, nil
 			}
@@ -91,50 +92,50 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *demands) (
 // look sets d's answers from what the cache knows at now. It returns the
 // bucket that lets the fewest requests through now (-1 without buckets),
 // how many, and how long to wait before asking Redis is worth it.
-func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pace time.Duration) {
-	for i := range d.counters {
+func (s *RedisStore) look(now time.Time, d *store.Demands) (tight int, most int64, pace time.Duration) {
+	for i := range d.Counters {
 		// A counter only grows in its window (but for refunds, and
 		// resets), so the count Redis last gave is a bound too, for a
 		// while (see rememberCount).
-		c := &d.counters[i]
-		t := s.zones[c.zone].counts
-		c.used, _ = countAt(t, c.key, t.instant(now))
-		c.left = 0
-		if c.used > 0 {
-			c.left = max(c.window.End.Sub(now), 0)
+		c := &d.Counters[i]
+		t := s.zones[c.Zone].counts
+		c.Used, _ = countAt(t, c.Key, t.instant(now))
+		c.Left = 0
+		if c.Used > 0 {
+			c.Left = max(c.Window.End.Sub(now), 0)
 		}
-		c.ok = c.used+c.cost <= c.limit
+		c.OK = c.Used+c.Cost <= c.Limit
 	}
 	rtt := s.client.RTT()
 	if s.testClock != nil {
 		rtt = 0 // replayed instants leave no room to wait
 	}
 	tight, most = -1, int64(math.MaxInt64)
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		rz := &s.zones[b.zone]
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		rz := &s.zones[b.Zone]
 		t := rz.cache
-		known, _ := t.lookup(b.key)
+		known, _ := t.lookup(b.Key)
 		if rz.learned.n.Load() > 0 {
-			rz.learned.apply(b, t.hash(b.key), t.instant(now))
+			rz.learned.apply(b, t.hash(b.Key), t.instant(now))
 		}
-		l := b.limit
+		l := b.Limit
 		fullAt, n := known.fullAt, t.instant(now)
 		if known.full != l.BurstTime {
 			// Learnt under another limit (the key's plan changed): Redis
 			// rescales it, which no bound from the old limit foresees.
 			fullAt = 0
 		}
-		_, b.ok = l.Take(fullAt, n, b.cost)
-		b.debt = l.Debt(fullAt, n)
-		if m := int64((l.Reach() - b.debt) / b.cost); m < most {
+		_, b.OK = l.Take(fullAt, n, b.Cost)
+		b.Debt = l.Debt(fullAt, n)
+		if m := int64((l.Reach() - b.Debt) / b.Cost); m < most {
 			tight, most = i, m
 		}
 		if fullAt != 0 && n-known.usedAt > trusted(l) {
 			// Learnt too long ago to refuse by (the bucket may have been
 			// reset since): Redis is asked again, the bound still
 			// keeping the calls in flight to what it lets through.
-			b.ok = true
+			b.OK = true
 			continue
 		}
 		// The bound counts from when the last call was sent, Redis from
@@ -142,7 +143,7 @@ func (s *RedisStore) look(now time.Time, d *demands) (tight int, most int64, pac
 		// round trip of the bound would mostly find the bucket still
 		// short. Wait out that round trip instead.
 		if fullAt != 0 {
-			pace = max(pace, fullAt-l.Reach()+b.cost+rtt-n)
+			pace = max(pace, fullAt-l.Reach()+b.Cost+rtt-n)
 		}
 	}
 	return tight, most, pace
@@ -162,26 +163,26 @@ var errNoAnswer = errors.New("redis: no answer within timeout")
 // buckets or counters get tokens back (count): other instances' refunds
 // give them back faster than the rate, so only a ban (which refunds never
 // shorten) is a bound the cache can refuse by.
-func (s *RedisStore) cacheDecides(d *demands) (decided, allowed bool) {
-	denied, charged := false, len(d.slots) > 0
-	for i := range d.counters {
-		c := &d.counters[i]
-		if !c.ok && s.zones[c.zone].refunds {
+func (s *RedisStore) cacheDecides(d *store.Demands) (decided, allowed bool) {
+	denied, charged := false, len(d.Slots) > 0
+	for i := range d.Counters {
+		c := &d.Counters[i]
+		if !c.OK && s.zones[c.Zone].refunds {
 			return false, false
 		}
-		denied = denied || !c.ok && !c.soft
-		charged = charged || c.ok
+		denied = denied || !c.OK && !c.Soft
+		charged = charged || c.OK
 	}
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		if l := b.limit; !b.ok && (l.Ban > 0 || s.zones[b.zone].refunds) && !l.Banned(b.debt) {
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		if l := b.Limit; !b.OK && (l.Ban > 0 || s.zones[b.Zone].refunds) && !l.Banned(b.Debt) {
 			return false, false
 		}
-		denied = denied || !b.ok && !b.soft
-		charged = charged || b.ok
+		denied = denied || !b.OK && !b.Soft
+		charged = charged || b.OK
 	}
-	d.remembered = denied || !charged
-	return d.remembered, !denied
+	d.Remembered = denied || !charged
+	return d.Remembered, !denied
 }
 
 // remember notes, for fromCache, the buckets of a request that Redis
@@ -191,30 +192,30 @@ func (s *RedisStore) cacheDecides(d *demands) (decided, allowed bool) {
 // cache forgets them (it only ever refuses, so forgetting is always
 // safe), unless other requests wait for this answer in flight: then they
 // learn from it how many of them may ask at once.
-func (s *RedisStore) remember(now time.Time, d *demands, flight flightKey) {
+func (s *RedisStore) remember(now time.Time, d *store.Demands, flight flightKey) {
 	short := false
-	for i := range d.buckets {
-		short = short || d.buckets[i].wait() > 0
+	for i := range d.Buckets {
+		short = short || d.Buckets[i].Wait() > 0
 	}
-	for i := range d.counters {
-		short = short || d.counters[i].wait() > 0
-		s.rememberCount(now, &d.counters[i])
+	for i := range d.Counters {
+		short = short || d.Counters[i].Wait() > 0
+		s.rememberCount(now, &d.Counters[i])
 	}
 	forget := !short && !s.flights.waited(flight)
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		rz := &s.zones[b.zone]
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		rz := &s.zones[b.Zone]
 		t := rz.cache
-		if b.overridden {
-			rz.learned.learn(t.hash(b.key), b.limit, t.instant(now))
+		if b.Overridden {
+			rz.learned.learn(t.hash(b.Key), b.Limit, t.instant(now))
 		} else if rz.learned.n.Load() > 0 {
-			rz.learned.forget(t.hash(b.key))
+			rz.learned.forget(t.hash(b.Key))
 		}
 		if forget {
-			t.forget(b.key)
+			t.forget(b.Key)
 			continue
 		}
-		learn(t, b.key, t.instant(now)+b.debt, b.limit.BurstTime, t.instant(now))
+		learn(t, b.Key, t.instant(now)+b.Debt, b.Limit.BurstTime, t.instant(now))
 	}
 }
 
@@ -222,7 +223,7 @@ func (s *RedisStore) remember(now time.Time, d *demands, flight flightKey) {
 // whole bucket full, as the answer to a call sent at now says: it replaces what an answer to an earlier call
 // said, whatever that was (the bucket may have been reset since), and an
 // answer to an earlier call than the one noted changes nothing.
-func learn(t *table[bucket], k bucketKey, fullAt, full, now time.Duration) {
+func learn(t *table[bucket], k store.Key, fullAt, full, now time.Duration) {
 	h := t.hash(k)
 	sh := t.shard(h)
 	sh.mu.Lock()
@@ -254,20 +255,20 @@ const quotaCacheFor = overLimitTrust
 // for quotaCacheFor at most, and never past the end of its window, which
 // ends c.left after now at the latest (Redis decided after now), less a
 // millisecond of margin. A count of 0 is forgotten.
-func (s *RedisStore) rememberCount(now time.Time, c *counterDemand) {
-	t := s.zones[c.zone].counts
-	if c.used <= 0 || c.left <= time.Millisecond {
-		t.forget(c.key)
+func (s *RedisStore) rememberCount(now time.Time, c *store.CounterDemand) {
+	t := s.zones[c.Zone].counts
+	if c.Used <= 0 || c.Left <= time.Millisecond {
+		t.forget(c.Key)
 		return
 	}
-	h, n := t.hash(c.key), t.instant(now)
+	h, n := t.hash(c.Key), t.instant(now)
 	sh := t.shard(h)
 	sh.mu.Lock()
 	defer sh.mu.Unlock()
-	if e, ok := sh.m[h]; ok && !e.spent(n) && e.used > c.used {
+	if e, ok := sh.m[h]; ok && !e.spent(n) && e.used > c.Used {
 		return // a later answer came in first
 	}
-	sh.set(t, h, counter{n + min(c.left-time.Millisecond, quotaCacheFor), c.used}, n)
+	sh.set(t, h, counter{n + min(c.Left-time.Millisecond, quotaCacheFor), c.Used}, n)
 }
 
 // learnedOverrides are the keys' own limits (overrides) that Redis's
@@ -288,12 +289,12 @@ type learnedOverride struct {
 }
 
 // apply puts in b the limit learnt for its key's hash h, if it is recent.
-func (lo *learnedOverrides) apply(b *bucketDemand, h uint64, now time.Duration) {
+func (lo *learnedOverrides) apply(b *store.BucketDemand, h uint64, now time.Duration) {
 	lo.mu.Lock()
 	o, ok := lo.m[h]
 	lo.mu.Unlock()
 	if ok && now-o.at <= overLimitTrust {
-		b.setOwnLimit(o.tokenTime, o.burst)
+		b.SetOwnLimit(o.tokenTime, o.burst)
 	}
 }
 

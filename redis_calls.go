@@ -15,6 +15,7 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
 // A window is a quota window and its boundaries as the script reads them.
@@ -26,7 +27,7 @@ type window struct {
 // run calls the script for d, and sets d's answers: the buckets' debts
 // and bans, the counters' counts and the slots' held, free and full,
 // after the call.
-func (s *RedisStore) run(ctx context.Context, deadline time.Time, op rediswire.Op, d *demands) (bool, error) {
+func (s *RedisStore) run(ctx context.Context, deadline time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
 	c := rediswire.NewCall(op, deadline)
 	if s.testClock != nil {
 		c.Clock(s.testClock())
@@ -39,7 +40,7 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, op rediswire.O
 
 // runAll decides each of ds by op, in order, in one flight of its own:
 // the keys of each share a cluster slot (see oneTag).
-func (s *RedisStore) runAll(op rediswire.Op, ds []*demands) ([]bool, []error) {
+func (s *RedisStore) runAll(op rediswire.Op, ds []*store.Demands) ([]bool, []error) {
 	deadline := time.Now().Add(s.callTimeout)
 	calls := make([]*rediswire.Call, len(ds))
 	for i, d := range ds {
@@ -60,11 +61,11 @@ func (s *RedisStore) runAll(op rediswire.Op, ds []*demands) ([]bool, []error) {
 
 // answered sets d's answers from r, the reply of its call of op sent at
 // sent, or returns err.
-func (s *RedisStore) answered(r rediswire.Reply, err error, sent time.Time, op rediswire.Op, d *demands) (bool, error) {
+func (s *RedisStore) answered(r rediswire.Reply, err error, sent time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	d.at = s.client.DecidedAt(r, sent)
+	d.At = s.client.DecidedAt(r, sent)
 	if n := r.Repaired(); n > 0 && op != rediswire.Peek {
 		s.repairs.Warn(s.logger, "redis store: keys under key_prefix held another type: overwritten",
 			fmt.Errorf("%d in a call of zone %s", n, s.zones[callZone(d)].name))
@@ -74,91 +75,91 @@ func (s *RedisStore) answered(r rediswire.Reply, err error, sent time.Time, op r
 }
 
 // build adds d's demands to the call.
-func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *demands) {
-	for i := range d.buckets {
+func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *store.Demands) {
+	for i := range d.Buckets {
 		// The script applies the key's own limit itself: it is sent the
 		// limit that an override replaces, and the cost in its tokens.
-		b := &d.buckets[i]
+		b := &d.Buckets[i]
 		var hash, field, limit string
-		if s.mayOverride(b.zone) {
-			hash, field, limit = s.keys.BucketLimit(s.zones[b.zone].field, b.key.String())
+		if s.mayOverride(b.Zone) {
+			hash, field, limit = s.keys.BucketLimit(s.zones[b.Zone].field, b.Key.String())
 		} else {
-			hash, field = s.keys.Bucket(s.zones[b.zone].field, b.key.String())
+			hash, field = s.keys.Bucket(s.zones[b.Zone].field, b.Key.String())
 			limit = hash // the script reads no override
 		}
 		if op == rediswire.Adjust {
-			c.AdjustBucket(hash, field, limit, s.shapeOf(b, true), b.baseCost())
+			c.AdjustBucket(hash, field, limit, s.shapeOf(b, true), b.BaseCost())
 		} else {
-			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.limit.NoDelay, b.soft)
+			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.Limit.NoDelay, b.Soft)
 		}
 	}
-	for i := range d.counters {
-		k := &d.counters[i]
-		rz := &s.zones[k.zone]
-		counter, untagged := s.counterKeys(k.zone, k.key)
+	for i := range d.Counters {
+		k := &d.Counters[i]
+		rz := &s.zones[k.Zone]
+		counter, untagged := s.counterKeys(k.Zone, k.Key)
 		if op == rediswire.Adjust {
-			c.AdjustCounter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.window), k.cost)
+			c.AdjustCounter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.Window), k.Cost)
 		} else {
-			c.Counter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.window), k.soft)
+			c.Counter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.Window), k.Soft)
 		}
 	}
-	for i := range d.slots {
-		q := &d.slots[i]
-		c.Slot(s.slotKey(q.zone, q.key), q.claim, s.slotShape(&s.zones[q.zone], q))
+	for i := range d.Slots {
+		q := &d.Slots[i]
+		c.Slot(s.slotKey(q.Zone, q.Key), q.Claim, s.slotShape(&s.zones[q.Zone], q))
 	}
 }
 
 // callZone is the zone of a call's first demand.
-func callZone(d *demands) int {
+func callZone(d *store.Demands) int {
 	switch {
-	case len(d.buckets) > 0:
-		return d.buckets[0].zone
-	case len(d.counters) > 0:
-		return d.counters[0].zone
+	case len(d.Buckets) > 0:
+		return d.Buckets[0].Zone
+	case len(d.Counters) > 0:
+		return d.Counters[0].Zone
 	}
-	return d.slots[0].zone
+	return d.Slots[0].Zone
 }
 
 // read sets d's answers from the reply of its call.
-func read(r rediswire.Reply, op rediswire.Op, d *demands) {
+func read(r rediswire.Reply, op rediswire.Op, d *store.Demands) {
 	allowed := r.Allowed()
 	others := true // every bucket and counter had what the request takes
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		b.debt, b.ban = r.Bucket(i)
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		b.Debt, b.Ban = r.Bucket(i)
 		if token, burst := r.Override(i); token > 0 {
-			b.setOwnLimit(token, burst)
+			b.SetOwnLimit(token, burst)
 		} else {
-			b.clearOwnLimit()
+			b.ClearOwnLimit()
 		}
-		b.ok = allowed && !r.BucketShort(i) || !allowed && b.wait() == 0
-		others = others && (b.ok || b.soft)
+		b.OK = allowed && !r.BucketShort(i) || !allowed && b.Wait() == 0
+		others = others && (b.OK || b.Soft)
 	}
-	for j := range d.counters {
-		c := &d.counters[j]
+	for j := range d.Counters {
+		c := &d.Counters[j]
 		used, left := r.Counter(j)
-		c.used, c.left = used, 0
+		c.Used, c.Left = used, 0
 		if used > 0 {
-			c.left = left
+			c.Left = left
 		}
-		c.ok = allowed && !r.CounterShort(j) || !allowed && used+c.cost <= c.limit
-		others = others && (c.ok || c.soft)
+		c.OK = allowed && !r.CounterShort(j) || !allowed && used+c.Cost <= c.Limit
+		others = others && (c.OK || c.Soft)
 	}
-	for j := range d.slots {
-		q := &d.slots[j]
-		q.held, q.free = r.Slot(j)
-		q.full = op == rediswire.Take && !q.held && others && q.free == 0
+	for j := range d.Slots {
+		q := &d.Slots[j]
+		q.Held, q.Free = r.Slot(j)
+		q.Full = op == rediswire.Take && !q.Held && others && q.Free == 0
 	}
 }
 
 // shapeOf is the script's shape of b's bucket: its zone's last one when
 // the limit is the same, else one from the store's cache. An adjustment
 // takes any shape of its bucket's limit: its cost travels on its own.
-func (s *RedisStore) shapeOf(b *bucketDemand, adjust bool) *rediswire.Shape {
-	rz := &s.zones[b.zone]
-	l, cost := b.limit, b.cost
-	if b.overridden {
-		l, cost = b.base(), b.baseCost()
+func (s *RedisStore) shapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shape {
+	rz := &s.zones[b.Zone]
+	l, cost := b.Limit, b.Cost
+	if b.Overridden {
+		l, cost = b.Base(), b.BaseCost()
 	}
 	if last := rz.shape.Load(); last != nil && last.Full == l.BurstTime && (adjust || last.Cost == cost) && last.Token == l.TokenTime &&
 		last.Ban == l.Ban && last.Beyond == l.Delay+l.Owe && last.Reserve == l.Delay && last.Scaled == rz.plans {
@@ -175,22 +176,22 @@ func (s *RedisStore) shapeOf(b *bucketDemand, adjust bool) *rediswire.Shape {
 }
 
 // counterShape is the script's shape of k's counter.
-func (s *RedisStore) counterShape(rz *redisZone, k *counterDemand) *rediswire.CounterShape {
-	cost := max(k.cost, -k.cost)
-	if last := rz.counter.Load(); last != nil && last.Limit == k.limit && last.Cost == cost {
+func (s *RedisStore) counterShape(rz *redisZone, k *store.CounterDemand) *rediswire.CounterShape {
+	cost := max(k.Cost, -k.Cost)
+	if last := rz.counter.Load(); last != nil && last.Limit == k.Limit && last.Cost == cost {
 		return last
 	}
-	shape := rediswire.NewCounterShape(k.limit, cost)
+	shape := rediswire.NewCounterShape(k.Limit, cost)
 	rz.counter.Store(shape)
 	return shape
 }
 
 // slotShape is the script's shape of q's slots.
-func (s *RedisStore) slotShape(rz *redisZone, q *slotDemand) *rediswire.SlotShape {
-	if last := rz.slots.Load(); last != nil && last.Limit == q.limit && last.Lease == q.lease && last.Soft == q.soft {
+func (s *RedisStore) slotShape(rz *redisZone, q *store.SlotDemand) *rediswire.SlotShape {
+	if last := rz.slots.Load(); last != nil && last.Limit == q.Limit && last.Lease == q.Lease && last.Soft == q.Soft {
 		return last
 	}
-	shape := rediswire.NewSlotShape(q.limit, q.lease, q.soft)
+	shape := rediswire.NewSlotShape(q.Limit, q.Lease, q.Soft)
 	rz.slots.Store(shape)
 	return shape
 }
@@ -213,19 +214,19 @@ func bucketField(name string, l gcra.Limit) string {
 }
 
 // bucketName is the hash and the field of the bucket of key in a zone.
-func (s *RedisStore) bucketName(zone int, key bucketKey) (hash, field string) {
+func (s *RedisStore) bucketName(zone int, key store.Key) (hash, field string) {
 	return s.keys.Bucket(s.zones[zone].field, key.String())
 }
 
 // counterKeys are the key of the quota counter of key in a zone, and the
 // key that builds before rediswire.CounterZone gave it.
-func (s *RedisStore) counterKeys(zone int, key bucketKey) (counter, untagged string) {
+func (s *RedisStore) counterKeys(zone int, key store.Key) (counter, untagged string) {
 	k := key.String()
 	return s.keys.Counter(s.zones[zone].counters, k), s.keys.Counter(s.zones[zone].keys, k)
 }
 
 // slotKey is the key of the sorted set of the slots of key in a zone.
-func (s *RedisStore) slotKey(zone int, key bucketKey) string {
+func (s *RedisStore) slotKey(zone int, key store.Key) string {
 	return s.keys.Slots(s.zones[zone].keys, key.String())
 }
 

@@ -19,6 +19,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
@@ -78,7 +79,7 @@ func TestRedisClusterSpread(t *testing.T) {
 		wg.Go(func() {
 			for i := next.Add(1) - 1; i < keys; i = next.Add(1) - 1 {
 				k := fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255)
-				if ok, err := rs.take(context.Background(), time.Now(), &demands{buckets: []bucketDemand{bucketReq(z, z.keyFor(k))}}); err != nil || !ok {
+				if ok, err := rs.Take(context.Background(), time.Now(), &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, z.keyFor(k))}}); err != nil || !ok {
 					t.Errorf("key %s: %v, %v", k, ok, err)
 					return
 				}
@@ -164,7 +165,7 @@ func TestMastersThroughput(t *testing.T) {
 		{"name":"f","key":"{http.request.header.X-Key}","rate":"10r/s","burst":20}],
 		"store":{"backend":"redis","addresses":[%q],"timeout":"2s","fail_mode":"closed"}}`, r.Addr()))
 	rs := h.store.(*RedisStore)
-	keys := make([]bucketKey, 100_000)
+	keys := make([]store.Key, 100_000)
 	for i := range keys {
 		keys[i] = h.Zones[0].keyFor(fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255))
 	}
@@ -201,7 +202,7 @@ func TestMastersThroughput(t *testing.T) {
 						if load == "distinct" {
 							k = keys[next.Add(1)%int64(len(keys))]
 						}
-						if _, err := rs.take(context.Background(), time.Now(), &demands{buckets: []bucketDemand{bucketReq(z, k)}}); err != nil {
+						if _, err := rs.Take(context.Background(), time.Now(), &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, k)}}); err != nil {
 							errs.Add(1)
 							firstErr.CompareAndSwap(nil, err.Error())
 						}

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/redis/go-redis/v9"
@@ -194,7 +195,7 @@ func checkTimeout(d time.Duration) error {
 }
 
 func checkFailMode(s string) error {
-	if _, ok := failModes[s]; !ok {
+	if _, ok := store.FailModes[s]; !ok {
 		return fmt.Errorf("invalid fail_mode '%s': expected local, open or closed", s)
 	}
 	return nil

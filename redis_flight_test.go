@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
@@ -35,12 +36,12 @@ type flightReq struct {
 }
 
 // flightDemands are r's demands, as decide makes them.
-func flightDemands(zones map[byte]*Zone, now time.Time, r flightReq) (*demands, error) {
-	d := new(demands)
-	k := bucketKey{s: r.key}
+func flightDemands(zones map[byte]*Zone, now time.Time, r flightReq) (*store.Demands, error) {
+	d := new(store.Demands)
+	k := store.Key{Text: r.key}
 	for _, c := range []byte(r.zones) {
 		if c >= 'A' && c <= 'Z' {
-			d.counters = append(d.counters, counterReq(zones[c-'A'+'a'], k, now))
+			d.Counters = append(d.Counters, counterReq(zones[c-'A'+'a'], k, now))
 			continue
 		}
 		z := zones[c]
@@ -50,27 +51,27 @@ func flightDemands(zones map[byte]*Zone, now time.Time, r flightReq) (*demands, 
 			if err != nil {
 				return nil, err
 			}
-			b.limit, b.cost = p.limit, p.costTime
+			b.Limit, b.Cost = p.limit, p.costTime
 		}
-		d.buckets = append(d.buckets, b)
+		d.Buckets = append(d.Buckets, b)
 	}
 	return d, nil
 }
 
 // flightAnswer is what a request was answered: allowed, and per demand
 // the tokens (or units) left and whether a ban started.
-func flightAnswer(ok bool, d *demands) string {
+func flightAnswer(ok bool, d *store.Demands) string {
 	var b strings.Builder
 	fmt.Fprint(&b, ok)
-	for i := range d.buckets {
-		q := &d.buckets[i]
-		fmt.Fprintf(&b, " %d/%d", q.remaining(), q.limit.Burst)
-		if q.ban {
+	for i := range d.Buckets {
+		q := &d.Buckets[i]
+		fmt.Fprintf(&b, " %d/%d", q.Remaining(), q.Limit.Burst)
+		if q.Ban {
 			b.WriteString(" ban")
 		}
 	}
-	for i := range d.counters {
-		fmt.Fprintf(&b, " Q%d", d.counters[i].remaining())
+	for i := range d.Counters {
+		fmt.Fprintf(&b, " Q%d", d.Counters[i].Remaining())
 	}
 	return b.String()
 }
@@ -111,7 +112,7 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 		z := stepZonesOf(h)['v']
 		o, err := z.overrideOf(limitBody{Rate: "1r/s", Burst: &burst}, now)
 		if err == nil {
-			err = h.store.setOverride(ctx, now, z.index, bucketKey{s: "o1"}, o)
+			err = h.store.SetOverride(ctx, now, z.index, store.Key{Text: "o1"}, o)
 		}
 		if err != nil {
 			t.Fatal(err)
@@ -132,7 +133,7 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 				reqs[i] = reqs[i-1] // a flood of one key: runs of takes of one bucket
 			}
 		}
-		ds := make([]*demands, len(reqs))
+		ds := make([]*store.Demands, len(reqs))
 		for i, q := range reqs {
 			var err error
 			if ds[i], err = flightDemands(rz, now, q); err != nil {
@@ -153,7 +154,7 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			ok, err := local.store.take(ctx, now, d)
+			ok, err := local.store.Take(ctx, now, d)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -190,7 +191,7 @@ func TestStoreStepsAsFlights(t *testing.T) {
 			j++
 		}
 		now = start.Add(storeSteps[i].at)
-		var ds []*demands
+		var ds []*store.Demands
 		var answers [][]stepAnswer
 		for _, s := range storeSteps[i:j] {
 			d, reqs := stepDemands(zones, now, s, true)
@@ -234,11 +235,11 @@ func TestRedisClusterFlight(t *testing.T) {
 		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`,
 		nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	rs, z := h.store.(*RedisStore), h.Zones[0]
-	var ds []*demands
+	var ds []*store.Demands
 	tags := map[string]bool{}
 	for i := range 60 {
 		k := z.keyFor(fmt.Sprint("192.0.2.", i%12))
-		ds = append(ds, &demands{buckets: []bucketDemand{bucketReq(z, k)}})
+		ds = append(ds, &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, k)}})
 		hash, _ := rs.keys.Bucket(rs.zones[z.index].field, k.String())
 		tags[hash[:strings.IndexByte(hash, '}')+1]] = true
 	}
@@ -265,7 +266,7 @@ func TestRedisClusterFlight(t *testing.T) {
 		if errs[i] != nil || allowed[i] != (i < 48) {
 			t.Fatalf("take %d (key %d, take %d): allowed %v, %v", i, i%12, i/12+1, allowed[i], errs[i])
 		}
-		if got, want := ds[i].buckets[0].remaining(), max(int64(3-i/12), 0); got != want {
+		if got, want := ds[i].Buckets[0].Remaining(), max(int64(3-i/12), 0); got != want {
 			t.Fatalf("take %d: %d tokens left, want %d", i, got, want)
 		}
 	}
@@ -300,9 +301,9 @@ func TestRedisUpgradeFromBeforeFlights(t *testing.T) {
 	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
 	// takeBefore decides d's one bucket by the script before flights.
-	takeBefore := func(s *RedisStore, d *demands) (bool, time.Duration) {
-		b := &d.buckets[0]
-		hash, field, limit := s.keys.BucketLimit(s.zones[b.zone].field, b.key.String())
+	takeBefore := func(s *RedisStore, d *store.Demands) (bool, time.Duration) {
+		b := &d.Buckets[0]
+		hash, field, limit := s.keys.BucketLimit(s.zones[b.Zone].field, b.Key.String())
 		sh := s.shapeOf(b, false)
 		v, err := old.Run(ctx, c, []string{hash, limit}, "take", now.UnixMicro(), 1, 0, 0,
 			field, int64(sh.Full), int64(sh.Cost), int64(sh.Ban), int64(sh.Beyond), int64(sh.Reserve), 0, int64(sh.Token)).Int64Slice()
@@ -317,9 +318,9 @@ func TestRedisUpgradeFromBeforeFlights(t *testing.T) {
 	for i := range 400 {
 		now = now.Add(time.Duration(rnd.IntN(300)) * time.Millisecond)
 		zi := rnd.IntN(2)
-		key := bucketKey{s: fmt.Sprint("k", rnd.IntN(3))}
-		demand := func(h *Handler) *demands {
-			return &demands{buckets: []bucketDemand{bucketReq(h.Zones[zi], key)}}
+		key := store.Key{Text: fmt.Sprint("k", rnd.IntN(3))}
+		demand := func(h *Handler) *store.Demands {
+			return &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[zi], key)}}
 		}
 		wantOK, wantDebt := takeBefore(before, demand(hb))
 		d := demand(hm)
@@ -328,15 +329,15 @@ func TestRedisUpgradeFromBeforeFlights(t *testing.T) {
 		if rnd.IntN(2) == 0 {
 			ok, debt = takeBefore(mixed, d)
 		} else {
-			allowed, errs := mixed.runAll(rediswire.Take, []*demands{d})
+			allowed, errs := mixed.runAll(rediswire.Take, []*store.Demands{d})
 			if errs[0] != nil {
 				t.Fatal(errs[0])
 			}
-			ok, debt = allowed[0], d.buckets[0].debt
+			ok, debt = allowed[0], d.Buckets[0].Debt
 			news++
 		}
 		if ok != wantOK || debt != wantDebt {
-			t.Fatalf("take %d (zone %d, %s): allowed %v owing %v; before flights: %v owing %v", i, zi, key.s, ok, debt, wantOK, wantDebt)
+			t.Fatalf("take %d (zone %d, %s): allowed %v owing %v; before flights: %v owing %v", i, zi, key.Text, ok, debt, wantOK, wantDebt)
 		}
 		if !ok {
 			refused++

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
 // leaseSeq numbers the leases this process takes.
@@ -18,13 +19,13 @@ var leaseSeq atomic.Uint64
 // release gives back the slots that take took, in one call where their
 // keys share a cluster slot. A slot whose release fails comes back when
 // its lease ends.
-func (s *RedisStore) release(ctx context.Context, slots []slotDemand) error {
+func (s *RedisStore) Release(ctx context.Context, slots []store.SlotDemand) error {
 	if !s.client.Up() {
 		return rediswire.ErrDown // the leases will end
 	}
 	held := 0
 	for i := range slots {
-		if slots[i].held {
+		if slots[i].Held {
 			held++
 		}
 	}
@@ -34,12 +35,12 @@ func (s *RedisStore) release(ctx context.Context, slots []slotDemand) error {
 	deadline := time.Now().Add(s.callTimeout)
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
-	if held == len(slots) && (!s.client.Cluster || oneTag(&demands{slots: slots})) {
+	if held == len(slots) && (!s.client.Cluster || oneTag(&store.Demands{Slots: slots})) {
 		return s.releaseCall(ctx, deadline, slots)
 	}
 	var errs []error
 	for i := range slots {
-		if slots[i].held {
+		if slots[i].Held {
 			if err := s.releaseCall(ctx, deadline, slots[i:i+1]); err != nil {
 				errs = append(errs, err)
 			}
@@ -49,10 +50,10 @@ func (s *RedisStore) release(ctx context.Context, slots []slotDemand) error {
 }
 
 // releaseCall gives back the slots in one call.
-func (s *RedisStore) releaseCall(ctx context.Context, deadline time.Time, slots []slotDemand) error {
+func (s *RedisStore) releaseCall(ctx context.Context, deadline time.Time, slots []store.SlotDemand) error {
 	c := rediswire.NewCall(rediswire.Release, deadline)
 	for i := range slots {
-		c.Slot(s.slotKey(slots[i].zone, slots[i].key), slots[i].claim, nil)
+		c.Slot(s.slotKey(slots[i].Zone, slots[i].Key), slots[i].Claim, nil)
 	}
 	_, err := s.client.Run(ctx, c)
 	return err

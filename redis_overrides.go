@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
@@ -25,23 +26,23 @@ import (
 // them to max_overrides, instance by instance alike.
 
 // overrideValue is o as the script reads it.
-func overrideValue(o override) string {
-	return strconv.FormatInt(int64(o.tokenTime), 10) + ":" + strconv.FormatInt(o.burst, 10) + ":" + o.rate
+func overrideValue(o store.Override) string {
+	return strconv.FormatInt(int64(o.TokenTime), 10) + ":" + strconv.FormatInt(o.Burst, 10) + ":" + o.Rate
 }
 
 // parseOverride reads an override's value; ttl is how long it has left
 // (negative: no end).
-func parseOverride(v string, ttl time.Duration, now time.Time) (override, bool) {
+func parseOverride(v string, ttl time.Duration, now time.Time) (store.Override, bool) {
 	t, rest, ok1 := strings.Cut(v, ":")
 	b, rate, ok2 := strings.Cut(rest, ":")
 	token, err1 := strconv.ParseInt(t, 10, 64)
 	burst, err2 := strconv.ParseInt(b, 10, 64)
 	if !ok1 || !ok2 || err1 != nil || err2 != nil || token <= 0 || burst <= 0 {
-		return override{}, false
+		return store.Override{}, false
 	}
-	o := override{tokenTime: time.Duration(token), burst: burst, rate: rate}
+	o := store.Override{TokenTime: time.Duration(token), Burst: burst, Rate: rate}
 	if ttl >= 0 {
-		o.expires = now.Add(ttl)
+		o.Expires = now.Add(ttl)
 	}
 	return o, true
 }
@@ -92,7 +93,7 @@ func (s *RedisStore) mayOverride(zone int) bool {
 func (s *RedisStore) pollOverrides(zone int, at int64) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.callTimeout)
 	defer cancel()
-	n, err := s.overrideCount(ctx, zone)
+	n, err := s.OverrideCount(ctx, zone)
 	if err != nil {
 		// Not known: every decision reads. (What the cache learnt
 		// stays: fail_mode local starts from it while Redis fails.)
@@ -122,10 +123,10 @@ func (s *RedisStore) pollOverrides(zone int, at int64) {
 
 // overriddenGen sums the generations of the overrides of d's buckets'
 // zones (see redisZone.overriddenGen): it changes when any does.
-func (s *RedisStore) overriddenGen(d *demands) uint64 {
+func (s *RedisStore) overriddenGen(d *store.Demands) uint64 {
 	var g uint64
-	for i := range d.buckets {
-		g += s.zones[d.buckets[i].zone].overriddenGen.Load()
+	for i := range d.Buckets {
+		g += s.zones[d.Buckets[i].Zone].overriddenGen.Load()
 	}
 	return g
 }
@@ -135,7 +136,7 @@ var processStart = time.Now()
 
 // forgetKey makes this instance's over-limit cache forget what it knew
 // of key's bucket in a zone: its own limit changed.
-func (s *RedisStore) forgetKey(zone int, key bucketKey) {
+func (s *RedisStore) forgetKey(zone int, key store.Key) {
 	rz := &s.zones[zone]
 	if rz.cache != nil {
 		rz.cache.forget(key)
@@ -157,7 +158,7 @@ var overrideScript = redis.NewScript(lua.Override)
 // list first when it sets and last when it removes, so that an instance
 // that dies halfway leaves at most a key listed without a limit, which
 // counts toward max_overrides until the key's limit is set or removed.
-func (s *RedisStore) setOverride(ctx context.Context, now time.Time, zone int, key bucketKey, o override) error {
+func (s *RedisStore) SetOverride(ctx context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
 	rz := &s.zones[zone]
 	listed := s.keys.Listed(key.String())
 	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
@@ -172,8 +173,8 @@ func (s *RedisStore) setOverride(ctx context.Context, now time.Time, zone int, k
 	}
 	score, value := "+inf", overrideValue(o)
 	var ttl time.Duration // 0: no end
-	if !o.expires.IsZero() {
-		score, ttl = strconv.FormatInt(o.expires.UnixMilli(), 10), max(o.expires.Sub(now), time.Millisecond)
+	if !o.Expires.IsZero() {
+		score, ttl = strconv.FormatInt(o.Expires.UnixMilli(), 10), max(o.Expires.Sub(now), time.Millisecond)
 	}
 	defer s.forgetKey(zone, key)
 	// Read from now on, until a poll asked after the override was listed
@@ -184,12 +185,12 @@ func (s *RedisStore) setOverride(ctx context.Context, now time.Time, zone int, k
 		err = s.client.Set(ctx, limitKey, value, ttl).Err()
 	}
 	if err == nil && set == 0 {
-		return errTooManyOverrides
+		return store.ErrTooManyOverrides
 	}
 	return err
 }
 
-func (s *RedisStore) deleteOverride(ctx context.Context, now time.Time, zone int, key bucketKey) (bool, error) {
+func (s *RedisStore) DeleteOverride(ctx context.Context, now time.Time, zone int, key store.Key) (bool, error) {
 	rz := &s.zones[zone]
 	listed := s.keys.Listed(key.String())
 	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
@@ -252,13 +253,13 @@ func (s *RedisStore) lockOverride(ctx context.Context, limitKey string) (unlock 
 	}, nil
 }
 
-func (s *RedisStore) override(ctx context.Context, zone int, key bucketKey) (override, bool, error) {
+func (s *RedisStore) Override(ctx context.Context, zone int, key store.Key) (store.Override, bool, error) {
 	_, _, limitKey := s.keys.BucketLimit(s.zones[zone].field, key.String())
 	return s.readOverride(ctx, limitKey)
 }
 
 // readOverride reads the override at limitKey.
-func (s *RedisStore) readOverride(ctx context.Context, limitKey string) (override, bool, error) {
+func (s *RedisStore) readOverride(ctx context.Context, limitKey string) (store.Override, bool, error) {
 	var get *redis.StringCmd
 	var ttl *redis.DurationCmd
 	now := time.Now()
@@ -266,16 +267,16 @@ func (s *RedisStore) readOverride(ctx context.Context, limitKey string) (overrid
 		get, ttl = p.Get(ctx, limitKey), p.PTTL(ctx, limitKey)
 		return nil
 	}); err != nil && !errors.Is(err, redis.Nil) {
-		return override{}, false, err
+		return store.Override{}, false, err
 	}
 	if get.Err() != nil {
-		return override{}, false, nil
+		return store.Override{}, false, nil
 	}
 	o, ok := parseOverride(get.Val(), ttl.Val(), now)
 	return o, ok, nil
 }
 
-func (s *RedisStore) overrides(ctx context.Context, zone int) ([]keyOverride, error) {
+func (s *RedisStore) Overrides(ctx context.Context, zone int) ([]store.KeyOverride, error) {
 	rz := &s.zones[zone]
 	now := time.Now()
 	keys, err := s.client.ZRangeByScore(ctx, s.keys.Limits(rz.field), &redis.ZRangeBy{
@@ -283,7 +284,7 @@ func (s *RedisStore) overrides(ctx context.Context, zone int) ([]keyOverride, er
 	if err != nil {
 		return nil, err
 	}
-	out := []keyOverride{}
+	out := []store.KeyOverride{}
 	const batch = 512
 	for len(keys) > 0 {
 		part := keys[:min(batch, len(keys))]
@@ -300,14 +301,14 @@ func (s *RedisStore) overrides(ctx context.Context, zone int) ([]keyOverride, er
 		}
 		for i, listed := range part {
 			if o, ok := parseOverride(gets[i].Val(), ttls[i].Val(), now); ok && gets[i].Err() == nil {
-				out = append(out, keyOverride{listed, o})
+				out = append(out, store.KeyOverride{Key: listed, Override: o})
 			}
 		}
 	}
 	return out, nil
 }
 
-func (s *RedisStore) overrideCount(ctx context.Context, zone int) (int, error) {
+func (s *RedisStore) OverrideCount(ctx context.Context, zone int) (int, error) {
 	if !s.client.Up() {
 		return 0, rediswire.ErrDown
 	}

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
 	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/caddyserver/caddy/v2"
@@ -205,7 +206,7 @@ func (s *RedisStore) Cleanup() error {
 
 // hold keeps the client for a request, unless the store let go of it
 // already.
-func (s *RedisStore) hold() bool {
+func (s *RedisStore) Hold() bool {
 	for {
 		n := s.users.Load()
 		if n == 0 {
@@ -218,7 +219,7 @@ func (s *RedisStore) hold() bool {
 }
 
 // done ends a request's hold.
-func (s *RedisStore) done() {
+func (s *RedisStore) Done() {
 	if err := s.drop(); err != nil {
 		s.logger.Error("rate limit: redis client not given back", zap.Error(err))
 	}
@@ -236,7 +237,7 @@ func (s *RedisStore) drop() error {
 	return errors.Join(err, cerr)
 }
 
-func (s *RedisStore) bind(zones []zoneSpec) error {
+func (s *RedisStore) Bind(zones []store.ZoneSpec) error {
 	s.flights = &flights{m: make(map[flightKey]flight)}
 	s.keys = rediswire.Keys{Prefix: s.KeyPrefix, Hash: s.HashKeys}
 	s.shapes, s.keyErrors, s.repairs = new(shapeCache), new(throttle.Throttle), new(throttle.Throttle)
@@ -246,20 +247,20 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 	s.zones = make([]redisZone, len(zones))
 	for i, z := range zones {
 		rz := &s.zones[i]
-		rz.name, rz.keys, rz.refunds, rz.maxOverrides = z.name, rediswire.ZoneField(z.name), z.refunds, z.maxOverrides
+		rz.name, rz.keys, rz.refunds, rz.maxOverrides = z.Name, rediswire.ZoneField(z.Name), z.Refunds, z.MaxOverrides
 		// A bucket's state is its zone's name and shape, as a local
 		// table's is (tableID).
-		rz.field = bucketField(z.name, z.shape)
-		if z.quota != "" {
-			rz.counters = rediswire.CounterZone(z.name, z.quota)
+		rz.field = bucketField(z.Name, z.Shape)
+		if z.Quota != "" {
+			rz.counters = rediswire.CounterZone(z.Name, z.Quota)
 		}
 		// Not known yet, and asked at the first decision.
 		rz.overridden.Store(&countedOverrides{n: -1, at: math.MinInt64 / 2})
 		rz.overriddenPoll.Store(math.MinInt64 / 2)
-		rz.plans = z.bucket && z.shape.Burst == 0
+		rz.plans = z.Bucket && z.Shape.Burst == 0
 		if !s.DisableOverLimitCache {
 			rz.cache = newBuckets(overLimitCacheKeys, time.Now())
-			if z.quota != "" {
+			if z.Quota != "" {
 				rz.counts = newCounters(overLimitCacheKeys, time.Now())
 			}
 		}
@@ -267,39 +268,39 @@ func (s *RedisStore) bind(zones []zoneSpec) error {
 		// whether it runs scripts, so that a refusal is said then rather
 		// than at the first request; one whose zones ask nothing (an
 		// adaptive limit alone) never calls Redis.
-		if z.bucket || z.quota != "" || z.slots {
+		if z.Bucket || z.Quota != "" || z.Slots {
 			s.client.Check(s.logger, s.FailMode, s.callTimeout)
 		}
 	}
 	return s.bindSync(zones)
 }
 
-func (s *RedisStore) failMode() failMode { return failModes[s.FailMode] }
+func (s *RedisStore) FailureMode() store.FailMode { return store.FailModes[s.FailMode] }
 
 // known is what the over-limit cache knows of b's bucket. When the
 // request gave up waiting for the calls in flight for its bucket
 // (errNoAnswer), those calls may yet take their tokens: they count too.
-func (s *RedisStore) known(now time.Time, b *bucketDemand, err error) time.Duration {
-	t := s.zones[b.zone].cache
+func (s *RedisStore) Known(now time.Time, b *store.BucketDemand, err error) time.Duration {
+	t := s.zones[b.Zone].cache
 	if t == nil {
 		return 0
 	}
-	debt := b.limit.Debt(bucketAt(t, b.key), t.instant(now))
-	if errors.Is(err, errNoAnswer) && b.cost > 0 {
+	debt := b.Limit.Debt(bucketAt(t, b.Key), t.instant(now))
+	if errors.Is(err, errNoAnswer) && b.Cost > 0 {
 		// No more than the bucket may owe, which a take clamps it to
 		// anyway: the calls' costs could pass a time.Duration.
-		n, most := s.flights.calls(flightKey{b.zone, t.hash(b.key)}), b.limit.Most()
-		if n > int64((most-debt)/b.cost) {
+		n, most := s.flights.calls(flightKey{b.Zone, t.hash(b.Key)}), b.Limit.Most()
+		if n > int64((most-debt)/b.Cost) {
 			return most
 		}
-		debt += time.Duration(n) * b.cost
+		debt += time.Duration(n) * b.Cost
 	}
 	return debt
 }
 
 // take decides d: from this instance's copies, for zones with sync (see
 // takeSync), else in Redis.
-func (s *RedisStore) take(ctx context.Context, now time.Time, d *demands) (bool, error) {
+func (s *RedisStore) Take(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
 	if len(s.syncIDs) > 0 && s.synced(d) {
 		return s.takeSync(ctx, now, d)
 	}
@@ -314,18 +315,18 @@ func (s *RedisStore) take(ctx context.Context, now time.Time, d *demands) (bool,
 // comes back after the lease however it died, with no timers or writes
 // for the requests in flight. Demands the over-limit cache can refuse
 // are refused without asking Redis.
-func (s *RedisStore) takeExact(ctx context.Context, now time.Time, d *demands) (bool, error) {
-	if len(d.slots) > 0 {
+func (s *RedisStore) takeExact(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
+	if len(d.Slots) > 0 {
 		id := s.leaseIDs + strconv.FormatUint(leaseSeq.Add(1), 36)
-		for i := range d.slots {
-			d.slots[i].claim = id
+		for i := range d.Slots {
+			d.Slots[i].Claim = id
 		}
 	}
 	// One timeout for the whole decision: a request that waits for the
 	// calls in flight for its buckets has that much less for its own.
 	budget := s.callTimeout
 	var flight flightKey
-	cached := !s.DisableOverLimitCache && len(d.buckets)+len(d.counters) > 0
+	cached := !s.DisableOverLimitCache && len(d.Buckets)+len(d.Counters) > 0
 	if cached {
 		arrived := now
 		var decided, allowed bool
@@ -346,7 +347,7 @@ func (s *RedisStore) takeExact(ctx context.Context, now time.Time, d *demands) (
 
 // ask has Redis decide d within budget, and tells the breaker what the
 // call said of Redis.
-func (s *RedisStore) ask(ctx context.Context, budget time.Duration, d *demands) (bool, error) {
+func (s *RedisStore) ask(ctx context.Context, budget time.Duration, d *store.Demands) (bool, error) {
 	waited := budget < s.callTimeout
 	if !s.client.Up() {
 		return false, rediswire.ErrDown
@@ -381,8 +382,8 @@ func (s *RedisStore) ask(ctx context.Context, budget time.Duration, d *demands) 
 		s.client.Failed(s.logger, s.FailMode, err)
 	}
 	if err != nil {
-		for i := range d.slots {
-			d.slots[i].held, d.slots[i].free = false, 0
+		for i := range d.Slots {
+			d.Slots[i].Held, d.Slots[i].Free = false, 0
 		}
 	}
 	return allowed, err
@@ -392,15 +393,15 @@ func (s *RedisStore) ask(ctx context.Context, budget time.Duration, d *demands) 
 // a slot, and makes this instance's over-limit cache forget them (other
 // instances' caches do not deny a zone whose buckets get tokens back,
 // but for a ban, which a refund never shortens).
-func (s *RedisStore) adjust(ctx context.Context, _ time.Time, d *demands) error {
-	for i := range d.buckets {
-		if t := s.zones[d.buckets[i].zone].cache; t != nil {
-			t.forget(d.buckets[i].key)
+func (s *RedisStore) Adjust(ctx context.Context, _ time.Time, d *store.Demands) error {
+	for i := range d.Buckets {
+		if t := s.zones[d.Buckets[i].Zone].cache; t != nil {
+			t.forget(d.Buckets[i].Key)
 		}
 	}
-	for i := range d.counters {
-		if t := s.zones[d.counters[i].zone].counts; t != nil {
-			t.forget(d.counters[i].key)
+	for i := range d.Counters {
+		if t := s.zones[d.Counters[i].Zone].counts; t != nil {
+			t.forget(d.Counters[i].Key)
 		}
 	}
 	if !s.client.Up() {
@@ -409,10 +410,10 @@ func (s *RedisStore) adjust(ctx context.Context, _ time.Time, d *demands) error 
 	if !s.client.Cluster || oneTag(d) {
 		return s.adjustEach(ctx, d)
 	}
-	return s.adjustApart(ctx, d.buckets, d.counters)
+	return s.adjustApart(ctx, d.Buckets, d.Counters)
 }
 
-func (s *RedisStore) peek(ctx context.Context, _ time.Time, d *demands) error {
+func (s *RedisStore) Peek(ctx context.Context, _ time.Time, d *store.Demands) error {
 	deadline := time.Now().Add(s.callTimeout)
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
@@ -427,32 +428,32 @@ func (s *RedisStore) peek(ctx context.Context, _ time.Time, d *demands) error {
 // over-limit cache and copies knew of them. Other instances' caches
 // learn it when their entry runs out, until then they may still deny
 // those keys; their copies, at their next reconciliation.
-func (s *RedisStore) reset(ctx context.Context, d *demands) (bool, error) {
+func (s *RedisStore) Reset(ctx context.Context, d *store.Demands) (bool, error) {
 	if len(s.syncIDs) > 0 {
 		s.forgetSync(d)
 	}
 	ctx, cancel := context.WithTimeout(ctx, s.callTimeout)
 	defer cancel()
 	found := false
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		if t := s.zones[b.zone].cache; t != nil {
-			t.forget(b.key)
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		if t := s.zones[b.Zone].cache; t != nil {
+			t.forget(b.Key)
 		}
-		hash, field := s.bucketName(b.zone, b.key)
+		hash, field := s.bucketName(b.Zone, b.Key)
 		n, err := s.client.HDel(ctx, hash, field).Result()
 		if err != nil {
 			return found, err
 		}
 		found = found || n > 0
 	}
-	for i := range d.counters {
-		c := &d.counters[i]
-		if t := s.zones[c.zone].counts; t != nil {
-			t.forget(c.key)
+	for i := range d.Counters {
+		c := &d.Counters[i]
+		if t := s.zones[c.Zone].counts; t != nil {
+			t.forget(c.Key)
 		}
 		// The untagged key too: it would be read in the tagged one's place.
-		counter, untagged := s.counterKeys(c.zone, c.key)
+		counter, untagged := s.counterKeys(c.Zone, c.Key)
 		n, err := s.client.Del(ctx, counter, untagged).Result()
 		if err != nil {
 			return found, err
@@ -462,8 +463,8 @@ func (s *RedisStore) reset(ctx context.Context, d *demands) (bool, error) {
 	return found, nil
 }
 
-func (s *RedisStore) stats(zone int) zoneStats {
-	return zoneStats{overLimitCache: !s.DisableOverLimitCache, client: s.client, unavailable: !s.client.Up()}
+func (s *RedisStore) Stats(zone int) store.ZoneStats {
+	return store.ZoneStats{OverLimitCache: !s.DisableOverLimitCache, Client: s.client, Unavailable: !s.client.Up()}
 }
 
 // Interface guards
@@ -472,7 +473,7 @@ var (
 	_ caddy.Validator       = (*RedisStore)(nil)
 	_ caddy.CleanerUpper    = (*RedisStore)(nil)
 	_ caddyfile.Unmarshaler = (*RedisStore)(nil)
-	_ store                 = (*RedisStore)(nil)
-	_ fallible              = (*RedisStore)(nil)
-	_ holder                = (*RedisStore)(nil)
+	_ store.Store           = (*RedisStore)(nil)
+	_ store.Fallible        = (*RedisStore)(nil)
+	_ store.Holder          = (*RedisStore)(nil)
 )

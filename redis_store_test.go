@@ -33,6 +33,7 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/redis/go-redis/v9"
@@ -128,11 +129,11 @@ func TestRedisInstantsStayExact(t *testing.T) {
 	rs.testClock = func() time.Time { return now }
 	var debts []time.Duration
 	for range 4 {
-		reqs := &demands{buckets: []bucketDemand{bucketReq(h.Zones[0], bucketKey{s: "k"})}}
-		if ok, err := rs.take(context.Background(), now, reqs); !ok || err != nil {
+		reqs := &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[0], store.Key{Text: "k"})}}
+		if ok, err := rs.Take(context.Background(), now, reqs); !ok || err != nil {
 			t.Fatalf("take %d: %v, %v", len(debts)+1, ok, err)
 		}
-		debts = append(debts, reqs.buckets[0].debt)
+		debts = append(debts, reqs.Buckets[0].Debt)
 	}
 	for i := 1; i < len(debts); i++ {
 		if d := debts[i] - debts[i-1]; d < 142857142 || d > 142857143 {
@@ -161,11 +162,11 @@ func TestRedisRefilledBucketsArePurged(t *testing.T) {
 	rs.testClock = func() time.Time { return now }
 	start := time.Now()
 	// Keys of one group, found by trying.
-	hash, _ := rs.bucketName(h.Zones[0].index, bucketKey{s: "k0"})
+	hash, _ := rs.bucketName(h.Zones[0].index, store.Key{Text: "k0"})
 	var keys []string
 	for i := 0; len(keys) < 400; i++ {
 		k := fmt.Sprintf("k%d", i)
-		if hk, _ := rs.bucketName(h.Zones[0].index, bucketKey{s: k}); hk == hash {
+		if hk, _ := rs.bucketName(h.Zones[0].index, store.Key{Text: k}); hk == hash {
 			keys = append(keys, k)
 		}
 	}
@@ -173,7 +174,7 @@ func TestRedisRefilledBucketsArePurged(t *testing.T) {
 	// the next key comes: one live bucket at a time.
 	for i, k := range keys {
 		now = start.Add(time.Duration(i) * time.Hour)
-		ok, err := rs.take(ctx, now, &demands{buckets: []bucketDemand{bucketReq(h.Zones[0], bucketKey{s: k})}})
+		ok, err := rs.Take(ctx, now, &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[0], store.Key{Text: k})}})
 		if err != nil || !ok {
 			t.Fatalf("key %d: %v, %v", i, ok, err)
 		}
@@ -186,7 +187,7 @@ func TestRedisRefilledBucketsArePurged(t *testing.T) {
 	c.HSet(ctx, hash, "p:garbage", "x")
 	for i := range 50 {
 		now = start.Add(time.Duration(400+i) * time.Hour)
-		rs.take(ctx, now, &demands{buckets: []bucketDemand{bucketReq(h.Zones[0], bucketKey{s: keys[i]})}})
+		rs.Take(ctx, now, &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[0], store.Key{Text: keys[i]})}})
 	}
 	if ok, _ := c.HExists(ctx, hash, "p:garbage").Result(); ok {
 		t.Fatal("a field that is not an instant survived 50 new buckets")
@@ -239,8 +240,8 @@ func TestRedisSharedLimitIsExact(t *testing.T) {
 				for range 4 {
 					wg.Go(func() {
 						for time.Since(start) < run {
-							reqs := &demands{buckets: []bucketDemand{bucketReq(h.Zones[0], bucketKey{s: "hot"})}}
-							ok, err := h.store.take(context.Background(), time.Now().Add(offset), reqs)
+							reqs := &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[0], store.Key{Text: "hot"})}}
+							ok, err := h.store.Take(context.Background(), time.Now().Add(offset), reqs)
 							if err != nil {
 								t.Error(err)
 								return
@@ -273,11 +274,11 @@ func TestRedisOverLimitCache(t *testing.T) {
 	r := startRedis(t)
 	for _, cached := range []bool{true, false} {
 		t.Run(fmt.Sprintf("cache %v", cached), func(t *testing.T) {
-			store := fmt.Sprintf(`,"key_prefix":"%s:"`, t.Name())
+			storeCfg := fmt.Sprintf(`,"key_prefix":"%s:"`, t.Name())
 			if !cached {
-				store += `,"disable_over_limit_cache":true`
+				storeCfg += `,"disable_over_limit_cache":true`
 			}
-			h := newTestHandler(t, redisConfig(r.Addr(), "flood", "10r/s", 20, store))
+			h := newTestHandler(t, redisConfig(r.Addr(), "flood", "10r/s", 20, storeCfg))
 			before := r.Calls()
 			// 2000 requests a second for 2 seconds.
 			var ok, denied, wrongRetry int
@@ -1135,8 +1136,8 @@ func TestRedisPipelinedDecisionsAreExact(t *testing.T) {
 					wg.Go(func() {
 						for i := range tries {
 							k := (c + i) % keys
-							reqs := &demands{buckets: []bucketDemand{bucketReq(h.Zones[0], bucketKey{s: fmt.Sprintf("r%d-k%d", round, k)})}}
-							ok, err := h.store.take(context.Background(), time.Now(), reqs)
+							reqs := &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[0], store.Key{Text: fmt.Sprintf("r%d-k%d", round, k)})}}
+							ok, err := h.store.Take(context.Background(), time.Now(), reqs)
 							if err != nil {
 								t.Error(err)
 								return
@@ -1170,12 +1171,12 @@ func TestRedisFlightOfOneKey(t *testing.T) {
 	now := time.Now()
 	s.testClock = func() time.Time { return now } // the same instant for all: the same debts
 	take := func(key string) (bool, time.Duration) {
-		reqs := &demands{buckets: []bucketDemand{bucketReq(h.Zones[0], bucketKey{s: key})}}
-		ok, err := s.take(context.Background(), time.Now(), reqs)
+		reqs := &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[0], store.Key{Text: key})}}
+		ok, err := s.Take(context.Background(), time.Now(), reqs)
 		if err != nil {
 			t.Error(err)
 		}
-		return ok, reqs.buckets[0].debt
+		return ok, reqs.Buckets[0].Debt
 	}
 	// Alone, one after another.
 	var alone []string
@@ -1275,7 +1276,7 @@ func TestRedisMemoryPerKey(t *testing.T) {
 	for range 64 {
 		wg.Go(func() {
 			for i := int(next.Add(1) - 1); i < n; i = int(next.Add(1) - 1) {
-				ok, err := rs.take(ctx, time.Now(), &demands{buckets: []bucketDemand{bucketReq(z, z.keyFor(ip(i)))}})
+				ok, err := rs.Take(ctx, time.Now(), &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, z.keyFor(ip(i)))}})
 				if err != nil || !ok {
 					t.Errorf("key %d: %v, %v", i, ok, err)
 					return
@@ -1421,7 +1422,7 @@ func TestRedisDocumentedACLUser(t *testing.T) {
 // store (JSON), decide every kind of zone: keys with their own limit set
 // and one removed, the admin API's reads, a flood of one key. It returns
 // the handlers, the flood's last.
-func everyKind(t *testing.T, addr, store string) []*Handler {
+func everyKind(t *testing.T, addr, storeCfg string) []*Handler {
 	h := newTestHandler(t, `{"zones":[
 		{"name":"mon_a","rate":"1r/m","burst":3},
 		{"name":"mon_b","rate":"1r/m","burst":1,"ban":"1h"},
@@ -1431,13 +1432,13 @@ func everyKind(t *testing.T, addr, store string) []*Handler {
 		{"name":"mon_p","rate":"{http.vars.plan_rate}","burst":2},
 		{"name":"mon_n","rate":"1r/m","burst":2,"count":{"status_code":[401]}},
 		{"name":"mon_s","concurrency":1,"dry_run":true}],
-		"store":{"backend":"redis","addresses":["`+addr+`"],`+store+`}}`)
+		"store":{"backend":"redis","addresses":["`+addr+`"],`+storeCfg+`}}`)
 	// Keys with their own limit: the script reads and writes their
 	// buckets under it, beside the others.
 	for _, z := range []*Zone{h.Zones[0], h.Zones[5]} {
 		o, err := z.overrideOf(limitBody{Rate: "2r/m", Burst: new(int64(4))}, time.Now())
 		if err == nil {
-			err = h.store.setOverride(context.Background(), time.Now(), z.index, z.keyFor("192.0.2.9"), o)
+			err = h.store.SetOverride(context.Background(), time.Now(), z.index, z.keyFor("192.0.2.9"), o)
 		}
 		if err != nil {
 			t.Fatal(err)
@@ -1465,14 +1466,14 @@ func everyKind(t *testing.T, addr, store string) []*Handler {
 	}
 	// A flood of one key: many takes in one call.
 	flood := newTestHandler(t, `{"zones":[{"name":"mon_f","rate":"1r/m","burst":5}],
-		"store":{"backend":"redis","addresses":["`+addr+`"],`+store+`,"disable_over_limit_cache":true}}`)
+		"store":{"backend":"redis","addresses":["`+addr+`"],`+storeCfg+`,"disable_over_limit_cache":true}}`)
 	var wg sync.WaitGroup
 	for range 64 {
 		wg.Go(func() { serve(flood, "192.0.2.10") })
 	}
 	wg.Wait()
 	// A key's own limit removed, with its place in the zone's list.
-	if _, err := h.store.deleteOverride(context.Background(), time.Now(), h.Zones[0].index, h.Zones[0].keyFor("192.0.2.9")); err != nil {
+	if _, err := h.store.DeleteOverride(context.Background(), time.Now(), h.Zones[0].index, h.Zones[0].keyFor("192.0.2.9")); err != nil {
 		t.Fatal(err)
 	}
 	return []*Handler{h, flood}
@@ -1520,22 +1521,22 @@ func BenchmarkRedisStore(b *testing.B) {
 		b.Run(tc.name, func(b *testing.B) {
 			h := newTestHandler(b, fmt.Sprintf(`{"zones":[{"name":"rb-%s","rate":"1000000r/s"%s}],
 		"store":{"backend":"redis","addresses":[%q],"timeout":"1s"}}`, tc.name, tc.ban, r.Addr()))
-			keys := make([]bucketKey, 10000)
+			keys := make([]store.Key, 10000)
 			for i := range keys {
-				keys[i] = bucketKey{s: "k" + strconv.Itoa(i)}
+				keys[i] = store.Key{Text: "k" + strconv.Itoa(i)}
 			}
 			calls := r.Calls()
 			b.ReportAllocs()
 			i := 0
-			var d demands
+			var d store.Demands
 			for b.Loop() {
 				z, k := h.Zones[0], keys[i%len(keys)]
-				d.buckets = append(d.buckets[:0], bucketReq(z, k))
-				d.counters = d.counters[:0]
+				d.Buckets = append(d.Buckets[:0], bucketReq(z, k))
+				d.Counters = d.Counters[:0]
 				if z.quota != nil {
-					d.counters = append(d.counters, counterReq(z, k, time.Now()))
+					d.Counters = append(d.Counters, counterReq(z, k, time.Now()))
 				}
-				if _, err := h.store.take(context.Background(), time.Now(), &d); err != nil {
+				if _, err := h.store.Take(context.Background(), time.Now(), &d); err != nil {
 					b.Fatal(err)
 				}
 				i++

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"go.uber.org/zap"
 	"go.uber.org/zap/zapcore"
@@ -25,7 +26,7 @@ func (h *Handler) refuse(w http.ResponseWriter, r *http.Request, sc *scratch, ou
 	switch out {
 	case outcomeDeny:
 		if sc.slotOut >= 0 {
-			return h.denySlot(w, r, &sc.d.slots[sc.slotOut])
+			return h.denySlot(w, r, &sc.d.Slots[sc.slotOut])
 		}
 		return h.deny(w, r, sc)
 	case outcomeShed:
@@ -73,8 +74,8 @@ func (h *Handler) deny(w http.ResponseWriter, r *http.Request, sc *scratch) erro
 	}
 	if h.events != nil && h.events.ShouldEmit(exceededEvent) {
 		ban := false
-		for i := range sc.d.buckets {
-			ban = ban || sc.d.buckets[i].ban
+		for i := range sc.d.Buckets {
+			ban = ban || sc.d.Buckets[i].Ban
 		}
 		h.emitExceeded(r, z, wait, ban)
 	}
@@ -101,15 +102,15 @@ func (h *Handler) answer(w http.ResponseWriter, r *http.Request, status int, wai
 
 // denySlot answers a request that a zone with concurrency refused: no
 // slot was free.
-func (h *Handler) denySlot(w http.ResponseWriter, r *http.Request, q *slotDemand) error {
-	return h.refuseInFlight(w, r, h.Zones[q.zone], q.key, false)
+func (h *Handler) denySlot(w http.ResponseWriter, r *http.Request, q *store.SlotDemand) error {
+	return h.refuseInFlight(w, r, h.Zones[q.Zone], q.Key, false)
 }
 
 // refuseInFlight answers a request that found no place in flight in zone
 // z: no slot free in a zone with concurrency (429), or shed by its
 // adaptive limit (503). Retry-After is 1: a place may be free at any
 // moment. It returns the error, or nil when it wrote the status itself.
-func (h *Handler) refuseInFlight(w http.ResponseWriter, r *http.Request, z *Zone, key bucketKey, shed bool) error {
+func (h *Handler) refuseInFlight(w http.ResponseWriter, r *http.Request, z *Zone, key store.Key, shed bool) error {
 	retryAfter := setRetryAfter(w.Header(), time.Second)
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
 		repl.Set("http.rate_limit.exceeded.name", z.boxedName)
@@ -150,7 +151,7 @@ func (h *Handler) emitExceeded(r *http.Request, z *Zone, wait time.Duration, ban
 
 // logFields describe a refusal: zone, wait and client, and the key only
 // with log_key (keys can be personal data).
-func (h *Handler) logFields(r *http.Request, z *Zone, wait time.Duration, key bucketKey) []zap.Field {
+func (h *Handler) logFields(r *http.Request, z *Zone, wait time.Duration, key store.Key) []zap.Field {
 	fields := []zap.Field{
 		zap.String("zone", z.Name),
 		zap.Duration("wait", wait),

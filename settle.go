@@ -94,7 +94,7 @@ func (sc *scratch) scanFor(u *usagescan.Spec) int {
 // charged the usage less the cost it took, or given back the difference.
 // whole says whether the response ended as it should.
 func (h *Handler) settle(r *http.Request, sc *scratch, status int, hdr http.Header, whole bool) {
-	sc.back.clear()
+	sc.back.Clear()
 	for i := range sc.matches {
 		m := &sc.matches[i]
 		z := h.Zones[m.zone]
@@ -136,11 +136,11 @@ func (h *Handler) settleUsage(sc *scratch, m *match, z *Zone, hdr http.Header, w
 	var spent time.Duration
 	var units int64
 	if m.bucket >= 0 {
-		b := &sc.d.buckets[m.bucket]
-		spent = b.limit.Spend(n) - b.cost
+		b := &sc.d.Buckets[m.bucket]
+		spent = b.Limit.Spend(n) - b.Cost
 	}
 	if m.counter >= 0 {
-		units = n - sc.d.counters[m.counter].cost
+		units = n - sc.d.Counters[m.counter].Cost
 	}
 	sc.adjustBy(m, spent, units)
 }
@@ -151,10 +151,10 @@ func (sc *scratch) refund(m *match) {
 	var spent time.Duration
 	var units int64
 	if m.bucket >= 0 {
-		spent = -sc.d.buckets[m.bucket].cost
+		spent = -sc.d.Buckets[m.bucket].Cost
 	}
 	if m.counter >= 0 {
-		units = -sc.d.counters[m.counter].cost
+		units = -sc.d.Counters[m.counter].Cost
 	}
 	sc.adjustBy(m, spent, units)
 }
@@ -163,22 +163,22 @@ func (sc *scratch) refund(m *match) {
 // its counter by units, for those the store charged (the demands that
 // were ok). 0 adjusts nothing.
 func (sc *scratch) adjustBy(m *match, spent time.Duration, units int64) {
-	if m.bucket >= 0 && sc.d.buckets[m.bucket].ok && spent != 0 {
-		b := sc.d.buckets[m.bucket]
-		b.cost = spent
-		sc.back.buckets = append(sc.back.buckets, b)
+	if m.bucket >= 0 && sc.d.Buckets[m.bucket].OK && spent != 0 {
+		b := sc.d.Buckets[m.bucket]
+		b.Cost = spent
+		sc.back.Buckets = append(sc.back.Buckets, b)
 	}
-	if m.counter >= 0 && sc.d.counters[m.counter].ok && units != 0 {
-		c := sc.d.counters[m.counter]
-		c.cost = units
-		sc.back.counters = append(sc.back.counters, c)
+	if m.counter >= 0 && sc.d.Counters[m.counter].OK && units != 0 {
+		c := sc.d.Counters[m.counter]
+		c.Cost = units
+		sc.back.Counters = append(sc.back.Counters, c)
 	}
 }
 
 // giveBack gives the zones marked back in sc.matches what the store
 // charged them for the request, and reports whether the store made it.
 func (h *Handler) giveBack(ctx context.Context, now time.Time, sc *scratch, msg string) bool {
-	sc.back.clear()
+	sc.back.Clear()
 	for i := range sc.matches {
 		if m := &sc.matches[i]; m.back {
 			sc.refund(m)
@@ -191,10 +191,10 @@ func (h *Handler) giveBack(ctx context.Context, now time.Time, sc *scratch, msg 
 // request's demands, and reports whether it did. ctx is the request's:
 // the store adjusts when the client has gone too.
 func (h *Handler) adjust(ctx context.Context, now time.Time, sc *scratch, msg string) bool {
-	if sc.back.empty() || sc.by == nil {
+	if sc.back.Empty() || sc.by == nil {
 		return false
 	}
-	if err := sc.by.adjust(ctx, now, &sc.back); err != nil {
+	if err := sc.by.Adjust(ctx, now, &sc.back); err != nil {
 		h.refundErrors.Warn(h.logger, msg, err)
 		return false
 	}

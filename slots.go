@@ -7,6 +7,8 @@ import (
 	"hash/maphash"
 	"sync"
 	"sync/atomic"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
 // slotTable counts the requests in flight of each key of a zone with
@@ -24,7 +26,7 @@ const slotShards = 64
 
 type slotShard struct {
 	mu sync.Mutex
-	m  map[bucketKey]int64
+	m  map[store.Key]int64
 	_  [40]byte // keep shards on separate cache lines
 }
 
@@ -32,18 +34,18 @@ func newSlotTable(maxKeys int64) *slotTable {
 	t := &slotTable{seed: maphash.MakeSeed()}
 	t.maxKeys.Store(maxKeys)
 	for i := range t.shards {
-		t.shards[i].m = make(map[bucketKey]int64)
+		t.shards[i].m = make(map[store.Key]int64)
 	}
 	return t
 }
 
-func (t *slotTable) shard(k bucketKey) *slotShard {
+func (t *slotTable) shard(k store.Key) *slotShard {
 	return &t.shards[maphash.Comparable(t.seed, k)%slotShards]
 }
 
 // acquire takes one of n slots of key k. It reports whether it did, and
 // how many slots are free after the decision.
-func (t *slotTable) acquire(k bucketKey, n int64) (free int64, ok bool) {
+func (t *slotTable) acquire(k store.Key, n int64) (free int64, ok bool) {
 	s := t.shard(k)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -62,7 +64,7 @@ func (t *slotTable) acquire(k bucketKey, n int64) (free int64, ok bool) {
 }
 
 // free is how many of n slots of key k are free, changing nothing.
-func (t *slotTable) free(k bucketKey, n int64) int64 {
+func (t *slotTable) free(k store.Key, n int64) int64 {
 	s := t.shard(k)
 	s.mu.Lock()
 	c := s.m[k]
@@ -71,7 +73,7 @@ func (t *slotTable) free(k bucketKey, n int64) int64 {
 }
 
 // release gives back a slot of key k that acquire took.
-func (t *slotTable) release(k bucketKey) {
+func (t *slotTable) release(k store.Key) {
 	s := t.shard(k)
 	s.mu.Lock()
 	defer s.mu.Unlock()

@@ -6,11 +6,13 @@ package ratelimit
 import (
 	"sync"
 	"testing"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
 func TestSlotTable(t *testing.T) {
 	tb := newSlotTable(2)
-	a, b, c := bucketKey{s: "a"}, bucketKey{s: "b"}, bucketKey{s: "c"}
+	a, b, c := store.Key{Text: "a"}, store.Key{Text: "b"}, store.Key{Text: "c"}
 	for i, want := range []int64{1, 0} {
 		free, ok := tb.acquire(a, 2)
 		if !ok || free != want {
@@ -53,7 +55,7 @@ func TestSlotTable(t *testing.T) {
 // a slot of one key.
 func TestSlotTableConcurrent(t *testing.T) {
 	tb := newSlotTable(10)
-	k := bucketKey{s: "k"}
+	k := store.Key{Text: "k"}
 	const n = 3
 	var mu sync.Mutex
 	in, most := 0, 0

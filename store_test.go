@@ -9,6 +9,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
 // The zones of the shared step table: a 10r/s burst 3; b 1r/s burst 2;
@@ -173,7 +175,7 @@ func runStoreSteps(t *testing.T, h *Handler) {
 			// counts in whole milliseconds, its over-limit cache a
 			// millisecond less).
 			if q.quota && q.used() > 0 {
-				if want := q.counter().window.End.Sub(now); q.debt() > want || q.debt() <= want-2*time.Millisecond {
+				if want := q.counter().Window.End.Sub(now); q.debt() > want || q.debt() <= want-2*time.Millisecond {
 					t.Fatalf("step %d: zone %s's quota: %v to its window's end, want %v", i, q.zone.Name, q.debt(), want)
 				}
 			}
@@ -186,74 +188,74 @@ func runStoreSteps(t *testing.T, h *Handler) {
 // bucket, or, for an upper-case letter, its quota's counter.
 type stepAnswer struct {
 	zone  *Zone
-	d     *demands
+	d     *store.Demands
 	i     int // its place in d.buckets, or in d.counters
 	quota bool
 }
 
-func (a *stepAnswer) bucket() *bucketDemand { return &a.d.buckets[a.i] }
+func (a *stepAnswer) bucket() *store.BucketDemand { return &a.d.Buckets[a.i] }
 
-func (a *stepAnswer) counter() *counterDemand { return &a.d.counters[a.i] }
+func (a *stepAnswer) counter() *store.CounterDemand { return &a.d.Counters[a.i] }
 
 func (a *stepAnswer) remaining() int64 {
 	if a.quota {
-		return a.counter().remaining()
+		return a.counter().Remaining()
 	}
-	return a.bucket().remaining()
+	return a.bucket().Remaining()
 }
 
 func (a *stepAnswer) ok() bool {
 	if a.quota {
-		return a.counter().ok
+		return a.counter().OK
 	}
-	return a.bucket().ok
+	return a.bucket().OK
 }
 
-func (a *stepAnswer) ban() bool { return !a.quota && a.bucket().ban }
+func (a *stepAnswer) ban() bool { return !a.quota && a.bucket().Ban }
 
 func (a *stepAnswer) wait() time.Duration {
 	if a.quota {
-		return a.counter().wait()
+		return a.counter().Wait()
 	}
-	return a.bucket().wait()
+	return a.bucket().Wait()
 }
 
 func (a *stepAnswer) delayed() time.Duration {
 	if a.quota {
 		return 0
 	}
-	return a.bucket().delayed()
+	return a.bucket().Delayed()
 }
 
 // debt is how long until the bucket is full again, or the counter's
 // window ends.
 func (a *stepAnswer) debt() time.Duration {
 	if a.quota {
-		return a.counter().left
+		return a.counter().Left
 	}
-	return a.bucket().debt
+	return a.bucket().Debt
 }
 
-func (a *stepAnswer) used() int64 { return a.counter().used }
+func (a *stepAnswer) used() int64 { return a.counter().Used }
 
 // stepDemands are the demands of the zones of a step, by their letters,
 // and the view of each letter's answer.
-func stepDemands(zones map[byte]*Zone, now time.Time, s storeStep, noDelay bool) (*demands, []stepAnswer) {
-	d := new(demands)
+func stepDemands(zones map[byte]*Zone, now time.Time, s storeStep, noDelay bool) (*store.Demands, []stepAnswer) {
+	d := new(store.Demands)
 	var reqs []stepAnswer
 	for _, c := range []byte(s.zones) {
-		k := bucketKey{s: s.key}
+		k := store.Key{Text: s.key}
 		if c >= 'A' && c <= 'Z' { // the quota of the zone of that letter
 			z := zones[c-'A'+'a']
-			reqs = append(reqs, stepAnswer{zone: z, d: d, i: len(d.counters), quota: true})
-			d.counters = append(d.counters, counterReq(z, k, now))
+			reqs = append(reqs, stepAnswer{zone: z, d: d, i: len(d.Counters), quota: true})
+			d.Counters = append(d.Counters, counterReq(z, k, now))
 			continue
 		}
 		z := zones[c]
 		b := bucketReq(z, k)
-		b.limit.NoDelay = noDelay
-		reqs = append(reqs, stepAnswer{zone: z, d: d, i: len(d.buckets)})
-		d.buckets = append(d.buckets, b)
+		b.Limit.NoDelay = noDelay
+		reqs = append(reqs, stepAnswer{zone: z, d: d, i: len(d.Buckets)})
+		d.Buckets = append(d.Buckets, b)
 	}
 	return d, reqs
 }
@@ -263,7 +265,7 @@ func stepDemands(zones map[byte]*Zone, now time.Time, s storeStep, noDelay bool)
 func runStoreStep(t *testing.T, h *Handler, zones map[byte]*Zone, now time.Time, i int, s storeStep, noDelay bool) []stepAnswer {
 	t.Helper()
 	d, reqs := stepDemands(zones, now, s, noDelay)
-	ok, err := h.store.take(context.Background(), now, d)
+	ok, err := h.store.Take(context.Background(), now, d)
 	if err != nil {
 		t.Fatalf("step %d: %v", i, err)
 	}
@@ -284,10 +286,10 @@ func TestStoresAgree(t *testing.T) {
 		runStoreSteps(t, newTestHandler(t, `{"zones":`+strings.ReplaceAll(stepZones, `"name":"`, `"name":"agree-`)+`}`))
 	})
 	r := startRedis(t)
-	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
-		t.Run("redis"+store, func(t *testing.T) {
+	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
+		t.Run("redis"+storeCfg, func(t *testing.T) {
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
-				stepZones, r.Addr(), t.Name()+":", store))
+				stepZones, r.Addr(), t.Name()+":", storeCfg))
 			runStoreSteps(t, h)
 		})
 	}
@@ -302,10 +304,10 @@ func TestStoresAgree(t *testing.T) {
 	t.Run("plans/local", func(t *testing.T) {
 		runPlanSteps(t, newTestHandler(t, `{"zones":`+strings.ReplaceAll(planZones, `"name":"`, `"name":"agree-`)+`}`))
 	})
-	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
-		t.Run("plans/redis"+store, func(t *testing.T) {
+	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
+		t.Run("plans/redis"+storeCfg, func(t *testing.T) {
 			runPlanSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
-				planZones, r.Addr(), t.Name()+":", store)))
+				planZones, r.Addr(), t.Name()+":", storeCfg)))
 		})
 	}
 }
@@ -359,15 +361,15 @@ func runPlanSteps(t *testing.T, h *Handler) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		reqs := &demands{buckets: []bucketDemand{{zone: z.index, key: bucketKey{s: "k"}, limit: p.limit, cost: p.costTime}}}
-		ok, err := h.store.take(context.Background(), now, reqs)
+		reqs := &store.Demands{Buckets: []store.BucketDemand{{Zone: z.index, Key: store.Key{Text: "k"}, Limit: p.limit, Cost: p.costTime}}}
+		ok, err := h.store.Take(context.Background(), now, reqs)
 		if err != nil {
 			t.Fatalf("step %d: %v", i, err)
 		}
 		if ok != s.ok {
 			t.Fatalf("step %d (%s): allowed = %v, want %v", i, s.plan, ok, s.ok)
 		}
-		if got := reqs.buckets[0].remaining(); got != s.rem {
+		if got := reqs.Buckets[0].Remaining(); got != s.rem {
 			t.Fatalf("step %d (%s): %d tokens left, want %d", i, s.plan, got, s.rem)
 		}
 	}
@@ -391,26 +393,26 @@ func TestRefundEmptyBucket(t *testing.T) {
 				rs.testClock = func() time.Time { return now }
 			}
 			z := h.Zones[0]
-			reqs := &demands{buckets: []bucketDemand{bucketReq(z, bucketKey{s: "k"})}}
+			reqs := &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, store.Key{Text: "k"})}}
 			for range 2 {
-				if ok, err := h.store.take(context.Background(), now, reqs); !ok || err != nil {
+				if ok, err := h.store.Take(context.Background(), now, reqs); !ok || err != nil {
 					t.Fatalf("take: %v, %v", ok, err)
 				}
 			}
-			if got := reqs.buckets[0].remaining(); got != 0 {
+			if got := reqs.Buckets[0].Remaining(); got != 0 {
 				t.Fatalf("%d tokens left after two takes, want 0", got)
 			}
-			reqs.buckets[0].cost = -reqs.buckets[0].cost // a refund
-			if err := h.store.adjust(context.Background(), now, reqs); err != nil {
+			reqs.Buckets[0].Cost = -reqs.Buckets[0].Cost // a refund
+			if err := h.store.Adjust(context.Background(), now, reqs); err != nil {
 				t.Fatal(err)
 			}
-			d := &demands{buckets: []bucketDemand{bucketReq(z, bucketKey{s: "k"})}}
-			if err := h.store.peek(context.Background(), now, d); err != nil {
+			d := &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, store.Key{Text: "k"})}}
+			if err := h.store.Peek(context.Background(), now, d); err != nil {
 				t.Fatal(err)
 			}
-			if q := &d.buckets[0]; q.remaining() != 1 {
-				got := q.remaining()
-				t.Fatalf("%d tokens after the refund, want 1 (debt %v, a token %v)", got, q.debt, z.costTime)
+			if q := &d.Buckets[0]; q.Remaining() != 1 {
+				got := q.Remaining()
+				t.Fatalf("%d tokens after the refund, want 1 (debt %v, a token %v)", got, q.Debt, z.costTime)
 			}
 		})
 	}
@@ -459,35 +461,35 @@ func runUsageSteps(t *testing.T, h *Handler) {
 	}
 	z := h.Zones[0]
 	z.quota.Every = stepQuotaWindow
-	k := bucketKey{s: "k"}
+	k := store.Key{Text: "k"}
 	for i, s := range usageSteps {
 		now = start.Add(s.at)
-		d := &demands{buckets: []bucketDemand{bucketReq(z, k)}, counters: []counterDemand{counterReq(z, k, now)}}
+		d := &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, k)}, Counters: []store.CounterDemand{counterReq(z, k, now)}}
 		var err error
 		if s.adjust == 0 {
 			var ok bool
-			if ok, err = h.store.take(context.Background(), now, d); ok != s.ok {
+			if ok, err = h.store.Take(context.Background(), now, d); ok != s.ok {
 				t.Fatalf("step %d: allowed = %v, want %v", i, ok, s.ok)
 			}
-			if b := &d.buckets[0]; !s.ok && b.debt > z.limit.BurstTime && b.wait() != time.Duration(s.owed+1-100)*z.costTime {
-				t.Fatalf("step %d: wait %v for a bucket owing %d tokens, want the time of %d tokens", i, b.wait(), s.owed, s.owed+1-100)
+			if b := &d.Buckets[0]; !s.ok && b.Debt > z.limit.BurstTime && b.Wait() != time.Duration(s.owed+1-100)*z.costTime {
+				t.Fatalf("step %d: wait %v for a bucket owing %d tokens, want the time of %d tokens", i, b.Wait(), s.owed, s.owed+1-100)
 			}
 		} else {
-			d.buckets[0].cost = z.limit.Spend(s.adjust+1) - z.costTime
-			d.counters[0].cost = s.adjust
-			err = h.store.adjust(context.Background(), now, d)
+			d.Buckets[0].Cost = z.limit.Spend(s.adjust+1) - z.costTime
+			d.Counters[0].Cost = s.adjust
+			err = h.store.Adjust(context.Background(), now, d)
 		}
 		if err != nil {
 			t.Fatalf("step %d: %v", i, err)
 		}
-		d = &demands{buckets: []bucketDemand{bucketReq(z, k)}, counters: []counterDemand{counterReq(z, k, now)}}
-		if err := h.store.peek(context.Background(), now, d); err != nil {
+		d = &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, k)}, Counters: []store.CounterDemand{counterReq(z, k, now)}}
+		if err := h.store.Peek(context.Background(), now, d); err != nil {
 			t.Fatalf("step %d: peek: %v", i, err)
 		}
-		if got, want := d.buckets[0].debt, time.Duration(s.owed)*z.costTime; got != want {
+		if got, want := d.Buckets[0].Debt, time.Duration(s.owed)*z.costTime; got != want {
 			t.Fatalf("step %d: the bucket owes %v, want %v (%d tokens)", i, got, want, s.owed)
 		}
-		if got := d.counters[0].used; got != s.used {
+		if got := d.Counters[0].Used; got != s.used {
 			t.Fatalf("step %d: the quota counted %d, want %d", i, got, s.used)
 		}
 	}
@@ -499,10 +501,10 @@ func TestStoresAgreeOnUsage(t *testing.T) {
 		runUsageSteps(t, newTestHandler(t, `{"zones":`+strings.ReplaceAll(usageZones, `"name":"`, `"name":"agree-`)+`}`))
 	})
 	r := startRedis(t)
-	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
-		t.Run("redis"+store, func(t *testing.T) {
+	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
+		t.Run("redis"+storeCfg, func(t *testing.T) {
 			runUsageSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
-				usageZones, r.Addr(), t.Name()+":", store)))
+				usageZones, r.Addr(), t.Name()+":", storeCfg)))
 		})
 	}
 	t.Run("cluster", func(t *testing.T) {
@@ -586,19 +588,19 @@ func runOverrideSteps(t *testing.T, h *Handler) {
 	ctx := context.Background()
 	for i, s := range overrideSteps {
 		now = start.Add(s.at)
-		z, k := zones[s.zone], bucketKey{s: s.key}
+		z, k := zones[s.zone], store.Key{Text: s.key}
 		switch {
 		case s.rate != "":
 			o, err := z.overrideOf(limitBody{Rate: s.rate, Burst: &s.burst}, now)
 			if err == nil {
-				err = h.store.setOverride(ctx, now, z.index, k, o)
+				err = h.store.SetOverride(ctx, now, z.index, k, o)
 			}
 			if err != nil {
 				t.Fatalf("step %d: %v", i, err)
 			}
 			continue
 		case s.remove:
-			if found, err := h.store.deleteOverride(ctx, now, z.index, k); err != nil || found != s.ok {
+			if found, err := h.store.DeleteOverride(ctx, now, z.index, k); err != nil || found != s.ok {
 				t.Fatalf("step %d: removed %v, %v; want %v", i, found, err, s.ok)
 			}
 			continue
@@ -609,15 +611,15 @@ func runOverrideSteps(t *testing.T, h *Handler) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			b.limit, b.cost = p.limit, p.costTime
+			b.Limit, b.Cost = p.limit, p.costTime
 		}
-		d := &demands{buckets: []bucketDemand{b}}
-		ok, err := h.store.take(ctx, now, d)
+		d := &store.Demands{Buckets: []store.BucketDemand{b}}
+		ok, err := h.store.Take(ctx, now, d)
 		if err != nil {
 			t.Fatalf("step %d: %v", i, err)
 		}
-		if q := &d.buckets[0]; ok != s.ok || q.remaining() != s.rem || q.limit.Burst != s.limit {
-			t.Fatalf("step %d: allowed %v, %d tokens left of %d; want %v, %d of %d", i, ok, q.remaining(), q.limit.Burst, s.ok, s.rem, s.limit)
+		if q := &d.Buckets[0]; ok != s.ok || q.Remaining() != s.rem || q.Limit.Burst != s.limit {
+			t.Fatalf("step %d: allowed %v, %d tokens left of %d; want %v, %d of %d", i, ok, q.Remaining(), q.Limit.Burst, s.ok, s.rem, s.limit)
 		}
 	}
 }
@@ -629,10 +631,10 @@ func TestStoresAgreeOnOverrides(t *testing.T) {
 		runOverrideSteps(t, newTestHandler(t, `{"zones":`+strings.ReplaceAll(overrideZones, `"name":"`, `"name":"agree-`)+`}`))
 	})
 	r := startRedis(t)
-	for _, store := range []string{`,"disable_over_limit_cache":true`, ``} {
-		t.Run("redis"+store, func(t *testing.T) {
+	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
+		t.Run("redis"+storeCfg, func(t *testing.T) {
 			runOverrideSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
-				overrideZones, r.Addr(), t.Name()+":", store)))
+				overrideZones, r.Addr(), t.Name()+":", storeCfg)))
 		})
 	}
 	t.Run("cluster", func(t *testing.T) {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/prometheus/client_golang/prometheus"
@@ -136,14 +137,14 @@ func (z *Zone) checkSync() error {
 // checkSyncStore checks that the zones with sync have the Redis store:
 // the local store is one instance's, exact already.
 func (h *Handler) checkSyncStore() error {
-	var store struct {
+	var storeCfg struct {
 		Backend string `json:"backend"`
 	}
 	if h.StoreRaw != nil {
-		_ = json.Unmarshal(h.StoreRaw, &store) // a bad store fails when it loads
+		_ = json.Unmarshal(h.StoreRaw, &storeCfg) // a bad store fails when it loads
 	}
 	_, redis := h.store.(*RedisStore) // once provisioned, StoreRaw is gone
-	redis = redis || store.Backend == "redis"
+	redis = redis || storeCfg.Backend == "redis"
 	for _, z := range h.Zones {
 		if z != nil && z.Sync != 0 && !redis {
 			return fmt.Errorf("zone %s: sync needs the Redis store (store redis { ... }): it shares a limit between instances", z.Name)
@@ -202,7 +203,7 @@ type syncZone struct {
 	// The reconciliations' scratch, kept from one to the next: only the
 	// loop reconciles.
 	batch []syncItem
-	bs    []bucketDemand
+	bs    []store.BucketDemand
 }
 
 // A syncUser is a store and the place of the zone in it.
@@ -308,7 +309,7 @@ func (sz *syncZone) keep() time.Duration { return max(syncKeep, 2*sz.interval) }
 func (sz *syncZone) shard(h uint64) *syncShard { return &sz.shards[h&(syncShards-1)] }
 
 // lock locks the shard of k's copy, and returns it and k's hash.
-func (sz *syncZone) lock(k bucketKey) (*syncShard, uint64) {
+func (sz *syncZone) lock(k store.Key) (*syncShard, uint64) {
 	h := sz.hasher.hash(k)
 	sh := sz.shard(h)
 	sh.mu.Lock()
@@ -345,7 +346,7 @@ func (sz *syncZone) owner() (syncUser, bool) {
 
 // add makes a copy of b's bucket, owing floor at n, unless the zone has
 // maxSyncKeys already. Requires sh.mu to be held.
-func (sz *syncZone) add(sh *syncShard, h uint64, s *RedisStore, b *bucketDemand, n, floor time.Duration) *syncCopy {
+func (sz *syncZone) add(sh *syncShard, h uint64, s *RedisStore, b *store.BucketDemand, n, floor time.Duration) *syncCopy {
 	if sz.size.Load() >= maxSyncKeys {
 		return nil
 	}
@@ -354,7 +355,7 @@ func (sz *syncZone) add(sh *syncShard, h uint64, s *RedisStore, b *bucketDemand,
 	// instances flooding a key from its first request spend no allowance
 	// that Redis has not seen.
 	c := &syncCopy{base: baseLimit(b), lim: baseLimit(b), fullAt: n + floor, allow: n + sz.interval, heard: n, key: h}
-	c.hash, c.field, c.limitKey = s.keys.BucketLimit(s.zones[b.zone].field, b.key.String())
+	c.hash, c.field, c.limitKey = s.keys.BucketLimit(s.zones[b.Zone].field, b.Key.String())
 	sh.m[h] = c
 	sh.expiry.push(c, n+sz.keep())
 	sz.size.Add(1)
@@ -362,11 +363,11 @@ func (sz *syncZone) add(sh *syncShard, h uint64, s *RedisStore, b *bucketDemand,
 }
 
 // baseLimit is the limit b's request brought, before any override.
-func baseLimit(b *bucketDemand) gcra.Limit {
-	if b.overridden {
-		return b.base()
+func baseLimit(b *store.BucketDemand) gcra.Limit {
+	if b.Overridden {
+		return b.Base()
 	}
-	return b.limit
+	return b.Limit
 }
 
 func sameLimit(a, b gcra.Limit) bool { return a.TokenTime == b.TokenTime && a.Burst == b.Burst }
@@ -382,9 +383,9 @@ func (c *syncCopy) learnt(at, n, debt time.Duration, lim gcra.Limit, tokens int6
 }
 
 // synced reports whether a bucket of d is in a zone with sync.
-func (s *RedisStore) synced(d *demands) bool {
-	for i := range d.buckets {
-		if s.zones[d.buckets[i].zone].sync != nil {
+func (s *RedisStore) synced(d *store.Demands) bool {
+	for i := range d.Buckets {
+		if s.zones[d.Buckets[i].Zone].sync != nil {
 			return true
 		}
 	}
@@ -397,10 +398,10 @@ func (s *RedisStore) synced(d *demands) bool {
 // without sync, and the copies learn from the answer. When Redis fails,
 // a request of such buckets alone is decided here all the same, from
 // what this instance knows; fail_mode decides the others.
-func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *demands) (bool, error) {
-	alone := len(d.counters)+len(d.slots) == 0
-	for i := range d.buckets {
-		alone = alone && s.zones[d.buckets[i].zone].sync != nil
+func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
+	alone := len(d.Counters)+len(d.Slots) == 0
+	for i := range d.Buckets {
+		alone = alone && s.zones[d.Buckets[i].Zone].sync != nil
 	}
 	if alone {
 		if allowed, decided := s.decideHere(now, d, nil); decided {
@@ -409,7 +410,7 @@ func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *demands) (b
 	}
 	var carriedArr [4]int64
 	carried := carriedArr[:0]
-	for range d.buckets {
+	for range d.Buckets {
 		carried = append(carried, 0)
 	}
 	s.carry(d, carried)
@@ -418,14 +419,14 @@ func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *demands) (b
 	s.uncarry(d, carried, charged, err != nil)
 	switch {
 	case err == nil:
-		if !d.remembered { // the over-limit cache's answer is a bound, not Redis's
+		if !d.Remembered { // the over-limit cache's answer is a bound, not Redis's
 			s.learn(now, d)
 		}
 		if !charged {
 			// What the bucket owes counting what was not sent, as the
 			// copy says: the refusal's wait.
-			for i := range d.buckets {
-				d.buckets[i].debt += time.Duration(carried[i]) * d.buckets[i].limit.TokenTime
+			for i := range d.Buckets {
+				d.Buckets[i].Debt += time.Duration(carried[i]) * d.Buckets[i].Limit.TokenTime
 			}
 		}
 		return allowed, nil
@@ -442,18 +443,18 @@ func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *demands) (b
 // it had been sent: a request beyond the allowance is decided against
 // what this instance spent by itself too. (Not beyond the burst: a take
 // of more than a bucket is refused whatever it owes.)
-func (s *RedisStore) carry(d *demands, carried []int64) {
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		sz := s.zones[b.zone].sync
+func (s *RedisStore) carry(d *store.Demands, carried []int64) {
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		sz := s.zones[b.Zone].sync
 		if sz == nil {
 			continue
 		}
-		sh, h := sz.lock(b.key)
-		if c := sh.m[h]; c != nil && c.pending > 0 && sameLimit(c.base, baseLimit(b)) && sameLimit(c.lim, b.limit) {
-			if extra := time.Duration(c.pending) * b.limit.TokenTime; b.cost+extra <= b.limit.BurstTime {
+		sh, h := sz.lock(b.Key)
+		if c := sh.m[h]; c != nil && c.pending > 0 && sameLimit(c.base, baseLimit(b)) && sameLimit(c.lim, b.Limit) {
+			if extra := time.Duration(c.pending) * b.Limit.TokenTime; b.Cost+extra <= b.Limit.BurstTime {
 				carried[i], c.pending = c.pending, 0
-				b.cost += extra
+				b.Cost += extra
 			}
 		}
 		sh.mu.Unlock()
@@ -463,18 +464,18 @@ func (s *RedisStore) carry(d *demands, carried []int64) {
 // uncarry takes off the costs what carry added, and, unless the take
 // charged them, gives the tokens back to the copies to send: away when
 // the take failed (see owe).
-func (s *RedisStore) uncarry(d *demands, carried []int64, charged, away bool) {
-	for i := range d.buckets {
+func (s *RedisStore) uncarry(d *store.Demands, carried []int64, charged, away bool) {
+	for i := range d.Buckets {
 		if carried[i] == 0 {
 			continue
 		}
-		b := &d.buckets[i]
-		b.cost -= time.Duration(carried[i]) * b.limit.TokenTime
+		b := &d.Buckets[i]
+		b.Cost -= time.Duration(carried[i]) * b.Limit.TokenTime
 		if charged {
 			continue
 		}
-		sz := s.zones[b.zone].sync
-		sh, h := sz.lock(b.key)
+		sz := s.zones[b.Zone].sync
+		sh, h := sz.lock(b.Key)
 		if c := sh.m[h]; c != nil {
 			sz.owe(sh, c, carried[i], away)
 		}
@@ -499,7 +500,7 @@ type syncLook struct {
 // Redis could not decide d: the copies then decide all the same (a key
 // without one gets one, as full as the over-limit cache allows), and no
 // allowance or freshness holds them back.
-func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowed, decided bool) {
+func (s *RedisStore) decideHere(now time.Time, d *store.Demands, failed error) (allowed, decided bool) {
 	var lockedArr [4]*syncShard
 	var looksArr [4]syncLook
 	locked, looks := lockedArr[:0], looksArr[:0]
@@ -510,10 +511,10 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 	}()
 	strict := failed == nil && s.client.Up()
 	here, denied := true, false
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		sz := s.zones[b.zone].sync
-		h := sz.hasher.hash(b.key)
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		sz := s.zones[b.Zone].sync
+		h := sz.hasher.hash(b.Key)
 		sh := sz.shard(h)
 		if !containsShard(locked, sh) {
 			sh.mu.Lock()
@@ -523,50 +524,50 @@ func (s *RedisStore) decideHere(now time.Time, d *demands, failed error) (allowe
 		c := s.copyOf(now, b, sz, sh, h, n, failed)
 		looks = append(looks, syncLook{sz: sz, sh: sh, c: c, n: n})
 		if c == nil {
-			here, b.ok, b.debt = false, true, 0 // not asked, unless Redis is
+			here, b.OK, b.Debt = false, true, 0 // not asked, unless Redis is
 			continue
 		}
 		sh.use(c)
-		b.clearOwnLimit()
+		b.ClearOwnLimit()
 		if !sameLimit(c.lim, c.base) {
-			b.setOwnLimit(c.lim.TokenTime, c.lim.Burst)
+			b.SetOwnLimit(c.lim.TokenTime, c.lim.Burst)
 		}
 		look := &looks[i]
-		look.debt, look.ad = b.limit.Debt(c.fullAt, n), max(c.allow-n, 0)
-		b.debt, b.ok = look.debt, look.debt+b.cost <= b.limit.Reach()
+		look.debt, look.ad = b.Limit.Debt(c.fullAt, n), max(c.allow-n, 0)
+		b.Debt, b.OK = look.debt, look.debt+b.Cost <= b.Limit.Reach()
 		switch {
-		case !b.ok:
-			denied = denied || !b.soft
-		case strict && look.ad+b.cost > max(sz.interval, b.cost):
+		case !b.OK:
+			denied = denied || !b.Soft
+		case strict && look.ad+b.Cost > max(sz.interval, b.Cost):
 			here = false
 		}
 	}
 	if denied {
-		d.at = now
+		d.At = now
 		return false, true
 	}
 	if !here {
 		return false, false
 	}
 	chargeCopies(d, looks, !strict)
-	d.at = now
+	d.At = now
 	return true, true
 }
 
 // chargeCopies charges each bucket of d that had the tokens its cost, in
 // its copy as decideHere looked at it; a soft one that lacked them is
 // charged nothing. away: decided while Redis was away (see owe).
-func chargeCopies(d *demands, looks []syncLook, away bool) {
-	for i := range d.buckets {
-		b, look := &d.buckets[i], &looks[i]
-		if !b.ok {
+func chargeCopies(d *store.Demands, looks []syncLook, away bool) {
+	for i := range d.Buckets {
+		b, look := &d.Buckets[i], &looks[i]
+		if !b.OK {
 			continue
 		}
 		c := look.c
-		c.fullAt = look.n + look.debt + b.cost
-		c.allow = look.n + look.ad + b.cost
-		look.sz.owe(look.sh, c, int64(b.cost/b.limit.TokenTime), away)
-		b.debt += b.cost
+		c.fullAt = look.n + look.debt + b.Cost
+		c.allow = look.n + look.ad + b.Cost
+		look.sz.owe(look.sh, c, int64(b.Cost/b.Limit.TokenTime), away)
+		b.Debt += b.Cost
 	}
 }
 
@@ -574,13 +575,13 @@ func chargeCopies(d *demands, looks []syncLook, away bool) {
 // decideHere: none for a copy learnt under another plan while Redis can
 // decide (Redis rescales it); while it cannot (failed), a key without one
 // gets one, and one of another plan takes b's.
-func (s *RedisStore) copyOf(now time.Time, b *bucketDemand, sz *syncZone, sh *syncShard, h uint64, n time.Duration, failed error) *syncCopy {
+func (s *RedisStore) copyOf(now time.Time, b *store.BucketDemand, sz *syncZone, sh *syncShard, h uint64, n time.Duration, failed error) *syncCopy {
 	c := sh.m[h]
 	switch {
 	case failed == nil && c != nil && !sameLimit(c.base, baseLimit(b)):
 		c = nil // learnt under another plan: Redis rescales it
 	case failed != nil && c == nil:
-		floor := s.known(now, b, failed)
+		floor := s.Known(now, b, failed)
 		if c = sz.add(sh, h, s, b, n, floor); c == nil {
 			c = &syncCopy{fullAt: n + floor, used: true} // beyond maxSyncKeys: this request's alone, in no list
 		}
@@ -604,12 +605,12 @@ func containsShard(shards []*syncShard, sh *syncShard) bool {
 // answer, making those it lacks. Demands that a cluster took a slot at a
 // time (their keys in different slots) teach nothing: a bucket after a
 // refusal was not asked.
-func (s *RedisStore) learn(now time.Time, d *demands) {
+func (s *RedisStore) learn(now time.Time, d *store.Demands) {
 	if s.client.Cluster && !oneTag(d) {
 		return
 	}
-	s.withCopies(d, func(sz *syncZone, sh *syncShard, h uint64, b *bucketDemand) {
-		n, at := sz.instant(now), sz.instant(d.at)
+	s.withCopies(d, func(sz *syncZone, sh *syncShard, h uint64, b *store.BucketDemand) {
+		n, at := sz.instant(now), sz.instant(d.At)
 		c := sh.m[h]
 		if c == nil {
 			c = sz.add(sh, h, s, b, n, 0)
@@ -617,7 +618,7 @@ func (s *RedisStore) learn(now time.Time, d *demands) {
 		if c != nil {
 			c.base = baseLimit(b)
 			sh.use(c)
-			c.learnt(at, max(n, at), b.debt, b.limit, c.pending+c.sent)
+			c.learnt(at, max(n, at), b.Debt, b.Limit, c.pending+c.sent)
 		}
 	})
 }
@@ -625,8 +626,8 @@ func (s *RedisStore) learn(now time.Time, d *demands) {
 // forgetSync drops this instance's copies of d's buckets (a reset): their
 // next requests go to Redis. The other instances learn of a reset at
 // their next reconciliation.
-func (s *RedisStore) forgetSync(d *demands) {
-	s.withCopies(d, func(sz *syncZone, sh *syncShard, h uint64, _ *bucketDemand) {
+func (s *RedisStore) forgetSync(d *store.Demands) {
+	s.withCopies(d, func(sz *syncZone, sh *syncShard, h uint64, _ *store.BucketDemand) {
 		if _, ok := sh.m[h]; ok {
 			delete(sh.m, h)
 			sz.size.Add(-1)
@@ -636,21 +637,21 @@ func (s *RedisStore) forgetSync(d *demands) {
 
 // peekSync adds to what Redis said of d's buckets in zones with sync what
 // this instance spent that Redis has not heard of yet.
-func (s *RedisStore) peekSync(d *demands) {
-	s.withCopies(d, func(_ *syncZone, sh *syncShard, h uint64, b *bucketDemand) {
+func (s *RedisStore) peekSync(d *store.Demands) {
+	s.withCopies(d, func(_ *syncZone, sh *syncShard, h uint64, b *store.BucketDemand) {
 		if c := sh.m[h]; c != nil {
-			b.debt = min(b.debt+time.Duration(c.pending+c.sent)*b.limit.TokenTime, b.limit.Most())
+			b.Debt = min(b.Debt+time.Duration(c.pending+c.sent)*b.Limit.TokenTime, b.Limit.Most())
 		}
 	})
 }
 
 // withCopies calls f for each bucket of d in a zone with sync, with the
 // shard of its copy locked, and the copy's hash.
-func (s *RedisStore) withCopies(d *demands, f func(sz *syncZone, sh *syncShard, h uint64, b *bucketDemand)) {
-	for i := range d.buckets {
-		b := &d.buckets[i]
-		if sz := s.zones[b.zone].sync; sz != nil {
-			sh, h := sz.lock(b.key)
+func (s *RedisStore) withCopies(d *store.Demands, f func(sz *syncZone, sh *syncShard, h uint64, b *store.BucketDemand)) {
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		if sz := s.zones[b.Zone].sync; sz != nil {
+			sh, h := sz.lock(b.Key)
 			f(sz, sh, h, b)
 			sh.mu.Unlock()
 		}
@@ -658,13 +659,13 @@ func (s *RedisStore) withCopies(d *demands, f func(sz *syncZone, sh *syncShard, 
 }
 
 // bindSync gets the copies of the store's zones with sync.
-func (s *RedisStore) bindSync(zones []zoneSpec) error {
+func (s *RedisStore) bindSync(zones []store.ZoneSpec) error {
 	for i, z := range zones {
-		if z.sync == 0 {
+		if z.Sync == 0 {
 			continue
 		}
-		id := syncID{s.poolKey, s.KeyPrefix, s.HashKeys, s.zones[i].field, z.sync}
-		v, _, err := syncZones.LoadOrNew(id, func() (caddy.Destructor, error) { return newSyncZone(z.sync), nil })
+		id := syncID{s.poolKey, s.KeyPrefix, s.HashKeys, s.zones[i].field, z.Sync}
+		v, _, err := syncZones.LoadOrNew(id, func() (caddy.Destructor, error) { return newSyncZone(z.Sync), nil })
 		if err != nil {
 			return err
 		}
@@ -830,23 +831,23 @@ func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
 	deadline := time.Now().Add(s.callTimeout)
 	bs := slices.Grow(sz.bs[:0], len(part))[:len(part)]
 	defer func() { clear(bs); sz.bs = bs[:0] }()
-	var ds []demands
+	var ds []store.Demands
 	var calls []*rediswire.Call
 	for i := range part {
 		p := &part[i]
 		// The script applies the key's own limit itself (see build).
-		bs[i] = bucketDemand{zone: u.zone, limit: p.base, cost: time.Duration(p.tokens) * p.base.TokenTime}
+		bs[i] = store.BucketDemand{Zone: u.zone, Limit: p.base, Cost: time.Duration(p.tokens) * p.base.TokenTime}
 		if i == 0 || s.client.Cluster && p.c.hash != part[i-1].c.hash {
-			ds = append(ds, demands{buckets: bs[i:i]})
+			ds = append(ds, store.Demands{Buckets: bs[i:i]})
 			calls = append(calls, rediswire.NewCall(rediswire.Adjust, deadline))
 		}
 		d := &ds[len(ds)-1]
-		d.buckets = d.buckets[:len(d.buckets)+1] // bs[i], the call's next bucket
+		d.Buckets = d.Buckets[:len(d.Buckets)+1] // bs[i], the call's next bucket
 		limit := p.c.limitKey
 		if !own {
 			limit = p.c.hash // the script reads no override
 		}
-		calls[len(calls)-1].AdjustBucket(p.c.hash, p.c.field, limit, s.shapeOf(&bs[i], true), bs[i].cost)
+		calls[len(calls)-1].AdjustBucket(p.c.hash, p.c.field, limit, s.shapeOf(&bs[i], true), bs[i].Cost)
 	}
 	sent := time.Now()
 	replies, errs := s.client.RunAll(calls)
@@ -859,7 +860,7 @@ func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
 			failure = cmpErr(failure, err)
 			failed++
 		}
-		for k := range ds[j].buckets {
+		for k := range ds[j].Buckets {
 			sz.update(u, &part[i], &ds[j], k, err)
 			i++
 		}
@@ -881,8 +882,8 @@ func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
 
 // update sets p's copy from bucket k of d, the answer of its call, or
 // keeps what it sent for the next reconciliation when the call failed.
-func (sz *syncZone) update(u syncUser, p *syncItem, d *demands, k int, err error) {
-	b := &d.buckets[k]
+func (sz *syncZone) update(u syncUser, p *syncItem, d *store.Demands, k int, err error) {
+	b := &d.Buckets[k]
 	p.sh.mu.Lock()
 	c := p.c
 	if err != nil {
@@ -890,10 +891,10 @@ func (sz *syncZone) update(u syncUser, p *syncItem, d *demands, k int, err error
 	} else {
 		c.sent = 0
 		n := sz.instant(time.Now())
-		c.learnt(sz.instant(d.at), n, b.debt, b.limit, c.pending)
+		c.learnt(sz.instant(d.At), n, b.Debt, b.Limit, c.pending)
 	}
 	p.sh.mu.Unlock()
-	if err == nil && b.overridden {
+	if err == nil && b.Overridden {
 		u.s.sawOverride(u.zone)
 	}
 }

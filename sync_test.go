@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/redis/go-redis/v9"
@@ -196,7 +197,7 @@ func TestSyncRedisOutage(t *testing.T) {
 	}
 	r.Start()
 	rs := hs[0].store.(*RedisStore)
-	hash, field := rs.bucketName(0, bucketKey{s: "k"})
+	hash, field := rs.bucketName(0, store.Key{Text: "k"})
 	c := newRedisClient(t, r.Addr())
 	waitFor(t, 10*time.Second, "the spending of the outage in Redis", func() bool {
 		return c.HGet(context.Background(), hash, field).Val() != ""
@@ -282,7 +283,7 @@ func TestSyncReloadKeepsCopies(t *testing.T) {
 	emptyEverywhere(t, []*Handler{old}, "k")
 	rs := old.store.(*RedisStore)
 	copies := rs.zones[0].sync
-	hash, field := rs.bucketName(0, bucketKey{s: "k"})
+	hash, field := rs.bucketName(0, store.Key{Text: "k"})
 	r.CLI("HDEL", hash, field)
 	next, unloadNext := provision(t, config)
 	defer unloadNext()
@@ -420,7 +421,7 @@ func TestSyncRetryAfter(t *testing.T) {
 // (its address lines), each its own Redis connection pool (pool_size 10,
 // 11, ...) and so its own copies: n instances, as n Caddy servers would
 // be.
-func syncHandles(store, limit string, n int) string {
+func syncHandles(storeCfg, limit string, n int) string {
 	var out strings.Builder
 	for i := range n {
 		fmt.Fprintf(&out, `	handle /%c {
@@ -438,7 +439,7 @@ func syncHandles(store, limit string, n int) string {
 		}
 		respond "ok"
 	}
-`, 'a'+i, limit, store, 10+i)
+`, 'a'+i, limit, storeCfg, 10+i)
 	}
 	return out.String()
 }
@@ -571,7 +572,7 @@ func syncBucket(t *testing.T, name, key string) (hash, field string) {
 	defer registry.Unlock()
 	for _, ref := range registry.zones[name] {
 		if rs, ok := ref.h.store.(*RedisStore); ok && rs.zones[ref.z.index].sync != nil {
-			return rs.bucketName(ref.z.index, bucketKey{s: key})
+			return rs.bucketName(ref.z.index, store.Key{Text: key})
 		}
 	}
 	t.Fatalf("no zone %s with sync", name)
@@ -780,7 +781,7 @@ func TestSyncSweep(t *testing.T) {
 		}
 		var held []string
 		for _, key := range []string{"once", "emptied", "used"} {
-			sh, h := sz.lock(bucketKey{s: key})
+			sh, h := sz.lock(store.Key{Text: key})
 			if sh.m[h] != nil {
 				held = append(held, key)
 			}

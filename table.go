@@ -12,6 +12,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 )
 
@@ -135,15 +136,15 @@ func (t *table[E]) instant(now time.Time) time.Duration { return now.Sub(t.epoch
 // different bijections, longer IPv6 networks by SipHash under a key of
 // their own, so keys of different kinds share an entry only by a chance
 // of 1 in 2⁶⁴, as SipHash's do.
-func (t *table[E]) hash(k bucketKey) uint64 {
-	if !k.ip.IsValid() {
-		return siphash.Sum(t.key, k.s)
+func (t *table[E]) hash(k store.Key) uint64 {
+	if !k.Net.IsValid() {
+		return siphash.Sum(t.key, k.Text)
 	}
-	b := k.ip.Addr().AsSlice() // inlined, it allocates nothing (As16 costs 10 ns more)
+	b := k.Net.Addr().AsSlice() // inlined, it allocates nothing (As16 costs 10 ns more)
 	if len(b) == 4 {
 		return siphash.Mix64(uint64(binary.BigEndian.Uint32(b))^t.key[0]) ^ t.key[1]
 	}
-	bits := uint64(k.ip.Bits())
+	bits := uint64(k.Net.Bits())
 	if bits <= 64 {
 		return siphash.Mix64(binary.BigEndian.Uint64(b)^t.key[1]) ^ t.key[0]
 	}
@@ -264,7 +265,7 @@ func (s *shard[E]) sweep(now time.Duration) {
 }
 
 // lookup returns k's entry, and whether it is tracked.
-func (t *table[E]) lookup(k bucketKey) (E, bool) {
+func (t *table[E]) lookup(k store.Key) (E, bool) {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
@@ -274,7 +275,7 @@ func (t *table[E]) lookup(k bucketKey) (E, bool) {
 }
 
 // forget drops k's entry, and returns it.
-func (t *table[E]) forget(k bucketKey) E {
+func (t *table[E]) forget(k store.Key) E {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
@@ -349,7 +350,7 @@ func (t *table[E]) Destruct() error {
 
 // bucketAt returns the instant k's bucket is full again, 0 if not
 // tracked.
-func bucketAt(t *table[bucket], k bucketKey) time.Duration {
+func bucketAt(t *table[bucket], k store.Key) time.Duration {
 	b, _ := t.lookup(k)
 	return b.fullAt
 }
@@ -357,7 +358,7 @@ func bucketAt(t *table[bucket], k bucketKey) time.Duration {
 // raise makes k's bucket of limit l full again no sooner than fullAt.
 // now is the current table instant, which tells the eviction what has
 // refilled.
-func raise(t *table[bucket], k bucketKey, l gcra.Limit, fullAt, now time.Duration) {
+func raise(t *table[bucket], k store.Key, l gcra.Limit, fullAt, now time.Duration) {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
@@ -370,7 +371,7 @@ func raise(t *table[bucket], k bucketKey, l gcra.Limit, fullAt, now time.Duratio
 
 // adjustBucket charges cost to k's bucket of limit l, refusing nothing
 // (see limit.adjust). now is the current table instant.
-func adjustBucket(t *table[bucket], k bucketKey, l gcra.Limit, cost, now time.Duration) {
+func adjustBucket(t *table[bucket], k store.Key, l gcra.Limit, cost, now time.Duration) {
 	h := t.hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
@@ -445,7 +446,7 @@ func (c *charge) commit(s *shard[bucket], allowed bool) {
 // A slotClaim is a slot a request takes, located in its table.
 type slotClaim struct {
 	t    *slotTable
-	key  bucketKey
+	key  store.Key
 	n    int64 // slots per key
 	soft bool  // a key with no slot free does not refuse the request
 	req  int   // the demand this claim answers

@@ -15,9 +15,10 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
-func key(s string) bucketKey { return bucketKey{s: s} }
+func key(s string) store.Key { return store.Key{Text: s} }
 
 func newTestCharge(tab *table[bucket], l gcra.Limit, k string, now time.Time) charge {
 	return charge{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(key(k)), now: tab.instant(now)}
@@ -108,7 +109,7 @@ func TestTableNeverGrowsPastMaxKeys(t *testing.T) {
 	tab := newBuckets(maxKeys, t0)
 	l := gcra.NewLimit(1.0/3600, 10) // nothing refills during the test
 	for i := range 5 * maxKeys {
-		cs := []charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}), now: time.Duration(i)}}
+		cs := []charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(store.Key{Net: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}), now: time.Duration(i)}}
 		takeAll(cs, nil, nil)
 		if i%1000 == 0 {
 			if n := tab.len(); n > maxKeys {
@@ -126,9 +127,9 @@ func TestTableNeverGrowsPastMaxKeys(t *testing.T) {
 
 func TestBucketKeyHash(t *testing.T) {
 	tab := newBuckets(10, t0)
-	a := bucketKey{ip: netip.MustParsePrefix("2001:db8::/64")}
-	b := bucketKey{ip: netip.MustParsePrefix("2001:db8::/64")}
-	c := bucketKey{ip: netip.MustParsePrefix("2001:db8:0:1::/64")}
+	a := store.Key{Net: netip.MustParsePrefix("2001:db8::/64")}
+	b := store.Key{Net: netip.MustParsePrefix("2001:db8::/64")}
+	c := store.Key{Net: netip.MustParsePrefix("2001:db8:0:1::/64")}
 	if tab.hash(a) != tab.hash(b) || tab.hash(a) == tab.hash(c) {
 		t.Fatal("IP prefixes hash wrong")
 	}
@@ -151,7 +152,7 @@ func TestMemoryPerKey(t *testing.T) {
 	tab := newBuckets(2*n, t0) // room for all: no evictions
 	l := gcra.NewLimit(1, 10)
 	for i := range n {
-		k := bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
+		k := store.Key{Net: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
 		takeAll([]charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(k), now: 0}}, nil, nil)
 	}
 	runtime.GC()
@@ -199,13 +200,13 @@ func TestEvictionSparesClientsThatKeepSending(t *testing.T) {
 			cost := l.CostTime(tc.cost)
 			tab := newBuckets(maxKeys, t0)
 			oracle := newBuckets(1<<20, t0) // never full: never evicts
-			hot := bucketKey{s: "hot"}
+			hot := store.Key{Text: "hot"}
 			step := duration / flood
 			var got, want int
 			nextPoll := time.Duration(0)
 			for i := range flood {
 				now := time.Duration(i) * step
-				k := bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
+				k := store.Key{Net: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
 				takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: now}}, nil, nil)
 				if now >= nextPoll {
 					nextPoll += tc.pollEvery
@@ -231,10 +232,10 @@ func TestEvictionSparesClientsThatKeepSending(t *testing.T) {
 const manyKeys = 1 << 20
 
 // ipKeys are a million distinct IPv4 keys, as the handler makes them.
-var ipKeys = sync.OnceValue(func() []bucketKey {
-	keys := make([]bucketKey, manyKeys)
+var ipKeys = sync.OnceValue(func() []store.Key {
+	keys := make([]store.Key, manyKeys)
 	for i := range keys {
-		keys[i] = bucketKey{ip: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
+		keys[i] = store.Key{Net: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
 	}
 	return keys
 })
@@ -367,18 +368,18 @@ func TestSmallTableKeepsAClientThatKeepsSending(t *testing.T) {
 func TestTableHashKinds(t *testing.T) {
 	tab := newBuckets(100, t0)
 	seen := map[uint64]string{}
-	for _, k := range []bucketKey{
-		{ip: netip.MustParsePrefix("192.0.2.1/32")},
-		{ip: netip.MustParsePrefix("192.0.2.0/24")},
-		{ip: netip.MustParsePrefix("::ffff:192.0.2.1/128")},
-		{ip: netip.MustParsePrefix("2001:db8::/64")},
-		{ip: netip.MustParsePrefix("2001:db8:0:1::/64")},
-		{ip: netip.MustParsePrefix("0:0:c000:201::/64")}, // 192.0.2.1 as an IPv6 word
-		{ip: netip.MustParsePrefix("2001:db8::1/128")},
-		{ip: netip.MustParsePrefix("2001:db8::2/128")},
-		{ip: netip.MustParsePrefix("2001:db8::/96")},
-		{s: "192.0.2.1"},
-		{s: ""},
+	for _, k := range []store.Key{
+		{Net: netip.MustParsePrefix("192.0.2.1/32")},
+		{Net: netip.MustParsePrefix("192.0.2.0/24")},
+		{Net: netip.MustParsePrefix("::ffff:192.0.2.1/128")},
+		{Net: netip.MustParsePrefix("2001:db8::/64")},
+		{Net: netip.MustParsePrefix("2001:db8:0:1::/64")},
+		{Net: netip.MustParsePrefix("0:0:c000:201::/64")}, // 192.0.2.1 as an IPv6 word
+		{Net: netip.MustParsePrefix("2001:db8::1/128")},
+		{Net: netip.MustParsePrefix("2001:db8::2/128")},
+		{Net: netip.MustParsePrefix("2001:db8::/96")},
+		{Text: "192.0.2.1"},
+		{Text: ""},
 	} {
 		h := tab.hash(k)
 		if other, ok := seen[h]; ok {
@@ -398,10 +399,10 @@ func TestTableHashKinds(t *testing.T) {
 
 func BenchmarkTableHash(b *testing.B) {
 	tab := newBuckets(100, t0)
-	for _, k := range []bucketKey{
-		{ip: netip.MustParsePrefix("192.0.2.1/32")},
-		{ip: netip.MustParsePrefix("2001:db8::/64")},
-		{s: "an-api-key-of-32-bytes-abcdefghi"},
+	for _, k := range []store.Key{
+		{Net: netip.MustParsePrefix("192.0.2.1/32")},
+		{Net: netip.MustParsePrefix("2001:db8::/64")},
+		{Text: "an-api-key-of-32-bytes-abcdefghi"},
 	} {
 		b.Run(k.String()[:min(len(k.String()), 12)], func(b *testing.B) {
 			for b.Loop() {

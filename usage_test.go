@@ -22,6 +22,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/internal/usagescan"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -124,12 +125,12 @@ func holdUntilGone(w http.ResponseWriter, r *http.Request) {
 
 // usageSites is a site that limits an OpenAI-compatible upstream by the
 // tokens each client's requests used, on store.
-func usageSites(upstream, store string) string {
-	return usageSitesAt("100/m", upstream, store)
+func usageSites(upstream, storeCfg string) string {
+	return usageSitesAt("100/m", upstream, storeCfg)
 }
 
 // usageSitesAt is usageSites with the zone llm's rate.
-func usageSitesAt(rate, upstream, store string) string {
+func usageSitesAt(rate, upstream, storeCfg string) string {
 	return fmt.Sprintf(`http://localhost:9080 {
 	rate_limit {
 		zone llm {
@@ -152,7 +153,7 @@ func usageSitesAt(rate, upstream, store string) string {
 		flush_interval -1
 	}
 }
-`, rate, store, strings.TrimPrefix(upstream, "http://"))
+`, rate, storeCfg, strings.TrimPrefix(upstream, "http://"))
 }
 
 // llmGet sends a request of key to path and returns its status, its
@@ -503,9 +504,9 @@ func TestUsageReservation(t *testing.T) {
 	r := startRedis(t)
 	up := startLLMUpstream(t)
 	up.resume = make(chan struct{})
-	store := "store redis {\n\t\t\taddress " + r.Addr() + "\n\t\t\tkey_prefix resv:\n\t\t\ttimeout 5s\n\t\t}"
+	storeCfg := "store redis {\n\t\t\taddress " + r.Addr() + "\n\t\t\tkey_prefix resv:\n\t\t\ttimeout 5s\n\t\t}"
 	// 100/h: no token comes back while the requests are decided.
-	startCaddy(t, "", usageSitesAt("100/h", up.URL, store))
+	startCaddy(t, "", usageSitesAt("100/h", up.URL, storeCfg))
 	other := newTestHandler(t, `{"zones":[{"name":"llm","key":"{http.request.header.Authorization}","rate":"100/h","burst":100,
 		"usage":{"json":"usage.total_tokens"}}],"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"resv:","timeout":"5s"}}`)
 
@@ -567,16 +568,16 @@ func TestUsageWithCountAndDryRun(t *testing.T) {
 	}
 	left := func(zone string) int {
 		t.Helper()
-		d := &demands{buckets: []bucketDemand{}}
+		d := &store.Demands{Buckets: []store.BucketDemand{}}
 		for _, z := range h.Zones {
 			if z.Name == zone {
-				d.buckets = append(d.buckets, bucketReq(z, bucketKey{s: "k"}))
+				d.Buckets = append(d.Buckets, bucketReq(z, store.Key{Text: "k"}))
 			}
 		}
-		if err := h.store.peek(context.Background(), time.Now(), d); err != nil {
+		if err := h.store.Peek(context.Background(), time.Now(), d); err != nil {
 			t.Fatal(err)
 		}
-		return int(d.buckets[0].remaining())
+		return int(d.Buckets[0].Remaining())
 	}
 	for i, step := range []struct {
 		status        int

@@ -17,6 +17,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"github.com/prometheus/client_golang/prometheus"
@@ -148,7 +149,7 @@ type Zone struct {
 	rateless bool
 	// decided count what the store's answer to a request says of the
 	// zone's kinds (kind.decided), for the kinds it has.
-	decided    []func(st *zoneState, d *demands, m *match)
+	decided    []func(st *zoneState, d *store.Demands, m *match)
 	slotPolicy string // the RateLimit-Policy item of the concurrency limit
 	quota      *quota // nil: no calendar quota
 	// delays observes the waits of a zone with delay; nil without
@@ -339,27 +340,10 @@ func sfString(name string) string {
 	return string(append(b, '"'))
 }
 
-// A bucketKey names one bucket within a zone: an IP network when the
-// zone's key expanded to an IP address, else the expanded string.
-type bucketKey struct {
-	s  string
-	ip netip.Prefix
-}
-
-func (k bucketKey) String() string {
-	if !k.ip.IsValid() {
-		return k.s
-	}
-	if k.ip.IsSingleIP() {
-		return k.ip.Addr().String()
-	}
-	return k.ip.String()
-}
-
 // bucketKey expands the zone's key for r. It reports false when the key
 // is empty, which exempts the request from the zone (unless the zone
 // shares one bucket among empty keys).
-func (z *Zone) bucketKey(r *http.Request) (bucketKey, bool) {
+func (z *Zone) bucketKey(r *http.Request) (store.Key, bool) {
 	var s string
 	switch z.keyKind {
 	case keyClientIP:
@@ -374,19 +358,19 @@ func (z *Zone) bucketKey(r *http.Request) (bucketKey, bool) {
 	default:
 		repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 		if repl == nil {
-			return bucketKey{}, false
+			return store.Key{}, false
 		}
 		s = repl.ReplaceAll(z.Key, "")
 	}
 	if s == "" && !z.emptyShared {
-		return bucketKey{}, false
+		return store.Key{}, false
 	}
 	return z.keyFor(s), true
 }
 
 // keyFor is the bucket of an expanded key: its network, if it is an IP
 // address.
-func (z *Zone) keyFor(s string) bucketKey {
+func (z *Zone) keyFor(s string) store.Key {
 	if looksLikeIP(s) {
 		if ip, err := netip.ParseAddr(s); err == nil {
 			ip = ip.WithZone("").Unmap()
@@ -395,10 +379,10 @@ func (z *Zone) keyFor(s string) bucketKey {
 				bits = z.IPv4Prefix
 			}
 			p, _ := ip.Prefix(bits)
-			return bucketKey{ip: p}
+			return store.Key{Net: p}
 		}
 	}
-	return bucketKey{s: s}
+	return store.Key{Text: s}
 }
 
 // looksLikeIP is a cheap filter that spares netip.ParseAddr (which
@@ -470,14 +454,14 @@ func (z *Zone) describe() string {
 }
 
 // spec is what a store knows of the zone.
-func (z *Zone) spec() zoneSpec {
-	s := zoneSpec{name: z.Name, bucket: !z.rateless, slots: z.Concurrency != 0, refunds: z.Count != nil || z.Usage != nil,
-		maxOverrides: cmp.Or(z.MaxOverrides, defaultMaxOverrides), sync: time.Duration(z.Sync)}
+func (z *Zone) spec() store.ZoneSpec {
+	s := store.ZoneSpec{Name: z.Name, Bucket: !z.rateless, Slots: z.Concurrency != 0, Refunds: z.Count != nil || z.Usage != nil,
+		MaxOverrides: cmp.Or(z.MaxOverrides, store.DefaultMaxOverrides), Sync: time.Duration(z.Sync)}
 	if z.plan != nil {
-		s.shape = z.limit
+		s.Shape = z.limit
 	}
 	if z.quota != nil {
-		s.quota = z.quotaID()
+		s.Quota = z.quotaID()
 	}
 	return s
 }
