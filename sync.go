@@ -16,6 +16,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -181,8 +182,8 @@ type syncID struct {
 // reconciliation.
 type syncZone struct {
 	interval time.Duration
-	epoch    time.Time      // the copies' instants count from here
-	hasher   *table[bucket] // its keyed hash alone: how a key's copy is found
+	epoch    time.Time   // the copies' instants count from here
+	hashKey  siphash.Key // how a key's copy is found: its hash under this key
 	shards   [syncShards]syncShard
 	size     atomic.Int64
 
@@ -282,7 +283,7 @@ type syncCopy struct {
 
 func newSyncZone(interval time.Duration) *syncZone {
 	now := time.Now()
-	sz := &syncZone{interval: interval, epoch: now, hasher: newBuckets(1, now), stop: make(chan struct{}), done: make(chan struct{})}
+	sz := &syncZone{interval: interval, epoch: now, hashKey: siphash.NewKey(), stop: make(chan struct{}), done: make(chan struct{})}
 	for i := range sz.shards {
 		sz.shards[i].m = make(map[uint64]*syncCopy)
 	}
@@ -310,7 +311,7 @@ func (sz *syncZone) shard(h uint64) *syncShard { return &sz.shards[h&(syncShards
 
 // lock locks the shard of k's copy, and returns it and k's hash.
 func (sz *syncZone) lock(k store.Key) (*syncShard, uint64) {
-	h := sz.hasher.hash(k)
+	h := k.Hash(sz.hashKey)
 	sh := sz.shard(h)
 	sh.mu.Lock()
 	return sh, h
@@ -514,7 +515,7 @@ func (s *RedisStore) decideHere(now time.Time, d *store.Demands, failed error) (
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
 		sz := s.zones[b.Zone].sync
-		h := sz.hasher.hash(b.Key)
+		h := b.Key.Hash(sz.hashKey)
 		sh := sz.shard(h)
 		if !containsShard(locked, sh) {
 			sh.mu.Lock()

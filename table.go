@@ -4,7 +4,6 @@
 package ratelimit
 
 import (
-	"encoding/binary"
 	"math"
 	"sync"
 	"sync/atomic"
@@ -127,30 +126,9 @@ func newBuckets(maxKeys int64, now time.Time) *table[bucket] { return newTable[b
 // instant converts a clock reading to the table's own time line.
 func (t *table[E]) instant(now time.Time) time.Duration { return now.Sub(t.epoch) }
 
-// hash is the keyed hash that stands for k in the table. String keys
-// hash with SipHash. An IP network of at most 64 bits (any IPv4 network;
-// IPv6 up to the usual /64) is one 64-bit word, which a keyed bijection
-// maps to its hash: two networks of one family and length never share an
-// entry, and the hash costs a few multiplications. (A zone's networks
-// all have one length per family.) The two families are mapped by
-// different bijections, longer IPv6 networks by SipHash under a key of
-// their own, so keys of different kinds share an entry only by a chance
-// of 1 in 2⁶⁴, as SipHash's do.
-func (t *table[E]) hash(k store.Key) uint64 {
-	if !k.Net.IsValid() {
-		return siphash.Sum(t.key, k.Text)
-	}
-	b := k.Net.Addr().AsSlice() // inlined, it allocates nothing (As16 costs 10 ns more)
-	if len(b) == 4 {
-		return siphash.Mix64(uint64(binary.BigEndian.Uint32(b))^t.key[0]) ^ t.key[1]
-	}
-	bits := uint64(k.Net.Bits())
-	if bits <= 64 {
-		return siphash.Mix64(binary.BigEndian.Uint64(b)^t.key[1]) ^ t.key[0]
-	}
-	words := [2]uint64{binary.LittleEndian.Uint64(b), binary.LittleEndian.Uint64(b[8:])}
-	return siphash.SumWords(siphash.Key{t.key[0], t.key[1] ^ 1}, words[:], 17<<56|bits)
-}
+// hash is the keyed hash that stands for k in the table (store.Key.Hash
+// under the table's key).
+func (t *table[E]) hash(k store.Key) uint64 { return k.Hash(t.key) }
 
 func (t *table[E]) shard(h uint64) *shard[E] {
 	return &t.shards[h&t.mask]

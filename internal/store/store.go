@@ -11,12 +11,14 @@ package store
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"net/netip"
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 )
 
 // A Store keeps the state of zones: a token bucket, a calendar quota
@@ -323,6 +325,32 @@ func (k Key) String() string {
 		return k.Net.Addr().String()
 	}
 	return k.Net.String()
+}
+
+// Hash is the keyed hash that stands for k in a table of keys hashed
+// with sk. String keys
+// hash with SipHash. An IP network of at most 64 bits (any IPv4 network;
+// IPv6 up to the usual /64) is one 64-bit word, which a keyed bijection
+// maps to its hash: two networks of one family and length never share an
+// entry, and the hash costs a few multiplications. (A zone's networks
+// all have one length per family.) The two families are mapped by
+// different bijections, longer IPv6 networks by SipHash under a key of
+// their own, so keys of different kinds share an entry only by a chance
+// of 1 in 2⁶⁴, as SipHash's do.
+func (k Key) Hash(sk siphash.Key) uint64 {
+	if !k.Net.IsValid() {
+		return siphash.Sum(sk, k.Text)
+	}
+	b := k.Net.Addr().AsSlice() // inlined, it allocates nothing (As16 costs 10 ns more)
+	if len(b) == 4 {
+		return siphash.Mix64(uint64(binary.BigEndian.Uint32(b))^sk[0]) ^ sk[1]
+	}
+	bits := uint64(k.Net.Bits())
+	if bits <= 64 {
+		return siphash.Mix64(binary.BigEndian.Uint64(b)^sk[1]) ^ sk[0]
+	}
+	words := [2]uint64{binary.LittleEndian.Uint64(b), binary.LittleEndian.Uint64(b[8:])}
+	return siphash.SumWords(siphash.Key{sk[0], sk[1] ^ 1}, words[:], 17<<56|bits)
 }
 
 // An Override is a key's own limit.
