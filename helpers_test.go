@@ -257,11 +257,10 @@ func counterReq(z *Zone, key store.Key, now time.Time) store.CounterDemand {
 // that of the local buckets that decide when Redis fails; an empty one
 // when there is neither (fail_mode open or closed).
 func slotsOf(h *Handler, z *Zone) *slotTable {
-	if h.fallback != nil {
-		return h.fallback.zones[z.index].slots
-	}
-	if ls, ok := h.store.(*LocalStore); ok {
-		return ls.zones[z.index].slots
+	for _, st := range []store.Store{h.fallback, h.store} {
+		if ms, ok := st.(*memStore); ok {
+			return ms.zones[z.index].slots
+		}
 	}
 	return newSlotTable(1)
 }

@@ -4,7 +4,6 @@
 package ratelimit
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"time"
@@ -44,17 +43,9 @@ type LocalStore struct {
 	// lose. A duration, at least 100ms. Default: 30s.
 	PersistInterval caddy.Duration `json:"persist_interval,omitempty"`
 
-	zones    []localZone // by zone index
-	acquired []any       // the keys of what it acquired in localTables and localSlots
-	snaps    *snapshots  // where the tables are persisted; nil: they are not
-}
-
-// A localZone is what the local store keeps for one zone.
-type localZone struct {
-	buckets  *table[bucket]  // nil: the zone has no bucket
-	maxOv    int64           // the most overrides of its buckets (max_overrides)
-	counters *table[counter] // nil: the zone has no calendar quota
-	slots    *slotTable      // nil: the zone does not limit requests in flight
+	bound    bool       // its engine is made: a store binds one handler's zones
+	acquired []any      // the keys of what it acquired in localTables and localSlots
+	snaps    *snapshots // where the tables are persisted; nil: they are not
 }
 
 const defaultMaxKeys = 1_000_000
@@ -128,34 +119,40 @@ func checkPersistInterval(d time.Duration) error {
 	return nil
 }
 
-func (s *LocalStore) Bind(zones []store.ZoneSpec) error {
-	if len(s.zones) > 0 {
-		return errors.New("local store is already in use by another handler")
-	}
-	s.zones = make([]localZone, len(zones))
-	for i, z := range zones {
-		lz := &s.zones[i]
-		var err error
-		if z.Bucket {
-			l := z.Shape
-			lz.buckets, err = acquireTable[bucket](s, tableID{name: z.Name, tokenTime: l.TokenTime, burst: l.Burst}, l.Most())
-			if err == nil && l.Burst != 0 {
-				lz.buckets.base = l
-			}
-			lz.maxOv = z.MaxOverrides
-		}
-		if err == nil && z.Quota != "" {
-			lz.counters, err = acquireTable[counter](s, tableID{name: z.Name, quota: z.Quota}, 0)
-		}
-		if err == nil && z.Slots {
-			lz.slots, err = s.acquireSlots(z.Name)
-		}
-		if err != nil {
-			return err
+func (s *LocalStore) bind(zones []store.ZoneSpec) (store.Store, error) {
+	for _, z := range zones {
+		if z.Sync != 0 {
+			return nil, fmt.Errorf("zone %s: sync needs the Redis store (store redis { ... }): it shares a limit between instances", z.Name)
 		}
 	}
-	return nil
+	e, err := s.engine(zones)
+	if err != nil {
+		return nil, err
+	}
+	return e, nil
 }
+
+// engine is the store's engine for zones: fail_mode local's, of a store
+// that was not provisioned, too.
+func (s *LocalStore) engine(zones []store.ZoneSpec) (*memStore, error) {
+	if s.bound {
+		return nil, errors.New("local store is already in use by another handler")
+	}
+	s.bound = true
+	return newMemStore(zones, s)
+}
+
+// buckets, counters and slots get the tables of the store's zones,
+// shared with the other configs that use them (see memStore).
+func (s *LocalStore) buckets(id tableID, most time.Duration) (*table[bucket], error) {
+	return acquireTable[bucket](s, id, most)
+}
+
+func (s *LocalStore) counters(id tableID) (*table[counter], error) {
+	return acquireTable[counter](s, id, 0)
+}
+
+func (s *LocalStore) slots(name string) (*slotTable, error) { return s.acquireSlots(name) }
 
 // acquireTable gets the table of id, shared with the other configs that
 // use it; most is the longest one of its buckets may owe.
@@ -212,187 +209,6 @@ func (s *LocalStore) Cleanup() error {
 	}
 	s.acquired = nil
 	return errors.Join(errs...)
-}
-
-// take decides the demands on the zones' tables in one all-or-nothing
-// step (see takeAll).
-func (s *LocalStore) Take(_ context.Context, now time.Time, d *store.Demands) (bool, error) {
-	d.At = now
-	if len(d.Buckets) == 1 && len(d.Counters)+len(d.Slots) == 0 {
-		return s.takeOne(now, &d.Buckets[0]), nil // the common case
-	}
-	return s.takeAll(now, d), nil
-}
-
-// takeAll is take of several demands. It is a function of its own so
-// that the common case's stack frame stays small: a request's goroutine
-// grows its stack less often.
-//
-//go:noinline
-func (s *LocalStore) takeAll(now time.Time, d *store.Demands) bool {
-	// Room for the usual few zones, on the stack; more spill.
-	var cs []charge
-	if len(d.Buckets) > 0 {
-		var cbuf [2]charge
-		cs = cbuf[:0]
-	}
-	var ks []count
-	if len(d.Counters) > 0 {
-		var kbuf [1]count
-		ks = kbuf[:0]
-	}
-	var sl []slotClaim
-	if len(d.Slots) > 0 {
-		var sbuf [1]slotClaim
-		sl = sbuf[:0]
-	}
-	for i := range d.Buckets {
-		b := &d.Buckets[i]
-		t := s.zones[b.Zone].buckets
-		n := t.instant(now)
-		if b.Floor > 0 {
-			raise(t, b.Key, b.Limit, n+b.Floor, n)
-		}
-		cs = append(cs, charge{l: b.Limit, cost: b.Cost, t: t, h: t.hash(b.Key), now: n, req: i, soft: b.Soft})
-	}
-	for i := range d.Counters {
-		c := &d.Counters[i]
-		t := s.zones[c.Zone].counters
-		n := t.instant(now)
-		ks = append(ks, count{t: t, h: t.hash(c.Key), now: n, endAt: n + c.Window.End.Sub(now), limit: c.Limit, units: c.Cost, req: i, soft: c.Soft})
-	}
-	for i := range d.Slots {
-		q := &d.Slots[i]
-		sl = append(sl, slotClaim{t: s.zones[q.Zone].slots, key: q.Key, n: q.Limit, soft: q.Soft, req: i})
-	}
-	allowed := takeAll(cs, ks, sl)
-	for i := range cs {
-		b := &d.Buckets[cs[i].req]
-		b.OK, b.Ban, b.Debt = cs[i].ok, cs[i].ban, cs[i].debt
-		if cs[i].overridden {
-			b.SetOwnLimit(cs[i].l.TokenTime, cs[i].l.Burst)
-		}
-	}
-	for i := range ks {
-		c := &d.Counters[ks[i].req]
-		c.OK, c.Used, c.Left = ks[i].ok, ks[i].used, ks[i].left()
-	}
-	for i := range sl {
-		q := &d.Slots[sl[i].req]
-		q.Held, q.Free, q.Full = sl[i].held, sl[i].free, sl[i].full
-	}
-	return allowed
-}
-
-// takeOne is take of one bucket alone.
-func (s *LocalStore) takeOne(now time.Time, b *store.BucketDemand) bool {
-	t := s.zones[b.Zone].buckets
-	n := t.instant(now)
-	if b.Floor > 0 {
-		raise(t, b.Key, b.Limit, n+b.Floor, n)
-	}
-	c := charge{l: b.Limit, cost: b.Cost, t: t, h: t.hash(b.Key), now: n, soft: b.Soft}
-	allowed := takeOne(&c)
-	b.OK, b.Ban, b.Debt = c.ok, c.ban, c.debt
-	if c.overridden {
-		b.SetOwnLimit(c.l.TokenTime, c.l.Burst)
-	}
-	return allowed
-}
-
-func (s *LocalStore) Adjust(_ context.Context, now time.Time, d *store.Demands) error {
-	for i := range d.Buckets {
-		b := &d.Buckets[i]
-		t := s.zones[b.Zone].buckets
-		adjustBucket(t, b.Key, b.Limit, b.Cost, t.instant(now))
-	}
-	for i := range d.Counters {
-		c := &d.Counters[i]
-		t := s.zones[c.Zone].counters
-		n := t.instant(now)
-		adjustCounter(t, c.Key, c.Cost, n+c.Window.End.Sub(now), n)
-	}
-	return nil
-}
-
-func (s *LocalStore) Release(_ context.Context, slots []store.SlotDemand) error {
-	for i := range slots {
-		if q := &slots[i]; q.Held {
-			s.zones[q.Zone].slots.release(q.Key)
-		}
-	}
-	return nil
-}
-
-func (s *LocalStore) Peek(_ context.Context, now time.Time, d *store.Demands) error {
-	for i := range d.Buckets {
-		b := &d.Buckets[i]
-		t := s.zones[b.Zone].buckets
-		fullAt, o, own := ownBucket(t, b.Key, now)
-		if own {
-			b.SetOwnLimit(o.TokenTime, o.Burst)
-		}
-		b.Debt = b.Limit.Debt(fullAt, t.instant(now))
-	}
-	for i := range d.Counters {
-		c := &d.Counters[i]
-		t := s.zones[c.Zone].counters
-		n := t.instant(now)
-		used, endAt := countAt(t, c.Key, n)
-		c.Used, c.Left = used, max(endAt-n, 0)
-	}
-	for i := range d.Slots {
-		q := &d.Slots[i]
-		q.Free = s.zones[q.Zone].slots.free(q.Key, q.Limit)
-	}
-	return nil
-}
-
-func (s *LocalStore) Reset(_ context.Context, d *store.Demands) (bool, error) {
-	found := false
-	for i := range d.Buckets {
-		t := s.zones[d.Buckets[i].Zone].buckets
-		found = t.forget(d.Buckets[i].Key).fullAt > t.instant(time.Now()) || found
-	}
-	for i := range d.Counters {
-		t := s.zones[d.Counters[i].Zone].counters
-		found = !t.forget(d.Counters[i].Key).spent(t.instant(time.Now())) || found
-	}
-	return found, nil
-}
-
-func (s *LocalStore) SetOverride(_ context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
-	z := &s.zones[zone]
-	return setOverride(z.buckets, key, o, z.maxOv, now)
-}
-
-func (s *LocalStore) DeleteOverride(_ context.Context, now time.Time, zone int, key store.Key) (bool, error) {
-	return deleteOverride(s.zones[zone].buckets, key, now), nil
-}
-
-func (s *LocalStore) Override(_ context.Context, zone int, key store.Key) (store.Override, bool, error) {
-	o, ok := overrideOf(s.zones[zone].buckets, key, time.Now())
-	return o, ok, nil
-}
-
-func (s *LocalStore) Overrides(_ context.Context, zone int) ([]store.KeyOverride, error) {
-	return listOverrides(s.zones[zone].buckets, time.Now()), nil
-}
-
-func (s *LocalStore) OverrideCount(_ context.Context, zone int) (int, error) {
-	return countOverrides(s.zones[zone].buckets, time.Now()), nil
-}
-
-func (s *LocalStore) Stats(zone int) store.ZoneStats {
-	z := &s.zones[zone]
-	n, e, c := 0, uint64(0), 0
-	if z.buckets != nil {
-		n, e, c = z.buckets.len(), z.buckets.evictions.Load(), z.buckets.capacity()
-	}
-	if z.counters != nil {
-		n, e, c = n+z.counters.len(), e+z.counters.evictions.Load(), c+z.counters.capacity()
-	}
-	return store.ZoneStats{Keys: &n, Evictions: &e, Capacity: c, Table: *z}
 }
 
 // UnmarshalCaddyfile sets up the store from Caddyfile tokens. Syntax:
@@ -462,5 +278,5 @@ var (
 	_ caddy.Validator       = (*LocalStore)(nil)
 	_ caddy.CleanerUpper    = (*LocalStore)(nil)
 	_ caddyfile.Unmarshaler = (*LocalStore)(nil)
-	_ store.Store           = (*LocalStore)(nil)
+	_ storeModule           = (*LocalStore)(nil)
 )

@@ -125,10 +125,11 @@ type Handler struct {
 	// pointer to the Redis store.
 	Storage json.RawMessage `json:"storage,omitempty"`
 
-	store      store.Store
+	store      store.Store  // the store module's engine, which decides the zones' demands
 	holds      store.Holder // store, when its requests hold it; nil otherwise
 	failMode   store.FailMode
-	fallback   *LocalStore // decides when store fails, for fail_mode local
+	fallback   store.Store // decides when store fails, for fail_mode local
+	fallbackOf *LocalStore // fallback's module, for its Cleanup
 	headerMode headerMode
 	anyDryRun  bool // some zone is in dry run
 	anySettle  bool // some zone settles after the response: count, usage
@@ -155,14 +156,34 @@ type Handler struct {
 	grpcCode int
 }
 
+// A storeModule is a store's Caddy module: it binds the handler's zones,
+// and gives the engine that decides their demands.
+type storeModule interface {
+	caddy.Module
+	// bind makes the store's engine for zones (a demand's zone is its
+	// place in zones). It is called once, from the handler's Provision,
+	// after the store's own.
+	bind(zones []store.ZoneSpec) (store.Store, error)
+}
+
+// storeBackend is the name of the handler's store module: the one it
+// loaded, or the one its config names ("local" when it names none).
+func (h *Handler) storeBackend() string {
+	if h.storeName != "" {
+		return h.storeName
+	}
+	var raw struct {
+		Backend string `json:"backend"`
+	}
+	if h.StoreRaw != nil {
+		_ = json.Unmarshal(h.StoreRaw, &raw) // a bad store fails when it loads
+	}
+	return cmp.Or(raw.Backend, "local")
+}
+
 // fallbackStore is the store that decides when h.store fails, nil for
 // none.
-func (h *Handler) fallbackStore() store.Store {
-	if h.fallback == nil {
-		return nil
-	}
-	return h.fallback
-}
+func (h *Handler) fallbackStore() store.Store { return h.fallback }
 
 // CaddyModule returns the Caddy module information.
 func (Handler) CaddyModule() caddy.ModuleInfo {
@@ -256,16 +277,17 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 	if err != nil {
 		return fmt.Errorf("loading store: %w", err)
 	}
-	st, ok := mod.(store.Store)
+	sm, ok := mod.(storeModule)
 	if !ok {
 		return fmt.Errorf("module %T is not a rate_limit store", mod)
 	}
-	h.storeName = mod.(caddy.Module).CaddyModule().ID.Name()
+	h.storeName = sm.CaddyModule().ID.Name()
 	specs := make([]store.ZoneSpec, len(h.Zones))
 	for i, z := range h.Zones {
 		specs[i] = z.spec()
 	}
-	if err := st.Bind(specs); err != nil {
+	st, err := sm.bind(specs)
+	if err != nil {
 		return err
 	}
 	h.store = st
@@ -273,10 +295,12 @@ func (h *Handler) provisionStore(ctx caddy.Context) error {
 	if f, ok := st.(store.Fallible); ok {
 		h.failMode = f.FailureMode()
 		if h.failMode == store.FailLocal {
-			h.fallback = &LocalStore{MaxKeys: defaultMaxKeys}
-			if err := h.fallback.Bind(specs); err != nil {
+			h.fallbackOf = &LocalStore{MaxKeys: defaultMaxKeys}
+			fb, err := h.fallbackOf.engine(specs)
+			if err != nil {
 				return err
 			}
+			h.fallback = fb
 		}
 	}
 	return nil
@@ -332,10 +356,10 @@ func (h *Handler) Cleanup() error {
 		}
 	}
 	h.states = nil
-	if h.fallback != nil {
+	if h.fallbackOf != nil {
 		// Requests of this config may still be running: they keep the
 		// fallback, whose tables work on when they leave the pool.
-		errs = append(errs, h.fallback.Cleanup())
+		errs = append(errs, h.fallbackOf.Cleanup())
 	}
 	return errors.Join(errs...)
 }

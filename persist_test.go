@@ -384,7 +384,7 @@ func TestMergeEvictsNothing(t *testing.T) {
 
 // bindTestStore binds a local store persisted to sn to one zone, as a
 // provisioned store would be.
-func bindTestStore(t *testing.T, sn *snapshots, zone string) (*LocalStore, *Zone) {
+func bindTestStore(t *testing.T, sn *snapshots, zone string) (testStore, *Zone) {
 	t.Helper()
 	ctx, cancel := caddy.NewContext(caddy.Context{Context: context.Background()})
 	t.Cleanup(cancel)
@@ -392,16 +392,23 @@ func bindTestStore(t *testing.T, sn *snapshots, zone string) (*LocalStore, *Zone
 	if err := z.provision(ctx); err != nil {
 		t.Fatal(err)
 	}
-	s := &LocalStore{MaxKeys: 1000, snaps: sn}
-	if err := s.Bind([]store.ZoneSpec{z.spec()}); err != nil {
+	s := testStore{LocalStore: &LocalStore{MaxKeys: 1000, snaps: sn}}
+	var err error
+	if s.memStore, err = s.engine([]store.ZoneSpec{z.spec()}); err != nil {
 		t.Fatal(err)
 	}
 	return s, z
 }
 
+// A testStore is a local store module and its engine.
+type testStore struct {
+	*LocalStore
+	*memStore
+}
+
 // spend takes a token of k's bucket in s's zone z and reports whether
 // the request was allowed.
-func spend(t *testing.T, s *LocalStore, z *Zone, k string) bool {
+func spend(t *testing.T, s testStore, z *Zone, k string) bool {
 	t.Helper()
 	ok, err := s.Take(context.Background(), time.Now(), &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, key(k))}})
 	if err != nil {
@@ -428,7 +435,7 @@ func within(t *testing.T, what string, f func()) {
 func TestHangingStorageBlocksNothing(t *testing.T) {
 	storage := newTestStorage()
 	storage.hang = make(chan struct{})
-	var s *LocalStore
+	var s testStore
 	var z *Zone
 	within(t, "bind", func() { s, z = bindTestStore(t, testSnapshots(storage), "hanging") })
 	within(t, "requests", func() {
@@ -563,8 +570,9 @@ func TestPersistOffOnReload(t *testing.T) {
 	tab := s.zones[0].buckets
 	<-tab.p.ready
 	off := false
-	s2 := &LocalStore{MaxKeys: 1000, Persist: &off}
-	if err := s2.Bind([]store.ZoneSpec{z.spec()}); err != nil {
+	s2 := testStore{LocalStore: &LocalStore{MaxKeys: 1000, Persist: &off}}
+	var err error
+	if s2.memStore, err = s2.engine([]store.ZoneSpec{z.spec()}); err != nil {
 		t.Fatal(err)
 	}
 	if s2.zones[0].buckets != tab {
@@ -584,7 +592,7 @@ func TestPersistOffOnReload(t *testing.T) {
 	if n != 0 {
 		t.Errorf("persist off wrote %d files", n)
 	}
-	for _, st := range []*LocalStore{s, s2} {
+	for _, st := range []testStore{s, s2} {
 		if err := st.Cleanup(); err != nil {
 			t.Error(err)
 		}

@@ -109,7 +109,7 @@ func TestQuotaCaddyfile(t *testing.T) {
 func TestQuotaLocalTable(t *testing.T) {
 	h := newTestHandler(t, `{"zones":[{"name":"quota-table","quota":100,"quota_period":"day"}],"store":{"backend":"local","max_keys":50,"persist":false}}`)
 	z := h.Zones[0]
-	s := h.store.(*LocalStore)
+	s := h.store.(*memStore)
 	now := time.Now()
 	take := func(key string, n int) {
 		for range n {

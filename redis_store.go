@@ -237,7 +237,7 @@ func (s *RedisStore) drop() error {
 	return errors.Join(err, cerr)
 }
 
-func (s *RedisStore) Bind(zones []store.ZoneSpec) error {
+func (s *RedisStore) bind(zones []store.ZoneSpec) (store.Store, error) {
 	s.flights = &flights{m: make(map[flightKey]flight)}
 	s.keys = rediswire.Keys{Prefix: s.KeyPrefix, Hash: s.HashKeys}
 	s.shapes, s.keyErrors, s.repairs = new(shapeCache), new(throttle.Throttle), new(throttle.Throttle)
@@ -272,7 +272,10 @@ func (s *RedisStore) Bind(zones []store.ZoneSpec) error {
 			s.client.Check(s.logger, s.FailMode, s.callTimeout)
 		}
 	}
-	return s.bindSync(zones)
+	if err := s.bindSync(zones); err != nil {
+		return nil, err
+	}
+	return s, nil
 }
 
 func (s *RedisStore) FailureMode() store.FailMode { return store.FailModes[s.FailMode] }
@@ -473,6 +476,7 @@ var (
 	_ caddy.Validator       = (*RedisStore)(nil)
 	_ caddy.CleanerUpper    = (*RedisStore)(nil)
 	_ caddyfile.Unmarshaler = (*RedisStore)(nil)
+	_ storeModule           = (*RedisStore)(nil)
 	_ store.Store           = (*RedisStore)(nil)
 	_ store.Fallible        = (*RedisStore)(nil)
 	_ store.Holder          = (*RedisStore)(nil)

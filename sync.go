@@ -5,7 +5,6 @@ package ratelimit
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"slices"
@@ -136,18 +135,14 @@ func (z *Zone) checkSync() error {
 }
 
 // checkSyncStore checks that the zones with sync have the Redis store:
-// the local store is one instance's, exact already.
+// the local store is one instance's, exact already (and refuses them
+// when it binds them).
 func (h *Handler) checkSyncStore() error {
-	var storeCfg struct {
-		Backend string `json:"backend"`
+	if h.storeBackend() == "redis" {
+		return nil
 	}
-	if h.StoreRaw != nil {
-		_ = json.Unmarshal(h.StoreRaw, &storeCfg) // a bad store fails when it loads
-	}
-	_, redis := h.store.(*RedisStore) // once provisioned, StoreRaw is gone
-	redis = redis || storeCfg.Backend == "redis"
 	for _, z := range h.Zones {
-		if z != nil && z.Sync != 0 && !redis {
+		if z != nil && z.Sync != 0 {
 			return fmt.Errorf("zone %s: sync needs the Redis store (store redis { ... }): it shares a limit between instances", z.Name)
 		}
 	}

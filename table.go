@@ -12,7 +12,6 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
-	"github.com/caddyserver/caddy/v2"
 )
 
 // A table holds one zone's state in memory: a map from a keyed 64-bit
@@ -321,9 +320,19 @@ func (t *table[E]) sweepLoop() {
 func (t *table[E]) Destruct() error {
 	t.stopOnce.Do(func() {
 		close(t.stop)
-		closePersisted(t, caddy.Exiting())
+		closePersisted(t, t.exiting())
 	})
 	return nil
+}
+
+// exiting reports whether the process is exiting, as the snapshots the
+// table is persisted to tell.
+func (t *table[E]) exiting() bool {
+	if t.p == nil {
+		return false
+	}
+	sn := t.p.to.Load()
+	return sn != nil && sn.exiting != nil && sn.exiting()
 }
 
 // bucketAt returns the instant k's bucket is full again, 0 if not

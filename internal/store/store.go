@@ -22,17 +22,13 @@ import (
 )
 
 // A Store keeps the state of zones: a token bucket, a calendar quota
-// counter and a count of slots in use per key. It decides demands on that
+// counter and a count of slots in use per key. A demand's zone is its
+// place in the zones the store was made for (a ZoneSpec each). It decides demands on that
 // state in its own terms and knows nothing of HTTP or of the handler: the
 // handler turns each matching zone of a request into demands, and the
 // answers into a response. Dry runs, counters, events and headers are the
 // handler's.
 type Store interface {
-	// Bind prepares the store for zones. A demand's zone is its place in
-	// zones. It is called once, from the handler's Provision, after the
-	// store's own.
-	Bind(zones []ZoneSpec) error
-
 	// Take decides d all together: it charges every bucket and counter
 	// and takes every slot, or does none of it (the one write a refusal
 	// makes is a ban, in the bucket that refused). It sets each demand's
