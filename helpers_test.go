@@ -259,7 +259,7 @@ func counterReq(z *Zone, key store.Key, now time.Time) store.CounterDemand {
 func slotsOf(h *Handler, z *Zone) *slotTable {
 	for _, st := range []store.Store{h.fallback, h.store} {
 		if ms, ok := st.(*memStore); ok {
-			return ms.zones[z.index].slots
+			return ms.slotsOf(z.index)
 		}
 	}
 	return newSlotTable(1)

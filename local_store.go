@@ -60,17 +60,6 @@ var localTables = caddy.NewUsagePool()
 // requests still running, which give their slots back to the same table.
 var localSlots = caddy.NewUsagePool()
 
-// tableID is what a zone's table is shared by. A zone whose rate or
-// burst changes starts with fresh buckets.
-type tableID struct {
-	name      string
-	tokenTime time.Duration
-	burst     int64
-	// quota, for the table of a zone's calendar quota counters, is its
-	// period and time zone (see zoneSpec.quota): its limit may change.
-	quota string
-}
-
 // A slotsID names a zone's slot table in localSlots.
 type slotsID string
 
@@ -159,11 +148,10 @@ func (s *LocalStore) slots(name string) (*slotTable, error) { return s.acquireSl
 func acquireTable[E entry](s *LocalStore, id tableID, most time.Duration) (*table[E], error) {
 	v, _, err := localTables.LoadOrNew(id, func() (caddy.Destructor, error) {
 		t := newTable[E](s.MaxKeys, time.Now())
-		go t.sweepLoop()
 		if s.snaps != nil {
-			t.key = s.snaps.key
 			t.persist(s.snaps, id, most)
 		}
+		go t.sweepLoop()
 		return t, nil
 	})
 	if err != nil {
@@ -171,7 +159,7 @@ func acquireTable[E entry](s *LocalStore, id tableID, most time.Duration) (*tabl
 	}
 	s.acquired = append(s.acquired, id)
 	t := v.(*table[E])
-	t.maxKeys.Store(s.MaxKeys)
+	t.setMaxKeys(s.MaxKeys)
 	// The config that uses the table last says where it is kept; a
 	// store that was not provisioned (fail_mode local's fallback)
 	// has no say.
@@ -191,7 +179,7 @@ func (s *LocalStore) acquireSlots(name string) (*slotTable, error) {
 	}
 	s.acquired = append(s.acquired, slotsID(name))
 	t := v.(*slotTable)
-	t.maxKeys.Store(s.MaxKeys)
+	t.setMaxKeys(s.MaxKeys)
 	return t, nil
 }
 

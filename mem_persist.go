@@ -247,13 +247,23 @@ type persistence struct {
 
 // persist makes t a persisted table: it loads t's snapshot in the
 // background and writes it every interval until t is destroyed. t must
-// be new, with sn's hash key.
+// be new: its keys are hashed with sn's hash key from now on.
 func (t *table[E]) persist(sn *snapshots, shape tableID, most time.Duration) {
+	t.key = sn.key
 	p := &persistence{shape: shape, most: most, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
 	p.to.Store(sn)
 	t.p = p
 	go t.load(sn)
 	go t.persistLoop()
+}
+
+// loaded is closed once the table's snapshot has been loaded (or could
+// not be); nil for a table that is not persisted.
+func (t *table[E]) loaded() <-chan struct{} {
+	if t.p == nil {
+		return nil
+	}
+	return t.p.ready
 }
 
 // rebind points a persisted table at the snapshots of the config that

@@ -240,4 +240,23 @@ func (s *memStore) Stats(zone int) store.ZoneStats {
 	return store.ZoneStats{Keys: &n, Evictions: &e, Capacity: c, Table: *z}
 }
 
+// bucketsOf, countersOf and slotsOf are the tables of a zone's buckets,
+// quota counters and slots: nil for none.
+func (s *memStore) bucketsOf(zone int) *table[bucket] { return s.zones[zone].buckets }
+
+func (s *memStore) countersOf(zone int) *table[counter] { return s.zones[zone].counters }
+
+func (s *memStore) slotsOf(zone int) *slotTable { return s.zones[zone].slots }
+
 var _ store.Store = (*memStore)(nil)
+
+// tableID is what a zone's table is shared by. A zone whose rate or
+// burst changes starts with fresh buckets.
+type tableID struct {
+	name      string
+	tokenTime time.Duration
+	burst     int64
+	// quota, for the table of a zone's calendar quota counters, is its
+	// period and time zone (see zoneSpec.quota): its limit may change.
+	quota string
+}

@@ -123,7 +123,7 @@ func TestQuotaLocalTable(t *testing.T) {
 	for i := range 200 {
 		take(fmt.Sprint("once-", i), 1)
 	}
-	qt := s.zones[z.index].counters
+	qt := s.countersOf(z.index)
 	if n := qt.len(); n > 50 {
 		t.Fatalf("%d counters kept, max_keys 50", n)
 	}

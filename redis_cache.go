@@ -224,14 +224,9 @@ func (s *RedisStore) remember(now time.Time, d *store.Demands, flight flightKey)
 // said, whatever that was (the bucket may have been reset since), and an
 // answer to an earlier call than the one noted changes nothing.
 func learn(t *table[bucket], k store.Key, fullAt, full, now time.Duration) {
-	h := t.hash(k)
-	sh := t.shard(h)
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	if b, ok := sh.m[h]; ok && b.usedAt > now {
-		return
-	}
-	sh.set(t, h, bucket{fullAt, now, full}, now)
+	t.update(k, now, func(b bucket, tracked bool) (bucket, bool) {
+		return bucket{fullAt, now, full}, !tracked || b.usedAt <= now
+	})
 }
 
 // overLimitTrust is how long the cache refuses by what Redis last said,
@@ -261,14 +256,13 @@ func (s *RedisStore) rememberCount(now time.Time, c *store.CounterDemand) {
 		t.forget(c.Key)
 		return
 	}
-	h, n := t.hash(c.Key), t.instant(now)
-	sh := t.shard(h)
-	sh.mu.Lock()
-	defer sh.mu.Unlock()
-	if e, ok := sh.m[h]; ok && !e.spent(n) && e.used > c.Used {
-		return // a later answer came in first
-	}
-	sh.set(t, h, counter{n + min(c.Left-time.Millisecond, quotaCacheFor), c.Used}, n)
+	n := t.instant(now)
+	t.update(c.Key, n, func(e counter, tracked bool) (counter, bool) {
+		if tracked && !e.spent(n) && e.used > c.Used {
+			return e, false // a later answer came in first
+		}
+		return counter{n + min(c.Left-time.Millisecond, quotaCacheFor), c.Used}, true
+	})
 }
 
 // learnedOverrides are the keys' own limits (overrides) that Redis's

@@ -92,3 +92,6 @@ func (t *slotTable) len() int64 { return t.keys.Load() }
 // Destruct is called when no config has the zone any more: a slot table
 // holds nothing to close.
 func (*slotTable) Destruct() error { return nil }
+
+// setMaxKeys sets the most keys the table keeps.
+func (t *slotTable) setMaxKeys(n int64) { t.maxKeys.Store(n) }

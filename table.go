@@ -133,6 +133,24 @@ func (t *table[E]) shard(h uint64) *shard[E] {
 	return &t.shards[h&t.mask]
 }
 
+// setMaxKeys sets the most entries the table keeps.
+func (t *table[E]) setMaxKeys(n int64) { t.maxKeys.Store(n) }
+
+// update sets k's entry to what f makes of it, under its shard's lock: f
+// gets the entry and whether it is tracked, and reports whether to write
+// what it returns. now is the table instant, which tells the eviction
+// what carries nothing.
+func (t *table[E]) update(k store.Key, now time.Duration, f func(e E, tracked bool) (E, bool)) {
+	h := t.hash(k)
+	s := t.shard(h)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	e, tracked := s.m[h]
+	if e, write := f(e, tracked); write {
+		s.set(t, h, e, now)
+	}
+}
+
 // shardCap is how many entries one shard may hold.
 func (t *table[E]) shardCap() int {
 	return max(int(t.maxKeys.Load())/len(t.shards), minShardCap(len(t.shards)))
@@ -318,11 +336,18 @@ func (t *table[E]) sweepLoop() {
 // Destruct stops the sweeper once the last config using the table is
 // gone, and saves or deletes the table's snapshot (see persist.go).
 func (t *table[E]) Destruct() error {
+	t.close(t.exiting())
+	return nil
+}
+
+// close stops the sweeper and the table's persistence, once: when the
+// process is exiting, it saves the table's snapshot, else it deletes the
+// snapshot it wrote (see closePersisted).
+func (t *table[E]) close(exiting bool) {
 	t.stopOnce.Do(func() {
 		close(t.stop)
-		closePersisted(t, t.exiting())
+		closePersisted(t, exiting)
 	})
-	return nil
 }
 
 // exiting reports whether the process is exiting, as the snapshots the
