@@ -272,7 +272,7 @@ func TestLongestBanFloor(t *testing.T) {
 	}
 	rs, z := h.store.(*RedisStore), h.Zones[0]
 	b := bucketReq(z, store.Key{Text: "static"})
-	k := flightKey{z.index, rs.zones[z.index].cache.hash(b.Key)}
+	k := flightKey{z.index, rs.zones[z.index].cache.Hash(b.Key)}
 	rs.flights.join(k, 10)
 	rs.flights.join(k, 10)
 	if got, most := rs.Known(time.Now(), &b, errNoAnswer), z.limit.Most(); got != most {

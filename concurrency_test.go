@@ -273,7 +273,7 @@ func TestConcurrencyDirect(t *testing.T) {
 	if got, want := rr.Header().Get("Ratelimit"), `"direct_conc";r=1`; got != want {
 		t.Errorf("RateLimit %q, want %q", got, want)
 	}
-	if n := slotsOf(h, h.Zones[0]).len(); n != 0 {
+	if n := slotsOf(h, h.Zones[0]).Len(); n != 0 {
 		t.Errorf("%d keys in flight with none running, want 0", n)
 	}
 }
@@ -392,7 +392,7 @@ func TestSlotStepsAgree(t *testing.T) {
 		h := newTestHandler(t, `{"zones":`+fmt.Sprintf(slotStepZones, "agree-slots-")+`}`)
 		runSlotSteps(t, h)
 		for _, z := range h.Zones[1:] {
-			if n := slotsOf(h, z).len(); n != 0 {
+			if n := slotsOf(h, z).Len(); n != 0 {
 				t.Errorf("zone %s: %d keys in flight after all came back", z.Name, n)
 			}
 		}
@@ -413,7 +413,7 @@ func TestSlotStepsAgree(t *testing.T) {
 				t.Errorf("slot keys left after all came back: %v", keys)
 			}
 			for _, z := range h.Zones[1:] {
-				if n := slotsOf(h, z).len(); n != 0 {
+				if n := slotsOf(h, z).Len(); n != 0 {
 					t.Errorf("zone %s: %d keys in the local tables, which only fail_mode local uses", z.Name, n)
 				}
 			}
@@ -671,7 +671,7 @@ func TestConcurrencyRedisFailModes(t *testing.T) {
 			if got := [2]int{<-first, second}; got != want {
 				t.Fatalf("with Redis down, one request in flight: statuses %v, want %v", got, want)
 			}
-			if n := slotsOf(h, h.Zones[0]).len(); n != 0 {
+			if n := slotsOf(h, h.Zones[0]).Len(); n != 0 {
 				t.Fatalf("%d keys left in the local slot table", n)
 			}
 		})

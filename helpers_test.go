@@ -26,6 +26,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
@@ -256,13 +257,13 @@ func counterReq(z *Zone, key store.Key, now time.Time) store.CounterDemand {
 // slotsOf is the local slot table of h's zone z: the local store's, or
 // that of the local buckets that decide when Redis fails; an empty one
 // when there is neither (fail_mode open or closed).
-func slotsOf(h *Handler, z *Zone) *slotTable {
+func slotsOf(h *Handler, z *Zone) *memstore.SlotTable {
 	for _, st := range []store.Store{h.fallback, h.store} {
-		if ms, ok := st.(*memStore); ok {
-			return ms.slotsOf(z.index)
+		if ms, ok := st.(*memstore.Store); ok {
+			return ms.SlotsOf(z.index)
 		}
 	}
-	return newSlotTable(1)
+	return memstore.NewSlotTable(1)
 }
 
 func init() {
@@ -470,3 +471,6 @@ var (
 	t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	t2 = t0.Add(200 * time.Millisecond)
 )
+
+// key is the key of text s.
+func key(s string) store.Key { return store.Key{Text: s} }

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -43,9 +44,9 @@ type LocalStore struct {
 	// lose. A duration, at least 100ms. Default: 30s.
 	PersistInterval caddy.Duration `json:"persist_interval,omitempty"`
 
-	bound    bool       // its engine is made: a store binds one handler's zones
-	acquired []any      // the keys of what it acquired in localTables and localSlots
-	snaps    *snapshots // where the tables are persisted; nil: they are not
+	bound    bool                // its engine is made: a store binds one handler's zones
+	acquired []any               // the keys of what it acquired in localTables and localSlots
+	snaps    *memstore.Snapshots // where the tables are persisted; nil: they are not
 }
 
 const defaultMaxKeys = 1_000_000
@@ -77,7 +78,7 @@ func (s *LocalStore) Provision(ctx caddy.Context) error {
 		s.MaxKeys = defaultMaxKeys
 	}
 	if s.PersistInterval == 0 {
-		s.PersistInterval = caddy.Duration(defaultPersistInterval)
+		s.PersistInterval = caddy.Duration(memstore.DefaultPersistInterval)
 	}
 	if err := s.Validate(); err != nil {
 		return err
@@ -123,63 +124,65 @@ func (s *LocalStore) bind(zones []store.ZoneSpec) (store.Store, error) {
 
 // engine is the store's engine for zones: fail_mode local's, of a store
 // that was not provisioned, too.
-func (s *LocalStore) engine(zones []store.ZoneSpec) (*memStore, error) {
+func (s *LocalStore) engine(zones []store.ZoneSpec) (*memstore.Store, error) {
 	if s.bound {
 		return nil, errors.New("local store is already in use by another handler")
 	}
 	s.bound = true
-	return newMemStore(zones, s)
+	return memstore.New(zones, pooled{s})
 }
 
-// buckets, counters and slots get the tables of the store's zones,
-// shared with the other configs that use them (see memStore).
-func (s *LocalStore) buckets(id tableID, most time.Duration) (*table[bucket], error) {
-	return acquireTable[bucket](s, id, most)
+// pooled gets the tables of a local store's zones from the pools, shared
+// with the other configs that use them (memstore.Tables).
+type pooled struct{ s *LocalStore }
+
+func (p pooled) Buckets(id memstore.TableID, most time.Duration) (*memstore.Table[memstore.Bucket], error) {
+	return acquireTable[memstore.Bucket](p.s, id, most)
 }
 
-func (s *LocalStore) counters(id tableID) (*table[counter], error) {
-	return acquireTable[counter](s, id, 0)
+func (p pooled) Counters(id memstore.TableID) (*memstore.Table[memstore.Counter], error) {
+	return acquireTable[memstore.Counter](p.s, id, 0)
 }
 
-func (s *LocalStore) slots(name string) (*slotTable, error) { return s.acquireSlots(name) }
+func (p pooled) Slots(name string) (*memstore.SlotTable, error) { return p.s.acquireSlots(name) }
 
 // acquireTable gets the table of id, shared with the other configs that
 // use it; most is the longest one of its buckets may owe.
-func acquireTable[E entry](s *LocalStore, id tableID, most time.Duration) (*table[E], error) {
+func acquireTable[E memstore.Entry](s *LocalStore, id memstore.TableID, most time.Duration) (*memstore.Table[E], error) {
 	v, _, err := localTables.LoadOrNew(id, func() (caddy.Destructor, error) {
-		t := newTable[E](s.MaxKeys, time.Now())
+		t := memstore.NewTable[E](s.MaxKeys, time.Now())
 		if s.snaps != nil {
-			t.persist(s.snaps, id, most)
+			t.Persist(s.snaps, id, most)
 		}
-		go t.sweepLoop()
+		go t.SweepLoop()
 		return t, nil
 	})
 	if err != nil {
 		return nil, err
 	}
 	s.acquired = append(s.acquired, id)
-	t := v.(*table[E])
-	t.setMaxKeys(s.MaxKeys)
+	t := v.(*memstore.Table[E])
+	t.SetMaxKeys(s.MaxKeys)
 	// The config that uses the table last says where it is kept; a
 	// store that was not provisioned (fail_mode local's fallback)
 	// has no say.
 	if s.snaps != nil || s.Persist != nil && !*s.Persist {
-		t.rebind(s.snaps)
+		t.Rebind(s.snaps)
 	}
 	return t, nil
 }
 
 // acquireSlots gets the slot table of the zone named name.
-func (s *LocalStore) acquireSlots(name string) (*slotTable, error) {
+func (s *LocalStore) acquireSlots(name string) (*memstore.SlotTable, error) {
 	v, _, err := localSlots.LoadOrNew(slotsID(name), func() (caddy.Destructor, error) {
-		return newSlotTable(s.MaxKeys), nil
+		return memstore.NewSlotTable(s.MaxKeys), nil
 	})
 	if err != nil {
 		return nil, err
 	}
 	s.acquired = append(s.acquired, slotsID(name))
-	t := v.(*slotTable)
-	t.setMaxKeys(s.MaxKeys)
+	t := v.(*memstore.SlotTable)
+	t.SetMaxKeys(s.MaxKeys)
 	return t, nil
 }
 

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/internal/topn"
 	"github.com/caddyserver/caddy/v2/caddytest"
@@ -230,9 +231,9 @@ func TestMaxKeysCapacity(t *testing.T) {
 		{defaultMaxKeys, defaultMaxKeys, defaultMaxKeys},
 		{defaultMaxKeys, 100, 4096},
 	} {
-		tab := newBuckets(tc.created, t0)
-		tab.maxKeys.Store(tc.loaded)
-		if got := tab.capacity(); got != tc.want {
+		tab := memstore.NewBuckets(tc.created, t0)
+		tab.SetMaxKeys(tc.loaded)
+		if got := tab.Capacity(); got != tc.want {
 			t.Errorf("max_keys %d (table made for %d): capacity %d, want %d", tc.loaded, tc.created, got, tc.want)
 		}
 	}

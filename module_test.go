@@ -21,6 +21,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
@@ -141,9 +142,9 @@ func TestServeHTTPDirect(t *testing.T) {
 	}
 
 	// Cancelling the config releases the tables.
-	ids := make([]tableID, len(h.Zones))
+	ids := make([]memstore.TableID, len(h.Zones))
 	for i, z := range h.Zones {
-		ids[i] = tableID{name: z.Name, tokenTime: z.limit.TokenTime, burst: z.limit.Burst}
+		ids[i] = memstore.TableID{Name: z.Name, TokenTime: z.limit.TokenTime, Burst: z.limit.Burst}
 		if n, ok := localTables.References(ids[i]); !ok || n != 1 {
 			t.Errorf("zone %s: %d references (found %t), want 1", z.Name, n, ok)
 		}
@@ -152,7 +153,7 @@ func TestServeHTTPDirect(t *testing.T) {
 	cancelled = true
 	for _, id := range ids {
 		if n, ok := localTables.References(id); ok {
-			t.Errorf("zone %s: still %d references after the config was cancelled", id.name, n)
+			t.Errorf("zone %s: still %d references after the config was cancelled", id.Name, n)
 		}
 	}
 }
@@ -1022,7 +1023,7 @@ func TestLoadErrors(t *testing.T) {
 	respond "ok"
 }
 `)
-	id := tableID{name: "le_ok", tokenTime: time.Second, burst: 1}
+	id := memstore.TableID{Name: "le_ok", TokenTime: time.Second, Burst: 1}
 	if n, _ := localTables.References(id); n != 1 {
 		t.Fatalf("running config: %d references to zone le_ok's table, want 1", n)
 	}

@@ -6,6 +6,7 @@ package ratelimit
 import (
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/certmagic"
 	"go.uber.org/zap"
@@ -22,7 +23,7 @@ const minPersistInterval = 100 * time.Millisecond
 // creating the key on the first start. It returns nil, and logs why,
 // when the buckets cannot be persisted: they then start full and live
 // in memory only.
-func openSnapshots(ctx caddy.Context, interval time.Duration) *snapshots {
+func openSnapshots(ctx caddy.Context, interval time.Duration) *memstore.Snapshots {
 	logger := ctx.Logger()
 	storage := storageOf(ctx)
 	if storage == nil {
@@ -34,7 +35,7 @@ func openSnapshots(ctx caddy.Context, interval time.Duration) *snapshots {
 		return nil
 	}
 	dir := "rate_limit/" + id.String()
-	key, cached, err := hashKeys.get(storage, dir+"/hash_key")
+	key, cached, err := hashKeys.Get(storage, dir+"/hash_key")
 	if err != nil {
 		if !cached {
 			logger.Error("cannot read or create the hash key in storage: buckets start full and are not persisted",
@@ -42,7 +43,7 @@ func openSnapshots(ctx caddy.Context, interval time.Duration) *snapshots {
 		}
 		return nil
 	}
-	return &snapshots{storage: storage, dir: dir, key: key, interval: interval, logger: logger, exiting: caddy.Exiting}
+	return &memstore.Snapshots{Storage: storage, Dir: dir, Key: key, Interval: interval, Logger: logger, Exiting: caddy.Exiting}
 }
 
 // storageOf is the config's storage; nil for a Context made without a
@@ -52,3 +53,9 @@ func storageOf(ctx caddy.Context) (s certmagic.Storage) {
 	defer func() { _ = recover() }()
 	return ctx.Storage()
 }
+
+// hashKeys remembers the hash key of the last storage it was asked for,
+// or the error: every local store of a config (one per site, say) gets
+// the same storage, which is then asked once per config load, and a
+// storage that hangs delays a load by hashKeyTimeout once.
+var hashKeys memstore.HashKeyCache

@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/certmagic"
@@ -31,7 +32,7 @@ import (
 // the module's pool gives the new config the table, which it rebinds.
 func TestPersistOffOnReload(t *testing.T) {
 	dir := t.TempDir()
-	sn := &snapshots{storage: &certmagic.FileStorage{Path: dir}, dir: "rate_limit/test", key: siphash.NewKey(), interval: time.Second, logger: zap.NewNop()}
+	sn := &memstore.Snapshots{Storage: &certmagic.FileStorage{Path: dir}, Dir: "rate_limit/test", Key: siphash.NewKey(), Interval: time.Second, Logger: zap.NewNop()}
 	l := gcra.NewLimit(1.0/60, 2)
 	specs := []store.ZoneSpec{{Name: "off_on_reload", Bucket: true, Shape: l}}
 	before := &LocalStore{MaxKeys: 1000, snaps: sn}
@@ -39,22 +40,22 @@ func TestPersistOffOnReload(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	tab := s.bucketsOf(0)
-	<-tab.loaded()
+	tab := s.BucketsOf(0)
+	<-tab.Loaded()
 	off := false
 	after := &LocalStore{MaxKeys: 1000, Persist: &off}
 	s2, err := after.engine(specs)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s2.bucketsOf(0) != tab {
+	if s2.BucketsOf(0) != tab {
 		t.Fatal("the reload did not keep the table")
 	}
 	d := &store.Demands{Buckets: []store.BucketDemand{{Key: key("k"), Limit: l, Cost: l.CostTime(1)}}}
 	if ok, err := s2.Take(context.Background(), time.Now(), d); !ok || err != nil {
 		t.Fatalf("a request of a full bucket: %v, %v", ok, err)
 	}
-	tab.close(true) // as Caddy exits
+	tab.Close(true) // as Caddy exits
 	var files []string
 	_ = filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
 		if err == nil && !d.IsDir() {
@@ -258,4 +259,3 @@ http://127.0.0.1:%d {
 	}
 	banned("after SIGKILL and a restart")
 }
-

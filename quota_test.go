@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -109,7 +110,7 @@ func TestQuotaCaddyfile(t *testing.T) {
 func TestQuotaLocalTable(t *testing.T) {
 	h := newTestHandler(t, `{"zones":[{"name":"quota-table","quota":100,"quota_period":"day"}],"store":{"backend":"local","max_keys":50,"persist":false}}`)
 	z := h.Zones[0]
-	s := h.store.(*memStore)
+	s := h.store.(*memstore.Store)
 	now := time.Now()
 	take := func(key string, n int) {
 		for range n {
@@ -123,20 +124,20 @@ func TestQuotaLocalTable(t *testing.T) {
 	for i := range 200 {
 		take(fmt.Sprint("once-", i), 1)
 	}
-	qt := s.countersOf(z.index)
-	if n := qt.len(); n > 50 {
+	qt := s.CountersOf(z.index)
+	if n := qt.Len(); n > 50 {
 		t.Fatalf("%d counters kept, max_keys 50", n)
 	}
-	if used, _ := countAt(qt, store.Key{Text: "heavy"}, qt.instant(now)); used != 50 {
+	if used, _ := memstore.CountAt(qt, store.Key{Text: "heavy"}, qt.Instant(now)); used != 50 {
 		t.Fatalf("the heaviest counter was evicted: used %d", used)
 	}
 	// A counter of a window that has ended carries nothing.
 	later := now.Add(25 * time.Hour)
-	if used, _ := countAt(qt, store.Key{Text: "heavy"}, qt.instant(later)); used != 0 {
+	if used, _ := memstore.CountAt(qt, store.Key{Text: "heavy"}, qt.Instant(later)); used != 0 {
 		t.Fatalf("used %d in the next window", used)
 	}
-	qt.sweepAll(later)
-	if n := qt.len(); n != 0 {
+	qt.SweepAll(later)
+	if n := qt.Len(); n != 0 {
 		t.Fatalf("%d counters left after their windows ended", n)
 	}
 }
@@ -367,56 +368,6 @@ func TestRedisQuotaCluster(t *testing.T) {
 	for i, want := range []int{200, 429} {
 		if code, _ := serve(h, "192.0.2.1", "K", "a", "R", fmt.Sprint("y", i)); code != want {
 			t.Fatalf("request %d: %d, want %d", i, code, want)
-		}
-	}
-}
-
-// TestQuotaSnapshot: a quota table's counters go to the snapshot with
-// their counts; loaded, those of ended windows are dropped, and a
-// counter used since the start adds the snapshot's count to its own.
-func TestQuotaSnapshot(t *testing.T) {
-	sn := testSnapshots(newTestStorage())
-	shape := tableID{name: "zq", quota: "month@Europe/Paris"}
-	if got := shape.snapshotName(); got != "quotas/zq.month@Europe-Paris" {
-		t.Fatalf("snapshot name %q", got)
-	}
-	newQuotaTable := func() *table[counter] {
-		qt := newCounters(1000, t0)
-		qt.key = sn.key
-		qt.p = &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
-		return qt
-	}
-	setCount := func(qt *table[counter], k string, used int64, end time.Time) {
-		h := qt.hash(key(k))
-		s := qt.shard(h)
-		s.mu.Lock()
-		s.set(qt, h, counter{qt.instant(end), used}, qt.instant(t0))
-		s.mu.Unlock()
-	}
-	a := newQuotaTable()
-	setCount(a, "month", 7, t0.Add(10*24*time.Hour))
-	setCount(a, "both", 2, t0.Add(10*24*time.Hour))
-	setCount(a, "ending", 5, t0.Add(time.Second))
-	b := a.snapshot(t0, fingerprint(sn.key))
-	if got, want := len(b), snapshotHeader+3*(snapshotEntry+8); got != want {
-		t.Fatalf("snapshot of 3 counters: %d bytes, want %d", got, want)
-	}
-
-	later := t0.Add(2 * time.Second) // "ending"'s window has ended
-	c := newQuotaTable()
-	c.epoch = t0.Add(-time.Hour)
-	setCount(c, "both", 3, t0.Add(10*24*time.Hour))
-	kept, err := c.merge(b, fingerprint(sn.key), later)
-	if err != nil || kept != 2 {
-		t.Fatalf("kept %d, %v; want 2", kept, err)
-	}
-	for k, want := range map[string]int64{"month": 7, "both": 5, "ending": 0} {
-		used, end := countAt(c, key(k), c.instant(later))
-		if used != want {
-			t.Errorf("%s: count %d, want %d", k, used, want)
-		}
-		if used > 0 && end != c.instant(t0.Add(10*24*time.Hour)) {
-			t.Errorf("%s: window ends at %v", k, end)
 		}
 	}
 }

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
@@ -64,7 +65,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *store.Dema
 		var k flightKey
 		if pace <= 0 || !now.Add(pace).Before(deadline) {
 			b := &d.Buckets[tight]
-			k = flightKey{b.Zone, s.zones[b.Zone].cache.hash(b.Key)}
+			k = flightKey{b.Zone, s.zones[b.Zone].cache.Hash(b.Key)}
 			if landed = s.flights.join(k, max(most, 1)); landed == nil {
 				return now, k, false, false, nil
 			}
@@ -99,7 +100,7 @@ func (s *RedisStore) look(now time.Time, d *store.Demands) (tight int, most int6
 		// while (see rememberCount).
 		c := &d.Counters[i]
 		t := s.zones[c.Zone].counts
-		c.Used, _ = countAt(t, c.Key, t.instant(now))
+		c.Used, _ = memstore.CountAt(t, c.Key, t.Instant(now))
 		c.Left = 0
 		if c.Used > 0 {
 			c.Left = max(c.Window.End.Sub(now), 0)
@@ -115,13 +116,13 @@ func (s *RedisStore) look(now time.Time, d *store.Demands) (tight int, most int6
 		b := &d.Buckets[i]
 		rz := &s.zones[b.Zone]
 		t := rz.cache
-		known, _ := t.lookup(b.Key)
+		known, _ := t.Lookup(b.Key)
 		if rz.learned.n.Load() > 0 {
-			rz.learned.apply(b, t.hash(b.Key), t.instant(now))
+			rz.learned.apply(b, t.Hash(b.Key), t.Instant(now))
 		}
 		l := b.Limit
-		fullAt, n := known.fullAt, t.instant(now)
-		if known.full != l.BurstTime {
+		fullAt, n := known.FullAt, t.Instant(now)
+		if known.Full != l.BurstTime {
 			// Learnt under another limit (the key's plan changed): Redis
 			// rescales it, which no bound from the old limit foresees.
 			fullAt = 0
@@ -131,7 +132,7 @@ func (s *RedisStore) look(now time.Time, d *store.Demands) (tight int, most int6
 		if m := int64((l.Reach() - b.Debt) / b.Cost); m < most {
 			tight, most = i, m
 		}
-		if fullAt != 0 && n-known.usedAt > trusted(l) {
+		if fullAt != 0 && n-known.UsedAt > trusted(l) {
 			// Learnt too long ago to refuse by (the bucket may have been
 			// reset since): Redis is asked again, the bound still
 			// keeping the calls in flight to what it lets through.
@@ -207,15 +208,15 @@ func (s *RedisStore) remember(now time.Time, d *store.Demands, flight flightKey)
 		rz := &s.zones[b.Zone]
 		t := rz.cache
 		if b.Overridden {
-			rz.learned.learn(t.hash(b.Key), b.Limit, t.instant(now))
+			rz.learned.learn(t.Hash(b.Key), b.Limit, t.Instant(now))
 		} else if rz.learned.n.Load() > 0 {
-			rz.learned.forget(t.hash(b.Key))
+			rz.learned.forget(t.Hash(b.Key))
 		}
 		if forget {
-			t.forget(b.Key)
+			t.Forget(b.Key)
 			continue
 		}
-		learn(t, b.Key, t.instant(now)+b.Debt, b.Limit.BurstTime, t.instant(now))
+		learn(t, b.Key, t.Instant(now)+b.Debt, b.Limit.BurstTime, t.Instant(now))
 	}
 }
 
@@ -223,9 +224,9 @@ func (s *RedisStore) remember(now time.Time, d *store.Demands, flight flightKey)
 // whole bucket full, as the answer to a call sent at now says: it replaces what an answer to an earlier call
 // said, whatever that was (the bucket may have been reset since), and an
 // answer to an earlier call than the one noted changes nothing.
-func learn(t *table[bucket], k store.Key, fullAt, full, now time.Duration) {
-	t.update(k, now, func(b bucket, tracked bool) (bucket, bool) {
-		return bucket{fullAt, now, full}, !tracked || b.usedAt <= now
+func learn(t *memstore.Table[memstore.Bucket], k store.Key, fullAt, full, now time.Duration) {
+	t.Update(k, now, func(b memstore.Bucket, tracked bool) (memstore.Bucket, bool) {
+		return memstore.Bucket{FullAt: fullAt, UsedAt: now, Full: full}, !tracked || b.UsedAt <= now
 	})
 }
 
@@ -253,15 +254,15 @@ const quotaCacheFor = overLimitTrust
 func (s *RedisStore) rememberCount(now time.Time, c *store.CounterDemand) {
 	t := s.zones[c.Zone].counts
 	if c.Used <= 0 || c.Left <= time.Millisecond {
-		t.forget(c.Key)
+		t.Forget(c.Key)
 		return
 	}
-	n := t.instant(now)
-	t.update(c.Key, n, func(e counter, tracked bool) (counter, bool) {
-		if tracked && !e.spent(n) && e.used > c.Used {
+	n := t.Instant(now)
+	t.Update(c.Key, n, func(e memstore.Counter, tracked bool) (memstore.Counter, bool) {
+		if tracked && !e.Spent(n) && e.Used > c.Used {
 			return e, false // a later answer came in first
 		}
-		return counter{n + min(c.Left-time.Millisecond, quotaCacheFor), c.Used}, true
+		return memstore.Counter{EndAt: n + min(c.Left-time.Millisecond, quotaCacheFor), Used: c.Used}, true
 	})
 }
 

@@ -116,7 +116,7 @@ func (s *RedisStore) pollOverrides(zone int, at int64) {
 		// flight, sent without reading it, would teach it.
 		rz.overriddenGen.Add(1)
 		if rz.cache != nil {
-			rz.cache.clear()
+			rz.cache.Clear()
 		}
 	}
 }
@@ -139,8 +139,8 @@ var processStart = time.Now()
 func (s *RedisStore) forgetKey(zone int, key store.Key) {
 	rz := &s.zones[zone]
 	if rz.cache != nil {
-		rz.cache.forget(key)
-		rz.learned.forget(rz.cache.hash(key))
+		rz.cache.Forget(key)
+		rz.learned.forget(rz.cache.Hash(key))
 	}
 }
 

@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
@@ -154,9 +155,9 @@ type redisZone struct {
 	shape   atomic.Pointer[rediswire.Shape]
 	counter atomic.Pointer[rediswire.CounterShape]
 	slots   atomic.Pointer[rediswire.SlotShape]
-	window  atomic.Pointer[window] // the quota window last sent
-	cache   *table[bucket]         // over-limit cache; nil when disabled
-	learned learnedOverrides       // the keys' own limits Redis's answers told the cache
+	window  atomic.Pointer[window]           // the quota window last sent
+	cache   *memstore.Table[memstore.Bucket] // over-limit cache; nil when disabled
+	learned learnedOverrides                 // the keys' own limits Redis's answers told the cache
 	// maxOverrides is the most keys with their own limit (max_overrides).
 	maxOverrides int64
 	// overridden is how many keys of the zone have their own limit, as
@@ -168,8 +169,8 @@ type redisZone struct {
 	// found: a call sent before then, without reading overrides, teaches
 	// the over-limit cache nothing.
 	overriddenGen atomic.Uint64
-	counts        *table[counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
-	sync          *syncZone       // this instance's copies of its buckets (see sync.go); nil without sync
+	counts        *memstore.Table[memstore.Counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
+	sync          *syncZone                         // this instance's copies of its buckets (see sync.go); nil without sync
 }
 
 const (
@@ -259,9 +260,9 @@ func (s *RedisStore) bind(zones []store.ZoneSpec) (store.Store, error) {
 		rz.overriddenPoll.Store(math.MinInt64 / 2)
 		rz.plans = z.Bucket && z.Shape.Burst == 0
 		if !s.DisableOverLimitCache {
-			rz.cache = newBuckets(overLimitCacheKeys, time.Now())
+			rz.cache = memstore.NewBuckets(overLimitCacheKeys, time.Now())
 			if z.Quota != "" {
-				rz.counts = newCounters(overLimitCacheKeys, time.Now())
+				rz.counts = memstore.NewCounters(overLimitCacheKeys, time.Now())
 			}
 		}
 		// A store whose zones ask Redis something asks it at load
@@ -288,11 +289,11 @@ func (s *RedisStore) Known(now time.Time, b *store.BucketDemand, err error) time
 	if t == nil {
 		return 0
 	}
-	debt := b.Limit.Debt(bucketAt(t, b.Key), t.instant(now))
+	debt := b.Limit.Debt(memstore.BucketAt(t, b.Key), t.Instant(now))
 	if errors.Is(err, errNoAnswer) && b.Cost > 0 {
 		// No more than the bucket may owe, which a take clamps it to
 		// anyway: the calls' costs could pass a time.Duration.
-		n, most := s.flights.calls(flightKey{b.Zone, t.hash(b.Key)}), b.Limit.Most()
+		n, most := s.flights.calls(flightKey{b.Zone, t.Hash(b.Key)}), b.Limit.Most()
 		if n > int64((most-debt)/b.Cost) {
 			return most
 		}
@@ -399,12 +400,12 @@ func (s *RedisStore) ask(ctx context.Context, budget time.Duration, d *store.Dem
 func (s *RedisStore) Adjust(ctx context.Context, _ time.Time, d *store.Demands) error {
 	for i := range d.Buckets {
 		if t := s.zones[d.Buckets[i].Zone].cache; t != nil {
-			t.forget(d.Buckets[i].Key)
+			t.Forget(d.Buckets[i].Key)
 		}
 	}
 	for i := range d.Counters {
 		if t := s.zones[d.Counters[i].Zone].counts; t != nil {
-			t.forget(d.Counters[i].Key)
+			t.Forget(d.Counters[i].Key)
 		}
 	}
 	if !s.client.Up() {
@@ -441,7 +442,7 @@ func (s *RedisStore) Reset(ctx context.Context, d *store.Demands) (bool, error) 
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
 		if t := s.zones[b.Zone].cache; t != nil {
-			t.forget(b.Key)
+			t.Forget(b.Key)
 		}
 		hash, field := s.bucketName(b.Zone, b.Key)
 		n, err := s.client.HDel(ctx, hash, field).Result()
@@ -453,7 +454,7 @@ func (s *RedisStore) Reset(ctx context.Context, d *store.Demands) (bool, error) 
 	for i := range d.Counters {
 		c := &d.Counters[i]
 		if t := s.zones[c.Zone].counts; t != nil {
-			t.forget(c.Key)
+			t.Forget(c.Key)
 		}
 		// The untagged key too: it would be read in the tagged one's place.
 		counter, untagged := s.counterKeys(c.Zone, c.Key)

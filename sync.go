@@ -935,7 +935,7 @@ func (s *RedisStore) sawOverride(zone int) {
 		if rz.overridden.CompareAndSwap(c, &countedOverrides{n: -1, at: time.Since(processStart).Nanoseconds()}) {
 			rz.overriddenGen.Add(1)
 			if rz.cache != nil {
-				rz.cache.clear()
+				rz.cache.Clear()
 			}
 		}
 	}

@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package memstore
 
 import (
 	"time"
@@ -9,50 +9,50 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
-// A counter is a calendar quota's count of one key in one window. Once
+// A Counter is a calendar quota's count of one key in one window. Once
 // its window has ended it carries nothing, as a full bucket.
-type counter struct {
-	endAt time.Duration // the instant its window ends
-	used  int64         // units counted in the window
+type Counter struct {
+	EndAt time.Duration // the instant its window ends
+	Used  int64         // units counted in the window
 }
 
-func (c counter) spent(now time.Duration) bool { return c.endAt <= now }
-func (c counter) rank() int64                  { return c.used }
+func (c Counter) Spent(now time.Duration) bool { return c.EndAt <= now }
+func (c Counter) rank() int64                  { return c.Used }
 
-// newCounters is a table of counters.
-func newCounters(maxKeys int64, now time.Time) *table[counter] {
-	return newTable[counter](maxKeys, now)
+// NewCounters is a table of counters.
+func NewCounters(maxKeys int64, now time.Time) *Table[Counter] {
+	return NewTable[Counter](maxKeys, now)
 }
 
-// countAt returns k's count at now and the instant its window ends (0, 0
+// CountAt returns k's count at now and the instant its window ends (0, 0
 // when nothing is counted).
-func countAt(t *table[counter], k store.Key, now time.Duration) (int64, time.Duration) {
-	c, ok := t.lookup(k)
-	if !ok || c.spent(now) {
+func CountAt(t *Table[Counter], k store.Key, now time.Duration) (int64, time.Duration) {
+	c, ok := t.Lookup(k)
+	if !ok || c.Spent(now) {
 		return 0, 0
 	}
-	return c.used, c.endAt
+	return c.Used, c.EndAt
 }
 
 // adjustCounter counts units more in k's counter, refusing nothing: in
 // the window it counts in while it runs, else in a new one that ends at
 // endAt. Negative units take off, only in the window that counted them.
 // now is the current table instant.
-func adjustCounter(t *table[counter], k store.Key, units int64, endAt, now time.Duration) {
-	h := t.hash(k)
+func adjustCounter(t *Table[Counter], k store.Key, units int64, endAt, now time.Duration) {
+	h := t.Hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	c, ok := s.m[h]
-	running := ok && !c.spent(now)
+	running := ok && !c.Spent(now)
 	switch {
 	case units > 0 && running:
-		s.m[h] = counter{c.endAt, c.used + units}
+		s.m[h] = Counter{c.EndAt, c.Used + units}
 	case units > 0:
-		s.set(t, h, counter{endAt, units}, now)
+		s.set(t, h, Counter{endAt, units}, now)
 	case !running:
-	case c.used+units > 0:
-		s.m[h] = counter{c.endAt, c.used + units}
+	case c.Used+units > 0:
+		s.m[h] = Counter{c.EndAt, c.Used + units}
 	default:
 		delete(s.m, h)
 	}
@@ -60,24 +60,24 @@ func adjustCounter(t *table[counter], k store.Key, units int64, endAt, now time.
 
 // A count is one counter a request counts units in, located in its table.
 type count struct {
-	t     *table[counter]
+	t     *Table[Counter]
 	h     uint64
 	now   time.Duration // t.instant of the request
 	endAt time.Duration // the instant the current window ends, should a new one start
 	limit int64
 	units int64
 	req   int  // the demand this count answers
-	soft  bool // without the units, it refuses nothing (counterDemand.soft)
+	soft  bool // without the units, it refuses nothing (store.CounterDemand.Soft)
 
 	ok   bool
 	used int64 // the count after the decision
 }
 
 // try decides k against a counter c (tracked or not).
-func (k *count) try(c counter, tracked bool) {
+func (k *count) try(c Counter, tracked bool) {
 	used := int64(0)
-	if tracked && !c.spent(k.now) {
-		used, k.endAt = c.used, c.endAt
+	if tracked && !c.Spent(k.now) {
+		used, k.endAt = c.Used, c.EndAt
 	}
 	k.ok = used+k.units <= k.limit
 	if k.ok {
@@ -88,10 +88,10 @@ func (k *count) try(c counter, tracked bool) {
 
 // commit writes what try counted, or, for a request refused elsewhere,
 // undoes it. Requires the shard's lock to be held.
-func (k *count) commit(s *shard[counter], allowed bool) {
+func (k *count) commit(s *shard[Counter], allowed bool) {
 	switch {
 	case allowed:
-		s.set(k.t, k.h, counter{k.endAt, k.used}, k.now)
+		s.set(k.t, k.h, Counter{k.endAt, k.used}, k.now)
 	case k.ok:
 		k.used -= k.units
 	}

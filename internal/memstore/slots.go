@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package memstore
 
 import (
 	"hash/maphash"
@@ -11,11 +11,11 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
-// slotTable counts the requests in flight of each key of a zone with
+// SlotTable counts the requests in flight of each key of a zone with
 // concurrency. A key is in it only while it has requests in flight, so
 // its size is the number of keys with requests running, and it holds at
 // most maxKeys of them: a key that would be one more is refused.
-type slotTable struct {
+type SlotTable struct {
 	seed    maphash.Seed
 	keys    atomic.Int64 // keys in the table
 	maxKeys atomic.Int64
@@ -30,8 +30,8 @@ type slotShard struct {
 	_  [40]byte // keep shards on separate cache lines
 }
 
-func newSlotTable(maxKeys int64) *slotTable {
-	t := &slotTable{seed: maphash.MakeSeed()}
+func NewSlotTable(maxKeys int64) *SlotTable {
+	t := &SlotTable{seed: maphash.MakeSeed()}
 	t.maxKeys.Store(maxKeys)
 	for i := range t.shards {
 		t.shards[i].m = make(map[store.Key]int64)
@@ -39,13 +39,13 @@ func newSlotTable(maxKeys int64) *slotTable {
 	return t
 }
 
-func (t *slotTable) shard(k store.Key) *slotShard {
+func (t *SlotTable) shard(k store.Key) *slotShard {
 	return &t.shards[maphash.Comparable(t.seed, k)%slotShards]
 }
 
 // acquire takes one of n slots of key k. It reports whether it did, and
 // how many slots are free after the decision.
-func (t *slotTable) acquire(k store.Key, n int64) (free int64, ok bool) {
+func (t *SlotTable) acquire(k store.Key, n int64) (free int64, ok bool) {
 	s := t.shard(k)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -64,7 +64,7 @@ func (t *slotTable) acquire(k store.Key, n int64) (free int64, ok bool) {
 }
 
 // free is how many of n slots of key k are free, changing nothing.
-func (t *slotTable) free(k store.Key, n int64) int64 {
+func (t *SlotTable) free(k store.Key, n int64) int64 {
 	s := t.shard(k)
 	s.mu.Lock()
 	c := s.m[k]
@@ -73,7 +73,7 @@ func (t *slotTable) free(k store.Key, n int64) int64 {
 }
 
 // release gives back a slot of key k that acquire took.
-func (t *slotTable) release(k store.Key) {
+func (t *SlotTable) release(k store.Key) {
 	s := t.shard(k)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -86,12 +86,12 @@ func (t *slotTable) release(k store.Key) {
 	}
 }
 
-// len is the number of keys with requests in flight.
-func (t *slotTable) len() int64 { return t.keys.Load() }
+// Len is the number of keys with requests in flight.
+func (t *SlotTable) Len() int64 { return t.keys.Load() }
 
 // Destruct is called when no config has the zone any more: a slot table
 // holds nothing to close.
-func (*slotTable) Destruct() error { return nil }
+func (*SlotTable) Destruct() error { return nil }
 
-// setMaxKeys sets the most keys the table keeps.
-func (t *slotTable) setMaxKeys(n int64) { t.maxKeys.Store(n) }
+// SetMaxKeys sets the most keys the table keeps.
+func (t *SlotTable) SetMaxKeys(n int64) { t.maxKeys.Store(n) }

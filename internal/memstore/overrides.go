@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package memstore
 
 import (
 	"time"
@@ -23,7 +23,7 @@ func (e *localOverride) ended(now time.Duration) bool { return e.at != 0 && e.at
 // applyOverride puts the key's own limit, if it has one, in c: its shape
 // and its cost. An override that has ended is removed, and the bucket
 // goes back to the zone's limit. Requires the shard's lock.
-func (c *charge) applyOverride(s *shard[bucket]) {
+func (c *charge) applyOverride(s *shard[Bucket]) {
 	e, ok := s.ov[c.h]
 	if !ok {
 		return
@@ -41,7 +41,7 @@ func (c *charge) applyOverride(s *shard[bucket]) {
 // to, in a table of a zone with a fixed limit (a zone with plans rescales
 // its buckets as each request comes: see charge.try). Requires the
 // shard's lock.
-func retuneBucket(t *table[bucket], s *shard[bucket], h uint64, from, to gcra.Limit, now time.Duration) {
+func retuneBucket(t *Table[Bucket], s *shard[Bucket], h uint64, from, to gcra.Limit, now time.Duration) {
 	if t.base.BurstTime == 0 {
 		return
 	}
@@ -49,7 +49,7 @@ func retuneBucket(t *table[bucket], s *shard[bucket], h uint64, from, to gcra.Li
 	if !ok {
 		return
 	}
-	b.fullAt, b.full = to.Retune(b.fullAt, now, from), to.BurstTime
+	b.FullAt, b.Full = to.Retune(b.FullAt, now, from), to.BurstTime
 	s.m[h] = b
 }
 
@@ -63,7 +63,7 @@ func retuneBucket(t *table[bucket], s *shard[bucket], h uint64, from, to gcra.Li
 // the sweep finds it, as the Redis store carries its bucket back at the
 // key's next call; what reads the bucket meanwhile (ownBucket, the
 // snapshot) reads it as carried back then.
-func endOverride(t *table[bucket], s *shard[bucket], h uint64, now time.Duration) {
+func endOverride(t *Table[Bucket], s *shard[Bucket], h uint64, now time.Duration) {
 	e := s.ov[h]
 	delete(s.ov, h)
 	t.overrides.Add(-1)
@@ -74,9 +74,9 @@ func endOverride(t *table[bucket], s *shard[bucket], h uint64, now time.Duration
 // has at now, and k's own limit if it has one that has not ended. A
 // bucket whose own limit has ended is read as carried back at now, as the
 // key's next request would carry it back, and is not written.
-func ownBucket(t *table[bucket], k store.Key, now time.Time) (time.Duration, store.Override, bool) {
-	n := t.instant(now)
-	h := t.hash(k)
+func ownBucket(t *Table[Bucket], k store.Key, now time.Time) (time.Duration, store.Override, bool) {
+	n := t.Instant(now)
+	h := t.Hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -84,23 +84,23 @@ func ownBucket(t *table[bucket], k store.Key, now time.Time) (time.Duration, sto
 	e, ok := s.ov[h]
 	switch {
 	case !ok:
-		return b.fullAt, store.Override{}, false
+		return b.FullAt, store.Override{}, false
 	case !e.ended(n):
-		return b.fullAt, e.o, true
+		return b.FullAt, e.o, true
 	case t.base.BurstTime == 0:
-		return b.fullAt, store.Override{}, false // rescaled by the next request, as a change of plan
+		return b.FullAt, store.Override{}, false // rescaled by the next request, as a change of plan
 	}
-	return t.base.Retune(b.fullAt, n, e.o.Limit(t.base)), store.Override{}, false
+	return t.base.Retune(b.FullAt, n, e.o.Limit(t.base)), store.Override{}, false
 }
 
 // setOverride gives k the override o, at most max in the table, carrying
 // its bucket over to the new limit.
-func setOverride(t *table[bucket], k store.Key, o store.Override, most int64, now time.Time) error {
-	n := t.instant(now)
+func setOverride(t *Table[Bucket], k store.Key, o store.Override, most int64, now time.Time) error {
+	n := t.Instant(now)
 	if t.overrides.Load() >= most {
 		endOverrides(t, n)
 	}
-	h := t.hash(k)
+	h := t.Hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -119,7 +119,7 @@ func setOverride(t *table[bucket], k store.Key, o store.Override, most int64, no
 	retuneBucket(t, s, h, from, o.Limit(t.base), n)
 	e := localOverride{key: k, o: o}
 	if !o.Expires.IsZero() {
-		e.at = max(t.instant(o.Expires), 1)
+		e.at = max(t.Instant(o.Expires), 1)
 	}
 	if s.ov == nil {
 		s.ov = make(map[uint64]localOverride)
@@ -133,9 +133,9 @@ func setOverride(t *table[bucket], k store.Key, o store.Override, most int64, no
 
 // deleteOverride removes k's override, and reports whether it had one
 // that had not ended.
-func deleteOverride(t *table[bucket], k store.Key, now time.Time) bool {
-	n := t.instant(now)
-	h := t.hash(k)
+func deleteOverride(t *Table[Bucket], k store.Key, now time.Time) bool {
+	n := t.Instant(now)
+	h := t.Hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -148,20 +148,20 @@ func deleteOverride(t *table[bucket], k store.Key, now time.Time) bool {
 }
 
 // override is k's override, if it has one that has not ended.
-func overrideOf(t *table[bucket], k store.Key, now time.Time) (store.Override, bool) {
-	h := t.hash(k)
+func overrideOf(t *Table[Bucket], k store.Key, now time.Time) (store.Override, bool) {
+	h := t.Hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e, ok := s.ov[h]
-	if !ok || e.ended(t.instant(now)) {
+	if !ok || e.ended(t.Instant(now)) {
 		return store.Override{}, false
 	}
 	return e.o, true
 }
 
 // listOverrides lists the overrides that have not ended.
-func listOverrides(t *table[bucket], now time.Time) []store.KeyOverride {
+func listOverrides(t *Table[Bucket], now time.Time) []store.KeyOverride {
 	out := []store.KeyOverride{}
 	liveOverrides(t, now, func(e *localOverride) { out = append(out, store.KeyOverride{Key: e.key.String(), Override: e.o}) })
 	return out
@@ -170,7 +170,7 @@ func listOverrides(t *table[bucket], now time.Time) []store.KeyOverride {
 // countOverrides counts the overrides that have not ended: those that
 // have, until their buckets are carried back (see endOverride), are no
 // key's own limit any more, and leave room under max_overrides.
-func countOverrides(t *table[bucket], now time.Time) int {
+func countOverrides(t *Table[Bucket], now time.Time) int {
 	n := 0
 	if t.overrides.Load() > 0 {
 		liveOverrides(t, now, func(*localOverride) { n++ })
@@ -180,8 +180,8 @@ func countOverrides(t *table[bucket], now time.Time) int {
 
 // liveOverrides calls f with each override that has not ended, under its
 // shard's lock.
-func liveOverrides(t *table[bucket], now time.Time, f func(*localOverride)) {
-	n := t.instant(now)
+func liveOverrides(t *Table[Bucket], now time.Time, f func(*localOverride)) {
+	n := t.Instant(now)
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
@@ -195,7 +195,7 @@ func liveOverrides(t *table[bucket], now time.Time, f func(*localOverride)) {
 }
 
 // endOverrides removes the overrides that have ended by now.
-func endOverrides(t *table[bucket], now time.Duration) {
+func endOverrides(t *Table[Bucket], now time.Duration) {
 	if t.overrides.Load() == 0 {
 		return
 	}

@@ -1,7 +1,14 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+// Package memstore keeps zones' state in this process's memory: tables
+// of buckets and of calendar quota counters (sharded maps from a keyed
+// hash of the key), slot tables, the keys' own limits, snapshots of the
+// tables in a storage, and the local store's engine, which decides a
+// request's demands on them all or nothing. It knows nothing of HTTP,
+// Caddy or the handler's zones: it is given ZoneSpecs and demands, and
+// the tables shared across configs through Tables.
+package memstore
 
 import (
 	"math"
@@ -14,7 +21,7 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
-// A table holds one zone's state in memory: a map from a keyed 64-bit
+// A Table holds one zone's state in memory: a map from a keyed 64-bit
 // hash of the key to an entry (a bucket, or a calendar quota's counter),
 // split into shards so that parallel requests rarely share a lock. Keys
 // of any length cost the same eight bytes. Instants are durations since
@@ -33,7 +40,7 @@ import (
 // keeps sending is among the most recently used whatever its bucket's
 // shape, while the flood's keys, each used once, age out first); for a
 // counter, the smallest count, which forgives the least.
-type table[E entry] struct {
+type Table[E Entry] struct {
 	id      uint64      // orders locks when one request takes several tables
 	epoch   time.Time   // instants in the shards count from here
 	key     siphash.Key // keys the hashes: random, or the stored one of a persisted table
@@ -53,17 +60,17 @@ type table[E entry] struct {
 	p         *persistence // nil: the table lives in memory only
 }
 
-// An entry is what a table keeps per key.
-type entry interface {
-	bucket | counter
+// An Entry is what a table keeps per key.
+type Entry interface {
+	Bucket | Counter
 	// spent reports whether the entry carries nothing at now: it can be
 	// dropped without changing any decision.
-	spent(now time.Duration) bool
+	Spent(now time.Duration) bool
 	// rank orders entries for eviction: the lowest goes first.
 	rank() int64
 }
 
-type shard[E entry] struct {
+type shard[E Entry] struct {
 	mu sync.Mutex
 	m  map[uint64]E
 	// ov holds the keys' own limits (overrides) of a table of buckets,
@@ -75,18 +82,18 @@ type shard[E entry] struct {
 	_           [32]byte // keep shards on separate cache lines
 }
 
-// A bucket is one tracked token bucket: the instant it is full again, the
+// A Bucket is one tracked token bucket: the instant it is full again, the
 // last instant a request used it, for eviction, and the whole-bucket time
 // of the limit that wrote it (for a zone whose limit comes with each
 // request: see limit.rescale).
-type bucket struct {
-	fullAt time.Duration
-	usedAt time.Duration
-	full   time.Duration
+type Bucket struct {
+	FullAt time.Duration
+	UsedAt time.Duration
+	Full   time.Duration
 }
 
-func (b bucket) spent(now time.Duration) bool { return b.fullAt <= now }
-func (b bucket) rank() int64                  { return int64(b.usedAt) }
+func (b Bucket) Spent(now time.Duration) bool { return b.FullAt <= now }
+func (b Bucket) rank() int64                  { return int64(b.UsedAt) }
 
 // evictSample is how many entries are looked at to pick one to evict in
 // a shard of more than exactBelow: a fraction of a microsecond, where a
@@ -98,13 +105,13 @@ const (
 
 var tableIDs atomic.Uint64
 
-// newTable is an empty table for maxKeys entries, whose epoch is now.
-func newTable[E entry](maxKeys int64, now time.Time) *table[E] {
+// NewTable is an empty table for maxKeys entries, whose epoch is now.
+func NewTable[E Entry](maxKeys int64, now time.Time) *Table[E] {
 	n := 64
 	if maxKeys < 64*64 {
 		n = 1
 	}
-	t := &table[E]{
+	t := &Table[E]{
 		id:     tableIDs.Add(1),
 		epoch:  now,
 		key:    siphash.NewKey(),
@@ -119,29 +126,29 @@ func newTable[E entry](maxKeys int64, now time.Time) *table[E] {
 	return t
 }
 
-// newBuckets is a table of buckets.
-func newBuckets(maxKeys int64, now time.Time) *table[bucket] { return newTable[bucket](maxKeys, now) }
+// NewBuckets is a table of buckets.
+func NewBuckets(maxKeys int64, now time.Time) *Table[Bucket] { return NewTable[Bucket](maxKeys, now) }
 
-// instant converts a clock reading to the table's own time line.
-func (t *table[E]) instant(now time.Time) time.Duration { return now.Sub(t.epoch) }
+// Instant converts a clock reading to the table's own time line.
+func (t *Table[E]) Instant(now time.Time) time.Duration { return now.Sub(t.epoch) }
 
-// hash is the keyed hash that stands for k in the table (store.Key.Hash
+// Hash is the keyed hash that stands for k in the table (store.Key.Hash
 // under the table's key).
-func (t *table[E]) hash(k store.Key) uint64 { return k.Hash(t.key) }
+func (t *Table[E]) Hash(k store.Key) uint64 { return k.Hash(t.key) }
 
-func (t *table[E]) shard(h uint64) *shard[E] {
+func (t *Table[E]) shard(h uint64) *shard[E] {
 	return &t.shards[h&t.mask]
 }
 
-// setMaxKeys sets the most entries the table keeps.
-func (t *table[E]) setMaxKeys(n int64) { t.maxKeys.Store(n) }
+// SetMaxKeys sets the most entries the table keeps.
+func (t *Table[E]) SetMaxKeys(n int64) { t.maxKeys.Store(n) }
 
-// update sets k's entry to what f makes of it, under its shard's lock: f
+// Update sets k's entry to what f makes of it, under its shard's lock: f
 // gets the entry and whether it is tracked, and reports whether to write
 // what it returns. now is the table instant, which tells the eviction
 // what carries nothing.
-func (t *table[E]) update(k store.Key, now time.Duration, f func(e E, tracked bool) (E, bool)) {
-	h := t.hash(k)
+func (t *Table[E]) Update(k store.Key, now time.Duration, f func(e E, tracked bool) (E, bool)) {
+	h := t.Hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -152,13 +159,13 @@ func (t *table[E]) update(k store.Key, now time.Duration, f func(e E, tracked bo
 }
 
 // shardCap is how many entries one shard may hold.
-func (t *table[E]) shardCap() int {
+func (t *Table[E]) shardCap() int {
 	return max(int(t.maxKeys.Load())/len(t.shards), minShardCap(len(t.shards)))
 }
 
-// capacity is the most entries the table keeps: maxKeys, rounded down to
+// Capacity is the most entries the table keeps: maxKeys, rounded down to
 // a whole share per shard, or the shards' minimum when that is more.
-func (t *table[E]) capacity() int { return t.shardCap() * len(t.shards) }
+func (t *Table[E]) Capacity() int { return t.shardCap() * len(t.shards) }
 
 // minShardCap is the fewest entries a shard of a table of n shards keeps:
 // a table made with many shards (for max_keys of 4096 or more) whose
@@ -173,7 +180,7 @@ func minShardCap(n int) int {
 
 // insert records e for a key that is not tracked yet, making room first
 // if the shard is full. Requires s.mu to be held.
-func (s *shard[E]) insert(t *table[E], h uint64, e E, now time.Duration) {
+func (s *shard[E]) insert(t *Table[E], h uint64, e E, now time.Duration) {
 	if s.makeRoom(now, t.shardCap()) {
 		t.evictions.Add(1)
 	}
@@ -183,7 +190,7 @@ func (s *shard[E]) insert(t *table[E], h uint64, e E, now time.Duration) {
 
 // set records e, making room first if the key is new and the shard full.
 // Requires s.mu to be held.
-func (s *shard[E]) set(t *table[E], h uint64, e E, now time.Duration) {
+func (s *shard[E]) set(t *Table[E], h uint64, e E, now time.Duration) {
 	if _, ok := s.m[h]; !ok {
 		s.insert(t, h, e, now)
 		return
@@ -223,7 +230,7 @@ func (s *shard[E]) victim(now time.Duration) (victim uint64, spent bool) {
 	lowest := int64(math.MaxInt64)
 	if len(s.m) <= exactBelow {
 		for h, e := range s.m {
-			if e.spent(now) {
+			if e.Spent(now) {
 				return h, true
 			}
 			if r := e.rank(); r < lowest {
@@ -235,7 +242,7 @@ func (s *shard[E]) victim(now time.Duration) (victim uint64, spent bool) {
 	for range evictSample / 2 {
 		seen := 0
 		for h, e := range s.m {
-			if e.spent(now) {
+			if e.Spent(now) {
 				return h, true
 			}
 			if r := e.rank(); r < lowest {
@@ -253,15 +260,15 @@ func (s *shard[E]) victim(now time.Duration) (victim uint64, spent bool) {
 // held.
 func (s *shard[E]) sweep(now time.Duration) {
 	for h, e := range s.m {
-		if e.spent(now) {
+		if e.Spent(now) {
 			delete(s.m, h)
 		}
 	}
 }
 
-// lookup returns k's entry, and whether it is tracked.
-func (t *table[E]) lookup(k store.Key) (E, bool) {
-	h := t.hash(k)
+// Lookup returns k's entry, and whether it is tracked.
+func (t *Table[E]) Lookup(k store.Key) (E, bool) {
+	h := t.Hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -269,9 +276,9 @@ func (t *table[E]) lookup(k store.Key) (E, bool) {
 	return e, ok
 }
 
-// forget drops k's entry, and returns it.
-func (t *table[E]) forget(k store.Key) E {
-	h := t.hash(k)
+// Forget drops k's entry, and returns it.
+func (t *Table[E]) Forget(k store.Key) E {
+	h := t.Hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -280,8 +287,8 @@ func (t *table[E]) forget(k store.Key) E {
 	return e
 }
 
-// clear forgets every entry.
-func (t *table[E]) clear() {
+// Clear forgets every entry.
+func (t *Table[E]) Clear() {
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
@@ -290,22 +297,22 @@ func (t *table[E]) clear() {
 	}
 }
 
-// sweepAll drops every spent entry of the table.
-func (t *table[E]) sweepAll(now time.Time) {
-	n := t.instant(now)
+// SweepAll drops every spent entry of the table.
+func (t *Table[E]) SweepAll(now time.Time) {
+	n := t.Instant(now)
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
 		s.sweep(n)
 		s.mu.Unlock()
 	}
-	if bt, ok := any(t).(*table[bucket]); ok {
+	if bt, ok := any(t).(*Table[Bucket]); ok {
 		endOverrides(bt, n)
 	}
 }
 
-// len is the number of entries tracked.
-func (t *table[E]) len() int {
+// Len is the number of entries tracked.
+func (t *Table[E]) Len() int {
 	n := 0
 	for i := range t.shards {
 		s := &t.shards[i]
@@ -320,7 +327,7 @@ func (t *table[E]) len() int {
 // map stays near the number of clients that are actually being limited.
 const sweepEvery = time.Minute
 
-func (t *table[E]) sweepLoop() {
+func (t *Table[E]) SweepLoop() {
 	tick := time.NewTicker(sweepEvery)
 	defer tick.Stop()
 	for {
@@ -328,22 +335,22 @@ func (t *table[E]) sweepLoop() {
 		case <-t.stop:
 			return
 		case now := <-tick.C:
-			t.sweepAll(now)
+			t.SweepAll(now)
 		}
 	}
 }
 
 // Destruct stops the sweeper once the last config using the table is
 // gone, and saves or deletes the table's snapshot (see persist.go).
-func (t *table[E]) Destruct() error {
-	t.close(t.exiting())
+func (t *Table[E]) Destruct() error {
+	t.Close(t.exiting())
 	return nil
 }
 
-// close stops the sweeper and the table's persistence, once: when the
+// Close stops the sweeper and the table's persistence, once: when the
 // process is exiting, it saves the table's snapshot, else it deletes the
 // snapshot it wrote (see closePersisted).
-func (t *table[E]) close(exiting bool) {
+func (t *Table[E]) Close(exiting bool) {
 	t.stopOnce.Do(func() {
 		close(t.stop)
 		closePersisted(t, exiting)
@@ -352,39 +359,39 @@ func (t *table[E]) close(exiting bool) {
 
 // exiting reports whether the process is exiting, as the snapshots the
 // table is persisted to tell.
-func (t *table[E]) exiting() bool {
+func (t *Table[E]) exiting() bool {
 	if t.p == nil {
 		return false
 	}
 	sn := t.p.to.Load()
-	return sn != nil && sn.exiting != nil && sn.exiting()
+	return sn != nil && sn.Exiting != nil && sn.Exiting()
 }
 
-// bucketAt returns the instant k's bucket is full again, 0 if not
+// BucketAt returns the instant k's bucket is full again, 0 if not
 // tracked.
-func bucketAt(t *table[bucket], k store.Key) time.Duration {
-	b, _ := t.lookup(k)
-	return b.fullAt
+func BucketAt(t *Table[Bucket], k store.Key) time.Duration {
+	b, _ := t.Lookup(k)
+	return b.FullAt
 }
 
 // raise makes k's bucket of limit l full again no sooner than fullAt.
 // now is the current table instant, which tells the eviction what has
 // refilled.
-func raise(t *table[bucket], k store.Key, l gcra.Limit, fullAt, now time.Duration) {
-	h := t.hash(k)
+func raise(t *Table[Bucket], k store.Key, l gcra.Limit, fullAt, now time.Duration) {
+	h := t.Hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	b := s.m[h]
-	if fullAt > l.Rescale(b.fullAt, now, b.full) {
-		s.set(t, h, bucket{fullAt, now, l.BurstTime}, now)
+	if fullAt > l.Rescale(b.FullAt, now, b.Full) {
+		s.set(t, h, Bucket{fullAt, now, l.BurstTime}, now)
 	}
 }
 
 // adjustBucket charges cost to k's bucket of limit l, refusing nothing
 // (see limit.adjust). now is the current table instant.
-func adjustBucket(t *table[bucket], k store.Key, l gcra.Limit, cost, now time.Duration) {
-	h := t.hash(k)
+func adjustBucket(t *Table[Bucket], k store.Key, l gcra.Limit, cost, now time.Duration) {
+	h := t.Hash(k)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -392,13 +399,13 @@ func adjustBucket(t *table[bucket], k store.Key, l gcra.Limit, cost, now time.Du
 	if !ok && cost <= 0 {
 		return // full already
 	}
-	was := l.Rescale(b.fullAt, now, b.full)
+	was := l.Rescale(b.FullAt, now, b.Full)
 	switch fullAt := l.Adjust(was, now, cost); {
-	case fullAt == b.fullAt:
+	case fullAt == b.FullAt:
 	case fullAt <= now:
 		delete(s.m, h) // full again
 	default:
-		s.set(t, h, bucket{fullAt, now, l.BurstTime}, now)
+		s.set(t, h, Bucket{fullAt, now, l.BurstTime}, now)
 	}
 }
 
@@ -408,11 +415,11 @@ func adjustBucket(t *table[bucket], k store.Key, l gcra.Limit, cost, now time.Du
 type charge struct {
 	l    gcra.Limit
 	cost time.Duration // l.costTime(n)
-	t    *table[bucket]
+	t    *Table[Bucket]
 	h    uint64
 	now  time.Duration // t.instant of the request
 	req  int           // the demand this charge answers
-	soft bool          // without the tokens, it refuses nothing (bucketDemand.soft)
+	soft bool          // without the tokens, it refuses nothing (store.BucketDemand.Soft)
 
 	fullAt time.Duration // the bucket's instant, with this charge if ok
 	ok     bool
@@ -425,29 +432,29 @@ type charge struct {
 // try decides c against a bucket b (tracked or not), on c's time line. A
 // full bucket (most, among many keys) needs no rescaling, and b.full is
 // not read.
-func (c *charge) try(b bucket) {
-	fullAt := b.fullAt
+func (c *charge) try(b Bucket) {
+	fullAt := b.FullAt
 	if fullAt > c.now {
-		fullAt = c.l.Rescale(fullAt, c.now, b.full)
+		fullAt = c.l.Rescale(fullAt, c.now, b.Full)
 	}
 	c.fullAt, c.ok = c.l.Take(fullAt, c.now, c.cost)
 	c.ban = !c.ok && c.l.StartsBan(c.l.Debt(fullAt, c.now), c.cost)
 }
 
 // entry is the bucket c leaves.
-func (c *charge) entry() bucket { return bucket{c.fullAt, c.now, c.l.BurstTime} }
+func (c *charge) entry() Bucket { return Bucket{c.fullAt, c.now, c.l.BurstTime} }
 
 // commit writes what try decided, once every charge of the request is
 // decided: the take when all allowed, a ban that started, and the
 // recency of a bucket used. Requires the shard's lock to be held.
-func (c *charge) commit(s *shard[bucket], allowed bool) {
+func (c *charge) commit(s *shard[Bucket], allowed bool) {
 	switch b, tracked := s.m[c.h]; {
 	case allowed || c.ban:
 		s.set(c.t, c.h, c.entry(), c.now)
 	case !tracked:
 		c.fullAt = 0 // not charged after all, and full
 	case c.ok:
-		c.fullAt = c.l.Clamp(c.l.Rescale(b.fullAt, c.now, b.full), c.now) // not charged after all
+		c.fullAt = c.l.Clamp(c.l.Rescale(b.FullAt, c.now, b.Full), c.now) // not charged after all
 		s.m[c.h] = c.entry()
 	default:
 		s.m[c.h] = c.entry()
@@ -457,7 +464,7 @@ func (c *charge) commit(s *shard[bucket], allowed bool) {
 
 // A slotClaim is a slot a request takes, located in its table.
 type slotClaim struct {
-	t    *slotTable
+	t    *SlotTable
 	key  store.Key
 	n    int64 // slots per key
 	soft bool  // a key with no slot free does not refuse the request

@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package memstore
 
 import (
 	"sync"
@@ -11,7 +11,7 @@ import (
 )
 
 func TestSlotTable(t *testing.T) {
-	tb := newSlotTable(2)
+	tb := NewSlotTable(2)
 	a, b, c := store.Key{Text: "a"}, store.Key{Text: "b"}, store.Key{Text: "c"}
 	for i, want := range []int64{1, 0} {
 		free, ok := tb.acquire(a, 2)
@@ -29,11 +29,11 @@ func TestSlotTable(t *testing.T) {
 	if _, ok := tb.acquire(c, 2); ok {
 		t.Fatal("key c taken beyond max_keys 2")
 	}
-	if got := tb.len(); got != 2 {
+	if got := tb.Len(); got != 2 {
 		t.Fatalf("len %d, want 2", got)
 	}
 	tb.release(b)
-	if got := tb.len(); got != 1 {
+	if got := tb.Len(); got != 1 {
 		t.Fatalf("after b's only slot came back: len %d, want 1 (the entry is deleted)", got)
 	}
 	if _, ok := tb.acquire(c, 2); !ok {
@@ -46,7 +46,7 @@ func TestSlotTable(t *testing.T) {
 	tb.release(a)
 	tb.release(a) // one release too many changes nothing
 	tb.release(c)
-	if got := tb.len(); got != 0 {
+	if got := tb.Len(); got != 0 {
 		t.Fatalf("len %d, want 0 with nothing in flight", got)
 	}
 }
@@ -54,7 +54,7 @@ func TestSlotTable(t *testing.T) {
 // TestSlotTableConcurrent never lets more than n of many goroutines hold
 // a slot of one key.
 func TestSlotTableConcurrent(t *testing.T) {
-	tb := newSlotTable(10)
+	tb := NewSlotTable(10)
 	k := store.Key{Text: "k"}
 	const n = 3
 	var mu sync.Mutex
@@ -81,7 +81,7 @@ func TestSlotTableConcurrent(t *testing.T) {
 	if most > n || most == 0 {
 		t.Fatalf("at most %d in flight, want 1 to %d", most, n)
 	}
-	if tb.len() != 0 {
-		t.Fatalf("len %d after all returned", tb.len())
+	if tb.Len() != 0 {
+		t.Fatalf("len %d after all returned", tb.Len())
 	}
 }

@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package memstore
 
 import (
 	"context"
@@ -10,39 +10,39 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
-// A memStore decides the demands of a handler's zones on tables in this
+// A Store decides the demands of a handler's zones on tables in this
 // process's memory: the local store's engine, and fail_mode local's.
-type memStore struct {
+type Store struct {
 	zones []localZone // by zone index
 }
 
-// memTables gets the tables a store's zones use, shared with other
+// Tables gets the tables a store's zones use, shared with other
 // configs (the local store module's pools).
-type memTables interface {
-	buckets(id tableID, most time.Duration) (*table[bucket], error)
-	counters(id tableID) (*table[counter], error)
-	slots(name string) (*slotTable, error)
+type Tables interface {
+	Buckets(id TableID, most time.Duration) (*Table[Bucket], error)
+	Counters(id TableID) (*Table[Counter], error)
+	Slots(name string) (*SlotTable, error)
 }
 
-// newMemStore is the engine of zones, on the tables ts gives.
-func newMemStore(zones []store.ZoneSpec, ts memTables) (*memStore, error) {
-	s := &memStore{zones: make([]localZone, len(zones))}
+// New is the engine of zones, on the tables ts gives.
+func New(zones []store.ZoneSpec, ts Tables) (*Store, error) {
+	s := &Store{zones: make([]localZone, len(zones))}
 	for i, z := range zones {
 		lz := &s.zones[i]
 		var err error
 		if z.Bucket {
 			l := z.Shape
-			lz.buckets, err = ts.buckets(tableID{name: z.Name, tokenTime: l.TokenTime, burst: l.Burst}, l.Most())
+			lz.buckets, err = ts.Buckets(TableID{Name: z.Name, TokenTime: l.TokenTime, Burst: l.Burst}, l.Most())
 			if err == nil && l.Burst != 0 {
 				lz.buckets.base = l
 			}
 			lz.maxOv = z.MaxOverrides
 		}
 		if err == nil && z.Quota != "" {
-			lz.counters, err = ts.counters(tableID{name: z.Name, quota: z.Quota})
+			lz.counters, err = ts.Counters(TableID{Name: z.Name, quota: z.Quota})
 		}
 		if err == nil && z.Slots {
-			lz.slots, err = ts.slots(z.Name)
+			lz.slots, err = ts.Slots(z.Name)
 		}
 		if err != nil {
 			return nil, err
@@ -53,15 +53,15 @@ func newMemStore(zones []store.ZoneSpec, ts memTables) (*memStore, error) {
 
 // A localZone is what the local store keeps for one zone.
 type localZone struct {
-	buckets  *table[bucket]  // nil: the zone has no bucket
+	buckets  *Table[Bucket]  // nil: the zone has no bucket
 	maxOv    int64           // the most overrides of its buckets (max_overrides)
-	counters *table[counter] // nil: the zone has no calendar quota
-	slots    *slotTable      // nil: the zone does not limit requests in flight
+	counters *Table[Counter] // nil: the zone has no calendar quota
+	slots    *SlotTable      // nil: the zone does not limit requests in flight
 }
 
-// take decides the demands on the zones' tables in one all-or-nothing
+// Take decides the demands on the zones' tables in one all-or-nothing
 // step (see takeAll).
-func (s *memStore) Take(_ context.Context, now time.Time, d *store.Demands) (bool, error) {
+func (s *Store) Take(_ context.Context, now time.Time, d *store.Demands) (bool, error) {
 	d.At = now
 	if len(d.Buckets) == 1 && len(d.Counters)+len(d.Slots) == 0 {
 		return s.takeOne(now, &d.Buckets[0]), nil // the common case
@@ -74,7 +74,7 @@ func (s *memStore) Take(_ context.Context, now time.Time, d *store.Demands) (boo
 // grows its stack less often.
 //
 //go:noinline
-func (s *memStore) takeAll(now time.Time, d *store.Demands) bool {
+func (s *Store) takeAll(now time.Time, d *store.Demands) bool {
 	// Room for the usual few zones, on the stack; more spill.
 	var cs []charge
 	if len(d.Buckets) > 0 {
@@ -94,17 +94,17 @@ func (s *memStore) takeAll(now time.Time, d *store.Demands) bool {
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
 		t := s.zones[b.Zone].buckets
-		n := t.instant(now)
+		n := t.Instant(now)
 		if b.Floor > 0 {
 			raise(t, b.Key, b.Limit, n+b.Floor, n)
 		}
-		cs = append(cs, charge{l: b.Limit, cost: b.Cost, t: t, h: t.hash(b.Key), now: n, req: i, soft: b.Soft})
+		cs = append(cs, charge{l: b.Limit, cost: b.Cost, t: t, h: t.Hash(b.Key), now: n, req: i, soft: b.Soft})
 	}
 	for i := range d.Counters {
 		c := &d.Counters[i]
 		t := s.zones[c.Zone].counters
-		n := t.instant(now)
-		ks = append(ks, count{t: t, h: t.hash(c.Key), now: n, endAt: n + c.Window.End.Sub(now), limit: c.Limit, units: c.Cost, req: i, soft: c.Soft})
+		n := t.Instant(now)
+		ks = append(ks, count{t: t, h: t.Hash(c.Key), now: n, endAt: n + c.Window.End.Sub(now), limit: c.Limit, units: c.Cost, req: i, soft: c.Soft})
 	}
 	for i := range d.Slots {
 		q := &d.Slots[i]
@@ -130,13 +130,13 @@ func (s *memStore) takeAll(now time.Time, d *store.Demands) bool {
 }
 
 // takeOne is take of one bucket alone.
-func (s *memStore) takeOne(now time.Time, b *store.BucketDemand) bool {
+func (s *Store) takeOne(now time.Time, b *store.BucketDemand) bool {
 	t := s.zones[b.Zone].buckets
-	n := t.instant(now)
+	n := t.Instant(now)
 	if b.Floor > 0 {
 		raise(t, b.Key, b.Limit, n+b.Floor, n)
 	}
-	c := charge{l: b.Limit, cost: b.Cost, t: t, h: t.hash(b.Key), now: n, soft: b.Soft}
+	c := charge{l: b.Limit, cost: b.Cost, t: t, h: t.Hash(b.Key), now: n, soft: b.Soft}
 	allowed := takeOne(&c)
 	b.OK, b.Ban, b.Debt = c.ok, c.ban, c.debt
 	if c.overridden {
@@ -145,22 +145,22 @@ func (s *memStore) takeOne(now time.Time, b *store.BucketDemand) bool {
 	return allowed
 }
 
-func (s *memStore) Adjust(_ context.Context, now time.Time, d *store.Demands) error {
+func (s *Store) Adjust(_ context.Context, now time.Time, d *store.Demands) error {
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
 		t := s.zones[b.Zone].buckets
-		adjustBucket(t, b.Key, b.Limit, b.Cost, t.instant(now))
+		adjustBucket(t, b.Key, b.Limit, b.Cost, t.Instant(now))
 	}
 	for i := range d.Counters {
 		c := &d.Counters[i]
 		t := s.zones[c.Zone].counters
-		n := t.instant(now)
+		n := t.Instant(now)
 		adjustCounter(t, c.Key, c.Cost, n+c.Window.End.Sub(now), n)
 	}
 	return nil
 }
 
-func (s *memStore) Release(_ context.Context, slots []store.SlotDemand) error {
+func (s *Store) Release(_ context.Context, slots []store.SlotDemand) error {
 	for i := range slots {
 		if q := &slots[i]; q.Held {
 			s.zones[q.Zone].slots.release(q.Key)
@@ -169,7 +169,7 @@ func (s *memStore) Release(_ context.Context, slots []store.SlotDemand) error {
 	return nil
 }
 
-func (s *memStore) Peek(_ context.Context, now time.Time, d *store.Demands) error {
+func (s *Store) Peek(_ context.Context, now time.Time, d *store.Demands) error {
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
 		t := s.zones[b.Zone].buckets
@@ -177,13 +177,13 @@ func (s *memStore) Peek(_ context.Context, now time.Time, d *store.Demands) erro
 		if own {
 			b.SetOwnLimit(o.TokenTime, o.Burst)
 		}
-		b.Debt = b.Limit.Debt(fullAt, t.instant(now))
+		b.Debt = b.Limit.Debt(fullAt, t.Instant(now))
 	}
 	for i := range d.Counters {
 		c := &d.Counters[i]
 		t := s.zones[c.Zone].counters
-		n := t.instant(now)
-		used, endAt := countAt(t, c.Key, n)
+		n := t.Instant(now)
+		used, endAt := CountAt(t, c.Key, n)
 		c.Used, c.Left = used, max(endAt-n, 0)
 	}
 	for i := range d.Slots {
@@ -193,70 +193,70 @@ func (s *memStore) Peek(_ context.Context, now time.Time, d *store.Demands) erro
 	return nil
 }
 
-func (s *memStore) Reset(_ context.Context, d *store.Demands) (bool, error) {
+func (s *Store) Reset(_ context.Context, d *store.Demands) (bool, error) {
 	found := false
 	for i := range d.Buckets {
 		t := s.zones[d.Buckets[i].Zone].buckets
-		found = t.forget(d.Buckets[i].Key).fullAt > t.instant(time.Now()) || found
+		found = t.Forget(d.Buckets[i].Key).FullAt > t.Instant(time.Now()) || found
 	}
 	for i := range d.Counters {
 		t := s.zones[d.Counters[i].Zone].counters
-		found = !t.forget(d.Counters[i].Key).spent(t.instant(time.Now())) || found
+		found = !t.Forget(d.Counters[i].Key).Spent(t.Instant(time.Now())) || found
 	}
 	return found, nil
 }
 
-func (s *memStore) SetOverride(_ context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
+func (s *Store) SetOverride(_ context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
 	z := &s.zones[zone]
 	return setOverride(z.buckets, key, o, z.maxOv, now)
 }
 
-func (s *memStore) DeleteOverride(_ context.Context, now time.Time, zone int, key store.Key) (bool, error) {
+func (s *Store) DeleteOverride(_ context.Context, now time.Time, zone int, key store.Key) (bool, error) {
 	return deleteOverride(s.zones[zone].buckets, key, now), nil
 }
 
-func (s *memStore) Override(_ context.Context, zone int, key store.Key) (store.Override, bool, error) {
+func (s *Store) Override(_ context.Context, zone int, key store.Key) (store.Override, bool, error) {
 	o, ok := overrideOf(s.zones[zone].buckets, key, time.Now())
 	return o, ok, nil
 }
 
-func (s *memStore) Overrides(_ context.Context, zone int) ([]store.KeyOverride, error) {
+func (s *Store) Overrides(_ context.Context, zone int) ([]store.KeyOverride, error) {
 	return listOverrides(s.zones[zone].buckets, time.Now()), nil
 }
 
-func (s *memStore) OverrideCount(_ context.Context, zone int) (int, error) {
+func (s *Store) OverrideCount(_ context.Context, zone int) (int, error) {
 	return countOverrides(s.zones[zone].buckets, time.Now()), nil
 }
 
-func (s *memStore) Stats(zone int) store.ZoneStats {
+func (s *Store) Stats(zone int) store.ZoneStats {
 	z := &s.zones[zone]
 	n, e, c := 0, uint64(0), 0
 	if z.buckets != nil {
-		n, e, c = z.buckets.len(), z.buckets.evictions.Load(), z.buckets.capacity()
+		n, e, c = z.buckets.Len(), z.buckets.evictions.Load(), z.buckets.Capacity()
 	}
 	if z.counters != nil {
-		n, e, c = n+z.counters.len(), e+z.counters.evictions.Load(), c+z.counters.capacity()
+		n, e, c = n+z.counters.Len(), e+z.counters.evictions.Load(), c+z.counters.Capacity()
 	}
 	return store.ZoneStats{Keys: &n, Evictions: &e, Capacity: c, Table: *z}
 }
 
-// bucketsOf, countersOf and slotsOf are the tables of a zone's buckets,
+// BucketsOf, CountersOf and SlotsOf are the tables of a zone's buckets,
 // quota counters and slots: nil for none.
-func (s *memStore) bucketsOf(zone int) *table[bucket] { return s.zones[zone].buckets }
+func (s *Store) BucketsOf(zone int) *Table[Bucket] { return s.zones[zone].buckets }
 
-func (s *memStore) countersOf(zone int) *table[counter] { return s.zones[zone].counters }
+func (s *Store) CountersOf(zone int) *Table[Counter] { return s.zones[zone].counters }
 
-func (s *memStore) slotsOf(zone int) *slotTable { return s.zones[zone].slots }
+func (s *Store) SlotsOf(zone int) *SlotTable { return s.zones[zone].slots }
 
-var _ store.Store = (*memStore)(nil)
+var _ store.Store = (*Store)(nil)
 
-// tableID is what a zone's table is shared by. A zone whose rate or
+// TableID is what a zone's table is shared by. A zone whose rate or
 // burst changes starts with fresh buckets.
-type tableID struct {
-	name      string
-	tokenTime time.Duration
-	burst     int64
+type TableID struct {
+	Name      string
+	TokenTime time.Duration
+	Burst     int64
 	// quota, for the table of a zone's calendar quota counters, is its
-	// period and time zone (see zoneSpec.quota): its limit may change.
+	// period and time zone (see store.ZoneSpec.Quota): its limit may change.
 	quota string
 }

@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package memstore
 
 import (
 	"context"
@@ -104,56 +104,56 @@ func (s *testStorage) file(key string) ([]byte, bool) {
 	return b, ok
 }
 
-var testShape = tableID{name: "z", tokenTime: time.Second, burst: 10}
+var testShape = TableID{Name: "z", TokenTime: time.Second, Burst: 10}
 
 // newPersistedTable is a table of testShape persisted to sn, without
 // its background loading and writing.
-func newPersistedTable(sn *snapshots) *table[bucket] { return newPersistedTableOf(sn, 1000) }
+func newPersistedTable(sn *Snapshots) *Table[Bucket] { return newPersistedTableOf(sn, 1000) }
 
-func newPersistedTableOf(sn *snapshots, maxKeys int64) *table[bucket] {
-	t := newBuckets(maxKeys, t0)
-	t.key = sn.key
+func newPersistedTableOf(sn *Snapshots, maxKeys int64) *Table[Bucket] {
+	t := NewBuckets(maxKeys, tm0)
+	t.key = sn.Key
 	t.p = &persistence{shape: testShape, name: testShape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
 	t.p.to.Store(sn)
 	return t
 }
 
-func testSnapshots(storage certmagic.Storage) *snapshots {
-	return &snapshots{storage: storage, dir: "rate_limit/test", key: siphash.NewKey(), interval: time.Second, logger: zap.NewNop()}
+func testSnapshots(storage certmagic.Storage) *Snapshots {
+	return &Snapshots{Storage: storage, Dir: "rate_limit/test", Key: siphash.NewKey(), Interval: time.Second, Logger: zap.NewNop()}
 }
 
 // set makes k's bucket in t full again at fullAt.
-func set(t *table[bucket], k string, fullAt time.Time) {
-	raise(t, key(k), gcra.NewLimit(1, 10), t.instant(fullAt), t.instant(t0)) // testShape's limit
+func set(t *Table[Bucket], k string, fullAt time.Time) {
+	raise(t, keyOf(k), gcra.NewLimit(1, 10), t.Instant(fullAt), t.Instant(tm0)) // testShape's limit
 }
 
 // fullIn is how long k's bucket in t needs to be full again, seen at now.
-func fullIn(t *table[bucket], k string, now time.Time) time.Duration {
-	return max(bucketAt(t, key(k))-t.instant(now), 0)
+func fullIn(t *Table[Bucket], k string, now time.Time) time.Duration {
+	return max(BucketAt(t, keyOf(k))-t.Instant(now), 0)
 }
 
 func TestSnapshotRoundTrip(t *testing.T) {
 	sn := testSnapshots(newTestStorage())
 	a := newPersistedTable(sn)
-	set(a, "empty", t0.Add(10*time.Second))
-	set(a, "half", t0.Add(5*time.Second))
-	set(a, "soon", t0.Add(time.Second))
-	set(a, "full", t0) // refilled: not written
-	b := a.snapshot(t0, fingerprint(sn.key))
+	set(a, "empty", tm0.Add(10*time.Second))
+	set(a, "half", tm0.Add(5*time.Second))
+	set(a, "soon", tm0.Add(time.Second))
+	set(a, "full", tm0) // refilled: not written
+	b := a.snapshot(tm0, fingerprint(sn.Key))
 	if got, want := len(b), snapshotHeader+3*snapshotEntry+overridesHeader; got != want {
 		t.Fatalf("snapshot of 3 buckets that are not full: %d bytes, want %d", got, want)
 	}
 
 	// Loaded 2s later into a table of another epoch: "soon" has refilled.
-	later := t0.Add(2 * time.Second)
+	later := tm0.Add(2 * time.Second)
 	c := newPersistedTable(sn)
-	c.epoch = t0.Add(-time.Hour)
-	kept, err := c.merge(b, fingerprint(sn.key), later)
+	c.epoch = tm0.Add(-time.Hour)
+	kept, err := c.merge(b, fingerprint(sn.Key), later)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if kept != 2 || c.len() != 2 {
-		t.Fatalf("kept %d, table holds %d; want 2 and 2", kept, c.len())
+	if kept != 2 || c.Len() != 2 {
+		t.Fatalf("kept %d, table holds %d; want 2 and 2", kept, c.Len())
 	}
 	for k, want := range map[string]time.Duration{"empty": 8 * time.Second, "half": 3 * time.Second, "soon": 0, "full": 0} {
 		if got := fullIn(c, k, later); got != want {
@@ -166,8 +166,8 @@ func TestSnapshotRoundTrip(t *testing.T) {
 func TestSnapshotDiscarded(t *testing.T) {
 	sn := testSnapshots(newTestStorage())
 	a := newPersistedTable(sn)
-	set(a, "k", t0.Add(5*time.Second))
-	good := a.snapshot(t0, fingerprint(sn.key))
+	set(a, "k", tm0.Add(5*time.Second))
+	good := a.snapshot(tm0, fingerprint(sn.Key))
 
 	with := func(off int, v uint64) []byte {
 		b := append([]byte(nil), good...)
@@ -192,12 +192,12 @@ func TestSnapshotDiscarded(t *testing.T) {
 		}(), fmt.Sprintf("version %d", snapshotVersion+1)},
 	} {
 		c := newPersistedTable(sn)
-		_, err := c.merge(tc.b, fingerprint(sn.key), t0)
+		_, err := c.merge(tc.b, fingerprint(sn.Key), tm0)
 		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.wantErr)
 		}
-		if c.len() != 0 {
-			t.Errorf("%s: %d buckets loaded", tc.name, c.len())
+		if c.Len() != 0 {
+			t.Errorf("%s: %d buckets loaded", tc.name, c.Len())
 		}
 	}
 }
@@ -210,36 +210,36 @@ func TestSnapshotOverrides(t *testing.T) {
 	a := newPersistedTable(sn)
 	a.base = gcra.NewLimit(1, 10) // testShape's
 	own := store.Override{TokenTime: time.Second, Burst: 100, Rate: "1r/s"}
-	for _, k := range []store.Key{key("api-key"), {Net: netip.MustParsePrefix("2001:db8::/64")}} {
-		if err := setOverride(a, k, own, 10, t0); err != nil {
+	for _, k := range []store.Key{keyOf("api-key"), {Net: netip.MustParsePrefix("2001:db8::/64")}} {
+		if err := setOverride(a, k, own, 10, tm0); err != nil {
 			t.Fatal(err)
 		}
 	}
 	brief := own
-	brief.Expires = t0.Add(time.Second)
-	if err := setOverride(a, key("brief"), brief, 10, t0); err != nil {
+	brief.Expires = tm0.Add(time.Second)
+	if err := setOverride(a, keyOf("brief"), brief, 10, tm0); err != nil {
 		t.Fatal(err)
 	}
 	// api-key takes 50 of its 100 tokens.
-	c := charge{l: a.base, cost: time.Second, t: a, h: a.hash(key("api-key")), now: a.instant(t0)}
+	c := charge{l: a.base, cost: time.Second, t: a, h: a.Hash(keyOf("api-key")), now: a.Instant(tm0)}
 	for range 50 {
 		if !takeOne(&c) || !c.overridden {
 			t.Fatal("a take under the key's own limit was refused")
 		}
 	}
-	b := a.snapshot(t0, fingerprint(sn.key))
+	b := a.snapshot(tm0, fingerprint(sn.Key))
 
-	later := t0.Add(2 * time.Second) // brief has ended; api-key has 2 tokens back
+	later := tm0.Add(2 * time.Second) // brief has ended; api-key has 2 tokens back
 	loaded := newPersistedTable(sn)
 	loaded.base = a.base
-	if _, err := loaded.merge(b, fingerprint(sn.key), later); err != nil {
+	if _, err := loaded.merge(b, fingerprint(sn.Key), later); err != nil {
 		t.Fatal(err)
 	}
 	list := listOverrides(loaded, later)
 	if len(list) != 2 || loaded.overrides.Load() != 2 {
 		t.Fatalf("loaded overrides %v, want api-key's and the network's", list)
 	}
-	if o, ok := overrideOf(loaded, key("api-key"), later); !ok || o != own {
+	if o, ok := overrideOf(loaded, keyOf("api-key"), later); !ok || o != own {
 		t.Fatalf("api-key's own limit %+v, %v; want %+v", o, ok, own)
 	}
 	ownLimit := own.Limit(a.base)
@@ -251,7 +251,7 @@ func TestSnapshotOverrides(t *testing.T) {
 	v2 := slices.Clone(b[:len(b)-overridesLen(b)])
 	binary.LittleEndian.PutUint32(v2[4:], 2)
 	old := newPersistedTable(sn)
-	if kept, err := old.merge(v2, fingerprint(sn.key), later); err != nil || kept != 1 || old.overrides.Load() != 0 {
+	if kept, err := old.merge(v2, fingerprint(sn.Key), later); err != nil || kept != 1 || old.overrides.Load() != 0 {
 		t.Fatalf("version 2: kept %d, %v, %d overrides; want 1, nil, 0", kept, err, old.overrides.Load())
 	}
 }
@@ -267,27 +267,27 @@ func TestSnapshotEndedOverrides(t *testing.T) {
 	base := gcra.NewLimit(1, 10) // testShape's: 1r/s burst 10
 	for _, tc := range []struct {
 		name               string
-		ends, saved, loads time.Duration // after t0, when the key spent 1 token under its own limit
+		ends, saved, loads time.Duration // after tm0, when the key spent 1 token under its own limit
 	}{
 		{"ends while stopped", 3 * time.Second, time.Second, 5 * time.Second},
 		{"ended before the stop", time.Second, 2 * time.Second, 4 * time.Second},
 	} {
 		a := newPersistedTable(sn)
 		a.base = base
-		k := key("slow")
-		slow := store.Override{TokenTime: time.Hour, Burst: 1, Rate: "1r/h", Expires: t0.Add(tc.ends)}
-		if err := setOverride(a, k, slow, 10, t0); err != nil {
+		k := keyOf("slow")
+		slow := store.Override{TokenTime: time.Hour, Burst: 1, Rate: "1r/h", Expires: tm0.Add(tc.ends)}
+		if err := setOverride(a, k, slow, 10, tm0); err != nil {
 			t.Fatal(err)
 		}
-		if c := (charge{l: base, cost: time.Second, t: a, h: a.hash(k), now: a.instant(t0)}); !takeOne(&c) || !c.overridden {
+		if c := (charge{l: base, cost: time.Second, t: a, h: a.Hash(k), now: a.Instant(tm0)}); !takeOne(&c) || !c.overridden {
 			t.Fatalf("%s: the take under the key's own limit was refused", tc.name)
 		}
-		b := a.snapshot(t0.Add(tc.saved), fingerprint(sn.key))
+		b := a.snapshot(tm0.Add(tc.saved), fingerprint(sn.Key))
 
-		later := t0.Add(tc.loads)
+		later := tm0.Add(tc.loads)
 		loaded := newPersistedTable(sn)
 		loaded.base = base
-		if _, err := loaded.merge(b, fingerprint(sn.key), later); err != nil {
+		if _, err := loaded.merge(b, fingerprint(sn.Key), later); err != nil {
 			t.Fatal(err)
 		}
 		if list := listOverrides(loaded, later); len(list) != 0 {
@@ -295,12 +295,12 @@ func TestSnapshotEndedOverrides(t *testing.T) {
 		}
 		// Read as a GET reads it, then as the key's requests find it.
 		fullAt, _, own := ownBucket(loaded, k, later)
-		if got := base.Tokens(base.Debt(fullAt, loaded.instant(later))); own || got < 9 || got > 9.01 {
+		if got := base.Tokens(base.Debt(fullAt, loaded.Instant(later))); own || got < 9 || got > 9.01 {
 			t.Fatalf("%s: the key reads %v tokens (own limit %v), want 9 of the zone's 10 and no own limit", tc.name, got, own)
 		}
 		allowed := 0
 		for range 10 {
-			c := charge{l: base, cost: time.Second, t: loaded, h: loaded.hash(k), now: loaded.instant(later)}
+			c := charge{l: base, cost: time.Second, t: loaded, h: loaded.Hash(k), now: loaded.Instant(later)}
 			if takeOne(&c) {
 				allowed++
 			}
@@ -325,15 +325,15 @@ func overridesLen(b []byte) int {
 func TestMergeKeepsLaterInstant(t *testing.T) {
 	sn := testSnapshots(newTestStorage())
 	a := newPersistedTable(sn)
-	set(a, "used more since", t0.Add(2*time.Second))
-	set(a, "used more before", t0.Add(8*time.Second))
-	set(a, "clock ahead", t0.Add(time.Hour))
-	b := a.snapshot(t0, fingerprint(sn.key))
+	set(a, "used more since", tm0.Add(2*time.Second))
+	set(a, "used more before", tm0.Add(8*time.Second))
+	set(a, "clock ahead", tm0.Add(time.Hour))
+	b := a.snapshot(tm0, fingerprint(sn.Key))
 
 	c := newPersistedTable(sn)
-	set(c, "used more since", t0.Add(6*time.Second))
-	set(c, "used more before", t0.Add(3*time.Second))
-	if _, err := c.merge(b, fingerprint(sn.key), t0); err != nil {
+	set(c, "used more since", tm0.Add(6*time.Second))
+	set(c, "used more before", tm0.Add(3*time.Second))
+	if _, err := c.merge(b, fingerprint(sn.Key), tm0); err != nil {
 		t.Fatal(err)
 	}
 	for k, want := range map[string]time.Duration{
@@ -341,7 +341,7 @@ func TestMergeKeepsLaterInstant(t *testing.T) {
 		"used more before": 8 * time.Second,
 		"clock ahead":      10 * time.Second, // burst 10 at 1r/s
 	} {
-		if got := fullIn(c, k, t0); got != want {
+		if got := fullIn(c, k, tm0); got != want {
 			t.Errorf("%s: full in %v, want %v", k, got, want)
 		}
 	}
@@ -352,23 +352,23 @@ func TestMergeEvictsNothing(t *testing.T) {
 	sn := testSnapshots(newTestStorage())
 	a := newPersistedTable(sn)
 	for i := range 10 {
-		set(a, fmt.Sprint("old", i), t0.Add(5*time.Second))
+		set(a, fmt.Sprint("old", i), tm0.Add(5*time.Second))
 	}
-	b := a.snapshot(t0, fingerprint(sn.key))
+	b := a.snapshot(tm0, fingerprint(sn.Key))
 	c := newPersistedTable(sn)
 	c.maxKeys.Store(4)
 	for i := range 3 {
-		set(c, fmt.Sprint("new", i), t0.Add(5*time.Second))
+		set(c, fmt.Sprint("new", i), tm0.Add(5*time.Second))
 	}
-	kept, err := c.merge(b, fingerprint(sn.key), t0)
+	kept, err := c.merge(b, fingerprint(sn.Key), tm0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if kept != 1 || c.len() != 4 {
-		t.Fatalf("kept %d, table holds %d; want 1 and 4", kept, c.len())
+	if kept != 1 || c.Len() != 4 {
+		t.Fatalf("kept %d, table holds %d; want 1 and 4", kept, c.Len())
 	}
 	for i := range 3 {
-		if fullIn(c, fmt.Sprint("new", i), t0) == 0 {
+		if fullIn(c, fmt.Sprint("new", i), tm0) == 0 {
 			t.Errorf("new%d was evicted", i)
 		}
 	}
@@ -376,11 +376,11 @@ func TestMergeEvictsNothing(t *testing.T) {
 
 // bindTestStore binds a store persisted to sn to one zone of rate 1r/m
 // and burst 2, on tables made as the local store module makes them.
-func bindTestStore(t *testing.T, sn *snapshots, zone string) (testStore, gcra.Limit) {
+func bindTestStore(t *testing.T, sn *Snapshots, zone string) (testStore, gcra.Limit) {
 	t.Helper()
 	l := gcra.NewLimit(1.0/60, 2)
 	ts := &testTables{sn: sn}
-	s, err := newMemStore([]store.ZoneSpec{{Name: zone, Bucket: true, Shape: l}}, ts)
+	s, err := New([]store.ZoneSpec{{Name: zone, Bucket: true, Shape: l}}, ts)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -389,7 +389,7 @@ func bindTestStore(t *testing.T, sn *snapshots, zone string) (testStore, gcra.Li
 
 // A testStore is a store and the tables it was made on.
 type testStore struct {
-	*memStore
+	*Store
 	*testTables
 }
 
@@ -397,25 +397,25 @@ type testStore struct {
 // local store module makes them (without sharing them with other
 // configs), and destroy them at Cleanup.
 type testTables struct {
-	sn   *snapshots
+	sn   *Snapshots
 	made []interface{ Destruct() error }
 }
 
-func (ts *testTables) buckets(id tableID, most time.Duration) (*table[bucket], error) {
-	return addTable(ts, newTable[bucket](1000, time.Now()), id, most), nil
+func (ts *testTables) Buckets(id TableID, most time.Duration) (*Table[Bucket], error) {
+	return addTable(ts, NewTable[Bucket](1000, time.Now()), id, most), nil
 }
 
-func (ts *testTables) counters(id tableID) (*table[counter], error) {
-	return addTable(ts, newTable[counter](1000, time.Now()), id, 0), nil
+func (ts *testTables) Counters(id TableID) (*Table[Counter], error) {
+	return addTable(ts, NewTable[Counter](1000, time.Now()), id, 0), nil
 }
 
-func (ts *testTables) slots(string) (*slotTable, error) { return newSlotTable(1000), nil }
+func (ts *testTables) Slots(string) (*SlotTable, error) { return NewSlotTable(1000), nil }
 
-func addTable[E entry](ts *testTables, t *table[E], id tableID, most time.Duration) *table[E] {
+func addTable[E Entry](ts *testTables, t *Table[E], id TableID, most time.Duration) *Table[E] {
 	if ts.sn != nil {
-		t.persist(ts.sn, id, most)
+		t.Persist(ts.sn, id, most)
 	}
-	go t.sweepLoop()
+	go t.SweepLoop()
 	ts.made = append(ts.made, t)
 	return t
 }
@@ -434,7 +434,7 @@ func (ts *testTables) Cleanup() error {
 // whether the request was allowed.
 func spend(t *testing.T, s testStore, l gcra.Limit, k string) bool {
 	t.Helper()
-	d := &store.Demands{Buckets: []store.BucketDemand{{Zone: 0, Key: key(k), Limit: l, Cost: l.CostTime(1)}}}
+	d := &store.Demands{Buckets: []store.BucketDemand{{Zone: 0, Key: keyOf(k), Limit: l, Cost: l.CostTime(1)}}}
 	ok, err := s.Take(context.Background(), time.Now(), d)
 	if err != nil {
 		t.Fatal(err)
@@ -475,10 +475,10 @@ func TestHangingStorageBlocksNothing(t *testing.T) {
 	})
 	// The local stores of one config share its storage, which is asked
 	// once: a config of many sites is not held up once per site.
-	var cache hashKeyCache
+	var cache HashKeyCache
 	for range 3 {
 		within(t, "reading the hash key", func() {
-			if _, _, err := cache.get(storage, "k"); err == nil {
+			if _, _, err := cache.Get(storage, "k"); err == nil {
 				t.Error("reading the hash key from a storage that hangs did not fail")
 			}
 		})
@@ -503,7 +503,7 @@ func TestFailingStorage(t *testing.T) {
 	if err := tab.save(tab.p.to.Load()); err == nil || !strings.Contains(err.Error(), "storage down") {
 		t.Errorf("save: %v, want the storage's error", err)
 	}
-	if _, err := loadHashKey(storage, "k"); err == nil {
+	if _, err := LoadHashKey(storage, "k"); err == nil {
 		t.Error("reading the hash key from a failing storage did not fail")
 	}
 	if err := s.Cleanup(); err != nil {
@@ -514,11 +514,11 @@ func TestFailingStorage(t *testing.T) {
 // The hash key is created once, then read back.
 func TestHashKeyStored(t *testing.T) {
 	storage := newTestStorage()
-	k1, err := loadHashKey(storage, "rate_limit/x/hash_key")
+	k1, err := LoadHashKey(storage, "rate_limit/x/hash_key")
 	if err != nil {
 		t.Fatal(err)
 	}
-	k2, err := loadHashKey(storage, "rate_limit/x/hash_key")
+	k2, err := LoadHashKey(storage, "rate_limit/x/hash_key")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -532,11 +532,11 @@ func TestHashKeyStored(t *testing.T) {
 func TestPersistLifecycle(t *testing.T) {
 	storage := newTestStorage()
 	sn := testSnapshots(storage)
-	sn.interval = minPersistInterval
+	sn.Interval = 100 * time.Millisecond
 	s, z := bindTestStore(t, sn, "lifecycle")
 	spend(t, s, z, "k")
 	spend(t, s, z, "k")
-	name := sn.dir + "/" + s.zones[0].buckets.p.name
+	name := sn.Dir + "/" + s.zones[0].buckets.p.name
 	deadline := time.Now().Add(time.Minute)
 	for {
 		if b, ok := storage.file(name); ok && len(b) == snapshotHeader+snapshotEntry+overridesHeader {
@@ -593,16 +593,16 @@ func TestPersistLifecycle(t *testing.T) {
 func BenchmarkSnapshot(b *testing.B) {
 	sn := testSnapshots(newTestStorage())
 	tab := newPersistedTableOf(sn, 2*manyKeys)
-	now := t0
+	now := tm0
 	for i, k := range ipKeys()[:1_000_000] {
-		h := tab.hash(k)
-		tab.shard(h).set(tab, h, bucket{tab.instant(now) + time.Duration(i+1)*time.Millisecond, 0, 10 * time.Second}, 0)
+		h := tab.Hash(k)
+		tab.shard(h).set(tab, h, Bucket{tab.Instant(now) + time.Duration(i+1)*time.Millisecond, 0, 10 * time.Second}, 0)
 	}
 	var snap []byte
 	b.Run("write", func(b *testing.B) {
 		b.ReportAllocs()
 		for b.Loop() {
-			snap = tab.snapshot(now, fingerprint(sn.key))
+			snap = tab.snapshot(now, fingerprint(sn.Key))
 		}
 		b.ReportMetric(float64(len(snap)), "snapshot-bytes")
 	})
@@ -610,7 +610,7 @@ func BenchmarkSnapshot(b *testing.B) {
 	b.Run("one-shard-locked", func(b *testing.B) {
 		b.ReportAllocs()
 		buf := make([]byte, 0, 2*len(snap)/len(tab.shards))
-		n, wall := tab.instant(now), now.UnixNano()
+		n, wall := tab.Instant(now), now.UnixNano()
 		i := 0
 		for b.Loop() {
 			s := &tab.shards[i%len(tab.shards)]
@@ -626,7 +626,7 @@ func BenchmarkSnapshot(b *testing.B) {
 			b.StopTimer()
 			c := newPersistedTableOf(sn, 2*manyKeys)
 			b.StartTimer()
-			if _, err := c.merge(snap, fingerprint(sn.key), now); err != nil {
+			if _, err := c.merge(snap, fingerprint(sn.Key), now); err != nil {
 				b.Fatal(err)
 			}
 		}
@@ -641,11 +641,11 @@ func TestSnapshotNamesEscaped(t *testing.T) {
 	storage := &certmagic.FileStorage{Path: filepath.Join(root, "storage")}
 	sn := testSnapshots(storage)
 	names := []string{"../../../../../../../../" + root + "/escaped", "a/b", `c\d`, "50%", "api"}
-	var tables []*table[bucket]
+	var tables []*Table[Bucket]
 	for _, name := range names {
-		shape := tableID{name: name, tokenTime: time.Second, burst: 10}
-		tab := newBuckets(1000, t0)
-		tab.key = sn.key
+		shape := TableID{Name: name, TokenTime: time.Second, Burst: 10}
+		tab := NewBuckets(1000, tm0)
+		tab.key = sn.Key
 		tab.p = &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
 		tab.p.to.Store(sn)
 		set(tab, "k", time.Now().Add(time.Hour))
@@ -680,14 +680,64 @@ func TestSnapshotNamesEscaped(t *testing.T) {
 	}
 	// Each loads back into its own zone.
 	for i, tab := range tables {
-		b, err := storage.Load(context.Background(), sn.dir+"/"+tab.p.name)
+		b, err := storage.Load(context.Background(), sn.Dir+"/"+tab.p.name)
 		if err != nil {
 			t.Fatal(err)
 		}
-		fresh := newBuckets(1000, t0)
-		fresh.key, fresh.p = sn.key, tab.p
-		if n, err := fresh.merge(b, fingerprint(sn.key), time.Now()); err != nil || n != 1 {
+		fresh := NewBuckets(1000, tm0)
+		fresh.key, fresh.p = sn.Key, tab.p
+		if n, err := fresh.merge(b, fingerprint(sn.Key), time.Now()); err != nil || n != 1 {
 			t.Fatalf("zone %q: loaded %d buckets, %v", names[i], n, err)
+		}
+	}
+}
+
+// TestQuotaSnapshot: a quota table's counters go to the snapshot with
+// their counts; loaded, those of ended windows are dropped, and a
+// counter used since the start adds the snapshot's count to its own.
+func TestQuotaSnapshot(t *testing.T) {
+	sn := testSnapshots(newTestStorage())
+	shape := TableID{Name: "zq", quota: "month@Europe/Paris"}
+	if got := shape.snapshotName(); got != "quotas/zq.month@Europe-Paris" {
+		t.Fatalf("snapshot name %q", got)
+	}
+	newQuotaTable := func() *Table[Counter] {
+		qt := NewCounters(1000, tm0)
+		qt.key = sn.Key
+		qt.p = &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
+		return qt
+	}
+	setCount := func(qt *Table[Counter], k string, used int64, end time.Time) {
+		h := qt.Hash(keyOf(k))
+		s := qt.shard(h)
+		s.mu.Lock()
+		s.set(qt, h, Counter{qt.Instant(end), used}, qt.Instant(tm0))
+		s.mu.Unlock()
+	}
+	a := newQuotaTable()
+	setCount(a, "month", 7, tm0.Add(10*24*time.Hour))
+	setCount(a, "both", 2, tm0.Add(10*24*time.Hour))
+	setCount(a, "ending", 5, tm0.Add(time.Second))
+	b := a.snapshot(tm0, fingerprint(sn.Key))
+	if got, want := len(b), snapshotHeader+3*(snapshotEntry+8); got != want {
+		t.Fatalf("snapshot of 3 counters: %d bytes, want %d", got, want)
+	}
+
+	later := tm0.Add(2 * time.Second) // "ending"'s window has ended
+	c := newQuotaTable()
+	c.epoch = tm0.Add(-time.Hour)
+	setCount(c, "both", 3, tm0.Add(10*24*time.Hour))
+	kept, err := c.merge(b, fingerprint(sn.Key), later)
+	if err != nil || kept != 2 {
+		t.Fatalf("kept %d, %v; want 2", kept, err)
+	}
+	for k, want := range map[string]int64{"month": 7, "both": 5, "ending": 0} {
+		used, end := CountAt(c, keyOf(k), c.Instant(later))
+		if used != want {
+			t.Errorf("%s: count %d, want %d", k, used, want)
+		}
+		if used > 0 && end != c.Instant(tm0.Add(10*24*time.Hour)) {
+			t.Errorf("%s: window ends at %v", k, end)
 		}
 	}
 }

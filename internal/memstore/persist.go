@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package memstore
 
 import (
 	"context"
@@ -53,7 +53,7 @@ import (
 // where <zone> is the zone's name with '/', '%' and the like escaped
 // (storageName).
 //
-// A zone whose limit depends on the request (plans.go) has one table
+// A zone whose limit depends on the request (plans) has one table
 // whatever its plans, named and written with a burst and token time of 0.
 //
 // A snapshot is, little-endian: the magic "rlbk", a uint32 version (3),
@@ -75,7 +75,7 @@ import (
 const (
 	// defaultPersistInterval is how often tables are written: how much
 	// a crash can lose.
-	defaultPersistInterval = 30 * time.Second
+	DefaultPersistInterval = 30 * time.Second
 
 	// Storage calls give up after these, whether or not the storage
 	// honours its context: a storage that hangs must not hang Caddy.
@@ -90,41 +90,35 @@ const (
 	overridesHeader = 8 // their number, after a bucket table's entries
 )
 
-// snapshots is where a local store's tables are kept: a Caddy storage,
+// Snapshots is where a local store's tables are kept: a Caddy storage,
 // this instance's folder in it, and the hash key stored there.
-type snapshots struct {
-	storage  snapStorage
-	dir      string // rate_limit/<instance id>
-	key      siphash.Key
-	interval time.Duration
-	logger   *zap.Logger
-	exiting  func() bool // reports whether the process is exiting (caddy.Exiting)
+type Snapshots struct {
+	Storage  Storage
+	Dir      string // rate_limit/<instance id>
+	Key      siphash.Key
+	Interval time.Duration
+	Logger   *zap.Logger
+	Exiting  func() bool // reports whether the process is exiting (caddy.Exiting)
 }
 
-// A snapStorage is where snapshots are kept: Caddy's storage
+// A Storage is where snapshots are kept: Caddy's storage
 // (certmagic.Storage) is one.
-type snapStorage interface {
+type Storage interface {
 	Load(ctx context.Context, key string) ([]byte, error)
 	Store(ctx context.Context, key string, value []byte) error
 	Delete(ctx context.Context, key string) error
 }
 
-// hashKeys remembers the hash key of the last storage it was asked for,
-// or the error: every local store of a config (one per site, say) gets
-// the same storage, which is then asked once per config load, and a
-// storage that hangs delays a load by hashKeyTimeout once.
-var hashKeys hashKeyCache
-
-type hashKeyCache struct {
+type HashKeyCache struct {
 	mu      sync.Mutex
-	storage snapStorage
+	storage Storage
 	name    string
 	key     siphash.Key
 	err     error
 }
 
-// get returns the hash key stored at name, and whether it was cached.
-func (c *hashKeyCache) get(storage snapStorage, name string) (siphash.Key, bool, error) {
+// Get returns the hash key stored at name, and whether it was cached.
+func (c *HashKeyCache) Get(storage Storage, name string) (siphash.Key, bool, error) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	// A storage of a type that cannot be compared is never cached.
@@ -132,17 +126,17 @@ func (c *hashKeyCache) get(storage snapStorage, name string) (siphash.Key, bool,
 	if comparable && c.storage == storage && c.name == name {
 		return c.key, true, c.err
 	}
-	key, err := loadHashKey(storage, name)
+	key, err := LoadHashKey(storage, name)
 	if comparable {
 		c.storage, c.name, c.key, c.err = storage, name, key, err
 	}
 	return key, false, err
 }
 
-// loadHashKey reads the instance's hash key, or stores a new one if there
+// LoadHashKey reads the instance's hash key, or stores a new one if there
 // is none (or it is unreadable: snapshots hashed with another key are
 // then discarded, by their fingerprint).
-func loadHashKey(storage snapStorage, name string) (siphash.Key, error) {
+func LoadHashKey(storage Storage, name string) (siphash.Key, error) {
 	return call(hashKeyTimeout, func(ctx context.Context) (siphash.Key, error) {
 		b, err := storage.Load(ctx, name)
 		if err == nil && len(b) == 16 {
@@ -186,11 +180,11 @@ func fingerprint(k siphash.Key) uint64 { return siphash.Sum(k, "rate_limit snaps
 // snapshotName is the storage key of a table's snapshot, in dir. The
 // zone's name is escaped (see storageName), so that whatever it holds,
 // the snapshot stays one file in this instance's folder.
-func (id tableID) snapshotName() string {
+func (id TableID) snapshotName() string {
 	if id.quota != "" {
-		return fmt.Sprintf("quotas/%s.%s", storageName(id.name), strings.ReplaceAll(id.quota, "/", "-"))
+		return fmt.Sprintf("quotas/%s.%s", storageName(id.Name), strings.ReplaceAll(id.quota, "/", "-"))
 	}
-	return fmt.Sprintf("buckets/%s.%d.%d", storageName(id.name), id.burst, int64(id.tokenTime))
+	return fmt.Sprintf("buckets/%s.%d.%d", storageName(id.Name), id.Burst, int64(id.TokenTime))
 }
 
 // storageName is a zone name as one path segment of a storage key: '%',
@@ -223,8 +217,8 @@ func storageName(name string) string {
 // version: a quota's counter has its count after its window's end, a
 // bucket of a zone whose limit comes with each request the whole-bucket
 // time of the limit that wrote it.
-func (id tableID) entrySize(version uint32) int {
-	if id.quota != "" || id.burst == 0 && version >= 2 {
+func (id TableID) entrySize(version uint32) int {
+	if id.quota != "" || id.Burst == 0 && version >= 2 {
 		return snapshotEntry + 8
 	}
 	return snapshotEntry
@@ -232,12 +226,12 @@ func (id tableID) entrySize(version uint32) int {
 
 // persistence is what a persisted table keeps for it.
 type persistence struct {
-	shape tableID
+	shape TableID
 	// most is the longest a loaded bucket may owe: a whole bucket and
 	// its zone's ban or delay (0: its shape's whole bucket).
 	most  time.Duration
 	name  string                    // shape.snapshotName()
-	to    atomic.Pointer[snapshots] // where to write; nil: no longer persisted
+	to    atomic.Pointer[Snapshots] // where to write; nil: no longer persisted
 	ready chan struct{}             // closed when loading has ended
 	done  chan struct{}             // closed when the writing loop has ended
 	busy  atomic.Bool               // a write is in flight
@@ -245,11 +239,11 @@ type persistence struct {
 	wrote atomic.Bool               // a write succeeded: close may delete the snapshot
 }
 
-// persist makes t a persisted table: it loads t's snapshot in the
+// Persist makes t a persisted table: it loads t's snapshot in the
 // background and writes it every interval until t is destroyed. t must
 // be new: its keys are hashed with sn's hash key from now on.
-func (t *table[E]) persist(sn *snapshots, shape tableID, most time.Duration) {
-	t.key = sn.key
+func (t *Table[E]) Persist(sn *Snapshots, shape TableID, most time.Duration) {
+	t.key = sn.Key
 	p := &persistence{shape: shape, most: most, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
 	p.to.Store(sn)
 	t.p = p
@@ -257,37 +251,37 @@ func (t *table[E]) persist(sn *snapshots, shape tableID, most time.Duration) {
 	go t.persistLoop()
 }
 
-// loaded is closed once the table's snapshot has been loaded (or could
+// Loaded is closed once the table's snapshot has been loaded (or could
 // not be); nil for a table that is not persisted.
-func (t *table[E]) loaded() <-chan struct{} {
+func (t *Table[E]) Loaded() <-chan struct{} {
 	if t.p == nil {
 		return nil
 	}
 	return t.p.ready
 }
 
-// rebind points a persisted table at the snapshots of the config that
+// Rebind points a persisted table at the snapshots of the config that
 // now uses it (nil when that config turns persistence off). A table
 // hashed with another key (another storage) stops being persisted: its
 // snapshot could not be read back.
-func (t *table[E]) rebind(sn *snapshots) {
+func (t *Table[E]) Rebind(sn *Snapshots) {
 	if t.p == nil {
 		return
 	}
-	if sn != nil && sn.key != t.key {
-		sn.logger.Warn("zone's buckets are not persisted until the next start: they were hashed for another storage",
-			zap.String("zone", t.p.shape.name))
+	if sn != nil && sn.Key != t.key {
+		sn.Logger.Warn("zone's buckets are not persisted until the next start: they were hashed for another storage",
+			zap.String("zone", t.p.shape.Name))
 		sn = nil
 	}
 	t.p.to.Store(sn)
 }
 
 // load merges the table's snapshot into it. It ends within loadTimeout.
-func (t *table[E]) load(sn *snapshots) {
+func (t *Table[E]) load(sn *Snapshots) {
 	defer close(t.p.ready)
-	name := sn.dir + "/" + t.p.name
-	log := sn.logger.With(zap.String("zone", t.p.shape.name), zap.String("storage_key", name))
-	b, err := call(loadTimeout, func(ctx context.Context) ([]byte, error) { return sn.storage.Load(ctx, name) })
+	name := sn.Dir + "/" + t.p.name
+	log := sn.Logger.With(zap.String("zone", t.p.shape.Name), zap.String("storage_key", name))
+	b, err := call(loadTimeout, func(ctx context.Context) ([]byte, error) { return sn.Storage.Load(ctx, name) })
 	if errors.Is(err, fs.ErrNotExist) {
 		return
 	}
@@ -295,7 +289,7 @@ func (t *table[E]) load(sn *snapshots) {
 		log.Error("cannot load buckets: they start full", zap.Error(err))
 		return
 	}
-	kept, err := t.merge(b, fingerprint(sn.key), time.Now())
+	kept, err := t.merge(b, fingerprint(sn.Key), time.Now())
 	if err != nil {
 		log.Warn("snapshot discarded", zap.Error(err))
 		return
@@ -304,7 +298,7 @@ func (t *table[E]) load(sn *snapshots) {
 }
 
 // persistLoop writes the table every interval, once it has been loaded.
-func (t *table[E]) persistLoop() {
+func (t *Table[E]) persistLoop() {
 	defer close(t.p.done)
 	select {
 	case <-t.p.ready:
@@ -312,9 +306,9 @@ func (t *table[E]) persistLoop() {
 		return
 	}
 	for {
-		every := defaultPersistInterval
+		every := DefaultPersistInterval
 		if sn := t.p.to.Load(); sn != nil {
-			every = sn.interval
+			every = sn.Interval
 		}
 		timer := time.NewTimer(every)
 		select {
@@ -336,7 +330,7 @@ func (t *table[E]) persistLoop() {
 // wrote, as the buckets are gone. A config that never ran for a whole
 // interval (`caddy validate`, a start or a reload that failed) writes
 // and deletes nothing: the snapshot may be another process's.
-func closePersisted[E entry](t *table[E], exiting bool) {
+func closePersisted[E Entry](t *Table[E], exiting bool) {
 	if t.p == nil {
 		return
 	}
@@ -357,35 +351,35 @@ func closePersisted[E entry](t *table[E], exiting bool) {
 	if !t.p.wrote.Load() {
 		return
 	}
-	name := sn.dir + "/" + t.p.name
+	name := sn.Dir + "/" + t.p.name
 	if _, err := call(saveTimeout, func(ctx context.Context) (struct{}, error) {
-		return struct{}{}, sn.storage.Delete(ctx, name)
+		return struct{}{}, sn.Storage.Delete(ctx, name)
 	}); err != nil {
-		sn.logger.Warn("cannot delete the snapshot of a zone that is gone", zap.String("storage_key", name), zap.Error(err))
+		sn.Logger.Warn("cannot delete the snapshot of a zone that is gone", zap.String("storage_key", name), zap.Error(err))
 	}
 }
 
 // save writes the table's snapshot. Failures are logged when they start
 // and when they end, not at every interval.
-func (t *table[E]) save(sn *snapshots) error {
+func (t *Table[E]) save(sn *Snapshots) error {
 	p := t.p
 	if !p.busy.CompareAndSwap(false, true) {
 		return errors.New("the last write has not ended") // a storage that hangs
 	}
-	b := t.snapshot(time.Now(), fingerprint(sn.key))
-	name := sn.dir + "/" + p.name
+	b := t.snapshot(time.Now(), fingerprint(sn.Key))
+	name := sn.Dir + "/" + p.name
 	_, err := call(saveTimeout, func(ctx context.Context) (struct{}, error) {
 		defer p.busy.Store(false)
-		return struct{}{}, sn.storage.Store(ctx, name, b)
+		return struct{}{}, sn.Storage.Store(ctx, name, b)
 	})
 	if err == nil {
 		p.wrote.Store(true)
 	}
 	switch {
 	case err != nil && !p.fails.Swap(true):
-		sn.logger.Error("cannot save buckets", zap.String("storage_key", name), zap.Error(err))
+		sn.Logger.Error("cannot save buckets", zap.String("storage_key", name), zap.Error(err))
 	case err == nil && p.fails.Swap(false):
-		sn.logger.Info("buckets saved again", zap.String("storage_key", name))
+		sn.Logger.Info("buckets saved again", zap.String("storage_key", name))
 	}
 	return err
 }
@@ -393,25 +387,25 @@ func (t *table[E]) save(sn *snapshots) error {
 // snapshot encodes the entries that are not spent at now. Each shard is
 // locked only while its entries are copied, which for a million of them
 // in 64 shards is a fraction of a millisecond each.
-func (t *table[E]) snapshot(now time.Time, fingerprint uint64) []byte {
-	n, wall := t.instant(now), now.UnixNano()
-	size := t.len()
+func (t *Table[E]) snapshot(now time.Time, fingerprint uint64) []byte {
+	n, wall := t.Instant(now), now.UnixNano()
+	size := t.Len()
 	entry := t.p.shape.entrySize(snapshotVersion)
 	b := make([]byte, snapshotHeader, snapshotHeader+entry*(size+size/8))
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		b = s.appendTo(b, n, wall, t.p.shape.burst == 0)
+		b = s.appendTo(b, n, wall, t.p.shape.Burst == 0)
 		s.mu.Unlock()
 	}
 	copy(b, snapshotMagic)
 	binary.LittleEndian.PutUint32(b[4:], snapshotVersion)
 	binary.LittleEndian.PutUint64(b[8:], fingerprint)
-	binary.LittleEndian.PutUint64(b[16:], uint64(t.p.shape.tokenTime))
-	binary.LittleEndian.PutUint64(b[24:], uint64(t.p.shape.burst))
+	binary.LittleEndian.PutUint64(b[16:], uint64(t.p.shape.TokenTime))
+	binary.LittleEndian.PutUint64(b[24:], uint64(t.p.shape.Burst))
 	binary.LittleEndian.PutUint64(b[32:], uint64(wall))
 	binary.LittleEndian.PutUint64(b[40:], uint64((len(b)-snapshotHeader)/entry))
-	if _, ok := any(t).(*table[bucket]); ok {
+	if _, ok := any(t).(*Table[Bucket]); ok {
 		b = appendOverrides(b, t, n, wall)
 	}
 	return b
@@ -422,7 +416,7 @@ func (t *table[E]) snapshot(now time.Time, fingerprint uint64) []byte {
 // its bucket is not full: the bucket was written under it, and is carried
 // back after the restart as it would have been without one (see
 // endOverride).
-func appendOverrides[E entry](b []byte, t *table[E], n time.Duration, wall int64) []byte {
+func appendOverrides[E Entry](b []byte, t *Table[E], n time.Duration, wall int64) []byte {
 	at := len(b)
 	b = binary.LittleEndian.AppendUint64(b, 0)
 	count := uint64(0)
@@ -430,7 +424,7 @@ func appendOverrides[E entry](b []byte, t *table[E], n time.Duration, wall int64
 		s := &t.shards[i]
 		s.mu.Lock()
 		for h, e := range s.ov {
-			if !e.ended(n) || !s.m[h].spent(n) {
+			if !e.ended(n) || !s.m[h].Spent(n) {
 				b = appendOverride(b, e, n, wall)
 				count++
 			}
@@ -464,7 +458,7 @@ func appendOverride(b []byte, e localOverride, n time.Duration, wall int64) []by
 // the table, but those of keys that have one already. One that has ended
 // (before the snapshot or since) comes back ended: its bucket, saved
 // under it, is carried back to the zone's limit as if Caddy had run on.
-func mergeOverrides(t *table[bucket], b []byte, n time.Duration, wall int64) error {
+func mergeOverrides(t *Table[Bucket], b []byte, n time.Duration, wall int64) error {
 	errTruncated := errors.New("truncated overrides")
 	if len(b) < overridesHeader {
 		return errTruncated
@@ -507,8 +501,8 @@ func mergeOverrides(t *table[bucket], b []byte, n time.Duration, wall int64) err
 }
 
 // addOverride puts a loaded override in the table, if its key has none.
-func addOverride(t *table[bucket], e localOverride) {
-	h := t.hash(e.key)
+func addOverride(t *Table[Bucket], e localOverride) {
+	h := t.Hash(e.key)
 	s := t.shard(h)
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -526,7 +520,7 @@ func addOverride(t *table[bucket], e localOverride) {
 // the wall clock) to a snapshot. Requires s.mu to be held.
 func (s *shard[E]) appendTo(b []byte, n time.Duration, wall int64, plan bool) []byte {
 	for h, e := range s.m {
-		if !e.spent(n) {
+		if !e.Spent(n) {
 			b = appendEntry(b, h, e, n, wall, plan)
 		}
 	}
@@ -536,17 +530,17 @@ func (s *shard[E]) appendTo(b []byte, n time.Duration, wall int64, plan bool) []
 // appendEntry appends an entry of hash h to a snapshot written at table
 // instant n (wall on the wall clock): a bucket as the wall-clock instant
 // it is full again, a counter as the one its window ends and its count.
-func appendEntry[E entry](b []byte, h uint64, e E, n time.Duration, wall int64, plan bool) []byte {
+func appendEntry[E Entry](b []byte, h uint64, e E, n time.Duration, wall int64, plan bool) []byte {
 	b = binary.LittleEndian.AppendUint64(b, h)
 	switch e := any(e).(type) {
-	case bucket:
-		b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(e.fullAt-n)))
+	case Bucket:
+		b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(e.FullAt-n)))
 		if plan {
-			b = binary.LittleEndian.AppendUint64(b, uint64(e.full))
+			b = binary.LittleEndian.AppendUint64(b, uint64(e.Full))
 		}
-	case counter:
-		b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(e.endAt-n)))
-		b = binary.LittleEndian.AppendUint64(b, uint64(e.used))
+	case Counter:
+		b = binary.LittleEndian.AppendUint64(b, uint64(wall+int64(e.EndAt-n)))
+		b = binary.LittleEndian.AppendUint64(b, uint64(e.Used))
 	}
 	return b
 }
@@ -561,7 +555,7 @@ const mergeChunk = 1024
 // delay (so a snapshot from a clock far ahead cannot lock anyone out for
 // longer, and a ban outlives a restart as it outlives a reload). Loaded buckets only fill free
 // room: they evict none. It returns how many buckets it kept.
-func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, error) {
+func (t *Table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, error) {
 	if len(b) < snapshotHeader || string(b[:4]) != snapshotMagic {
 		return 0, errors.New("not a snapshot")
 	}
@@ -574,7 +568,7 @@ func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, erro
 	}
 	tokenTime := time.Duration(binary.LittleEndian.Uint64(b[16:]))
 	burst := int64(binary.LittleEndian.Uint64(b[24:]))
-	if tokenTime != t.p.shape.tokenTime || burst != t.p.shape.burst {
+	if tokenTime != t.p.shape.TokenTime || burst != t.p.shape.Burst {
 		return 0, fmt.Errorf("zone's rate or burst changed")
 	}
 	count := binary.LittleEndian.Uint64(b[40:])
@@ -585,11 +579,11 @@ func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, erro
 		return 0, fmt.Errorf("%d bytes of buckets, want %d: truncated", len(entries), size)
 	}
 	entries, overrides := entries[:size], entries[size:]
-	n, wall := t.instant(now), now.UnixNano()
+	n, wall := t.Instant(now), now.UnixNano()
 	switch t := any(t).(type) {
-	case *table[counter]:
+	case *Table[Counter]:
 		return mergeCounts(t, entries, n, wall), nil
-	case *table[bucket]:
+	case *Table[Bucket]:
 		if version >= 3 {
 			// Before the buckets, which were saved under them.
 			if err := mergeOverrides(t, overrides, n, wall); err != nil {
@@ -605,12 +599,12 @@ func (t *table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, erro
 
 // dropEnded removes the overrides that have ended and whose bucket is
 // full: there is nothing left to carry back.
-func dropEnded(t *table[bucket], n time.Duration) {
+func dropEnded(t *Table[Bucket], n time.Duration) {
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
 		for h, e := range s.ov {
-			if e.ended(n) && s.m[h].spent(n) {
+			if e.ended(n) && s.m[h].Spent(n) {
 				delete(s.ov, h)
 				t.overrides.Add(-1)
 			}
@@ -620,17 +614,17 @@ func dropEnded(t *table[bucket], n time.Duration) {
 }
 
 // mergeBuckets adds a snapshot's buckets to the table, as merge says.
-func mergeBuckets(t *table[bucket], entries []byte, entry int, n time.Duration, wall int64) int {
-	burst, tokenTime := t.p.shape.burst, t.p.shape.tokenTime
+func mergeBuckets(t *Table[Bucket], entries []byte, entry int, n time.Duration, wall int64) int {
+	burst, tokenTime := t.p.shape.Burst, t.p.shape.TokenTime
 	most := n + max(time.Duration(burst)*tokenTime, t.p.most)
 	if burst == 0 {
-		// A zone whose limit depends on the request (plans.go): each
+		// A zone whose limit depends on the request (plans): each
 		// take clamps its bucket to the request's own burst.
 		most = n + gcra.MaxBurstTime
 	}
 	capacity := t.shardCap()
 	kept := 0
-	var locked *shard[bucket]
+	var locked *shard[Bucket]
 	for i := 0; len(entries) > 0; i, entries = i+1, entries[entry:] {
 		h := binary.LittleEndian.Uint64(entries)
 		fullAt := n + time.Duration(int64(binary.LittleEndian.Uint64(entries[8:]))-wall)
@@ -656,11 +650,11 @@ func mergeBuckets(t *table[bucket], entries []byte, entry int, n time.Duration, 
 			fullAt = min(fullAt, most)
 		}
 		if bk, ok := locked.m[h]; ok {
-			if fullAt > bk.fullAt {
-				locked.m[h] = bucket{fullAt, bk.usedAt, full}
+			if fullAt > bk.FullAt {
+				locked.m[h] = Bucket{fullAt, bk.UsedAt, full}
 			}
 		} else if len(locked.m) < capacity {
-			locked.m[h] = bucket{fullAt, n, full}
+			locked.m[h] = Bucket{fullAt, n, full}
 		} else {
 			continue
 		}
@@ -677,7 +671,7 @@ func mergeBuckets(t *table[bucket], entries []byte, entry int, n time.Duration, 
 // counted since the start, gets the snapshot's count added (they count
 // different requests of one window). Loaded counters only fill free
 // room. It returns how many it kept.
-func mergeCounts(t *table[counter], entries []byte, n time.Duration, wall int64) int {
+func mergeCounts(t *Table[Counter], entries []byte, n time.Duration, wall int64) int {
 	capacity := t.shardCap()
 	kept := 0
 	for ; len(entries) > 0; entries = entries[snapshotEntry+8:] {
@@ -689,11 +683,11 @@ func mergeCounts(t *table[counter], entries []byte, n time.Duration, wall int64)
 		}
 		s := t.shard(h)
 		s.mu.Lock()
-		if c, ok := s.m[h]; ok && !c.spent(n) {
-			s.m[h] = counter{c.endAt, c.used + used}
+		if c, ok := s.m[h]; ok && !c.Spent(n) {
+			s.m[h] = Counter{c.EndAt, c.Used + used}
 			kept++
 		} else if ok || len(s.m) < capacity {
-			s.m[h] = counter{endAt, used}
+			s.m[h] = Counter{endAt, used}
 			kept++
 		}
 		s.mu.Unlock()

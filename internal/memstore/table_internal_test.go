@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package memstore
 
 import (
 	"fmt"
@@ -18,25 +18,25 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
-func key(s string) store.Key { return store.Key{Text: s} }
+func keyOf(s string) store.Key { return store.Key{Text: s} }
 
-func newTestCharge(tab *table[bucket], l gcra.Limit, k string, now time.Time) charge {
-	return charge{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(key(k)), now: tab.instant(now)}
+func newTestCharge(tab *Table[Bucket], l gcra.Limit, k string, now time.Time) charge {
+	return charge{l: l, cost: l.CostTime(1), t: tab, h: tab.Hash(keyOf(k)), now: tab.Instant(now)}
 }
 
 func TestTakeAllIsAllOrNothing(t *testing.T) {
-	a := newBuckets(100, t0)
-	b := newBuckets(100, t0)
+	a := NewBuckets(100, tm0)
+	b := NewBuckets(100, tm0)
 	la := gcra.NewLimit(10, 5)
 	lb := gcra.NewLimit(10, 1)
 
-	cs := []charge{newTestCharge(a, la, "k", t0), newTestCharge(b, lb, "k", t0)}
+	cs := []charge{newTestCharge(a, la, "k", tm0), newTestCharge(b, lb, "k", tm0)}
 	if ok := takeAll(cs, nil, nil); !ok {
 		t.Fatal("first request denied")
 	}
 	// b is empty now: the second request must be denied and spend
 	// nothing in a.
-	cs = []charge{newTestCharge(a, la, "k", t0), newTestCharge(b, lb, "k", t0)}
+	cs = []charge{newTestCharge(a, la, "k", tm0), newTestCharge(b, lb, "k", tm0)}
 	if ok := takeAll(cs, nil, nil); ok {
 		t.Fatal("second request allowed past an empty bucket")
 	}
@@ -48,7 +48,7 @@ func TestTakeAllIsAllOrNothing(t *testing.T) {
 			t.Fatal("zone b allowed")
 		}
 	}
-	if got := la.Tokens(la.Debt(bucketAt(a, key("k")), 0)); got != 4 {
+	if got := la.Tokens(la.Debt(BucketAt(a, keyOf("k")), 0)); got != 4 {
 		t.Fatalf("zone a holds %v tokens, want 4: the denied request spent some", got)
 	}
 }
@@ -56,15 +56,15 @@ func TestTakeAllIsAllOrNothing(t *testing.T) {
 // Requests that take two tables in opposite orders must not deadlock,
 // and every allowed request must be charged to both.
 func TestTakeAllConcurrentNoDeadlock(t *testing.T) {
-	a := newBuckets(1000, t0)
-	b := newBuckets(1000, t0)
+	a := NewBuckets(1000, tm0)
+	b := NewBuckets(1000, tm0)
 	l := gcra.NewLimit(1, 1_000_000)
 	var wg sync.WaitGroup
 	var allowed atomic.Int64
 	for g := range 8 {
 		wg.Go(func() {
 			for range 2000 {
-				cs := []charge{newTestCharge(a, l, "k", t0), newTestCharge(b, l, "k", t0)}
+				cs := []charge{newTestCharge(a, l, "k", tm0), newTestCharge(b, l, "k", tm0)}
 				if g%2 == 1 {
 					cs[0], cs[1] = cs[1], cs[0]
 				}
@@ -75,66 +75,66 @@ func TestTakeAllConcurrentNoDeadlock(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	for _, tab := range []*table[bucket]{a, b} {
-		h := tab.hash(key("k"))
-		if got := l.Tokens(l.Debt(tab.shard(h).m[h].fullAt, 0)); math.Round(got) != float64(1_000_000-allowed.Load()) {
+	for _, tab := range []*Table[Bucket]{a, b} {
+		h := tab.Hash(keyOf("k"))
+		if got := l.Tokens(l.Debt(tab.shard(h).m[h].FullAt, 0)); math.Round(got) != float64(1_000_000-allowed.Load()) {
 			t.Fatalf("bucket holds %v, want %d", got, 1_000_000-allowed.Load())
 		}
 	}
 }
 
 func TestTableDropsFullBucketsFirst(t *testing.T) {
-	tab := newBuckets(10, t0) // one shard of 10
-	l := gcra.NewLimit(10, 1) // a bucket is full again 100ms after its request
+	tab := NewBuckets(10, tm0) // one shard of 10
+	l := gcra.NewLimit(10, 1)  // a bucket is full again 100ms after its request
 	for i := range 10 {
-		cs := []charge{newTestCharge(tab, l, string(rune('a'+i)), t0)}
+		cs := []charge{newTestCharge(tab, l, string(rune('a'+i)), tm0)}
 		takeAll(cs, nil, nil)
 	}
-	if n := tab.len(); n != 10 {
+	if n := tab.Len(); n != 10 {
 		t.Fatalf("tracked %d keys, want 10", n)
 	}
-	// At t2 all ten are full again: making room drops them, evicts none.
-	cs := []charge{newTestCharge(tab, l, "new", t2)}
+	// At tm2 all ten are full again: making room drops them, evicts none.
+	cs := []charge{newTestCharge(tab, l, "new", tm2)}
 	takeAll(cs, nil, nil)
 	if n := tab.evictions.Load(); n != 0 {
 		t.Fatalf("evicted %d buckets that were full", n)
 	}
-	if n := tab.len(); n != 1 {
+	if n := tab.Len(); n != 1 {
 		t.Fatalf("tracked %d keys after the sweep, want 1", n)
 	}
 }
 
 func TestTableNeverGrowsPastMaxKeys(t *testing.T) {
 	const maxKeys = 64 * 64 * 2 // sharded
-	tab := newBuckets(maxKeys, t0)
+	tab := NewBuckets(maxKeys, tm0)
 	l := gcra.NewLimit(1.0/3600, 10) // nothing refills during the test
 	for i := range 5 * maxKeys {
-		cs := []charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(store.Key{Net: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}), now: time.Duration(i)}}
+		cs := []charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.Hash(store.Key{Net: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}), now: time.Duration(i)}}
 		takeAll(cs, nil, nil)
 		if i%1000 == 0 {
-			if n := tab.len(); n > maxKeys {
+			if n := tab.Len(); n > maxKeys {
 				t.Fatalf("after %d keys: tracking %d, more than %d", i, n, maxKeys)
 			}
 		}
 	}
-	if n := tab.len(); n > maxKeys || n < maxKeys*9/10 {
+	if n := tab.Len(); n > maxKeys || n < maxKeys*9/10 {
 		t.Fatalf("tracking %d keys, want close to and at most %d", n, maxKeys)
 	}
-	if evicted := tab.evictions.Load(); evicted != uint64(5*maxKeys-tab.len()) {
-		t.Fatalf("evicted %d, want one per key beyond the %d tracked", evicted, tab.len())
+	if evicted := tab.evictions.Load(); evicted != uint64(5*maxKeys-tab.Len()) {
+		t.Fatalf("evicted %d, want one per key beyond the %d tracked", evicted, tab.Len())
 	}
 }
 
 func TestBucketKeyHash(t *testing.T) {
-	tab := newBuckets(10, t0)
+	tab := NewBuckets(10, tm0)
 	a := store.Key{Net: netip.MustParsePrefix("2001:db8::/64")}
 	b := store.Key{Net: netip.MustParsePrefix("2001:db8::/64")}
 	c := store.Key{Net: netip.MustParsePrefix("2001:db8:0:1::/64")}
-	if tab.hash(a) != tab.hash(b) || tab.hash(a) == tab.hash(c) {
+	if tab.Hash(a) != tab.Hash(b) || tab.Hash(a) == tab.Hash(c) {
 		t.Fatal("IP prefixes hash wrong")
 	}
 	long := make([]byte, 1<<20)
-	if tab.hash(key(string(long))) == tab.hash(key(string(long[1:]))) {
+	if tab.Hash(keyOf(string(long))) == tab.Hash(keyOf(string(long[1:]))) {
 		t.Fatal("long keys collide")
 	}
 }
@@ -149,16 +149,16 @@ func TestMemoryPerKey(t *testing.T) {
 	var before, after runtime.MemStats
 	runtime.GC()
 	runtime.ReadMemStats(&before)
-	tab := newBuckets(2*n, t0) // room for all: no evictions
+	tab := NewBuckets(2*n, tm0) // room for all: no evictions
 	l := gcra.NewLimit(1, 10)
 	for i := range n {
 		k := store.Key{Net: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
-		takeAll([]charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(k), now: 0}}, nil, nil)
+		takeAll([]charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.Hash(k), now: 0}}, nil, nil)
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&after)
-	if tab.len() != n {
-		t.Fatalf("tracking %d keys, want %d", tab.len(), n)
+	if tab.Len() != n {
+		t.Fatalf("tracking %d keys, want %d", tab.Len(), n)
 	}
 	per := float64(after.HeapAlloc-before.HeapAlloc) / n
 	t.Logf("%.1f bytes per tracked IPv4 key (1M keys)", per)
@@ -198,8 +198,8 @@ func TestEvictionSparesClientsThatKeepSending(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			l := gcra.NewLimit(tc.rate, tc.burst)
 			cost := l.CostTime(tc.cost)
-			tab := newBuckets(maxKeys, t0)
-			oracle := newBuckets(1<<20, t0) // never full: never evicts
+			tab := NewBuckets(maxKeys, tm0)
+			oracle := NewBuckets(1<<20, tm0) // never full: never evicts
 			hot := store.Key{Text: "hot"}
 			step := duration / flood
 			var got, want int
@@ -207,13 +207,13 @@ func TestEvictionSparesClientsThatKeepSending(t *testing.T) {
 			for i := range flood {
 				now := time.Duration(i) * step
 				k := store.Key{Net: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}
-				takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: now}}, nil, nil)
+				takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.Hash(k), now: now}}, nil, nil)
 				if now >= nextPoll {
 					nextPoll += tc.pollEvery
-					if takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(hot), now: now}}, nil, nil) {
+					if takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.Hash(hot), now: now}}, nil, nil) {
 						got++
 					}
-					if takeAll([]charge{{l: l, cost: cost, t: oracle, h: oracle.hash(hot), now: now}}, nil, nil) {
+					if takeAll([]charge{{l: l, cost: cost, t: oracle, h: oracle.Hash(hot), now: now}}, nil, nil) {
 						want++
 					}
 				}
@@ -245,16 +245,16 @@ func BenchmarkDecision(b *testing.B) {
 		for _, parallel := range []bool{false, true} {
 			name := fmt.Sprintf("keys=%d/parallel=%v", keys, parallel)
 			b.Run("tokenbucket/"+name, func(b *testing.B) {
-				tab := newBuckets(2*manyKeys, time.Now())
+				tab := NewBuckets(2*manyKeys, time.Now())
 				l := gcra.NewLimit(1e9, 1e9)
 				ks := ipKeys()[:keys]
 				for _, k := range ks { // steady state: keys already tracked
-					takeAll([]charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(k), now: 1}}, nil, nil)
+					takeAll([]charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.Hash(k), now: 1}}, nil, nil)
 				}
 				cost := l.CostTime(1) // per zone, once
 				decide := func(i int, now time.Time) {
 					k := ks[i]
-					cs := [1]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: tab.instant(now)}}
+					cs := [1]charge{{l: l, cost: cost, t: tab, h: tab.Hash(k), now: tab.Instant(now)}}
 					takeAll(cs[:], nil, nil)
 				}
 				runDecisions(b, parallel, keys, decide)
@@ -308,18 +308,18 @@ func BenchmarkClock(b *testing.B) {
 // decision is a new key, so each evicts a bucket that has not refilled.
 func BenchmarkEviction(b *testing.B) {
 	const maxKeys = 100_000
-	tab := newBuckets(maxKeys, time.Now())
+	tab := NewBuckets(maxKeys, time.Now())
 	l := gcra.NewLimit(1.0/60, 1)
 	cost := l.CostTime(1)
 	keys := ipKeys()
 	for i := range maxKeys { // full, of buckets that refill in a minute
-		takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(keys[i]), now: 1}}, nil, nil)
+		takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.Hash(keys[i]), now: 1}}, nil, nil)
 	}
 	b.ReportAllocs()
 	i := maxKeys
 	for b.Loop() {
 		k := keys[i%len(keys)]
-		takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.hash(k), now: 1 + time.Duration(i)}}, nil, nil)
+		takeAll([]charge{{l: l, cost: cost, t: tab, h: tab.Hash(k), now: 1 + time.Duration(i)}}, nil, nil)
 		i++
 	}
 	if tab.evictions.Load() == 0 {
@@ -334,13 +334,13 @@ func BenchmarkEviction(b *testing.B) {
 // to 100; it keeps room for 64 keys a shard.
 func TestSmallTableKeepsAClientThatKeepsSending(t *testing.T) {
 	for _, created := range []int64{100, 1_000_000} {
-		tab := newBuckets(created, t0)
+		tab := NewBuckets(created, tm0)
 		tab.maxKeys.Store(100)
 		l := gcra.NewLimit(1.0/60, 1) // a token a minute: nothing refills during the test
 		now := time.Duration(0)
 		take := func(k string) {
 			now += time.Microsecond
-			takeAll([]charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.hash(key(k)), now: now}}, nil, nil)
+			takeAll([]charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.Hash(keyOf(k)), now: now}}, nil, nil)
 		}
 		take("hot")
 		lost := 0
@@ -348,7 +348,7 @@ func TestSmallTableKeepsAClientThatKeepsSending(t *testing.T) {
 			for i := range 90 {
 				take(fmt.Sprint("once-", round, "-", i))
 			}
-			if _, ok := tab.lookup(key("hot")); !ok {
+			if _, ok := tab.Lookup(keyOf("hot")); !ok {
 				lost++
 			}
 			take("hot")
@@ -356,8 +356,8 @@ func TestSmallTableKeepsAClientThatKeepsSending(t *testing.T) {
 		if lost != 0 {
 			t.Errorf("made for %d keys: the client lost its bucket %d of 20 times", created, lost)
 		}
-		if most := max(100, len(tab.shards)*minShardCap(len(tab.shards))); tab.len() > most {
-			t.Errorf("made for %d keys: %d kept, more than %d", created, tab.len(), most)
+		if most := max(100, len(tab.shards)*minShardCap(len(tab.shards))); tab.Len() > most {
+			t.Errorf("made for %d keys: %d kept, more than %d", created, tab.Len(), most)
 		}
 	}
 }
@@ -366,7 +366,7 @@ func TestSmallTableKeepsAClientThatKeepsSending(t *testing.T) {
 // networks of one zone have one length per family, which need not be
 // hashed.)
 func TestTableHashKinds(t *testing.T) {
-	tab := newBuckets(100, t0)
+	tab := NewBuckets(100, tm0)
 	seen := map[uint64]string{}
 	for _, k := range []store.Key{
 		{Net: netip.MustParsePrefix("192.0.2.1/32")},
@@ -381,24 +381,24 @@ func TestTableHashKinds(t *testing.T) {
 		{Text: "192.0.2.1"},
 		{Text: ""},
 	} {
-		h := tab.hash(k)
+		h := tab.Hash(k)
 		if other, ok := seen[h]; ok {
 			t.Errorf("%v and %s hash alike", k, other)
 		}
 		seen[h] = k.String()
 	}
-	other := newBuckets(100, t0)
-	if k := key("a"); tab.hash(k) == other.hash(k) {
+	other := NewBuckets(100, tm0)
+	if k := keyOf("a"); tab.Hash(k) == other.Hash(k) {
 		t.Error("two tables with random keys hash alike")
 	}
 	other.key = tab.key
-	if k := key("a"); tab.hash(k) != other.hash(k) {
+	if k := keyOf("a"); tab.Hash(k) != other.Hash(k) {
 		t.Error("two tables with one key hash apart")
 	}
 }
 
 func BenchmarkTableHash(b *testing.B) {
-	tab := newBuckets(100, t0)
+	tab := NewBuckets(100, tm0)
 	for _, k := range []store.Key{
 		{Net: netip.MustParsePrefix("192.0.2.1/32")},
 		{Net: netip.MustParsePrefix("2001:db8::/64")},
@@ -406,8 +406,14 @@ func BenchmarkTableHash(b *testing.B) {
 	} {
 		b.Run(k.String()[:min(len(k.String()), 12)], func(b *testing.B) {
 			for b.Loop() {
-				_ = tab.hash(k)
+				_ = tab.Hash(k)
 			}
 		})
 	}
 }
+
+// Named instants, as in golang.org/x/time/rate's tests.
+var (
+	tm0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
+	tm2 = tm0.Add(200 * time.Millisecond)
+)
