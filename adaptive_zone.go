@@ -279,7 +279,7 @@ func (h *Handler) admitAdaptive(r *http.Request, now time.Time, sc *scratch) out
 		p := &a.p[i]
 		z := h.Zones[p.zone]
 		if p.k = z.adaptive.table.Key(p.key, now); p.k != nil {
-			p.tk, p.held = p.k.Admit(now)
+			p.tk, p.held = p.k.Admit(now, 0)
 		}
 		a.held = a.held || p.held
 		switch {

@@ -82,7 +82,34 @@ import (
 //     (a bound that shows slowness); a client that leaves early says
 //     nothing of the upstream.
 //   - The limit rises only while at least half of it is in use: idle
-//     traffic does not inflate it.
+//     traffic does not inflate it. With classes (below), "it" is the part
+//     of the limit that the interval's requests could use.
+//
+// Classes (priorities) share a key's limit: class 0 is the highest, and
+// each class above the lowest has a reserve, a fraction of the limit held
+// back for it and the classes above it. A request of class c is admitted
+// while the requests in flight, whatever their class, are fewer than its
+// part of the limit: the limit less the reserves of the classes above c,
+// rounded down, and at least one. So the highest class may use the whole
+// limit, the lowest the limit less every reserve, and under overload the
+// lowest class is shed first while each reserve stays free for the
+// classes it is for. A probe halves every class's part alike.
+//
+// The limit is learnt from every admitted request, whatever its class,
+// but a reserve that no request uses must not hold it down: counted
+// against the whole limit, a lowest class that may use 40% of it is
+// never "half in use", and the limit would stay at min. So the
+// controller steers the part of the limit that the interval's requests
+// could use, as it steers a limit without classes, and the limit
+// follows as that part over its share: the part of the lowest class that
+// asked for a place (admitted or shed), or the most requests in flight
+// when more (a higher class that used more than it). "In use" is the
+// most requests in flight, whatever their class, against that part; the
+// band of the queue and the steps are that part's. The lowest class
+// alone thus raises the limit until its part keeps the upstream busy, as
+// without classes, and a class that comes later finds its reserve above
+// that part, at the cost of a queue of at most its reserve until the
+// limit falls.
 //
 // The state of a key is one mutex and one controller; the limiter is
 // local to each instance (latency is an instance's own view), and never
@@ -133,7 +160,7 @@ type controller struct {
 	peak  int64 // the most in flight
 
 	over    bool          // the last interval found a queue beyond β
-	used    float64       // the last interval's mean requests in flight
+	used    float64       // its mean requests in flight, over the share of the limit they could use (interval.share)
 	latency time.Duration // the last interval's median
 
 	probing    bool
@@ -170,10 +197,23 @@ type controller struct {
 	settleBy time.Time
 
 	logged float64 // the limit last logged
+
+	// Classes (see Key.Admit): shares[c] is the fraction of the limit
+	// that class c may use, 1 for the highest (nil without classes, a
+	// table's slice that no key changes); classIn, the requests of each
+	// class in flight; low, the lowest class that asked for a place in
+	// the interval.
+	shares  []float64
+	classIn []int64
+	low     int
 }
 
-func newController(min, max int64) controller {
-	return controller{min: float64(min), max: float64(max), limit: float64(min), logged: float64(min)}
+func newController(min, max int64, shares []float64) controller {
+	c := controller{min: float64(min), max: float64(max), limit: float64(min), logged: float64(min), shares: shares}
+	if shares != nil {
+		c.classIn = make([]int64, len(shares))
+	}
+	return c
 }
 
 // A Ticket is what a request admitted by a controller carries to its
@@ -181,10 +221,12 @@ func newController(min, max int64) controller {
 type Ticket struct {
 	gen   uint32
 	probe uint32 // the probe that admitted it; 0 for none
+	class uint32
 }
 
-// admit takes a place in flight at now, if one is free under the limit.
-func (c *controller) admit(now time.Time) (Ticket, bool) {
+// admit takes a place in flight at now for a request of class, if one is
+// free under its part of the limit.
+func (c *controller) admit(now time.Time, class int) (Ticket, bool) {
 	c.checkProbe(now)
 	if !c.probing && c.noLoad > 0 && c.measured && !now.Before(c.nextProbe) {
 		c.startProbe(now)
@@ -193,7 +235,14 @@ func (c *controller) admit(now time.Time) (Ticket, bool) {
 	if probe {
 		limit = c.probeLimit
 	}
+	if c.shares == nil {
+		class = 0
+	} else {
+		class = min(max(class, 0), len(c.shares)-1)
+		limit = c.part(limit, class)
+	}
 	if c.inFlight >= limit {
+		c.low = max(c.low, class)
 		return Ticket{}, false
 	}
 	if c.settling && (c.inFlight+1 >= limit || !now.Before(c.settleBy)) {
@@ -201,15 +250,29 @@ func (c *controller) admit(now time.Time) (Ticket, bool) {
 		c.gen++
 		c.restart(now)
 	}
+	c.low = max(c.low, class)
 	c.tick(now)
 	c.inFlight++
 	c.peak = max(c.peak, c.inFlight)
 	t := Ticket{gen: c.gen}
+	if c.shares != nil {
+		c.classIn[class]++
+		t.class = uint32(class)
+	}
 	if probe {
 		c.probeOut++
 		t.probe = c.probeN
 	}
 	return t, true
+}
+
+// part is what class may use of limit: the limit less the reserves of
+// the classes above it, rounded down, and at least one request.
+func (c *controller) part(limit int64, class int) int64 {
+	if c.shares == nil || class == 0 {
+		return limit
+	}
+	return max(1, int64(float64(limit)*c.shares[class]))
 }
 
 // tick adds the requests in flight since the last event to the
@@ -229,6 +292,9 @@ func (c *controller) tick(now time.Time) {
 func (c *controller) done(now time.Time, t Ticket, kind Sample, lat time.Duration) bool {
 	c.tick(now)
 	c.inFlight--
+	if c.classIn != nil {
+		c.classIn[t.class]--
+	}
 	if kind == SampleGone {
 		// A lower bound of the latency: it shows slowness only when it
 		// is long already.
@@ -282,21 +348,13 @@ func (c *controller) update(now time.Time) bool {
 			*p = r
 		}
 	}
-	iv := interval{inFlight: float64(c.inFlight), busy: 2*c.peak >= int64(c.limit)}
-	if span := now.Sub(c.since); span > 0 {
-		iv.inFlight = c.area / float64(span)
-	}
-	c.used = iv.inFlight
-	iv.queue, iv.excess = iv.inFlight, iv.inFlight
-	if r != errorLatency {
-		iv.queue *= 1 - float64(c.noLoad)/float64(r)
-		iv.excess *= 1 - float64(max(c.noLoad, c.flat))/float64(r)
-	}
+	iv := c.interval(now, r)
+	c.used = iv.inFlight / iv.share
 	c.restart(now)
 	old := c.limit
 	c.limit = c.next(iv)
 	c.fellAt = 0
-	if c.limit < old && c.limit < 0.95*iv.inFlight && r != errorLatency {
+	if c.limit < old && c.limit*iv.share < 0.95*iv.inFlight && r != errorLatency {
 		c.fellAt = r // the next interval tells whether it was any use
 	}
 	if int64(c.limit) == int64(old) {
@@ -312,7 +370,35 @@ type interval struct {
 	inFlight float64 // requests in flight, on average
 	queue    float64 // of which waiting in the upstream's queue
 	excess   float64 // the queue that the last probe does not contradict (see controller.flat)
-	busy     bool    // at least half the limit was in use
+	busy     bool    // at least half the limit was in use (see share)
+	// share is the fraction of the limit that the interval's requests
+	// could use: 1 without classes. With classes, the part of the lowest
+	// class present, or the most requests in flight when more (a higher
+	// class that used more than the lowest's part). The controller keeps
+	// that part of the limit, not the whole, as it keeps a limit without
+	// classes: its band and its steps are that part's, and busy means
+	// that at least half the lowest class's part was in use. So a
+	// reserve left unused keeps the limit neither from rising nor, by
+	// widening the band, from falling.
+	share float64
+}
+
+// interval sums up the interval that ends at now, whose median latency
+// is r.
+func (c *controller) interval(now time.Time, r time.Duration) interval {
+	iv := interval{inFlight: float64(c.inFlight), busy: 2*c.peak >= c.part(int64(c.limit), c.low), share: 1}
+	if span := now.Sub(c.since); span > 0 {
+		iv.inFlight = c.area / float64(span)
+	}
+	if c.shares != nil {
+		iv.share = max(c.shares[c.low], min(1, float64(c.peak)/c.limit))
+	}
+	iv.queue, iv.excess = iv.inFlight, iv.inFlight
+	if r != errorLatency {
+		iv.queue *= 1 - float64(c.noLoad)/float64(r)
+		iv.excess *= 1 - float64(max(c.noLoad, c.flat))/float64(r)
+	}
+	return iv
 }
 
 // next is the limit after iv: it rises when the queue was short and the
@@ -322,9 +408,10 @@ type interval struct {
 // the R0 it had before, until probes have measured R0 anew: the limit
 // falls only for the queue that the last probe does not contradict
 // (flat), and not again after a fall that did not make it faster
-// (futile).
+// (futile). With classes, all this is of the part of the limit that the
+// interval's requests could use (iv.share), which the limit follows.
 func (c *controller) next(iv interval) float64 {
-	l := c.limit
+	l := c.limit * iv.share
 	lg := max(1, math.Log10(l))
 	alpha, beta := max(2*lg, l/10), max(5*lg, l/4)
 	switch {
@@ -343,18 +430,19 @@ func (c *controller) next(iv interval) float64 {
 	default:
 		c.over = false
 	}
-	return min(max(l, c.min), c.max)
+	return min(max(l/iv.share, c.min), c.max)
 }
 
 // restart starts a new interval at now.
 func (c *controller) restart(now time.Time) {
 	c.win.reset()
-	c.since, c.last, c.area, c.peak = now, now, 0, c.inFlight
+	c.since, c.last, c.area, c.peak, c.low = now, now, 0, c.inFlight, 0
 }
 
 // startProbe halves the requests in flight for two latencies, to measure
 // R0: the limit, or what the last interval used of it when less (halving
-// an unused limit would measure the queue it meant to drain).
+// an unused limit would measure the queue it meant to drain). Each
+// class's part of the limit is halved with it.
 func (c *controller) startProbe(now time.Time) {
 	c.probing, c.measured = true, false
 	c.probeN = max(c.probeN+1, 1)
@@ -505,11 +593,14 @@ func (k *Key) Release(now time.Time, t Ticket, kind Sample, lat time.Duration) (
 	return ch, true
 }
 
-// Admit takes a place in flight at now, if one is free under the limit.
-func (k *Key) Admit(now time.Time) (Ticket, bool) {
+// Admit takes a place in flight at now for a request of class (0 is the
+// highest; a class beyond the table's is its lowest), if one is free
+// under the class's part of the limit. Without classes, class is
+// ignored.
+func (k *Key) Admit(now time.Time, class int) (Ticket, bool) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	return k.c.admit(now)
+	return k.c.admit(now, class)
 }
 
 // State is a key's state, for the admin API and the metrics.
@@ -527,14 +618,26 @@ func (k *Key) State() State {
 	return State{Limit: int64(c.limit), InFlight: c.inFlight, Latency: c.latency, NoLoad: c.noLoad, Probing: c.probing}
 }
 
+// InFlightByClass appends the key's requests in flight of each class,
+// from the highest, to dst; nil without classes.
+func (k *Key) InFlightByClass(dst []int64) []int64 {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if k.c.classIn == nil {
+		return dst
+	}
+	return append(dst, k.c.classIn...)
+}
+
 // Forget starts the key's learning again, from min; its requests in
-// flight stay counted.
+// flight stay counted, by class too.
 func (k *Key) Forget() {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	c := &k.c
-	fresh := newController(int64(c.min), int64(c.max))
+	fresh := newController(int64(c.min), int64(c.max), nil)
 	fresh.inFlight, fresh.gen, fresh.probeN = c.inFlight, c.gen+1, c.probeN
+	fresh.shares, fresh.classIn = c.shares, c.classIn
 	*c = fresh
 }
 
@@ -546,6 +649,7 @@ func (k *Key) Forget() {
 type Table[K comparable] struct {
 	seed     maphash.Seed
 	Min, Max int64
+	shares   []float64 // what each class may use of a limit; nil without classes
 	shards   [adaptiveShards]adaptiveShard[K]
 	Logged   throttle.Throttle // the INFO lines of large changes
 }
@@ -561,13 +665,29 @@ type adaptiveShard[K comparable] struct {
 }
 
 // NewTable is an empty table of keys whose limits lie in [min, max].
-func NewTable[K comparable](min, max int64) *Table[K] {
+// With reserves, its keys' requests have classes, one more than the
+// reserves: reserves[c] is the fraction of the limit held back for class
+// c and the classes above it, from the highest (class 0) down; each lies
+// in (0, 1), and together they leave the lowest class part of the limit
+// (the caller checks both).
+func NewTable[K comparable](min, max int64, reserves ...float64) *Table[K] {
 	t := &Table[K]{seed: maphash.MakeSeed(), Min: min, Max: max}
+	if len(reserves) > 0 {
+		t.shares = make([]float64, len(reserves)+1)
+		t.shares[0] = 1
+		for i, r := range reserves {
+			t.shares[i+1] = t.shares[i] - r
+		}
+	}
 	for i := range t.shards {
 		t.shards[i].m = make(map[K]*Key)
 	}
 	return t
 }
+
+// Classes is the number of classes of the table's requests: 1 without
+// reserves.
+func (t *Table[K]) Classes() int { return max(1, len(t.shares)) }
 
 // Key finds k's state, or makes it; nil when the shard is full of keys
 // with requests in flight.
@@ -581,7 +701,7 @@ func (t *Table[K]) Key(k K, now time.Time) *Key {
 	if len(s.m) >= adaptiveMaxKeys/adaptiveShards && !s.evict() {
 		return nil
 	}
-	a := &Key{c: newController(t.Min, t.Max)}
+	a := &Key{c: newController(t.Min, t.Max, t.shares)}
 	a.c.last = now
 	s.m[k] = a
 	return a

@@ -54,7 +54,24 @@ type simConfig struct {
 	// traffic seen by another key, or another instance, started at
 	// another instant.
 	clock time.Duration
+	// reserves gives the controller classes (see NewTable); the clients
+	// are then of the lowest class, and groups add clients of other
+	// classes.
+	reserves []float64
+	groups   []simGroup
 }
+
+// A simGroup is a number of closed-loop clients of one class, each of
+// which sends its next request think after the last answer (backoff
+// after a refusal).
+type simGroup struct {
+	clients, class int
+	think          time.Duration
+}
+
+// groupClient is the first client number of groups: group g's clients
+// are groupClient·(g+1) on.
+const groupClient = 1 << 20
 
 // simResult is what a run measured.
 type simResult struct {
@@ -66,6 +83,7 @@ type simResult struct {
 	// fewestRefused is the fewest requests in flight when one was
 	// refused (shed); math.MaxInt64 when none was.
 	fewestRefused int64
+	shedClass     []int // the class of each of shed
 }
 
 // A simProbe is when a probe started, and when it ended (0 if it had
@@ -75,6 +93,7 @@ type simProbe struct{ start, end time.Duration }
 type simSample struct {
 	at, lat time.Duration
 	ok      bool
+	class   int
 }
 
 type simPoint struct {
@@ -135,7 +154,8 @@ func newSim(cfg simConfig) *simState {
 		cfg.backoff = 5 * time.Millisecond
 	}
 	base := time.Unix(1_000_000, int64(cfg.seed*7_919_333)).Add(cfg.clock)
-	return &simState{cfg: cfg, c: newController(cfg.min, 1000), base: base, active: map[int]bool{},
+	t := NewTable[int](cfg.min, 1000, cfg.reserves...)
+	return &simState{cfg: cfg, c: newController(cfg.min, 1000, t.shares), base: base, active: map[int]bool{},
 		res: simResult{fewestRefused: math.MaxInt64}}
 }
 
@@ -144,6 +164,11 @@ func (s *simState) run() simResult {
 	s.wake(0)
 	for i := range cfg.background {
 		s.push(simEvent{at: 0, kind: 0, client: -1 - i})
+	}
+	for g, gr := range cfg.groups {
+		for j := range gr.clients {
+			s.push(simEvent{at: 0, kind: 0, client: groupClient*(g+1) + j})
+		}
 	}
 	next := time.Duration(0)
 	for s.q.Len() > 0 {
@@ -205,14 +230,16 @@ func (s *simState) send(e simEvent) {
 		s.startWork(e.at)
 		return
 	}
-	if e.client >= s.cfg.clients(e.at) {
+	if e.client < groupClient && e.client >= s.cfg.clients(e.at) {
 		s.active[e.client] = false // load fell: the client stops
 		return
 	}
-	tk, ok := s.c.admit(s.base.Add(e.at))
+	class := s.classOf(e.client)
+	tk, ok := s.c.admit(s.base.Add(e.at), class)
 	if !ok {
 		s.res.fewestRefused = min(s.res.fewestRefused, s.c.inFlight)
 		s.res.shed = append(s.res.shed, e.at)
+		s.res.shedClass = append(s.res.shedClass, class)
 		s.push(simEvent{at: e.at + s.cfg.backoff, kind: 0, client: e.client})
 		return
 	}
@@ -268,12 +295,41 @@ func (s *simState) deliver(e simEvent) {
 	if e.outcome == SampleOK {
 		s.res.served++
 	}
-	s.res.samples = append(s.res.samples, simSample{at: e.at, lat: lat, ok: e.outcome == SampleOK})
+	s.res.samples = append(s.res.samples, simSample{at: e.at, lat: lat, ok: e.outcome == SampleOK, class: s.classOf(e.client)})
 	next := e.at
 	if e.outcome == SampleGone {
 		next += s.cfg.backoff
 	}
+	if e.client >= groupClient {
+		next += s.cfg.groups[e.client/groupClient-1].think
+	}
 	s.push(simEvent{at: next, kind: 0, client: e.client})
+}
+
+// classOf is the class of a client's requests: its group's, or the
+// lowest.
+func (s *simState) classOf(client int) int {
+	if client >= groupClient {
+		return s.cfg.groups[client/groupClient-1].class
+	}
+	return len(s.cfg.reserves)
+}
+
+// ofClass returns the latencies of the successful responses of class
+// delivered in [from, to), sorted, and the requests of class shed then.
+func (r *simResult) ofClass(class int, from, to time.Duration) (lat []time.Duration, shed int) {
+	for _, s := range r.samples {
+		if s.ok && s.class == class && s.at >= from && s.at < to {
+			lat = append(lat, s.lat)
+		}
+	}
+	for i, at := range r.shed {
+		if r.shedClass[i] == class && at >= from && at < to {
+			shed++
+		}
+	}
+	slices.Sort(lat)
+	return lat, shed
 }
 
 // between returns the latencies of successful responses delivered in
@@ -618,10 +674,10 @@ func TestAdaptiveFailuresAreNotFastSamples(t *testing.T) {
 		}
 	})
 	t.Run("refused after admission", func(t *testing.T) {
-		c := newController(4, 1000)
+		c := newController(4, 1000, nil)
 		now := time.Unix(0, 0)
 		for range 1000 {
-			tk, ok := c.admit(now)
+			tk, ok := c.admit(now, 0)
 			if !ok {
 				t.Fatal("refused with nothing in flight")
 			}
@@ -764,7 +820,7 @@ func TestAdaptivePausesAndSlowRequests(t *testing.T) {
 		}
 	})
 	t.Run("one slow request per interval", func(t *testing.T) {
-		c := newController(4, 1000)
+		c := newController(4, 1000, nil)
 		now := time.Unix(0, 0)
 		// Rounds of as many requests as the limit, at a latency with no
 		// queue; after the first five, each has one request of 5s: the
@@ -772,7 +828,7 @@ func TestAdaptivePausesAndSlowRequests(t *testing.T) {
 		for i := range 40 {
 			var tks []Ticket
 			for range int(c.limit) {
-				tk, _ := c.admit(now)
+				tk, _ := c.admit(now, 0)
 				tks = append(tks, tk)
 			}
 			now = now.Add(Interval) // one interval a round
@@ -793,19 +849,24 @@ func TestAdaptivePausesAndSlowRequests(t *testing.T) {
 // round admits as many requests as c lets in at now, and gives them back
 // after lat, with kind; it returns the instant they ended.
 func round(c *controller, now time.Time, lat time.Duration, kind Sample) time.Time {
-	var tks []Ticket
-	for {
-		tk, ok := c.admit(now)
-		if !ok {
-			break
-		}
-		tks = append(tks, tk)
-	}
+	tks := admitAll(c, now, 0)
 	now = now.Add(lat)
 	for _, tk := range tks {
 		c.done(now, tk, kind, lat)
 	}
 	return now
+}
+
+// admitAll admits requests of class at now until c refuses one.
+func admitAll(c *controller, now time.Time, class int) []Ticket {
+	var tks []Ticket
+	for {
+		tk, ok := c.admit(now, class)
+		if !ok {
+			return tks
+		}
+		tks = append(tks, tk)
+	}
 }
 
 // TestAdaptiveSettlesAfterProbe: when a probe ends, the requests in
@@ -847,12 +908,12 @@ func TestAdaptiveSettlesAfterProbe(t *testing.T) {
 // again during a probe ignores the probe's requests when they return.
 func TestAdaptiveProbeRequests(t *testing.T) {
 	t.Run("one hangs", func(t *testing.T) {
-		c := newController(4, 1000)
+		c := newController(4, 1000, nil)
 		now := time.Unix(0, 0)
 		for !c.probing {
 			now = round(&c, now, 20*simMs, SampleOK)
 		}
-		if _, ok := c.admit(now); !ok { // never given back
+		if _, ok := c.admit(now, 0); !ok { // never given back
 			t.Fatal("the probe admitted nothing")
 		}
 		limit := c.limit
@@ -864,12 +925,12 @@ func TestAdaptiveProbeRequests(t *testing.T) {
 		}
 	})
 	t.Run("learning starts again", func(t *testing.T) {
-		k := &Key{c: newController(4, 1000)}
+		k := &Key{c: newController(4, 1000, nil)}
 		now := time.Unix(0, 0)
 		for !k.c.probing {
 			now = round(&k.c, now, 20*simMs, SampleOK)
 		}
-		tk, _ := k.Admit(now)
+		tk, _ := k.Admit(now, 0)
 		k.Forget()
 		k.Release(now, tk, SampleOK, time.Millisecond)
 		for range 100 {
