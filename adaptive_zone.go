@@ -7,7 +7,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 	"net/http"
+	"strconv"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -68,7 +71,7 @@ var adaptiveKind = kind{
 			return
 		}
 		st := z.state
-		info.Adaptive = z.adaptive.info()
+		info.Adaptive = z.adaptive.info(z.ConcurrencyAdaptive)
 		info.Requests["shed"] = st.shed.Load()
 		info.Requests["dry_run_shed"] = st.dryRunShed.Load()
 	},
@@ -84,7 +87,7 @@ var adaptiveKind = kind{
 			z.provisionAdaptive(st)
 		}
 	},
-	descs:      []*prometheus.Desc{adaptiveDescs.limit, adaptiveDescs.inFlight, adaptiveDescs.noLoad},
+	descs:      []*prometheus.Desc{adaptiveDescs.limit, adaptiveDescs.inFlight, adaptiveDescs.noLoad, adaptiveDescs.classShed},
 	collectors: []prometheus.Collector{adaptiveLatency},
 	collect:    collectAdaptive,
 	meter: func(z *Zone) {
@@ -104,6 +107,25 @@ type adaptiveCounts struct {
 	shed       atomic.Uint64                             // refused by this zone's adaptive limit: 503
 	dryRunShed atomic.Uint64                             // would have been shed (dry run)
 	adaptive   atomic.Pointer[adaptive.Table[store.Key]] // the keys of an adaptive limit; nil without
+	classes    atomic.Pointer[classCounts]               // with priority: its sheds by class; nil without
+}
+
+// classCounts are the requests of each class of a zone with priority
+// that its adaptive limit shed, or would have shed in dry run, from the
+// highest class to the lowest. A zone's reserves are part of its limit
+// (see describe), so the classes of a zone state never change.
+type classCounts struct {
+	names            []string // the reserves' classes, and lowestClass
+	shed, dryRunShed []atomic.Uint64
+}
+
+func newClassCounts(a *AdaptiveConcurrency) *classCounts {
+	c := &classCounts{shed: make([]atomic.Uint64, len(a.Reserve)+1), dryRunShed: make([]atomic.Uint64, len(a.Reserve)+1)}
+	for _, r := range a.Reserve {
+		c.names = append(c.names, r.Class)
+	}
+	c.names = append(c.names, lowestClass)
+	return c
 }
 
 // AdaptiveConcurrency limits the requests of a key in flight to a number
@@ -119,7 +141,40 @@ type AdaptiveConcurrency struct {
 	// whole number from 1 to 1000000, at least min. Default: 1000, or
 	// min when min is larger.
 	Max int64 `json:"max,omitempty"`
+
+	// The class of a request: placeholders, such as
+	// `{http.request.header.X-Priority}`, whose expansion is a class that
+	// reserve names, or any other value (or none) for the lowest class.
+	// Required with reserve. Default: none, every request of one class.
+	Priority string `json:"priority,omitempty"`
+
+	// The classes above the lowest, from the highest down, each with the
+	// share of the learnt limit held back for it and the classes above
+	// it: a request is admitted while the requests in flight, whatever
+	// their class, are below the limit less the reserves of the classes
+	// above its own. So the highest class may use the whole limit, and
+	// the lowest (`other`, every request that no reserve names) the
+	// limit less every reserve. Each share is above 0% and below 100%,
+	// and together below 100%; each class once. Required with priority.
+	// Default: none.
+	Reserve []AdaptiveReserve `json:"reserve,omitempty"`
 }
+
+// AdaptiveReserve is the share of an adaptive limit held back for a
+// class and the classes above it.
+type AdaptiveReserve struct {
+	// The class, as the priority placeholders expand to it: not empty,
+	// and not `other`, the name of the lowest class. Required.
+	Class string `json:"class,omitempty"`
+
+	// The share of the limit held back, in percent: above 0 and below
+	// 100, fractions allowed. Required.
+	Percent float64 `json:"percent,omitempty"`
+}
+
+// lowestClass names the lowest class of a zone with priority (the
+// requests that no reserve names) in its metrics and admin views.
+const lowestClass = "other"
 
 const (
 	defaultAdaptiveMin = 4
@@ -152,6 +207,42 @@ func (a *AdaptiveConcurrency) check() error {
 	}
 	if hi < lo {
 		return fmt.Errorf("invalid concurrency adaptive max %d: must be at least min %d", hi, lo)
+	}
+	if err := a.checkReserves(); err != nil {
+		return err
+	}
+	switch {
+	case a.Priority == "" && len(a.Reserve) > 0:
+		return errors.New("reserve needs priority: the placeholders that give a request its class")
+	case a.Priority != "" && len(a.Reserve) == 0:
+		return errors.New("priority needs a reserve: without one, every request is of one class")
+	case a.Priority != "" && !hasPlaceholders(a.Priority):
+		return fmt.Errorf("invalid priority '%s': must hold placeholders, such as {http.request.header.X-Priority}", a.Priority)
+	}
+	return nil
+}
+
+// checkReserves checks each reserve, and the last against those before
+// it: a class once, and the shares together below 100%.
+func (a *AdaptiveConcurrency) checkReserves() error {
+	sum := 0.0
+	for i, r := range a.Reserve {
+		switch {
+		case r.Class == "":
+			return errors.New("reserve needs a class")
+		case r.Class == lowestClass:
+			return fmt.Errorf("invalid reserve class '%s': it names the lowest class, which has no reserve", r.Class)
+		case !(r.Percent > 0 && r.Percent < 100):
+			return fmt.Errorf("invalid reserve %s %g%%: must be above 0%% and below 100%%", r.Class, r.Percent)
+		}
+		for _, before := range a.Reserve[:i] {
+			if before.Class == r.Class {
+				return fmt.Errorf("class %s reserved twice", r.Class)
+			}
+		}
+		if sum += r.Percent; sum >= 100 {
+			return fmt.Errorf("reserves sum to %g%%: they must leave the lowest class part of the limit (below 100%%)", sum)
+		}
 	}
 	return nil
 }
@@ -188,22 +279,8 @@ func (z *Zone) unmarshalAdaptive(d *caddyfile.Dispenser) (bool, error) {
 	}
 	a := new(AdaptiveConcurrency)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
-		var n *int64
-		sub := d.Val()
-		switch sub {
-		case "min":
-			n = &a.Min
-		case "max":
-			n = &a.Max
-		default:
-			return true, d.Errf("unrecognized concurrency adaptive subdirective '%s': expected min or max", sub)
-		}
-		var err error
-		if *n, err = intArg[int64](d); err != nil {
+		if err := a.unmarshalSub(d); err != nil {
 			return true, err
-		}
-		if err := checkRange("concurrency adaptive "+sub, *n, 1, maxAdaptive); err != nil {
-			return true, d.WrapErr(err)
 		}
 	}
 	z.ConcurrencyAdaptive = a
@@ -213,18 +290,85 @@ func (z *Zone) unmarshalAdaptive(d *caddyfile.Dispenser) (bool, error) {
 	return true, nil
 }
 
+// unmarshalSub reads one subdirective of a `concurrency adaptive` block:
+// `min <n>`, `max <n>`, `priority <placeholders>` or `reserve <class>
+// <n>%`.
+func (a *AdaptiveConcurrency) unmarshalSub(d *caddyfile.Dispenser) error {
+	var n *int64
+	sub := d.Val()
+	switch sub {
+	case "min":
+		n = &a.Min
+	case "max":
+		n = &a.Max
+	case "priority":
+		if a.Priority != "" {
+			return d.Err("priority already specified")
+		}
+		if !d.AllArgs(&a.Priority) {
+			return d.ArgErr()
+		}
+		return nil
+	case "reserve":
+		var class, percent string
+		if !d.AllArgs(&class, &percent) {
+			return d.ArgErr()
+		}
+		p, err := parsePercent(percent)
+		if err != nil {
+			return d.Errf("invalid reserve '%s': %v", percent, err)
+		}
+		a.Reserve = append(a.Reserve, AdaptiveReserve{Class: class, Percent: p})
+		return wrapErr(d, a.checkReserves())
+	default:
+		return d.Errf("unrecognized concurrency adaptive subdirective '%s': expected min, max, priority or reserve", sub)
+	}
+	var err error
+	if *n, err = intArg[int64](d); err != nil {
+		return err
+	}
+	return wrapErr(d, checkRange("concurrency adaptive "+sub, *n, 1, maxAdaptive))
+}
+
+// parsePercent reads a percentage such as `20%` or `12.5%`.
+func parsePercent(s string) (float64, error) {
+	num, ok := strings.CutSuffix(s, "%")
+	if !ok {
+		return 0, errors.New("a percentage, such as 20%")
+	}
+	p, err := strconv.ParseFloat(num, 64)
+	if err != nil || math.IsNaN(p) || math.IsInf(p, 0) {
+		return 0, errors.New("a percentage, such as 20%")
+	}
+	return p, nil
+}
+
 // adaptiveZone is a zone's adaptive limit at run time.
 type adaptiveZone struct {
 	table   *adaptive.Table[store.Key] // the keys, shared by the zones of its name and limit
 	shed    error                      // the caddyhttp.HandlerError of a shed request
 	latency prometheus.Observer
+
+	// With priority: the classes that reserves name, from the highest
+	// (a request of none is of the lowest, len(reserved)), the
+	// template, its header when it is exactly one request header, and
+	// the counts of the zone state. nil without.
+	reserved []string
+	priority string
+	header   string
+	classes  *classCounts
 }
 
 // provisionAdaptive gives an adaptive zone its keys: those of the zone
 // state, which zones of one name and limit share across reloads.
 func (z *Zone) provisionAdaptive(st *zoneState) {
-	lo, hi := z.ConcurrencyAdaptive.bounds()
-	st.adaptive.CompareAndSwap(nil, adaptive.NewTable[store.Key](lo, hi))
+	a := z.ConcurrencyAdaptive
+	lo, hi := a.bounds()
+	reserves := make([]float64, len(a.Reserve))
+	for i, r := range a.Reserve {
+		reserves[i] = r.Percent / 100
+	}
+	st.adaptive.CompareAndSwap(nil, adaptive.NewTable[store.Key](lo, hi, reserves...))
 	z.adaptive = &adaptiveZone{
 		table: st.adaptive.Load(),
 		shed: caddyhttp.HandlerError{
@@ -232,12 +376,70 @@ func (z *Zone) provisionAdaptive(st *zoneState) {
 			Err:        fmt.Errorf("rate limit: load shed in zone %s", z.Name),
 		},
 	}
+	if a.Priority == "" {
+		return
+	}
+	st.classes.CompareAndSwap(nil, newClassCounts(a))
+	za := z.adaptive
+	za.classes, za.priority = st.classes.Load(), a.Priority
+	za.reserved = za.classes.names[:len(a.Reserve)]
+	if kind, field := keyKindOf(a.Priority); kind == keyHeader {
+		za.header = field
+	}
 }
 
-// describe is the adaptive limit in words, for Zone.describe.
+// classOf is r's class in the zone: the place of the reserve that names
+// what the priority expands to, from the highest; the lowest class when
+// none does. 0 without priority.
+func (a *adaptiveZone) classOf(r *http.Request) int {
+	if a.reserved == nil {
+		return 0
+	}
+	var s string
+	if a.header != "" {
+		s = strings.Join(r.Header[a.header], ",") // as the replacer expands it
+	} else if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		s = repl.ReplaceAll(a.priority, "")
+	}
+	for i, c := range a.reserved {
+		if c == s {
+			return i
+		}
+	}
+	return len(a.reserved)
+}
+
+// countShed counts a request of class that the zone shed, or, in dry
+// run, would have shed.
+func (a *adaptiveZone) countShed(st *zoneState, class int, dryRun bool) {
+	c := a.classes
+	switch {
+	case dryRun:
+		st.dryRunShed.Add(1)
+		if c != nil {
+			c.dryRunShed[class].Add(1)
+		}
+	default:
+		st.shed.Add(1)
+		if c != nil {
+			c.shed[class].Add(1)
+		}
+	}
+}
+
+// describe is the adaptive limit in words, for Zone.describe: its
+// reserves too, so that zones of other reserves share no keys (whose
+// requests in flight are counted by class) nor counts of classes.
 func (a *AdaptiveConcurrency) describe() string {
 	lo, hi := a.bounds()
-	return fmt.Sprintf("concurrency adaptive %d-%d", lo, hi)
+	s := fmt.Sprintf("concurrency adaptive %d-%d", lo, hi)
+	if len(a.Reserve) > 0 {
+		s += " reserve"
+	}
+	for _, r := range a.Reserve {
+		s += " " + r.Class + " " + strconv.FormatFloat(r.Percent, 'g', -1, 64) + "%"
+	}
+	return s
 }
 
 // adaptiveScratch is a request's places in zones with an adaptive limit.
@@ -278,18 +480,19 @@ func (h *Handler) admitAdaptive(r *http.Request, now time.Time, sc *scratch) out
 	for i := range a.p {
 		p := &a.p[i]
 		z := h.Zones[p.zone]
+		class := z.adaptive.classOf(r)
 		if p.k = z.adaptive.table.Key(p.key, now); p.k != nil {
-			p.tk, p.held = p.k.Admit(now, 0)
+			p.tk, p.held = p.k.Admit(now, class)
 		}
 		a.held = a.held || p.held
 		switch {
 		case p.held:
 		case z.inDryRun:
 			p.wouldShed = true
-			z.state.dryRunShed.Add(1)
+			z.adaptive.countShed(z.state, class, true)
 			h.noteDryRunSlot(r, z)
 		default:
-			z.state.shed.Add(1)
+			z.adaptive.countShed(z.state, class, false)
 			a.shed = p
 			return outcomeShed
 		}
@@ -416,14 +619,18 @@ var adaptiveLatency = prometheus.NewHistogramVec(prometheus.HistogramOpts{
 	Buckets:   []float64{0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60},
 }, []string{"zone", "limit"})
 
-// adaptiveDescs are the gauges of the adaptive limits, read at scrape.
-var adaptiveDescs = struct{ limit, inFlight, noLoad *prometheus.Desc }{
+// adaptiveDescs are the gauges of the adaptive limits, and the sheds by
+// class of those with priority, read at scrape.
+var adaptiveDescs = struct{ limit, inFlight, noLoad, classShed *prometheus.Desc }{
 	limit: prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "adaptive_limit"),
 		"The adaptive concurrency limits of a zone, summed over its keys.", []string{"zone", "limit"}, nil),
 	inFlight: prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "adaptive_in_flight"),
 		"Requests in flight under a zone's adaptive concurrency limits, summed over its keys.", []string{"zone", "limit"}, nil),
 	noLoad: prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "adaptive_no_load_latency_seconds"),
 		"The latency without a queue that a zone's adaptive limits measured, averaged over its keys.", []string{"zone", "limit"}, nil),
+	classShed: prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "adaptive_shed_total"),
+		"Requests that a zone's adaptive concurrency limit with priority shed (shed), or would have shed in dry run (dry_run_shed), by class: a class of a reserve, or other.",
+		[]string{"zone", "limit", "class", "result"}, nil),
 }
 
 // collectAdaptive exports what a zone with an adaptive limit counts.
@@ -438,6 +645,12 @@ func collectAdaptive(ch chan<- prometheus.Metric, _ counterFunc, requests *prome
 	ch <- prometheus.MustNewConstMetric(adaptiveDescs.limit, prometheus.GaugeValue, float64(tot.Limit), id.name, id.limit)
 	ch <- prometheus.MustNewConstMetric(adaptiveDescs.inFlight, prometheus.GaugeValue, float64(tot.InFlight), id.name, id.limit)
 	ch <- prometheus.MustNewConstMetric(adaptiveDescs.noLoad, prometheus.GaugeValue, tot.NoLoad.Seconds(), id.name, id.limit)
+	if c := s.classes.Load(); c != nil {
+		for i, name := range c.names {
+			ch <- prometheus.MustNewConstMetric(adaptiveDescs.classShed, prometheus.CounterValue, float64(c.shed[i].Load()), id.name, id.limit, name, "shed")
+			ch <- prometheus.MustNewConstMetric(adaptiveDescs.classShed, prometheus.CounterValue, float64(c.dryRunShed[i].Load()), id.name, id.limit, name, "dry_run_shed")
+		}
+	}
 }
 
 // adaptiveZoneInfo describes a zone's adaptive limit in the admin API.
@@ -449,11 +662,34 @@ type adaptiveZoneInfo struct {
 	Keys     int   `json:"keys"`
 	Limit    int64 `json:"limit"`
 	InFlight int64 `json:"in_flight"`
+	// With priority: the template, and the classes from the highest,
+	// each with its reserve and the requests shed.
+	Priority string          `json:"priority,omitempty"`
+	Classes  []classZoneInfo `json:"classes,omitempty"`
 }
 
-func (a *adaptiveZone) info() *adaptiveZoneInfo {
+// classZoneInfo describes a class of a zone with priority.
+type classZoneInfo struct {
+	Class      string  `json:"class"`
+	Reserve    float64 `json:"reserve_percent"` // 0 for the lowest
+	Shed       uint64  `json:"shed"`
+	DryRunShed uint64  `json:"dry_run_shed"`
+}
+
+func (a *adaptiveZone) info(cfg *AdaptiveConcurrency) *adaptiveZoneInfo {
 	tot := a.table.Totals()
-	return &adaptiveZoneInfo{Min: a.table.Min, Max: a.table.Max, Keys: tot.Keys, Limit: tot.Limit, InFlight: tot.InFlight}
+	info := &adaptiveZoneInfo{Min: a.table.Min, Max: a.table.Max, Keys: tot.Keys, Limit: tot.Limit, InFlight: tot.InFlight}
+	if c := a.classes; c != nil {
+		info.Priority = a.priority
+		for i, name := range c.names {
+			ci := classZoneInfo{Class: name, Shed: c.shed[i].Load(), DryRunShed: c.dryRunShed[i].Load()}
+			if i < len(cfg.Reserve) {
+				ci.Reserve = cfg.Reserve[i].Percent
+			}
+			info.Classes = append(info.Classes, ci)
+		}
+	}
+	return info
 }
 
 // adaptiveKeyInfo describes a key's adaptive limit in the admin API; a
@@ -466,15 +702,35 @@ type adaptiveKeyInfo struct {
 	Latency       float64 `json:"latency"`
 	NoLoadLatency float64 `json:"no_load_latency"`
 	Probing       bool    `json:"probing,omitempty"`
+	// With priority: the requests in flight of each class, from the
+	// highest.
+	Classes []classKeyInfo `json:"classes,omitempty"`
+}
+
+// classKeyInfo is a class's requests in flight under a key's limit.
+type classKeyInfo struct {
+	Class    string `json:"class"`
+	InFlight int64  `json:"in_flight"`
 }
 
 func (a *adaptiveZone) keyInfo(key store.Key) *adaptiveKeyInfo {
 	st := adaptive.State{Limit: a.table.Min}
+	var byClass []int64
 	if k := a.table.Lookup(key); k != nil {
-		st = k.State()
+		st, byClass = k.State(), k.InFlightByClass(nil)
 	}
-	return &adaptiveKeyInfo{Limit: st.Limit, InFlight: st.InFlight, Latency: st.Latency.Seconds(),
+	info := &adaptiveKeyInfo{Limit: st.Limit, InFlight: st.InFlight, Latency: st.Latency.Seconds(),
 		NoLoadLatency: st.NoLoad.Seconds(), Probing: st.Probing}
+	if c := a.classes; c != nil {
+		for i, name := range c.names {
+			ci := classKeyInfo{Class: name}
+			if i < len(byClass) {
+				ci.InFlight = byClass[i]
+			}
+			info.Classes = append(info.Classes, ci)
+		}
+	}
+	return info
 }
 
 // forget starts the key's learning again (the admin API's DELETE), and

@@ -51,6 +51,8 @@ const anonymousZone = "default"
 //			concurrency adaptive {  # a limit in flight learnt from latency; the block is optional
 //				min <n>             # default 4
 //				max <n>             # default 1000
+//				priority <placeholders>  # a request's class, for reserve
+//				reserve <class> <n>%     # held back for a class and those above; from the highest
 //			}
 //			lease       <duration>  # with concurrency: how long a Redis slot is held
 //			quota       <n> per day|week|month  # a calendar quota per key; a rate is then optional

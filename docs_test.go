@@ -484,6 +484,7 @@ var referenceSections = []struct {
 	{"### count", reflect.TypeFor[caddyhttp.ResponseMatcher](), nil},
 	{"### usage", reflect.TypeFor[Usage](), nil},
 	{"### concurrency_adaptive", reflect.TypeFor[AdaptiveConcurrency](), nil},
+	{"### reserve", reflect.TypeFor[AdaptiveReserve](), nil},
 	{"## Local store", reflect.TypeFor[LocalStore](), []string{"backend"}},
 	{"## Redis store", reflect.TypeFor[RedisStore](), []string{"backend"}},
 	{"### tls", reflect.TypeFor[RedisTLS](), nil},
@@ -579,6 +580,12 @@ func (ref reference) check(t *testing.T, raw []byte) {
 			keys("### count", z["count"])
 			keys("### usage", z["usage"])
 			keys("### concurrency_adaptive", z["concurrency_adaptive"])
+			if a, ok := z["concurrency_adaptive"].(map[string]any); ok {
+				reserves, _ := a["reserve"].([]any)
+				for _, r := range reserves {
+					keys("### reserve", r)
+				}
+			}
 		}
 	}
 	if s, ok := h["store"].(map[string]any); ok {
@@ -593,7 +600,7 @@ func (ref reference) check(t *testing.T, raw []byte) {
 // its own, written for users, which says its default or that it is
 // required, since caddyserver.com renders a module's JSON docs from them.
 func TestConfigFieldsHaveDocComments(t *testing.T) {
-	types := map[string]bool{"Handler": true, "Zone": true, "LocalStore": true, "RedisStore": true, "RedisTLS": true, "Usage": true, "AdaptiveConcurrency": true}
+	types := map[string]bool{"Handler": true, "Zone": true, "LocalStore": true, "RedisStore": true, "RedisTLS": true, "Usage": true, "AdaptiveConcurrency": true, "AdaptiveReserve": true}
 	// The kinds' fields are the zone's and the handler's own in JSON
 	// (kinds.go), each kind's struct in its own file: every production
 	// file is read.
@@ -619,7 +626,7 @@ func TestConfigFieldsHaveDocComments(t *testing.T) {
 		t.Fatal(err)
 	}
 	files = slices.DeleteFunc(files, func(f string) bool { return strings.HasSuffix(f, "_test.go") })
-	goName := regexp.MustCompile(`\b(Handler|Zone|LocalStore|RedisStore|RedisTLS|Usage|AdaptiveConcurrency)\.[A-Z]`)
+	goName := regexp.MustCompile(`\b(Handler|Zone|LocalStore|RedisStore|RedisTLS|Usage|AdaptiveConcurrency|AdaptiveReserve)\.[A-Z]`)
 	// A field either has a default, or must be set, or is refused (the
 	// caddy-ratelimit options that this handler does not take).
 	defaultSaid := regexp.MustCompile(`\b(Default:|Required|[Rr]equired with|Refused)`)
