@@ -31,6 +31,15 @@ var limiters = map[string]string{
 			concurrency 8
 		}
 	}`,
+	"adaptive, reserve critical 25%": `rate_limit {
+		zone backend {
+			key static
+			concurrency adaptive {
+				priority {header.X-Priority}
+				reserve critical 25%
+			}
+		}
+	}`,
 }
 
 // caddyProc is a running Caddy.

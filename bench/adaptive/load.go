@@ -14,7 +14,8 @@ import (
 // A request is one that a client sent, in times since the run's start.
 type request struct {
 	sent, done time.Duration
-	status     int // 0: no response
+	status     int  // 0: no response
+	critical   bool // sent by a critical client (X-Priority: critical)
 }
 
 func (r request) latency() time.Duration { return r.done - r.sent }
@@ -29,6 +30,11 @@ type load struct {
 	// backoff: a client whose request was refused waits this long before
 	// the next.
 	backoff time.Duration
+	// critical clients send `X-Priority: critical`, each its next request
+	// think after the last answer, whatever it was, beside the others
+	// (which send no class: the lowest).
+	critical int
+	think    time.Duration
 }
 
 // drive runs the closed-loop clients against url: each sends a request,
@@ -37,18 +43,22 @@ func drive(url string, l load, start time.Time) []request {
 	tr := &http.Transport{MaxIdleConnsPerHost: 1024, DisableCompression: true}
 	defer tr.CloseIdleConnections()
 	client := &http.Client{Transport: tr, Timeout: 30 * time.Second}
-	out := make([][]request, l.clients)
+	out := make([][]request, l.clients+l.critical)
 	var wg sync.WaitGroup
-	for i := range l.clients {
+	for i := range l.clients + l.critical {
+		critical := i >= l.clients
 		wg.Go(func() {
 			for {
 				at := time.Since(start)
-				if at >= l.length || l.fallAt > 0 && at >= l.fallAt && i >= l.fallTo {
+				if at >= l.length || l.fallAt > 0 && at >= l.fallAt && i >= l.fallTo && !critical {
 					return
 				}
-				r := send(client, url, start)
+				r := send(client, url, start, critical)
 				out[i] = append(out[i], r)
-				if r.status != http.StatusOK && l.backoff > 0 {
+				switch {
+				case critical:
+					time.Sleep(l.think)
+				case r.status != http.StatusOK && l.backoff > 0:
 					time.Sleep(l.backoff)
 				}
 			}
@@ -62,9 +72,16 @@ func drive(url string, l load, start time.Time) []request {
 	return all
 }
 
-func send(client *http.Client, url string, start time.Time) request {
-	r := request{sent: time.Since(start)}
-	resp, err := client.Get(url)
+func send(client *http.Client, url string, start time.Time, critical bool) request {
+	r := request{sent: time.Since(start), critical: critical}
+	req, err := http.NewRequest(http.MethodGet, url, nil)
+	if err != nil {
+		panic(err)
+	}
+	if critical {
+		req.Header.Set("X-Priority", "critical")
+	}
+	resp, err := client.Do(req)
 	if err == nil {
 		_, _ = io.Copy(io.Discard, resp.Body)
 		resp.Body.Close()

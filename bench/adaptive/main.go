@@ -48,6 +48,9 @@ func scenarios(backoff time.Duration) []scenario {
 		{ID: "upstream-slows", Title: "8 workers, 20 ms then 60 ms from 10 s, 64 clients", Workers: 8, Service: 20 * ms,
 			Limiters: []string{"no limiter", "adaptive"}, load: load{clients: 64, length: 25 * time.Second, backoff: backoff}, Warm: 3 * time.Second,
 			SlowAt: 10 * time.Second, SlowTo: 60 * ms},
+		{ID: "priority", Title: "8 workers of 20 ms, 64 clients of the lowest class and 4 critical ones 60 ms apart", Workers: 8, Service: 20 * ms,
+			Limiters: []string{"adaptive", "adaptive, reserve critical 25%"},
+			load:     load{clients: 64, length: 20 * time.Second, backoff: backoff, critical: 4, think: 60 * ms}, Warm: 3 * time.Second},
 	}
 }
 

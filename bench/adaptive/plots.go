@@ -21,9 +21,10 @@ import (
 
 var (
 	colors = map[string]color.Color{
-		"no limiter":    color.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 0xff},
-		"adaptive":      color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff},
-		"concurrency 8": color.RGBA{R: 0xff, G: 0x7f, B: 0x0e, A: 0xff},
+		"no limiter":                     color.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 0xff},
+		"adaptive":                       color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff},
+		"concurrency 8":                  color.RGBA{R: 0xff, G: 0x7f, B: 0x0e, A: 0xff},
+		"adaptive, reserve critical 25%": color.RGBA{R: 0x94, G: 0x67, B: 0xbd, A: 0xff},
 	}
 	grey   = color.RGBA{R: 0x80, G: 0x80, B: 0x80, A: 0xff}
 	green  = color.RGBA{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff}
@@ -101,15 +102,15 @@ func limitPlot(sr *scenarioResult) (*plot.Plot, error) {
 			return nil, err
 		}
 	}
-	if _, ok := sr.Runs["adaptive"]; ok {
-		r := sr.typical("adaptive")
+	if lim := adaptiveOf(sr); lim != "" {
+		r := sr.typical(lim)
 		var limit, inFlight plotter.XYs
 		for _, s := range r.samples {
 			limit = append(limit, plotter.XY{X: s.at.Seconds(), Y: s.limit})
 			inFlight = append(inFlight, plotter.XY{X: s.at.Seconds(), Y: s.inFlight})
 			hi = max(hi, s.limit, s.inFlight)
 		}
-		if err := line(p, "adaptive limit", limit, colors["adaptive"], 2, nil); err != nil {
+		if err := line(p, lim+": the limit", limit, colors[lim], 2, nil); err != nil {
 			return nil, err
 		}
 		if err := line(p, "in flight (sampled every 100 ms)", inFlight, green, 1, dotted); err != nil {
@@ -127,7 +128,7 @@ func latencyPlot(sr *scenarioResult) (*plot.Plot, error) {
 	p.Y.Scale, p.Y.Tick.Marker = plot.LogScale{}, benchkit.MsTicks{}
 	lo, hi := ms(sr.Service), ms(sr.Service)
 	for _, lim := range sr.Limiters {
-		p50, p99 := buckets(sr.typical(lim), sr.load.length, 500*time.Millisecond)
+		p50, p99 := buckets(sr.typical(lim), sr.load.length, 500*time.Millisecond, func(request) bool { return true })
 		for _, xy := range append(p50, p99...) {
 			lo, hi = min(lo, xy.Y), max(hi, xy.Y)
 		}
@@ -135,6 +136,13 @@ func latencyPlot(sr *scenarioResult) (*plot.Plot, error) {
 			return nil, err
 		}
 		if err := line(p, lim+" p50", p50, colors[lim], 1, dashed); err != nil {
+			return nil, err
+		}
+		if sr.load.critical == 0 {
+			continue
+		}
+		_, critical := buckets(sr.typical(lim), sr.load.length, 500*time.Millisecond, func(q request) bool { return q.critical })
+		if err := line(p, lim+": critical p99", critical, colors[lim], 1, dotted); err != nil {
 			return nil, err
 		}
 	}
@@ -151,18 +159,18 @@ func latencyPlot(sr *scenarioResult) (*plot.Plot, error) {
 	if err := line(p, "upstream's service time", service, grey, 1, dashed); err != nil {
 		return nil, err
 	}
-	if _, ok := sr.Runs["adaptive"]; ok {
+	if lim := adaptiveOf(sr); lim != "" {
 		var seen, noLoad plotter.XYs
-		for _, s := range sr.typical("adaptive").samples {
+		for _, s := range sr.typical(lim).samples {
 			if s.latency > 0 {
 				seen = append(seen, plotter.XY{X: s.at.Seconds(), Y: 1000 * s.latency})
 				noLoad = append(noLoad, plotter.XY{X: s.at.Seconds(), Y: 1000 * s.noLoad})
 			}
 		}
-		if err := line(p, "adaptive: the median it saw", seen, green, 1, nil); err != nil {
+		if err := line(p, lim+": the median it saw", seen, green, 1, nil); err != nil {
 			return nil, err
 		}
-		if err := line(p, "adaptive: its no-load latency", noLoad, green, 1, dotted); err != nil {
+		if err := line(p, lim+": its no-load latency", noLoad, green, 1, dotted); err != nil {
 			return nil, err
 		}
 	}
@@ -170,12 +178,24 @@ func latencyPlot(sr *scenarioResult) (*plot.Plot, error) {
 	return p, events(p, sr, p.Y.Min, p.Y.Max)
 }
 
-// buckets are a run's admitted p50 and p99 per bucket of completion time.
-func buckets(r *runResult, length, width time.Duration) (p50, p99 plotter.XYs) {
+// adaptiveOf is the adaptive limiter whose limit a scenario's plots
+// show: the one with classes when there is one; "" for none.
+func adaptiveOf(sr *scenarioResult) string {
+	for _, lim := range []string{"adaptive, reserve critical 25%", "adaptive"} {
+		if _, ok := sr.Runs[lim]; ok {
+			return lim
+		}
+	}
+	return ""
+}
+
+// buckets are a run's admitted p50 and p99 per bucket of completion time,
+// of the requests that of accepts.
+func buckets(r *runResult, length, width time.Duration, of func(request) bool) (p50, p99 plotter.XYs) {
 	n := int(length / width)
 	lats := make([][]time.Duration, n)
 	for _, q := range r.reqs {
-		if b := int(q.done / width); q.status == 200 && b < n {
+		if b := int(q.done / width); q.status == 200 && b < n && of(q) {
 			lats[b] = append(lats[b], q.latency())
 		}
 	}

@@ -46,6 +46,13 @@ type measures struct {
 	P99After     float64 `json:",omitempty"`
 	GoodputAfter float64 `json:",omitempty"`
 	OwnAfter     float64 `json:",omitempty"`
+	// With critical clients: the share of their responses in the window
+	// that were refusals, their admitted p50 and p95 (ms), and the share
+	// of the other clients' responses that were refusals.
+	CriticalRefused float64 `json:",omitempty"`
+	CriticalP50     float64 `json:",omitempty"`
+	CriticalP95     float64 `json:",omitempty"`
+	OthersRefused   float64 `json:",omitempty"`
 }
 
 func (r *runResult) measure(s scenario) {
@@ -64,6 +71,11 @@ func (r *runResult) measure(s scenario) {
 	if s.load.fallAt > 0 {
 		r.refusedAfterFall(s.load.fallAt)
 	}
+	if s.load.critical > 0 {
+		critical := r.admittedOf(true, s.Warm, end)
+		r.M.CriticalP50, r.M.CriticalP95 = ms(benchkit.Quantile(critical, .5)), ms(benchkit.Quantile(critical, .95))
+		r.M.CriticalRefused, r.M.OthersRefused = r.refusedOf(true, s.Warm, end), r.refusedOf(false, s.Warm, end)
+	}
 	if s.SlowAt > 0 {
 		after := r.admitted(s.SlowAt+3*time.Second, s.load.length)
 		r.M.P99After = ms(benchkit.Quantile(after, .99))
@@ -79,9 +91,19 @@ func refusal(status int) bool {
 
 // admitted are the latencies of the 200s that ended in [from, to), sorted.
 func (r *runResult) admitted(from, to time.Duration) []time.Duration {
+	return r.admittedWhere(func(request) bool { return true }, from, to)
+}
+
+// admittedOf is admitted, of the critical clients' requests or of the
+// others'.
+func (r *runResult) admittedOf(critical bool, from, to time.Duration) []time.Duration {
+	return r.admittedWhere(func(q request) bool { return q.critical == critical }, from, to)
+}
+
+func (r *runResult) admittedWhere(of func(request) bool, from, to time.Duration) []time.Duration {
 	var out []time.Duration
 	for _, q := range r.reqs {
-		if q.status == http.StatusOK && q.done >= from && q.done < to {
+		if q.status == http.StatusOK && q.done >= from && q.done < to && of(q) {
 			out = append(out, q.latency())
 		}
 	}
@@ -92,9 +114,19 @@ func (r *runResult) admitted(from, to time.Duration) []time.Duration {
 // refused is the share of refusals among the responses that ended in
 // [from, to).
 func (r *runResult) refused(from, to time.Duration) float64 {
+	return r.refusedWhere(func(request) bool { return true }, from, to)
+}
+
+// refusedOf is refused, among the critical clients' responses or the
+// others'.
+func (r *runResult) refusedOf(critical bool, from, to time.Duration) float64 {
+	return r.refusedWhere(func(q request) bool { return q.critical == critical }, from, to)
+}
+
+func (r *runResult) refusedWhere(of func(request) bool, from, to time.Duration) float64 {
 	all, refused := 0, 0
 	for _, q := range r.reqs {
-		if q.status != 0 && q.done >= from && q.done < to {
+		if q.status != 0 && q.done >= from && q.done < to && of(q) {
 			all++
 			if refusal(q.status) {
 				refused++
@@ -203,7 +235,8 @@ func (sr *scenarioResult) medians(limiter string) measures {
 // fields are the measures, each once.
 func (m *measures) fields() []*float64 {
 	return []*float64{&m.P50, &m.P99, &m.Goodput, &m.Refused, &m.Limit, &m.Own, &m.GoodputOwn,
-		&m.RefusedAfter, &m.RefusedTransition, &m.Recovery, &m.P99After, &m.GoodputAfter, &m.OwnAfter}
+		&m.RefusedAfter, &m.RefusedTransition, &m.Recovery, &m.P99After, &m.GoodputAfter, &m.OwnAfter,
+		&m.CriticalRefused, &m.CriticalP50, &m.CriticalP95, &m.OthersRefused}
 }
 
 // typical is a limiter's round whose admitted p99 is the median's.

@@ -95,8 +95,8 @@ func (rep *report) header(b *strings.Builder) {
 		fmt.Fprintf(b, " Note: %s.", rep.Note)
 	}
 	fmt.Fprintf(b, "\n\nA test upstream (in the load generator's process) works on a fixed number of requests at once, each for a set time (a sleep), and queues the others first come, first served. ")
-	fmt.Fprintf(b, "Caddy, built from this repository, proxies to it (`reverse_proxy`), behind `rate_limit` with one zone `key static` and `concurrency adaptive` (min 4, max 1000), or a fixed `concurrency 8`, or no limiter. ")
-	fmt.Fprintf(b, "Closed-loop clients each send a request, read the whole response, and send the next; a refused client (503 or 429) sends its next request %s. ", backoffWords(rep.Backoff))
+	fmt.Fprintf(b, "Caddy, built from this repository, proxies to it (`reverse_proxy`), behind `rate_limit` with one zone `key static` and `concurrency adaptive` (min 4, max 1000), or a fixed `concurrency 8`, or no limiter; in the priority scenario, also `concurrency adaptive` with `priority {header.X-Priority}` and `reserve critical 25%%`, which the critical clients' `X-Priority: critical` names. ")
+	fmt.Fprintf(b, "Closed-loop clients each send a request, read the whole response, and send the next; a refused client (503 or 429) sends its next request %s; a critical client sends its next 60 ms after any answer. ", backoffWords(rep.Backoff))
 	fmt.Fprintf(b, "Latency is the client's, from sending to the end of the response. Everything shares the machine's cores: the clients, the upstream and Caddy. ")
 	fmt.Fprintf(b, "Each figure is the median of the rounds; the per-round values follow. The plots show the round with the median p99.\n\n")
 	rep.goals(b)
@@ -134,6 +134,12 @@ func (rep *report) goals(b *strings.Builder) {
 		a := sr.medians("adaptive")
 		fmt.Fprintf(b, "| load falls to 4 clients: shed | < 1%% | %.2f%% from 1 s after the fall (%.0f requests shed in the first second, while the requests of the clients that left finish) |\n", 100*a.RefusedAfter, a.RefusedTransition)
 	}
+	if sr := find("priority"); sr != nil {
+		p, a := sr.medians("adaptive, reserve critical 25%"), sr.medians("adaptive")
+		fmt.Fprintf(b, "| 64 clients of the lowest class, 4 critical: with `reserve critical 25%%`, critical shed; p95 | ≤ 5%%; < 100 ms | %.2f%%; %.1f ms (the lowest class: %.1f%% shed) |\n", 100*p.CriticalRefused, p.CriticalP95, 100*p.OthersRefused)
+		fmt.Fprintf(b, "| the same: goodput | ≥ 0.6 of 400/s | %.3f |\n", p.Goodput)
+		fmt.Fprintf(b, "| the same without classes: critical shed | like the rest | %.1f%% (the lowest class: %.1f%%) |\n", 100*a.CriticalRefused, 100*a.OthersRefused)
+	}
 	if sr := find("upstream-slows"); sr != nil {
 		a := sr.medians("adaptive")
 		fmt.Fprintf(b, "| upstream slows to 60 ms: admitted p99 back under 180 ms | within 3 s | after %.2f s; p99 %.1f ms from 3 s on, the upstream's own time %.1f ms (no limiter: %.1f ms) |\n",
@@ -151,6 +157,8 @@ func (sr *scenarioResult) section(b *strings.Builder, plot string) {
 		extra = " refused from 1 s after the fall | refused in the first second |"
 	case sr.SlowAt > 0:
 		extra = " p99 back under 180 ms after | p99 from 3 s after | goodput from 3 s after |"
+	case sr.load.critical > 0:
+		extra = " critical shed | critical p50 | critical p95 | the lowest class shed |"
 	}
 	fmt.Fprintf(b, "| limiter | admitted p50 | admitted p99 | goodput | upstream's own time | goodput of its own capacity | refused | limit (median) |%s p99 per round |\n", extra)
 	fmt.Fprintf(b, "|---|---:|---:|---:|---:|---:|---:|---:|%s---|\n", strings.Repeat("---:|", strings.Count(extra, "|")))
@@ -162,6 +170,8 @@ func (sr *scenarioResult) section(b *strings.Builder, plot string) {
 			fmt.Fprintf(b, " %.2f%% | %.0f |", 100*m.RefusedAfter, m.RefusedTransition)
 		case sr.SlowAt > 0:
 			fmt.Fprintf(b, " %s | %.1f ms | %.3f |", recoveryWords(m.Recovery), m.P99After, m.GoodputAfter)
+		case sr.load.critical > 0:
+			fmt.Fprintf(b, " %.2f%% | %.1f ms | %.1f ms | %.1f%% |", 100*m.CriticalRefused, m.CriticalP50, m.CriticalP95, 100*m.OthersRefused)
 		}
 		var per []string
 		for _, r := range sr.Runs[lim] {
@@ -184,7 +194,7 @@ func (sr *scenarioResult) windowEnd() string {
 
 func limitWords(limiter string, l float64) string {
 	switch limiter {
-	case "adaptive":
+	case "adaptive", "adaptive, reserve critical 25%":
 		return fmt.Sprintf("%.0f", l)
 	case "concurrency 8":
 		return "8"
