@@ -270,7 +270,7 @@ func TestLongestBanFloor(t *testing.T) {
 			t.Fatalf("request %d: %d, want %d", i, code, want)
 		}
 	}
-	rs, z := h.store.(*RedisStore), h.Zones[0]
+	rs, z := h.store.(*redisEngine), h.Zones[0]
 	b := bucketReq(z, store.Key{Text: "static"})
 	k := flightKey{z.index, rs.zones[z.index].cache.Hash(b.Key)}
 	rs.flights.join(k, 10)

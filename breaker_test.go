@@ -17,7 +17,7 @@ import (
 func TestRedisCancelledRequestsKeepBreakerClosed(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, redisConfig(r.Addr(), "cancel", "1r/m", 100, ""))
-	rs := h.store.(*RedisStore)
+	rs := h.store.(*redisEngine)
 	for range 2 * rediswire.TripAfter {
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
@@ -40,7 +40,7 @@ func TestRedisCancelledRequestsKeepBreakerClosed(t *testing.T) {
 func TestRedisCancelledProbeDoesNotStickBreaker(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, redisConfig(r.Addr(), "probe", "1r/m", 100, `,"timeout":"50ms"`))
-	rs := h.store.(*RedisStore)
+	rs := h.store.(*redisEngine)
 	r.Kill()
 	for range rediswire.TripAfter {
 		serve(h, "192.0.2.80")

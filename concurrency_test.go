@@ -423,7 +423,7 @@ func TestSlotStepsAgree(t *testing.T) {
 		nodes := startCluster(t)
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q]}}`,
 			fmt.Sprintf(slotStepZones, ""), nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
-		rs := h.store.(*RedisStore)
+		rs := h.store.(*redisEngine)
 		k := rs.slotKey(1, h.Zones[1].keyFor("k2"))
 		u := rs.slotKey(2, h.Zones[2].keyFor("x"))
 		ks, _ := rs.client.ClusterKeySlot(context.Background(), k).Result()
@@ -691,7 +691,7 @@ func TestConcurrencyAfterOutage(t *testing.T) {
 	for range 2 * rediswire.TripAfter {
 		serve(h, "10.0.0.1")
 	}
-	if h.store.(*RedisStore).client.Up() {
+	if h.store.(*redisEngine).client.Up() {
 		t.Fatal("the breaker is closed with Redis frozen")
 	}
 	r.Resume()

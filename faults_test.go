@@ -475,7 +475,7 @@ func TestFaultHostileKeys(t *testing.T) {
 				}
 			}
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{%s,"addresses":[%s]}}`, zones, store, strings.Join(addrs, ",")))
-			rs := h.store.(*RedisStore)
+			rs := h.store.(*redisEngine)
 			calls := func() int {
 				n := 0
 				for _, node := range tc.nodes {

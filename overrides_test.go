@@ -136,7 +136,7 @@ func TestOverridesAcrossInstances(t *testing.T) {
 	// zone's limit decides again.
 	const brief = "198.51.100.42"
 	adminSend(t, "PUT", "/rate_limit/ov-shared/"+brief+"/limit", `{"burst":5,"expires_in":"1s"}`, 200)
-	rs := other.store.(*RedisStore)
+	rs := other.store.(*redisEngine)
 	_, _, limitKey := rs.keys.BucketLimit(rs.zones[0].field, brief)
 	rc := newRedisClient(t, r.Addr())
 	if ttl := rc.PTTL(context.Background(), limitKey).Val(); ttl <= 0 || ttl > time.Second {
@@ -359,7 +359,7 @@ func TestOverrideAudit(t *testing.T) {
 
 // countsNone reports whether the store's count of a zone's overrides is
 // none, and fresh enough for a decision to skip reading them.
-func countsNone(s *RedisStore, zone int) bool {
+func countsNone(s *redisEngine, zone int) bool {
 	c := s.zones[zone].overridden.Load()
 	return c.n == 0 && time.Since(processStart).Nanoseconds()-c.at <= int64(overridePoll)
 }
@@ -392,7 +392,7 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 	// Redis, each for a key of its own.
 	countedNone := func(h *Handler) {
 		t.Helper()
-		for i, start := 0, time.Now(); !countsNone(h.store.(*RedisStore), 0); i++ {
+		for i, start := 0, time.Now(); !countsNone(h.store.(*redisEngine), 0); i++ {
 			serve(h, "203.0.113."+strconv.Itoa(i%250))
 			if time.Since(start) > time.Second {
 				t.Fatal("the zone's count of overrides is not in after a second")
@@ -425,7 +425,7 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 	busy := newTestHandler(t, redisConfig(r.Addr(), "ov-busy", "1000r/s", 10000, ""))
 	countedNone(busy)
 	for start := time.Now(); time.Since(start) < 4*overridePoll; time.Sleep(5 * time.Millisecond) {
-		if !countsNone(busy.store.(*RedisStore), 0) {
+		if !countsNone(busy.store.(*redisEngine), 0) {
 			t.Fatalf("%v into a zone's requests, a decision would read an override: its count is stale", time.Since(start))
 		}
 		if code, _ := serve(busy, "198.51.100.51"); code != 200 {

@@ -17,7 +17,7 @@ import (
 // call. On a cluster, keys in different slots are taken one at a time,
 // and when one refuses, the buckets and counters already charged get
 // their tokens back, and the slots already taken are given back.
-func (s *RedisStore) decide(ctx context.Context, deadline time.Time, d *store.Demands) (bool, error) {
+func (s *redisEngine) decide(ctx context.Context, deadline time.Time, d *store.Demands) (bool, error) {
 	if !s.client.Cluster || oneTag(d) {
 		return s.run(ctx, deadline, rediswire.Take, d)
 	}
@@ -62,7 +62,7 @@ func part(one *store.Demands, b []store.BucketDemand, c []store.CounterDemand, s
 // undo gives back what the demands taken one call each took, after the
 // call of another failed with err (or refused: err nil): the tokens of
 // b and c, the slots of taken; the slots not asked are left unheld.
-func (s *RedisStore) undo(ctx context.Context, deadline time.Time, err error, b []store.BucketDemand, c []store.CounterDemand, taken, notAsked []store.SlotDemand) error {
+func (s *redisEngine) undo(ctx context.Context, deadline time.Time, err error, b []store.BucketDemand, c []store.CounterDemand, taken, notAsked []store.SlotDemand) error {
 	// A soft demand that lacked was charged nothing: it gets nothing back.
 	var backB []store.BucketDemand
 	var backC []store.CounterDemand
@@ -112,7 +112,7 @@ func (s *RedisStore) undo(ctx context.Context, deadline time.Time, err error, b 
 
 // adjustApart adjusts each bucket and counter in a call of its own: their
 // keys are in different cluster slots.
-func (s *RedisStore) adjustApart(ctx context.Context, b []store.BucketDemand, c []store.CounterDemand) error {
+func (s *redisEngine) adjustApart(ctx context.Context, b []store.BucketDemand, c []store.CounterDemand) error {
 	var errs []error
 	var one store.Demands
 	for i := range b {
@@ -130,7 +130,7 @@ func (s *RedisStore) adjustApart(ctx context.Context, b []store.BucketDemand, c 
 
 // adjustEach sends one adjustment call for d. The client may have gone:
 // the adjustment is made all the same.
-func (s *RedisStore) adjustEach(ctx context.Context, d *store.Demands) error {
+func (s *redisEngine) adjustEach(ctx context.Context, d *store.Demands) error {
 	deadline := time.Now().Add(s.callTimeout)
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer cancel()

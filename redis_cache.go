@@ -44,7 +44,7 @@ import (
 // fromCache returns the instant to ask Redis at and the flight it joined
 // (to land when the answer is in); or that the cache decided the request,
 // and whether it allowed it; or why no answer came in time.
-func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *store.Demands) (_ time.Time, _ flightKey, decided, allowed bool, _ error) {
+func (s *redisEngine) fromCache(ctx context.Context, now time.Time, d *store.Demands) (_ time.Time, _ flightKey, decided, allowed bool, _ error) {
 	deadline := now.Add(s.callTimeout)
 	var timer *time.Timer
 	defer func() {
@@ -93,7 +93,7 @@ func (s *RedisStore) fromCache(ctx context.Context, now time.Time, d *store.Dema
 // look sets d's answers from what the cache knows at now. It returns the
 // bucket that lets the fewest requests through now (-1 without buckets),
 // how many, and how long to wait before asking Redis is worth it.
-func (s *RedisStore) look(now time.Time, d *store.Demands) (tight int, most int64, pace time.Duration) {
+func (s *redisEngine) look(now time.Time, d *store.Demands) (tight int, most int64, pace time.Duration) {
 	for i := range d.Counters {
 		// A counter only grows in its window (but for refunds, and
 		// resets), so the count Redis last gave is a bound too, for a
@@ -164,7 +164,7 @@ var errNoAnswer = errors.New("redis: no answer within timeout")
 // buckets or counters get tokens back (count): other instances' refunds
 // give them back faster than the rate, so only a ban (which refunds never
 // shorten) is a bound the cache can refuse by.
-func (s *RedisStore) cacheDecides(d *store.Demands) (decided, allowed bool) {
+func (s *redisEngine) cacheDecides(d *store.Demands) (decided, allowed bool) {
 	denied, charged := false, len(d.Slots) > 0
 	for i := range d.Counters {
 		c := &d.Counters[i]
@@ -193,7 +193,7 @@ func (s *RedisStore) cacheDecides(d *store.Demands) (decided, allowed bool) {
 // cache forgets them (it only ever refuses, so forgetting is always
 // safe), unless other requests wait for this answer in flight: then they
 // learn from it how many of them may ask at once.
-func (s *RedisStore) remember(now time.Time, d *store.Demands, flight flightKey) {
+func (s *redisEngine) remember(now time.Time, d *store.Demands, flight flightKey) {
 	short := false
 	for i := range d.Buckets {
 		short = short || d.Buckets[i].Wait() > 0
@@ -251,7 +251,7 @@ const quotaCacheFor = overLimitTrust
 // for quotaCacheFor at most, and never past the end of its window, which
 // ends c.left after now at the latest (Redis decided after now), less a
 // millisecond of margin. A count of 0 is forgotten.
-func (s *RedisStore) rememberCount(now time.Time, c *store.CounterDemand) {
+func (s *redisEngine) rememberCount(now time.Time, c *store.CounterDemand) {
 	t := s.zones[c.Zone].counts
 	if c.Used <= 0 || c.Left <= time.Millisecond {
 		t.Forget(c.Key)

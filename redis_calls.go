@@ -27,7 +27,7 @@ type window struct {
 // run calls the script for d, and sets d's answers: the buckets' debts
 // and bans, the counters' counts and the slots' held, free and full,
 // after the call.
-func (s *RedisStore) run(ctx context.Context, deadline time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
+func (s *redisEngine) run(ctx context.Context, deadline time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
 	c := rediswire.NewCall(op, deadline)
 	if s.testClock != nil {
 		c.Clock(s.testClock())
@@ -40,7 +40,7 @@ func (s *RedisStore) run(ctx context.Context, deadline time.Time, op rediswire.O
 
 // runAll decides each of ds by op, in order, in one flight of its own:
 // the keys of each share a cluster slot (see oneTag).
-func (s *RedisStore) runAll(op rediswire.Op, ds []*store.Demands) ([]bool, []error) {
+func (s *redisEngine) runAll(op rediswire.Op, ds []*store.Demands) ([]bool, []error) {
 	deadline := time.Now().Add(s.callTimeout)
 	calls := make([]*rediswire.Call, len(ds))
 	for i, d := range ds {
@@ -61,7 +61,7 @@ func (s *RedisStore) runAll(op rediswire.Op, ds []*store.Demands) ([]bool, []err
 
 // answered sets d's answers from r, the reply of its call of op sent at
 // sent, or returns err.
-func (s *RedisStore) answered(r rediswire.Reply, err error, sent time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
+func (s *redisEngine) answered(r rediswire.Reply, err error, sent time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
 	if err != nil {
 		return false, err
 	}
@@ -75,7 +75,7 @@ func (s *RedisStore) answered(r rediswire.Reply, err error, sent time.Time, op r
 }
 
 // build adds d's demands to the call.
-func (s *RedisStore) build(c *rediswire.Call, op rediswire.Op, d *store.Demands) {
+func (s *redisEngine) build(c *rediswire.Call, op rediswire.Op, d *store.Demands) {
 	for i := range d.Buckets {
 		// The script applies the key's own limit itself: it is sent the
 		// limit that an override replaces, and the cost in its tokens.
@@ -155,7 +155,7 @@ func read(r rediswire.Reply, op rediswire.Op, d *store.Demands) {
 // shapeOf is the script's shape of b's bucket: its zone's last one when
 // the limit is the same, else one from the store's cache. An adjustment
 // takes any shape of its bucket's limit: its cost travels on its own.
-func (s *RedisStore) shapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shape {
+func (s *redisEngine) shapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shape {
 	rz := &s.zones[b.Zone]
 	l, cost := b.Limit, b.Cost
 	if b.Overridden {
@@ -176,7 +176,7 @@ func (s *RedisStore) shapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shap
 }
 
 // counterShape is the script's shape of k's counter.
-func (s *RedisStore) counterShape(rz *redisZone, k *store.CounterDemand) *rediswire.CounterShape {
+func (s *redisEngine) counterShape(rz *redisZone, k *store.CounterDemand) *rediswire.CounterShape {
 	cost := max(k.Cost, -k.Cost)
 	if last := rz.counter.Load(); last != nil && last.Limit == k.Limit && last.Cost == cost {
 		return last
@@ -187,7 +187,7 @@ func (s *RedisStore) counterShape(rz *redisZone, k *store.CounterDemand) *redisw
 }
 
 // slotShape is the script's shape of q's slots.
-func (s *RedisStore) slotShape(rz *redisZone, q *store.SlotDemand) *rediswire.SlotShape {
+func (s *redisEngine) slotShape(rz *redisZone, q *store.SlotDemand) *rediswire.SlotShape {
 	if last := rz.slots.Load(); last != nil && last.Limit == q.Limit && last.Lease == q.Lease && last.Soft == q.Soft {
 		return last
 	}
@@ -198,7 +198,7 @@ func (s *RedisStore) slotShape(rz *redisZone, q *store.SlotDemand) *rediswire.Sl
 
 // windowOf is the script's view of the quota window w, made once per
 // window.
-func (s *RedisStore) windowOf(rz *redisZone, w *calendar.Window) *rediswire.Window {
+func (s *redisEngine) windowOf(rz *redisZone, w *calendar.Window) *rediswire.Window {
 	if last := rz.window.Load(); last != nil && last.w == w {
 		return last.args
 	}
@@ -214,19 +214,19 @@ func bucketField(name string, l gcra.Limit) string {
 }
 
 // bucketName is the hash and the field of the bucket of key in a zone.
-func (s *RedisStore) bucketName(zone int, key store.Key) (hash, field string) {
+func (s *redisEngine) bucketName(zone int, key store.Key) (hash, field string) {
 	return s.keys.Bucket(s.zones[zone].field, key.String())
 }
 
 // counterKeys are the key of the quota counter of key in a zone, and the
 // key that builds before rediswire.CounterZone gave it.
-func (s *RedisStore) counterKeys(zone int, key store.Key) (counter, untagged string) {
+func (s *redisEngine) counterKeys(zone int, key store.Key) (counter, untagged string) {
 	k := key.String()
 	return s.keys.Counter(s.zones[zone].counters, k), s.keys.Counter(s.zones[zone].keys, k)
 }
 
 // slotKey is the key of the sorted set of the slots of key in a zone.
-func (s *RedisStore) slotKey(zone int, key store.Key) string {
+func (s *redisEngine) slotKey(zone int, key store.Key) string {
 	return s.keys.Slots(s.zones[zone].keys, key.String())
 }
 

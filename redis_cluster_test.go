@@ -63,7 +63,7 @@ func TestRedisClusterSpread(t *testing.T) {
 	}
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"spread","rate":"1000r/s"}],
 		"store":{"backend":"redis","addresses":[%s],"timeout":"5s","fail_mode":"closed"}}`, strings.Join(addrs, ",")))
-	rs, z := h.store.(*RedisStore), h.Zones[0]
+	rs, z := h.store.(*redisEngine), h.Zones[0]
 	// The script loaded on every node: no EVAL.
 	before := make([]int64, len(nodes))
 	for i, n := range nodes {
@@ -164,7 +164,7 @@ func TestMastersThroughput(t *testing.T) {
 		{"name":"m","key":"{http.request.header.X-Key}","rate":"1000000r/s"},
 		{"name":"f","key":"{http.request.header.X-Key}","rate":"10r/s","burst":20}],
 		"store":{"backend":"redis","addresses":[%q],"timeout":"2s","fail_mode":"closed"}}`, r.Addr()))
-	rs := h.store.(*RedisStore)
+	rs := h.store.(*redisEngine)
 	keys := make([]store.Key, 100_000)
 	for i := range keys {
 		keys[i] = h.Zones[0].keyFor(fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255))

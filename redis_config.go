@@ -13,7 +13,6 @@ import (
 	"math"
 	"os"
 	"strings"
-	"sync/atomic"
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
@@ -94,8 +93,6 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	}
 	s.poolKey = string(key)
 	s.client = v.(*rediswire.Client)
-	s.users = new(atomic.Int64)
-	s.users.Store(1)
 	return registerSyncMetrics(ctx)
 }
 

@@ -99,7 +99,7 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 	local := newTestHandler(t, `{"zones":`+strings.ReplaceAll(flightZones, `"name":"`, `"name":"fl-`)+`}`)
 	remote := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":"flight:","disable_over_limit_cache":true}}`,
 		flightZones, r.Addr()))
-	rs := remote.store.(*RedisStore)
+	rs := remote.store.(*redisEngine)
 	var now time.Time
 	rs.testClock = func() time.Time { return now }
 	lz, rz := stepZonesOf(local), stepZonesOf(remote)
@@ -179,7 +179,7 @@ func TestStoreStepsAsFlights(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":"steps-flights:","disable_over_limit_cache":true}}`,
 		stepZones, r.Addr()))
-	rs := h.store.(*RedisStore)
+	rs := h.store.(*redisEngine)
 	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
 	var now time.Time
 	rs.testClock = func() time.Time { return now }
@@ -234,7 +234,7 @@ func TestRedisClusterFlight(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"cf","rate":"1r/m","burst":4}],
 		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`,
 		nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
-	rs, z := h.store.(*RedisStore), h.Zones[0]
+	rs, z := h.store.(*redisEngine), h.Zones[0]
 	var ds []*store.Demands
 	tags := map[string]bool{}
 	for i := range 60 {
@@ -288,10 +288,10 @@ var beforeFlightsLua string
 func TestRedisUpgradeFromBeforeFlights(t *testing.T) {
 	r := startRedis(t)
 	zones := `[{"name":"up","rate":"4r/s","burst":3},{"name":"upban","rate":"2r/s","burst":2,"ban":"1s"}]`
-	open := func(prefix string) (*Handler, *RedisStore) {
+	open := func(prefix string) (*Handler, *redisEngine) {
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q,"disable_over_limit_cache":true}}`,
 			zones, r.Addr(), prefix))
-		return h, h.store.(*RedisStore)
+		return h, h.store.(*redisEngine)
 	}
 	hm, mixed := open("up-mixed:")
 	hb, before := open("up-before:")
@@ -301,7 +301,7 @@ func TestRedisUpgradeFromBeforeFlights(t *testing.T) {
 	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
 	// takeBefore decides d's one bucket by the script before flights.
-	takeBefore := func(s *RedisStore, d *store.Demands) (bool, time.Duration) {
+	takeBefore := func(s *redisEngine, d *store.Demands) (bool, time.Duration) {
 		b := &d.Buckets[0]
 		hash, field, limit := s.keys.BucketLimit(s.zones[b.Zone].field, b.Key.String())
 		sh := s.shapeOf(b, false)

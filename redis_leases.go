@@ -19,7 +19,7 @@ var leaseSeq atomic.Uint64
 // release gives back the slots that take took, in one call where their
 // keys share a cluster slot. A slot whose release fails comes back when
 // its lease ends.
-func (s *RedisStore) Release(ctx context.Context, slots []store.SlotDemand) error {
+func (s *redisEngine) Release(ctx context.Context, slots []store.SlotDemand) error {
 	if !s.client.Up() {
 		return rediswire.ErrDown // the leases will end
 	}
@@ -50,7 +50,7 @@ func (s *RedisStore) Release(ctx context.Context, slots []store.SlotDemand) erro
 }
 
 // releaseCall gives back the slots in one call.
-func (s *RedisStore) releaseCall(ctx context.Context, deadline time.Time, slots []store.SlotDemand) error {
+func (s *redisEngine) releaseCall(ctx context.Context, deadline time.Time, slots []store.SlotDemand) error {
 	c := rediswire.NewCall(rediswire.Release, deadline)
 	for i := range slots {
 		c.Slot(s.slotKey(slots[i].Zone, slots[i].Key), slots[i].Claim, nil)

@@ -76,7 +76,7 @@ type countedOverrides struct {
 // trusted, so that an instance that was idle reads the override set
 // meanwhile at its first decision. The count is read again, in the
 // background, once it is overrideRefresh old.
-func (s *RedisStore) mayOverride(zone int) bool {
+func (s *redisEngine) mayOverride(zone int) bool {
 	rz := &s.zones[zone]
 	now := time.Since(processStart).Nanoseconds()
 	c := rz.overridden.Load()
@@ -90,7 +90,7 @@ func (s *RedisStore) mayOverride(zone int) bool {
 
 // pollOverrides reads how many keys of the zone have their own limit,
 // asked at at.
-func (s *RedisStore) pollOverrides(zone int, at int64) {
+func (s *redisEngine) pollOverrides(zone int, at int64) {
 	ctx, cancel := context.WithTimeout(context.Background(), s.callTimeout)
 	defer cancel()
 	n, err := s.OverrideCount(ctx, zone)
@@ -123,7 +123,7 @@ func (s *RedisStore) pollOverrides(zone int, at int64) {
 
 // overriddenGen sums the generations of the overrides of d's buckets'
 // zones (see redisZone.overriddenGen): it changes when any does.
-func (s *RedisStore) overriddenGen(d *store.Demands) uint64 {
+func (s *redisEngine) overriddenGen(d *store.Demands) uint64 {
 	var g uint64
 	for i := range d.Buckets {
 		g += s.zones[d.Buckets[i].Zone].overriddenGen.Load()
@@ -136,7 +136,7 @@ var processStart = time.Now()
 
 // forgetKey makes this instance's over-limit cache forget what it knew
 // of key's bucket in a zone: its own limit changed.
-func (s *RedisStore) forgetKey(zone int, key store.Key) {
+func (s *redisEngine) forgetKey(zone int, key store.Key) {
 	rz := &s.zones[zone]
 	if rz.cache != nil {
 		rz.cache.Forget(key)
@@ -158,7 +158,7 @@ var overrideScript = redis.NewScript(lua.Override)
 // list first when it sets and last when it removes, so that an instance
 // that dies halfway leaves at most a key listed without a limit, which
 // counts toward max_overrides until the key's limit is set or removed.
-func (s *RedisStore) SetOverride(ctx context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
+func (s *redisEngine) SetOverride(ctx context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
 	rz := &s.zones[zone]
 	listed := s.keys.Listed(key.String())
 	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
@@ -190,7 +190,7 @@ func (s *RedisStore) SetOverride(ctx context.Context, now time.Time, zone int, k
 	return err
 }
 
-func (s *RedisStore) DeleteOverride(ctx context.Context, now time.Time, zone int, key store.Key) (bool, error) {
+func (s *redisEngine) DeleteOverride(ctx context.Context, now time.Time, zone int, key store.Key) (bool, error) {
 	rz := &s.zones[zone]
 	listed := s.keys.Listed(key.String())
 	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
@@ -222,7 +222,7 @@ const overrideLockLease = 10 * time.Second
 // lockOverride waits, until ctx ends, for the lock of the key whose own
 // limit is at limitKey (`<limitKey>:lock`, in its slot), and returns
 // what gives it back.
-func (s *RedisStore) lockOverride(ctx context.Context, limitKey string) (unlock func(), err error) {
+func (s *redisEngine) lockOverride(ctx context.Context, limitKey string) (unlock func(), err error) {
 	lock, token := limitKey+":lock", strconv.FormatUint(rand.Uint64(), 36)
 	for {
 		ok, err := s.client.SetNX(ctx, lock, token, overrideLockLease).Result()
@@ -253,13 +253,13 @@ func (s *RedisStore) lockOverride(ctx context.Context, limitKey string) (unlock 
 	}, nil
 }
 
-func (s *RedisStore) Override(ctx context.Context, zone int, key store.Key) (store.Override, bool, error) {
+func (s *redisEngine) Override(ctx context.Context, zone int, key store.Key) (store.Override, bool, error) {
 	_, _, limitKey := s.keys.BucketLimit(s.zones[zone].field, key.String())
 	return s.readOverride(ctx, limitKey)
 }
 
 // readOverride reads the override at limitKey.
-func (s *RedisStore) readOverride(ctx context.Context, limitKey string) (store.Override, bool, error) {
+func (s *redisEngine) readOverride(ctx context.Context, limitKey string) (store.Override, bool, error) {
 	var get *redis.StringCmd
 	var ttl *redis.DurationCmd
 	now := time.Now()
@@ -276,7 +276,7 @@ func (s *RedisStore) readOverride(ctx context.Context, limitKey string) (store.O
 	return o, ok, nil
 }
 
-func (s *RedisStore) Overrides(ctx context.Context, zone int) ([]store.KeyOverride, error) {
+func (s *redisEngine) Overrides(ctx context.Context, zone int) ([]store.KeyOverride, error) {
 	rz := &s.zones[zone]
 	now := time.Now()
 	keys, err := s.client.ZRangeByScore(ctx, s.keys.Limits(rz.field), &redis.ZRangeBy{
@@ -308,7 +308,7 @@ func (s *RedisStore) Overrides(ctx context.Context, zone int) ([]store.KeyOverri
 	return out, nil
 }
 
-func (s *RedisStore) OverrideCount(ctx context.Context, zone int) (int, error) {
+func (s *redisEngine) OverrideCount(ctx context.Context, zone int) (int, error) {
 	if !s.client.Up() {
 		return 0, rediswire.ErrDown
 	}

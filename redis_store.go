@@ -117,12 +117,35 @@ type RedisStore struct {
 	client   *rediswire.Client
 	poolKey  string
 	released bool // Cleanup let go of the client
+	engine   *redisEngine
+	logger   *zap.Logger
+	// callTimeout is Timeout, or its default.
+	callTimeout time.Duration
+}
+
+// A redisEngine decides the demands of a handler's zones in Redis, one
+// script call a flight: the Redis store's engine. It knows nothing of
+// Caddy: its module gives it the client, the pools it shares across
+// reloads, and its config.
+type redisEngine struct {
+	FailMode              string // local, open or closed
+	DisableOverLimitCache bool
+	KeyPrefix             string
+	HashKeys              bool
+
+	client *rediswire.Client
+	// release gives the client back to its pool, when the last user lets
+	// go of the engine; syncPool holds the copies of the zones with sync
+	// across reloads.
+	release  func() error
+	syncPool syncPool
+	// setup names the client's connection setup, for the copies' pool.
+	setup string
 	// users counts what keeps the client from the pool's Delete: the
 	// config until its Cleanup, and each request that holds the store
-	// (see holder). The last to let go gives it back. A pointer, as
-	// CaddyModule's value receiver copies the struct.
-	users       *atomic.Int64
-	callTimeout time.Duration // Timeout, or its default
+	// (see store.Holder). The last to let go gives it back.
+	users       atomic.Int64
+	callTimeout time.Duration
 	keys        rediswire.Keys
 	zones       []redisZone        // by zone index
 	shapes      *shapeCache        // the shapes of limits that come with requests (plans)
@@ -202,12 +225,16 @@ func (s *RedisStore) Cleanup() error {
 		return nil
 	}
 	s.released = true
-	return s.drop()
+	if s.engine == nil { // never bound
+		_, err := redisClients.Delete(s.poolKey)
+		return err
+	}
+	return s.engine.drop()
 }
 
-// hold keeps the client for a request, unless the store let go of it
+// Hold keeps the client for a request, unless the store let go of it
 // already.
-func (s *RedisStore) Hold() bool {
+func (s *redisEngine) Hold() bool {
 	for {
 		n := s.users.Load()
 		if n == 0 {
@@ -219,26 +246,43 @@ func (s *RedisStore) Hold() bool {
 	}
 }
 
-// done ends a request's hold.
-func (s *RedisStore) Done() {
+// Done ends a request's hold.
+func (s *redisEngine) Done() {
 	if err := s.drop(); err != nil {
 		s.logger.Error("rate limit: redis client not given back", zap.Error(err))
 	}
 }
 
 // drop drops one user of the client; the last gives it back to the pool.
-func (s *RedisStore) drop() error {
+func (s *redisEngine) drop() error {
 	if s.users.Add(-1) != 0 {
 		return nil
 	}
 	// The copies of sync zones go with the last user, before the client:
 	// their last reconciliation needs it.
 	err := s.releaseSync()
-	_, cerr := redisClients.Delete(s.poolKey)
-	return errors.Join(err, cerr)
+	return errors.Join(err, s.release())
 }
 
+// bind makes the store's engine for zones.
 func (s *RedisStore) bind(zones []store.ZoneSpec) (store.Store, error) {
+	e := &redisEngine{
+		FailMode: s.FailMode, DisableOverLimitCache: s.DisableOverLimitCache, KeyPrefix: s.KeyPrefix, HashKeys: s.HashKeys,
+		client: s.client, setup: s.poolKey, syncPool: syncPooled{}, callTimeout: s.callTimeout, logger: s.logger,
+		release: func() error {
+			_, err := redisClients.Delete(s.poolKey)
+			return err
+		},
+	}
+	e.users.Store(1) // the config's, until its Cleanup
+	if err := e.bind(zones); err != nil {
+		return nil, err
+	}
+	s.engine = e
+	return e, nil
+}
+
+func (s *redisEngine) bind(zones []store.ZoneSpec) error {
 	s.flights = &flights{m: make(map[flightKey]flight)}
 	s.keys = rediswire.Keys{Prefix: s.KeyPrefix, Hash: s.HashKeys}
 	s.shapes, s.keyErrors, s.repairs = new(shapeCache), new(throttle.Throttle), new(throttle.Throttle)
@@ -273,18 +317,15 @@ func (s *RedisStore) bind(zones []store.ZoneSpec) (store.Store, error) {
 			s.client.Check(s.logger, s.FailMode, s.callTimeout)
 		}
 	}
-	if err := s.bindSync(zones); err != nil {
-		return nil, err
-	}
-	return s, nil
+	return s.bindSync(zones)
 }
 
-func (s *RedisStore) FailureMode() store.FailMode { return store.FailModes[s.FailMode] }
+func (s *redisEngine) FailureMode() store.FailMode { return store.FailModes[s.FailMode] }
 
 // known is what the over-limit cache knows of b's bucket. When the
 // request gave up waiting for the calls in flight for its bucket
 // (errNoAnswer), those calls may yet take their tokens: they count too.
-func (s *RedisStore) Known(now time.Time, b *store.BucketDemand, err error) time.Duration {
+func (s *redisEngine) Known(now time.Time, b *store.BucketDemand, err error) time.Duration {
 	t := s.zones[b.Zone].cache
 	if t == nil {
 		return 0
@@ -304,7 +345,7 @@ func (s *RedisStore) Known(now time.Time, b *store.BucketDemand, err error) time
 
 // take decides d: from this instance's copies, for zones with sync (see
 // takeSync), else in Redis.
-func (s *RedisStore) Take(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
+func (s *redisEngine) Take(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
 	if len(s.syncIDs) > 0 && s.synced(d) {
 		return s.takeSync(ctx, now, d)
 	}
@@ -319,7 +360,7 @@ func (s *RedisStore) Take(ctx context.Context, now time.Time, d *store.Demands) 
 // comes back after the lease however it died, with no timers or writes
 // for the requests in flight. Demands the over-limit cache can refuse
 // are refused without asking Redis.
-func (s *RedisStore) takeExact(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
+func (s *redisEngine) takeExact(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
 	if len(d.Slots) > 0 {
 		id := s.leaseIDs + strconv.FormatUint(leaseSeq.Add(1), 36)
 		for i := range d.Slots {
@@ -351,7 +392,7 @@ func (s *RedisStore) takeExact(ctx context.Context, now time.Time, d *store.Dema
 
 // ask has Redis decide d within budget, and tells the breaker what the
 // call said of Redis.
-func (s *RedisStore) ask(ctx context.Context, budget time.Duration, d *store.Demands) (bool, error) {
+func (s *redisEngine) ask(ctx context.Context, budget time.Duration, d *store.Demands) (bool, error) {
 	waited := budget < s.callTimeout
 	if !s.client.Up() {
 		return false, rediswire.ErrDown
@@ -397,7 +438,7 @@ func (s *RedisStore) ask(ctx context.Context, budget time.Duration, d *store.Dem
 // a slot, and makes this instance's over-limit cache forget them (other
 // instances' caches do not deny a zone whose buckets get tokens back,
 // but for a ban, which a refund never shortens).
-func (s *RedisStore) Adjust(ctx context.Context, _ time.Time, d *store.Demands) error {
+func (s *redisEngine) Adjust(ctx context.Context, _ time.Time, d *store.Demands) error {
 	for i := range d.Buckets {
 		if t := s.zones[d.Buckets[i].Zone].cache; t != nil {
 			t.Forget(d.Buckets[i].Key)
@@ -417,7 +458,7 @@ func (s *RedisStore) Adjust(ctx context.Context, _ time.Time, d *store.Demands) 
 	return s.adjustApart(ctx, d.Buckets, d.Counters)
 }
 
-func (s *RedisStore) Peek(ctx context.Context, _ time.Time, d *store.Demands) error {
+func (s *redisEngine) Peek(ctx context.Context, _ time.Time, d *store.Demands) error {
 	deadline := time.Now().Add(s.callTimeout)
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
@@ -432,7 +473,7 @@ func (s *RedisStore) Peek(ctx context.Context, _ time.Time, d *store.Demands) er
 // over-limit cache and copies knew of them. Other instances' caches
 // learn it when their entry runs out, until then they may still deny
 // those keys; their copies, at their next reconciliation.
-func (s *RedisStore) Reset(ctx context.Context, d *store.Demands) (bool, error) {
+func (s *redisEngine) Reset(ctx context.Context, d *store.Demands) (bool, error) {
 	if len(s.syncIDs) > 0 {
 		s.forgetSync(d)
 	}
@@ -467,7 +508,7 @@ func (s *RedisStore) Reset(ctx context.Context, d *store.Demands) (bool, error) 
 	return found, nil
 }
 
-func (s *RedisStore) Stats(zone int) store.ZoneStats {
+func (s *redisEngine) Stats(zone int) store.ZoneStats {
 	return store.ZoneStats{OverLimitCache: !s.DisableOverLimitCache, Client: s.client, Unavailable: !s.client.Up()}
 }
 
@@ -478,7 +519,7 @@ var (
 	_ caddy.CleanerUpper    = (*RedisStore)(nil)
 	_ caddyfile.Unmarshaler = (*RedisStore)(nil)
 	_ storeModule           = (*RedisStore)(nil)
-	_ store.Store           = (*RedisStore)(nil)
-	_ store.Fallible        = (*RedisStore)(nil)
-	_ store.Holder          = (*RedisStore)(nil)
+	_ store.Store           = (*redisEngine)(nil)
+	_ store.Fallible        = (*redisEngine)(nil)
+	_ store.Holder          = (*redisEngine)(nil)
 )

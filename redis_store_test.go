@@ -89,7 +89,7 @@ func TestRedisKeysAndTTL(t *testing.T) {
 // bucketOf names the Redis hash and field of key's bucket in h's zone i.
 func bucketOf(h *Handler, i int, key string) (hash, field string) {
 	z := h.Zones[i]
-	return h.store.(*RedisStore).bucketName(z.index, z.keyFor(key))
+	return h.store.(*redisEngine).bucketName(z.index, z.keyFor(key))
 }
 
 // bucketName names the Redis hash and field of a bucket, as a store with
@@ -124,7 +124,7 @@ func pair(a, b string) []string { return []string{a, b} }
 func TestRedisInstantsStayExact(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, redisConfig(r.Addr(), "late", "7r/s", 5, ""))
-	rs := h.store.(*RedisStore)
+	rs := h.store.(*redisEngine)
 	now := time.Date(2090, 6, 1, 0, 0, 0, 123_456_000, time.UTC)
 	rs.testClock = func() time.Time { return now }
 	var debts []time.Duration
@@ -157,7 +157,7 @@ func TestRedisRefilledBucketsArePurged(t *testing.T) {
 	ctx := context.Background()
 	h := newTestHandler(t, `{"zones":[{"name":"p","key":"{http.request.header.X-Key}","rate":"1r/h","burst":1}],
 		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"t:"}}`)
-	rs := h.store.(*RedisStore)
+	rs := h.store.(*redisEngine)
 	var now time.Time
 	rs.testClock = func() time.Time { return now }
 	start := time.Now()
@@ -429,7 +429,7 @@ func TestRedisWrongTypeKeyRepaired(t *testing.T) {
 			t.Fatalf("key %d: type %s after a decision, want a hash with the bucket", i, typ)
 		}
 	}
-	if h.store.(*RedisStore).client.Breaker.Open() {
+	if h.store.(*redisEngine).client.Breaker.Open() {
 		t.Fatal("keys of the wrong type opened the circuit breaker")
 	}
 	// A value that is not an instant is a full bucket too, and so is an
@@ -1167,7 +1167,7 @@ func TestRedisFlightOfOneKey(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, `{"zones":[{"name":"twin","key":"{http.request.header.X-Key}","rate":"7r/h","burst":5}],
 		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"pool_size":2,"timeout":"5s","disable_over_limit_cache":true}}`)
-	s := h.store.(*RedisStore)
+	s := h.store.(*redisEngine)
 	now := time.Now()
 	s.testClock = func() time.Time { return now } // the same instant for all: the same debts
 	take := func(key string) (bool, time.Duration) {
@@ -1268,7 +1268,7 @@ func TestRedisMemoryPerKey(t *testing.T) {
 	// rates, so the layout before stored a fraction; and the buckets last
 	// the whole test.
 	h := newTestHandler(t, redisConfig(r.Addr(), "rb", "7r/h", 10, `,"timeout":"10s"`))
-	rs, z := h.store.(*RedisStore), h.Zones[0]
+	rs, z := h.store.(*redisEngine), h.Zones[0]
 	before := used()
 	start := time.Now()
 	var next atomic.Int64

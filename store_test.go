@@ -147,7 +147,7 @@ func runStoreSteps(t *testing.T, h *Handler) {
 	// clock.
 	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
 	var now time.Time
-	if rs, ok := h.store.(*RedisStore); ok {
+	if rs, ok := h.store.(*redisEngine); ok {
 		rs.testClock = func() time.Time { return now }
 	}
 	zones := map[byte]*Zone{}
@@ -351,7 +351,7 @@ func runPlanSteps(t *testing.T, h *Handler) {
 	t.Helper()
 	start := time.Now()
 	var now time.Time
-	if rs, ok := h.store.(*RedisStore); ok {
+	if rs, ok := h.store.(*redisEngine); ok {
 		rs.testClock = func() time.Time { return now }
 	}
 	z := h.Zones[0]
@@ -389,7 +389,7 @@ func TestRefundEmptyBucket(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, tc.config)
 			now := time.Now()
-			if rs, ok := h.store.(*RedisStore); ok {
+			if rs, ok := h.store.(*redisEngine); ok {
 				rs.testClock = func() time.Time { return now }
 			}
 			z := h.Zones[0]
@@ -456,7 +456,7 @@ func runUsageSteps(t *testing.T, h *Handler) {
 	t.Helper()
 	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
 	var now time.Time
-	if rs, ok := h.store.(*RedisStore); ok {
+	if rs, ok := h.store.(*redisEngine); ok {
 		rs.testClock = func() time.Time { return now }
 	}
 	z := h.Zones[0]
@@ -578,7 +578,7 @@ func runOverrideSteps(t *testing.T, h *Handler) {
 	t.Helper()
 	start := time.Now()
 	var now time.Time
-	if rs, ok := h.store.(*RedisStore); ok {
+	if rs, ok := h.store.(*redisEngine); ok {
 		rs.testClock = func() time.Time { return now }
 	}
 	zones := map[string]*Zone{}

@@ -204,7 +204,7 @@ type syncZone struct {
 
 // A syncUser is a store and the place of the zone in it.
 type syncUser struct {
-	s    *RedisStore
+	s    *redisEngine
 	zone int
 }
 
@@ -318,7 +318,7 @@ func (sz *syncZone) join(u syncUser) {
 	sz.users = append(sz.users, u)
 }
 
-func (sz *syncZone) leave(s *RedisStore) {
+func (sz *syncZone) leave(s *redisEngine) {
 	sz.mu.Lock()
 	defer sz.mu.Unlock()
 	for i, u := range sz.users {
@@ -342,7 +342,7 @@ func (sz *syncZone) owner() (syncUser, bool) {
 
 // add makes a copy of b's bucket, owing floor at n, unless the zone has
 // maxSyncKeys already. Requires sh.mu to be held.
-func (sz *syncZone) add(sh *syncShard, h uint64, s *RedisStore, b *store.BucketDemand, n, floor time.Duration) *syncCopy {
+func (sz *syncZone) add(sh *syncShard, h uint64, s *redisEngine, b *store.BucketDemand, n, floor time.Duration) *syncCopy {
 	if sz.size.Load() >= maxSyncKeys {
 		return nil
 	}
@@ -379,7 +379,7 @@ func (c *syncCopy) learnt(at, n, debt time.Duration, lim gcra.Limit, tokens int6
 }
 
 // synced reports whether a bucket of d is in a zone with sync.
-func (s *RedisStore) synced(d *store.Demands) bool {
+func (s *redisEngine) synced(d *store.Demands) bool {
 	for i := range d.Buckets {
 		if s.zones[d.Buckets[i].Zone].sync != nil {
 			return true
@@ -394,7 +394,7 @@ func (s *RedisStore) synced(d *store.Demands) bool {
 // without sync, and the copies learn from the answer. When Redis fails,
 // a request of such buckets alone is decided here all the same, from
 // what this instance knows; fail_mode decides the others.
-func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
+func (s *redisEngine) takeSync(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
 	alone := len(d.Counters)+len(d.Slots) == 0
 	for i := range d.Buckets {
 		alone = alone && s.zones[d.Buckets[i].Zone].sync != nil
@@ -439,7 +439,7 @@ func (s *RedisStore) takeSync(ctx context.Context, now time.Time, d *store.Deman
 // it had been sent: a request beyond the allowance is decided against
 // what this instance spent by itself too. (Not beyond the burst: a take
 // of more than a bucket is refused whatever it owes.)
-func (s *RedisStore) carry(d *store.Demands, carried []int64) {
+func (s *redisEngine) carry(d *store.Demands, carried []int64) {
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
 		sz := s.zones[b.Zone].sync
@@ -460,7 +460,7 @@ func (s *RedisStore) carry(d *store.Demands, carried []int64) {
 // uncarry takes off the costs what carry added, and, unless the take
 // charged them, gives the tokens back to the copies to send: away when
 // the take failed (see owe).
-func (s *RedisStore) uncarry(d *store.Demands, carried []int64, charged, away bool) {
+func (s *redisEngine) uncarry(d *store.Demands, carried []int64, charged, away bool) {
 	for i := range d.Buckets {
 		if carried[i] == 0 {
 			continue
@@ -496,7 +496,7 @@ type syncLook struct {
 // Redis could not decide d: the copies then decide all the same (a key
 // without one gets one, as full as the over-limit cache allows), and no
 // allowance or freshness holds them back.
-func (s *RedisStore) decideHere(now time.Time, d *store.Demands, failed error) (allowed, decided bool) {
+func (s *redisEngine) decideHere(now time.Time, d *store.Demands, failed error) (allowed, decided bool) {
 	var lockedArr [4]*syncShard
 	var looksArr [4]syncLook
 	locked, looks := lockedArr[:0], looksArr[:0]
@@ -571,7 +571,7 @@ func chargeCopies(d *store.Demands, looks []syncLook, away bool) {
 // decideHere: none for a copy learnt under another plan while Redis can
 // decide (Redis rescales it); while it cannot (failed), a key without one
 // gets one, and one of another plan takes b's.
-func (s *RedisStore) copyOf(now time.Time, b *store.BucketDemand, sz *syncZone, sh *syncShard, h uint64, n time.Duration, failed error) *syncCopy {
+func (s *redisEngine) copyOf(now time.Time, b *store.BucketDemand, sz *syncZone, sh *syncShard, h uint64, n time.Duration, failed error) *syncCopy {
 	c := sh.m[h]
 	switch {
 	case failed == nil && c != nil && !sameLimit(c.base, baseLimit(b)):
@@ -601,7 +601,7 @@ func containsShard(shards []*syncShard, sh *syncShard) bool {
 // answer, making those it lacks. Demands that a cluster took a slot at a
 // time (their keys in different slots) teach nothing: a bucket after a
 // refusal was not asked.
-func (s *RedisStore) learn(now time.Time, d *store.Demands) {
+func (s *redisEngine) learn(now time.Time, d *store.Demands) {
 	if s.client.Cluster && !oneTag(d) {
 		return
 	}
@@ -622,7 +622,7 @@ func (s *RedisStore) learn(now time.Time, d *store.Demands) {
 // forgetSync drops this instance's copies of d's buckets (a reset): their
 // next requests go to Redis. The other instances learn of a reset at
 // their next reconciliation.
-func (s *RedisStore) forgetSync(d *store.Demands) {
+func (s *redisEngine) forgetSync(d *store.Demands) {
 	s.withCopies(d, func(sz *syncZone, sh *syncShard, h uint64, _ *store.BucketDemand) {
 		if _, ok := sh.m[h]; ok {
 			delete(sh.m, h)
@@ -633,7 +633,7 @@ func (s *RedisStore) forgetSync(d *store.Demands) {
 
 // peekSync adds to what Redis said of d's buckets in zones with sync what
 // this instance spent that Redis has not heard of yet.
-func (s *RedisStore) peekSync(d *store.Demands) {
+func (s *redisEngine) peekSync(d *store.Demands) {
 	s.withCopies(d, func(_ *syncZone, sh *syncShard, h uint64, b *store.BucketDemand) {
 		if c := sh.m[h]; c != nil {
 			b.Debt = min(b.Debt+time.Duration(c.pending+c.sent)*b.Limit.TokenTime, b.Limit.Most())
@@ -643,7 +643,7 @@ func (s *RedisStore) peekSync(d *store.Demands) {
 
 // withCopies calls f for each bucket of d in a zone with sync, with the
 // shard of its copy locked, and the copy's hash.
-func (s *RedisStore) withCopies(d *store.Demands, f func(sz *syncZone, sh *syncShard, h uint64, b *store.BucketDemand)) {
+func (s *redisEngine) withCopies(d *store.Demands, f func(sz *syncZone, sh *syncShard, h uint64, b *store.BucketDemand)) {
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
 		if sz := s.zones[b.Zone].sync; sz != nil {
@@ -655,17 +655,16 @@ func (s *RedisStore) withCopies(d *store.Demands, f func(sz *syncZone, sh *syncS
 }
 
 // bindSync gets the copies of the store's zones with sync.
-func (s *RedisStore) bindSync(zones []store.ZoneSpec) error {
+func (s *redisEngine) bindSync(zones []store.ZoneSpec) error {
 	for i, z := range zones {
 		if z.Sync == 0 {
 			continue
 		}
-		id := syncID{s.poolKey, s.KeyPrefix, s.HashKeys, s.zones[i].field, z.Sync}
-		v, _, err := syncZones.LoadOrNew(id, func() (caddy.Destructor, error) { return newSyncZone(z.Sync), nil })
+		id := syncID{s.setup, s.KeyPrefix, s.HashKeys, s.zones[i].field, z.Sync}
+		sz, err := s.syncPool.acquire(id, func() *syncZone { return newSyncZone(z.Sync) })
 		if err != nil {
 			return err
 		}
-		sz := v.(*syncZone)
 		sz.join(syncUser{s, i})
 		s.zones[i].sync = sz
 		s.syncIDs = append(s.syncIDs, id)
@@ -675,7 +674,7 @@ func (s *RedisStore) bindSync(zones []store.ZoneSpec) error {
 
 // releaseSync gives the copies back; the last config that has a zone
 // reconciles its copies a last time.
-func (s *RedisStore) releaseSync() error {
+func (s *redisEngine) releaseSync() error {
 	for i := range s.zones {
 		if sz := s.zones[i].sync; sz != nil {
 			sz.leave(s)
@@ -686,11 +685,35 @@ func (s *RedisStore) releaseSync() error {
 	// to be decided by fail_mode when its call fails on the closed client.
 	var errs []error
 	for _, id := range s.syncIDs {
-		if _, err := syncZones.Delete(id); err != nil {
-			errs = append(errs, err)
-		}
+		errs = append(errs, s.syncPool.release(id))
 	}
 	return errors.Join(errs...)
+}
+
+// A syncPool holds the copies of the zones with sync of every loaded
+// config, by syncID, so that a reload that keeps a zone keeps its copies
+// (the Redis store module's pool).
+type syncPool interface {
+	// acquire gets the copies of id, made by make when no config has
+	// them; release lets go of them.
+	acquire(id syncID, make func() *syncZone) (*syncZone, error)
+	release(id syncID) error
+}
+
+// syncPooled is the syncPool of syncZones.
+type syncPooled struct{}
+
+func (syncPooled) acquire(id syncID, make func() *syncZone) (*syncZone, error) {
+	v, _, err := syncZones.LoadOrNew(id, func() (caddy.Destructor, error) { return make(), nil })
+	if err != nil {
+		return nil, err
+	}
+	return v.(*syncZone), nil
+}
+
+func (syncPooled) release(id syncID) error {
+	_, err := syncZones.Delete(id)
+	return err
 }
 
 // loop reconciles every interval, and a last time when the zone goes.
@@ -929,7 +952,7 @@ func (sz *syncZone) unsent(p *syncItem) {
 // which the zone's count of overrides may not show yet (see mayOverride).
 // What the over-limit cache learnt without reading them is forgotten, as
 // when a poll finds the zone's first override.
-func (s *RedisStore) sawOverride(zone int) {
+func (s *redisEngine) sawOverride(zone int) {
 	rz := &s.zones[zone]
 	if c := rz.overridden.Load(); c.n == 0 {
 		if rz.overridden.CompareAndSwap(c, &countedOverrides{n: -1, at: time.Since(processStart).Nanoseconds()}) {
@@ -999,7 +1022,7 @@ func (c *syncCollector) Collect(ch chan<- prometheus.Metric) {
 	registry.Lock()
 	for _, refs := range registry.zones {
 		for _, ref := range refs {
-			rs, ok := ref.h.store.(*RedisStore)
+			rs, ok := ref.h.store.(*redisEngine)
 			if !ok || ref.z.index >= len(rs.zones) || ref.z.state.metered.Load() <= 0 {
 				continue
 			}

@@ -196,7 +196,7 @@ func TestSyncRedisOutage(t *testing.T) {
 		t.Errorf("zone without sync during the outage: %d, want 503 (fail_mode closed)", code)
 	}
 	r.Start()
-	rs := hs[0].store.(*RedisStore)
+	rs := hs[0].store.(*redisEngine)
 	hash, field := rs.bucketName(0, store.Key{Text: "k"})
 	c := newRedisClient(t, r.Addr())
 	waitFor(t, 10*time.Second, "the spending of the outage in Redis", func() bool {
@@ -281,14 +281,14 @@ func TestSyncReloadKeepsCopies(t *testing.T) {
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr())
 	old, unload := provision(t, config)
 	emptyEverywhere(t, []*Handler{old}, "k")
-	rs := old.store.(*RedisStore)
+	rs := old.store.(*redisEngine)
 	copies := rs.zones[0].sync
 	hash, field := rs.bucketName(0, store.Key{Text: "k"})
 	r.CLI("HDEL", hash, field)
 	next, unloadNext := provision(t, config)
 	defer unloadNext()
 	unload()
-	if got := next.store.(*RedisStore).zones[0].sync; got != copies {
+	if got := next.store.(*redisEngine).zones[0].sync; got != copies {
 		t.Fatal("the reloaded config has copies of its own")
 	}
 	calls := r.Calls()
@@ -472,7 +472,7 @@ func syncCopies(name string) map[*syncZone]bool {
 	defer registry.Unlock()
 	out := make(map[*syncZone]bool)
 	for _, ref := range registry.zones[name] {
-		if rs, ok := ref.h.store.(*RedisStore); ok && rs.zones[ref.z.index].sync != nil {
+		if rs, ok := ref.h.store.(*redisEngine); ok && rs.zones[ref.z.index].sync != nil {
 			out[rs.zones[ref.z.index].sync] = true
 		}
 	}
@@ -571,7 +571,7 @@ func syncBucket(t *testing.T, name, key string) (hash, field string) {
 	registry.Lock()
 	defer registry.Unlock()
 	for _, ref := range registry.zones[name] {
-		if rs, ok := ref.h.store.(*RedisStore); ok && rs.zones[ref.z.index].sync != nil {
+		if rs, ok := ref.h.store.(*redisEngine); ok && rs.zones[ref.z.index].sync != nil {
 			return rs.bucketName(ref.z.index, store.Key{Text: key})
 		}
 	}
@@ -731,7 +731,7 @@ func TestSyncClusterReconciliationCalls(t *testing.T) {
 func TestSyncIdleReconciliation(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, syncZoneJSON("s", "10ms"), r.Addr()))
-	sz := h.store.(*RedisStore).zones[0].sync
+	sz := h.store.(*redisEngine).zones[0].sync
 	const keys = 2000
 	for k := range keys {
 		serve(h, "10.0.0.1", "X-Key", strconv.Itoa(k))
@@ -762,7 +762,7 @@ func TestSyncSweep(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"1m"}],
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr()))
-	sz := h.store.(*RedisStore).zones[0].sync
+	sz := h.store.(*redisEngine).zones[0].sync
 	serve(h, "10.0.0.1", "X-Key", "once") // full again a minute later
 	for range 10 {
 		serve(h, "10.0.0.1", "X-Key", "emptied") // ten minutes later
