@@ -77,9 +77,10 @@ type kind struct {
 	collect func(ch chan<- prometheus.Metric, counter counterFunc, requests *prometheus.Desc, id zoneID, s *zoneState)
 
 	// collectStore exports the kind's metrics of the zone id that its
-	// store keeps, read through ref: once for each exported zone with a
-	// rate, zones of one name and limit counted once.
-	collectStore func(ch chan<- prometheus.Metric, id zoneID, ref zoneRef)
+	// store keeps, read through ref or summed in sum (over the stores of
+	// the zones of that id, what they share counted once): once for each
+	// exported zone with a rate.
+	collectStore func(ch chan<- prometheus.Metric, id zoneID, ref zoneRef, sum store.ZoneStats)
 
 	// decided counts in st what the store's answer d to a request says of
 	// the kind in the zone's match m (a refusal that started a ban). Only

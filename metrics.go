@@ -204,6 +204,8 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 	tables := make(map[any]bool)
 	clients := make(map[any]bool) // whether each connection is down
 	counted := make(map[zoneID]zoneRef)
+	sums := make(map[zoneID]*store.ZoneStats) // what the kinds' collectStore read
+	copies := make(map[any]bool)
 	registry.Lock()
 	for _, refs := range registry.zones {
 		for _, ref := range refs {
@@ -218,6 +220,10 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 				st := s.Stats(ref.z.index)
 				if st.Client != nil {
 					clients[st.Client] = st.Unavailable
+				}
+				if st.SyncCopies != nil && exported[id] && !copies[st.SyncCopies] {
+					copies[st.SyncCopies] = true
+					sumSync(sums, id, &st)
 				}
 				if st.Keys == nil || tables[st.Table] || !exported[id] {
 					continue
@@ -239,9 +245,13 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 		ch <- prometheus.MustNewConstMetric(c.evictions, prometheus.CounterValue, float64(z.evictions), id.name, id.limit)
 	}
 	for id, ref := range counted {
+		var sum store.ZoneStats
+		if s := sums[id]; s != nil {
+			sum = *s
+		}
 		for _, k := range kinds {
 			if k.collectStore != nil {
-				k.collectStore(ch, id, ref)
+				k.collectStore(ch, id, ref, sum)
 			}
 		}
 	}
@@ -252,6 +262,21 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 		}
 	}
 	ch <- prometheus.MustNewConstMetric(c.circuitOpen, prometheus.GaugeValue, float64(open))
+}
+
+// sumSync adds the reconciliations of copies that st reports to the sums
+// of the zone id.
+func sumSync(sums map[zoneID]*store.ZoneStats, id zoneID, st *store.ZoneStats) {
+	s := sums[id]
+	if s == nil {
+		s = new(store.ZoneStats)
+		sums[id] = s
+	}
+	s.SyncCopies = st.SyncCopies
+	s.SyncCalls += st.SyncCalls
+	s.SyncFailed += st.SyncFailed
+	s.SyncKeys += st.SyncKeys
+	s.SyncHeld += st.SyncHeld
 }
 
 // registerMetrics adds the collectors to a config's registry, which is

@@ -79,7 +79,7 @@ var overridesDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, 
 // collectOverrides exports how many keys have their own limit in the
 // zone id, as its store counts them (the Redis store: in one call, within
 // its timeout; a zone whose store cannot tell is left out).
-func collectOverrides(ch chan<- prometheus.Metric, id zoneID, ref zoneRef) {
+func collectOverrides(ch chan<- prometheus.Metric, id zoneID, ref zoneRef, _ store.ZoneStats) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
 	n, err := ref.h.store.OverrideCount(ctx, ref.z.index)
 	cancel()

@@ -93,7 +93,7 @@ func (s *RedisStore) Provision(ctx caddy.Context) error {
 	}
 	s.poolKey = string(key)
 	s.client = v.(*rediswire.Client)
-	return registerSyncMetrics(ctx)
+	return nil
 }
 
 // options turns the configuration into go-redis options.

@@ -509,7 +509,12 @@ func (s *redisEngine) Reset(ctx context.Context, d *store.Demands) (bool, error)
 }
 
 func (s *redisEngine) Stats(zone int) store.ZoneStats {
-	return store.ZoneStats{OverLimitCache: !s.DisableOverLimitCache, Client: s.client, Unavailable: !s.client.Up()}
+	st := store.ZoneStats{OverLimitCache: !s.DisableOverLimitCache, Client: s.client, Unavailable: !s.client.Up()}
+	if sz := s.zones[zone].sync; sz != nil {
+		st.SyncCopies = sz
+		st.SyncCalls, st.SyncFailed, st.SyncKeys, st.SyncHeld = sz.calls.Load(), sz.failed.Load(), sz.keys.Load(), sz.size.Load()
+	}
+	return st
 }
 
 // Interface guards

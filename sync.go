@@ -108,6 +108,8 @@ var syncKind = kind{
 	},
 	check:        (*Zone).checkSync,
 	checkHandler: (*Handler).checkSyncStore,
+	descs:        []*prometheus.Desc{syncReconciliationsDesc, syncKeysDesc, syncCopiesDesc},
+	collectStore: collectSync,
 	shape: func(z *Zone, l *gcra.Limit) error {
 		if z.Sync == 0 {
 			return nil
@@ -971,83 +973,28 @@ func cmpErr(first, err error) error {
 	return err
 }
 
-// Metrics of the zones with sync, read when Prometheus scrapes: the
-// reconciliations of each zone's copies in this instance, the keys they
-// carried, and the copies held.
-var syncMetrics = newSyncCollector()
+// The metrics of the zones with sync, from what their stores report of
+// their copies (store.ZoneStats).
+var (
+	syncReconciliationsDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "sync_reconciliations_total"),
+		"Reconciliations of a zone with sync with Redis, one script call each (one per hash tag on a cluster), by result: ok or error.",
+		[]string{"zone", "limit", "result"}, nil)
+	syncKeysDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "sync_reconciled_keys_total"),
+		"Keys that the reconciliations of a zone with sync carried: over sync_reconciliations_total, their size.",
+		[]string{"zone", "limit"}, nil)
+	syncCopiesDesc = prometheus.NewDesc(prometheus.BuildFQName(metricsNamespace, metricsSubsystem, "sync_keys"),
+		"Keys of a zone with sync that this instance holds a copy of.",
+		[]string{"zone", "limit"}, nil)
+)
 
-type syncCollector struct{ reconciliations, keys, copies *prometheus.Desc }
-
-func newSyncCollector() *syncCollector {
-	name := func(n string) string { return prometheus.BuildFQName(metricsNamespace, metricsSubsystem, n) }
-	return &syncCollector{
-		reconciliations: prometheus.NewDesc(name("sync_reconciliations_total"),
-			"Reconciliations of a zone with sync with Redis, one script call each (one per hash tag on a cluster), by result: ok or error.",
-			[]string{"zone", "limit", "result"}, nil),
-		keys: prometheus.NewDesc(name("sync_reconciled_keys_total"),
-			"Keys that the reconciliations of a zone with sync carried: over sync_reconciliations_total, their size.",
-			[]string{"zone", "limit"}, nil),
-		copies: prometheus.NewDesc(name("sync_keys"),
-			"Keys of a zone with sync that this instance holds a copy of.",
-			[]string{"zone", "limit"}, nil),
+// collectSync exports the reconciliations of the zone id's copies, summed
+// over its stores.
+func collectSync(ch chan<- prometheus.Metric, id zoneID, _ zoneRef, sum store.ZoneStats) {
+	if sum.SyncCopies == nil {
+		return
 	}
-}
-
-// registerSyncMetrics adds the collector to the config's registry.
-func registerSyncMetrics(ctx caddy.Context) error {
-	reg := ctx.GetMetricsRegistry()
-	if reg == nil {
-		return nil
-	}
-	if err := reg.Register(syncMetrics); err != nil {
-		if _, ok := errors.AsType[prometheus.AlreadyRegisteredError](err); !ok {
-			return fmt.Errorf("registering metrics: %w", err)
-		}
-	}
-	return nil
-}
-
-func (c *syncCollector) Describe(ch chan<- *prometheus.Desc) {
-	ch <- c.reconciliations
-	ch <- c.keys
-	ch <- c.copies
-}
-
-// Collect exports the zones with sync of the handlers that export their
-// zones (not disable_metrics), each zone's copies once.
-func (c *syncCollector) Collect(ch chan<- prometheus.Metric) {
-	type counts struct{ ok, failed, keys, copies uint64 }
-	zones := make(map[zoneID]*counts)
-	seen := make(map[*syncZone]bool)
-	registry.Lock()
-	for _, refs := range registry.zones {
-		for _, ref := range refs {
-			rs, ok := ref.h.store.(*redisEngine)
-			if !ok || ref.z.index >= len(rs.zones) || ref.z.state.metered.Load() <= 0 {
-				continue
-			}
-			sz := rs.zones[ref.z.index].sync
-			if sz == nil || seen[sz] {
-				continue
-			}
-			seen[sz] = true
-			n := zones[ref.z.id]
-			if n == nil {
-				n = new(counts)
-				zones[ref.z.id] = n
-			}
-			calls, failed := sz.calls.Load(), sz.failed.Load()
-			n.ok += calls - failed
-			n.failed += failed
-			n.keys += sz.keys.Load()
-			n.copies += uint64(sz.size.Load())
-		}
-	}
-	registry.Unlock()
-	for id, n := range zones {
-		ch <- prometheus.MustNewConstMetric(c.reconciliations, prometheus.CounterValue, float64(n.ok), id.name, id.limit, "ok")
-		ch <- prometheus.MustNewConstMetric(c.reconciliations, prometheus.CounterValue, float64(n.failed), id.name, id.limit, "error")
-		ch <- prometheus.MustNewConstMetric(c.keys, prometheus.CounterValue, float64(n.keys), id.name, id.limit)
-		ch <- prometheus.MustNewConstMetric(c.copies, prometheus.GaugeValue, float64(n.copies), id.name, id.limit)
-	}
+	ch <- prometheus.MustNewConstMetric(syncReconciliationsDesc, prometheus.CounterValue, float64(sum.SyncCalls-sum.SyncFailed), id.name, id.limit, "ok")
+	ch <- prometheus.MustNewConstMetric(syncReconciliationsDesc, prometheus.CounterValue, float64(sum.SyncFailed), id.name, id.limit, "error")
+	ch <- prometheus.MustNewConstMetric(syncKeysDesc, prometheus.CounterValue, float64(sum.SyncKeys), id.name, id.limit)
+	ch <- prometheus.MustNewConstMetric(syncCopiesDesc, prometheus.GaugeValue, float64(sum.SyncHeld), id.name, id.limit)
 }

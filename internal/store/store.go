@@ -262,6 +262,14 @@ type ZoneStats struct {
 	// breaker is open); nil for a store without one.
 	Client      any
 	Unavailable bool
+	// SyncCopies identifies the copies that a zone with sync decides
+	// from, nil for none: zones that share them report them alike, and
+	// are counted once. SyncCalls, SyncFailed and SyncKeys count their
+	// reconciliations' script calls, those that failed and the keys they
+	// carried, and SyncHeld the copies held now.
+	SyncCopies                      any
+	SyncCalls, SyncFailed, SyncKeys uint64
+	SyncHeld                        int64
 }
 
 // A Fallible store can fail, and says what to do then.
