@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/redis/go-redis/v9"
 )
@@ -270,12 +271,12 @@ func TestLongestBanFloor(t *testing.T) {
 			t.Fatalf("request %d: %d, want %d", i, code, want)
 		}
 	}
-	rs, z := h.store.(*redisEngine), h.Zones[0]
+	rs, z := h.store.(*redisstore.Store), h.Zones[0]
 	b := bucketReq(z, store.Key{Text: "static"})
-	k := flightKey{z.index, rs.zones[z.index].cache.Hash(b.Key)}
-	rs.flights.join(k, 10)
-	rs.flights.join(k, 10)
-	if got, most := rs.Known(time.Now(), &b, errNoAnswer), z.limit.Most(); got != most {
+	k := redisstore.FlightKey{Zone: z.index, Hash: rs.Zones[z.index].Cache.Hash(b.Key)}
+	rs.Flights.Join(k, 10)
+	rs.Flights.Join(k, 10)
+	if got, most := rs.Known(time.Now(), &b, redisstore.ErrNoAnswer), z.limit.Most(); got != most {
 		t.Fatalf("floor %v, want %v: all the bucket may owe", got, most)
 	}
 }

@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
@@ -17,7 +18,7 @@ import (
 func TestRedisCancelledRequestsKeepBreakerClosed(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, redisConfig(r.Addr(), "cancel", "1r/m", 100, ""))
-	rs := h.store.(*redisEngine)
+	rs := h.store.(*redisstore.Store)
 	for range 2 * rediswire.TripAfter {
 		ctx, cancel := context.WithCancel(context.Background())
 		cancel()
@@ -26,7 +27,7 @@ func TestRedisCancelledRequestsKeepBreakerClosed(t *testing.T) {
 			t.Fatal("a cancelled request reached a decision")
 		}
 	}
-	if rs.client.Breaker.Open() {
+	if rs.Client.Breaker.Open() {
 		t.Fatal("cancelled requests opened the circuit breaker")
 	}
 	serve(h, "192.0.2.60")
@@ -40,12 +41,12 @@ func TestRedisCancelledRequestsKeepBreakerClosed(t *testing.T) {
 func TestRedisCancelledProbeDoesNotStickBreaker(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, redisConfig(r.Addr(), "probe", "1r/m", 100, `,"timeout":"50ms"`))
-	rs := h.store.(*redisEngine)
+	rs := h.store.(*redisstore.Store)
 	r.Kill()
 	for range rediswire.TripAfter {
 		serve(h, "192.0.2.80")
 	}
-	if !rs.client.Breaker.Open() {
+	if !rs.Client.Breaker.Open() {
 		t.Fatal("breaker closed after three outages")
 	}
 	r.Start()

@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -423,11 +424,11 @@ func TestSlotStepsAgree(t *testing.T) {
 		nodes := startCluster(t)
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q]}}`,
 			fmt.Sprintf(slotStepZones, ""), nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
-		rs := h.store.(*redisEngine)
-		k := rs.slotKey(1, h.Zones[1].keyFor("k2"))
-		u := rs.slotKey(2, h.Zones[2].keyFor("x"))
-		ks, _ := rs.client.ClusterKeySlot(context.Background(), k).Result()
-		us, _ := rs.client.ClusterKeySlot(context.Background(), u).Result()
+		rs := h.store.(*redisstore.Store)
+		k := rs.SlotKey(1, h.Zones[1].keyFor("k2"))
+		u := rs.SlotKey(2, h.Zones[2].keyFor("x"))
+		ks, _ := rs.Client.ClusterKeySlot(context.Background(), k).Result()
+		us, _ := rs.Client.ClusterKeySlot(context.Background(), u).Result()
 		if ks == us {
 			t.Fatalf("%s and %s share cluster slot %d: the steps would not cross slots", k, u, ks)
 		}
@@ -691,7 +692,7 @@ func TestConcurrencyAfterOutage(t *testing.T) {
 	for range 2 * rediswire.TripAfter {
 		serve(h, "10.0.0.1")
 	}
-	if h.store.(*redisEngine).client.Up() {
+	if h.store.(*redisstore.Store).Client.Up() {
 		t.Fatal("the breaker is closed with Redis frozen")
 	}
 	r.Resume()

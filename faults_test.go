@@ -18,6 +18,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
@@ -475,7 +476,7 @@ func TestFaultHostileKeys(t *testing.T) {
 				}
 			}
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{%s,"addresses":[%s]}}`, zones, store, strings.Join(addrs, ",")))
-			rs := h.store.(*redisEngine)
+			rs := h.store.(*redisstore.Store)
 			calls := func() int {
 				n := 0
 				for _, node := range tc.nodes {
@@ -512,15 +513,15 @@ func TestFaultHostileKeys(t *testing.T) {
 				}
 				var redisKeys []string
 				for _, z := range h.Zones {
-					hash, field := rs.bucketName(z.index, z.keyFor(key))
+					hash, field := rs.BucketName(z.index, z.keyFor(key))
 					redisKeys = append(redisKeys, hash)
-					if ok, err := rs.client.HExists(context.Background(), hash, field).Result(); err != nil || !ok {
+					if ok, err := rs.Client.HExists(context.Background(), hash, field).Result(); err != nil || !ok {
 						t.Errorf("key %s: bucket %.40q not in Redis: %v, %v", label, hash+field, ok, err)
 					}
 				}
-				if rs.client.Cluster {
-					a, errA := rs.client.ClusterKeySlot(context.Background(), redisKeys[0]).Result()
-					b, errB := rs.client.ClusterKeySlot(context.Background(), redisKeys[1]).Result()
+				if rs.Client.Cluster {
+					a, errA := rs.Client.ClusterKeySlot(context.Background(), redisKeys[0]).Result()
+					b, errB := rs.Client.ClusterKeySlot(context.Background(), redisKeys[1]).Result()
 					if errA != nil || errB != nil || a != b {
 						t.Errorf("key %s: the zones' keys are in slots %d and %d (%v, %v)", label, a, b, errA, errB)
 					} else {
@@ -529,7 +530,7 @@ func TestFaultHostileKeys(t *testing.T) {
 				}
 			}
 			inSlot := "n/a"
-			if rs.client.Cluster {
+			if rs.Client.Cluster {
 				inSlot = fmt.Sprintf("%d of %d", slots, len(hostileKeys))
 			}
 			report.add(t, tc.name, len(hostileKeys), fmt.Sprintf("%d of %d", same, len(hostileKeys)),

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
@@ -136,8 +137,8 @@ func TestOverridesAcrossInstances(t *testing.T) {
 	// zone's limit decides again.
 	const brief = "198.51.100.42"
 	adminSend(t, "PUT", "/rate_limit/ov-shared/"+brief+"/limit", `{"burst":5,"expires_in":"1s"}`, 200)
-	rs := other.store.(*redisEngine)
-	_, _, limitKey := rs.keys.BucketLimit(rs.zones[0].field, brief)
+	rs := other.store.(*redisstore.Store)
+	_, _, limitKey := rs.Keys.BucketLimit(rs.Zones[0].Field, brief)
 	rc := newRedisClient(t, r.Addr())
 	if ttl := rc.PTTL(context.Background(), limitKey).Val(); ttl <= 0 || ttl > time.Second {
 		t.Fatalf("the limit's key %s: PTTL %v, want up to 1s", limitKey, ttl)
@@ -359,9 +360,9 @@ func TestOverrideAudit(t *testing.T) {
 
 // countsNone reports whether the store's count of a zone's overrides is
 // none, and fresh enough for a decision to skip reading them.
-func countsNone(s *redisEngine, zone int) bool {
-	c := s.zones[zone].overridden.Load()
-	return c.n == 0 && time.Since(processStart).Nanoseconds()-c.at <= int64(overridePoll)
+func countsNone(s *redisstore.Store, zone int) bool {
+	c := s.Zones[zone].Overridden.Load()
+	return c.N == 0 && time.Since(redisstore.ProcessStart).Nanoseconds()-c.At <= int64(redisstore.OverridePoll)
 }
 
 // The limit of an empty key answers 400, whatever the method: it is not
@@ -392,7 +393,7 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 	// Redis, each for a key of its own.
 	countedNone := func(h *Handler) {
 		t.Helper()
-		for i, start := 0, time.Now(); !countsNone(h.store.(*redisEngine), 0); i++ {
+		for i, start := 0, time.Now(); !countsNone(h.store.(*redisstore.Store), 0); i++ {
 			serve(h, "203.0.113."+strconv.Itoa(i%250))
 			if time.Since(start) > time.Second {
 				t.Fatal("the zone's count of overrides is not in after a second")
@@ -414,7 +415,7 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 	// Past what its over-limit cache and its count of overrides are
 	// trusted for, the idle instance's first request is decided by the
 	// key's own limit.
-	time.Sleep(overLimitTrust + overridePoll)
+	time.Sleep(redisstore.OverLimitTrust + redisstore.OverridePoll)
 	if code, hdr := serve(idle, ip); code != 200 || hdr.Get("X-Ratelimit-Limit") != "10" {
 		t.Fatalf("the idle instance's first request after the key's burst was raised to 10: %d, limit %s; want 200, 10",
 			code, hdr.Get("X-Ratelimit-Limit"))
@@ -424,8 +425,8 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 	// its count stays fresh, and no decision reads an override.
 	busy := newTestHandler(t, redisConfig(r.Addr(), "ov-busy", "1000r/s", 10000, ""))
 	countedNone(busy)
-	for start := time.Now(); time.Since(start) < 4*overridePoll; time.Sleep(5 * time.Millisecond) {
-		if !countsNone(busy.store.(*redisEngine), 0) {
+	for start := time.Now(); time.Since(start) < 4*redisstore.OverridePoll; time.Sleep(5 * time.Millisecond) {
+		if !countsNone(busy.store.(*redisstore.Store), 0) {
 			t.Fatalf("%v into a zone's requests, a decision would read an override: its count is stale", time.Since(start))
 		}
 		if code, _ := serve(busy, "198.51.100.51"); code != 200 {
@@ -791,7 +792,7 @@ func TestOverrideBoundsAndMetric(t *testing.T) {
 				// The refused one left nothing in Redis: the zone lists b
 				// and c.
 				perSec, _, _ := parseRate("10r/m")
-				list := rediswire.Keys{Prefix: "ovb:"}.Limits(bucketField(zone, gcra.NewLimit(perSec, 4)))
+				list := rediswire.Keys{Prefix: "ovb:"}.Limits(redisstore.BucketField(zone, gcra.NewLimit(perSec, 4)))
 				if n := rc.ZCard(context.Background(), list).Val(); n != 2 {
 					t.Fatalf("the zone's list of keys with their own limit holds %d, want 2", n)
 				}

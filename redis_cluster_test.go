@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
@@ -63,7 +64,7 @@ func TestRedisClusterSpread(t *testing.T) {
 	}
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"spread","rate":"1000r/s"}],
 		"store":{"backend":"redis","addresses":[%s],"timeout":"5s","fail_mode":"closed"}}`, strings.Join(addrs, ",")))
-	rs, z := h.store.(*redisEngine), h.Zones[0]
+	rs, z := h.store.(*redisstore.Store), h.Zones[0]
 	// The script loaded on every node: no EVAL.
 	before := make([]int64, len(nodes))
 	for i, n := range nodes {
@@ -164,7 +165,7 @@ func TestMastersThroughput(t *testing.T) {
 		{"name":"m","key":"{http.request.header.X-Key}","rate":"1000000r/s"},
 		{"name":"f","key":"{http.request.header.X-Key}","rate":"10r/s","burst":20}],
 		"store":{"backend":"redis","addresses":[%q],"timeout":"2s","fail_mode":"closed"}}`, r.Addr()))
-	rs := h.store.(*redisEngine)
+	rs := h.store.(*redisstore.Store)
 	keys := make([]store.Key, 100_000)
 	for i := range keys {
 		keys[i] = h.Zones[0].keyFor(fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255))

@@ -12,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/lua"
@@ -99,9 +100,9 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 	local := newTestHandler(t, `{"zones":`+strings.ReplaceAll(flightZones, `"name":"`, `"name":"fl-`)+`}`)
 	remote := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":"flight:","disable_over_limit_cache":true}}`,
 		flightZones, r.Addr()))
-	rs := remote.store.(*redisEngine)
+	rs := remote.store.(*redisstore.Store)
 	var now time.Time
-	rs.testClock = func() time.Time { return now }
+	rs.TestClock = func() time.Time { return now }
 	lz, rz := stepZonesOf(local), stepZonesOf(remote)
 	now = time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
 	ctx := context.Background()
@@ -141,7 +142,7 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 			}
 		}
 		calls := r.Calls()
-		allowed, errs := rs.runAll(rediswire.Take, ds)
+		allowed, errs := rs.RunAll(rediswire.Take, ds)
 		// (The first is sent again as EVAL: Redis has not seen the script.)
 		if n := r.Calls() - calls; n != 1 && (flight > 0 || n != 2) {
 			t.Fatalf("flight %d of %d decisions: %d script calls, want 1", flight, len(reqs), n)
@@ -179,10 +180,10 @@ func TestStoreStepsAsFlights(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":"steps-flights:","disable_over_limit_cache":true}}`,
 		stepZones, r.Addr()))
-	rs := h.store.(*redisEngine)
+	rs := h.store.(*redisstore.Store)
 	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
 	var now time.Time
-	rs.testClock = func() time.Time { return now }
+	rs.TestClock = func() time.Time { return now }
 	zones := stepZonesOf(h)
 	flights := 0
 	for i := 0; i < len(storeSteps); {
@@ -197,7 +198,7 @@ func TestStoreStepsAsFlights(t *testing.T) {
 			d, reqs := stepDemands(zones, now, s, true)
 			ds, answers = append(ds, d), append(answers, reqs)
 		}
-		allowed, errs := rs.runAll(rediswire.Take, ds)
+		allowed, errs := rs.RunAll(rediswire.Take, ds)
 		for n, s := range storeSteps[i:j] {
 			if errs[n] != nil {
 				t.Fatalf("step %d: %v", i+n, errs[n])
@@ -234,13 +235,13 @@ func TestRedisClusterFlight(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"cf","rate":"1r/m","burst":4}],
 		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`,
 		nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
-	rs, z := h.store.(*redisEngine), h.Zones[0]
+	rs, z := h.store.(*redisstore.Store), h.Zones[0]
 	var ds []*store.Demands
 	tags := map[string]bool{}
 	for i := range 60 {
 		k := z.keyFor(fmt.Sprint("192.0.2.", i%12))
 		ds = append(ds, &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, k)}})
-		hash, _ := rs.keys.Bucket(rs.zones[z.index].field, k.String())
+		hash, _ := rs.Keys.Bucket(rs.Zones[z.index].Field, k.String())
 		tags[hash[:strings.IndexByte(hash, '}')+1]] = true
 	}
 	if len(tags) < 4 {
@@ -255,7 +256,7 @@ func TestRedisClusterFlight(t *testing.T) {
 		c, _ := evalStats(t, n)
 		before += c
 	}
-	allowed, errs := rs.runAll(rediswire.Take, ds)
+	allowed, errs := rs.RunAll(rediswire.Take, ds)
 	var after int64
 	for _, n := range nodes {
 		c, _ := evalStats(t, n)
@@ -288,23 +289,23 @@ var beforeFlightsLua string
 func TestRedisUpgradeFromBeforeFlights(t *testing.T) {
 	r := startRedis(t)
 	zones := `[{"name":"up","rate":"4r/s","burst":3},{"name":"upban","rate":"2r/s","burst":2,"ban":"1s"}]`
-	open := func(prefix string) (*Handler, *redisEngine) {
+	open := func(prefix string) (*Handler, *redisstore.Store) {
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q,"disable_over_limit_cache":true}}`,
 			zones, r.Addr(), prefix))
-		return h, h.store.(*redisEngine)
+		return h, h.store.(*redisstore.Store)
 	}
 	hm, mixed := open("up-mixed:")
 	hb, before := open("up-before:")
 	var now time.Time
-	mixed.testClock = func() time.Time { return now }
+	mixed.TestClock = func() time.Time { return now }
 	old := redis.NewScript(beforeFlightsLua)
 	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
 	// takeBefore decides d's one bucket by the script before flights.
-	takeBefore := func(s *redisEngine, d *store.Demands) (bool, time.Duration) {
+	takeBefore := func(s *redisstore.Store, d *store.Demands) (bool, time.Duration) {
 		b := &d.Buckets[0]
-		hash, field, limit := s.keys.BucketLimit(s.zones[b.Zone].field, b.Key.String())
-		sh := s.shapeOf(b, false)
+		hash, field, limit := s.Keys.BucketLimit(s.Zones[b.Zone].Field, b.Key.String())
+		sh := s.ShapeOf(b, false)
 		v, err := old.Run(ctx, c, []string{hash, limit}, "take", now.UnixMicro(), 1, 0, 0,
 			field, int64(sh.Full), int64(sh.Cost), int64(sh.Ban), int64(sh.Beyond), int64(sh.Reserve), 0, int64(sh.Token)).Int64Slice()
 		if err != nil {
@@ -329,7 +330,7 @@ func TestRedisUpgradeFromBeforeFlights(t *testing.T) {
 		if rnd.IntN(2) == 0 {
 			ok, debt = takeBefore(mixed, d)
 		} else {
-			allowed, errs := mixed.runAll(rediswire.Take, []*store.Demands{d})
+			allowed, errs := mixed.RunAll(rediswire.Take, []*store.Demands{d})
 			if errs[0] != nil {
 				t.Fatal(errs[0])
 			}

@@ -31,6 +31,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
@@ -89,7 +90,7 @@ func TestRedisKeysAndTTL(t *testing.T) {
 // bucketOf names the Redis hash and field of key's bucket in h's zone i.
 func bucketOf(h *Handler, i int, key string) (hash, field string) {
 	z := h.Zones[i]
-	return h.store.(*redisEngine).bucketName(z.index, z.keyFor(key))
+	return h.store.(*redisstore.Store).BucketName(z.index, z.keyFor(key))
 }
 
 // bucketName names the Redis hash and field of a bucket, as a store with
@@ -105,7 +106,7 @@ func bucketName(t testing.TB, prefix, zone, rate string, burst int64, key string
 		}
 		l = gcra.NewLimit(perSec, burst)
 	}
-	return rediswire.Keys{Prefix: prefix}.Bucket(bucketField(zone, l), key)
+	return rediswire.Keys{Prefix: prefix}.Bucket(redisstore.BucketField(zone, l), key)
 }
 
 // slotKeyName is the key that RedisStore.slotKey names for a key's slots
@@ -124,9 +125,9 @@ func pair(a, b string) []string { return []string{a, b} }
 func TestRedisInstantsStayExact(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, redisConfig(r.Addr(), "late", "7r/s", 5, ""))
-	rs := h.store.(*redisEngine)
+	rs := h.store.(*redisstore.Store)
 	now := time.Date(2090, 6, 1, 0, 0, 0, 123_456_000, time.UTC)
-	rs.testClock = func() time.Time { return now }
+	rs.TestClock = func() time.Time { return now }
 	var debts []time.Duration
 	for range 4 {
 		reqs := &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[0], store.Key{Text: "k"})}}
@@ -157,16 +158,16 @@ func TestRedisRefilledBucketsArePurged(t *testing.T) {
 	ctx := context.Background()
 	h := newTestHandler(t, `{"zones":[{"name":"p","key":"{http.request.header.X-Key}","rate":"1r/h","burst":1}],
 		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"t:"}}`)
-	rs := h.store.(*redisEngine)
+	rs := h.store.(*redisstore.Store)
 	var now time.Time
-	rs.testClock = func() time.Time { return now }
+	rs.TestClock = func() time.Time { return now }
 	start := time.Now()
 	// Keys of one group, found by trying.
-	hash, _ := rs.bucketName(h.Zones[0].index, store.Key{Text: "k0"})
+	hash, _ := rs.BucketName(h.Zones[0].index, store.Key{Text: "k0"})
 	var keys []string
 	for i := 0; len(keys) < 400; i++ {
 		k := fmt.Sprintf("k%d", i)
-		if hk, _ := rs.bucketName(h.Zones[0].index, store.Key{Text: k}); hk == hash {
+		if hk, _ := rs.BucketName(h.Zones[0].index, store.Key{Text: k}); hk == hash {
 			keys = append(keys, k)
 		}
 	}
@@ -429,7 +430,7 @@ func TestRedisWrongTypeKeyRepaired(t *testing.T) {
 			t.Fatalf("key %d: type %s after a decision, want a hash with the bucket", i, typ)
 		}
 	}
-	if h.store.(*redisEngine).client.Breaker.Open() {
+	if h.store.(*redisstore.Store).Client.Breaker.Open() {
 		t.Fatal("keys of the wrong type opened the circuit breaker")
 	}
 	// A value that is not an instant is a full bucket too, and so is an
@@ -1167,9 +1168,9 @@ func TestRedisFlightOfOneKey(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, `{"zones":[{"name":"twin","key":"{http.request.header.X-Key}","rate":"7r/h","burst":5}],
 		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"pool_size":2,"timeout":"5s","disable_over_limit_cache":true}}`)
-	s := h.store.(*redisEngine)
+	s := h.store.(*redisstore.Store)
 	now := time.Now()
-	s.testClock = func() time.Time { return now } // the same instant for all: the same debts
+	s.TestClock = func() time.Time { return now } // the same instant for all: the same debts
 	take := func(key string) (bool, time.Duration) {
 		reqs := &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[0], store.Key{Text: key})}}
 		ok, err := s.Take(context.Background(), time.Now(), reqs)
@@ -1268,7 +1269,7 @@ func TestRedisMemoryPerKey(t *testing.T) {
 	// rates, so the layout before stored a fraction; and the buckets last
 	// the whole test.
 	h := newTestHandler(t, redisConfig(r.Addr(), "rb", "7r/h", 10, `,"timeout":"10s"`))
-	rs, z := h.store.(*redisEngine), h.Zones[0]
+	rs, z := h.store.(*redisstore.Store), h.Zones[0]
 	before := used()
 	start := time.Now()
 	var next atomic.Int64

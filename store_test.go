@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
@@ -147,8 +148,8 @@ func runStoreSteps(t *testing.T, h *Handler) {
 	// clock.
 	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
 	var now time.Time
-	if rs, ok := h.store.(*redisEngine); ok {
-		rs.testClock = func() time.Time { return now }
+	if rs, ok := h.store.(*redisstore.Store); ok {
+		rs.TestClock = func() time.Time { return now }
 	}
 	zones := map[byte]*Zone{}
 	for _, z := range h.Zones {
@@ -351,8 +352,8 @@ func runPlanSteps(t *testing.T, h *Handler) {
 	t.Helper()
 	start := time.Now()
 	var now time.Time
-	if rs, ok := h.store.(*redisEngine); ok {
-		rs.testClock = func() time.Time { return now }
+	if rs, ok := h.store.(*redisstore.Store); ok {
+		rs.TestClock = func() time.Time { return now }
 	}
 	z := h.Zones[0]
 	for i, s := range planSteps {
@@ -389,8 +390,8 @@ func TestRefundEmptyBucket(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, tc.config)
 			now := time.Now()
-			if rs, ok := h.store.(*redisEngine); ok {
-				rs.testClock = func() time.Time { return now }
+			if rs, ok := h.store.(*redisstore.Store); ok {
+				rs.TestClock = func() time.Time { return now }
 			}
 			z := h.Zones[0]
 			reqs := &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, store.Key{Text: "k"})}}
@@ -456,8 +457,8 @@ func runUsageSteps(t *testing.T, h *Handler) {
 	t.Helper()
 	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
 	var now time.Time
-	if rs, ok := h.store.(*redisEngine); ok {
-		rs.testClock = func() time.Time { return now }
+	if rs, ok := h.store.(*redisstore.Store); ok {
+		rs.TestClock = func() time.Time { return now }
 	}
 	z := h.Zones[0]
 	z.quota.Every = stepQuotaWindow
@@ -578,8 +579,8 @@ func runOverrideSteps(t *testing.T, h *Handler) {
 	t.Helper()
 	start := time.Now()
 	var now time.Time
-	if rs, ok := h.store.(*redisEngine); ok {
-		rs.testClock = func() time.Time { return now }
+	if rs, ok := h.store.(*redisstore.Store); ok {
+		rs.TestClock = func() time.Time { return now }
 	}
 	zones := map[string]*Zone{}
 	for _, z := range h.Zones {

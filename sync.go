@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -116,15 +117,15 @@ var syncZones = caddy.NewUsagePool()
 // syncPooled is the syncPool of syncZones.
 type syncPooled struct{}
 
-func (syncPooled) acquire(id syncID, make func() *syncZone) (*syncZone, error) {
+func (syncPooled) Acquire(id redisstore.SyncID, make func() *redisstore.SyncZone) (*redisstore.SyncZone, error) {
 	v, _, err := syncZones.LoadOrNew(id, func() (caddy.Destructor, error) { return make(), nil })
 	if err != nil {
 		return nil, err
 	}
-	return v.(*syncZone), nil
+	return v.(*redisstore.SyncZone), nil
 }
 
-func (syncPooled) release(id syncID) error {
+func (syncPooled) Release(id redisstore.SyncID) error {
 	_, err := syncZones.Delete(id)
 	return err
 }

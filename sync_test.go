@@ -19,6 +19,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddytest"
@@ -196,8 +197,8 @@ func TestSyncRedisOutage(t *testing.T) {
 		t.Errorf("zone without sync during the outage: %d, want 503 (fail_mode closed)", code)
 	}
 	r.Start()
-	rs := hs[0].store.(*redisEngine)
-	hash, field := rs.bucketName(0, store.Key{Text: "k"})
+	rs := hs[0].store.(*redisstore.Store)
+	hash, field := rs.BucketName(0, store.Key{Text: "k"})
 	c := newRedisClient(t, r.Addr())
 	waitFor(t, 10*time.Second, "the spending of the outage in Redis", func() bool {
 		return c.HGet(context.Background(), hash, field).Val() != ""
@@ -281,14 +282,14 @@ func TestSyncReloadKeepsCopies(t *testing.T) {
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr())
 	old, unload := provision(t, config)
 	emptyEverywhere(t, []*Handler{old}, "k")
-	rs := old.store.(*redisEngine)
-	copies := rs.zones[0].sync
-	hash, field := rs.bucketName(0, store.Key{Text: "k"})
+	rs := old.store.(*redisstore.Store)
+	copies := rs.Zones[0].Sync
+	hash, field := rs.BucketName(0, store.Key{Text: "k"})
 	r.CLI("HDEL", hash, field)
 	next, unloadNext := provision(t, config)
 	defer unloadNext()
 	unload()
-	if got := next.store.(*redisEngine).zones[0].sync; got != copies {
+	if got := next.store.(*redisstore.Store).Zones[0].Sync; got != copies {
 		t.Fatal("the reloaded config has copies of its own")
 	}
 	calls := r.Calls()
@@ -467,13 +468,13 @@ func syncSites(addr string) string {
 
 // syncCopies are the copies of the zones named name of the running
 // config's handlers.
-func syncCopies(name string) map[*syncZone]bool {
+func syncCopies(name string) map[*redisstore.SyncZone]bool {
 	registry.Lock()
 	defer registry.Unlock()
-	out := make(map[*syncZone]bool)
+	out := make(map[*redisstore.SyncZone]bool)
 	for _, ref := range registry.zones[name] {
-		if rs, ok := ref.h.store.(*redisEngine); ok && rs.zones[ref.z.index].sync != nil {
-			out[rs.zones[ref.z.index].sync] = true
+		if rs, ok := ref.h.store.(*redisstore.Store); ok && rs.Zones[ref.z.index].Sync != nil {
+			out[rs.Zones[ref.z.index].Sync] = true
 		}
 	}
 	return out
@@ -544,7 +545,7 @@ func TestSyncThroughCaddy(t *testing.T) {
 		}
 	}
 	for sz := range copies {
-		if sz.size.Load() == 0 {
+		if sz.Size.Load() == 0 {
 			t.Error("the reload dropped the copies")
 		}
 	}
@@ -571,8 +572,8 @@ func syncBucket(t *testing.T, name, key string) (hash, field string) {
 	registry.Lock()
 	defer registry.Unlock()
 	for _, ref := range registry.zones[name] {
-		if rs, ok := ref.h.store.(*redisEngine); ok && rs.zones[ref.z.index].sync != nil {
-			return rs.bucketName(ref.z.index, store.Key{Text: key})
+		if rs, ok := ref.h.store.(*redisstore.Store); ok && rs.Zones[ref.z.index].Sync != nil {
+			return rs.BucketName(ref.z.index, store.Key{Text: key})
 		}
 	}
 	t.Fatalf("no zone %s with sync", name)
@@ -731,24 +732,24 @@ func TestSyncClusterReconciliationCalls(t *testing.T) {
 func TestSyncIdleReconciliation(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, syncZoneJSON("s", "10ms"), r.Addr()))
-	sz := h.store.(*redisEngine).zones[0].sync
+	sz := h.store.(*redisstore.Store).Zones[0].Sync
 	const keys = 2000
 	for k := range keys {
 		serve(h, "10.0.0.1", "X-Key", strconv.Itoa(k))
 	}
-	waitFor(t, 5*time.Second, "the copies' reconciliation", func() bool { return sz.keys.Load() >= keys })
-	visited := sz.visited.Load()
+	waitFor(t, 5*time.Second, "the copies' reconciliation", func() bool { return sz.Keys.Load() >= keys })
+	visited := sz.Visited.Load()
 	time.Sleep(200 * time.Millisecond)
-	if n := sz.visited.Load() - visited; n != 0 {
-		t.Errorf("the reconciliations of 20 idle intervals looked at %d copies, want none (%d held)", n, sz.size.Load())
+	if n := sz.Visited.Load() - visited; n != 0 {
+		t.Errorf("the reconciliations of 20 idle intervals looked at %d copies, want none (%d held)", n, sz.Size.Load())
 	}
-	visited = sz.visited.Load()
+	visited = sz.Visited.Load()
 	if code, _ := serve(h, "10.0.0.1", "X-Key", "7"); code != http.StatusOK {
 		t.Fatalf("key 7 again: %d, want 200", code)
 	}
-	waitFor(t, 5*time.Second, "key 7's reconciliation", func() bool { return sz.keys.Load() > keys })
+	waitFor(t, 5*time.Second, "key 7's reconciliation", func() bool { return sz.Keys.Load() > keys })
 	time.Sleep(50 * time.Millisecond)
-	if n := sz.visited.Load() - visited; n != 1 {
+	if n := sz.Visited.Load() - visited; n != 1 {
 		t.Errorf("the reconciliations after one key was used looked at %d copies, want 1", n)
 	}
 }
@@ -762,34 +763,34 @@ func TestSyncSweep(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"1m"}],
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr()))
-	sz := h.store.(*redisEngine).zones[0].sync
+	sz := h.store.(*redisstore.Store).Zones[0].Sync
 	serve(h, "10.0.0.1", "X-Key", "once") // full again a minute later
 	for range 10 {
 		serve(h, "10.0.0.1", "X-Key", "emptied") // ten minutes later
 	}
-	sz.reconcile()
+	sz.Reconcile()
 	serve(h, "10.0.0.1", "X-Key", "used") // used since the reconciliation
-	n, keep := sz.instant(time.Now()), sz.keep()
+	n, keep := sz.Instant(time.Now()), sz.Keep()
 	sweep := func(at time.Duration, want ...string) {
 		t.Helper()
-		visited := sz.visited.Load()
-		for i := range sz.shards {
-			sh := &sz.shards[i]
-			sh.mu.Lock()
-			sz.sweep(sh, n+at)
-			sh.mu.Unlock()
+		visited := sz.Visited.Load()
+		for i := range sz.Shards {
+			sh := &sz.Shards[i]
+			sh.Mu.Lock()
+			sz.Sweep(sh, n+at)
+			sh.Mu.Unlock()
 		}
 		var held []string
 		for _, key := range []string{"once", "emptied", "used"} {
-			sh, h := sz.lock(store.Key{Text: key})
-			if sh.m[h] != nil {
+			sh, h := sz.Lock(store.Key{Text: key})
+			if sh.M[h] != nil {
 				held = append(held, key)
 			}
-			sh.mu.Unlock()
+			sh.Mu.Unlock()
 		}
-		t.Logf("%v later: looked at %d copies, holds %v", at, sz.visited.Load()-visited, held)
-		if fmt.Sprint(held) != fmt.Sprint(want) || sz.size.Load() != int64(len(want)) {
-			t.Errorf("%v later: holds %v (%d copies), want %v", at, held, sz.size.Load(), want)
+		t.Logf("%v later: looked at %d copies, holds %v", at, sz.Visited.Load()-visited, held)
+		if fmt.Sprint(held) != fmt.Sprint(want) || sz.Size.Load() != int64(len(want)) {
+			t.Errorf("%v later: holds %v (%d copies), want %v", at, held, sz.Size.Load(), want)
 		}
 	}
 	sweep(keep-time.Second, "once", "emptied", "used")

@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package redisstore
 
 import (
 	"context"
@@ -17,8 +17,8 @@ import (
 // call. On a cluster, keys in different slots are taken one at a time,
 // and when one refuses, the buckets and counters already charged get
 // their tokens back, and the slots already taken are given back.
-func (s *redisEngine) decide(ctx context.Context, deadline time.Time, d *store.Demands) (bool, error) {
-	if !s.client.Cluster || oneTag(d) {
+func (s *Store) decide(ctx context.Context, deadline time.Time, d *store.Demands) (bool, error) {
+	if !s.Client.Cluster || oneTag(d) {
 		return s.run(ctx, deadline, rediswire.Take, d)
 	}
 	var one store.Demands
@@ -62,7 +62,7 @@ func part(one *store.Demands, b []store.BucketDemand, c []store.CounterDemand, s
 // undo gives back what the demands taken one call each took, after the
 // call of another failed with err (or refused: err nil): the tokens of
 // b and c, the slots of taken; the slots not asked are left unheld.
-func (s *redisEngine) undo(ctx context.Context, deadline time.Time, err error, b []store.BucketDemand, c []store.CounterDemand, taken, notAsked []store.SlotDemand) error {
+func (s *Store) undo(ctx context.Context, deadline time.Time, err error, b []store.BucketDemand, c []store.CounterDemand, taken, notAsked []store.SlotDemand) error {
 	// A soft demand that lacked was charged nothing: it gets nothing back.
 	var backB []store.BucketDemand
 	var backC []store.CounterDemand
@@ -112,7 +112,7 @@ func (s *redisEngine) undo(ctx context.Context, deadline time.Time, err error, b
 
 // adjustApart adjusts each bucket and counter in a call of its own: their
 // keys are in different cluster slots.
-func (s *redisEngine) adjustApart(ctx context.Context, b []store.BucketDemand, c []store.CounterDemand) error {
+func (s *Store) adjustApart(ctx context.Context, b []store.BucketDemand, c []store.CounterDemand) error {
 	var errs []error
 	var one store.Demands
 	for i := range b {
@@ -130,8 +130,8 @@ func (s *redisEngine) adjustApart(ctx context.Context, b []store.BucketDemand, c
 
 // adjustEach sends one adjustment call for d. The client may have gone:
 // the adjustment is made all the same.
-func (s *redisEngine) adjustEach(ctx context.Context, d *store.Demands) error {
-	deadline := time.Now().Add(s.callTimeout)
+func (s *Store) adjustEach(ctx context.Context, d *store.Demands) error {
+	deadline := time.Now().Add(s.CallTimeout)
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer cancel()
 	_, err := s.run(ctx, deadline, rediswire.Adjust, d)

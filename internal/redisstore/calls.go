@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package redisstore
 
 import (
 	"context"
@@ -27,31 +27,31 @@ type window struct {
 // run calls the script for d, and sets d's answers: the buckets' debts
 // and bans, the counters' counts and the slots' held, free and full,
 // after the call.
-func (s *redisEngine) run(ctx context.Context, deadline time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
+func (s *Store) run(ctx context.Context, deadline time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
 	c := rediswire.NewCall(op, deadline)
-	if s.testClock != nil {
-		c.Clock(s.testClock())
+	if s.TestClock != nil {
+		c.Clock(s.TestClock())
 	}
 	s.build(c, op, d)
 	sent := time.Now()
-	r, err := s.client.Run(ctx, c)
+	r, err := s.Client.Run(ctx, c)
 	return s.answered(r, err, sent, op, d)
 }
 
-// runAll decides each of ds by op, in order, in one flight of its own:
+// RunAll decides each of ds by op, in order, in one flight of its own:
 // the keys of each share a cluster slot (see oneTag).
-func (s *redisEngine) runAll(op rediswire.Op, ds []*store.Demands) ([]bool, []error) {
-	deadline := time.Now().Add(s.callTimeout)
+func (s *Store) RunAll(op rediswire.Op, ds []*store.Demands) ([]bool, []error) {
+	deadline := time.Now().Add(s.CallTimeout)
 	calls := make([]*rediswire.Call, len(ds))
 	for i, d := range ds {
 		calls[i] = rediswire.NewCall(op, deadline)
-		if s.testClock != nil {
-			calls[i].Clock(s.testClock())
+		if s.TestClock != nil {
+			calls[i].Clock(s.TestClock())
 		}
 		s.build(calls[i], op, d)
 	}
 	sent := time.Now()
-	replies, errs := s.client.RunAll(calls)
+	replies, errs := s.Client.RunAll(calls)
 	allowed := make([]bool, len(ds))
 	for i, d := range ds {
 		allowed[i], errs[i] = s.answered(replies[i], errs[i], sent, op, d)
@@ -61,42 +61,42 @@ func (s *redisEngine) runAll(op rediswire.Op, ds []*store.Demands) ([]bool, []er
 
 // answered sets d's answers from r, the reply of its call of op sent at
 // sent, or returns err.
-func (s *redisEngine) answered(r rediswire.Reply, err error, sent time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
+func (s *Store) answered(r rediswire.Reply, err error, sent time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	d.At = s.client.DecidedAt(r, sent)
+	d.At = s.Client.DecidedAt(r, sent)
 	if n := r.Repaired(); n > 0 && op != rediswire.Peek {
-		s.repairs.Warn(s.logger, "redis store: keys under key_prefix held another type: overwritten",
-			fmt.Errorf("%d in a call of zone %s", n, s.zones[callZone(d)].name))
+		s.repairs.Warn(s.Logger, "redis store: keys under key_prefix held another type: overwritten",
+			fmt.Errorf("%d in a call of zone %s", n, s.Zones[callZone(d)].name))
 	}
 	read(r, op, d)
 	return r.Allowed(), nil
 }
 
 // build adds d's demands to the call.
-func (s *redisEngine) build(c *rediswire.Call, op rediswire.Op, d *store.Demands) {
+func (s *Store) build(c *rediswire.Call, op rediswire.Op, d *store.Demands) {
 	for i := range d.Buckets {
 		// The script applies the key's own limit itself: it is sent the
 		// limit that an override replaces, and the cost in its tokens.
 		b := &d.Buckets[i]
 		var hash, field, limit string
 		if s.mayOverride(b.Zone) {
-			hash, field, limit = s.keys.BucketLimit(s.zones[b.Zone].field, b.Key.String())
+			hash, field, limit = s.Keys.BucketLimit(s.Zones[b.Zone].Field, b.Key.String())
 		} else {
-			hash, field = s.keys.Bucket(s.zones[b.Zone].field, b.Key.String())
+			hash, field = s.Keys.Bucket(s.Zones[b.Zone].Field, b.Key.String())
 			limit = hash // the script reads no override
 		}
 		if op == rediswire.Adjust {
-			c.AdjustBucket(hash, field, limit, s.shapeOf(b, true), b.BaseCost())
+			c.AdjustBucket(hash, field, limit, s.ShapeOf(b, true), b.BaseCost())
 		} else {
-			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.Limit.NoDelay, b.Soft)
+			c.Bucket(hash, field, limit, s.ShapeOf(b, false), !b.Limit.NoDelay, b.Soft)
 		}
 	}
 	for i := range d.Counters {
 		k := &d.Counters[i]
-		rz := &s.zones[k.Zone]
-		counter, untagged := s.counterKeys(k.Zone, k.Key)
+		rz := &s.Zones[k.Zone]
+		counter, untagged := s.CounterKeys(k.Zone, k.Key)
 		if op == rediswire.Adjust {
 			c.AdjustCounter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.Window), k.Cost)
 		} else {
@@ -105,7 +105,7 @@ func (s *redisEngine) build(c *rediswire.Call, op rediswire.Op, d *store.Demands
 	}
 	for i := range d.Slots {
 		q := &d.Slots[i]
-		c.Slot(s.slotKey(q.Zone, q.Key), q.Claim, s.slotShape(&s.zones[q.Zone], q))
+		c.Slot(s.SlotKey(q.Zone, q.Key), q.Claim, s.slotShape(&s.Zones[q.Zone], q))
 	}
 }
 
@@ -152,11 +152,11 @@ func read(r rediswire.Reply, op rediswire.Op, d *store.Demands) {
 	}
 }
 
-// shapeOf is the script's shape of b's bucket: its zone's last one when
+// ShapeOf is the script's shape of b's bucket: its zone's last one when
 // the limit is the same, else one from the store's cache. An adjustment
 // takes any shape of its bucket's limit: its cost travels on its own.
-func (s *redisEngine) shapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shape {
-	rz := &s.zones[b.Zone]
+func (s *Store) ShapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shape {
+	rz := &s.Zones[b.Zone]
 	l, cost := b.Limit, b.Cost
 	if b.Overridden {
 		l, cost = b.Base(), b.BaseCost()
@@ -176,7 +176,7 @@ func (s *redisEngine) shapeOf(b *store.BucketDemand, adjust bool) *rediswire.Sha
 }
 
 // counterShape is the script's shape of k's counter.
-func (s *redisEngine) counterShape(rz *redisZone, k *store.CounterDemand) *rediswire.CounterShape {
+func (s *Store) counterShape(rz *Zone, k *store.CounterDemand) *rediswire.CounterShape {
 	cost := max(k.Cost, -k.Cost)
 	if last := rz.counter.Load(); last != nil && last.Limit == k.Limit && last.Cost == cost {
 		return last
@@ -187,7 +187,7 @@ func (s *redisEngine) counterShape(rz *redisZone, k *store.CounterDemand) *redis
 }
 
 // slotShape is the script's shape of q's slots.
-func (s *redisEngine) slotShape(rz *redisZone, q *store.SlotDemand) *rediswire.SlotShape {
+func (s *Store) slotShape(rz *Zone, q *store.SlotDemand) *rediswire.SlotShape {
 	if last := rz.slots.Load(); last != nil && last.Limit == q.Limit && last.Lease == q.Lease && last.Soft == q.Soft {
 		return last
 	}
@@ -198,7 +198,7 @@ func (s *redisEngine) slotShape(rz *redisZone, q *store.SlotDemand) *rediswire.S
 
 // windowOf is the script's view of the quota window w, made once per
 // window.
-func (s *redisEngine) windowOf(rz *redisZone, w *calendar.Window) *rediswire.Window {
+func (s *Store) windowOf(rz *Zone, w *calendar.Window) *rediswire.Window {
 	if last := rz.window.Load(); last != nil && last.w == w {
 		return last.args
 	}
@@ -207,27 +207,27 @@ func (s *redisEngine) windowOf(rz *redisZone, w *calendar.Window) *rediswire.Win
 	return args
 }
 
-// bucketField is how the fields of the buckets of a zone of shape l start
+// BucketField is how the fields of the buckets of a zone of shape l start
 // (the zero limit for a zone whose limit comes with each request).
-func bucketField(name string, l gcra.Limit) string {
+func BucketField(name string, l gcra.Limit) string {
 	return rediswire.BucketField(name, strconv.FormatInt(int64(l.TokenTime), 10)+"/"+strconv.FormatInt(l.Burst, 10))
 }
 
-// bucketName is the hash and the field of the bucket of key in a zone.
-func (s *redisEngine) bucketName(zone int, key store.Key) (hash, field string) {
-	return s.keys.Bucket(s.zones[zone].field, key.String())
+// BucketName is the hash and the field of the bucket of key in a zone.
+func (s *Store) BucketName(zone int, key store.Key) (hash, field string) {
+	return s.Keys.Bucket(s.Zones[zone].Field, key.String())
 }
 
-// counterKeys are the key of the quota counter of key in a zone, and the
+// CounterKeys are the key of the quota counter of key in a zone, and the
 // key that builds before rediswire.CounterZone gave it.
-func (s *redisEngine) counterKeys(zone int, key store.Key) (counter, untagged string) {
+func (s *Store) CounterKeys(zone int, key store.Key) (counter, untagged string) {
 	k := key.String()
-	return s.keys.Counter(s.zones[zone].counters, k), s.keys.Counter(s.zones[zone].keys, k)
+	return s.Keys.Counter(s.Zones[zone].counters, k), s.Keys.Counter(s.Zones[zone].keys, k)
 }
 
-// slotKey is the key of the sorted set of the slots of key in a zone.
-func (s *redisEngine) slotKey(zone int, key store.Key) string {
-	return s.keys.Slots(s.zones[zone].keys, key.String())
+// SlotKey is the key of the sorted set of the slots of key in a zone.
+func (s *Store) SlotKey(zone int, key store.Key) string {
+	return s.Keys.Slots(s.Zones[zone].keys, key.String())
 }
 
 // A shapeCache keeps the shapes of the limits that requests bring

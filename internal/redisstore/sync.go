@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package redisstore
 
 import (
 	"context"
@@ -66,7 +66,7 @@ const (
 	syncShards = 16 // a power of two
 )
 
-type syncID struct {
+type SyncID struct {
 	client   string // the Redis store's connection setup
 	prefix   string
 	hashKeys bool
@@ -74,14 +74,14 @@ type syncID struct {
 	interval time.Duration
 }
 
-// A syncZone is one zone's copies in this instance, and their
+// A SyncZone is one zone's copies in this instance, and their
 // reconciliation.
-type syncZone struct {
+type SyncZone struct {
 	interval time.Duration
 	epoch    time.Time   // the copies' instants count from here
 	hashKey  siphash.Key // how a key's copy is found: its hash under this key
-	shards   [syncShards]syncShard
-	size     atomic.Int64
+	Shards   [syncShards]SyncShard
+	Size     atomic.Int64
 
 	mu    sync.Mutex
 	users []syncUser // the stores that use it, newest last: the newest reconciles
@@ -92,10 +92,10 @@ type syncZone struct {
 	// What the reconciliations did, for the metrics: their script calls
 	// (one per hash tag on a cluster), those that failed, and the keys
 	// they carried.
-	calls, failed, keys atomic.Uint64
+	calls, failed, Keys atomic.Uint64
 	// visited counts the copies the reconciliations looked at: their
 	// work, which follows the copies used, not those held.
-	visited atomic.Uint64
+	Visited atomic.Uint64
 
 	// The reconciliations' scratch, kept from one to the next: only the
 	// loop reconciles.
@@ -105,22 +105,22 @@ type syncZone struct {
 
 // A syncUser is a store and the place of the zone in it.
 type syncUser struct {
-	s    *redisEngine
+	s    *Store
 	zone int
 }
 
-type syncShard struct {
-	mu sync.Mutex
-	m  map[uint64]*syncCopy
+type SyncShard struct {
+	Mu sync.Mutex
+	M  map[uint64]*SyncCopy
 	// used are the copies asked or spent since the last reconciliation,
 	// each once: what the next one sends.
-	used   []*syncCopy
+	used   []*SyncCopy
 	expiry syncQueue
 	_      [56]byte // keep shards on separate cache lines
 }
 
 // use lists c for the next reconciliation, once. Requires sh.mu.
-func (sh *syncShard) use(c *syncCopy) {
+func (sh *SyncShard) use(c *SyncCopy) {
 	if !c.used {
 		c.used = true
 		sh.used = append(sh.used, c)
@@ -136,16 +136,16 @@ type syncQueue struct {
 }
 
 type syncDue struct {
-	c   *syncCopy
+	c   *SyncCopy
 	due time.Duration
 }
 
-func (q *syncQueue) push(c *syncCopy, due time.Duration) {
+func (q *syncQueue) push(c *SyncCopy, due time.Duration) {
 	q.items = append(q.items, syncDue{c, due})
 }
 
 // pop takes the first copy whose check is due at n, or nil.
-func (q *syncQueue) pop(n time.Duration) *syncCopy {
+func (q *syncQueue) pop(n time.Duration) *SyncCopy {
 	if q.head == len(q.items) || q.items[q.head].due > n {
 		return nil
 	}
@@ -160,9 +160,9 @@ func (q *syncQueue) pop(n time.Duration) *syncCopy {
 	return c
 }
 
-// A syncCopy is this instance's copy of one key's shared bucket. Its
+// A SyncCopy is this instance's copy of one key's shared bucket. Its
 // fields are its shard's, under its lock, but for the names.
-type syncCopy struct {
+type SyncCopy struct {
 	hash, field, limitKey string // the bucket's names in Redis, and its override's
 	key                   uint64 // its key's hash: its place in the shard
 	// base is the limit the requests brought when Redis last answered (the
@@ -177,11 +177,11 @@ type syncCopy struct {
 	used          bool          // asked or spent since the last reconciliation: in the shard's used
 }
 
-func newSyncZone(interval time.Duration) *syncZone {
+func newSyncZone(interval time.Duration) *SyncZone {
 	now := time.Now()
-	sz := &syncZone{interval: interval, epoch: now, hashKey: siphash.NewKey(), stop: make(chan struct{}), done: make(chan struct{})}
-	for i := range sz.shards {
-		sz.shards[i].m = make(map[uint64]*syncCopy)
+	sz := &SyncZone{interval: interval, epoch: now, hashKey: siphash.NewKey(), stop: make(chan struct{}), done: make(chan struct{})}
+	for i := range sz.Shards {
+		sz.Shards[i].M = make(map[uint64]*SyncCopy)
 	}
 	go sz.loop()
 	return sz
@@ -189,37 +189,37 @@ func newSyncZone(interval time.Duration) *syncZone {
 
 // Destruct stops the reconciliation when no config has the zone any
 // more, after a last one: what this instance spent goes up.
-func (sz *syncZone) Destruct() error {
+func (sz *SyncZone) Destruct() error {
 	close(sz.stop)
 	<-sz.done
 	return nil
 }
 
-func (sz *syncZone) instant(t time.Time) time.Duration { return t.Sub(sz.epoch) }
+func (sz *SyncZone) Instant(t time.Time) time.Duration { return t.Sub(sz.epoch) }
 
-// keep is how long a copy that has nothing to send and whose bucket is
+// Keep is how long a copy that has nothing to send and whose bucket is
 // full stays at least after Redis last answered for it (the sweep finds
 // it within another keep): a key used again within it is decided here at
 // once, within its allowance.
-func (sz *syncZone) keep() time.Duration { return max(syncKeep, 2*sz.interval) }
+func (sz *SyncZone) Keep() time.Duration { return max(syncKeep, 2*sz.interval) }
 
-func (sz *syncZone) shard(h uint64) *syncShard { return &sz.shards[h&(syncShards-1)] }
+func (sz *SyncZone) shard(h uint64) *SyncShard { return &sz.Shards[h&(syncShards-1)] }
 
-// lock locks the shard of k's copy, and returns it and k's hash.
-func (sz *syncZone) lock(k store.Key) (*syncShard, uint64) {
+// Lock locks the shard of k's copy, and returns it and k's hash.
+func (sz *SyncZone) Lock(k store.Key) (*SyncShard, uint64) {
 	h := k.Hash(sz.hashKey)
 	sh := sz.shard(h)
-	sh.mu.Lock()
+	sh.Mu.Lock()
 	return sh, h
 }
 
-func (sz *syncZone) join(u syncUser) {
+func (sz *SyncZone) join(u syncUser) {
 	sz.mu.Lock()
 	defer sz.mu.Unlock()
 	sz.users = append(sz.users, u)
 }
 
-func (sz *syncZone) leave(s *redisEngine) {
+func (sz *SyncZone) leave(s *Store) {
 	sz.mu.Lock()
 	defer sz.mu.Unlock()
 	for i, u := range sz.users {
@@ -232,7 +232,7 @@ func (sz *syncZone) leave(s *redisEngine) {
 }
 
 // owner is the store that reconciles: the newest, or the last one.
-func (sz *syncZone) owner() (syncUser, bool) {
+func (sz *SyncZone) owner() (syncUser, bool) {
 	sz.mu.Lock()
 	defer sz.mu.Unlock()
 	if n := len(sz.users); n > 0 {
@@ -243,19 +243,19 @@ func (sz *syncZone) owner() (syncUser, bool) {
 
 // add makes a copy of b's bucket, owing floor at n, unless the zone has
 // maxSyncKeys already. Requires sh.mu to be held.
-func (sz *syncZone) add(sh *syncShard, h uint64, s *redisEngine, b *store.BucketDemand, n, floor time.Duration) *syncCopy {
-	if sz.size.Load() >= maxSyncKeys {
+func (sz *SyncZone) add(sh *SyncShard, h uint64, s *Store, b *store.BucketDemand, n, floor time.Duration) *SyncCopy {
+	if sz.Size.Load() >= maxSyncKeys {
 		return nil
 	}
 	// Its allowance starts spent: the first interval's requests of a key
 	// new here are Redis's but for what refills meanwhile, so that the
 	// instances flooding a key from its first request spend no allowance
 	// that Redis has not seen.
-	c := &syncCopy{base: baseLimit(b), lim: baseLimit(b), fullAt: n + floor, allow: n + sz.interval, heard: n, key: h}
-	c.hash, c.field, c.limitKey = s.keys.BucketLimit(s.zones[b.Zone].field, b.Key.String())
-	sh.m[h] = c
-	sh.expiry.push(c, n+sz.keep())
-	sz.size.Add(1)
+	c := &SyncCopy{base: baseLimit(b), lim: baseLimit(b), fullAt: n + floor, allow: n + sz.interval, heard: n, key: h}
+	c.hash, c.field, c.limitKey = s.Keys.BucketLimit(s.Zones[b.Zone].Field, b.Key.String())
+	sh.M[h] = c
+	sh.expiry.push(c, n+sz.Keep())
+	sz.Size.Add(1)
 	return c
 }
 
@@ -273,16 +273,16 @@ func sameLimit(a, b gcra.Limit) bool { return a.TokenTime == b.TokenTime && a.Bu
 // debt, under lim. What this instance spent meanwhile, not yet in that
 // answer, is added (what a reconciliation out carries may be in it
 // already: counted twice until its answer, it only refuses sooner).
-func (c *syncCopy) learnt(at, n, debt time.Duration, lim gcra.Limit, tokens int64) {
+func (c *SyncCopy) learnt(at, n, debt time.Duration, lim gcra.Limit, tokens int64) {
 	c.lim = lim
 	c.fullAt = min(max(at+debt, n)+time.Duration(tokens)*lim.TokenTime, n+lim.Most())
 	c.heard = n
 }
 
 // synced reports whether a bucket of d is in a zone with sync.
-func (s *redisEngine) synced(d *store.Demands) bool {
+func (s *Store) synced(d *store.Demands) bool {
 	for i := range d.Buckets {
-		if s.zones[d.Buckets[i].Zone].sync != nil {
+		if s.Zones[d.Buckets[i].Zone].Sync != nil {
 			return true
 		}
 	}
@@ -295,10 +295,10 @@ func (s *redisEngine) synced(d *store.Demands) bool {
 // without sync, and the copies learn from the answer. When Redis fails,
 // a request of such buckets alone is decided here all the same, from
 // what this instance knows; fail_mode decides the others.
-func (s *redisEngine) takeSync(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
+func (s *Store) takeSync(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
 	alone := len(d.Counters)+len(d.Slots) == 0
 	for i := range d.Buckets {
-		alone = alone && s.zones[d.Buckets[i].Zone].sync != nil
+		alone = alone && s.Zones[d.Buckets[i].Zone].Sync != nil
 	}
 	if alone {
 		if allowed, decided := s.decideHere(now, d, nil); decided {
@@ -340,28 +340,28 @@ func (s *redisEngine) takeSync(ctx context.Context, now time.Time, d *store.Dema
 // it had been sent: a request beyond the allowance is decided against
 // what this instance spent by itself too. (Not beyond the burst: a take
 // of more than a bucket is refused whatever it owes.)
-func (s *redisEngine) carry(d *store.Demands, carried []int64) {
+func (s *Store) carry(d *store.Demands, carried []int64) {
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		sz := s.zones[b.Zone].sync
+		sz := s.Zones[b.Zone].Sync
 		if sz == nil {
 			continue
 		}
-		sh, h := sz.lock(b.Key)
-		if c := sh.m[h]; c != nil && c.pending > 0 && sameLimit(c.base, baseLimit(b)) && sameLimit(c.lim, b.Limit) {
+		sh, h := sz.Lock(b.Key)
+		if c := sh.M[h]; c != nil && c.pending > 0 && sameLimit(c.base, baseLimit(b)) && sameLimit(c.lim, b.Limit) {
 			if extra := time.Duration(c.pending) * b.Limit.TokenTime; b.Cost+extra <= b.Limit.BurstTime {
 				carried[i], c.pending = c.pending, 0
 				b.Cost += extra
 			}
 		}
-		sh.mu.Unlock()
+		sh.Mu.Unlock()
 	}
 }
 
 // uncarry takes off the costs what carry added, and, unless the take
 // charged them, gives the tokens back to the copies to send: away when
 // the take failed (see owe).
-func (s *redisEngine) uncarry(d *store.Demands, carried []int64, charged, away bool) {
+func (s *Store) uncarry(d *store.Demands, carried []int64, charged, away bool) {
 	for i := range d.Buckets {
 		if carried[i] == 0 {
 			continue
@@ -371,20 +371,20 @@ func (s *redisEngine) uncarry(d *store.Demands, carried []int64, charged, away b
 		if charged {
 			continue
 		}
-		sz := s.zones[b.Zone].sync
-		sh, h := sz.lock(b.Key)
-		if c := sh.m[h]; c != nil {
+		sz := s.Zones[b.Zone].Sync
+		sh, h := sz.Lock(b.Key)
+		if c := sh.M[h]; c != nil {
 			sz.owe(sh, c, carried[i], away)
 		}
-		sh.mu.Unlock()
+		sh.Mu.Unlock()
 	}
 }
 
 // A syncLook is what decideHere found of a bucket.
 type syncLook struct {
-	sz       *syncZone
-	sh       *syncShard
-	c        *syncCopy
+	sz       *SyncZone
+	sh       *SyncShard
+	c        *SyncCopy
 	n        time.Duration
 	debt, ad time.Duration // what the copy owes, and what its allowance
 }
@@ -397,27 +397,27 @@ type syncLook struct {
 // Redis could not decide d: the copies then decide all the same (a key
 // without one gets one, as full as the over-limit cache allows), and no
 // allowance or freshness holds them back.
-func (s *redisEngine) decideHere(now time.Time, d *store.Demands, failed error) (allowed, decided bool) {
-	var lockedArr [4]*syncShard
+func (s *Store) decideHere(now time.Time, d *store.Demands, failed error) (allowed, decided bool) {
+	var lockedArr [4]*SyncShard
 	var looksArr [4]syncLook
 	locked, looks := lockedArr[:0], looksArr[:0]
 	defer func() {
 		for _, sh := range locked {
-			sh.mu.Unlock()
+			sh.Mu.Unlock()
 		}
 	}()
-	strict := failed == nil && s.client.Up()
+	strict := failed == nil && s.Client.Up()
 	here, denied := true, false
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		sz := s.zones[b.Zone].sync
+		sz := s.Zones[b.Zone].Sync
 		h := b.Key.Hash(sz.hashKey)
 		sh := sz.shard(h)
 		if !containsShard(locked, sh) {
-			sh.mu.Lock()
+			sh.Mu.Lock()
 			locked = append(locked, sh)
 		}
-		n := sz.instant(now)
+		n := sz.Instant(now)
 		c := s.copyOf(now, b, sz, sh, h, n, failed)
 		looks = append(looks, syncLook{sz: sz, sh: sh, c: c, n: n})
 		if c == nil {
@@ -472,15 +472,15 @@ func chargeCopies(d *store.Demands, looks []syncLook, away bool) {
 // decideHere: none for a copy learnt under another plan while Redis can
 // decide (Redis rescales it); while it cannot (failed), a key without one
 // gets one, and one of another plan takes b's.
-func (s *redisEngine) copyOf(now time.Time, b *store.BucketDemand, sz *syncZone, sh *syncShard, h uint64, n time.Duration, failed error) *syncCopy {
-	c := sh.m[h]
+func (s *Store) copyOf(now time.Time, b *store.BucketDemand, sz *SyncZone, sh *SyncShard, h uint64, n time.Duration, failed error) *SyncCopy {
+	c := sh.M[h]
 	switch {
 	case failed == nil && c != nil && !sameLimit(c.base, baseLimit(b)):
 		c = nil // learnt under another plan: Redis rescales it
 	case failed != nil && c == nil:
 		floor := s.Known(now, b, failed)
 		if c = sz.add(sh, h, s, b, n, floor); c == nil {
-			c = &syncCopy{fullAt: n + floor, used: true} // beyond maxSyncKeys: this request's alone, in no list
+			c = &SyncCopy{fullAt: n + floor, used: true} // beyond maxSyncKeys: this request's alone, in no list
 		}
 		fallthrough
 	case failed != nil && !sameLimit(c.base, baseLimit(b)):
@@ -489,7 +489,7 @@ func (s *redisEngine) copyOf(now time.Time, b *store.BucketDemand, sz *syncZone,
 	return c
 }
 
-func containsShard(shards []*syncShard, sh *syncShard) bool {
+func containsShard(shards []*SyncShard, sh *SyncShard) bool {
 	for _, x := range shards {
 		if x == sh {
 			return true
@@ -502,13 +502,13 @@ func containsShard(shards []*syncShard, sh *syncShard) bool {
 // answer, making those it lacks. Demands that a cluster took a slot at a
 // time (their keys in different slots) teach nothing: a bucket after a
 // refusal was not asked.
-func (s *redisEngine) learn(now time.Time, d *store.Demands) {
-	if s.client.Cluster && !oneTag(d) {
+func (s *Store) learn(now time.Time, d *store.Demands) {
+	if s.Client.Cluster && !oneTag(d) {
 		return
 	}
-	s.withCopies(d, func(sz *syncZone, sh *syncShard, h uint64, b *store.BucketDemand) {
-		n, at := sz.instant(now), sz.instant(d.At)
-		c := sh.m[h]
+	s.withCopies(d, func(sz *SyncZone, sh *SyncShard, h uint64, b *store.BucketDemand) {
+		n, at := sz.Instant(now), sz.Instant(d.At)
+		c := sh.M[h]
 		if c == nil {
 			c = sz.add(sh, h, s, b, n, 0)
 		}
@@ -523,20 +523,20 @@ func (s *redisEngine) learn(now time.Time, d *store.Demands) {
 // forgetSync drops this instance's copies of d's buckets (a reset): their
 // next requests go to Redis. The other instances learn of a reset at
 // their next reconciliation.
-func (s *redisEngine) forgetSync(d *store.Demands) {
-	s.withCopies(d, func(sz *syncZone, sh *syncShard, h uint64, _ *store.BucketDemand) {
-		if _, ok := sh.m[h]; ok {
-			delete(sh.m, h)
-			sz.size.Add(-1)
+func (s *Store) forgetSync(d *store.Demands) {
+	s.withCopies(d, func(sz *SyncZone, sh *SyncShard, h uint64, _ *store.BucketDemand) {
+		if _, ok := sh.M[h]; ok {
+			delete(sh.M, h)
+			sz.Size.Add(-1)
 		}
 	})
 }
 
 // peekSync adds to what Redis said of d's buckets in zones with sync what
 // this instance spent that Redis has not heard of yet.
-func (s *redisEngine) peekSync(d *store.Demands) {
-	s.withCopies(d, func(_ *syncZone, sh *syncShard, h uint64, b *store.BucketDemand) {
-		if c := sh.m[h]; c != nil {
+func (s *Store) peekSync(d *store.Demands) {
+	s.withCopies(d, func(_ *SyncZone, sh *SyncShard, h uint64, b *store.BucketDemand) {
+		if c := sh.M[h]; c != nil {
 			b.Debt = min(b.Debt+time.Duration(c.pending+c.sent)*b.Limit.TokenTime, b.Limit.Most())
 		}
 	})
@@ -544,30 +544,30 @@ func (s *redisEngine) peekSync(d *store.Demands) {
 
 // withCopies calls f for each bucket of d in a zone with sync, with the
 // shard of its copy locked, and the copy's hash.
-func (s *redisEngine) withCopies(d *store.Demands, f func(sz *syncZone, sh *syncShard, h uint64, b *store.BucketDemand)) {
+func (s *Store) withCopies(d *store.Demands, f func(sz *SyncZone, sh *SyncShard, h uint64, b *store.BucketDemand)) {
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		if sz := s.zones[b.Zone].sync; sz != nil {
-			sh, h := sz.lock(b.Key)
+		if sz := s.Zones[b.Zone].Sync; sz != nil {
+			sh, h := sz.Lock(b.Key)
 			f(sz, sh, h, b)
-			sh.mu.Unlock()
+			sh.Mu.Unlock()
 		}
 	}
 }
 
 // bindSync gets the copies of the store's zones with sync.
-func (s *redisEngine) bindSync(zones []store.ZoneSpec) error {
+func (s *Store) bindSync(zones []store.ZoneSpec) error {
 	for i, z := range zones {
 		if z.Sync == 0 {
 			continue
 		}
-		id := syncID{s.setup, s.KeyPrefix, s.HashKeys, s.zones[i].field, z.Sync}
-		sz, err := s.syncPool.acquire(id, func() *syncZone { return newSyncZone(z.Sync) })
+		id := SyncID{s.Setup, s.KeyPrefix, s.HashKeys, s.Zones[i].Field, z.Sync}
+		sz, err := s.SyncPool.Acquire(id, func() *SyncZone { return newSyncZone(z.Sync) })
 		if err != nil {
 			return err
 		}
 		sz.join(syncUser{s, i})
-		s.zones[i].sync = sz
+		s.Zones[i].Sync = sz
 		s.syncIDs = append(s.syncIDs, id)
 	}
 	return nil
@@ -575,9 +575,9 @@ func (s *redisEngine) bindSync(zones []store.ZoneSpec) error {
 
 // releaseSync gives the copies back; the last config that has a zone
 // reconciles its copies a last time.
-func (s *redisEngine) releaseSync() error {
-	for i := range s.zones {
-		if sz := s.zones[i].sync; sz != nil {
+func (s *Store) releaseSync() error {
+	for i := range s.Zones {
+		if sz := s.Zones[i].Sync; sz != nil {
 			sz.leave(s)
 		}
 	}
@@ -586,33 +586,33 @@ func (s *redisEngine) releaseSync() error {
 	// to be decided by fail_mode when its call fails on the closed client.
 	var errs []error
 	for _, id := range s.syncIDs {
-		errs = append(errs, s.syncPool.release(id))
+		errs = append(errs, s.SyncPool.Release(id))
 	}
 	return errors.Join(errs...)
 }
 
-// A syncPool holds the copies of the zones with sync of every loaded
+// A SyncPool holds the copies of the zones with sync of every loaded
 // config, by syncID, so that a reload that keeps a zone keeps its copies
 // (the Redis store module's pool).
-type syncPool interface {
+type SyncPool interface {
 	// acquire gets the copies of id, made by make when no config has
 	// them; release lets go of them.
-	acquire(id syncID, make func() *syncZone) (*syncZone, error)
-	release(id syncID) error
+	Acquire(id SyncID, make func() *SyncZone) (*SyncZone, error)
+	Release(id SyncID) error
 }
 
 // loop reconciles every interval, and a last time when the zone goes.
-func (sz *syncZone) loop() {
+func (sz *SyncZone) loop() {
 	defer close(sz.done)
 	tick := time.NewTicker(sz.interval)
 	defer tick.Stop()
 	for {
 		select {
 		case <-sz.stop:
-			sz.reconcile()
+			sz.Reconcile()
 			return
 		case <-tick.C:
-			sz.reconcile()
+			sz.Reconcile()
 		}
 	}
 }
@@ -620,46 +620,46 @@ func (sz *syncZone) loop() {
 // A syncItem is a copy in a reconciliation: the tokens it sends, counted
 // in its limit base.
 type syncItem struct {
-	c      *syncCopy
-	sh     *syncShard
+	c      *SyncCopy
+	sh     *SyncShard
 	base   gcra.Limit
 	tokens int64
 }
 
-// reconcile sends Redis what each copy that was asked or spent since the
+// Reconcile sends Redis what each copy that was asked or spent since the
 // last reconciliation spent, as adjustments, syncFlight to a script call,
 // and sets the copies from the answers; and drops the copies that have
 // had their day (see sweep). Its work follows the copies used since the
 // last one, not the copies held: an idle zone costs a lock of each shard.
 // While Redis is down (its breaker open), what the copies spend waits
 // for the next, forgiven beyond two intervals of refill (see owe).
-func (sz *syncZone) reconcile() {
+func (sz *SyncZone) Reconcile() {
 	u, ok := sz.owner()
 	if !ok {
 		return
 	}
-	up := u.s.client.Up()
-	n := sz.instant(time.Now())
+	up := u.s.Client.Up()
+	n := sz.Instant(time.Now())
 	batch := sz.batch[:0]
 	defer func() { clear(batch); sz.batch = batch[:0] }()
-	for i := range sz.shards {
-		sh := &sz.shards[i]
-		sh.mu.Lock()
-		sz.sweep(sh, n)
+	for i := range sz.Shards {
+		sh := &sz.Shards[i]
+		sh.Mu.Lock()
+		sz.Sweep(sh, n)
 		if up {
 			batch = sz.collect(sh, batch)
 		}
-		sh.mu.Unlock()
+		sh.Mu.Unlock()
 	}
 	own := len(batch) > 0 && sz.ownLimits(u)
 	for sent := 0; sent < len(batch); {
-		if !u.s.client.Up() {
+		if !u.s.Client.Up() {
 			// Redis went away meanwhile: the rest waits for the next.
 			for i := range batch[sent:] {
 				p := &batch[sent+i]
-				p.sh.mu.Lock()
+				p.sh.Mu.Lock()
 				sz.unsent(p)
-				p.sh.mu.Unlock()
+				p.sh.Mu.Unlock()
 			}
 			return
 		}
@@ -672,42 +672,42 @@ func (sz *syncZone) reconcile() {
 // collect appends to batch the copies of sh used since the last
 // reconciliation, each with what it spent, which it now sends. Requires
 // sh.mu.
-func (sz *syncZone) collect(sh *syncShard, batch []syncItem) []syncItem {
+func (sz *SyncZone) collect(sh *SyncShard, batch []syncItem) []syncItem {
 	for _, c := range sh.used {
 		c.used = false
-		if sh.m[c.key] != c {
+		if sh.M[c.key] != c {
 			continue // reset meanwhile: its key's next request goes to Redis
 		}
 		batch = append(batch, syncItem{c, sh, c.base, c.pending})
 		c.sent, c.pending = c.pending, 0
 	}
-	sz.visited.Add(uint64(len(sh.used)))
+	sz.Visited.Add(uint64(len(sh.used)))
 	clear(sh.used)
 	sh.used = sh.used[:0]
 	return batch
 }
 
-// sweep drops the copies of sh whose check is due at n and that have had
+// Sweep drops the copies of sh whose check is due at n and that have had
 // their day: no request used them since the last reconciliation, their
 // bucket is full, and Redis last answered for them more than keep ago.
 // It checks the others again keep later: each copy is looked at once
 // every keep, from when it is made, so that what the sweep costs an
 // interval is the copies made or checked keep earlier, not all those
 // held. Requires sh.mu.
-func (sz *syncZone) sweep(sh *syncShard, n time.Duration) {
+func (sz *SyncZone) Sweep(sh *SyncShard, n time.Duration) {
 	visited := uint64(0)
 	for c := sh.expiry.pop(n); c != nil; c = sh.expiry.pop(n) {
 		visited++
 		switch {
-		case sh.m[c.key] != c: // reset: gone already
-		case !c.used && n-c.heard > sz.keep() && c.fullAt <= n:
-			delete(sh.m, c.key)
-			sz.size.Add(-1)
+		case sh.M[c.key] != c: // reset: gone already
+		case !c.used && n-c.heard > sz.Keep() && c.fullAt <= n:
+			delete(sh.M, c.key)
+			sz.Size.Add(-1)
 		default:
-			sh.expiry.push(c, n+sz.keep())
+			sh.expiry.push(c, n+sz.Keep())
 		}
 	}
-	sz.visited.Add(visited)
+	sz.Visited.Add(visited)
 }
 
 // ownLimits reports whether a reconciliation must read its keys' own
@@ -715,11 +715,11 @@ func (sz *syncZone) sweep(sh *syncShard, n time.Duration) {
 // none. A count costs Redis one command a reconciliation where reading
 // would cost one a key; an override set through another instance
 // meanwhile is read by the next reconciliation, an interval later.
-func (sz *syncZone) ownLimits(u syncUser) bool {
-	at := time.Since(processStart).Nanoseconds()
+func (sz *SyncZone) ownLimits(u syncUser) bool {
+	at := time.Since(ProcessStart).Nanoseconds()
 	u.s.pollOverrides(u.zone, at)
-	c := u.s.zones[u.zone].overridden.Load()
-	return c.n != 0 || c.at < at
+	c := u.s.Zones[u.zone].Overridden.Load()
+	return c.N != 0 || c.At < at
 }
 
 // send reconciles part in one flight, reading the keys' own limits if
@@ -727,12 +727,12 @@ func (sz *syncZone) ownLimits(u syncUser) bool {
 // would be alone, and part goes as one adjustment of all its buckets: one
 // script call on one Redis; on a cluster, one per hash tag among them
 // (part is sorted by hash for it).
-func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
+func (sz *SyncZone) send(u syncUser, part []syncItem, own bool) {
 	s := u.s
-	if s.client.Cluster {
+	if s.Client.Cluster {
 		slices.SortFunc(part, func(a, b syncItem) int { return strings.Compare(a.c.hash, b.c.hash) })
 	}
-	deadline := time.Now().Add(s.callTimeout)
+	deadline := time.Now().Add(s.CallTimeout)
 	bs := slices.Grow(sz.bs[:0], len(part))[:len(part)]
 	defer func() { clear(bs); sz.bs = bs[:0] }()
 	var ds []store.Demands
@@ -741,7 +741,7 @@ func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
 		p := &part[i]
 		// The script applies the key's own limit itself (see build).
 		bs[i] = store.BucketDemand{Zone: u.zone, Limit: p.base, Cost: time.Duration(p.tokens) * p.base.TokenTime}
-		if i == 0 || s.client.Cluster && p.c.hash != part[i-1].c.hash {
+		if i == 0 || s.Client.Cluster && p.c.hash != part[i-1].c.hash {
 			ds = append(ds, store.Demands{Buckets: bs[i:i]})
 			calls = append(calls, rediswire.NewCall(rediswire.Adjust, deadline))
 		}
@@ -751,10 +751,10 @@ func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
 		if !own {
 			limit = p.c.hash // the script reads no override
 		}
-		calls[len(calls)-1].AdjustBucket(p.c.hash, p.c.field, limit, s.shapeOf(&bs[i], true), bs[i].Cost)
+		calls[len(calls)-1].AdjustBucket(p.c.hash, p.c.field, limit, s.ShapeOf(&bs[i], true), bs[i].Cost)
 	}
 	sent := time.Now()
-	replies, errs := s.client.RunAll(calls)
+	replies, errs := s.Client.RunAll(calls)
 	var failure error
 	var failed uint64
 	i := 0
@@ -772,32 +772,32 @@ func (sz *syncZone) send(u syncUser, part []syncItem, own bool) {
 	// The metrics count script calls: one per hash tag on a cluster.
 	sz.calls.Add(uint64(len(calls)))
 	sz.failed.Add(failed)
-	sz.keys.Add(uint64(len(part)))
+	sz.Keys.Add(uint64(len(part)))
 	switch kind := rediswire.Classify(failure); {
 	case failure == nil || kind == rediswire.Answered:
-		s.client.Answered(s.logger)
+		s.Client.Answered(s.Logger)
 		if failure != nil {
-			s.keyErrors.Warn(s.logger, "redis refused a reconciliation of zone "+s.zones[u.zone].name, failure)
+			s.keyErrors.Warn(s.Logger, "redis refused a reconciliation of zone "+s.Zones[u.zone].name, failure)
 		}
 	case kind != rediswire.Unknown: // an Unknown failure says nothing of Redis
-		s.client.Failed(s.logger, s.FailMode, failure)
+		s.Client.Failed(s.Logger, s.FailMode, failure)
 	}
 }
 
 // update sets p's copy from bucket k of d, the answer of its call, or
 // keeps what it sent for the next reconciliation when the call failed.
-func (sz *syncZone) update(u syncUser, p *syncItem, d *store.Demands, k int, err error) {
+func (sz *SyncZone) update(u syncUser, p *syncItem, d *store.Demands, k int, err error) {
 	b := &d.Buckets[k]
-	p.sh.mu.Lock()
+	p.sh.Mu.Lock()
 	c := p.c
 	if err != nil {
 		sz.unsent(p)
 	} else {
 		c.sent = 0
-		n := sz.instant(time.Now())
-		c.learnt(sz.instant(d.At), n, b.Debt, b.Limit, c.pending)
+		n := sz.Instant(time.Now())
+		c.learnt(sz.Instant(d.At), n, b.Debt, b.Limit, c.pending)
 	}
-	p.sh.mu.Unlock()
+	p.sh.Mu.Unlock()
 	if err == nil && b.Overridden {
 		u.s.sawOverride(u.zone)
 	}
@@ -815,7 +815,7 @@ func (sz *syncZone) update(u syncUser, p *syncItem, d *store.Demands, k int, err
 // intervals after. Spending that Redis could have taken (within the
 // allowance, while it answers) is always sent whole: the bound counts on
 // it.
-func (sz *syncZone) owe(sh *syncShard, c *syncCopy, tokens int64, away bool) {
+func (sz *SyncZone) owe(sh *SyncShard, c *SyncCopy, tokens int64, away bool) {
 	c.pending += tokens
 	if away {
 		c.pending = min(c.pending, max(int64(2*sz.interval/c.lim.TokenTime), 1))
@@ -826,7 +826,7 @@ func (sz *syncZone) owe(sh *syncShard, c *syncCopy, tokens int64, away bool) {
 // unsent puts back what p's copy sent in a call that failed or was not
 // made, for the next reconciliation to send again, with the shared state
 // to learn: Redis could not take it (see owe). Requires p.sh.mu.
-func (sz *syncZone) unsent(p *syncItem) {
+func (sz *SyncZone) unsent(p *syncItem) {
 	tokens := p.c.sent
 	p.c.sent = 0
 	sz.owe(p.sh, p.c, tokens, true)
@@ -837,13 +837,13 @@ func (sz *syncZone) unsent(p *syncItem) {
 // which the zone's count of overrides may not show yet (see mayOverride).
 // What the over-limit cache learnt without reading them is forgotten, as
 // when a poll finds the zone's first override.
-func (s *redisEngine) sawOverride(zone int) {
-	rz := &s.zones[zone]
-	if c := rz.overridden.Load(); c.n == 0 {
-		if rz.overridden.CompareAndSwap(c, &countedOverrides{n: -1, at: time.Since(processStart).Nanoseconds()}) {
+func (s *Store) sawOverride(zone int) {
+	rz := &s.Zones[zone]
+	if c := rz.Overridden.Load(); c.N == 0 {
+		if rz.Overridden.CompareAndSwap(c, &countedOverrides{N: -1, At: time.Since(ProcessStart).Nanoseconds()}) {
 			rz.overriddenGen.Add(1)
-			if rz.cache != nil {
-				rz.cache.Clear()
+			if rz.Cache != nil {
+				rz.Cache.Clear()
 			}
 		}
 	}

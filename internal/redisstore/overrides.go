@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package redisstore
 
 import (
 	"context"
@@ -47,27 +47,27 @@ func parseOverride(v string, ttl time.Duration, now time.Time) (store.Override, 
 	return o, true
 }
 
-// overridePoll is how long a zone's count of overrides is trusted: a
+// OverridePoll is how long a zone's count of overrides is trusted: a
 // decision skips reading its key's own limit only when the zone had none
 // when counted less than this before. Set through another instance, an
 // override is then read by this instance's calls within this time. (The
 // over-limit cache, which may refuse a key without a call for up to
 // overLimitTrust, forgets what it learnt meanwhile when the count shows
 // the zone's first override.)
-const overridePoll = 250 * time.Millisecond
+const OverridePoll = 250 * time.Millisecond
 
 // overrideRefresh is how old a zone's count of overrides is when a
 // decision has it read again, in the background: soon enough that the
 // count of a zone with requests all the time is never older than
 // overridePoll, its decisions then never reading an override that is not
 // there.
-const overrideRefresh = overridePoll / 2
+const overrideRefresh = OverridePoll / 2
 
 // countedOverrides is how many keys of a zone have their own limit, as
 // Redis said when asked (-1: not known; every decision reads).
 type countedOverrides struct {
-	n  int64
-	at int64 // when it was asked, in nanoseconds of the process's clock (see processStart)
+	N  int64
+	At int64 // when it was asked, in nanoseconds of the process's clock (see processStart)
 }
 
 // mayOverride reports whether keys of the zone may have their own limit,
@@ -76,22 +76,22 @@ type countedOverrides struct {
 // trusted, so that an instance that was idle reads the override set
 // meanwhile at its first decision. The count is read again, in the
 // background, once it is overrideRefresh old.
-func (s *redisEngine) mayOverride(zone int) bool {
-	rz := &s.zones[zone]
-	now := time.Since(processStart).Nanoseconds()
-	c := rz.overridden.Load()
-	if now-c.at > int64(overrideRefresh) {
+func (s *Store) mayOverride(zone int) bool {
+	rz := &s.Zones[zone]
+	now := time.Since(ProcessStart).Nanoseconds()
+	c := rz.Overridden.Load()
+	if now-c.At > int64(overrideRefresh) {
 		if last := rz.overriddenPoll.Load(); now-last > int64(overrideRefresh) && rz.overriddenPoll.CompareAndSwap(last, now) {
 			go s.pollOverrides(zone, now)
 		}
 	}
-	return c.n != 0 || now-c.at > int64(overridePoll)
+	return c.N != 0 || now-c.At > int64(OverridePoll)
 }
 
 // pollOverrides reads how many keys of the zone have their own limit,
 // asked at at.
-func (s *redisEngine) pollOverrides(zone int, at int64) {
-	ctx, cancel := context.WithTimeout(context.Background(), s.callTimeout)
+func (s *Store) pollOverrides(zone int, at int64) {
+	ctx, cancel := context.WithTimeout(context.Background(), s.CallTimeout)
 	defer cancel()
 	n, err := s.OverrideCount(ctx, zone)
 	if err != nil {
@@ -99,48 +99,48 @@ func (s *redisEngine) pollOverrides(zone int, at int64) {
 		// stays: fail_mode local starts from it while Redis fails.)
 		n = -1
 	}
-	rz := &s.zones[zone]
-	c := &countedOverrides{n: int64(n), at: at}
+	rz := &s.Zones[zone]
+	c := &countedOverrides{N: int64(n), At: at}
 	var old *countedOverrides
 	for {
-		if old = rz.overridden.Load(); old.at > at {
+		if old = rz.Overridden.Load(); old.At > at {
 			return // a later count is in, or an override was set here since
 		}
-		if rz.overridden.CompareAndSwap(old, c) {
+		if rz.Overridden.CompareAndSwap(old, c) {
 			break
 		}
 	}
-	if old.n == 0 && n > 0 {
+	if old.N == 0 && n > 0 {
 		// What the cache learnt while no override was read may be the
 		// zone's limit where a key now has its own; so may what calls in
 		// flight, sent without reading it, would teach it.
 		rz.overriddenGen.Add(1)
-		if rz.cache != nil {
-			rz.cache.Clear()
+		if rz.Cache != nil {
+			rz.Cache.Clear()
 		}
 	}
 }
 
 // overriddenGen sums the generations of the overrides of d's buckets'
 // zones (see redisZone.overriddenGen): it changes when any does.
-func (s *redisEngine) overriddenGen(d *store.Demands) uint64 {
+func (s *Store) overriddenGen(d *store.Demands) uint64 {
 	var g uint64
 	for i := range d.Buckets {
-		g += s.zones[d.Buckets[i].Zone].overriddenGen.Load()
+		g += s.Zones[d.Buckets[i].Zone].overriddenGen.Load()
 	}
 	return g
 }
 
-// processStart anchors the monotonic instants of the override polls.
-var processStart = time.Now()
+// ProcessStart anchors the monotonic instants of the override polls.
+var ProcessStart = time.Now()
 
 // forgetKey makes this instance's over-limit cache forget what it knew
 // of key's bucket in a zone: its own limit changed.
-func (s *redisEngine) forgetKey(zone int, key store.Key) {
-	rz := &s.zones[zone]
-	if rz.cache != nil {
-		rz.cache.Forget(key)
-		rz.learned.forget(rz.cache.Hash(key))
+func (s *Store) forgetKey(zone int, key store.Key) {
+	rz := &s.Zones[zone]
+	if rz.Cache != nil {
+		rz.Cache.Forget(key)
+		rz.learned.forget(rz.Cache.Hash(key))
 	}
 }
 
@@ -148,7 +148,7 @@ func (s *redisEngine) forgetKey(zone int, key store.Key) {
 // zone's list in one step (see lua/override.lua).
 var overrideScript = redis.NewScript(lua.Override)
 
-// setOverride and deleteOverride change a key's own limit and the zone's
+// SetOverride and deleteOverride change a key's own limit and the zone's
 // list of them together: in one script call, atomic, so that no change
 // of the key running at once on any instance can leave a limit that is
 // not listed (enforced, never counted toward max_overrides, without an
@@ -158,12 +158,12 @@ var overrideScript = redis.NewScript(lua.Override)
 // list first when it sets and last when it removes, so that an instance
 // that dies halfway leaves at most a key listed without a limit, which
 // counts toward max_overrides until the key's limit is set or removed.
-func (s *redisEngine) SetOverride(ctx context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
-	rz := &s.zones[zone]
-	listed := s.keys.Listed(key.String())
-	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
-	keys := []string{s.keys.Limits(rz.field), limitKey}
-	if s.client.Cluster {
+func (s *Store) SetOverride(ctx context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
+	rz := &s.Zones[zone]
+	listed := s.Keys.Listed(key.String())
+	_, _, limitKey := s.Keys.BucketLimit(rz.Field, key.String())
+	keys := []string{s.Keys.Limits(rz.Field), limitKey}
+	if s.Client.Cluster {
 		unlock, err := s.lockOverride(ctx, limitKey)
 		if err != nil {
 			return err
@@ -179,10 +179,10 @@ func (s *redisEngine) SetOverride(ctx context.Context, now time.Time, zone int, 
 	defer s.forgetKey(zone, key)
 	// Read from now on, until a poll asked after the override was listed
 	// counts it.
-	rz.overridden.Store(&countedOverrides{n: -1, at: time.Since(processStart).Nanoseconds()})
-	set, err := overrideScript.Run(ctx, s.client, keys, "set", listed, now.UnixMilli(), score, value, ttl.Milliseconds(), rz.maxOverrides).Int()
+	rz.Overridden.Store(&countedOverrides{N: -1, At: time.Since(ProcessStart).Nanoseconds()})
+	set, err := overrideScript.Run(ctx, s.Client, keys, "set", listed, now.UnixMilli(), score, value, ttl.Milliseconds(), rz.maxOverrides).Int()
 	if err == nil && set == 1 && len(keys) == 1 {
-		err = s.client.Set(ctx, limitKey, value, ttl).Err()
+		err = s.Client.Set(ctx, limitKey, value, ttl).Err()
 	}
 	if err == nil && set == 0 {
 		return store.ErrTooManyOverrides
@@ -190,14 +190,14 @@ func (s *redisEngine) SetOverride(ctx context.Context, now time.Time, zone int, 
 	return err
 }
 
-func (s *redisEngine) DeleteOverride(ctx context.Context, now time.Time, zone int, key store.Key) (bool, error) {
-	rz := &s.zones[zone]
-	listed := s.keys.Listed(key.String())
-	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
-	keys := []string{s.keys.Limits(rz.field), limitKey}
+func (s *Store) DeleteOverride(ctx context.Context, now time.Time, zone int, key store.Key) (bool, error) {
+	rz := &s.Zones[zone]
+	listed := s.Keys.Listed(key.String())
+	_, _, limitKey := s.Keys.BucketLimit(rz.Field, key.String())
+	keys := []string{s.Keys.Limits(rz.Field), limitKey}
 	defer s.forgetKey(zone, key)
-	if !s.client.Cluster {
-		n, err := overrideScript.Run(ctx, s.client, keys, "del", listed, now.UnixMilli()).Int()
+	if !s.Client.Cluster {
+		n, err := overrideScript.Run(ctx, s.Client, keys, "del", listed, now.UnixMilli()).Int()
 		return n > 0, err
 	}
 	unlock, err := s.lockOverride(ctx, limitKey)
@@ -205,11 +205,11 @@ func (s *redisEngine) DeleteOverride(ctx context.Context, now time.Time, zone in
 		return false, err
 	}
 	defer unlock()
-	n, err := s.client.Del(ctx, limitKey).Result()
+	n, err := s.Client.Del(ctx, limitKey).Result()
 	if err != nil {
 		return false, err
 	}
-	return n > 0, overrideScript.Run(ctx, s.client, keys[:1], "del", listed, now.UnixMilli()).Err()
+	return n > 0, overrideScript.Run(ctx, s.Client, keys[:1], "del", listed, now.UnixMilli()).Err()
 }
 
 // overrideLockLease is how long a change of a key's own limit on Redis
@@ -222,10 +222,10 @@ const overrideLockLease = 10 * time.Second
 // lockOverride waits, until ctx ends, for the lock of the key whose own
 // limit is at limitKey (`<limitKey>:lock`, in its slot), and returns
 // what gives it back.
-func (s *redisEngine) lockOverride(ctx context.Context, limitKey string) (unlock func(), err error) {
+func (s *Store) lockOverride(ctx context.Context, limitKey string) (unlock func(), err error) {
 	lock, token := limitKey+":lock", strconv.FormatUint(rand.Uint64(), 36)
 	for {
-		ok, err := s.client.SetNX(ctx, lock, token, overrideLockLease).Result()
+		ok, err := s.Client.SetNX(ctx, lock, token, overrideLockLease).Result()
 		if err != nil {
 			return nil, err
 		}
@@ -241,9 +241,9 @@ func (s *redisEngine) lockOverride(ctx context.Context, limitKey string) (unlock
 	return func() {
 		// Only while it is still this change's: a lock whose lease ran
 		// out may be another change's now.
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.callTimeout)
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.CallTimeout)
 		defer cancel()
-		_ = s.client.Watch(ctx, func(tx *redis.Tx) error {
+		_ = s.Client.Watch(ctx, func(tx *redis.Tx) error {
 			if tx.Get(ctx, lock).Val() != token {
 				return nil
 			}
@@ -253,17 +253,17 @@ func (s *redisEngine) lockOverride(ctx context.Context, limitKey string) (unlock
 	}, nil
 }
 
-func (s *redisEngine) Override(ctx context.Context, zone int, key store.Key) (store.Override, bool, error) {
-	_, _, limitKey := s.keys.BucketLimit(s.zones[zone].field, key.String())
+func (s *Store) Override(ctx context.Context, zone int, key store.Key) (store.Override, bool, error) {
+	_, _, limitKey := s.Keys.BucketLimit(s.Zones[zone].Field, key.String())
 	return s.readOverride(ctx, limitKey)
 }
 
 // readOverride reads the override at limitKey.
-func (s *redisEngine) readOverride(ctx context.Context, limitKey string) (store.Override, bool, error) {
+func (s *Store) readOverride(ctx context.Context, limitKey string) (store.Override, bool, error) {
 	var get *redis.StringCmd
 	var ttl *redis.DurationCmd
 	now := time.Now()
-	if _, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+	if _, err := s.Client.Pipelined(ctx, func(p redis.Pipeliner) error {
 		get, ttl = p.Get(ctx, limitKey), p.PTTL(ctx, limitKey)
 		return nil
 	}); err != nil && !errors.Is(err, redis.Nil) {
@@ -276,10 +276,10 @@ func (s *redisEngine) readOverride(ctx context.Context, limitKey string) (store.
 	return o, ok, nil
 }
 
-func (s *redisEngine) Overrides(ctx context.Context, zone int) ([]store.KeyOverride, error) {
-	rz := &s.zones[zone]
+func (s *Store) Overrides(ctx context.Context, zone int) ([]store.KeyOverride, error) {
+	rz := &s.Zones[zone]
 	now := time.Now()
-	keys, err := s.client.ZRangeByScore(ctx, s.keys.Limits(rz.field), &redis.ZRangeBy{
+	keys, err := s.Client.ZRangeByScore(ctx, s.Keys.Limits(rz.Field), &redis.ZRangeBy{
 		Min: "(" + strconv.FormatInt(now.UnixMilli(), 10), Max: "+inf"}).Result()
 	if err != nil {
 		return nil, err
@@ -290,9 +290,9 @@ func (s *redisEngine) Overrides(ctx context.Context, zone int) ([]store.KeyOverr
 		part := keys[:min(batch, len(keys))]
 		keys = keys[len(part):]
 		gets, ttls := make([]*redis.StringCmd, len(part)), make([]*redis.DurationCmd, len(part))
-		if _, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		if _, err := s.Client.Pipelined(ctx, func(p redis.Pipeliner) error {
 			for i, listed := range part {
-				limitKey := s.keys.ListedLimit(rz.field, listed)
+				limitKey := s.Keys.ListedLimit(rz.Field, listed)
 				gets[i], ttls[i] = p.Get(ctx, limitKey), p.PTTL(ctx, limitKey)
 			}
 			return nil
@@ -308,10 +308,10 @@ func (s *redisEngine) Overrides(ctx context.Context, zone int) ([]store.KeyOverr
 	return out, nil
 }
 
-func (s *redisEngine) OverrideCount(ctx context.Context, zone int) (int, error) {
-	if !s.client.Up() {
+func (s *Store) OverrideCount(ctx context.Context, zone int) (int, error) {
+	if !s.Client.Up() {
 		return 0, rediswire.ErrDown
 	}
-	n, err := s.client.ZCount(ctx, s.keys.Limits(s.zones[zone].field), "("+strconv.FormatInt(time.Now().UnixMilli(), 10), "+inf").Result()
+	n, err := s.Client.ZCount(ctx, s.Keys.Limits(s.Zones[zone].Field), "("+strconv.FormatInt(time.Now().UnixMilli(), 10), "+inf").Result()
 	return int(n), err
 }

@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package redisstore
 
 import (
 	"context"
@@ -16,11 +16,11 @@ import (
 // leaseSeq numbers the leases this process takes.
 var leaseSeq atomic.Uint64
 
-// release gives back the slots that take took, in one call where their
+// Release gives back the slots that take took, in one call where their
 // keys share a cluster slot. A slot whose release fails comes back when
 // its lease ends.
-func (s *redisEngine) Release(ctx context.Context, slots []store.SlotDemand) error {
-	if !s.client.Up() {
+func (s *Store) Release(ctx context.Context, slots []store.SlotDemand) error {
+	if !s.Client.Up() {
 		return rediswire.ErrDown // the leases will end
 	}
 	held := 0
@@ -32,10 +32,10 @@ func (s *redisEngine) Release(ctx context.Context, slots []store.SlotDemand) err
 	if held == 0 {
 		return nil
 	}
-	deadline := time.Now().Add(s.callTimeout)
+	deadline := time.Now().Add(s.CallTimeout)
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
-	if held == len(slots) && (!s.client.Cluster || oneTag(&store.Demands{Slots: slots})) {
+	if held == len(slots) && (!s.Client.Cluster || oneTag(&store.Demands{Slots: slots})) {
 		return s.releaseCall(ctx, deadline, slots)
 	}
 	var errs []error
@@ -50,11 +50,11 @@ func (s *redisEngine) Release(ctx context.Context, slots []store.SlotDemand) err
 }
 
 // releaseCall gives back the slots in one call.
-func (s *redisEngine) releaseCall(ctx context.Context, deadline time.Time, slots []store.SlotDemand) error {
+func (s *Store) releaseCall(ctx context.Context, deadline time.Time, slots []store.SlotDemand) error {
 	c := rediswire.NewCall(rediswire.Release, deadline)
 	for i := range slots {
-		c.Slot(s.slotKey(slots[i].Zone, slots[i].Key), slots[i].Claim, nil)
+		c.Slot(s.SlotKey(slots[i].Zone, slots[i].Key), slots[i].Claim, nil)
 	}
-	_, err := s.client.Run(ctx, c)
+	_, err := s.Client.Run(ctx, c)
 	return err
 }

@@ -1,0 +1,379 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+// Package redisstore is the Redis store's engine: it decides a
+// request's demands in Redis, a flight of requests in one script call
+// (internal/rediswire), with an over-limit cache that refuses what Redis
+// has shown cannot be allowed yet, calls apart where a cluster splits a
+// request's keys, leases for slots, the keys' own limits, and the copies
+// of zones with sync and their reconciliation. It knows nothing of HTTP,
+// Caddy or the handler's zones: its module gives it the client, the
+// pools it shares across reloads, its config and ZoneSpecs.
+package redisstore
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"errors"
+	"math"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
+	"github.com/caddy-tokenbucket/ratelimit/internal/throttle"
+	"go.uber.org/zap"
+)
+
+// A Store decides the demands of a handler's zones in Redis, one script
+// call a flight. Its module sets its config and Client, GiveBack and
+// SyncPool, Users to 1 (the config's), then binds it to the zones.
+type Store struct {
+	FailMode              string // local, open or closed
+	DisableOverLimitCache bool
+	KeyPrefix             string
+	HashKeys              bool
+
+	Client *rediswire.Client
+	// GiveBack gives the client back to its pool, when the last user
+	// lets go of the engine; SyncPool holds the copies of the zones with
+	// sync across reloads.
+	GiveBack func() error
+	SyncPool SyncPool
+	// Setup names the client's connection setup, for the copies' pool.
+	Setup string
+	// Users counts what keeps the client from the pool's Delete: the
+	// config until its Cleanup, and each request that holds the store
+	// (see store.Holder). The last to let go gives it back.
+	Users       atomic.Int64
+	CallTimeout time.Duration
+	Keys        rediswire.Keys
+	Zones       []Zone             // by zone index
+	shapes      *shapeCache        // the shapes of limits that come with requests (plans)
+	leaseIDs    string             // what this store's lease IDs start with: unique among instances
+	Flights     *flights           // calls in flight for the buckets in the over-limit cache
+	syncIDs     []SyncID           // the copies of the zones with sync it holds (sync.go)
+	keyErrors   *throttle.Throttle // errors that Redis answered for one call's keys
+	repairs     *throttle.Throttle // keys of another type that the script overwrote
+	Logger      *zap.Logger
+
+	// TestClock, when set, replaces Redis's clock, so that tests can
+	// replay a table of instants. Never set outside tests.
+	TestClock func() time.Time
+}
+
+// A Zone is what the store keeps for one zone.
+type Zone struct {
+	name  string
+	Field string // how its buckets' fields start: the name and a tag of the shape (rediswire.BucketField)
+	keys  string // how its slots' keys start after the hash: the name (rediswire.ZoneField)
+	// counters is how its quota counters' keys start after the hash: the
+	// name and a tag of the quota's window (rediswire.CounterZone). Keys
+	// start with keys alone in builds before the tag: such a counter is
+	// read while the tagged one is absent (see lua/decide/50_counters.lua).
+	counters string
+	refunds  bool // its buckets may be given tokens back
+	plans    bool // its limit comes with each request: its buckets are scaled
+	// The shapes of its demands as the script reads them, the last ones
+	// asked for: a zone whose limit is fixed asks for the same each time.
+	shape   atomic.Pointer[rediswire.Shape]
+	counter atomic.Pointer[rediswire.CounterShape]
+	slots   atomic.Pointer[rediswire.SlotShape]
+	window  atomic.Pointer[window]           // the quota window last sent
+	Cache   *memstore.Table[memstore.Bucket] // over-limit cache; nil when disabled
+	learned learnedOverrides                 // the keys' own limits Redis's answers told the cache
+	// maxOverrides is the most keys with their own limit (max_overrides).
+	maxOverrides int64
+	// overridden is how many keys of the zone have their own limit, as
+	// Redis said when last asked; polled lest it is stale (see
+	// mayOverride).
+	Overridden     atomic.Pointer[countedOverrides]
+	overriddenPoll atomic.Int64 // when it was last polled, in nanoseconds of the process's clock
+	// overriddenGen counts the times the zone's first override was
+	// found: a call sent before then, without reading overrides, teaches
+	// the over-limit cache nothing.
+	overriddenGen atomic.Uint64
+	counts        *memstore.Table[memstore.Counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
+	Sync          *SyncZone                         // this instance's copies of its buckets (see sync.go); nil without sync
+}
+
+// overLimitCacheKeys bounds the over-limit cache of each zone. It holds
+// only the keys that recently ran out of tokens, and losing an entry only
+// costs a call to Redis.
+const overLimitCacheKeys = 100_000
+
+// Hold keeps the client for a request, unless the store let go of it
+// already.
+func (s *Store) Hold() bool {
+	for {
+		n := s.Users.Load()
+		if n == 0 {
+			return false
+		}
+		if s.Users.CompareAndSwap(n, n+1) {
+			return true
+		}
+	}
+}
+
+// Done ends a request's hold.
+func (s *Store) Done() {
+	if err := s.Drop(); err != nil {
+		s.Logger.Error("rate limit: redis client not given back", zap.Error(err))
+	}
+}
+
+// Drop drops one user of the client; the last gives it back to the pool.
+func (s *Store) Drop() error {
+	if s.Users.Add(-1) != 0 {
+		return nil
+	}
+	// The copies of sync zones go with the last user, before the client:
+	// their last reconciliation needs it.
+	err := s.releaseSync()
+	return errors.Join(err, s.GiveBack())
+}
+
+func (s *Store) Bind(zones []store.ZoneSpec) error {
+	s.Flights = &flights{m: make(map[FlightKey]flight)}
+	s.Keys = rediswire.Keys{Prefix: s.KeyPrefix, Hash: s.HashKeys}
+	s.shapes, s.keyErrors, s.repairs = new(shapeCache), new(throttle.Throttle), new(throttle.Throttle)
+	var id [9]byte
+	_, _ = rand.Read(id[:])
+	s.leaseIDs = base64.RawURLEncoding.EncodeToString(id[:]) + ":"
+	s.Zones = make([]Zone, len(zones))
+	for i, z := range zones {
+		rz := &s.Zones[i]
+		rz.name, rz.keys, rz.refunds, rz.maxOverrides = z.Name, rediswire.ZoneField(z.Name), z.Refunds, z.MaxOverrides
+		// A bucket's state is its zone's name and shape, as a local
+		// table's is (tableID).
+		rz.Field = BucketField(z.Name, z.Shape)
+		if z.Quota != "" {
+			rz.counters = rediswire.CounterZone(z.Name, z.Quota)
+		}
+		// Not known yet, and asked at the first decision.
+		rz.Overridden.Store(&countedOverrides{N: -1, At: math.MinInt64 / 2})
+		rz.overriddenPoll.Store(math.MinInt64 / 2)
+		rz.plans = z.Bucket && z.Shape.Burst == 0
+		if !s.DisableOverLimitCache {
+			rz.Cache = memstore.NewBuckets(overLimitCacheKeys, time.Now())
+			if z.Quota != "" {
+				rz.counts = memstore.NewCounters(overLimitCacheKeys, time.Now())
+			}
+		}
+		// A store whose zones ask Redis something asks it at load
+		// whether it runs scripts, so that a refusal is said then rather
+		// than at the first request; one whose zones ask nothing (an
+		// adaptive limit alone) never calls Redis.
+		if z.Bucket || z.Quota != "" || z.Slots {
+			s.Client.Check(s.Logger, s.FailMode, s.CallTimeout)
+		}
+	}
+	return s.bindSync(zones)
+}
+
+func (s *Store) FailureMode() store.FailMode { return store.FailModes[s.FailMode] }
+
+// Known is what the over-limit cache knows of b's bucket. When the
+// request gave up waiting for the calls in flight for its bucket
+// (errNoAnswer), those calls may yet take their tokens: they count too.
+func (s *Store) Known(now time.Time, b *store.BucketDemand, err error) time.Duration {
+	t := s.Zones[b.Zone].Cache
+	if t == nil {
+		return 0
+	}
+	debt := b.Limit.Debt(memstore.BucketAt(t, b.Key), t.Instant(now))
+	if errors.Is(err, ErrNoAnswer) && b.Cost > 0 {
+		// No more than the bucket may owe, which a take clamps it to
+		// anyway: the calls' costs could pass a time.Duration.
+		n, most := s.Flights.calls(FlightKey{b.Zone, t.Hash(b.Key)}), b.Limit.Most()
+		if n > int64((most-debt)/b.Cost) {
+			return most
+		}
+		debt += time.Duration(n) * b.Cost
+	}
+	return debt
+}
+
+// Take decides d: from this instance's copies, for zones with sync (see
+// takeSync), else in Redis.
+func (s *Store) Take(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
+	if len(s.syncIDs) > 0 && s.synced(d) {
+		return s.takeSync(ctx, now, d)
+	}
+	return s.takeExact(ctx, now, d)
+}
+
+// takeExact decides d in one call where their keys share a cluster slot.
+// Each slot taken is a lease (see lua/decide/60_slots.lua): a member of a
+// sorted set whose score is the instant, on Redis's clock, when it ends.
+// A lease is not renewed: a request that runs longer than its zone's
+// lease loses its slot then, so that a slot held by an instance that died
+// comes back after the lease however it died, with no timers or writes
+// for the requests in flight. Demands the over-limit cache can refuse
+// are refused without asking Redis.
+func (s *Store) takeExact(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
+	if len(d.Slots) > 0 {
+		id := s.leaseIDs + strconv.FormatUint(leaseSeq.Add(1), 36)
+		for i := range d.Slots {
+			d.Slots[i].Claim = id
+		}
+	}
+	// One timeout for the whole decision: a request that waits for the
+	// calls in flight for its buckets has that much less for its own.
+	budget := s.CallTimeout
+	var flight FlightKey
+	cached := !s.DisableOverLimitCache && len(d.Buckets)+len(d.Counters) > 0
+	if cached {
+		arrived := now
+		var decided, allowed bool
+		var err error
+		if now, flight, decided, allowed, err = s.fromCache(ctx, now, d); decided || err != nil {
+			return allowed && err == nil, err
+		}
+		defer s.Flights.land(flight)
+		budget -= now.Sub(arrived)
+	}
+	gen := s.overriddenGen(d)
+	allowed, err := s.ask(ctx, budget, d)
+	if err == nil && cached && s.overriddenGen(d) == gen {
+		s.remember(now, d, flight)
+	}
+	return allowed, err
+}
+
+// ask has Redis decide d within budget, and tells the breaker what the
+// call said of Redis.
+func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands) (bool, error) {
+	waited := budget < s.CallTimeout
+	if !s.Client.Up() {
+		return false, rediswire.ErrDown
+	}
+	// The pipeline times the call; a request that waited for others'
+	// calls brings a timer of its own (see the pipeline's run).
+	deadline := time.Now().Add(budget)
+	call := ctx
+	if waited {
+		var cancel context.CancelFunc
+		call, cancel = context.WithDeadline(ctx, deadline)
+		defer cancel()
+	}
+	sent := deadline.Add(-budget)
+	allowed, err := s.decide(call, deadline, d)
+	late := !time.Now().Before(deadline)
+	if err == nil {
+		s.Client.NoteRTT(time.Since(sent))
+	}
+	switch kind := rediswire.Classify(err); {
+	case err == nil || kind == rediswire.Answered:
+		s.Client.Answered(s.Logger)
+		if err != nil {
+			s.keyErrors.Warn(s.Logger, "redis refused one decision: fail_mode decides that request", err)
+		}
+	case ctx.Err() != nil || kind == rediswire.Unknown || waited && late:
+		// The client went away, a reload closed this config's
+		// connections, the pool had no connection free, or a call that
+		// had only what was left of the timeout ran out of it: nothing
+		// is known of Redis.
+	default:
+		s.Client.Failed(s.Logger, s.FailMode, err)
+	}
+	if err != nil {
+		for i := range d.Slots {
+			d.Slots[i].Held, d.Slots[i].Free = false, 0
+		}
+	}
+	return allowed, err
+}
+
+// Adjust charges the demands' costs, in one call where their keys share
+// a slot, and makes this instance's over-limit cache forget them (other
+// instances' caches do not deny a zone whose buckets get tokens back,
+// but for a ban, which a refund never shortens).
+func (s *Store) Adjust(ctx context.Context, _ time.Time, d *store.Demands) error {
+	for i := range d.Buckets {
+		if t := s.Zones[d.Buckets[i].Zone].Cache; t != nil {
+			t.Forget(d.Buckets[i].Key)
+		}
+	}
+	for i := range d.Counters {
+		if t := s.Zones[d.Counters[i].Zone].counts; t != nil {
+			t.Forget(d.Counters[i].Key)
+		}
+	}
+	if !s.Client.Up() {
+		return rediswire.ErrDown
+	}
+	if !s.Client.Cluster || oneTag(d) {
+		return s.adjustEach(ctx, d)
+	}
+	return s.adjustApart(ctx, d.Buckets, d.Counters)
+}
+
+func (s *Store) Peek(ctx context.Context, _ time.Time, d *store.Demands) error {
+	deadline := time.Now().Add(s.CallTimeout)
+	ctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	_, err := s.run(ctx, deadline, rediswire.Peek, d)
+	if err == nil && len(s.syncIDs) > 0 {
+		s.peekSync(d)
+	}
+	return err
+}
+
+// Reset deletes the buckets and counters, and what this instance's
+// over-limit cache and copies knew of them. Other instances' caches
+// learn it when their entry runs out, until then they may still deny
+// those keys; their copies, at their next reconciliation.
+func (s *Store) Reset(ctx context.Context, d *store.Demands) (bool, error) {
+	if len(s.syncIDs) > 0 {
+		s.forgetSync(d)
+	}
+	ctx, cancel := context.WithTimeout(ctx, s.CallTimeout)
+	defer cancel()
+	found := false
+	for i := range d.Buckets {
+		b := &d.Buckets[i]
+		if t := s.Zones[b.Zone].Cache; t != nil {
+			t.Forget(b.Key)
+		}
+		hash, field := s.BucketName(b.Zone, b.Key)
+		n, err := s.Client.HDel(ctx, hash, field).Result()
+		if err != nil {
+			return found, err
+		}
+		found = found || n > 0
+	}
+	for i := range d.Counters {
+		c := &d.Counters[i]
+		if t := s.Zones[c.Zone].counts; t != nil {
+			t.Forget(c.Key)
+		}
+		// The untagged key too: it would be read in the tagged one's place.
+		counter, untagged := s.CounterKeys(c.Zone, c.Key)
+		n, err := s.Client.Del(ctx, counter, untagged).Result()
+		if err != nil {
+			return found, err
+		}
+		found = found || n > 0
+	}
+	return found, nil
+}
+
+func (s *Store) Stats(zone int) store.ZoneStats {
+	st := store.ZoneStats{OverLimitCache: !s.DisableOverLimitCache, Client: s.Client, Unavailable: !s.Client.Up()}
+	if sz := s.Zones[zone].Sync; sz != nil {
+		st.SyncCopies = sz
+		st.SyncCalls, st.SyncFailed, st.SyncKeys, st.SyncHeld = sz.calls.Load(), sz.failed.Load(), sz.Keys.Load(), sz.Size.Load()
+	}
+	return st
+}
+
+var (
+	_ store.Store    = (*Store)(nil)
+	_ store.Fallible = (*Store)(nil)
+	_ store.Holder   = (*Store)(nil)
+)
