@@ -121,18 +121,55 @@ func (s *Scanner) Start(h http.Header) {
 		return
 	}
 	s.mode, s.why = scanOff, NotJSON
-	if e := h.Get("Content-Encoding"); e != "" && !strings.EqualFold(e, "identity") {
-		s.why = Encoded
-		return
-	}
-	mt, _, _ := strings.Cut(h.Get("Content-Type"), ";")
-	mt = strings.TrimSpace(mt)
 	switch {
-	case strings.EqualFold(mt, "application/json") || len(mt) > 5 && strings.EqualFold(mt[len(mt)-5:], "+json"):
+	case IsEncoded(h):
+		s.why = Encoded
+	case IsJSON(h):
 		s.mode = scanJSON
-	case strings.EqualFold(mt, "text/event-stream"):
+	case strings.EqualFold(mediaType(h), "text/event-stream"):
 		s.mode = scanEvents
 	}
+}
+
+// IsEncoded reports whether a body of header h is compressed: its
+// Content-Encoding names a coding other than identity.
+func IsEncoded(h http.Header) bool {
+	e := h.Get("Content-Encoding")
+	return e != "" && !strings.EqualFold(e, "identity")
+}
+
+// IsJSON reports whether a body of header h is JSON: its media type is
+// application/json, or ends in +json.
+func IsJSON(h http.Header) bool {
+	mt := mediaType(h)
+	return strings.EqualFold(mt, "application/json") || len(mt) > 5 && strings.EqualFold(mt[len(mt)-5:], "+json")
+}
+
+// mediaType is the media type of h's Content-Type, without parameters.
+func mediaType(h http.Header) string {
+	mt, _, _ := strings.Cut(h.Get("Content-Type"), ";")
+	return strings.TrimSpace(mt)
+}
+
+// Read is the number at u's path in body, a whole JSON text such as a
+// request's, read by the rules of a response's usage: a fraction rounds
+// up, a number above Max is read as Max, a text that ends early or turns
+// out not to be JSON has none (BadJSON), and a body over MaxBody has
+// none either (TooLong). A body without the path's last key is passed
+// over at the speed of a search for one of its bytes.
+func (u *Spec) Read(body []byte) (int64, Reason) {
+	switch {
+	case len(body) > MaxBody:
+		return 0, TooLong
+	case !u.key.in(body):
+		return 0, NoField
+	}
+	j := pathScanner{path: u.path}
+	j.feed(body)
+	if !j.done && j.state != jEnd {
+		return 0, BadJSON // the text did not end
+	}
+	return j.result()
 }
 
 // Reads reports whether s reads the usage u says.

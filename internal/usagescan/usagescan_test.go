@@ -177,6 +177,57 @@ func TestUsageNotRead(t *testing.T) {
 	}
 }
 
+// A whole JSON text, such as a request's body, read at once: the same
+// numbers as a response's, and a text that ends early is no JSON.
+func TestRead(t *testing.T) {
+	chat := `{"model":"m","messages":[{"role":"user","content":"what is \"max_tokens\": 9?"}],` +
+		`"max_tokens":200,"options":{"num_predict":64},"metadata":{"max_completion_tokens":5}}`
+	for _, tc := range []struct {
+		name, path, body string
+		want             int64
+		why              usagescan.Reason
+	}{
+		{"top level", "max_tokens", chat, 200, usagescan.Found},
+		{"nested", "options.num_predict", chat, 64, usagescan.Found},
+		{"the key off the path only", "max_completion_tokens", chat, 0, usagescan.NoField},
+		{"the key in a string only", "content", `{"m":"a \"content\": 1"}`, 0, usagescan.NoField},
+		{"a fraction rounds up", "max_tokens", `{"max_tokens":199.5}`, 200, usagescan.Found},
+		{"huge", "max_tokens", `{"max_tokens":1e30}`, usagescan.Max, usagescan.Found},
+		{"null", "max_tokens", `{"max_tokens":null}`, 0, usagescan.NotNumber},
+		{"negative", "max_tokens", `{"max_tokens":-1}`, 0, usagescan.NotNumber},
+		{"a text that ends early", "max_tokens", `{"max_tokens":200`, 0, usagescan.BadJSON},
+		{"a text that ends early after the number", "max_tokens", `{"max_tokens":200,"m":[`, 0, usagescan.BadJSON},
+		{"not JSON after the number", "max_tokens", `{"max_tokens":200} x`, 0, usagescan.BadJSON},
+		{"empty", "max_tokens", ``, 0, usagescan.NoField},
+		{"over MaxBody", "max_tokens", `{"max_tokens":1,"pad":"` + strings.Repeat("x", usagescan.MaxBody) + `"}`, 0, usagescan.TooLong},
+	} {
+		u := usagescan.JSON(tc.path)
+		if got, why := u.Read([]byte(tc.body)); got != tc.want || why != tc.why {
+			t.Errorf("%s: %d, %q; want %d, %q", tc.name, got, why, tc.want, tc.why)
+		}
+	}
+}
+
+// What a header says of its body: compressed, JSON.
+func TestIsEncodedIsJSON(t *testing.T) {
+	for _, tc := range []struct {
+		h             http.Header
+		encoded, json bool
+	}{
+		{http.Header{}, false, false},
+		{http.Header{"Content-Type": {"application/json"}}, false, true},
+		{http.Header{"Content-Type": {"Application/JSON; charset=utf-8"}}, false, true},
+		{http.Header{"Content-Type": {"application/vnd.api+json"}}, false, true},
+		{http.Header{"Content-Type": {"text/plain"}}, false, false},
+		{http.Header{"Content-Type": {"application/json"}, "Content-Encoding": {"identity"}}, false, true},
+		{http.Header{"Content-Type": {"application/json"}, "Content-Encoding": {"gzip"}}, true, true},
+	} {
+		if usagescan.IsEncoded(tc.h) != tc.encoded || usagescan.IsJSON(tc.h) != tc.json {
+			t.Errorf("%v: encoded %v, JSON %v; want %v, %v", tc.h, usagescan.IsEncoded(tc.h), usagescan.IsJSON(tc.h), tc.encoded, tc.json)
+		}
+	}
+}
+
 // A response cut off has the usage read before the cut: that of a JSON
 // text that had ended, of a stream's last complete event with the path;
 // one cut before has none.
@@ -288,6 +339,26 @@ func BenchmarkUsageScan(b *testing.B) {
 					s.Write(p)
 				}
 				if n, why := s.End(h, true); n != tc.want || why != usagescan.Found {
+					b.Fatalf("%d, %v", n, why)
+				}
+			}
+		})
+	}
+}
+
+// BenchmarkRead is the reading of a request's estimate alone: the number
+// at max_tokens in a chat completion request of 1 KiB and of 64 KiB,
+// whose messages come after it.
+func BenchmarkRead(b *testing.B) {
+	u := usagescan.JSON("max_tokens")
+	for _, size := range []int{1 << 10, 64 << 10} {
+		head, tail := `{"model":"m","max_tokens":200,"messages":[{"role":"user","content":"`, `"}]}`
+		body := []byte(head + strings.Repeat("x", size-len(head)-len(tail)) + tail)
+		b.Run(fmt.Sprintf("body=%dKiB", size>>10), func(b *testing.B) {
+			b.SetBytes(int64(size))
+			b.ReportAllocs()
+			for b.Loop() {
+				if n, why := u.Read(body); n != 200 || why != usagescan.Found {
 					b.Fatalf("%d, %v", n, why)
 				}
 			}
