@@ -58,6 +58,8 @@ const anonymousZone = "default"
 //			quota       <n> per day|week|month  # a calendar quota per key; a rate is then optional
 //			usage       json <path>|header <field>  # the true cost, read from the response
 //			max_debt    <n>         # with usage: how far past empty it may take the bucket
+//			estimate    json <path>...  # reserve what the request's JSON states, not cost
+//			estimate    prompt <bytes>  # and a token per <bytes> of its body
 //			max_overrides <n>       # keys with their own limit, set through the admin API
 //			timezone    <IANA zone>             # where the quota's days start; default UTC
 //			sync        <duration>  # decide here, reconcile with Redis this often
@@ -237,7 +239,7 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 	seen := make(map[string]bool)
 	for nesting := d.Nesting(); d.NextBlock(nesting); {
 		sub := d.Val()
-		if seen[sub] {
+		if seen[sub] && !zoneRepeatable[sub] {
 			return d.Errf("zone %s: %s already specified", name, sub)
 		}
 		seen[sub] = true

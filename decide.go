@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -40,7 +41,14 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 		// goes to the store that decided it, whatever a reload does.
 		sc.held = h.holds.Hold()
 	}
-	out, err = h.take(r.Context(), now, sc, &sc.d)
+	for {
+		out, err = h.take(r.Context(), now, sc, &sc.d)
+		// Once more, at most: with the estimates that a key's own burst
+		// could not hold clamped to it.
+		if out != outcomeDeny || !h.clampOwnBurst(&sc.d) {
+			break
+		}
+	}
 	sc.slotOut = slotRefusal(&sc.d)
 	if out == outcomeDeny {
 		if err := h.costAboveOwnBurst(&sc.d); err != nil {
@@ -57,9 +65,11 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 
 // gather adds the demands of every zone whose matchers match r, and
 // returns the instant of the decision. A matcher that fails, or a zone
-// without a valid limit for r, ends the request.
+// without a valid limit for r, ends the request. The demands of a zone in
+// dry run are soft: they refuse nothing.
 func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, error) {
-	var now time.Time // read once, when needed
+	var now time.Time    // read once, when needed
+	var body requestBody // read once, for the zones with estimate
 	for i, z := range h.Zones {
 		if len(z.matcherSets) > 0 {
 			match, err := z.matcherSets.AnyMatchWithError(r)
@@ -74,29 +84,26 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 		if !ok {
 			continue
 		}
+		l, cost, units, ok := h.costOf(r, z, &body)
+		if !ok {
+			return now, outcomeBadLimit, z.badLimit
+		}
+		soft := z.inDryRun
 		m := match{zone: i, bucket: -1, counter: -1, slot: -1}
 		if !z.rateless {
-			l, cost := z.limit, z.costTime
-			if z.plans != nil {
-				p := z.planFor(r)
-				if p == nil {
-					return now, outcomeBadLimit, z.badLimit
-				}
-				l, cost = p.limit, p.costTime
-			}
 			m.bucket = len(sc.d.Buckets)
-			sc.d.Buckets = append(sc.d.Buckets, store.BucketDemand{Zone: i, Key: k, Limit: l, Cost: cost, Soft: z.inDryRun})
+			sc.d.Buckets = append(sc.d.Buckets, store.BucketDemand{Zone: i, Key: k, Limit: l, Cost: cost, Soft: soft})
 		}
 		if z.quota != nil {
 			if now.IsZero() {
 				now = time.Now()
 			}
 			m.counter = len(sc.d.Counters)
-			sc.d.Counters = append(sc.d.Counters, store.CounterDemand{Zone: i, Key: k, Limit: z.quota.limit, Cost: z.Cost, Window: z.quota.Window(now), Soft: z.inDryRun})
+			sc.d.Counters = append(sc.d.Counters, store.CounterDemand{Zone: i, Key: k, Limit: z.quota.limit, Cost: units, Window: z.quota.Window(now), Soft: soft})
 		}
 		if z.Concurrency != 0 {
 			m.slot = len(sc.d.Slots)
-			sc.d.Slots = append(sc.d.Slots, store.SlotDemand{Zone: i, Key: k, Limit: z.Concurrency, Lease: time.Duration(z.Lease), Soft: z.inDryRun})
+			sc.d.Slots = append(sc.d.Slots, store.SlotDemand{Zone: i, Key: k, Limit: z.Concurrency, Lease: time.Duration(z.Lease), Soft: soft})
 		}
 		if z.adaptive != nil {
 			sc.adaptive.add(i, k)
@@ -110,6 +117,26 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 		now = time.Now()
 	}
 	return now, outcomeAllow, nil
+}
+
+// costOf is the limit of z's bucket for r, and what r takes of it and
+// of z's quota: the zone's cost (its plan's), or r's estimate. body is
+// what the zones with estimate read of r's body. It reports false when z
+// has no valid limit for r.
+func (h *Handler) costOf(r *http.Request, z *Zone, body *requestBody) (gcra.Limit, time.Duration, int64, bool) {
+	l, cost, n := z.limit, z.costTime, z.Cost
+	if z.plans != nil && !z.rateless {
+		p := z.planFor(r)
+		if p == nil {
+			return l, 0, 0, false
+		}
+		l, cost, n = p.limit, p.costTime, p.cost
+	}
+	if z.Estimate == nil {
+		return l, cost, z.Cost, true
+	}
+	cost, units := z.reserve(h.estimate(r, z, body, n), &l)
+	return l, cost, units, true
 }
 
 // take asks the store to take d, and applies fail_mode when it fails. It

@@ -17,18 +17,18 @@ import (
 
 // A zone is a token bucket per key (zone.go), whose limit may come with
 // each request (plans.go), and may add kinds of limit to it: ban, delay,
-// count, usage, quota, concurrency, concurrency adaptive, overrides, dry
-// run and sync. Each kind is a unit of its own file, which holds its
-// config fields (a struct embedded in Zone, so that the zone's JSON names
-// them as its own), its Caddyfile subdirectives, its checks, and what it
-// adds to the zone's description, the admin views of the zone and of a
-// key, and the metrics. The parser, the zone, the admin API and the
-// metrics go through kinds rather than naming each.
+// count, usage, estimate, quota, concurrency, concurrency adaptive,
+// overrides, dry run and sync. Each kind is a unit of its own
+// file, which holds its config fields (a struct embedded in Zone, so that
+// the zone's JSON names them as its own), its Caddyfile subdirectives,
+// its checks, and what it adds to the zone's description, the admin views
+// of the zone and of a key, and the metrics. The parser, the zone, the
+// admin API and the metrics go through kinds rather than naming each.
 //
 // What a kind asks of a store (a ban's or a delay's shape, a quota's
-// counter, a slot) is in the store contract (store.go), and its part of
-// a request in the request's stages (decide.go, delay.go, settle.go,
-// concurrency.go).
+// counter, a slot, a soft demand) is in the store contract (store.go),
+// and its part of a request in the request's stages (decide.go,
+// delay.go, settle.go, concurrency.go).
 
 // A kind is one kind of limit a zone may have. Every hook is optional.
 type kind struct {
@@ -39,6 +39,10 @@ type kind struct {
 	// subdirectives read the kind's subdirectives of a zone block, by
 	// name: each its arguments into z, checked as far as they go alone.
 	subdirectives map[string]func(d *caddyfile.Dispenser, z *Zone) error
+	// repeatable are those of its subdirectives that a zone block may
+	// give more than once (estimate json, estimate prompt): the kind
+	// refuses a line that sets again what another set.
+	repeatable []string
 
 	// check checks the kind's fields of z, and what they need of the
 	// zone; what kinds cannot go together is in exclusions.
@@ -118,6 +122,7 @@ type kindsCounts struct {
 	countCounts
 	delayCounts
 	usageCounts
+	estimateCounts
 	adaptiveCounts
 	dryRunCounts
 }
@@ -132,6 +137,7 @@ type (
 		concurrencyInfo
 		adaptiveInfo
 		quotaZoneInfo
+		estimateInfo
 		dryRunInfo
 	}
 	kindsKeyView struct {
@@ -147,7 +153,7 @@ type (
 // several faults is told of the first) and their parts of a zone's
 // description.
 var kinds = []*kind{
-	&adaptiveKind, &concurrencyKind, &quotaKind, &usageKind, &overridesKind, &syncKind,
+	&adaptiveKind, &concurrencyKind, &quotaKind, &usageKind, &estimateKind, &overridesKind, &syncKind,
 	&banKind, &delayKind, &countKind, &dryRunKind,
 }
 
@@ -156,6 +162,17 @@ var kinds = []*kind{
 var (
 	zoneSubdirectives    = byName(func(k *kind) map[string]func(*caddyfile.Dispenser, *Zone) error { return k.subdirectives })
 	handlerSubdirectives = byName(func(k *kind) map[string]func(*caddyfile.Dispenser, *Handler) error { return k.handlerSubdirectives })
+	// zoneRepeatable are the zone subdirectives that may be given more
+	// than once (see kind.repeatable).
+	zoneRepeatable = func() map[string]bool {
+		m := make(map[string]bool)
+		for _, k := range kinds {
+			for _, name := range k.repeatable {
+				m[name] = true
+			}
+		}
+		return m
+	}()
 )
 
 // byName merges what every kind registers by name.

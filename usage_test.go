@@ -6,6 +6,8 @@ package ratelimit
 import (
 	"bufio"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -38,7 +40,9 @@ import (
 // /sse flush their usage and hold the rest of the
 // response (nothing, or [DONE]) until the client has gone.
 // first, when set, receives once the first chunk of a stream has gone
-// out; the stream goes on when go is closed.
+// out; the stream goes on when go is closed. Every response says what
+// the upstream received of the request's body: X-Body-Sha256, the hex
+// SHA-256 of its bytes, and X-Body-Length.
 type llmUpstream struct {
 	*httptest.Server
 	first  chan struct{}
@@ -55,6 +59,10 @@ func startLLMUpstream(t *testing.T) *llmUpstream {
 }
 
 func (u *llmUpstream) serve(w http.ResponseWriter, r *http.Request) {
+	digest := sha256.New()
+	n, _ := io.Copy(digest, r.Body)
+	w.Header().Set("X-Body-Sha256", hex.EncodeToString(digest.Sum(nil)))
+	w.Header().Set("X-Body-Length", strconv.FormatInt(n, 10))
 	tokens := r.URL.Query().Get("tokens")
 	switch r.URL.Path {
 	case "/json":

@@ -109,6 +109,7 @@ type Zone struct {
 	delayConfig
 	countConfig
 	usageConfig
+	estimateConfig
 	concurrencyConfig
 	adaptiveConfig
 	quotaConfig
