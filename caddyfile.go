@@ -64,6 +64,7 @@ const anonymousZone = "default"
 //			timezone    <IANA zone>             # where the quota's days start; default UTC
 //			sync        <duration>  # decide here, reconcile with Redis this often
 //			dry_run
+//			spill                   # over the limit, go on marked instead of a 429
 //			window      <duration>  # with events: caddy-ratelimit's form of rate and burst
 //			events      <n>
 //		}

@@ -66,7 +66,7 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 // gather adds the demands of every zone whose matchers match r, and
 // returns the instant of the decision. A matcher that fails, or a zone
 // without a valid limit for r, ends the request. The demands of a zone in
-// dry run are soft: they refuse nothing.
+// dry run or with spill are soft: they refuse nothing.
 func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, error) {
 	var now time.Time    // read once, when needed
 	var body requestBody // read once, for the zones with estimate
@@ -88,7 +88,7 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 		if !ok {
 			return now, outcomeBadLimit, z.badLimit
 		}
-		soft := z.inDryRun
+		soft := z.inDryRun || z.Spill
 		m := match{zone: i, bucket: -1, counter: -1, slot: -1}
 		if !z.rateless {
 			m.bucket = len(sc.d.Buckets)
@@ -246,7 +246,9 @@ func (m *match) ok(d *store.Demands) bool {
 // closed refuses without deciding. A zone in dry run, whose demands are
 // soft (the store decided the request without those that lacked), is
 // counted as one that would have refused, or not, and says so in the
-// request's placeholders (see noteDryRun).
+// request's placeholders (see noteDryRun). A zone with spill, whose
+// demands are soft too, counts an allowed request that it could not take
+// as spilled, and says so in the placeholders (see noteSpill).
 func (h *Handler) count(r *http.Request, sc *scratch, out outcome) {
 	if out == outcomeFailClosed || out == outcomeFailed {
 		return
@@ -265,14 +267,21 @@ func (h *Handler) count(r *http.Request, sc *scratch, out outcome) {
 			st.cacheHits.Add(1)
 		}
 		full := m.slot >= 0 && sc.d.Slots[m.slot].Full
-		m.wouldDeny = z.inDryRun && (!ok || full)
-		if z.inDryRun && (decided || m.wouldDeny) {
+		m.wouldDeny = (z.inDryRun || z.Spill) && (!ok || full)
+		switch {
+		case z.inDryRun && (decided || m.wouldDeny):
 			h.noteDryRun(r, sc, m, z)
+		case z.Spill && !z.inDryRun && allowed:
+			h.noteSpill(r, sc, m, z)
 		}
 		switch {
-		case m.wouldDeny:
+		case m.wouldDeny && z.inDryRun:
 			st.dryRunDenied.Add(1)
 			st.top.Add(topKey(m.key(&sc.d)))
+		case m.wouldDeny:
+			if allowed { // else another zone refused it: nothing spilled
+				st.spilled.Add(1)
+			}
 		case !ok || full:
 			st.denied.Add(1)
 			st.top.Add(topKey(m.key(&sc.d)))
@@ -303,6 +312,42 @@ func (h *Handler) noteDryRun(r *http.Request, sc *scratch, m *match, z *Zone) {
 		repl.Set(z.wouldDenyVar, false)
 	}
 }
+
+// noteSpill says in r's placeholders whether m's zone z, with spill, sent
+// the allowed request on over its limit (m.wouldDeny): it then names the
+// zone in http.rate_limit.spilled, unless a zone before it did, and logs
+// it at DEBUG. A request that no zone spilled has the placeholder empty,
+// rather than unknown (which header operations would leave as written).
+func (h *Handler) noteSpill(r *http.Request, sc *scratch, m *match, z *Zone) {
+	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
+		repl.Set(z.spilledVar, m.wouldDeny)
+		if name, _ := repl.Get(spilledVar); name == nil || name == "" {
+			repl.Set(spilledVar, spilledName(m, z))
+		}
+	}
+	if !m.wouldDeny {
+		return
+	}
+	if c := h.logger.Check(zapcore.DebugLevel, "rate limit exceeded: the request goes on, spilled"); c != nil {
+		c.Write(h.logFields(r, z, m.wait(&sc.d), m.key(&sc.d))...)
+	}
+}
+
+// spilledName is what http.rate_limit.spilled says of m's zone z: its
+// name when it spilled the request, else "".
+func spilledName(m *match, z *Zone) any {
+	if m.wouldDeny {
+		return z.boxedName
+	}
+	return noZone
+}
+
+// noZone is "", boxed once for the replacer.
+var noZone any = ""
+
+// spilledVar is the placeholder that names the zone that spilled a
+// request.
+const spilledVar = "http.rate_limit.spilled"
 
 // wait is how long the request would wait for m's zone: its bucket's
 // wait, or its counter's, the longer.

@@ -608,6 +608,76 @@ func TestEstimateBodiesThroughCaddy(t *testing.T) {
 	wantMetric(t, scrape(t, tester), series, base[series]+float64(missing))
 }
 
+// Two Caddy processes, built from ./cmd/caddy, sharing one Redis: 20
+// requests at once for a fresh key, each stating max_tokens 200 and
+// using 100, split over both, admit 5 between them, and once settled
+// both see the 500 tokens they did not use; a zone with spill spills
+// for both once their requests have emptied its shared bucket.
+func TestEstimateAndSpillAcrossInstances(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs Caddy")
+	}
+	bin, _ := buildCaddy(t)
+	r := startRedis(t)
+	up, fallback := startLLMUpstream(t), startLLMUpstream(t)
+	up.resume = make(chan struct{}) // held until the parallel requests are decided
+	site := fmt.Sprintf(`	rate_limit {
+		zone llm-across {
+			key {http.request.header.Authorization}
+			match header X-Test estimate
+			rate 1000/h
+			burst 1000
+			usage json usage.total_tokens
+			estimate json max_tokens
+			cost 500
+		}
+		zone primary-across {
+			key {http.request.header.Authorization}
+			match header X-Test spill
+			rate 3/h
+			spill
+		}
+		store redis {
+			address %s
+			key_prefix across:
+			timeout 5s
+		}
+	}
+	@spilled vars {http.rate_limit.spilled} primary-across
+	reverse_proxy @spilled %s {
+		header_down X-Upstream fallback
+	}
+	reverse_proxy %s {
+		header_down X-Upstream primary
+		flush_interval -1
+	}`, r.Addr(), strings.TrimPrefix(fallback.URL, "http://"), strings.TrimPrefix(up.URL, "http://"))
+	a, b := startCaddyProcess(t, bin, site), startCaddyProcess(t, bin, site)
+
+	body := []byte(`{"model":"m","max_tokens":200,"stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+	if n := sendParallel(t, up, []string{a.url, b.url}, 20, "parallel", body, "X-Test", "estimate"); n[200] != 5 || n[429] != 15 {
+		t.Fatalf("20 parallel requests stating 200 tokens over two instances: %v, want 5 × 200 and 15 × 429", n)
+	}
+	for _, c := range []*faultCaddy{a, b} {
+		tokens := func() float64 {
+			tok, _ := adminKeyAt(t, c.admin, "llm-across", "parallel")["tokens"].(float64)
+			return tok
+		}
+		eventually(5*time.Second, func() bool { return tokens() >= 500 })
+		if tok := tokens(); tok < 500 || tok > 505 {
+			t.Fatalf("%s after the 5 were settled: %v tokens, want 500", c.url, tok)
+		}
+	}
+
+	for i, w := range []string{"primary", "primary", "primary", "fallback", "fallback"} {
+		c := []*faultCaddy{a, b}[i%2]
+		code, h, body := llmGetAt(t, c.url, "/json?tokens=5", "Authorization", "sk-spill", "X-Test", "spill")
+		if code != 200 || h.Get("X-Upstream") != w || remainingOf(t, h, "primary-across") != max(2-i, 0) {
+			t.Fatalf("request %d through %s: %d %q from %q, RateLimit %q; want 200 from %s and %d left",
+				i, c.url, code, body, h.Get("X-Upstream"), h.Get("RateLimit"), w, max(2-i, 0))
+		}
+	}
+}
+
 // rewindBody is a request body that a benchmark rewinds to its start for
 // each request, without allocating.
 type rewindBody struct{ bytes.Reader }

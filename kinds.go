@@ -18,7 +18,7 @@ import (
 // A zone is a token bucket per key (zone.go), whose limit may come with
 // each request (plans.go), and may add kinds of limit to it: ban, delay,
 // count, usage, estimate, quota, concurrency, concurrency adaptive,
-// overrides, dry run and sync. Each kind is a unit of its own
+// overrides, dry run, spill and sync. Each kind is a unit of its own
 // file, which holds its config fields (a struct embedded in Zone, so that
 // the zone's JSON names them as its own), its Caddyfile subdirectives,
 // its checks, and what it adds to the zone's description, the admin views
@@ -125,6 +125,7 @@ type kindsCounts struct {
 	estimateCounts
 	adaptiveCounts
 	dryRunCounts
+	spillCounts
 }
 
 // kindsInfo are the kinds' fields of a zone's admin view (see kind.info),
@@ -139,6 +140,7 @@ type (
 		quotaZoneInfo
 		estimateInfo
 		dryRunInfo
+		spillInfo
 	}
 	kindsKeyView struct {
 		banKeyView
@@ -154,7 +156,7 @@ type (
 // description.
 var kinds = []*kind{
 	&adaptiveKind, &concurrencyKind, &quotaKind, &usageKind, &estimateKind, &overridesKind, &syncKind,
-	&banKind, &delayKind, &countKind, &dryRunKind,
+	&banKind, &delayKind, &countKind, &dryRunKind, &spillKind,
 }
 
 // zoneSubdirectives and handlerSubdirectives are the subdirectives that
@@ -223,6 +225,8 @@ var exclusions = []struct {
 	{&usageKind, &banKind, "usage cannot go with ban: a bucket in debt after a response's usage would read as banned"},
 	{&usageKind, &delayKind, "usage cannot go with delay: requests would wait for tokens that a bucket in debt owes"},
 	{&delayKind, &banKind, "ban and delay exclude each other: a zone either refuses an excess for a while (ban) or lets it wait (delay)"},
+	{&spillKind, &delayKind, "spill cannot go with delay: a request over the limit either waits for its tokens (delay) or goes on to the fallback (spill)"},
+	{&spillKind, &adaptiveKind, "spill cannot go with concurrency adaptive: a request it sheds is answered 503 before the zone could spill it"},
 	// A zone with sync decides from this instance's copies; what only
 	// Redis can hold for every instance stays exact.
 	{&syncKind, &banKind, "sync cannot go with ban: a ban starts once, in Redis, for every instance"},

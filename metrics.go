@@ -122,7 +122,7 @@ func newCollector() *collector {
 	name := func(n string) string { return prometheus.BuildFQName(metricsNamespace, metricsSubsystem, n) }
 	return &collector{
 		requests: prometheus.NewDesc(name("requests_total"),
-			"Rate limit decisions by zone and result: allowed, denied, dry_run_denied or store_error; shed or dry_run_shed for an adaptive concurrency limit.",
+			"Rate limit decisions by zone and result: allowed, denied, dry_run_denied, spilled or store_error; shed or dry_run_shed for an adaptive concurrency limit.",
 			[]string{"zone", "limit", "result"}, nil),
 		cacheHits: prometheus.NewDesc(name("over_limit_cache_hits_total"),
 			"Requests the Redis store denied from its over-limit cache, without asking Redis.",

@@ -475,7 +475,7 @@ func newScratch(zones int) *scratch {
 type match struct {
 	zone                  int
 	bucket, counter, slot int  // -1: none
-	wouldDeny             bool // a zone in dry run that refused the request
+	wouldDeny             bool // a zone whose demands are soft (dry run, spill) lacked: it refused nothing
 	back                  bool // its tokens go back to the store (see giveBack)
 	scan                  int  // a zone with usage: its scan in scratch.scans
 }

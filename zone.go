@@ -115,6 +115,7 @@ type Zone struct {
 	quotaConfig
 	overridesConfig
 	dryRunConfig
+	spillConfig
 	syncConfig
 
 	index    int    // in Handler.Zones
@@ -142,6 +143,7 @@ type Zone struct {
 	denial       error  // the caddyhttp.HandlerError returned when this zone denies
 	boxedName    any    // Name, boxed once for the replacer
 	wouldDenyVar string // http.rate_limit.<name>.would_deny
+	spilledVar   string // http.rate_limit.<name>.spilled
 	quotedName   string // the name as a structured-field string
 	policy       string // this zone's RateLimit-Policy item
 	// rateless: the zone limits only requests in flight (concurrency)
