@@ -58,13 +58,13 @@ const anonymousZone = "default"
 //			quota       <n> per day|week|month  # a calendar quota per key; a rate is then optional
 //			usage       json <path>|header <field>  # the true cost, read from the response
 //			max_debt    <n>         # with usage: how far past empty it may take the bucket
-//			estimate    json <path>...  # reserve what the request's JSON states, not cost
-//			estimate    prompt <bytes>  # and a token per <bytes> of its body
+//			estimate    json <path>...  # reserve what the request states
+//			estimate    prompt <bytes>  # plus a token per <bytes> of body
 //			max_overrides <n>       # keys with their own limit, set through the admin API
 //			timezone    <IANA zone>             # where the quota's days start; default UTC
 //			sync        <duration>  # decide here, reconcile with Redis this often
 //			dry_run
-//			spill                   # over the limit, go on marked instead of a 429
+//			spill                   # over the limit, go on marked
 //			window      <duration>  # with events: caddy-ratelimit's form of rate and burst
 //			events      <n>
 //		}
