@@ -22,7 +22,7 @@ import (
 // request asks for a slot with its other demands (decide.go), and the
 // store takes it with them, all or nothing; it is given back when the
 // handlers after this one return, however they return. The local store
-// counts slots in memory (slots.go), the Redis store keeps them as leases
+// counts slots in memory (internal/memstore), the Redis store keeps them as leases
 // shared by every instance (lua/decide/60_slots.lua).
 
 // concurrencyConfig is a zone's limit on requests in flight.

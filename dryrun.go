@@ -15,7 +15,7 @@ import (
 
 // Dry-run zones decide, count, log and send headers like any zone, but a
 // request they alone refuse goes on, uncharged by them: their demands are
-// soft (see bucketDemand.soft), so the store decides the request, in its
+// soft (see store.BucketDemand.Soft), so the store decides the request, in its
 // one all-or-nothing take, without those that lack, and charges the
 // others. A dry-run zone's slots are soft too: when none is free, the
 // request goes on without one.

@@ -26,7 +26,7 @@ import (
 // admin API and the metrics go through kinds rather than naming each.
 //
 // What a kind asks of a store (a ban's or a delay's shape, a quota's
-// counter, a slot, a soft demand) is in the store contract (store.go),
+// counter, a slot, a soft demand) is in the store contract (internal/store),
 // and its part of a request in the request's stages (decide.go,
 // delay.go, settle.go, concurrency.go).
 
