@@ -17,7 +17,7 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// The Redis store's overrides (see overrides.go). A key's own limit is
+// The Redis store's overrides (the kind is the root's overrides.go). A key's own limit is
 // the string `<token ns>:<burst>:<rate>` at `<hash><field>:limit`, in
 // its bucket's cluster slot, which the decision script reads with the
 // bucket (lua/decide/20_buckets.lua, OVERRIDES); it expires by itself when it

@@ -6,7 +6,7 @@
 // concurrent calls together, the client's health (a circuit breaker, the
 // round trip, outages logged once), the names of the keys and what a
 // failed call says of Redis. It knows nothing of HTTP, zones or the
-// bucket math: the store (redis_store.go) says what to ask.
+// bucket math: the store (internal/redisstore) says what to ask.
 package rediswire
 
 import (
