@@ -10,6 +10,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
+	"github.com/caddy-tokenbucket/ratelimit/internal/usagescan"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 	"go.uber.org/zap"
@@ -68,8 +69,8 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 // without a valid limit for r, ends the request. The demands of a zone in
 // dry run or with spill are soft: they refuse nothing.
 func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, error) {
-	var now time.Time    // read once, when needed
-	var body requestBody // read once, for the zones with estimate
+	var now time.Time       // read once, when needed
+	var body usagescan.Body // read once, for the zones with estimate
 	for i, z := range h.Zones {
 		if len(z.matcherSets) > 0 {
 			match, err := z.matcherSets.AnyMatchWithError(r)
@@ -123,7 +124,7 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 // of z's quota: the zone's cost (its plan's), or r's estimate. body is
 // what the zones with estimate read of r's body. It reports false when z
 // has no valid limit for r.
-func (h *Handler) costOf(r *http.Request, z *Zone, body *requestBody) (gcra.Limit, time.Duration, int64, bool) {
+func (h *Handler) costOf(r *http.Request, z *Zone, body *usagescan.Body) (gcra.Limit, time.Duration, int64, bool) {
 	l, cost, n := z.limit, z.costTime, z.Cost
 	if z.plans != nil && !z.rateless {
 		p := z.planFor(r)

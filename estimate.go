@@ -6,7 +6,6 @@ package ratelimit
 import (
 	"errors"
 	"fmt"
-	"io"
 	"math"
 	"net/http"
 	"strconv"
@@ -237,7 +236,7 @@ func (z *Zone) reserve(n int64, l *gcra.Limit) (time.Duration, int64) {
 // plus the prompt part. body is what the request's zones read of r's
 // body, once. A request without an estimate is counted, and logged at
 // most once a minute for the zone, without the key.
-func (h *Handler) estimate(r *http.Request, z *Zone, body *requestBody, cost int64) int64 {
+func (h *Handler) estimate(r *http.Request, z *Zone, body *usagescan.Body, cost int64) int64 {
 	e := z.Estimate
 	n, why := cost, ""
 	if len(e.specs) > 0 {
@@ -262,8 +261,8 @@ func (h *Handler) estimate(r *http.Request, z *Zone, body *requestBody, cost int
 
 // stated is the number at the first of e's paths that r's JSON body
 // holds, or cost and why it holds none.
-func (e *Estimate) stated(r *http.Request, body *requestBody, cost int64) (int64, string) {
-	data, why := body.json(r)
+func (e *Estimate) stated(r *http.Request, body *usagescan.Body, cost int64) (int64, string) {
+	data, why := body.JSON(r)
 	if why != "" {
 		return cost, why
 	}
@@ -288,14 +287,14 @@ func (e *Estimate) stated(r *http.Request, body *requestBody, cost int64) (int64
 // promptPart is the prompt part of r's estimate: its body's length over
 // e.Prompt, rounded up. known is false when the length is not known: no
 // Content-Length, and the body was not read whole.
-func (e *Estimate) promptPart(r *http.Request, body *requestBody) (n int64, known bool) {
+func (e *Estimate) promptPart(r *http.Request, body *usagescan.Body) (n int64, known bool) {
 	length := r.ContentLength
-	if length < 0 && !isEmpty(r) {
-		body.json(r)
-		if !body.whole {
+	if length < 0 && !usagescan.IsEmpty(r) {
+		body.JSON(r)
+		if !body.Whole {
 			return 0, false
 		}
-		length = int64(len(body.data))
+		length = int64(len(body.Data))
 	}
 	return int64(min(math.Ceil(float64(max(length, 0))/e.Prompt), usagescan.Max)), true
 }
@@ -316,99 +315,3 @@ func (h *Handler) clampOwnBurst(d *store.Demands) bool {
 	}
 	return clamped
 }
-
-// requestBody is a request's body as its zones with estimate read it:
-// once, for all of them, and only a JSON body that is not compressed, of
-// at most usagescan.MaxBody bytes.
-type requestBody struct {
-	read  bool   // the body was looked at
-	data  []byte // what was read of it
-	whole bool   // data is the whole body
-	why   string // why data is not a JSON body read whole: "" when it is
-}
-
-// json is r's body read whole, if it is a JSON body that can be, or why
-// it is not.
-func (b *requestBody) json(r *http.Request) ([]byte, string) {
-	if !b.read {
-		b.read = true
-		b.readJSON(r)
-	}
-	return b.data, b.why
-}
-
-func (b *requestBody) readJSON(r *http.Request) {
-	switch {
-	case isEmpty(r):
-		b.whole, b.why = true, "the request has no body"
-	case usagescan.IsEncoded(r.Header):
-		b.why = "the request's body is compressed (Content-Encoding)"
-	case !usagescan.IsJSON(r.Header):
-		b.why = "the request's body is not JSON (its Content-Type)"
-	case r.ContentLength > usagescan.MaxBody:
-		b.why = "the request's body is over 1 MiB"
-	default:
-		b.readBody(r)
-	}
-}
-
-// isEmpty reports whether r has no body.
-func isEmpty(r *http.Request) bool {
-	return r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0
-}
-
-// readBody reads r's body, up to usagescan.MaxBody bytes and one more,
-// and puts in its place a body that gives what was read, then the rest
-// as the client sends it: the handlers after this one read the body as
-// it came, and a body over the bound is never held whole.
-func (b *requestBody) readBody(r *http.Request) {
-	limit := usagescan.MaxBody + 1
-	size := 4 << 10
-	if r.ContentLength > 0 {
-		limit = int(r.ContentLength) // the server gives no more
-		size = limit
-	}
-	buf := make([]byte, 0, size)
-	var err error
-	for len(buf) < limit && err == nil {
-		if len(buf) == cap(buf) {
-			buf = append(buf, 0)[:len(buf)]
-		}
-		var n int
-		n, err = r.Body.Read(buf[len(buf):min(cap(buf), limit)])
-		buf = buf[:len(buf)+n]
-	}
-	r.Body = &replayBody{body: r.Body, rest: buf, err: err}
-	b.data = buf
-	switch {
-	case err != nil && err != io.EOF:
-		b.why = "the request's body could not be read: the client left, or sent less than it said"
-	case len(buf) > usagescan.MaxBody:
-		b.why = "the request's body is over 1 MiB"
-	default:
-		b.whole = true
-	}
-}
-
-// A replayBody is a request's body whose start the estimate read: it
-// gives what was read, then what ended the read (the end of the body, or
-// the client's error), or, when nothing did, the rest of the body.
-type replayBody struct {
-	body io.ReadCloser
-	rest []byte // read and not given yet
-	err  error  // what ended the read: nil when the body goes on
-}
-
-func (b *replayBody) Read(p []byte) (int, error) {
-	if len(b.rest) > 0 {
-		n := copy(p, b.rest)
-		b.rest = b.rest[n:]
-		return n, nil
-	}
-	if b.err != nil {
-		return 0, b.err
-	}
-	return b.body.Read(p)
-}
-
-func (b *replayBody) Close() error { return b.body.Close() }
