@@ -12,6 +12,8 @@ import (
 	"strconv"
 	"testing"
 	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/grpcstatus"
 )
 
 func TestIsGRPC(t *testing.T) {
@@ -101,7 +103,7 @@ func checkGRPCRefusal(t *testing.T, rr *httptest.ResponseRecorder, err error, co
 	if derr != nil {
 		t.Fatalf("grpc-status-details-bin %q is not unpadded base64: %v", bin, derr)
 	}
-	if want := statusProto(code, unescaped, msecs(ms)); string(details) != string(want) {
+	if want := grpcstatus.Details(code, unescaped, msecs(ms)); string(details) != string(want) {
 		t.Errorf("grpc-status-details-bin %x, want %x", details, want)
 	}
 	if hdr.Get("Retry-After") == "" {
@@ -115,15 +117,15 @@ func checkGRPCRefusal(t *testing.T, rr *httptest.ResponseRecorder, err error, co
 // 500000000}}}]}.
 func TestStatusProto(t *testing.T) {
 	info := "\x0a\x08" + "\x08\x01" + "\x10\x80\xca\xb5\xee\x01" // retry_delay {seconds 1, nanos 500000000}
-	detail := "\x0a\x28" + retryInfoType + "\x12\x0a" + info
+	detail := "\x0a\x28" + grpcstatus.RetryInfoType + "\x12\x0a" + info
 	want := "\x08\x08" + "\x12\x01m" + "\x1a\x36" + detail
-	if got := statusProto(8, "m", 1500*msecs(1)); string(got) != want {
+	if got := grpcstatus.Details(8, "m", 1500*msecs(1)); string(got) != want {
 		t.Errorf("statusProto: %x, want %x", got, want)
 	}
 	// A whole number of seconds has no nanos, and an empty message no
 	// field.
-	want = "\x08\x0e" + "\x1a\x30" + "\x0a\x28" + retryInfoType + "\x12\x04" + "\x0a\x02\x08\x01"
-	if got := statusProto(14, "", 1000*msecs(1)); string(got) != want {
+	want = "\x08\x0e" + "\x1a\x30" + "\x0a\x28" + grpcstatus.RetryInfoType + "\x12\x04" + "\x0a\x02\x08\x01"
+	if got := grpcstatus.Details(14, "", 1000*msecs(1)); string(got) != want {
 		t.Errorf("statusProto: %x, want %x", got, want)
 	}
 }
@@ -135,7 +137,7 @@ func TestPercentEncode(t *testing.T) {
 		"tab\there\x7f~":                "tab%09here%7F~",
 		"":                              "",
 	} {
-		if got := percentEncode(in); got != want {
+		if got := grpcstatus.Message(in); got != want {
 			t.Errorf("percentEncode(%q) = %q, want %q", in, got, want)
 		}
 	}
