@@ -1,0 +1,72 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package redisstore_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store/storetest"
+	"github.com/caddy-tokenbucket/ratelimit/lua"
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+	"go.uber.org/zap"
+)
+
+// The Redis engine decides the conformance suite's steps as every store
+// must: on one Redis without its over-limit cache (and with the steps of
+// each instant sent as one flight, one script call), with it, and on a
+// Redis Cluster of three masters, where a request's keys share a slot.
+func TestConformance(t *testing.T) {
+	r := redistest.Start(t)
+	t.Run("no cache", func(t *testing.T) {
+		storetest.Run(t, storesOn([]string{r.Addr()}, false), storetest.Flights(func(s store.Store, ds []*store.Demands) ([]bool, []error) {
+			return s.(*redisstore.Store).RunAll(rediswire.Take, ds)
+		}))
+	})
+	t.Run("over-limit cache", func(t *testing.T) {
+		storetest.Run(t, storesOn([]string{r.Addr()}, true))
+	})
+	t.Run("cluster", func(t *testing.T) {
+		nodes := redistest.StartCluster(t)
+		storetest.Run(t, storesOn([]string{nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()}, false))
+	})
+}
+
+// storesOn makes stores on the Redis at addrs (several: a cluster), with
+// or without the over-limit cache, as the module makes them (its client's
+// options, the scripts, the client given back at the test's end), on the
+// suite's clock and under a key prefix of the test's own. A decision may
+// take a second, not the module's default 100ms: the suite checks
+// answers, on a machine other tests load.
+func storesOn(addrs []string, cache bool) storetest.NewStore {
+	return func(t *testing.T, zones []store.ZoneSpec, clock func() time.Time) store.Store {
+		const timeout = time.Second
+		c, err := rediswire.NewClient(&redis.UniversalOptions{
+			Addrs: addrs, ContextTimeoutEnabled: true, MaxRetries: -1, Protocol: 2,
+			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: timeout,
+			MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
+		}, rediswire.NewScripts(lua.Decide, lua.Peek))
+		if err != nil {
+			t.Fatal(err)
+		}
+		// No zone of the suite has sync: the store asks no SyncPool.
+		s := &redisstore.Store{FailMode: "local", DisableOverLimitCache: !cache, KeyPrefix: t.Name() + ":",
+			Client: c, GiveBack: c.Destruct, CallTimeout: timeout, Logger: zap.NewNop(), TestClock: clock}
+		s.Users.Store(1)
+		t.Cleanup(func() {
+			if err := s.Drop(); err != nil {
+				t.Error(err)
+			}
+		})
+		if err := s.Bind(zones); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+}
