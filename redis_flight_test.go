@@ -174,58 +174,6 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 	}
 }
 
-// The shared step table, replayed with the steps of one instant sent to
-// Redis as one flight, gives the same decisions as step by step.
-func TestStoreStepsAsFlights(t *testing.T) {
-	r := startRedis(t)
-	h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":"steps-flights:","disable_over_limit_cache":true}}`,
-		stepZones, r.Addr()))
-	rs := h.store.(*redisstore.Store)
-	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
-	var now time.Time
-	rs.TestClock = func() time.Time { return now }
-	zones := stepZonesOf(h)
-	flights := 0
-	for i := 0; i < len(storeSteps); {
-		j := i + 1
-		for j < len(storeSteps) && storeSteps[j].at == storeSteps[i].at {
-			j++
-		}
-		now = start.Add(storeSteps[i].at)
-		var ds []*store.Demands
-		var answers [][]stepAnswer
-		for _, s := range storeSteps[i:j] {
-			d, reqs := stepDemands(zones, now, s, true)
-			ds, answers = append(ds, d), append(answers, reqs)
-		}
-		allowed, errs := rs.RunAll(rediswire.Take, ds)
-		for n, s := range storeSteps[i:j] {
-			if errs[n] != nil {
-				t.Fatalf("step %d: %v", i+n, errs[n])
-			}
-			if allowed[n] != s.ok {
-				t.Fatalf("step %d (in a flight of %d): allowed = %v, want %v", i+n, j-i, allowed[n], s.ok)
-			}
-			for k := range answers[n] {
-				q := &answers[n][k]
-				if got := q.remaining(); got != s.rem[k] {
-					t.Fatalf("step %d (in a flight of %d): zone %s has %d tokens left, want %d", i+n, j-i, q.zone.Name, got, s.rem[k])
-				}
-				if want := strings.IndexByte(s.ban, s.zones[k]) >= 0; q.ban() != want {
-					t.Fatalf("step %d: zone %s started a ban: %v, want %v", i+n, q.zone.Name, q.ban(), want)
-				}
-			}
-		}
-		if j-i > 1 {
-			flights++
-		}
-		i = j
-	}
-	if flights < 5 {
-		t.Fatalf("only %d flights of more than one step", flights)
-	}
-}
-
 // On a Redis Cluster a flight is one script call per hash tag among its
 // decisions, each on its slot's master: 60 takes of 12 keys in one
 // flight are answered as one after another, in as many calls as the

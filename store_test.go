@@ -14,297 +14,19 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 )
 
-// The zones of the shared step table: a 10r/s burst 3; b 1r/s burst 2;
-// c 2r/s burst 4, two tokens a request; d 7r/s burst 7; e 1r/s burst 2
-// with a ban of 10s; f 10r/s burst 2 with a delay of 300ms (delaySteps);
-// q a quota of 3 alone; r 1r/s burst 2 with a quota of 3; s 1r/s burst 2
-// with a ban of 10s and t a quota of 2, both in dry run. The quotas'
-// windows are 100s long in the steps (stepQuotaWindow), and a step's
-// quota is its zone's letter in upper case: "rR" is zone r's bucket and
-// quota.
-const stepZones = `[
-	{"name":"a","rate":"10r/s","burst":3},
-	{"name":"b","rate":"1r/s","burst":2},
-	{"name":"c","rate":"2r/s","burst":4,"cost":2},
-	{"name":"d","rate":"7r/s","burst":7},
-	{"name":"e","rate":"1r/s","burst":2,"ban":"10s"},
-	{"name":"f","rate":"10r/s","burst":2,"delay":"300ms"},
-	{"name":"q","quota":3,"quota_period":"day"},
-	{"name":"r","rate":"1r/s","burst":2,"quota":3,"quota_period":"month","timezone":"Europe/Paris"},
-	{"name":"s","rate":"1r/s","burst":2,"ban":"10s","dry_run":true},
-	{"name":"t","quota":2,"quota_period":"day","dry_run":true}]`
-
-// stepQuotaWindow is the length of the quotas' windows in the steps,
-// which start at a window's start.
+// stepQuotaWindow is the length of the quotas' windows in the usage and
+// flight steps, which start at a window's start.
 const stepQuotaWindow = 100 * time.Second
 
-type storeStep struct {
-	at    time.Duration // since the table's start
-	key   string
-	zones string // which zones the request matches, e.g. "ab"
-	ok    bool
-	rem   []int64 // whole tokens left per zone, after the decision
-	ban   string  // the zones whose ban the step started
-}
-
-var storeSteps = []storeStep{
-	{0, "k", "a", true, []int64{2}, ""},
-	{0, "k", "a", true, []int64{1}, ""},
-	{0, "k", "a", true, []int64{0}, ""},
-	{0, "k", "a", false, []int64{0}, ""},
-	{100 * time.Millisecond, "k", "a", true, []int64{0}, ""},
-	// a is empty: b must not be charged.
-	{100 * time.Millisecond, "k", "ab", false, []int64{0, 2}, ""},
-	{100 * time.Millisecond, "k", "b", true, []int64{1}, ""},
-	{100 * time.Millisecond, "k", "b", true, []int64{0}, ""},
-	// b is empty: a must not be charged.
-	{300 * time.Millisecond, "k", "ab", false, []int64{2, 0}, ""},
-	{300 * time.Millisecond, "k", "a", true, []int64{1}, ""},
-	{300 * time.Millisecond, "k", "c", true, []int64{2}, ""},
-	{300 * time.Millisecond, "k", "c", true, []int64{0}, ""},
-	{800 * time.Millisecond, "k", "c", false, []int64{1}, ""},
-	{1300 * time.Millisecond, "k", "c", true, []int64{0}, ""},
-	{1300 * time.Millisecond, "j", "abc", true, []int64{2, 1, 2}, ""},
-	{1300 * time.Millisecond, "j", "abc", true, []int64{1, 0, 0}, ""},
-	{1300 * time.Millisecond, "j", "abc", false, []int64{1, 0, 0}, ""},
-	{100 * time.Second, "k", "abc", true, []int64{2, 1, 2}, ""},
-	// A whole burst at once, though a token is not a whole number of µs.
-	{0, "k", "d", true, []int64{6}, ""},
-	{0, "k", "d", true, []int64{5}, ""},
-	{0, "k", "d", true, []int64{4}, ""},
-	{0, "k", "d", true, []int64{3}, ""},
-	{0, "k", "d", true, []int64{2}, ""},
-	{0, "k", "d", true, []int64{1}, ""},
-	{0, "k", "d", true, []int64{0}, ""},
-	{0, "k", "d", false, []int64{0}, ""},
-	{142 * time.Millisecond, "k", "d", false, []int64{0}, ""},
-	{143 * time.Millisecond, "k", "d", true, []int64{0}, ""},
-	// A denial in e bans the key for 10s; denials during the ban start no
-	// other, and spend nothing in the request's other zones.
-	{200 * time.Second, "b", "e", true, []int64{1}, ""},
-	{200 * time.Second, "b", "e", true, []int64{0}, ""},
-	{200 * time.Second, "b", "e", false, []int64{0}, "e"},
-	{205 * time.Second, "b", "e", false, []int64{0}, ""},
-	{205 * time.Second, "b", "ae", false, []int64{3, 0}, ""},
-	{209900 * time.Millisecond, "b", "e", false, []int64{0}, ""},
-	// Then the bucket refills from empty: a token a second.
-	{211 * time.Second, "b", "e", true, []int64{0}, ""},
-	{211 * time.Second, "b", "e", false, []int64{0}, "e"},
-	// A request that another zone denies starts e's ban only if e denies
-	// it too.
-	{300 * time.Second, "c", "ae", true, []int64{2, 1}, ""},
-	{300 * time.Second, "c", "ae", true, []int64{1, 0}, ""},
-	{300 * time.Second, "c", "ae", false, []int64{1, 0}, "e"},
-	{300 * time.Second, "c", "a", true, []int64{0}, ""},
-	// A quota counts per window, and a request it refuses takes no
-	// tokens from the request's buckets.
-	{0, "q", "Q", true, []int64{2}, ""},
-	{0, "q", "Q", true, []int64{1}, ""},
-	{0, "q", "aQ", true, []int64{2, 0}, ""},
-	{0, "q", "aQ", false, []int64{2, 0}, ""},
-	{0, "q", "a", true, []int64{1}, ""},
-	{99 * time.Second, "q", "Q", false, []int64{0}, ""},
-	// The next window starts from 0.
-	{100 * time.Second, "q", "Q", true, []int64{2}, ""},
-	{150 * time.Second, "q", "Q", true, []int64{1}, ""},
-	{250 * time.Second, "q", "Q", true, []int64{2}, ""},
-	// A request a bucket refuses is not counted.
-	{0, "p", "a", true, []int64{2}, ""},
-	{0, "p", "a", true, []int64{1}, ""},
-	{0, "p", "a", true, []int64{0}, ""},
-	{0, "p", "aQ", false, []int64{0, 3}, ""},
-	{0, "p", "Q", true, []int64{2}, ""},
-	// A zone with a rate and a quota: both apply, all or nothing.
-	{0, "r", "rR", true, []int64{1, 2}, ""},
-	{0, "r", "rR", true, []int64{0, 1}, ""},
-	{0, "r", "rR", false, []int64{0, 1}, ""},
-	{time.Second, "r", "rR", true, []int64{0, 0}, ""},
-	{2 * time.Second, "r", "rR", false, []int64{1, 0}, ""},
-	{2 * time.Second, "r", "r", true, []int64{0}, ""},
-	{3 * time.Second, "r", "rRbQ", false, []int64{1, 0, 2, 3}, ""},
-	{3 * time.Second, "r", "bQ", true, []int64{1, 2}, ""},
-	// A zone in dry run refuses nothing: the request is decided without
-	// its bucket or counter when they lack, which are charged nothing; a
-	// refusal starts its ban all the same.
-	{400 * time.Second, "s", "as", true, []int64{2, 1}, ""},
-	{400 * time.Second, "s", "as", true, []int64{1, 0}, ""},
-	{400 * time.Second, "s", "as", true, []int64{0, 0}, "s"},
-	{400 * time.Second, "s", "as", false, []int64{0, 0}, ""},
-	{400 * time.Second, "s", "bs", true, []int64{1, 0}, ""},
-	{0, "t", "T", true, []int64{1}, ""},
-	{0, "t", "T", true, []int64{0}, ""},
-	{0, "t", "T", true, []int64{0}, ""},
-	{0, "t", "aT", true, []int64{2, 0}, ""},
-	{0, "t", "QT", true, []int64{2, 0}, ""},
-	{0, "t", "aQT", true, []int64{1, 1, 0}, ""},
-}
-
-// runStoreSteps replays storeSteps against h's store, with the store's
-// clock replaced by the steps' instants.
-func runStoreSteps(t *testing.T, h *Handler) {
-	t.Helper()
-	// The steps start at the start of a quota window, in the future:
-	// Redis expires a quota's counter at its window's end by its own
-	// clock.
-	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
-	var now time.Time
-	if rs, ok := h.store.(*redisstore.Store); ok {
-		rs.TestClock = func() time.Time { return now }
-	}
-	zones := map[byte]*Zone{}
-	for _, z := range h.Zones {
-		zones[z.Name[len(z.Name)-1]] = z
-		if z.quota != nil {
-			z.quota.Every = stepQuotaWindow
-		}
-	}
-	for i, s := range storeSteps {
-		now = start.Add(s.at)
-		reqs := runStoreStep(t, h, zones, now, i, s, false)
-		for j := range reqs {
-			q := &reqs[j]
-			if got := q.remaining(); got != s.rem[j] {
-				t.Fatalf("step %d: zone %s has %d tokens left, want %d", i, q.zone.Name, got, s.rem[j])
-			}
-			if want := strings.IndexByte(s.ban, s.zones[j]) >= 0; q.ban() != want {
-				t.Fatalf("step %d: zone %s started a ban: %v, want %v", i, q.zone.Name, q.ban(), want)
-			}
-			if q.ban() && q.wait() != q.zone.limit.Ban+q.zone.costTime {
-				t.Fatalf("step %d: zone %s: wait %v after a ban started, want the ban and a token", i, q.zone.Name, q.wait())
-			}
-			// A quota that counts waits for its window's end (Redis
-			// counts in whole milliseconds, its over-limit cache a
-			// millisecond less).
-			if q.quota && q.used() > 0 {
-				if want := q.counter().Window.End.Sub(now); q.debt() > want || q.debt() <= want-2*time.Millisecond {
-					t.Fatalf("step %d: zone %s's quota: %v to its window's end, want %v", i, q.zone.Name, q.debt(), want)
-				}
-			}
-		}
-	}
-	runDelaySteps(t, h, zones, start, func(t time.Time) { now = t })
-}
-
-// A stepAnswer is one letter of a step, in the step's demands: a zone's
-// bucket, or, for an upper-case letter, its quota's counter.
-type stepAnswer struct {
-	zone  *Zone
-	d     *store.Demands
-	i     int // its place in d.buckets, or in d.counters
-	quota bool
-}
-
-func (a *stepAnswer) bucket() *store.BucketDemand { return &a.d.Buckets[a.i] }
-
-func (a *stepAnswer) counter() *store.CounterDemand { return &a.d.Counters[a.i] }
-
-func (a *stepAnswer) remaining() int64 {
-	if a.quota {
-		return a.counter().Remaining()
-	}
-	return a.bucket().Remaining()
-}
-
-func (a *stepAnswer) ok() bool {
-	if a.quota {
-		return a.counter().OK
-	}
-	return a.bucket().OK
-}
-
-func (a *stepAnswer) ban() bool { return !a.quota && a.bucket().Ban }
-
-func (a *stepAnswer) wait() time.Duration {
-	if a.quota {
-		return a.counter().Wait()
-	}
-	return a.bucket().Wait()
-}
-
-func (a *stepAnswer) delayed() time.Duration {
-	if a.quota {
-		return 0
-	}
-	return a.bucket().Delayed()
-}
-
-// debt is how long until the bucket is full again, or the counter's
-// window ends.
-func (a *stepAnswer) debt() time.Duration {
-	if a.quota {
-		return a.counter().Left
-	}
-	return a.bucket().Debt
-}
-
-func (a *stepAnswer) used() int64 { return a.counter().Used }
-
-// stepDemands are the demands of the zones of a step, by their letters,
-// and the view of each letter's answer.
-func stepDemands(zones map[byte]*Zone, now time.Time, s storeStep, noDelay bool) (*store.Demands, []stepAnswer) {
-	d := new(store.Demands)
-	var reqs []stepAnswer
-	for _, c := range []byte(s.zones) {
-		k := store.Key{Text: s.key}
-		if c >= 'A' && c <= 'Z' { // the quota of the zone of that letter
-			z := zones[c-'A'+'a']
-			reqs = append(reqs, stepAnswer{zone: z, d: d, i: len(d.Counters), quota: true})
-			d.Counters = append(d.Counters, counterReq(z, k, now))
-			continue
-		}
-		z := zones[c]
-		b := bucketReq(z, k)
-		b.Limit.NoDelay = noDelay
-		reqs = append(reqs, stepAnswer{zone: z, d: d, i: len(d.Buckets)})
-		d.Buckets = append(d.Buckets, b)
-	}
-	return d, reqs
-}
-
-// runStoreStep takes the tokens of step i (or, with noDelay, as if its
-// zones had no delay) and checks the decision and the tokens left.
-func runStoreStep(t *testing.T, h *Handler, zones map[byte]*Zone, now time.Time, i int, s storeStep, noDelay bool) []stepAnswer {
-	t.Helper()
-	d, reqs := stepDemands(zones, now, s, noDelay)
-	ok, err := h.store.Take(context.Background(), now, d)
-	if err != nil {
-		t.Fatalf("step %d: %v", i, err)
-	}
-	if ok != s.ok {
-		t.Fatalf("step %d: allowed = %v, want %v", i, ok, s.ok)
-	}
-	for j := range reqs {
-		if q := &reqs[j]; q.remaining() != s.rem[j] {
-			t.Fatalf("step %d: zone %s has %d tokens left, want %d", i, q.zone.Name, q.remaining(), s.rem[j])
-		}
-	}
-	return reqs
-}
-
-// One table of steps gives the same decisions on every store.
+// The plan steps, whose limit comes with each request, give the same
+// decisions on every store. (The steps of fixed limits are the stores'
+// conformance suite, internal/store/storetest, which their engines' tests
+// run.)
 func TestStoresAgree(t *testing.T) {
-	t.Run("local", func(t *testing.T) {
-		runStoreSteps(t, newTestHandler(t, `{"zones":`+strings.ReplaceAll(stepZones, `"name":"`, `"name":"agree-`)+`}`))
-	})
-	r := startRedis(t)
-	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
-		t.Run("redis"+storeCfg, func(t *testing.T) {
-			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
-				stepZones, r.Addr(), t.Name()+":", storeCfg))
-			runStoreSteps(t, h)
-		})
-	}
-	t.Run("cluster", func(t *testing.T) {
-		nodes := startCluster(t)
-		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`,
-			stepZones, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
-		runStoreSteps(t, h)
-	})
-
-	// The plan steps: a zone whose limit comes with each request.
 	t.Run("plans/local", func(t *testing.T) {
 		runPlanSteps(t, newTestHandler(t, `{"zones":`+strings.ReplaceAll(planZones, `"name":"`, `"name":"agree-`)+`}`))
 	})
+	r := startRedis(t)
 	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
 		t.Run("plans/redis"+storeCfg, func(t *testing.T) {
 			runPlanSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
@@ -346,8 +68,8 @@ var planSteps = []planStep{
 	{700 * time.Millisecond, "free", true, 0},
 }
 
-// runPlanSteps replays planSteps against h's store, as runStoreSteps
-// replays storeSteps.
+// runPlanSteps replays planSteps against h's store, with the store's
+// clock replaced by the steps' instants.
 func runPlanSteps(t *testing.T, h *Handler) {
 	t.Helper()
 	start := time.Now()
@@ -451,8 +173,8 @@ var usageSteps = []usageStep{
 	{6600 * time.Millisecond, -200, true, 0, 906},
 }
 
-// runUsageSteps replays usageSteps against h's store, as runStoreSteps
-// replays storeSteps, and reads the bucket and counter back after each.
+// runUsageSteps replays usageSteps against h's store, as runPlanSteps
+// replays planSteps, and reads the bucket and counter back after each.
 func runUsageSteps(t *testing.T, h *Handler) {
 	t.Helper()
 	start := time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
@@ -574,7 +296,7 @@ var overrideSteps = []overrideStep{
 }
 
 // runOverrideSteps replays overrideSteps against h's store, as
-// runStoreSteps replays storeSteps.
+// runPlanSteps replays planSteps.
 func runOverrideSteps(t *testing.T, h *Handler) {
 	t.Helper()
 	start := time.Now()
