@@ -93,7 +93,7 @@ func main() {
 		for _, sections := range []bool{false, true} {
 			usec := measure(c, func() int {
 				var keysArg []string
-				args := []any{"", 0, 1, full, cost, token, "+", *adjust, 1, 20 * full}
+				args := []any{"", 1, 1, full, cost, token, "+", *adjust, 1, 20 * full} // a plain adjustment is not a plain take (ARGV[2])
 				if sections {
 					args = []any{"", 1, 0, "adjust", *adjust, 0, 0}
 				}
