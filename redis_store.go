@@ -157,10 +157,12 @@ func (s *RedisStore) bind(zones []store.ZoneSpec) (store.Store, error) {
 		},
 	}
 	e.Users.Store(1) // the config's, until its Cleanup
+	// Cleanup drops the engine, and so gives back what its Bind acquired
+	// (the copies of zones with sync) should the Bind fail.
+	s.engine = e
 	if err := e.Bind(zones); err != nil {
 		return nil, err
 	}
-	s.engine = e
 	return e, nil
 }
 
