@@ -196,16 +196,9 @@ type counterFunc func(d *prometheus.Desc, n *atomic.Uint64, labels ...string)
 // the kinds' metrics their stores keep (see kind.collectStore), and the
 // connections whose circuit breaker is open.
 func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zoneID]bool) {
-	type tracked struct {
-		keys, capacity int
-		evictions      uint64
-	}
-	zones := make(map[zoneID]*tracked)
-	tables := make(map[any]bool)
-	clients := make(map[any]bool) // whether each connection is down
+	t := storeTotals{zones: make(map[zoneID]*tracked), tables: make(map[any]bool), copies: make(map[any]bool),
+		clients: make(map[any]bool), sums: make(map[zoneID]*store.ZoneStats)}
 	counted := make(map[zoneID]zoneRef)
-	sums := make(map[zoneID]*store.ZoneStats) // what the kinds' collectStore read
-	copies := make(map[any]bool)
 	registry.Lock()
 	for _, refs := range registry.zones {
 		for _, ref := range refs {
@@ -214,39 +207,21 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 				counted[id] = ref
 			}
 			for _, s := range []store.Store{ref.h.store, ref.h.fallbackStore()} {
-				if s == nil {
-					continue
+				if s != nil {
+					t.add(id, s.Stats(ref.z.index), exported[id])
 				}
-				st := s.Stats(ref.z.index)
-				if st.Client != nil {
-					clients[st.Client] = st.Unavailable
-				}
-				if st.SyncCopies != nil && exported[id] && !copies[st.SyncCopies] {
-					copies[st.SyncCopies] = true
-					sumSync(sums, id, &st)
-				}
-				if st.Keys == nil || tables[st.Table] || !exported[id] {
-					continue
-				}
-				tables[st.Table] = true
-				if zones[id] == nil {
-					zones[id] = new(tracked)
-				}
-				zones[id].keys += *st.Keys
-				zones[id].capacity += st.Capacity
-				zones[id].evictions += *st.Evictions
 			}
 		}
 	}
 	registry.Unlock()
-	for id, z := range zones {
+	for id, z := range t.zones {
 		ch <- prometheus.MustNewConstMetric(c.keys, prometheus.GaugeValue, float64(z.keys), id.name, id.limit)
 		ch <- prometheus.MustNewConstMetric(c.maxKeys, prometheus.GaugeValue, float64(z.capacity), id.name, id.limit)
 		ch <- prometheus.MustNewConstMetric(c.evictions, prometheus.CounterValue, float64(z.evictions), id.name, id.limit)
 	}
 	for id, ref := range counted {
 		var sum store.ZoneStats
-		if s := sums[id]; s != nil {
+		if s := t.sums[id]; s != nil {
 			sum = *s
 		}
 		for _, k := range kinds {
@@ -256,12 +231,52 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 		}
 	}
 	open := 0
-	for _, down := range clients {
+	for _, down := range t.clients {
 		if down {
 			open++
 		}
 	}
 	ch <- prometheus.MustNewConstMetric(c.circuitOpen, prometheus.GaugeValue, float64(open))
+}
+
+// storeTotals add up what the stores report of the zones: what zones of
+// one name and limit share (a table, copies) is counted once.
+type storeTotals struct {
+	zones          map[zoneID]*tracked
+	tables, copies map[any]bool
+	clients        map[any]bool                // whether each connection is down
+	sums           map[zoneID]*store.ZoneStats // what the kinds' collectStore read
+}
+
+// tracked are the keys a zone's tables keep.
+type tracked struct {
+	keys, capacity int
+	evictions      uint64
+}
+
+// add adds what a store reports of a zone id; exported: the zone's
+// metrics are exported.
+func (t *storeTotals) add(id zoneID, st store.ZoneStats, exported bool) {
+	if st.Client != nil {
+		t.clients[st.Client] = st.Unavailable
+	}
+	if !exported {
+		return
+	}
+	if st.SyncCopies != nil && !t.copies[st.SyncCopies] {
+		t.copies[st.SyncCopies] = true
+		sumSync(t.sums, id, &st)
+	}
+	if st.Keys == nil || t.tables[st.Table] {
+		return
+	}
+	t.tables[st.Table] = true
+	if t.zones[id] == nil {
+		t.zones[id] = new(tracked)
+	}
+	t.zones[id].keys += *st.Keys
+	t.zones[id].capacity += st.Capacity
+	t.zones[id].evictions += *st.Evictions
 }
 
 // sumSync adds the reconciliations of copies that st reports to the sums
