@@ -112,7 +112,7 @@ func checkPersistInterval(d time.Duration) error {
 func (s *LocalStore) bind(zones []store.ZoneSpec) (store.Store, error) {
 	for _, z := range zones {
 		if z.Sync != 0 {
-			return nil, fmt.Errorf("zone %s: sync needs the Redis store (store redis { ... }): it shares a limit between instances", z.Name)
+			return nil, errSyncNeedsRedis(z.Name)
 		}
 	}
 	e, err := s.engine(zones)

@@ -206,7 +206,7 @@ func (c *collector) collectStores(ch chan<- prometheus.Metric, exported map[zone
 			if _, ok := counted[id]; !ok && exported[id] && !ref.z.rateless {
 				counted[id] = ref
 			}
-			for _, s := range []store.Store{ref.h.store, ref.h.fallbackStore()} {
+			for _, s := range []store.Store{ref.h.store, ref.h.fallback} {
 				if s != nil {
 					t.add(id, s.Stats(ref.z.index), exported[id])
 				}

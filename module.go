@@ -181,10 +181,6 @@ func (h *Handler) storeBackend() string {
 	return cmp.Or(raw.Backend, "local")
 }
 
-// fallbackStore is the store that decides when h.store fails, nil for
-// none.
-func (h *Handler) fallbackStore() store.Store { return h.fallback }
-
 // CaddyModule returns the Caddy module information.
 func (Handler) CaddyModule() caddy.ModuleInfo {
 	return caddy.ModuleInfo{

@@ -83,6 +83,12 @@ func (z *Zone) checkSync() error {
 	return nil
 }
 
+// errSyncNeedsRedis refuses the zone name's sync on a store of one
+// instance.
+func errSyncNeedsRedis(name string) error {
+	return fmt.Errorf("zone %s: sync needs the Redis store (store redis { ... }): it shares a limit between instances", name)
+}
+
 // checkSyncStore checks that the zones with sync have the Redis store:
 // the local store is one instance's, exact already (and refuses them
 // when it binds them).
@@ -92,7 +98,7 @@ func (h *Handler) checkSyncStore() error {
 	}
 	for _, z := range h.Zones {
 		if z != nil && z.Sync != 0 {
-			return fmt.Errorf("zone %s: sync needs the Redis store (store redis { ... }): it shares a limit between instances", z.Name)
+			return errSyncNeedsRedis(z.Name)
 		}
 	}
 	return nil
