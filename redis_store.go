@@ -140,10 +140,15 @@ func (s *RedisStore) Cleanup() error {
 	}
 	s.released = true
 	if s.engine == nil { // never bound
-		_, err := redisClients.Delete(s.poolKey)
-		return err
+		return s.giveBack()
 	}
 	return s.engine.Drop()
+}
+
+// giveBack gives the client back to the pool.
+func (s *RedisStore) giveBack() error {
+	_, err := redisClients.Delete(s.poolKey)
+	return err
 }
 
 // bind makes the store's engine for zones.
@@ -151,10 +156,7 @@ func (s *RedisStore) bind(zones []store.ZoneSpec) (store.Store, error) {
 	e := &redisstore.Store{
 		FailMode: s.FailMode, DisableOverLimitCache: s.DisableOverLimitCache, KeyPrefix: s.KeyPrefix, HashKeys: s.HashKeys,
 		Client: s.client, Setup: s.poolKey, SyncPool: syncPooled{}, CallTimeout: s.callTimeout, Logger: s.logger,
-		GiveBack: func() error {
-			_, err := redisClients.Delete(s.poolKey)
-			return err
-		},
+		GiveBack: s.giveBack,
 	}
 	e.Users.Store(1) // the config's, until its Cleanup
 	// Cleanup drops the engine, and so gives back what its Bind acquired
