@@ -466,11 +466,8 @@ func binaryGlobal(admin, port int, dir string) string {
 `, admin, port, filepath.Join(dir, "storage"))
 }
 
-// Named instants, as in golang.org/x/time/rate's tests.
-var (
-	t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
-	t2 = t0.Add(200 * time.Millisecond)
-)
+// t0 is a named instant, as in golang.org/x/time/rate's tests.
+var t0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 
 // key is the key of text s.
 func key(s string) store.Key { return store.Key{Text: s} }

@@ -17,7 +17,6 @@ var (
 	t1 = t0.Add(100 * time.Millisecond)
 	t2 = t0.Add(200 * time.Millisecond)
 	t3 = t0.Add(300 * time.Millisecond)
-	t4 = t0.Add(400 * time.Millisecond)
 	t5 = t0.Add(500 * time.Millisecond)
 	t9 = t0.Add(900 * time.Millisecond)
 )

@@ -81,8 +81,6 @@ type Scanner struct {
 	u         *Spec
 	mode      uint8 // scanNone until the response starts, then what it is
 	why       Reason
-	value     int64 // the usage, when found
-	found     bool
 	n         int64  // bytes of a JSON body seen
 	hdr       string // the header's last value as the response started
 	hdrOK     bool   // the header was there
