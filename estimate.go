@@ -50,14 +50,15 @@ type estimateConfig struct {
 type Estimate struct {
 	// Paths of object keys, separated by dots, to a number in the
 	// request's JSON body (Content-Type `application/json` or `+json`),
-	// such as `max_tokens`: the number at the first of them, in this
-	// order, that the body holds is the estimate, in the zone's tokens.
-	// It is read as usage reads a response's: at least 0, a fraction
-	// rounds up, a number above 999,999,999,999,999 is read as that. A
-	// request that states none, or whose body is not JSON, is compressed
-	// (Content-Encoding) or is over 1 MiB, takes cost instead, and is
-	// counted as a missing estimate. Default: none (the estimate is
-	// cost).
+	// such as `max_tokens`: the largest positive number at any of them
+	// is the estimate, in the zone's tokens, since the upstream may
+	// honour any of them. It is read as usage reads a response's: a
+	// fraction rounds up, a number above 999,999,999,999,999 is read as
+	// that; a value that is not a positive number (null, a string, 0,
+	// -1) states no bound. A request that states none, or whose body is
+	// not JSON, is compressed (Content-Encoding) or is over 1 MiB, takes
+	// cost instead, and is counted as a missing estimate. Default: none
+	// (the estimate is cost).
 	JSON []string `json:"json,omitempty"`
 
 	// Bytes of the request's body per token: its length divided by this,
@@ -232,7 +233,7 @@ func (z *Zone) reserve(n int64, l *gcra.Limit) (time.Duration, int64) {
 }
 
 // estimate is the tokens r reserves in zone z, whose cost for r is cost:
-// the number at the first of the zone's paths in r's JSON body, or cost,
+// the largest number at the zone's paths in r's JSON body, or cost,
 // plus the prompt part. body is what the request's zones read of r's
 // body, once. A request without an estimate is counted, and logged at
 // most once a minute for the zone, without the key.
@@ -259,27 +260,34 @@ func (h *Handler) estimate(r *http.Request, z *Zone, body *usagescan.Body, cost 
 	return n
 }
 
-// stated is the number at the first of e's paths that r's JSON body
-// holds, or cost and why it holds none.
+// stated is the largest positive number at e's paths in r's JSON body,
+// or cost and why it states none. The upstream may honour any of the
+// paths (OpenAI-compatible servers take max_completion_tokens over
+// max_tokens), so the client cannot pick the smaller bound; a value that
+// is not a positive number (null, a string, 0, Ollama's -1 for "no
+// limit") states no bound.
 func (e *Estimate) stated(r *http.Request, body *usagescan.Body, cost int64) (int64, string) {
 	data, why := body.JSON(r)
 	if why != "" {
 		return cost, why
 	}
-	missing := usagescan.NoField
+	bound, unbounded := int64(0), false
 	for i := range e.specs {
 		n, got := e.specs[i].Read(data)
-		switch got {
-		case usagescan.Found:
-			return n, ""
-		case usagescan.BadJSON:
+		switch {
+		case got == usagescan.BadJSON:
 			return cost, "the request's body is not valid JSON"
-		case usagescan.NotNumber:
-			missing = got
+		case got == usagescan.Found && n > 0:
+			bound = max(bound, n)
+		case got == usagescan.Found, got == usagescan.NotNumber:
+			unbounded = true
 		}
 	}
-	if missing == usagescan.NotNumber {
-		return cost, "the value at a path is not a number of at least 0"
+	switch {
+	case bound > 0:
+		return bound, ""
+	case unbounded:
+		return cost, "the value at a path is not a positive number"
 	}
 	return cost, "the request states none of the paths"
 }

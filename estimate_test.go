@@ -81,8 +81,8 @@ func (c *countingReader) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// What a request reserves, through the handler: the number at the first
-// of the paths its JSON body states, or the cost, plus a token for every
+// What a request reserves, through the handler: the largest positive
+// number at the paths its JSON body states, or the cost, plus a token for every
 // 4 bytes of the body, from its Content-Length or, chunked, from a JSON
 // body read whole; each body reaches the next handler as it came, having
 // been read before it no further than 1 MiB and a byte, or not at all.
@@ -109,8 +109,17 @@ func TestEstimateReserves(t *testing.T) {
 		{name: "1 KiB", body: kib, want: 200 + 256, readMax: 1024},
 		{name: "1 KiB chunked", body: kib, chunked: true, want: 200 + 256, readMax: 1024},
 		{name: "the second path", body: []byte(`{"max_completion_tokens":30}`), want: 30 + prompt(`{"max_completion_tokens":30}`), readMax: 1024},
-		{name: "the first path wins", body: []byte(`{"options":{"num_predict":9},"max_completion_tokens":30}`),
+		{name: "the largest path wins", body: []byte(`{"options":{"num_predict":9},"max_completion_tokens":30}`),
 			want: 30 + prompt(`{"options":{"num_predict":9},"max_completion_tokens":30}`), readMax: 1024},
+		{name: "the largest path wins, whatever the order", body: []byte(`{"max_tokens":1,"max_completion_tokens":200}`),
+			want: 200 + prompt(`{"max_tokens":1,"max_completion_tokens":200}`), readMax: 1024},
+		{name: "a negative number states no bound", body: []byte(`{"options":{"num_predict":-1},"max_tokens":5}`),
+			want: 5 + prompt(`{"options":{"num_predict":-1},"max_tokens":5}`), readMax: 1024},
+		{name: "0 states no bound", body: []byte(`{"max_tokens":0,"max_completion_tokens":7}`),
+			want: 7 + prompt(`{"max_tokens":0,"max_completion_tokens":7}`), readMax: 1024},
+		{name: "0 only", body: []byte(`{"max_tokens":0}`), want: 500 + prompt(`{"max_tokens":0}`), readMax: 1024, missing: true},
+		{name: "-1 only", body: []byte(`{"options":{"num_predict":-1}}`), want: 500 + prompt(`{"options":{"num_predict":-1}}`), readMax: 1024, missing: true},
+		{name: "a string only", body: []byte(`{"max_tokens":"200"}`), want: 500 + prompt(`{"max_tokens":"200"}`), readMax: 1024, missing: true},
 		{name: "a nested path", body: []byte(`{"options":{"num_predict":9}}`), want: 9 + prompt(`{"options":{"num_predict":9}}`), readMax: 1024},
 		{name: "a fraction rounds up", body: []byte(`{"max_tokens":9.5}`), want: 10 + prompt(`{"max_tokens":9.5}`), readMax: 1024},
 		{name: "null, then the next path", body: []byte(`{"max_tokens":null,"max_completion_tokens":3}`),
@@ -389,7 +398,7 @@ func estimateSite(zone, upstream, costUp, storeCfg string) string {
 			rate 1000/h
 			burst 1000
 			usage json usage.total_tokens
-			estimate json max_tokens
+			estimate json max_tokens max_completion_tokens options.num_predict
 			cost 500
 		}
 		zone %[1]s-cost {
@@ -459,7 +468,8 @@ func sendParallel(t *testing.T, up *llmUpstream, urls []string, n int, key strin
 
 // The promise, through a real Caddy on the local store and on Redis: with
 // burst 1000, 20 requests at once for a fresh key, each stating
-// max_tokens 200 and using 100 (an OpenAI stream's usage chunk), admit
+// max_tokens 1 and max_completion_tokens 200 and using 100 (an OpenAI
+// stream's usage chunk), admit
 // exactly 5, whose reservations hold the bucket at 0 until their
 // responses; once they are settled, the bucket holds the 500 they did not
 // use. A JSON completion is then settled alike. The same 20 in a zone
@@ -477,7 +487,10 @@ func TestEstimateParallel(t *testing.T) {
 			up.resume, costUp.resume = make(chan struct{}), make(chan struct{})
 			zone := "llm-estimate-" + tc.name
 			startCaddy(t, "", estimateSite(zone, up.URL, costUp.URL, tc.store))
-			body := []byte(`{"model":"m","max_tokens":200,"stream":true,"messages":[{"role":"user","content":"hi"}]}`)
+			// The body states two bounds; the upstream may honour either
+			// (OpenAI-compatible servers take max_completion_tokens), so
+			// the larger is reserved.
+			body := []byte(`{"model":"m","max_tokens":1,"max_completion_tokens":200,"stream":true,"messages":[{"role":"user","content":"hi"}]}`)
 			// Without estimate, a cost of 50: all 20 are admitted, and
 			// their usage leaves the bucket 1,000 tokens in debt.
 			if n := sendParallel(t, costUp, []string{"http://localhost:9080"}, 20, "parallel", body, "X-Estimate", "off"); n[200] != 20 {
@@ -628,7 +641,7 @@ func TestEstimateAndSpillAcrossInstances(t *testing.T) {
 			rate 1000/h
 			burst 1000
 			usage json usage.total_tokens
-			estimate json max_tokens
+			estimate json max_tokens max_completion_tokens options.num_predict
 			cost 500
 		}
 		zone primary-across {
