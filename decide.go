@@ -181,7 +181,16 @@ func (h *Handler) take(ctx context.Context, now time.Time, sc *scratch, d *store
 	default:
 		answerAll(d, false)
 		sc.by = nil
-		return outcomeFailClosed, caddyhttp.HandlerError{StatusCode: http.StatusServiceUnavailable, Err: err}
+		if !d.Soft() {
+			return outcomeFailClosed, caddyhttp.HandlerError{StatusCode: http.StatusServiceUnavailable, Err: err}
+		}
+		// Only zones that never refuse (dry run, spill) apply: closed
+		// takes the unknown for over their limits, which they let
+		// through, as would-be refusals or spilled (see count).
+		for i := range d.Slots {
+			d.Slots[i].Full = true
+		}
+		return outcomeFailOpen, nil
 	}
 }
 
@@ -244,7 +253,9 @@ func (m *match) ok(d *store.Demands) bool {
 // whatever its demands. A request that the store failed on is counted as
 // a store error (by take), and as what fail_mode decided when that was a
 // decision: allowed by open, allowed or refused by the local buckets;
-// closed refuses without deciding. A zone in dry run, whose demands are
+// closed refuses without deciding, unless only zones that never refuse
+// apply (dry run, spill): it then lets the request through as their
+// would-be refusal, which they count and name as they do any. A zone in dry run, whose demands are
 // soft (the store decided the request without those that lacked), is
 // counted as one that would have refused, or not, and says so in the
 // request's placeholders (see noteDryRun). A zone with spill, whose
@@ -269,11 +280,11 @@ func (h *Handler) count(r *http.Request, sc *scratch, out outcome) {
 		}
 		full := m.slot >= 0 && sc.d.Slots[m.slot].Full
 		m.wouldDeny = (z.inDryRun || z.Spill) && (!ok || full)
-		switch {
-		case z.inDryRun && (decided || m.wouldDeny):
+		if z.inDryRun && (decided || m.wouldDeny) {
 			h.noteDryRun(r, sc, m, z)
-		case z.Spill && !z.inDryRun && allowed:
-			h.noteSpill(r, sc, m, z)
+		}
+		if z.Spill && allowed {
+			h.noteSpill(r, sc, m, z, m.wouldDeny && !z.inDryRun)
 		}
 		switch {
 		case m.wouldDeny && z.inDryRun:
@@ -315,18 +326,19 @@ func (h *Handler) noteDryRun(r *http.Request, sc *scratch, m *match, z *Zone) {
 }
 
 // noteSpill says in r's placeholders whether m's zone z, with spill, sent
-// the allowed request on over its limit (m.wouldDeny): it then names the
-// zone in http.rate_limit.spilled, unless a zone before it did, and logs
-// it at DEBUG. A request that no zone spilled has the placeholder empty,
-// rather than unknown (which header operations would leave as written).
-func (h *Handler) noteSpill(r *http.Request, sc *scratch, m *match, z *Zone) {
+// the allowed request on over its limit (spilled; in dry run it spills
+// nothing): it then names the zone in http.rate_limit.spilled, unless a
+// zone before it did, and logs it at DEBUG. A request that no zone
+// spilled has the placeholder empty, rather than unknown (which header
+// operations would leave as written).
+func (h *Handler) noteSpill(r *http.Request, sc *scratch, m *match, z *Zone, spilled bool) {
 	if repl, ok := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer); ok {
-		repl.Set(z.spilledVar, m.wouldDeny)
+		repl.Set(z.spilledVar, spilled)
 		if name, _ := repl.Get(spilledVar); name == nil || name == "" {
-			repl.Set(spilledVar, spilledName(m, z))
+			repl.Set(spilledVar, spilledName(spilled, z))
 		}
 	}
-	if !m.wouldDeny {
+	if !spilled {
 		return
 	}
 	if c := h.logger.Check(zapcore.DebugLevel, "rate limit exceeded: the request goes on, spilled"); c != nil {
@@ -334,10 +346,10 @@ func (h *Handler) noteSpill(r *http.Request, sc *scratch, m *match, z *Zone) {
 	}
 }
 
-// spilledName is what http.rate_limit.spilled says of m's zone z: its
-// name when it spilled the request, else "".
-func spilledName(m *match, z *Zone) any {
-	if m.wouldDeny {
+// spilledName is what http.rate_limit.spilled says of zone z: its name
+// when it spilled the request, else "".
+func spilledName(spilled bool, z *Zone) any {
+	if spilled {
 		return z.boxedName
 	}
 	return noZone

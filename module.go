@@ -482,7 +482,7 @@ type outcome uint8
 const (
 	outcomeAllow      outcome = iota // every zone had the tokens, or only dry-run zones refused
 	outcomeDeny                      // a zone refused: 429
-	outcomeFailOpen                  // the store failed; fail_mode open lets the request through
+	outcomeFailOpen                  // the store failed; fail_mode open (or closed, when only zones that never refuse apply) lets the request through
 	outcomeFailClosed                // the store failed; fail_mode closed answers 503
 	outcomeFailed                    // the request cannot be decided: 500
 	outcomeBadLimit                  // a zone has no valid limit for the request: 500, logged by the zone

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -93,7 +94,9 @@ func TestSpillThroughHandler(t *testing.T) {
 }
 
 // A zone with spill in dry run spills nothing: it tells what it would
-// refuse, as any zone in dry run.
+// refuse, as any zone in dry run, and its spill placeholders say that it
+// spilled nothing, as a zone's that took the request do (false, and
+// none named), rather than being unknown.
 func TestSpillInDryRun(t *testing.T) {
 	h := newTestHandler(t, `{"dry_run":true,"zones":[{"name":"spill-dry","rate":"1r/h","burst":1,"spill":true}]}`)
 	for i := range 2 {
@@ -103,9 +106,10 @@ func TestSpillInDryRun(t *testing.T) {
 		}
 		repl := req.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 		zone, _ := repl.Get("http.rate_limit.spilled")
+		mine, _ := repl.Get("http.rate_limit.spill-dry.spilled")
 		would, _ := repl.Get("http.rate_limit.spill-dry.would_deny")
-		if zone != nil || would != (i == 1) {
-			t.Fatalf("request %d: spilled %v, would_deny %v; want none and %v", i, zone, would, i == 1)
+		if zone != "" || mine != false || would != (i == 1) {
+			t.Fatalf("request %d: spilled %#v and %#v, would_deny %v; want \"\", false and %v", i, zone, mine, would, i == 1)
 		}
 	}
 	if st := h.Zones[0].state; st.spilled.Load() != 0 || st.dryRunDenied.Load() != 1 {
@@ -269,5 +273,148 @@ func TestSpillHeadersThroughCaddy(t *testing.T) {
 			t.Fatalf("request %d: %d %q from %q, RateLimit %q, Retry-After %q; want 200 from %s and 0 left",
 				i, code, body, h.Get("X-Upstream"), h.Get("RateLimit"), h.Get("Retry-After"), upstream)
 		}
+	}
+}
+
+// softOutageSite has a route per way a zone may never refuse, each on a
+// Redis store at addr with fail_mode closed: /spill (a zone with spill,
+// whose fallback answers "fallback"), /dry (a zone in dry run), /dry-all
+// (a handler in dry run) and /mixed (a zone with spill beside one that
+// refuses). The responses say what the placeholders held.
+func softOutageSite(addr string) string {
+	store := "store redis {\n\t\t\t\taddress " + addr + "\n\t\t\t\ttimeout 200ms\n\t\t\t\tfail_mode closed\n\t\t\t}"
+	return fmt.Sprintf(`http://localhost:9080 {
+	handle /spill {
+		rate_limit {
+			zone soft-spill {
+				key {http.request.header.X-Key}
+				rate 1r/m
+				burst 2
+				spill
+			}
+			%[1]s
+		}
+		@spilled vars {http.rate_limit.spilled} soft-spill
+		respond @spilled "fallback {http.rate_limit.soft-spill.spilled}" 200
+		respond "primary {http.rate_limit.soft-spill.spilled}" 200
+	}
+	handle /dry {
+		rate_limit {
+			zone soft-dry {
+				key {http.request.header.X-Key}
+				rate 1r/m
+				burst 2
+				dry_run
+			}
+			%[1]s
+		}
+		respond "primary {http.rate_limit.soft-dry.would_deny} {http.rate_limit.would_deny}" 200
+	}
+	handle /dry-all {
+		rate_limit {
+			dry_run
+			zone soft-dry-all {
+				key {http.request.header.X-Key}
+				rate 1r/m
+				burst 2
+			}
+			%[1]s
+		}
+		respond "primary {http.rate_limit.soft-dry-all.would_deny}" 200
+	}
+	handle /mixed {
+		rate_limit {
+			zone soft-mixed-spill {
+				key {http.request.header.X-Key}
+				rate 1r/m
+				burst 2
+				spill
+			}
+			zone soft-mixed-hard {
+				key {http.request.header.X-Key}
+				rate 1r/m
+				burst 2
+			}
+			%[1]s
+		}
+		respond "primary" 200
+	}
+}
+`, store)
+}
+
+// With its Redis stopped, then frozen, and fail_mode closed, a zone that
+// never refuses never refuses: closed takes the unknown for over its
+// limit, so a zone with spill spills (the fallback route takes the
+// request, counted spilled) and a zone in dry run, or a handler in dry
+// run, lets it through as a would-be refusal (counted dry_run_denied);
+// each counts the store's error too. A request that a zone which
+// refuses applies to still gets closed's 503, and spills nothing.
+func TestSoftZonesWhenRedisFails(t *testing.T) {
+	r := startRedis(t)
+	tester := startCaddy(t, "", softOutageSite(r.Addr()))
+	for _, fault := range []string{"stopped", "frozen"} {
+		t.Run(fault, func(t *testing.T) {
+			if fault == "stopped" {
+				r.Kill()
+			} else {
+				// Frozen once the store uses Redis again, so that its
+				// calls time out rather than the breaker answering.
+				r.Start()
+				deadline := time.Now().Add(20 * time.Second)
+				for {
+					if _, _, body := llmGetAt(t, "http://localhost:9080", "/spill", "X-Key", "probe"); body == "primary false" {
+						break
+					}
+					if time.Now().After(deadline) {
+						t.Fatal("the store did not use Redis again after its restart")
+					}
+					time.Sleep(50 * time.Millisecond)
+				}
+				r.Pause()
+				defer r.Resume()
+			}
+			base := scrape(t, tester)
+			const n = 3
+			for _, c := range []struct{ path, want string }{
+				{"/spill", "fallback true"},
+				{"/dry", "primary true soft-dry"},
+				{"/dry-all", "primary true"},
+			} {
+				for i := range n {
+					code, _, body := llmGetAt(t, "http://localhost:9080", c.path, "X-Key", "k-"+fault)
+					if code != 200 || body != c.want {
+						t.Fatalf("%s, request %d: %d %q, want 200 %q", c.path, i, code, body, c.want)
+					}
+				}
+			}
+			for i := range n {
+				if code, _, body := llmGetAt(t, "http://localhost:9080", "/mixed", "X-Key", "k-"+fault); code != 503 {
+					t.Fatalf("/mixed, request %d: %d %q, want fail_mode closed's 503", i, code, body)
+				}
+			}
+			m := scrape(t, tester)
+			series := func(zone, result string) string {
+				return fmt.Sprintf(`caddy_rate_limit_requests_total{limit="1r/m burst 2",result=%q,zone=%q}`, result, zone)
+			}
+			for _, c := range []struct {
+				zone, result string
+				n            float64
+			}{
+				{"soft-spill", "spilled", n},
+				{"soft-spill", "store_error", n},
+				{"soft-spill", "allowed", 0},
+				{"soft-dry", "dry_run_denied", n},
+				{"soft-dry", "store_error", n},
+				{"soft-dry", "allowed", 0},
+				{"soft-dry-all", "dry_run_denied", n},
+				{"soft-dry-all", "store_error", n},
+				{"soft-mixed-spill", "spilled", 0},
+				{"soft-mixed-spill", "store_error", n},
+				{"soft-mixed-hard", "store_error", n},
+			} {
+				wantMetric(t, m, series(c.zone, c.result), base[series(c.zone, c.result)]+c.n)
+			}
+		})
 	}
 }

@@ -117,6 +117,26 @@ func (d *Demands) Clear() {
 	d.At, d.Remembered = time.Time{}, false
 }
 
+// Soft reports whether every demand of d is soft: d can refuse nothing.
+func (d *Demands) Soft() bool {
+	for i := range d.Buckets {
+		if !d.Buckets[i].Soft {
+			return false
+		}
+	}
+	for i := range d.Counters {
+		if !d.Counters[i].Soft {
+			return false
+		}
+	}
+	for i := range d.Slots {
+		if !d.Slots[i].Soft {
+			return false
+		}
+	}
+	return true
+}
+
 // Empty reports whether d asks for nothing.
 func (d *Demands) Empty() bool { return len(d.Buckets)+len(d.Counters)+len(d.Slots) == 0 }
 
