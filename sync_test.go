@@ -640,7 +640,7 @@ func TestSyncOutageForgiven(t *testing.T) {
 			tc.away(r)
 			halfRate("during the outage", 5*time.Second)
 			tc.recover(r)
-			least := leastTokens(t, r, []string{"one", "two"}, 1500*time.Millisecond)
+			least := leastTokens(t, r, []string{"one", "two"}, 100*time.Millisecond, 1500*time.Millisecond)
 			for key, paths := range instances {
 				t.Logf("key %s on %d instances: %.2f tokens at least after the outage", key, len(paths), least[key])
 				if want := float64(10 - 2*len(paths)); least[key] < want-1e-6 {
@@ -656,23 +656,83 @@ func TestSyncOutageForgiven(t *testing.T) {
 	}
 }
 
-// leastTokens is the least each key's bucket of zone s (10r/s burst 10)
-// holds in Redis over d: refills only add to it, so what was charged
-// meanwhile is at most what it lacks of the burst.
-func leastTokens(t *testing.T, r *redisServer, keys []string, d time.Duration) map[string]float64 {
+// leastTokens is the least each key's bucket of zone s (burst 10, a
+// token every token) holds in Redis over d (once, for 0): refills only
+// add to it, so what was charged meanwhile is at most what it lacks of
+// the burst.
+func leastTokens(t *testing.T, r *redisServer, keys []string, token, d time.Duration) map[string]float64 {
 	t.Helper()
 	c := newRedisClient(t, r.Addr())
 	least := make(map[string]float64)
 	for _, key := range keys {
 		least[key] = 10
 	}
-	for start := time.Now(); time.Since(start) < d; time.Sleep(10 * time.Millisecond) {
+	for start := time.Now(); ; time.Sleep(10 * time.Millisecond) {
 		for _, key := range keys {
 			hash, field := syncBucket(t, "s", key)
-			least[key] = min(least[key], tokensInRedis(t, c, hash, field, 10, 100*time.Millisecond))
+			least[key] = min(least[key], tokensInRedis(t, c, hash, field, 10, token))
+		}
+		if time.Since(start) >= d {
+			return least
 		}
 	}
-	return least
+}
+
+// At a slow rate, where two intervals of refill are less than a request,
+// what an instance spent while Redis was away reaches Redis capped at
+// one request's cost a key (docs/sync.md): at 1r/m burst 10 with sync
+// 100ms (two intervals: 0.003 tokens), a key that Redis knows at 8
+// tokens is used 12 times while Redis is away, which its copy decides.
+// Killed and started again empty, Redis then holds 9 tokens; frozen and
+// thawed, 7: a call that timed out was run when Redis thawed (a request
+// beyond the allowance, asked of Redis as the outage began), and the
+// copy, counting it as sent, sends nothing more.
+func TestSyncOutageForgivenSlow(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		away, recover func(r *redisServer)
+		least         float64 // Redis's tokens after the outage, at least
+	}{
+		{"killed", (*redisServer).Kill, (*redisServer).Start, 9},
+		{"frozen", (*redisServer).Pause, (*redisServer).Resume, 7},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := startRedis(t)
+			tester := startCaddy(t, "", "http://localhost:9080 {\n"+syncHandles("address "+r.Addr(), "rate 1r/m\n\t\t\t\tburst 10", 1)+"}\n")
+			// The first request is Redis's; the second, its copy's, within
+			// its allowance, which the reconciliations send.
+			for i := range 2 {
+				if code := sendKey(t, tester, "a", "slow"); code != http.StatusOK {
+					t.Fatalf("request %d before the outage: %d, want 200", i, code)
+				}
+				time.Sleep(300 * time.Millisecond)
+			}
+			before := leastTokens(t, r, []string{"slow"}, time.Minute, 0)["slow"]
+			if before < 8-1e-6 || before > 8.1 {
+				t.Fatalf("before the outage: %.3f tokens in Redis, want 8", before)
+			}
+			tc.away(r)
+			allowed := 0
+			for range 12 {
+				if sendKey(t, tester, "a", "slow") == http.StatusOK {
+					allowed++
+				}
+				time.Sleep(100 * time.Millisecond)
+			}
+			if allowed == 0 {
+				t.Fatal("the copy allowed nothing while Redis was away")
+			}
+			tc.recover(r)
+			least := leastTokens(t, r, []string{"slow"}, time.Minute, 1500*time.Millisecond)["slow"]
+			t.Logf("%d of 12 allowed while Redis was away; %.3f tokens at least after", allowed, least)
+			if least < tc.least-1e-6 {
+				t.Errorf("the shared bucket went down to %.3f tokens after the outage, want %v or more (one request's cost of the outage's spending)", least, tc.least)
+			}
+			if least > tc.least+0.5 {
+				t.Errorf("%.3f tokens at least after the outage: nothing of its spending reached Redis, want %v", least, tc.least)
+			}
+		})
+	}
 }
 
 // On a Redis Cluster, the reconciliations are counted a script call each,

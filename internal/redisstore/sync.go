@@ -173,8 +173,12 @@ type SyncCopy struct {
 	allow     time.Duration // when this instance's allowance is whole again
 	// Tokens spent here: not sent yet, and sent in the reconciliation out.
 	pending, sent int64
-	heard         time.Duration // when Redis last answered for the key, or the copy was made
-	used          bool          // asked or spent since the last reconciliation: in the shard's used
+	// doubt: tokens of calls for the key that failed in doubt since Redis
+	// last answered for it (see owe); cost: what the key's last request
+	// took, in tokens.
+	doubt, cost int64
+	heard       time.Duration // when Redis last answered for the key, or the copy was made
+	used        bool          // asked or spent since the last reconciliation: in the shard's used
 }
 
 func newSyncZone(interval time.Duration) *SyncZone {
@@ -276,7 +280,7 @@ func sameLimit(a, b gcra.Limit) bool { return a.TokenTime == b.TokenTime && a.Bu
 func (c *SyncCopy) learnt(at, n, debt time.Duration, lim gcra.Limit, tokens int64) {
 	c.lim = lim
 	c.fullAt = min(max(at+debt, n)+time.Duration(tokens)*lim.TokenTime, n+lim.Most())
-	c.heard = n
+	c.heard, c.doubt = n, 0
 }
 
 // synced reports whether a bucket of d is in a zone with sync.
@@ -313,7 +317,8 @@ func (s *Store) takeSync(ctx context.Context, now time.Time, d *store.Demands) (
 	s.carry(d, carried)
 	allowed, err := s.takeExact(ctx, now, d)
 	charged := err == nil && allowed
-	s.uncarry(d, carried, charged, err != nil)
+	doubt := rediswire.InDoubt(err)
+	s.uncarry(d, carried, charged, err != nil, doubt)
 	switch {
 	case err == nil:
 		if !d.Remembered { // the over-limit cache's answer is a bound, not Redis's
@@ -328,6 +333,9 @@ func (s *Store) takeSync(ctx context.Context, now time.Time, d *store.Demands) (
 		}
 		return allowed, nil
 	case !alone:
+		if doubt {
+			s.doubted(d)
+		}
 		return false, err
 	}
 	allowed, _ = s.decideHere(now, d, err)
@@ -360,8 +368,9 @@ func (s *Store) carry(d *store.Demands, carried []int64) {
 
 // uncarry takes off the costs what carry added, and, unless the take
 // charged them, gives the tokens back to the copies to send: away when
-// the take failed (see owe).
-func (s *Store) uncarry(d *store.Demands, carried []int64, charged, away bool) {
+// the take failed, or counts them in doubt when it failed in doubt (see
+// owe).
+func (s *Store) uncarry(d *store.Demands, carried []int64, charged, away, doubt bool) {
 	for i := range d.Buckets {
 		if carried[i] == 0 {
 			continue
@@ -374,10 +383,20 @@ func (s *Store) uncarry(d *store.Demands, carried []int64, charged, away bool) {
 		sz := s.Zones[b.Zone].Sync
 		sh, h := sz.Lock(b.Key)
 		if c := sh.M[h]; c != nil {
-			sz.owe(sh, c, carried[i], away)
+			sz.owe(sh, c, carried[i], away, doubt)
 		}
 		sh.Mu.Unlock()
 	}
+}
+
+// doubted counts the costs of d's buckets in zones with sync in doubt:
+// d's call failed in doubt, and fail_mode decided it (see owe).
+func (s *Store) doubted(d *store.Demands) {
+	s.withCopies(d, func(sz *SyncZone, sh *SyncShard, h uint64, b *store.BucketDemand) {
+		if c := sh.M[h]; c != nil {
+			sz.owe(sh, c, int64(b.Cost/b.Limit.TokenTime), true, true)
+		}
+	})
 }
 
 // A syncLook is what decideHere found of a bucket.
@@ -387,6 +406,7 @@ type syncLook struct {
 	c        *SyncCopy
 	n        time.Duration
 	debt, ad time.Duration // what the copy owes, and what its allowance
+	away     bool          // decided without Redis (see owe)
 }
 
 // decideHere decides d from the copies of its buckets, all or nothing,
@@ -396,7 +416,8 @@ type syncLook struct {
 // has the tokens within its allowance; else Redis decides. failed is why
 // Redis could not decide d: the copies then decide all the same (a key
 // without one gets one, as full as the over-limit cache allows), and no
-// allowance or freshness holds them back.
+// allowance or freshness holds them back; so do copies with calls in
+// doubt, until Redis answers for them again (see owe).
 func (s *Store) decideHere(now time.Time, d *store.Demands, failed error) (allowed, decided bool) {
 	var lockedArr [4]*SyncShard
 	var looksArr [4]syncLook
@@ -431,11 +452,12 @@ func (s *Store) decideHere(now time.Time, d *store.Demands, failed error) (allow
 		}
 		look := &looks[i]
 		look.debt, look.ad = b.Limit.Debt(c.fullAt, n), max(c.allow-n, 0)
+		look.away = !strict || c.doubt > 0
 		b.Debt, b.OK = look.debt, look.debt+b.Cost <= b.Limit.Reach()
 		switch {
 		case !b.OK:
 			denied = denied || !b.Soft
-		case strict && look.ad+b.Cost > max(sz.interval, b.Cost):
+		case !look.away && look.ad+b.Cost > max(sz.interval, b.Cost):
 			here = false
 		}
 	}
@@ -446,15 +468,16 @@ func (s *Store) decideHere(now time.Time, d *store.Demands, failed error) (allow
 	if !here {
 		return false, false
 	}
-	chargeCopies(d, looks, !strict)
+	chargeCopies(d, looks, rediswire.InDoubt(failed))
 	d.At = now
 	return true, true
 }
 
 // chargeCopies charges each bucket of d that had the tokens its cost, in
 // its copy as decideHere looked at it; a soft one that lacked them is
-// charged nothing. away: decided while Redis was away (see owe).
-func chargeCopies(d *store.Demands, looks []syncLook, away bool) {
+// charged nothing. doubt: d's call failed in doubt, so its costs may
+// reach Redis by it (see owe).
+func chargeCopies(d *store.Demands, looks []syncLook, doubt bool) {
 	for i := range d.Buckets {
 		b, look := &d.Buckets[i], &looks[i]
 		if !b.OK {
@@ -463,7 +486,8 @@ func chargeCopies(d *store.Demands, looks []syncLook, away bool) {
 		c := look.c
 		c.fullAt = look.n + look.debt + b.Cost
 		c.allow = look.n + look.ad + b.Cost
-		look.sz.owe(look.sh, c, int64(b.Cost/b.Limit.TokenTime), away)
+		c.cost = int64(b.Cost / b.Limit.TokenTime)
+		look.sz.owe(look.sh, c, c.cost, look.away, doubt)
 		b.Debt += b.Cost
 	}
 }
@@ -513,7 +537,7 @@ func (s *Store) learn(now time.Time, d *store.Demands) {
 			c = sz.add(sh, h, s, b, n, 0)
 		}
 		if c != nil {
-			c.base = baseLimit(b)
+			c.base, c.cost = baseLimit(b), int64(b.Cost/b.Limit.TokenTime)
 			sh.use(c)
 			c.learnt(at, max(n, at), b.Debt, b.Limit, c.pending+c.sent)
 		}
@@ -632,7 +656,8 @@ type syncItem struct {
 // had their day (see sweep). Its work follows the copies used since the
 // last one, not the copies held: an idle zone costs a lock of each shard.
 // While Redis is down (its breaker open), what the copies spend waits
-// for the next, forgiven beyond two intervals of refill (see owe).
+// for the next, forgiven beyond two intervals of refill or a request's
+// cost (see owe).
 func (sz *SyncZone) Reconcile() {
 	u, ok := sz.owner()
 	if !ok {
@@ -658,7 +683,7 @@ func (sz *SyncZone) Reconcile() {
 			for i := range batch[sent:] {
 				p := &batch[sent+i]
 				p.sh.Mu.Lock()
-				sz.unsent(p)
+				sz.unsent(p, false)
 				p.sh.Mu.Unlock()
 			}
 			return
@@ -791,7 +816,7 @@ func (sz *SyncZone) update(u syncUser, p *syncItem, d *store.Demands, k int, err
 	p.sh.Mu.Lock()
 	c := p.c
 	if err != nil {
-		sz.unsent(p)
+		sz.unsent(p, rediswire.InDoubt(err))
 	} else {
 		c.sent = 0
 		n := sz.Instant(time.Now())
@@ -806,30 +831,49 @@ func (sz *SyncZone) update(u syncUser, p *syncItem, d *store.Demands, k int, err
 // owe adds tokens to what c spent here and has not sent, for the next
 // reconciliation to send. Requires sh.mu, c's shard's lock. away says
 // that they wait for Redis because Redis could not take them: decided
-// here while it was away (its breaker open, or the request's call
-// failed), or sent in a reconciliation that failed or was not made. What
-// waits so is forgiven beyond two intervals of refill, as fail_mode
-// local forgets what its buckets spent: no allowance held an outage's
-// spending back, and all of it charged to the shared bucket at once
-// would refuse the keys used during the outage for up to syncOwe
-// intervals after. Spending that Redis could have taken (within the
-// allowance, while it answers) is always sent whole: the bound counts on
-// it.
-func (sz *SyncZone) owe(sh *SyncShard, c *SyncCopy, tokens int64, away bool) {
-	c.pending += tokens
-	if away {
-		c.pending = min(c.pending, max(int64(2*sz.interval/c.lim.TokenTime), 1))
+// here while it was away (its breaker open, the request's call failed,
+// or the copy has calls in doubt), or sent in a reconciliation that
+// failed or was not made. What waits so is forgiven beyond two intervals
+// of refill, or one request's cost when that is more, as fail_mode local
+// forgets what its buckets spent: no allowance held an outage's spending
+// back, and all of it charged to the shared bucket at once would refuse
+// the keys used during the outage for up to syncOwe intervals after.
+// Spending that Redis could have taken (within the allowance, while it
+// answers) is always sent whole: the bound counts on it.
+//
+// doubt says that the tokens went in a call that failed in doubt: Redis
+// may have run it, or may run it later (a frozen Redis thawing), so they
+// are not sent again, and count against what may still go up: the copy
+// then decides here, sending nothing to Redis but its reconciliations,
+// until Redis answers for the key again, so that one call at most is in
+// doubt for it.
+func (sz *SyncZone) owe(sh *SyncShard, c *SyncCopy, tokens int64, away, doubt bool) {
+	if doubt {
+		c.doubt += tokens
+	} else {
+		c.pending += tokens
+	}
+	if away || doubt {
+		c.pending = min(c.pending, max(sz.forgiven(c)-c.doubt, 0))
 	}
 	sh.use(c)
 }
 
+// forgiven is what of c's spending while Redis was away may go up, in
+// tokens: two intervals of refill, or one request's cost when that is
+// more.
+func (sz *SyncZone) forgiven(c *SyncCopy) int64 {
+	return max(int64(2*sz.interval/c.lim.TokenTime), c.cost, 1)
+}
+
 // unsent puts back what p's copy sent in a call that failed or was not
 // made, for the next reconciliation to send again, with the shared state
-// to learn: Redis could not take it (see owe). Requires p.sh.mu.
-func (sz *SyncZone) unsent(p *syncItem) {
+// to learn: Redis could not take it (see owe); or, for a call that
+// failed in doubt, counts it in doubt. Requires p.sh.mu.
+func (sz *SyncZone) unsent(p *syncItem, doubt bool) {
 	tokens := p.c.sent
 	p.c.sent = 0
-	sz.owe(p.sh, p.c, tokens, true)
+	sz.owe(p.sh, p.c, tokens, true, doubt)
 }
 
 // sawOverride has the store's decisions of a zone read the keys' own

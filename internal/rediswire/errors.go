@@ -5,6 +5,7 @@ package rediswire
 
 import (
 	"errors"
+	"net"
 	"strings"
 
 	"github.com/redis/go-redis/v9"
@@ -59,6 +60,38 @@ func Classify(err error) Kind {
 		return Answered
 	}
 	return Outage // dial errors, timeouts, resets
+}
+
+// InDoubt reports whether a call that failed with err may have been run
+// by Redis all the same: it was sent, or queued to be, and no answer came
+// in time, so Redis may have run it, or may run it later (a frozen
+// server runs what it had received when it thaws). A call that never
+// left (the breaker open, a connection that could not be made, a closed
+// client or a full pool), that Redis answered with an error, or whose
+// connection Redis closed (a server that died runs nothing later) is not
+// in doubt.
+func InDoubt(err error) bool {
+	_, ok := errors.AsType[unanswered](err)
+	return ok
+}
+
+// unanswered is the error of a call sent, or queued to be, that timed
+// out waiting for its answer. It reads as the error it wraps.
+type unanswered struct{ error }
+
+func (e unanswered) Unwrap() error { return e.error }
+
+// sentAndLost is err, the failure of a call handed to the client, marked
+// unanswered when the client wrote it, or began to, and its answer did
+// not come in time: a read or a write that timed out. A call that found
+// no connection fails otherwise (the client dials until the deadline,
+// then says so: context.DeadlineExceeded), and so does one whose server
+// closed the connection.
+func sentAndLost(err error) error {
+	if op, ok := errors.AsType[*net.OpError](err); ok && (op.Op == "read" || op.Op == "write") && op.Timeout() {
+		return unanswered{err}
+	}
+	return err
 }
 
 // scriptCommands are the commands by which the store runs its scripts:

@@ -6,7 +6,9 @@ package rediswire
 import (
 	"context"
 	"fmt"
+	"strconv"
 	"testing"
+	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/redis/go-redis/v9"
@@ -106,5 +108,81 @@ func TestClassifyRefusedScripts(t *testing.T) {
 		if logged, _ := scriptsRefused(tc.err); logged != tc.logged {
 			t.Errorf("%s (%v): logged as %q, want %q", tc.name, tc.err, logged, tc.logged)
 		}
+	}
+}
+
+// A call is in doubt when it was sent and no answer came: Redis may run
+// it when it can, as a frozen server does when it thaws. One that never
+// left, or whose server died, is not.
+func TestInDoubt(t *testing.T) {
+	shape := NewShape(10*time.Second, time.Second, time.Second, 0, 0, 0, false) // burst 10, a token a second
+	keys := Keys{Prefix: "doubt:"}
+	hash, field, limit := keys.BucketLimit(ZoneField("z"), "k")
+	take := func(c *Client) error {
+		call := NewCall(Take, time.Now().Add(200*time.Millisecond))
+		call.Bucket(hash, field, limit, shape, false, false)
+		_, err := c.Run(context.Background(), call)
+		return err
+	}
+	client := func(addr string) *Client {
+		c, err := NewClient(&redis.UniversalOptions{Addrs: []string{addr}, MaxRetries: -1, ContextTimeoutEnabled: true,
+			DialTimeout: 200 * time.Millisecond, ReadTimeout: 200 * time.Millisecond, WriteTimeout: 200 * time.Millisecond}, testScripts(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+
+	// Sent to a frozen server, which runs it when it thaws: the bucket
+	// then owes the second take's token too.
+	r := redistest.Start(t)
+	c := client(r.Addr())
+	if err := take(c); err != nil {
+		t.Fatal(err)
+	}
+	r.Pause()
+	frozen := take(c)
+	r.Resume()
+	owes := func() time.Duration {
+		at, _ := strconv.ParseInt(r.CLI("HGET", hash, field), 10, 64)
+		redisNow, _ := strconv.ParseInt(r.CLI("EVAL", "local t = redis.call('TIME') return (t[1] - 1735689600) * 1000000000 + t[2] * 1000", "0"), 10, 64)
+		return time.Duration(at - redisNow)
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for owes() < 1500*time.Millisecond && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if d := owes(); d < 1500*time.Millisecond {
+		t.Fatalf("after the thaw the bucket owes %v, want about 2s: the take that timed out was not run", d)
+	}
+
+	// Sent to a server that then died: it runs nothing later.
+	dying := redistest.Start(t)
+	dc := client(dying.Addr())
+	if err := take(dc); err != nil {
+		t.Fatal(err)
+	}
+	dying.Kill()
+	dead := take(dc)
+
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"sent to a frozen server", frozen, true},
+		{"its server gone", dead, false},
+		{"no server", take(client("127.0.0.1:1")), false},
+		{"the deadline, dialling", context.DeadlineExceeded, false},
+		{"the breaker open", ErrDown, false},
+		{"no error", nil, false},
+	} {
+		if got := InDoubt(tc.err); got != tc.want {
+			t.Errorf("%s (%v): in doubt %v, want %v", tc.name, tc.err, got, tc.want)
+		}
+	}
+	if frozen == nil || frozen.Error() != frozen.(interface{ Unwrap() error }).Unwrap().Error() {
+		t.Errorf("a call in doubt reads %v, as the error it wraps", frozen)
 	}
 }

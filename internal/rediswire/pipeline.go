@@ -89,7 +89,9 @@ func (p *pipeline) run(ctx context.Context, c *Call) (Reply, error) {
 		select {
 		case <-c.done:
 		case <-ctx.Done():
-			return Reply{}, ctx.Err() // c is the flight's until it lands: not freed
+			// c is the flight's until it lands: not freed, and it may
+			// yet be sent.
+			return Reply{}, unanswered{ctx.Err()}
 		}
 	} else {
 		<-c.done

@@ -492,6 +492,7 @@ func (m *command) reset() {
 // nothing here touches it after.
 func (m *command) answer(v []any, err error, at time.Time) {
 	var clock, repaired int64
+	err = sentAndLost(err)
 	if err == nil {
 		clock, repaired, err = m.check(v)
 	}
