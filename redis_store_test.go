@@ -709,6 +709,72 @@ func TestRedisScriptsRefused(t *testing.T) {
 	}
 }
 
+// Stores that share a connection to a Redis that refuses the scripts,
+// each with its own fail_mode: the refusal is said once for each
+// fail_mode, naming its zones, whichever store found it, and each store
+// decides as its line says.
+func TestRedisScriptsRefusedSharedConnection(t *testing.T) {
+	requireRedis(t)
+	c := startFaultCaddy(t, `respond "idle"`, false)
+	r := startRedis(t)
+	r.CLI("ACL", "SETUSER", "limited", "on", ">pw-limited", "~*", "+@all", "-eval", "-evalsha", "-script")
+	var site strings.Builder
+	for _, mode := range []string{"local", "open", "closed"} {
+		fmt.Fprintf(&site, `handle /%[1]s {
+		rate_limit {
+			zone shared-%[1]s {
+				key {http.request.header.X-Key}
+				rate 1r/m
+				burst 2
+			}
+			store redis {
+				address %[2]s
+				username limited
+				password pw-limited
+				fail_mode %[1]s
+			}
+		}
+		respond "ok"
+	}
+	`, mode, r.Addr())
+	}
+	mark := c.logs.mark()
+	c.load(site.String())
+	waitLogLine(t, c, mark, "redis refuses this user the scripts")
+	said := map[string][]string{}
+	lines := storeLines(c.logs.since(mark))
+	for _, l := range lines {
+		var line struct {
+			Msg      string
+			FailMode string   `json:"fail_mode"`
+			Zones    []string `json:"zones"`
+		}
+		if err := json.Unmarshal([]byte(l), &line); err != nil || !strings.Contains(line.Msg, "redis refuses this user the scripts") {
+			t.Errorf("a warning or error besides the refusal: %s", l)
+			continue
+		}
+		if _, ok := said[line.FailMode]; ok {
+			t.Errorf("fail_mode %s said twice: %s", line.FailMode, l)
+		}
+		said[line.FailMode] = line.Zones
+	}
+	if fmt.Sprint(said) != "map[closed:[shared-closed] local:[shared-local] open:[shared-open]]" {
+		t.Errorf("the refusal said the fail_modes and zones %v, want each mode once with its zone", said)
+	}
+	for mode, want := range map[string]string{"local": "200 200 429", "open": "200 200 200", "closed": "503 503 503"} {
+		var codes []string
+		for range 3 {
+			codes = append(codes, strconv.Itoa(send(c.client, c.url+"/"+mode, "X-Key", "k").status))
+		}
+		if got := strings.Join(codes, " "); got != want {
+			t.Errorf("fail_mode %s: %s, want %s", mode, got, want)
+		}
+	}
+	if n := len(storeLines(c.logs.since(mark))); n != len(lines) {
+		t.Errorf("%d warnings and errors from the handlers and stores after the requests, want the %d of the refusal alone", n, len(lines))
+	}
+}
+
 // waitLogLine waits for the first line of c's log since mark that holds
 // text, and returns it.
 func waitLogLine(t *testing.T, c *faultCaddy, mark int, text string) string {

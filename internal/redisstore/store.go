@@ -56,6 +56,7 @@ type Store struct {
 	leaseIDs    string             // what this store's lease IDs start with: unique among instances
 	Flights     *flights           // calls in flight for the buckets in the over-limit cache
 	syncIDs     []SyncID           // the copies of the zones with sync it holds (sync.go)
+	leave       func()             // ends its use of the client (see Client.Join)
 	keyErrors   *throttle.Throttle // errors that Redis answered for one call's keys
 	repairs     *throttle.Throttle // keys of another type that the script overwrote
 	Logger      *zap.Logger
@@ -134,6 +135,9 @@ func (s *Store) Drop() error {
 	// The copies of sync zones go with the last user, before the client:
 	// their last reconciliation needs it.
 	err := s.releaseSync()
+	if s.leave != nil {
+		s.leave()
+	}
 	return errors.Join(err, s.GiveBack())
 }
 
@@ -145,6 +149,15 @@ func (s *Store) Bind(zones []store.ZoneSpec) error {
 	_, _ = rand.Read(id[:])
 	s.leaseIDs = base64.RawURLEncoding.EncodeToString(id[:]) + ":"
 	s.Zones = make([]Zone, len(zones))
+	var asking []string // the zones that ask Redis
+	for _, z := range zones {
+		if z.Bucket || z.Quota != "" || z.Slots {
+			asking = append(asking, z.Name)
+		}
+	}
+	if len(asking) > 0 {
+		s.leave = s.Client.Join(s.Logger, s.FailMode, asking)
+	}
 	for i, z := range zones {
 		rz := &s.Zones[i]
 		rz.name, rz.keys, rz.refunds, rz.maxOverrides = z.Name, rediswire.ZoneField(z.Name), z.Refunds, z.MaxOverrides
@@ -169,7 +182,7 @@ func (s *Store) Bind(zones []store.ZoneSpec) error {
 		// than at the first request; one whose zones ask nothing (an
 		// adaptive limit alone) never calls Redis.
 		if z.Bucket || z.Quota != "" || z.Slots {
-			s.Client.Check(s.Logger, s.FailMode, s.CallTimeout)
+			s.Client.Check(s.Logger, s.CallTimeout)
 		}
 	}
 	return s.bindSync(zones)
@@ -279,7 +292,7 @@ func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands)
 		// had only what was left of the timeout ran out of it: nothing
 		// is known of Redis.
 	default:
-		s.Client.Failed(s.Logger, s.FailMode, err)
+		s.Client.Failed(s.Logger, err)
 	}
 	if err != nil {
 		for i := range d.Slots {

@@ -805,7 +805,7 @@ func (sz *SyncZone) send(u syncUser, part []syncItem, own bool) {
 			s.keyErrors.Warn(s.Logger, "redis refused a reconciliation of zone "+s.Zones[u.zone].name, failure)
 		}
 	case kind != rediswire.Unknown: // an Unknown failure says nothing of Redis
-		s.Client.Failed(s.Logger, s.FailMode, failure)
+		s.Client.Failed(s.Logger, failure)
 	}
 }
 

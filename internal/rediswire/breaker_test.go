@@ -67,7 +67,7 @@ func TestClientProbesInTheBackground(t *testing.T) {
 	defer c.Destruct()
 	r.Kill()
 	for range TripAfter {
-		c.Failed(zap.NewNop(), "local", redis.ErrClosed)
+		c.Failed(zap.NewNop(), redis.ErrClosed)
 	}
 	if c.Up() {
 		t.Fatal("the breaker is closed after three outages")
@@ -103,7 +103,7 @@ func TestClusterBreakerWaitsForEveryMaster(t *testing.T) {
 	}
 	victim.Kill()
 	for range TripAfter {
-		c.Failed(zap.NewNop(), "local", redis.ErrClosed)
+		c.Failed(zap.NewNop(), redis.ErrClosed)
 	}
 	c.Answered(zap.NewNop()) // a call that another master answered
 	for start := time.Now(); time.Since(start) < 3*MaxBackoff; time.Sleep(10 * time.Millisecond) {

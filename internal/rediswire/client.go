@@ -14,6 +14,7 @@ import (
 	"context"
 	"fmt"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -49,6 +50,13 @@ type Client struct {
 	user        string
 	checked     atomic.Bool // Check asked Redis
 
+	// The stores that use the client, and the lines said of an outage or
+	// a refusal that stands, for what the log says each store does while
+	// Redis cannot decide (see Join).
+	usersMu         sync.Mutex
+	users           []*user
+	outage, refusal *saying
+
 	// The least lag seen lately between Redis's clock and this process's
 	// receipt of a reply decided by it: what links the two clocks (see
 	// DecidedAt).
@@ -72,6 +80,81 @@ func NewClient(opts *redis.UniversalOptions, scripts *Scripts) (c *Client, err e
 	pipe := &pipeline{client: uc, scripts: scripts, cluster: cluster, maxFlights: maxFlights(poolSize)}
 	return &Client{UniversalClient: uc, Cluster: cluster, cluster: cc, pipe: pipe, scripts: scripts, closed: make(chan struct{}),
 		user: cmp.Or(opts.Username, "default")}, nil
+}
+
+// A user is a store of the client: its fail_mode, and the names of its
+// zones that ask Redis.
+type user struct {
+	failMode string
+	zones    []string
+}
+
+// Join records a store of the client, with its fail_mode and the names
+// of its zones that ask Redis, so that the lines that say Redis cannot
+// decide say what each store does meanwhile; leave ends it. A store that
+// joins while such a line stands, with a fail_mode it does not name, has
+// it said for its own, with logger.
+func (c *Client) Join(logger *zap.Logger, failMode string, zones []string) (leave func()) {
+	u := &user{failMode, zones}
+	c.usersMu.Lock()
+	c.users = append(c.users, u)
+	for _, l := range []*saying{c.outage, c.refusal} {
+		if l != nil {
+			c.say(logger, l)
+		}
+	}
+	c.usersMu.Unlock()
+	return func() {
+		c.usersMu.Lock()
+		defer c.usersMu.Unlock()
+		if i := slices.Index(c.users, u); i >= 0 {
+			c.users = slices.Delete(c.users, i, i+1)
+		}
+	}
+}
+
+// A saying is a line that says Redis cannot decide: said once for each
+// fail_mode of the client's stores, naming the zones it decides, so that
+// stores that share a connection and differ in what they do are each
+// told right.
+type saying struct {
+	msg           string
+	before, after []zap.Field // around fail_mode and zones
+	modes         map[string]bool
+}
+
+// say logs l for each fail_mode of the client's stores that it did not
+// name yet, with the zones of that mode. Requires c.usersMu.
+func (c *Client) say(logger *zap.Logger, l *saying) {
+	if len(c.users) == 0 && !l.modes[""] { // no store yet: said without one
+		l.modes[""] = true
+		logger.Error(l.msg, slices.Concat(l.before, l.after)...)
+	}
+	for _, u := range c.users {
+		if l.modes[u.failMode] {
+			continue
+		}
+		l.modes[u.failMode] = true
+		var zones []string
+		for _, v := range c.users {
+			for _, z := range v.zones {
+				if v.failMode == u.failMode && !slices.Contains(zones, z) {
+					zones = append(zones, z)
+				}
+			}
+		}
+		logger.Error(l.msg, slices.Concat(l.before, []zap.Field{zap.String("fail_mode", u.failMode), zap.Strings("zones", zones)}, l.after)...)
+	}
+}
+
+// sayFor starts saying l, as the line of what *at holds, for every
+// fail_mode of the client's stores.
+func (c *Client) sayFor(at **saying, logger *zap.Logger, l *saying) {
+	c.usersMu.Lock()
+	defer c.usersMu.Unlock()
+	l.modes = make(map[string]bool)
+	*at = l
+	c.say(logger, l)
 }
 
 // Destruct closes the client when no config uses it any more.
@@ -116,17 +199,17 @@ func (c *Client) recovered(logger *zap.Logger) {
 // master never sends, and otherwise once a minute, so the slots of a
 // master that failed over would go on being sent to it for up to a
 // minute after its replica took them over.
-func (c *Client) Failed(logger *zap.Logger, failMode string, err error) {
+func (c *Client) Failed(logger *zap.Logger, err error) {
 	if Classify(err) == Refused {
-		c.Refuse(logger, failMode, err)
+		c.Refuse(logger, err)
 		return
 	}
 	if c.cluster != nil {
 		c.cluster.ReloadState(context.Background())
 	}
 	if c.Breaker.Outage() {
-		c.LogOutage(logger, failMode, err)
-		go c.probe(logger, failMode)
+		c.LogOutage(logger, err)
+		go c.probe(logger)
 	}
 }
 
@@ -136,10 +219,10 @@ func (c *Client) Failed(logger *zap.Logger, failMode string, err error) {
 // request without a call; the refusal is logged once. Redis is probed in
 // the background, as after an outage, so the store decides again soon
 // after the scripts are allowed.
-func (c *Client) Refuse(logger *zap.Logger, failMode string, err error) {
-	c.LogRefusal(logger, failMode, err)
+func (c *Client) Refuse(logger *zap.Logger, err error) {
+	c.LogRefusal(logger, err)
 	if c.Breaker.Trip() {
-		go c.probe(logger, failMode)
+		go c.probe(logger)
 	}
 }
 
@@ -151,7 +234,7 @@ func (c *Client) Refuse(logger *zap.Logger, failMode string, err error) {
 // answer, NOSCRIPT included, or none (Caddy starts while Redis is down)
 // is left to the requests, whose calls find a refusal as well when Redis
 // comes. A client checks once: a reload that keeps it keeps what it found.
-func (c *Client) Check(logger *zap.Logger, failMode string, timeout time.Duration) {
+func (c *Client) Check(logger *zap.Logger, timeout time.Duration) {
 	if !c.checked.CompareAndSwap(false, true) {
 		return
 	}
@@ -162,7 +245,7 @@ func (c *Client) Check(logger *zap.Logger, failMode string, timeout time.Duratio
 		err = checkScript.EvalSha(ctx, c, nil).Err()
 	}
 	if err != nil && Classify(err) == Refused {
-		c.Refuse(logger, failMode, err)
+		c.Refuse(logger, err)
 	}
 }
 
@@ -179,7 +262,7 @@ var checkScript = redis.NewScript("return 0")
 // that is back decides again within MaxBackoff and a round trip. It
 // stops when the client is closed. A probe that Redis refuses the scripts
 // logs the refusal, once (it may follow an outage).
-func (c *Client) probe(logger *zap.Logger, failMode string) {
+func (c *Client) probe(logger *zap.Logger) {
 	backoff := MinBackoff
 	for {
 		select {
@@ -195,7 +278,7 @@ func (c *Client) probe(logger *zap.Logger, failMode string) {
 			return
 		}
 		if Classify(err) == Refused {
-			c.LogRefusal(logger, failMode, err)
+			c.LogRefusal(logger, err)
 		}
 		backoff = min(2*backoff, MaxBackoff)
 	}
@@ -289,23 +372,25 @@ func (c *Client) RTT() time.Duration { return time.Duration(c.rtt.Load()) }
 
 const outageLogPeriod = 10 * time.Second
 
-// LogOutage logs that Redis went away, unless an outage was logged less
-// than outageLogPeriod ago; a probe that fails tries again.
-func (c *Client) LogOutage(logger *zap.Logger, failMode string, err error) {
+// LogOutage logs that Redis went away, once for each fail_mode of the
+// client's stores (see Join), unless an outage was logged less than
+// outageLogPeriod ago; a probe that fails tries again.
+func (c *Client) LogOutage(logger *zap.Logger, err error) {
 	if c.outageSaid.Load() {
 		return
 	}
 	if _, ok := c.outageLogs.Allow(outageLogPeriod); ok && c.outageSaid.CompareAndSwap(false, true) {
-		logger.Error("redis store unavailable: deciding by fail_mode until it answers again",
-			zap.String("fail_mode", failMode), zap.Error(err))
+		c.sayFor(&c.outage, logger, &saying{msg: "redis store unavailable: deciding by fail_mode until it answers again",
+			after: []zap.Field{zap.Error(err)}})
 	}
 }
 
 // LogRefusal logs, at ERROR, that Redis refuses the scripts (err says
-// how), what the store needs and why, unless that was logged since the
-// store last decided, or less than outageLogPeriod ago. The reply is
+// how), what the store needs and why, once for each fail_mode of the
+// client's stores (see Join), unless that was logged since the store
+// last decided, or less than outageLogPeriod ago. The reply is
 // logged without the arguments it may echo, among which are keys.
-func (c *Client) LogRefusal(logger *zap.Logger, failMode string, err error) {
+func (c *Client) LogRefusal(logger *zap.Logger, err error) {
 	if c.refusalSaid.Load() {
 		return
 	}
@@ -321,7 +406,8 @@ func (c *Client) LogRefusal(logger *zap.Logger, failMode string, err error) {
 			"(each decision is a Lua script, run with EVALSHA, and with EVAL when Redis lacks it); " +
 			"until then fail_mode decides every request"
 	}
-	logger.Error(msg, zap.String("user", c.user), zap.String("fail_mode", failMode), zap.String("error", reply))
+	c.sayFor(&c.refusal, logger, &saying{msg: msg,
+		before: []zap.Field{zap.String("user", c.user)}, after: []zap.Field{zap.String("error", reply)}})
 }
 
 // LogRecovery logs that Redis answers again, if its going, or its refusal
@@ -329,6 +415,9 @@ func (c *Client) LogRefusal(logger *zap.Logger, failMode string, err error) {
 func (c *Client) LogRecovery(logger *zap.Logger) {
 	outage, refusal := c.outageSaid.Swap(false), c.refusalSaid.Swap(false)
 	if outage || refusal {
+		c.usersMu.Lock()
+		c.outage, c.refusal = nil, nil
+		c.usersMu.Unlock()
 		logger.Info("redis store available again")
 	}
 }

@@ -109,7 +109,7 @@ func TestClusterFollowsFailover(t *testing.T) {
 	}
 	// The store's call fails, and it tells the client so.
 	if err := c.PExpire(ctx, key, time.Millisecond).Err(); err != nil {
-		c.Failed(zap.NewNop(), "local", err)
+		c.Failed(zap.NewNop(), err)
 	}
 	took := time.Now()
 	for {
@@ -126,4 +126,68 @@ func TestClusterFollowsFailover(t *testing.T) {
 		t.Fatalf("the slot's master is %s, want the replica that took over, %s", m, heir.Addr())
 	}
 	t.Logf("the replica's slots answered %v after a call failed", time.Since(took))
+}
+
+// Stores that share a client and differ in fail_mode are each told what
+// they do while Redis is down: the outage is said once for each
+// fail_mode, naming its zones; a store that joins while it stands, with
+// a fail_mode not named yet, has it said for its own, and one with a
+// fail_mode named has nothing said. A store that left is not named.
+func TestOutageSaidForEachFailMode(t *testing.T) {
+	r := redistest.Start(t)
+	c, err := NewClient(&redis.UniversalOptions{Addrs: []string{r.Addr()}, MaxRetries: -1,
+		DialTimeout: 50 * time.Millisecond, ReadTimeout: 50 * time.Millisecond}, testScripts(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Destruct()
+	core, logs := observer.New(zapcore.InfoLevel)
+	logger := zap.New(core)
+	c.Join(logger, "local", []string{"a", "b"})
+	leave := c.Join(logger, "closed", []string{"c"})
+	c.Join(logger, "local", []string{"b", "d"})
+	said := func() string {
+		var out []string
+		for _, e := range logs.TakeAll() {
+			m := e.ContextMap()
+			out = append(out, fmt.Sprint(strings.Join(strings.Fields(e.Message)[:3], " "), " ", m["fail_mode"], " ", m["zones"]))
+		}
+		return strings.Join(out, "; ")
+	}
+	r.Kill()
+	for range TripAfter {
+		c.Failed(logger, redis.ErrClosed)
+	}
+	if got, want := said(), "redis store unavailable: local [a b d]; redis store unavailable: closed [c]"; got != want {
+		t.Fatalf("the outage said %q, want %q", got, want)
+	}
+	c.Join(logger, "open", []string{"e"})
+	c.Join(logger, "closed", []string{"f"})
+	if got, want := said(), "redis store unavailable: open [e]"; got != want {
+		t.Fatalf("joining during the outage said %q, want %q", got, want)
+	}
+	r.Start()
+	waitUp(t, c)
+	if got, want := said(), "redis store available <nil> <nil>"; got != want {
+		t.Fatalf("Redis back: said %q, want %q", got, want)
+	}
+	// A store that left is not named: a refusal of the scripts, then.
+	leave()
+	r.CLI("ACL", "SETUSER", "limited", "on", ">pw", "~*", "+@all", "-eval", "-evalsha")
+	limited := redis.NewClient(&redis.Options{Addr: r.Addr(), Username: "limited", Password: "pw"})
+	defer limited.Close()
+	c.Refuse(logger, limited.Eval(context.Background(), "return 0", nil).Err())
+	if got, want := said(), "redis refuses this local [a b d]; redis refuses this open [e]; redis refuses this closed [f]"; got != want {
+		t.Fatalf("the refusal said %q, want %q", got, want)
+	}
+}
+
+// waitUp waits for c's breaker to close: a probe found Redis.
+func waitUp(t *testing.T, c *Client) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); !c.Up(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the breaker did not close with Redis back")
+		}
+	}
 }
