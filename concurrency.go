@@ -94,7 +94,7 @@ var concurrencyKind = kind{
 	provision: func(z *Zone) error {
 		if z.Concurrency != 0 {
 			z.Lease = cmp.Or(z.Lease, caddy.Duration(defaultLease))
-			z.slotPolicy = fmt.Sprintf("%s;q=%d", z.quotedName, z.Concurrency)
+			z.slotPolicy = fmt.Sprintf(`%s;q=%d;qu="concurrent-requests"`, z.quotedName, z.Concurrency)
 		}
 		return nil
 	},

@@ -103,7 +103,7 @@ func TestConcurrency(t *testing.T) {
 		if got := h.Get("Retry-After"); got != "1" {
 			t.Errorf("Retry-After %q, want 1", got)
 		}
-		if got, want := h.Get("Ratelimit-Policy"), `"rated";q=10;w=60, "up";q=2`; got != want {
+		if got, want := h.Get("Ratelimit-Policy"), `"rated";q=10;w=60, "up";q=2;qu="concurrent-requests"`; got != want {
 			t.Errorf("RateLimit-Policy %q, want %q", got, want)
 		}
 		if got, want := h.Get("Ratelimit"), `"rated";r=8;t=6, "up";r=0`; got != want {

@@ -256,3 +256,61 @@ func freePort(t *testing.T) int {
 	defer l.Close()
 	return l.Addr().(*net.TCPAddr).Port
 }
+
+// A zone with a rate and concurrency has two policies of its name: the
+// rate's, in requests (the draft's default unit), and the slots', whose
+// quota unit is concurrent requests (qu, registered since draft -08), so
+// that no client reads a limit on requests in flight as a request quota.
+// Its RateLimit item counts the slots free, with no reset.
+func TestConcurrencyPolicyConforms(t *testing.T) {
+	defer caddy.Stop()
+	port := freePort(t)
+	h := map[string]any{"handler": "rate_limit", "headers": "ietf", "zones": []any{
+		map[string]any{"name": "api", "key": "static", "rate": "10r/m", "concurrency": 3},
+		map[string]any{"name": "slots", "key": "static", "concurrency": 2},
+	}}
+	if err := load(port, h); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := http.Get(fmt.Sprintf("http://127.0.0.1:%d/", port))
+	if err != nil {
+		t.Fatal(err)
+	}
+	io.Copy(io.Discard, resp.Body)
+	resp.Body.Close()
+	policies, err := httpsfv.UnmarshalList(resp.Header.Values("RateLimit-Policy"))
+	if err != nil {
+		t.Fatalf("RateLimit-Policy %q: %v", resp.Header.Values("RateLimit-Policy"), err)
+	}
+	items, err := httpsfv.UnmarshalList(resp.Header.Values("RateLimit"))
+	if err != nil {
+		t.Fatalf("RateLimit %q: %v", resp.Header.Values("RateLimit"), err)
+	}
+	// name, q, qu ("" for none), w (-1 for none), in the header's order;
+	// then each RateLimit item's name, r and whether it has t.
+	var got []string
+	for _, m := range policies {
+		item := m.(httpsfv.Item)
+		q, _ := item.Params.Get("q")
+		qu, _ := item.Params.Get("qu")
+		w, hasW := item.Params.Get("w")
+		got = append(got, fmt.Sprintf("%v q=%v qu=%v w=%v/%v", item.Value, q, qu, w, hasW))
+	}
+	for _, m := range items {
+		item := m.(httpsfv.Item)
+		r, _ := item.Params.Get("r")
+		_, hasT := item.Params.Get("t")
+		got = append(got, fmt.Sprintf("%v r=%v t=%v", item.Value, r, hasT))
+	}
+	want := []string{
+		"api q=10 qu=<nil> w=60/true",
+		"api q=3 qu=concurrent-requests w=<nil>/false",
+		"slots q=2 qu=concurrent-requests w=<nil>/false",
+		"api r=9 t=true",
+		"api r=2 t=false",
+		"slots r=1 t=false",
+	}
+	if fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("the policies and items read\n%q\nwant\n%q", got, want)
+	}
+}
