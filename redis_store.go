@@ -139,7 +139,7 @@ func (s *RedisStore) Cleanup() error {
 		return nil
 	}
 	s.released = true
-	if s.engine == nil { // never bound
+	if s.engine == nil { // never bound, or New failed
 		return s.giveBack()
 	}
 	return s.engine.Drop()
@@ -151,20 +151,19 @@ func (s *RedisStore) giveBack() error {
 	return err
 }
 
-// bind makes the store's engine for zones.
+// bind makes the store's engine for zones. The engine holds the client
+// until its last user lets go of it: this config, at its Cleanup, or a
+// request of it still running then. Without an engine (New failed, or
+// bind never ran), Cleanup gives the client back itself.
 func (s *RedisStore) bind(zones []store.ZoneSpec) (store.Store, error) {
-	e := &redisstore.Store{
+	e, err := redisstore.New(s.client, zones, redisstore.Options{
 		FailMode: s.FailMode, DisableOverLimitCache: s.DisableOverLimitCache, KeyPrefix: s.KeyPrefix, HashKeys: s.HashKeys,
-		Client: s.client, Setup: s.poolKey, SyncPool: syncPooled{}, CallTimeout: s.callTimeout, Logger: s.logger,
-		GiveBack: s.giveBack,
-	}
-	e.Users.Store(1) // the config's, until its Cleanup
-	// Cleanup drops the engine, and so gives back what its Bind acquired
-	// (the copies of zones with sync) should the Bind fail.
-	s.engine = e
-	if err := e.Bind(zones); err != nil {
+		CallTimeout: s.callTimeout, Setup: s.poolKey, SyncPool: syncPooled{}, GiveBack: s.giveBack, Logger: s.logger,
+	})
+	if err != nil {
 		return nil, err
 	}
+	s.engine = e
 	return e, nil
 }
 

@@ -131,7 +131,7 @@ func (s *Store) adjustApart(ctx context.Context, b []store.BucketDemand, c []sto
 // adjustEach sends one adjustment call for d. The client may have gone:
 // the adjustment is made all the same.
 func (s *Store) adjustEach(ctx context.Context, d *store.Demands) error {
-	deadline := time.Now().Add(s.CallTimeout)
+	deadline := time.Now().Add(s.opt.CallTimeout)
 	ctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
 	defer cancel()
 	_, err := s.run(ctx, deadline, rediswire.Adjust, d)

@@ -45,7 +45,7 @@ import (
 // (to land when the answer is in); or that the cache decided the request,
 // and whether it allowed it; or why no answer came in time.
 func (s *Store) fromCache(ctx context.Context, now time.Time, d *store.Demands) (_ time.Time, _ FlightKey, decided, allowed bool, _ error) {
-	deadline := now.Add(s.CallTimeout)
+	deadline := now.Add(s.opt.CallTimeout)
 	var timer *time.Timer
 	defer func() {
 		if timer != nil {

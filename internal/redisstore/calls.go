@@ -41,7 +41,7 @@ func (s *Store) run(ctx context.Context, deadline time.Time, op rediswire.Op, d 
 // RunAll decides each of ds by op, in order, in one flight of its own:
 // the keys of each share a cluster slot (see oneTag).
 func (s *Store) RunAll(op rediswire.Op, ds []*store.Demands) ([]bool, []error) {
-	deadline := time.Now().Add(s.CallTimeout)
+	deadline := time.Now().Add(s.opt.CallTimeout)
 	calls := make([]*rediswire.Call, len(ds))
 	for i, d := range ds {
 		calls[i] = rediswire.NewCall(op, deadline)
@@ -67,7 +67,7 @@ func (s *Store) answered(r rediswire.Reply, err error, sent time.Time, op redisw
 	}
 	d.At = s.Client.DecidedAt(r, sent)
 	if n := r.Repaired(); n > 0 && op != rediswire.Peek {
-		s.repairs.Warn(s.Logger, "redis store: keys under key_prefix held another type: overwritten",
+		s.repairs.Warn(s.opt.Logger, "redis store: keys under key_prefix held another type: overwritten",
 			fmt.Errorf("%d in a call of zone %s", n, s.Zones[callZone(d)].name))
 	}
 	read(r, op, d)

@@ -4,6 +4,7 @@
 package redisstore
 
 import (
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -254,4 +255,24 @@ type SyncPool interface {
 	// them; release lets go of them.
 	Acquire(id SyncID, make func() *SyncZone) (*SyncZone, error)
 	Release(id SyncID) error
+}
+
+// ownCopies is the SyncPool of a store given none: the copies of its
+// zones with sync are its own, made when it binds them and stopped, after
+// a last reconciliation, when it lets go of them.
+type ownCopies map[SyncID]*SyncZone
+
+func (p ownCopies) Acquire(id SyncID, make func() *SyncZone) (*SyncZone, error) {
+	if _, ok := p[id]; ok {
+		return nil, fmt.Errorf("zone %s: its copies are held already", id.field)
+	}
+	sz := make()
+	p[id] = sz
+	return sz, nil
+}
+
+func (p ownCopies) Release(id SyncID) error {
+	sz := p[id]
+	delete(p, id)
+	return sz.Destruct()
 }

@@ -32,7 +32,7 @@ func (s *Store) Release(ctx context.Context, slots []store.SlotDemand) error {
 	if held == 0 {
 		return nil
 	}
-	deadline := time.Now().Add(s.CallTimeout)
+	deadline := time.Now().Add(s.opt.CallTimeout)
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	if held == len(slots) && (!s.Client.Cluster || oneTag(&store.Demands{Slots: slots})) {

@@ -91,7 +91,7 @@ func (s *Store) mayOverride(zone int) bool {
 // pollOverrides reads how many keys of the zone have their own limit,
 // asked at at.
 func (s *Store) pollOverrides(zone int, at int64) {
-	ctx, cancel := context.WithTimeout(context.Background(), s.CallTimeout)
+	ctx, cancel := context.WithTimeout(context.Background(), s.opt.CallTimeout)
 	defer cancel()
 	n, err := s.OverrideCount(ctx, zone)
 	if err != nil {
@@ -241,7 +241,7 @@ func (s *Store) lockOverride(ctx context.Context, limitKey string) (unlock func(
 	return func() {
 		// Only while it is still this change's: a lock whose lease ran
 		// out may be another change's now.
-		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.CallTimeout)
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opt.CallTimeout)
 		defer cancel()
 		_ = s.Client.Watch(ctx, func(tx *redis.Tx) error {
 			if tx.Get(ctx, lock).Val() != token {

@@ -145,7 +145,7 @@ func (sz *SyncZone) send(u syncUser, part []syncItem, own bool) {
 	if s.Client.Cluster {
 		slices.SortFunc(part, func(a, b syncItem) int { return strings.Compare(a.c.hash, b.c.hash) })
 	}
-	deadline := time.Now().Add(s.CallTimeout)
+	deadline := time.Now().Add(s.opt.CallTimeout)
 	bs := slices.Grow(sz.bs[:0], len(part))[:len(part)]
 	defer func() { clear(bs); sz.bs = bs[:0] }()
 	var ds []store.Demands
@@ -188,12 +188,12 @@ func (sz *SyncZone) send(u syncUser, part []syncItem, own bool) {
 	sz.Keys.Add(uint64(len(part)))
 	switch kind := rediswire.Classify(failure); {
 	case failure == nil || kind == rediswire.Answered:
-		s.Client.Answered(s.Logger)
+		s.Client.Answered(s.opt.Logger)
 		if failure != nil {
-			s.keyErrors.Warn(s.Logger, "redis refused a reconciliation of zone "+s.Zones[u.zone].name, failure)
+			s.keyErrors.Warn(s.opt.Logger, "redis refused a reconciliation of zone "+s.Zones[u.zone].name, failure)
 		}
 	case kind != rediswire.Unknown: // an Unknown failure says nothing of Redis
-		s.Client.Failed(s.Logger, failure)
+		s.Client.Failed(s.opt.Logger, failure)
 	}
 }
 

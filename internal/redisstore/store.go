@@ -16,6 +16,7 @@ import (
 	"crypto/rand"
 	"encoding/base64"
 	"errors"
+	"fmt"
 	"math"
 	"strconv"
 	"sync/atomic"
@@ -29,41 +30,86 @@ import (
 )
 
 // A Store decides the demands of a handler's zones in Redis, one script
-// call a flight. Its module sets its config and Client, GiveBack and
-// SyncPool, Users to 1 (the config's), then binds it to the zones.
+// call a flight. New makes it.
 type Store struct {
-	FailMode              string // local, open or closed
-	DisableOverLimitCache bool
-	KeyPrefix             string
-	HashKeys              bool
-
+	opt    Options
 	Client *rediswire.Client
-	// GiveBack gives the client back to its pool, when the last user
-	// lets go of the engine; SyncPool holds the copies of the zones with
-	// sync across reloads.
-	GiveBack func() error
-	SyncPool SyncPool
-	// Setup names the client's connection setup, for the copies' pool.
-	Setup string
-	// Users counts what keeps the client from the pool's Delete: the
-	// config until its Cleanup, and each request that holds the store
-	// (see store.Holder). The last to let go gives it back.
-	Users       atomic.Int64
-	CallTimeout time.Duration
-	Keys        rediswire.Keys
-	Zones       []Zone             // by zone index
-	shapes      *shapeCache        // the shapes of limits that come with requests (plans)
-	leaseIDs    string             // what this store's lease IDs start with: unique among instances
-	Flights     *flights           // calls in flight for the buckets in the over-limit cache
-	syncIDs     []SyncID           // the copies of the zones with sync it holds (sync.go)
-	leave       func()             // ends its use of the client (see Client.Join)
-	keyErrors   *throttle.Throttle // errors that Redis answered for one call's keys
-	repairs     *throttle.Throttle // keys of another type that the script overwrote
-	Logger      *zap.Logger
+	// users counts what keeps the client from being given back: the
+	// store's maker until it drops the store (its module's config, until
+	// its Cleanup), and each request that holds the store (see
+	// store.Holder). The last to let go gives it back.
+	users     atomic.Int64
+	Keys      rediswire.Keys
+	Zones     []Zone             // by zone index
+	shapes    *shapeCache        // the shapes of limits that come with requests (plans)
+	leaseIDs  string             // what this store's lease IDs start with: unique among instances
+	Flights   *flights           // calls in flight for the buckets in the over-limit cache
+	syncIDs   []SyncID           // the copies of the zones with sync it holds (sync.go)
+	leave     func()             // ends its use of the client (see Client.Join)
+	keyErrors *throttle.Throttle // errors that Redis answered for one call's keys
+	repairs   *throttle.Throttle // keys of another type that the script overwrote
 
-	// TestClock, when set, replaces Redis's clock, so that tests can
-	// replay a table of instants. Never set outside tests.
+	// TestClock, when set, replaces Redis's clock (Options.Clock).
 	TestClock func() time.Time
+}
+
+// Options are a store's config, as its module gives it.
+type Options struct {
+	// FailMode decides a request when Redis cannot: local, open or closed
+	// (see store.FailModes).
+	FailMode string
+	// DisableOverLimitCache has Redis asked about every request (see
+	// fromCache).
+	DisableOverLimitCache bool
+	// KeyPrefix starts every key the store writes; HashKeys hashes the
+	// keys' text before it is written (see rediswire.Keys).
+	KeyPrefix string
+	HashKeys  bool
+	// CallTimeout is the longest a decision waits for Redis, after which
+	// fail_mode decides it. It must be positive.
+	CallTimeout time.Duration
+	// Setup names the client's connection setup: the stores of one setup
+	// share the copies of their zones with sync (see SyncID).
+	Setup string
+	// SyncPool holds the copies of the zones with sync across reloads.
+	// nil: the store's copies are its own, made by New and stopped when
+	// the store's last user lets go of it.
+	SyncPool SyncPool
+	// GiveBack gives the client back to its pool when the store's last
+	// user lets go of it. nil: nothing is given back.
+	GiveBack func() error
+	// Logger says what the store finds of Redis: outages, refusals, keys
+	// it repaired. nil: nothing is said.
+	Logger *zap.Logger
+	// Clock, in tests, replaces Redis's clock, so that a table of
+	// instants can be replayed. nil: Redis's clock.
+	Clock func() time.Time
+}
+
+// New is the engine of zones on client (a demand's zone is its place in
+// zones), ready to decide. It has one user, its caller, who lets go of it
+// with Drop. On error, what New acquired is given back, but not the
+// client: it stays the caller's.
+func New(client *rediswire.Client, zones []store.ZoneSpec, opt Options) (*Store, error) {
+	if opt.CallTimeout <= 0 {
+		return nil, fmt.Errorf("redis store: call timeout %v: must be positive", opt.CallTimeout)
+	}
+	if opt.Logger == nil {
+		opt.Logger = zap.NewNop()
+	}
+	if opt.GiveBack == nil {
+		opt.GiveBack = func() error { return nil }
+	}
+	if opt.SyncPool == nil {
+		opt.SyncPool = make(ownCopies)
+	}
+	s := &Store{opt: opt, Client: client, TestClock: opt.Clock}
+	s.users.Store(1)
+	if err := s.bind(zones); err != nil {
+		s.users.Store(0)
+		return nil, errors.Join(err, s.release())
+	}
+	return s, nil
 }
 
 // A Zone is what the store keeps for one zone.
@@ -110,11 +156,11 @@ const overLimitCacheKeys = 100_000
 // already.
 func (s *Store) Hold() bool {
 	for {
-		n := s.Users.Load()
+		n := s.users.Load()
 		if n == 0 {
 			return false
 		}
-		if s.Users.CompareAndSwap(n, n+1) {
+		if s.users.CompareAndSwap(n, n+1) {
 			return true
 		}
 	}
@@ -123,27 +169,34 @@ func (s *Store) Hold() bool {
 // Done ends a request's hold.
 func (s *Store) Done() {
 	if err := s.Drop(); err != nil {
-		s.Logger.Error("rate limit: redis client not given back", zap.Error(err))
+		s.opt.Logger.Error("rate limit: redis client not given back", zap.Error(err))
 	}
 }
 
 // Drop drops one user of the client; the last gives it back to the pool.
 func (s *Store) Drop() error {
-	if s.Users.Add(-1) != 0 {
+	if s.users.Add(-1) != 0 {
 		return nil
 	}
-	// The copies of sync zones go with the last user, before the client:
-	// their last reconciliation needs it.
+	return errors.Join(s.release(), s.opt.GiveBack())
+}
+
+// release gives back what bind acquired: the copies of the zones with
+// sync first, as their last reconciliation needs the client, then the
+// store's place among the client's users.
+func (s *Store) release() error {
 	err := s.releaseSync()
 	if s.leave != nil {
 		s.leave()
 	}
-	return errors.Join(err, s.GiveBack())
+	return err
 }
 
-func (s *Store) Bind(zones []store.ZoneSpec) error {
+// bind makes the store's state for zones: the keys' names, the
+// over-limit cache, the copies of the zones with sync.
+func (s *Store) bind(zones []store.ZoneSpec) error {
 	s.Flights = &flights{m: make(map[FlightKey]flight)}
-	s.Keys = rediswire.Keys{Prefix: s.KeyPrefix, Hash: s.HashKeys}
+	s.Keys = rediswire.Keys{Prefix: s.opt.KeyPrefix, Hash: s.opt.HashKeys}
 	s.shapes, s.keyErrors, s.repairs = new(shapeCache), new(throttle.Throttle), new(throttle.Throttle)
 	var id [9]byte
 	_, _ = rand.Read(id[:])
@@ -156,7 +209,7 @@ func (s *Store) Bind(zones []store.ZoneSpec) error {
 		}
 	}
 	if len(asking) > 0 {
-		s.leave = s.Client.Join(s.Logger, s.FailMode, asking)
+		s.leave = s.Client.Join(s.opt.Logger, s.opt.FailMode, asking)
 	}
 	for i, z := range zones {
 		rz := &s.Zones[i]
@@ -171,7 +224,7 @@ func (s *Store) Bind(zones []store.ZoneSpec) error {
 		rz.Overridden.Store(&countedOverrides{N: -1, At: math.MinInt64 / 2})
 		rz.overriddenPoll.Store(math.MinInt64 / 2)
 		rz.plans = z.Bucket && z.Shape.Burst == 0
-		if !s.DisableOverLimitCache {
+		if !s.opt.DisableOverLimitCache {
 			rz.Cache = memstore.NewBuckets(overLimitCacheKeys, time.Now())
 			if z.Quota != "" {
 				rz.counts = memstore.NewCounters(overLimitCacheKeys, time.Now())
@@ -182,13 +235,13 @@ func (s *Store) Bind(zones []store.ZoneSpec) error {
 		// than at the first request; one whose zones ask nothing (an
 		// adaptive limit alone) never calls Redis.
 		if z.Bucket || z.Quota != "" || z.Slots {
-			s.Client.Check(s.Logger, s.CallTimeout)
+			s.Client.Check(s.opt.Logger, s.opt.CallTimeout)
 		}
 	}
 	return s.bindSync(zones)
 }
 
-func (s *Store) FailureMode() store.FailMode { return store.FailModes[s.FailMode] }
+func (s *Store) FailureMode() store.FailMode { return store.FailModes[s.opt.FailMode] }
 
 // Known is what the over-limit cache knows of b's bucket. When the
 // request gave up waiting for the calls in flight for its bucket
@@ -237,9 +290,9 @@ func (s *Store) takeExact(ctx context.Context, now time.Time, d *store.Demands) 
 	}
 	// One timeout for the whole decision: a request that waits for the
 	// calls in flight for its buckets has that much less for its own.
-	budget := s.CallTimeout
+	budget := s.opt.CallTimeout
 	var flight FlightKey
-	cached := !s.DisableOverLimitCache && len(d.Buckets)+len(d.Counters) > 0
+	cached := !s.opt.DisableOverLimitCache && len(d.Buckets)+len(d.Counters) > 0
 	if cached {
 		arrived := now
 		var decided, allowed bool
@@ -261,7 +314,7 @@ func (s *Store) takeExact(ctx context.Context, now time.Time, d *store.Demands) 
 // ask has Redis decide d within budget, and tells the breaker what the
 // call said of Redis.
 func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands) (bool, error) {
-	waited := budget < s.CallTimeout
+	waited := budget < s.opt.CallTimeout
 	if !s.Client.Up() {
 		return false, rediswire.ErrDown
 	}
@@ -282,9 +335,9 @@ func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands)
 	}
 	switch kind := rediswire.Classify(err); {
 	case err == nil || kind == rediswire.Answered:
-		s.Client.Answered(s.Logger)
+		s.Client.Answered(s.opt.Logger)
 		if err != nil {
-			s.keyErrors.Warn(s.Logger, "redis refused one decision: fail_mode decides that request", err)
+			s.keyErrors.Warn(s.opt.Logger, "redis refused one decision: fail_mode decides that request", err)
 		}
 	case ctx.Err() != nil || kind == rediswire.Unknown || waited && late:
 		// The client went away, a reload closed this config's
@@ -292,7 +345,7 @@ func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands)
 		// had only what was left of the timeout ran out of it: nothing
 		// is known of Redis.
 	default:
-		s.Client.Failed(s.Logger, err)
+		s.Client.Failed(s.opt.Logger, err)
 	}
 	if err != nil {
 		for i := range d.Slots {
@@ -327,7 +380,7 @@ func (s *Store) Adjust(ctx context.Context, _ time.Time, d *store.Demands) error
 }
 
 func (s *Store) Peek(ctx context.Context, _ time.Time, d *store.Demands) error {
-	deadline := time.Now().Add(s.CallTimeout)
+	deadline := time.Now().Add(s.opt.CallTimeout)
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
 	_, err := s.run(ctx, deadline, rediswire.Peek, d)
@@ -345,7 +398,7 @@ func (s *Store) Reset(ctx context.Context, d *store.Demands) (bool, error) {
 	if len(s.syncIDs) > 0 {
 		s.forgetSync(d)
 	}
-	ctx, cancel := context.WithTimeout(ctx, s.CallTimeout)
+	ctx, cancel := context.WithTimeout(ctx, s.opt.CallTimeout)
 	defer cancel()
 	found := false
 	for i := range d.Buckets {
@@ -377,7 +430,7 @@ func (s *Store) Reset(ctx context.Context, d *store.Demands) (bool, error) {
 }
 
 func (s *Store) Stats(zone int) store.ZoneStats {
-	st := store.ZoneStats{OverLimitCache: !s.DisableOverLimitCache, Client: s.Client, Unavailable: !s.Client.Up()}
+	st := store.ZoneStats{OverLimitCache: !s.opt.DisableOverLimitCache, Client: s.Client, Unavailable: !s.Client.Up()}
 	if sz := s.Zones[zone].Sync; sz != nil {
 		st.SyncCopies = sz
 		st.SyncCalls, st.SyncFailed, st.SyncKeys, st.SyncHeld = sz.calls.Load(), sz.failed.Load(), sz.Keys.Load(), sz.Size.Load()

@@ -15,7 +15,6 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 	"github.com/redis/go-redis/v9/maintnotifications"
-	"go.uber.org/zap"
 )
 
 // The Redis engine decides the conformance suite's steps as every store
@@ -56,17 +55,17 @@ func storesOn(addrs []string, cache bool) storetest.NewStore {
 			t.Fatal(err)
 		}
 		// No zone of the suite has sync: the store asks no SyncPool.
-		s := &redisstore.Store{FailMode: "local", DisableOverLimitCache: !cache, KeyPrefix: t.Name() + ":",
-			Client: c, GiveBack: c.Destruct, CallTimeout: timeout, Logger: zap.NewNop(), TestClock: clock}
-		s.Users.Store(1)
+		s, err := redisstore.New(c, zones, redisstore.Options{FailMode: "local", DisableOverLimitCache: !cache, KeyPrefix: t.Name() + ":",
+			CallTimeout: timeout, GiveBack: c.Destruct, Clock: clock})
+		if err != nil {
+			c.Destruct()
+			t.Fatal(err)
+		}
 		t.Cleanup(func() {
 			if err := s.Drop(); err != nil {
 				t.Error(err)
 			}
 		})
-		if err := s.Bind(zones); err != nil {
-			t.Fatal(err)
-		}
 		return s
 	}
 }

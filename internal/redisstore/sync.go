@@ -346,8 +346,8 @@ func (s *Store) bindSync(zones []store.ZoneSpec) error {
 		if z.Sync == 0 {
 			continue
 		}
-		id := SyncID{s.Setup, s.KeyPrefix, s.HashKeys, s.Zones[i].Field, z.Sync}
-		sz, err := s.SyncPool.Acquire(id, func() *SyncZone { return newSyncZone(z.Sync) })
+		id := SyncID{s.opt.Setup, s.opt.KeyPrefix, s.opt.HashKeys, s.Zones[i].Field, z.Sync}
+		sz, err := s.opt.SyncPool.Acquire(id, func() *SyncZone { return newSyncZone(z.Sync) })
 		if err != nil {
 			return err
 		}
@@ -371,7 +371,7 @@ func (s *Store) releaseSync() error {
 	// to be decided by fail_mode when its call fails on the closed client.
 	var errs []error
 	for _, id := range s.syncIDs {
-		errs = append(errs, s.SyncPool.Release(id))
+		errs = append(errs, s.opt.SyncPool.Release(id))
 	}
 	return errors.Join(errs...)
 }
