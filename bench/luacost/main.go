@@ -34,7 +34,7 @@ func main() {
 	flights := flag.String("flight", "1,8,40", "flight sizes, comma-separated")
 	decisions := flag.Int("decisions", 40000, "decisions of each kind")
 	keys := flag.Int("keys", 10000, "random keys")
-	before := flag.Bool("before", false, "the script speaks the protocol before flights (../testdata/scripts/token_bucket_before_flights.lua): one decision a call")
+	before := flag.Bool("before", false, "the script speaks the protocol before flights (../internal/redisstore/testdata/scripts/token_bucket_before_flights.lua): one decision a call")
 	rr := flag.Bool("redis_rate", true, "measure redis_rate too")
 	adjust := flag.Int("adjust", 0, "buckets of an adjustment to measure, plain and in sections (0: none)")
 	file := flag.String("script", "", "a decision script to measure instead of the plugin's (lua.Decide), such as an older version's")

@@ -38,27 +38,6 @@ func (s *Store) run(ctx context.Context, deadline time.Time, op rediswire.Op, d 
 	return s.answered(r, err, sent, op, d)
 }
 
-// RunAll decides each of ds by op, in order, in one flight of its own:
-// the keys of each share a cluster slot (see oneTag).
-func (s *Store) RunAll(op rediswire.Op, ds []*store.Demands) ([]bool, []error) {
-	deadline := time.Now().Add(s.opt.CallTimeout)
-	calls := make([]*rediswire.Call, len(ds))
-	for i, d := range ds {
-		calls[i] = rediswire.NewCall(op, deadline)
-		if s.TestClock != nil {
-			calls[i].Clock(s.TestClock())
-		}
-		s.build(calls[i], op, d)
-	}
-	sent := time.Now()
-	replies, errs := s.Client.RunAll(calls)
-	allowed := make([]bool, len(ds))
-	for i, d := range ds {
-		allowed[i], errs[i] = s.answered(replies[i], errs[i], sent, op, d)
-	}
-	return allowed, errs
-}
-
 // answered sets d's answers from r, the reply of its call of op sent at
 // sent, or returns err.
 func (s *Store) answered(r rediswire.Reply, err error, sent time.Time, op rediswire.Op, d *store.Demands) (bool, error) {

@@ -12,9 +12,6 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store/storetest"
-	"github.com/caddy-tokenbucket/ratelimit/lua"
-	"github.com/redis/go-redis/v9"
-	"github.com/redis/go-redis/v9/maintnotifications"
 )
 
 // The Redis engine decides the conformance suite's steps as every store
@@ -39,33 +36,12 @@ func TestConformance(t *testing.T) {
 
 // storesOn makes stores on the Redis at addrs (several: a cluster), with
 // or without the over-limit cache, as the module makes them (its client's
-// options, the scripts, the client given back at the test's end), on the
-// suite's clock and under a key prefix of the test's own. A decision may
-// take a second, not the module's default 100ms: the suite checks
-// answers, on a machine other tests load.
+// options, the scripts), on the suite's clock and under a key prefix of
+// the test's own.
 func storesOn(addrs []string, cache bool) storetest.NewStore {
 	return func(t *testing.T, zones []store.ZoneSpec, clock func() time.Time) store.Store {
-		const timeout = time.Second
-		c, err := rediswire.NewClient(&redis.UniversalOptions{
-			Addrs: addrs, ContextTimeoutEnabled: true, MaxRetries: -1, Protocol: 2,
-			DialTimeout: timeout, ReadTimeout: timeout, WriteTimeout: timeout, PoolTimeout: timeout,
-			MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
-		}, rediswire.NewScripts(lua.Decide, lua.Peek))
-		if err != nil {
-			t.Fatal(err)
-		}
-		// No zone of the suite has sync: the store asks no SyncPool.
-		s, err := redisstore.New(c, zones, redisstore.Options{FailMode: "local", DisableOverLimitCache: !cache, KeyPrefix: t.Name() + ":",
-			CallTimeout: timeout, GiveBack: c.Destruct, Clock: clock})
-		if err != nil {
-			c.Destruct()
-			t.Fatal(err)
-		}
-		t.Cleanup(func() {
-			if err := s.Drop(); err != nil {
-				t.Error(err)
-			}
-		})
-		return s
+		// No zone of the suite has sync: the store makes no copies.
+		return redisstore.Open(t, redisstore.OpenClient(t, addrs...), zones,
+			redisstore.Options{FailMode: "local", DisableOverLimitCache: !cache, Clock: clock})
 	}
 }

@@ -167,6 +167,31 @@ func (r *Server) Calls() int {
 	return n
 }
 
+// ScriptStats is what INFO commandstats says of the script calls: how
+// many the server ran, and the microseconds it spent in them.
+func (r *Server) ScriptStats() (calls, usec int64) {
+	r.T.Helper()
+	for _, line := range strings.Split(r.CLI("INFO", "commandstats"), "\n") {
+		for _, cmd := range []string{"cmdstat_evalsha:", "cmdstat_eval:"} {
+			rest, ok := strings.CutPrefix(strings.TrimSpace(line), cmd)
+			if !ok {
+				continue
+			}
+			for _, kv := range strings.Split(rest, ",") {
+				k, v, _ := strings.Cut(kv, "=")
+				n, _ := strconv.ParseInt(v, 10, 64)
+				switch k {
+				case "calls":
+					calls += n
+				case "usec":
+					usec += n
+				}
+			}
+		}
+	}
+	return calls, usec
+}
+
 // FreePort finds a free TCP port; with bus > 0 also port+bus is free
 // (Redis Cluster's bus port).
 func FreePort(t testing.TB, bus int) int {

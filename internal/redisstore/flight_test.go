@@ -1,7 +1,7 @@
 // Copyright 2026 The caddy-tokenbucket Authors
 // SPDX-License-Identifier: Apache-2.0
 
-package ratelimit
+package redisstore_test
 
 import (
 	"context"
@@ -12,23 +12,53 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
 
-// The zones of the flight tests: plain buckets (a, and c of two tokens a
-// request), a ban (e), a quota alone (q), a zone whose limit comes with
-// each request (p), and one with keys of their own limit (v).
-const flightZones = `[
-	{"name":"a","rate":"10r/s","burst":3},
-	{"name":"c","rate":"2r/s","burst":4,"cost":2},
-	{"name":"e","rate":"1r/s","burst":2,"ban":"2s"},
-	{"name":"q","quota":5,"quota_period":"day"},
-	{"name":"p","rate":"{http.vars.rate}","burst":"{http.vars.burst}"},
-	{"name":"v","rate":"5r/s","burst":4,"max_overrides":10}]`
+// The zones of the flight tests, by their letters: plain buckets (a 10r/s
+// burst 3, and c 2r/s burst 4 of two tokens a request), a ban (e 1r/s
+// burst 2, banning for 2s), a quota alone (q, 5 a day), a zone whose
+// limit comes with each request (p, at plan free 1r/s burst 2 or pro
+// 10r/s burst 5), and one with keys of their own limit (v 5r/s burst 4).
+// The quota's windows are quotaWindow long.
+var (
+	flightLetters = "aceqpv"
+	flightLimits  = map[byte]gcra.Limit{'a': gcra.NewLimit(10, 3), 'c': gcra.NewLimit(2, 4), 'e': withBan(gcra.NewLimit(1, 2), 2*time.Second),
+		'v': gcra.NewLimit(5, 4)}
+	flightCosts  = map[byte]int64{'c': 2}
+	flightQuota  = int64(5)
+	planLimits   = map[string]gcra.Limit{"free": gcra.NewLimit(1, 2), "pro": gcra.NewLimit(10, 5)}
+	quotaWindows = &calendar.Windows{Every: quotaWindow}
+)
+
+// quotaWindow is the length of the quotas' windows in the tests, which
+// start at a window's start.
+const quotaWindow = 100 * time.Second
+
+func withBan(l gcra.Limit, ban time.Duration) gcra.Limit {
+	l.Ban = ban
+	return l
+}
+
+// flightSpecs are the specs of the flight zones, in flightLetters' order.
+func flightSpecs() []store.ZoneSpec {
+	specs := make([]store.ZoneSpec, len(flightLetters))
+	for i, c := range []byte(flightLetters) {
+		specs[i] = store.ZoneSpec{Name: string(c), Bucket: c != 'q', Shape: flightLimits[c], MaxOverrides: 10}
+		if c == 'q' {
+			specs[i].Shape, specs[i].Quota = gcra.NewLimit(1, 1), "day@UTC"
+		}
+	}
+	return specs
+}
 
 // A flight request: the zones it matches (an upper-case letter is the
 // zone's quota), its key, and its plan in zone p.
@@ -36,27 +66,23 @@ type flightReq struct {
 	zones, key, plan string
 }
 
-// flightDemands are r's demands, as decide makes them.
-func flightDemands(zones map[byte]*Zone, now time.Time, r flightReq) (*store.Demands, error) {
+// flightDemands are r's demands at now, as the handler makes them.
+func flightDemands(now time.Time, r flightReq) *store.Demands {
 	d := new(store.Demands)
 	k := store.Key{Text: r.key}
 	for _, c := range []byte(r.zones) {
 		if c >= 'A' && c <= 'Z' {
-			d.Counters = append(d.Counters, counterReq(zones[c-'A'+'a'], k, now))
+			zone := strings.IndexByte(flightLetters, c-'A'+'a')
+			d.Counters = append(d.Counters, store.CounterDemand{Zone: zone, Key: k, Limit: flightQuota, Cost: 1, Window: quotaWindows.Window(now)})
 			continue
 		}
-		z := zones[c]
-		b := bucketReq(z, k)
-		if z.plans != nil {
-			p, err := z.parsePlan(planValues[r.plan])
-			if err != nil {
-				return nil, err
-			}
-			b.Limit, b.Cost = p.limit, p.costTime
+		l := flightLimits[c]
+		if c == 'p' {
+			l = planLimits[r.plan]
 		}
-		d.Buckets = append(d.Buckets, b)
+		d.Buckets = append(d.Buckets, store.BucketDemand{Zone: strings.IndexByte(flightLetters, c), Key: k, Limit: l, Cost: l.CostTime(max(flightCosts[c], 1))})
 	}
-	return d, nil
+	return d
 }
 
 // flightAnswer is what a request was answered: allowed, and per demand
@@ -77,17 +103,20 @@ func flightAnswer(ok bool, d *store.Demands) string {
 	return b.String()
 }
 
-// stepZonesOf maps each of h's zones by its name's last letter, with its
-// quota's windows stepQuotaWindow long.
-func stepZonesOf(h *Handler) map[byte]*Zone {
-	zones := map[byte]*Zone{}
-	for _, z := range h.Zones {
-		zones[z.Name[len(z.Name)-1]] = z
-		if z.quota != nil {
-			z.quota.Every = stepQuotaWindow
-		}
-	}
-	return zones
+// memTables make a store's tables in memory, each fresh: the local
+// store's engine, for what Redis must answer alike.
+type memTables struct{}
+
+func (memTables) Buckets(memstore.TableID, time.Duration) (*memstore.Table[memstore.Bucket], error) {
+	return memstore.NewBuckets(10_000, time.Now()), nil
+}
+
+func (memTables) Counters(memstore.TableID) (*memstore.Table[memstore.Counter], error) {
+	return memstore.NewCounters(10_000, time.Now()), nil
+}
+
+func (memTables) Slots(string) (*memstore.SlotTable, error) {
+	return memstore.NewSlotTable(10_000), nil
 }
 
 // The decisions of a flight, sent to Redis in one script call, are each
@@ -95,27 +124,22 @@ func stepZonesOf(h *Handler) map[byte]*Zone {
 // zone, in flights of 1 to 40 at one instant (with runs of one request
 // repeated), get from Redis what the local store answers them one by
 // one.
-func TestRedisFlightMatchesLocal(t *testing.T) {
-	r := startRedis(t)
-	local := newTestHandler(t, `{"zones":`+strings.ReplaceAll(flightZones, `"name":"`, `"name":"fl-`)+`}`)
-	remote := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":"flight:","disable_over_limit_cache":true}}`,
-		flightZones, r.Addr()))
-	rs := remote.store.(*redisstore.Store)
+func TestFlightMatchesLocal(t *testing.T) {
+	r := redistest.Start(t)
+	local, err := memstore.New(flightSpecs(), memTables{})
+	if err != nil {
+		t.Fatal(err)
+	}
 	var now time.Time
-	rs.TestClock = func() time.Time { return now }
-	lz, rz := stepZonesOf(local), stepZonesOf(remote)
-	now = time.Unix(time.Now().Add(stepQuotaWindow).Unix()/100*100, 0)
+	rs := redisstore.Open(t, redisstore.OpenClient(t, r.Addr()), flightSpecs(),
+		redisstore.Options{DisableOverLimitCache: true, Clock: func() time.Time { return now }})
+	now = time.Unix(time.Now().Add(quotaWindow).Unix()/100*100, 0)
 	ctx := context.Background()
 
 	// Key o1 has its own limit in v on both stores.
-	burst := int64(2)
-	for _, h := range []*Handler{local, remote} {
-		z := stepZonesOf(h)['v']
-		o, err := z.overrideOf(limitBody{Rate: "1r/s", Burst: &burst}, now)
-		if err == nil {
-			err = h.store.SetOverride(ctx, now, z.index, store.Key{Text: "o1"}, o)
-		}
-		if err != nil {
+	for _, s := range []store.Store{local, rs} {
+		o := store.Override{TokenTime: time.Second, Burst: 2, Rate: "1r/s"}
+		if err := s.SetOverride(ctx, now, strings.IndexByte(flightLetters, 'v'), store.Key{Text: "o1"}, o); err != nil {
 			t.Fatal(err)
 		}
 	}
@@ -136,10 +160,7 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 		}
 		ds := make([]*store.Demands, len(reqs))
 		for i, q := range reqs {
-			var err error
-			if ds[i], err = flightDemands(rz, now, q); err != nil {
-				t.Fatal(err)
-			}
+			ds[i] = flightDemands(now, q)
 		}
 		calls := r.Calls()
 		allowed, errs := rs.RunAll(rediswire.Take, ds)
@@ -151,11 +172,8 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 			if errs[i] != nil {
 				t.Fatalf("flight %d, request %d %+v: %v", flight, i, q, errs[i])
 			}
-			d, err := flightDemands(lz, now, q)
-			if err != nil {
-				t.Fatal(err)
-			}
-			ok, err := local.store.Take(ctx, now, d)
+			d := flightDemands(now, q)
+			ok, err := local.Take(ctx, now, d)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -178,18 +196,17 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 // decisions, each on its slot's master: 60 takes of 12 keys in one
 // flight are answered as one after another, in as many calls as the
 // keys have tags.
-func TestRedisClusterFlight(t *testing.T) {
-	nodes := startCluster(t)
-	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"cf","rate":"1r/m","burst":4}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`,
-		nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
-	rs, z := h.store.(*redisstore.Store), h.Zones[0]
+func TestClusterFlight(t *testing.T) {
+	nodes := redistest.StartCluster(t)
+	l := gcra.NewLimit(1.0/60, 4)
+	rs := redisstore.Open(t, redisstore.OpenClient(t, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()),
+		[]store.ZoneSpec{redisstore.Bucket("cf", l)}, redisstore.Options{DisableOverLimitCache: true})
 	var ds []*store.Demands
 	tags := map[string]bool{}
 	for i := range 60 {
-		k := z.keyFor(fmt.Sprint("192.0.2.", i%12))
-		ds = append(ds, &store.Demands{Buckets: []store.BucketDemand{bucketReq(z, k)}})
-		hash, _ := rs.Keys.Bucket(rs.Zones[z.index].Field, k.String())
+		k := fmt.Sprint("192.0.2.", i%12)
+		ds = append(ds, redisstore.TakeOf(0, k, l))
+		hash, _ := rs.BucketName(0, store.Key{Text: k})
 		tags[hash[:strings.IndexByte(hash, '}')+1]] = true
 	}
 	if len(tags) < 4 {
@@ -201,13 +218,13 @@ func TestRedisClusterFlight(t *testing.T) {
 		if err := redis.NewScript(lua.Decide).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
 			t.Fatal(err)
 		}
-		c, _ := evalStats(t, n)
+		c, _ := n.ScriptStats()
 		before += c
 	}
 	allowed, errs := rs.RunAll(rediswire.Take, ds)
 	var after int64
 	for _, n := range nodes {
-		c, _ := evalStats(t, n)
+		c, _ := n.ScriptStats()
 		after += c
 	}
 	for i := range ds {
@@ -234,18 +251,16 @@ var beforeFlightsLua string
 // key's takes, each sent at random to the script before flights or to
 // today's, are decided as the script before flights decides them all,
 // to the nanosecond, in plain zones and in one with a ban.
-func TestRedisUpgradeFromBeforeFlights(t *testing.T) {
-	r := startRedis(t)
-	zones := `[{"name":"up","rate":"4r/s","burst":3},{"name":"upban","rate":"2r/s","burst":2,"ban":"1s"}]`
-	open := func(prefix string) (*Handler, *redisstore.Store) {
-		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q,"disable_over_limit_cache":true}}`,
-			zones, r.Addr(), prefix))
-		return h, h.store.(*redisstore.Store)
-	}
-	hm, mixed := open("up-mixed:")
-	hb, before := open("up-before:")
+func TestUpgradeFromBeforeFlights(t *testing.T) {
+	r := redistest.Start(t)
+	limits := []gcra.Limit{gcra.NewLimit(4, 3), withBan(gcra.NewLimit(2, 2), time.Second)}
+	zones := []store.ZoneSpec{redisstore.Bucket("up", limits[0]), redisstore.Bucket("upban", limits[1])}
 	var now time.Time
-	mixed.TestClock = func() time.Time { return now }
+	open := func(prefix string) *redisstore.Store {
+		return redisstore.Open(t, redisstore.OpenClient(t, r.Addr()), zones,
+			redisstore.Options{KeyPrefix: prefix, DisableOverLimitCache: true, Clock: func() time.Time { return now }})
+	}
+	mixed, before := open("up-mixed:"), open("up-before:")
 	old := redis.NewScript(beforeFlightsLua)
 	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
@@ -268,11 +283,9 @@ func TestRedisUpgradeFromBeforeFlights(t *testing.T) {
 		now = now.Add(time.Duration(rnd.IntN(300)) * time.Millisecond)
 		zi := rnd.IntN(2)
 		key := store.Key{Text: fmt.Sprint("k", rnd.IntN(3))}
-		demand := func(h *Handler) *store.Demands {
-			return &store.Demands{Buckets: []store.BucketDemand{bucketReq(h.Zones[zi], key)}}
-		}
-		wantOK, wantDebt := takeBefore(before, demand(hb))
-		d := demand(hm)
+		demand := func() *store.Demands { return redisstore.TakeOf(zi, key.Text, limits[zi]) }
+		wantOK, wantDebt := takeBefore(before, demand())
+		d := demand()
 		var ok bool
 		var debt time.Duration
 		if rnd.IntN(2) == 0 {

@@ -1,0 +1,104 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package redisstore
+
+import (
+	"testing"
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
+	"github.com/caddy-tokenbucket/ratelimit/lua"
+	"github.com/redis/go-redis/v9"
+	"github.com/redis/go-redis/v9/maintnotifications"
+)
+
+// What the package's tests share: the stores they make, and what the
+// black-box tests (package redisstore_test) read of a store beyond its
+// API, which the tests inside the package read directly.
+
+// testTimeout is how long a test's decision may wait for Redis: a
+// second, not the module's default 100ms, as the tests check answers on
+// a machine that other tests load.
+const testTimeout = time.Second
+
+// OpenClient is a client of the Redis at addrs (several: a cluster), with
+// the options and the scripts the module gives its clients, closed when
+// the test ends.
+func OpenClient(t testing.TB, addrs ...string) *rediswire.Client {
+	t.Helper()
+	return OpenClientWith(t, rediswire.NewScripts(lua.Decide, lua.Peek), 0, addrs...)
+}
+
+// OpenClientWith is OpenClient with scripts of its own and a pool of
+// poolSize connections a node (0: go-redis's default), as an instance of
+// its own would have.
+func OpenClientWith(t testing.TB, scripts *rediswire.Scripts, poolSize int, addrs ...string) *rediswire.Client {
+	t.Helper()
+	c, err := rediswire.NewClient(&redis.UniversalOptions{
+		Addrs: addrs, ContextTimeoutEnabled: true, MaxRetries: -1, Protocol: 2, PoolSize: poolSize,
+		DialTimeout: testTimeout, ReadTimeout: testTimeout, WriteTimeout: testTimeout, PoolTimeout: testTimeout,
+		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
+	}, scripts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = c.Destruct() })
+	return c
+}
+
+// Open is New's store of zones on c, with opt: its CallTimeout a second
+// and its KeyPrefix the test's name where opt says none. The test's end
+// drops it (before c closes: a store's copies reconcile a last time).
+func Open(t testing.TB, c *rediswire.Client, zones []store.ZoneSpec, opt Options) *Store {
+	t.Helper()
+	if opt.CallTimeout == 0 {
+		opt.CallTimeout = testTimeout
+	}
+	if opt.KeyPrefix == "" {
+		opt.KeyPrefix = t.Name() + ":"
+	}
+	s, err := New(c, zones, opt)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := s.Drop(); err != nil {
+			t.Error(err)
+		}
+	})
+	return s
+}
+
+// Bucket is the spec of a zone of one bucket of limit l.
+func Bucket(name string, l gcra.Limit) store.ZoneSpec {
+	return store.ZoneSpec{Name: name, Bucket: true, Shape: l, MaxOverrides: store.DefaultMaxOverrides}
+}
+
+// TakeOf is the demand of a token of key's bucket in zone, of limit l.
+func TakeOf(zone int, key string, l gcra.Limit) *store.Demands {
+	return &store.Demands{Buckets: []store.BucketDemand{{Zone: zone, Key: store.Key{Text: key}, Limit: l, Cost: l.TokenTime}}}
+}
+
+// RunAll decides each of ds by op, in order, in one flight of its own:
+// the keys of each share a cluster slot (see oneTag).
+func (s *Store) RunAll(op rediswire.Op, ds []*store.Demands) ([]bool, []error) {
+	deadline := time.Now().Add(s.opt.CallTimeout)
+	calls := make([]*rediswire.Call, len(ds))
+	for i, d := range ds {
+		calls[i] = rediswire.NewCall(op, deadline)
+		if s.TestClock != nil {
+			calls[i].Clock(s.TestClock())
+		}
+		s.build(calls[i], op, d)
+	}
+	sent := time.Now()
+	replies, errs := s.Client.RunAll(calls)
+	allowed := make([]bool, len(ds))
+	for i, d := range ds {
+		allowed[i], errs[i] = s.answered(replies[i], errs[i], sent, op, d)
+	}
+	return allowed, errs
+}
