@@ -4,9 +4,11 @@
 package redisstore_test
 
 import (
+	"context"
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
@@ -43,5 +45,30 @@ func storesOn(addrs []string, cache bool) storetest.NewStore {
 		// No zone of the suite has sync: the store makes no copies.
 		return redisstore.Open(t, redisstore.OpenClient(t, addrs...), zones,
 			redisstore.Options{FailMode: "local", DisableOverLimitCache: !cache, Clock: clock})
+	}
+}
+
+// Clients that go away cancel their requests' contexts: that says nothing
+// of Redis, and must not open the circuit breaker.
+func TestCancelledRequestsKeepBreakerClosed(t *testing.T) {
+	r := redistest.Start(t)
+	l := gcra.NewLimit(1.0/60, 100)
+	s := redisstore.Open(t, redisstore.OpenClient(t, r.Addr()), []store.ZoneSpec{redisstore.Bucket("cancel", l)}, redisstore.Options{})
+	for range 6 { // twice the outages in a row that open it
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		if _, err := s.Take(ctx, time.Now(), redisstore.TakeOf(0, "gone", l)); err == nil {
+			t.Fatal("a cancelled request reached a decision")
+		}
+	}
+	if s.Stats(0).Unavailable {
+		t.Fatal("cancelled requests opened the circuit breaker")
+	}
+	if ok, err := s.Take(context.Background(), time.Now(), redisstore.TakeOf(0, "next", l)); !ok || err != nil {
+		t.Fatalf("the next request: %v, %v", ok, err)
+	}
+	hash, field := s.BucketName(0, store.Key{Text: "next"})
+	if r.CLI("HEXISTS", hash, field) != "1" {
+		t.Fatal("the next request was not decided by Redis")
 	}
 }

@@ -4,6 +4,7 @@
 package rediswire
 
 import (
+	"context"
 	"testing"
 	"time"
 
@@ -120,4 +121,41 @@ func TestClusterBreakerWaitsForEveryMaster(t *testing.T) {
 		time.Sleep(10 * time.Millisecond)
 	}
 	t.Logf("closed %v after the master was back", time.Since(back))
+}
+
+// A probe is the client's, never a request's: requests whose clients
+// give up, their calls cancelled while the breaker is open, leave the
+// probes alone, and the breaker closes within a backoff of Redis being
+// back, whatever they do.
+func TestCancelledCallsLeaveTheProbes(t *testing.T) {
+	r := redistest.Start(t)
+	c, err := NewClient(&redis.UniversalOptions{Addrs: []string{r.Addr()}, MaxRetries: -1, ContextTimeoutEnabled: true,
+		DialTimeout: 50 * time.Millisecond, ReadTimeout: 50 * time.Millisecond}, testScripts(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Destruct()
+	r.Kill()
+	for range TripAfter {
+		c.Failed(zap.NewNop(), redis.ErrClosed)
+	}
+	r.Start()
+	back := time.Now()
+	shape := NewShape(10*time.Second, time.Second, time.Second, 0, 0, 0, false)
+	for !c.Up() {
+		if time.Since(back) > MaxBackoff+500*time.Millisecond {
+			t.Fatalf("Redis has been back %v, and the breaker is still open", time.Since(back))
+		}
+		// Past a backoff, a call whose client has given up.
+		ctx, cancel := context.WithCancel(context.Background())
+		cancel()
+		call := NewCall(Take, time.Now().Add(time.Second))
+		hash, field, limit := Keys{Prefix: "probe:"}.BucketLimit(ZoneField("z"), "impatient")
+		call.Bucket(hash, field, limit, shape, false, false)
+		if _, err := c.Run(ctx, call); err == nil {
+			t.Fatal("a cancelled call was answered")
+		}
+		time.Sleep(MinBackoff / 4)
+	}
+	t.Logf("closed %v after Redis was back", time.Since(back))
 }
