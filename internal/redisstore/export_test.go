@@ -29,19 +29,32 @@ const testTimeout = time.Second
 // the test ends.
 func OpenClient(t testing.TB, addrs ...string) *rediswire.Client {
 	t.Helper()
-	return OpenClientWith(t, rediswire.NewScripts(lua.Decide, lua.Peek), 0, addrs...)
+	return OpenClientWith(t, ClientOptions{}, addrs...)
 }
 
-// OpenClientWith is OpenClient with scripts of its own and a pool of
-// poolSize connections a node (0: go-redis's default), as an instance of
-// its own would have.
-func OpenClientWith(t testing.TB, scripts *rediswire.Scripts, poolSize int, addrs ...string) *rediswire.Client {
+// ClientOptions are what a test's client has of its own: its scripts
+// (nil: the module's), its pool of connections a node (0: go-redis's
+// default), its timeout (0: testTimeout).
+type ClientOptions struct {
+	Scripts  *rediswire.Scripts
+	PoolSize int
+	Timeout  time.Duration
+}
+
+// OpenClientWith is OpenClient with options of its own.
+func OpenClientWith(t testing.TB, o ClientOptions, addrs ...string) *rediswire.Client {
 	t.Helper()
+	if o.Scripts == nil {
+		o.Scripts = rediswire.NewScripts(lua.Decide, lua.Peek)
+	}
+	if o.Timeout == 0 {
+		o.Timeout = testTimeout
+	}
 	c, err := rediswire.NewClient(&redis.UniversalOptions{
-		Addrs: addrs, ContextTimeoutEnabled: true, MaxRetries: -1, Protocol: 2, PoolSize: poolSize,
-		DialTimeout: testTimeout, ReadTimeout: testTimeout, WriteTimeout: testTimeout, PoolTimeout: testTimeout,
+		Addrs: addrs, ContextTimeoutEnabled: true, MaxRetries: -1, Protocol: 2, PoolSize: o.PoolSize,
+		DialTimeout: o.Timeout, ReadTimeout: o.Timeout, WriteTimeout: o.Timeout, PoolTimeout: o.Timeout,
 		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
-	}, scripts)
+	}, o.Scripts)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -8,7 +8,10 @@ import (
 	_ "embed"
 	"fmt"
 	"math/rand/v2"
+	"slices"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -307,5 +310,129 @@ func TestUpgradeFromBeforeFlights(t *testing.T) {
 	}
 	if news < 100 || refused < 40 {
 		t.Fatalf("%d takes by today's script, %d refused: too few to tell", news, refused)
+	}
+}
+
+// Concurrent decisions share pipelined batches: each still gets its own
+// exact answer, also right after a SCRIPT FLUSH (the batch's calls find no
+// script and are sent again with it), on one Redis and on a cluster.
+func TestPipelinedDecisionsAreExact(t *testing.T) {
+	single := redistest.Start(t)
+	nodes := redistest.StartCluster(t)
+	for _, tc := range []struct {
+		name  string
+		addrs []string
+		flush func()
+	}{
+		{"standalone", []string{single.Addr()}, func() { single.CLI("SCRIPT", "FLUSH") }},
+		{"cluster", []string{nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()}, func() {
+			for _, n := range nodes {
+				n.CLI("SCRIPT", "FLUSH")
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := gcra.NewLimit(1.0/3600, 10)
+			s := redisstore.Open(t, redisstore.OpenClientWith(t, redisstore.ClientOptions{PoolSize: 4, Timeout: 5 * time.Second}, tc.addrs...),
+				[]store.ZoneSpec{redisstore.Bucket("pipe", l)}, redisstore.Options{CallTimeout: 5 * time.Second, DisableOverLimitCache: true})
+			const keys, callers, tries = 20, 64, 40
+			for round := range 2 {
+				tc.flush()
+				var allowed [keys]atomic.Int64
+				var wg sync.WaitGroup
+				for c := range callers {
+					wg.Go(func() {
+						for i := range tries {
+							k := (c + i) % keys
+							ok, err := s.Take(context.Background(), time.Now(), redisstore.TakeOf(0, fmt.Sprintf("r%d-k%d", round, k), l))
+							if err != nil {
+								t.Error(err)
+								return
+							}
+							if ok {
+								allowed[k].Add(1)
+							}
+						}
+					})
+				}
+				wg.Wait()
+				for k := range allowed {
+					if n := allowed[k].Load(); n != 10 {
+						t.Fatalf("round %d: key %d allowed %d times, want its burst of 10", round, k, n)
+					}
+				}
+			}
+		})
+	}
+}
+
+// Takes of one bucket queued together (a flood on one key) are decided
+// in the flight's one script call, one after another, each with the
+// reply it would get alone: the bucket's burst allowed, the rest denied,
+// and the debts of eight takes one at a time, to the nanosecond.
+func TestFlightOfOneKey(t *testing.T) {
+	r := redistest.Start(t)
+	l := gcra.NewLimit(7.0/3600, 5)
+	now := time.Now()
+	s := redisstore.Open(t, redisstore.OpenClientWith(t, redisstore.ClientOptions{PoolSize: 2, Timeout: 5 * time.Second}, r.Addr()),
+		[]store.ZoneSpec{redisstore.Bucket("twin", l)},
+		// The same instant for all: the same debts.
+		redisstore.Options{CallTimeout: 5 * time.Second, DisableOverLimitCache: true, Clock: func() time.Time { return now }})
+	take := func(key string) (bool, time.Duration) {
+		d := redisstore.TakeOf(0, key, l)
+		ok, err := s.Take(context.Background(), time.Now(), d)
+		if err != nil {
+			t.Error(err)
+		}
+		return ok, d.Buckets[0].Debt
+	}
+	// Alone, one after another.
+	var alone []string
+	for range 8 {
+		ok, debt := take("alone")
+		alone = append(alone, fmt.Sprint(ok, debt))
+	}
+	// Together: a script keeps Redis busy while one take holds the only
+	// flight, and eight takes of one key and one of another queue up.
+	calls := r.Calls()
+	busy := make(chan struct{})
+	go func() {
+		defer close(busy)
+		r.CLI("EVAL", "local t = redis.call('TIME') local e = t[1] * 1e6 + t[2] + 400000 "+
+			"repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] > e", "0")
+	}()
+	time.Sleep(100 * time.Millisecond)
+	var wg sync.WaitGroup
+	wg.Go(func() { take("first") })
+	time.Sleep(50 * time.Millisecond)
+	var mu sync.Mutex
+	var together []string
+	for range 8 {
+		wg.Go(func() {
+			ok, debt := take("flood")
+			mu.Lock()
+			together = append(together, fmt.Sprint(ok, debt))
+			mu.Unlock()
+		})
+	}
+	wg.Go(func() { take("other") })
+	wg.Wait()
+	<-busy
+	slices.Sort(alone)
+	slices.Sort(together)
+	if !slices.Equal(together, alone) {
+		t.Fatalf("together %q, want as alone %q", together, alone)
+	}
+	token := l.TokenTime // 1/7 h: not a whole number of microseconds
+	var want []string
+	for n := range 8 {
+		want = append(want, fmt.Sprint(n < 5, time.Duration(min(n+1, 5))*token))
+	}
+	slices.Sort(want)
+	if !slices.Equal(alone, want) {
+		t.Fatalf("alone %q, want %q", alone, want)
+	}
+	if n := r.Calls() - calls; n != 3 {
+		t.Fatalf("%d script calls, want 3: the busy one, the first, and one flight of the flood's and the other key's", n)
 	}
 }
