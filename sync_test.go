@@ -9,7 +9,6 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
-	"net/http/httptest"
 	"os"
 	"runtime"
 	"strconv"
@@ -19,8 +18,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
-	"github.com/caddy-tokenbucket/ratelimit/internal/store"
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/redis/go-redis/v9"
@@ -74,149 +72,6 @@ func syncZoneJSON(name, sync string) string {
 // but one for rounding.
 func syncBound(n int) int { return (n - 1) * (20*100/1000 + 1) }
 
-// One fresh key flooded round robin on three instances, from its first
-// request, is allowed within the bound of what an exact zone allows in
-// the same run, and no less than 90% of it.
-func TestSyncFloodOneKey(t *testing.T) {
-	r := startRedis(t)
-	hs := syncInstances(t, r.Addr(), syncZoneJSON("s", "100ms"), 3)
-	exact := newTestHandler(t, redisConfig(r.Addr(), "e", "20r/s", 40, ""))
-	allowed, exactAllowed := 0, 0
-	for i, start := 0, time.Now(); time.Since(start) < 2*time.Second; i++ {
-		if code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k"); code == http.StatusOK {
-			allowed++
-		}
-		// The exact zone's key is the client IP.
-		if code, _ := serve(exact, "10.0.0.1"); code == http.StatusOK {
-			exactAllowed++
-		}
-		time.Sleep(time.Millisecond)
-	}
-	t.Logf("allowed %d, exact %d", allowed, exactAllowed)
-	if allowed > exactAllowed+syncBound(3) || allowed < exactAllowed*9/10 {
-		t.Errorf("allowed %d, want %d to %d (exact %d)", allowed, exactAllowed*9/10, exactAllowed+syncBound(3), exactAllowed)
-	}
-}
-
-// Many keys flooded at once on three instances: each within the bound.
-func TestSyncFloodManyKeys(t *testing.T) {
-	r := startRedis(t)
-	hs := syncInstances(t, r.Addr(), syncZoneJSON("s", "100ms"), 3)
-	const keys = 30
-	allowed := make([]int, keys)
-	start := time.Now()
-	for i := 0; time.Since(start) < 2*time.Second; i++ {
-		k := i % keys
-		if code, _ := serve(hs[i/keys%3], "10.0.0.1", "X-Key", strconv.Itoa(k)); code == http.StatusOK {
-			allowed[k]++
-		}
-		if k == keys-1 {
-			time.Sleep(2 * time.Millisecond)
-		}
-	}
-	// An exact zone allows its burst and a token every 50ms.
-	exact := 40 + int(time.Since(start)/(50*time.Millisecond))
-	for k, n := range allowed {
-		if n > exact+1+syncBound(3) || n < exact*9/10 {
-			t.Errorf("key %d: allowed %d, want %d to %d", k, n, exact*9/10, exact+1+syncBound(3))
-		}
-	}
-	t.Logf("allowed %v, exact about %d", allowed, exact)
-}
-
-// Keys under their limit on three instances are refused nothing, and
-// cost Redis far less than a script call a request: a call for each
-// key's first request on each instance, and one per reconciliation.
-func TestSyncUnderLimit(t *testing.T) {
-	r := startRedis(t)
-	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}","rate":"100r/s","burst":200,"sync":"100ms"}`, 3)
-	const keys = 100
-	requests, refused := 0, 0
-	checked := r.Calls() // the store's check at load
-	start := time.Now()
-	for time.Since(start) < 2*time.Second {
-		for k := range keys {
-			for _, h := range hs {
-				if code, _ := serve(h, "10.0.0.1", "X-Key", strconv.Itoa(k)); code != http.StatusOK {
-					refused++
-				}
-				requests++
-			}
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
-	calls, intervals := r.Calls()-checked, int(time.Since(start)/(100*time.Millisecond))+2
-	t.Logf("%d requests, %d script calls (%.3f a request)", requests, calls, float64(calls)/float64(requests))
-	if refused > 0 {
-		t.Errorf("%d of %d requests refused", refused, requests)
-	}
-	if most := keys*len(hs) + intervals*len(hs); calls > most {
-		t.Errorf("%d script calls for %d requests, want at most %d", calls, requests, most)
-	}
-}
-
-// Redis going away: the zone with sync goes on deciding in each
-// instance, fail_mode closed notwithstanding (fail_mode is for the zones
-// without sync), new keys too; what the instances spent meanwhile goes
-// up to Redis when it is back.
-func TestSyncRedisOutage(t *testing.T) {
-	r := startRedis(t)
-	zone := syncZoneJSON("s", "100ms")
-	hs := make([]*Handler, 3)
-	for i := range hs {
-		hs[i] = newTestHandler(t, fmt.Sprintf(`{"zones":[%s],
-			"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:","pool_size":%d,"fail_mode":"closed"}}`, zone, r.Addr(), 10+i))
-	}
-	exact := newTestHandler(t, redisConfig(r.Addr(), "e", "20r/s", 40, `,"fail_mode":"closed"`))
-	for i := range 9 {
-		if code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k"); code != http.StatusOK {
-			t.Fatalf("request %d before the outage: %d", i, code)
-		}
-	}
-	r.Kill()
-	allowed := 0
-	for i := range 60 {
-		code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k")
-		switch code {
-		case http.StatusOK:
-			allowed++
-		case http.StatusTooManyRequests:
-		default:
-			t.Fatalf("request %d during the outage: %d, want 200 or 429", i, code)
-		}
-	}
-	if allowed == 0 {
-		t.Error("nothing allowed during the outage")
-	}
-	for i, h := range hs {
-		if code, _ := serve(h, "10.0.0.1", "X-Key", "new"); code != http.StatusOK {
-			t.Errorf("instance %d: a new key during the outage: %d, want 200", i, code)
-		}
-	}
-	if code, _ := serve(exact, "10.0.0.1"); code != http.StatusServiceUnavailable {
-		t.Errorf("zone without sync during the outage: %d, want 503 (fail_mode closed)", code)
-	}
-	r.Start()
-	rs := hs[0].store.(*redisstore.Store)
-	hash, field := rs.BucketName(0, store.Key{Text: "k"})
-	c := newRedisClient(t, r.Addr())
-	waitFor(t, 10*time.Second, "the spending of the outage in Redis", func() bool {
-		return c.HGet(context.Background(), hash, field).Val() != ""
-	})
-	if code, _ := serve(exact, "10.0.0.1"); code != http.StatusOK {
-		t.Errorf("zone without sync after the outage: %d, want 200", code)
-	}
-}
-
-// adminServe sends a request to the admin API in this process, and
-// fails the test if it fails.
-func adminServe(t *testing.T, method, path, body string) {
-	t.Helper()
-	if err := (adminAPI{}).serve(httptest.NewRecorder(), httptest.NewRequest(method, path, strings.NewReader(body))); err != nil {
-		t.Fatalf("%s %s: %v", method, path, err)
-	}
-}
-
 // emptyEverywhere floods key on every instance until each refuses it.
 func emptyEverywhere(t *testing.T, hs []*Handler, key string) {
 	t.Helper()
@@ -228,113 +83,6 @@ func emptyEverywhere(t *testing.T, hs []*Handler, key string) {
 			}
 			return code == http.StatusTooManyRequests
 		})
-	}
-}
-
-// allowedEverywhere waits until each instance allows key, and returns the
-// response headers of each and how long the slowest took.
-func allowedEverywhere(t *testing.T, hs []*Handler, key string) ([]http.Header, time.Duration) {
-	t.Helper()
-	start := time.Now()
-	out := make([]http.Header, len(hs))
-	for i, h := range hs {
-		waitFor(t, time.Second, fmt.Sprintf("instance %d allowing %s", i, key), func() bool {
-			code, hdr := serve(h, "10.0.0.1", "X-Key", key)
-			out[i] = hdr
-			return code == http.StatusOK
-		})
-	}
-	return out, time.Since(start)
-}
-
-// A reset and an override made through one instance's admin API reach
-// every instance within an interval or two: their copies learn it at
-// their next reconciliation. (The zone refills a token a minute: only
-// the reset or the override can let a request through within the
-// test's second.)
-func TestSyncResetAndOverride(t *testing.T) {
-	r := startRedis(t)
-	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"100ms"}`, 3)
-	emptyEverywhere(t, hs, "k")
-	adminServe(t, http.MethodDelete, "/rate_limit/s/k", "")
-	_, took := allowedEverywhere(t, hs, "k")
-	t.Logf("reset seen everywhere after %v", took)
-
-	emptyEverywhere(t, hs, "k")
-	adminServe(t, http.MethodPut, "/rate_limit/s/k/limit", `{"rate":"1r/m","burst":1000}`)
-	hdrs, took := allowedEverywhere(t, hs, "k")
-	t.Logf("override seen everywhere after %v", took)
-	for i, hdr := range hdrs {
-		if got := hdr.Get("X-RateLimit-Limit"); got != "1000" {
-			t.Errorf("instance %d: X-RateLimit-Limit %q, want the override's 1000", i, got)
-		}
-	}
-}
-
-// A config reload keeps the copies: the new config's store decides from
-// them. (With sync 1m no reconciliation runs within the test, and a token
-// comes back a minute: the copy of a key emptied here says so, while
-// Redis, whose bucket is deleted behind the store's back, would allow
-// it.)
-func TestSyncReloadKeepsCopies(t *testing.T) {
-	r := startRedis(t)
-	config := fmt.Sprintf(`{"zones":[{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"1m"}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr())
-	old, unload := provision(t, config)
-	emptyEverywhere(t, []*Handler{old}, "k")
-	rs := old.store.(*redisstore.Store)
-	copies := rs.Zones[0].Sync
-	hash, field := rs.BucketName(0, store.Key{Text: "k"})
-	r.CLI("HDEL", hash, field)
-	next, unloadNext := provision(t, config)
-	defer unloadNext()
-	unload()
-	if got := next.store.(*redisstore.Store).Zones[0].Sync; got != copies {
-		t.Fatal("the reloaded config has copies of its own")
-	}
-	calls := r.Calls()
-	if code, _ := serve(next, "10.0.0.1", "X-Key", "k"); code != http.StatusTooManyRequests {
-		t.Errorf("after the reload: %d, want 429 (the copy's)", code)
-	}
-	if got := r.Calls(); got != calls {
-		t.Errorf("the refusal asked Redis: %d script calls, want %d", got, calls)
-	}
-}
-
-// A zone with sync whose limit comes with each request (plans): a key
-// flooded on three instances is held to its plan within the bound, and
-// its copies follow it to another plan, keeping what it spent.
-func TestSyncPlans(t *testing.T) {
-	r := startRedis(t)
-	hs := syncInstances(t, r.Addr(), `{"name":"s","key":"{http.request.header.X-Key}",
-		"rate":"{http.request.header.X-Rate}","burst":"{http.request.header.X-Burst}","sync":"100ms"}`, 3)
-	plan := func(i int, rate, burst string) int {
-		code, _ := serve(hs[i%3], "10.0.0.1", "X-Key", "k", "X-Rate", rate, "X-Burst", burst)
-		return code
-	}
-	allowed := 0
-	start := time.Now()
-	for i := 0; time.Since(start) < time.Second; i++ {
-		if plan(i, "20r/s", "40") == http.StatusOK {
-			allowed++
-		}
-		time.Sleep(time.Millisecond)
-	}
-	exact := 40 + int(time.Since(start)/(50*time.Millisecond))
-	if allowed > exact+1+syncBound(3) || allowed < exact*9/10 {
-		t.Errorf("allowed %d, want %d to %d", allowed, exact*9/10, exact+1+syncBound(3))
-	}
-	// Ten times the burst: the emptied bucket owes the same fraction of
-	// the new one, all of it, so the change of plan hands back no tokens
-	// in any instance.
-	allowed = 0
-	for i := range 300 {
-		if plan(i, "20r/s", "400") == http.StatusOK {
-			allowed++
-		}
-	}
-	if allowed > 40+syncBound(3) {
-		t.Errorf("after the change of plan: %d allowed, want at most %d", allowed, 40+syncBound(3))
 	}
 }
 
@@ -358,39 +106,6 @@ func TestSyncWithExactZone(t *testing.T) {
 	r.Kill()
 	if code, _ := serve(h, "10.0.0.3", "X-Key", "k"); code != http.StatusServiceUnavailable {
 		t.Errorf("Redis down: %d, want 503 (fail_mode closed)", code)
-	}
-}
-
-// On a Redis Cluster: the bound holds for keys of every slot.
-func TestSyncCluster(t *testing.T) {
-	nodes := startCluster(t)
-	var addrs []string
-	for _, n := range nodes {
-		addrs = append(addrs, strconv.Quote(n.Addr()))
-	}
-	hs := make([]*Handler, 3)
-	for i := range hs {
-		hs[i] = newTestHandler(t, fmt.Sprintf(`{"zones":[%s],
-			"store":{"backend":"redis","addresses":[%s],"key_prefix":"t:","pool_size":%d,"timeout":"1s"}}`,
-			syncZoneJSON("s", "100ms"), strings.Join(addrs, ","), 10+i))
-	}
-	const keys = 10
-	allowed := make([]int, keys)
-	start := time.Now()
-	for i := 0; time.Since(start) < 1500*time.Millisecond; i++ {
-		k := i % keys
-		if code, _ := serve(hs[i/keys%3], "10.0.0.1", "X-Key", strconv.Itoa(k)); code == http.StatusOK {
-			allowed[k]++
-		}
-		if k == keys-1 {
-			time.Sleep(time.Millisecond)
-		}
-	}
-	exact := 40 + int(time.Since(start)/(50*time.Millisecond))
-	for k, n := range allowed {
-		if n > exact+1+syncBound(3) || n < exact*9/10 {
-			t.Errorf("key %d: allowed %d, want %d to %d", k, n, exact*9/10, exact+1+syncBound(3))
-		}
 	}
 }
 
@@ -467,14 +182,15 @@ func syncSites(addr string) string {
 }
 
 // syncCopies are the copies of the zones named name of the running
-// config's handlers.
-func syncCopies(name string) map[*redisstore.SyncZone]bool {
+// config's handlers, as their stores report them, with the keys each
+// holds.
+func syncCopies(name string) map[any]int64 {
 	registry.Lock()
 	defer registry.Unlock()
-	out := make(map[*redisstore.SyncZone]bool)
+	out := make(map[any]int64)
 	for _, ref := range registry.zones[name] {
-		if rs, ok := ref.h.store.(*redisstore.Store); ok && rs.Zones[ref.z.index].Sync != nil {
-			out[rs.Zones[ref.z.index].Sync] = true
+		if st := ref.h.store.Stats(ref.z.index); st.SyncCopies != nil {
+			out[st.SyncCopies] = st.SyncHeld
 		}
 	}
 	return out
@@ -539,13 +255,11 @@ func TestSyncThroughCaddy(t *testing.T) {
 		t.Fatalf("%d sets of copies, want 3", len(copies))
 	}
 	reload(t, tester, "", syncSites(r.Addr()))
-	for sz := range syncCopies("s") {
-		if !copies[sz] {
+	for sz, held := range syncCopies("s") {
+		if _, ok := copies[sz]; !ok {
 			t.Error("the reload made new copies")
 		}
-	}
-	for sz := range copies {
-		if sz.Size.Load() == 0 {
+		if held == 0 {
 			t.Error("the reload dropped the copies")
 		}
 	}
@@ -563,21 +277,6 @@ func sendKey(t *testing.T, tester *caddytest.Tester, path, key string) int {
 	}
 	resp.Body.Close()
 	return resp.StatusCode
-}
-
-// syncBucket is the bucket in Redis of key in the running config's zone
-// named name with sync: its hash and field.
-func syncBucket(t *testing.T, name, key string) (hash, field string) {
-	t.Helper()
-	registry.Lock()
-	defer registry.Unlock()
-	for _, ref := range registry.zones[name] {
-		if rs, ok := ref.h.store.(*redisstore.Store); ok && rs.Zones[ref.z.index].Sync != nil {
-			return rs.BucketName(ref.z.index, store.Key{Text: key})
-		}
-	}
-	t.Fatalf("no zone %s with sync", name)
-	return "", ""
 }
 
 // tokensInRedis is what the bucket (hash, field) of burst tokens, one
@@ -640,7 +339,7 @@ func TestSyncOutageForgiven(t *testing.T) {
 			tc.away(r)
 			halfRate("during the outage", 5*time.Second)
 			tc.recover(r)
-			least := leastTokens(t, r, []string{"one", "two"}, 100*time.Millisecond, 1500*time.Millisecond)
+			least := leastTokens(t, r, []string{"one", "two"}, "10r/s", 1500*time.Millisecond)
 			for key, paths := range instances {
 				t.Logf("key %s on %d instances: %.2f tokens at least after the outage", key, len(paths), least[key])
 				if want := float64(10 - 2*len(paths)); least[key] < want-1e-6 {
@@ -656,20 +355,25 @@ func TestSyncOutageForgiven(t *testing.T) {
 	}
 }
 
-// leastTokens is the least each key's bucket of zone s (burst 10, a
-// token every token) holds in Redis over d (once, for 0): refills only
+// leastTokens is the least each key's bucket of zone s of syncHandles
+// (burst 10, at rate) holds in Redis over d (once, for 0): refills only
 // add to it, so what was charged meanwhile is at most what it lacks of
 // the burst.
-func leastTokens(t *testing.T, r *redisServer, keys []string, token, d time.Duration) map[string]float64 {
+func leastTokens(t *testing.T, r *redisServer, keys []string, rate string, d time.Duration) map[string]float64 {
 	t.Helper()
 	c := newRedisClient(t, r.Addr())
+	perSec, _, err := parseRate(rate)
+	if err != nil {
+		t.Fatal(err)
+	}
+	token := gcra.NewLimit(perSec, 10).TokenTime
 	least := make(map[string]float64)
 	for _, key := range keys {
 		least[key] = 10
 	}
 	for start := time.Now(); ; time.Sleep(10 * time.Millisecond) {
 		for _, key := range keys {
-			hash, field := syncBucket(t, "s", key)
+			hash, field := bucketName(t, "t:", "s", rate, 10, key)
 			least[key] = min(least[key], tokensInRedis(t, c, hash, field, 10, token))
 		}
 		if time.Since(start) >= d {
@@ -707,7 +411,7 @@ func TestSyncOutageForgivenSlow(t *testing.T) {
 				}
 				time.Sleep(300 * time.Millisecond)
 			}
-			before := leastTokens(t, r, []string{"slow"}, time.Minute, 0)["slow"]
+			before := leastTokens(t, r, []string{"slow"}, "1r/m", 0)["slow"]
 			if before < 8-1e-6 || before > 8.1 {
 				t.Fatalf("before the outage: %.3f tokens in Redis, want 8", before)
 			}
@@ -723,7 +427,7 @@ func TestSyncOutageForgivenSlow(t *testing.T) {
 				t.Fatal("the copy allowed nothing while Redis was away")
 			}
 			tc.recover(r)
-			least := leastTokens(t, r, []string{"slow"}, time.Minute, 1500*time.Millisecond)["slow"]
+			least := leastTokens(t, r, []string{"slow"}, "1r/m", 1500*time.Millisecond)["slow"]
 			t.Logf("%d of 12 allowed while Redis was away; %.3f tokens at least after", allowed, least)
 			if least < tc.least-1e-6 {
 				t.Errorf("the shared bucket went down to %.3f tokens after the outage, want %v or more (one request's cost of the outage's spending)", least, tc.least)
@@ -782,80 +486,6 @@ func TestSyncClusterReconciliationCalls(t *testing.T) {
 	if n := m[carried] - m0[carried]; n != keys*uses {
 		t.Errorf("%v keys carried, want %d (each key once a use)", n, keys*uses)
 	}
-}
-
-// An idle zone's reconciliations look at none of its copies, however
-// many it holds: their work follows the keys used since the last one,
-// not the copies held (an idle instance costs nothing an interval). 2,000
-// copies at sync 10ms, each reconciled once: the next 20 intervals' look
-// at none of them, and one key used again is looked at once.
-func TestSyncIdleReconciliation(t *testing.T) {
-	r := startRedis(t)
-	h := newTestHandler(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, syncZoneJSON("s", "10ms"), r.Addr()))
-	sz := h.store.(*redisstore.Store).Zones[0].Sync
-	const keys = 2000
-	for k := range keys {
-		serve(h, "10.0.0.1", "X-Key", strconv.Itoa(k))
-	}
-	waitFor(t, 5*time.Second, "the copies' reconciliation", func() bool { return sz.Keys.Load() >= keys })
-	visited := sz.Visited.Load()
-	time.Sleep(200 * time.Millisecond)
-	if n := sz.Visited.Load() - visited; n != 0 {
-		t.Errorf("the reconciliations of 20 idle intervals looked at %d copies, want none (%d held)", n, sz.Size.Load())
-	}
-	visited = sz.Visited.Load()
-	if code, _ := serve(h, "10.0.0.1", "X-Key", "7"); code != http.StatusOK {
-		t.Fatalf("key 7 again: %d, want 200", code)
-	}
-	waitFor(t, 5*time.Second, "key 7's reconciliation", func() bool { return sz.Keys.Load() > keys })
-	time.Sleep(50 * time.Millisecond)
-	if n := sz.Visited.Load() - visited; n != 1 {
-		t.Errorf("the reconciliations after one key was used looked at %d copies, want 1", n)
-	}
-}
-
-// The sweep drops a copy once its bucket is full and no request used it
-// for keep() since Redis last answered for it; it keeps the others, and
-// looks at them again keep() later. (At sync 1m no reconciliation runs by
-// itself within the test: the test reconciles, and sweeps at instants of
-// its own.)
-func TestSyncSweep(t *testing.T) {
-	r := startRedis(t)
-	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"s","key":"{http.request.header.X-Key}","rate":"1r/m","burst":10,"sync":"1m"}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr()))
-	sz := h.store.(*redisstore.Store).Zones[0].Sync
-	serve(h, "10.0.0.1", "X-Key", "once") // full again a minute later
-	for range 10 {
-		serve(h, "10.0.0.1", "X-Key", "emptied") // ten minutes later
-	}
-	sz.Reconcile()
-	serve(h, "10.0.0.1", "X-Key", "used") // used since the reconciliation
-	n, keep := sz.Instant(time.Now()), sz.Keep()
-	sweep := func(at time.Duration, want ...string) {
-		t.Helper()
-		visited := sz.Visited.Load()
-		for i := range sz.Shards {
-			sh := &sz.Shards[i]
-			sh.Mu.Lock()
-			sz.Sweep(sh, n+at)
-			sh.Mu.Unlock()
-		}
-		var held []string
-		for _, key := range []string{"once", "emptied", "used"} {
-			sh, h := sz.Lock(store.Key{Text: key})
-			if sh.M[h] != nil {
-				held = append(held, key)
-			}
-			sh.Mu.Unlock()
-		}
-		t.Logf("%v later: looked at %d copies, holds %v", at, sz.Visited.Load()-visited, held)
-		if fmt.Sprint(held) != fmt.Sprint(want) || sz.Size.Load() != int64(len(want)) {
-			t.Errorf("%v later: holds %v (%d copies), want %v", at, held, sz.Size.Load(), want)
-		}
-	}
-	sweep(keep-time.Second, "once", "emptied", "used")
-	sweep(keep+2*time.Minute, "emptied", "used")
-	sweep(keep+11*time.Minute, "used")
 }
 
 func TestSyncCaddyfileErrors(t *testing.T) {

@@ -90,6 +90,27 @@ func Bucket(name string, l gcra.Limit) store.ZoneSpec {
 	return store.ZoneSpec{Name: name, Bucket: true, Shape: l, MaxOverrides: store.DefaultMaxOverrides}
 }
 
+// syncOwe is how many intervals of refill the shared bucket of a zone
+// with sync may owe beyond empty, as the module shapes such a zone's
+// limit (its sync.go).
+const syncOwe = 32
+
+// SyncLimit is the limit of a zone of rate and burst with sync every
+// interval, as the module shapes it.
+func SyncLimit(rate float64, burst int64, interval time.Duration) gcra.Limit {
+	l := gcra.NewLimit(rate, burst)
+	l.Owe = syncOwe * interval
+	return l
+}
+
+// SyncSpec is the spec of a zone with sync every interval, of limit l
+// (the zero limit for a zone whose limit comes with each request).
+func SyncSpec(name string, l gcra.Limit, interval time.Duration) store.ZoneSpec {
+	z := Bucket(name, l)
+	z.Sync = interval
+	return z
+}
+
 // TakeOf is the demand of a token of key's bucket in zone, of limit l.
 func TakeOf(zone int, key string, l gcra.Limit) *store.Demands {
 	return &store.Demands{Buckets: []store.BucketDemand{{Zone: zone, Key: store.Key{Text: key}, Limit: l, Cost: l.TokenTime}}}
