@@ -32,8 +32,8 @@ sync:
 # bench/results/masters.log.
 masters:
 	RATE_LIMIT_MASTERS=1 RATE_LIMIT_MASTERS_RUNS=$(RUNS) RATE_LIMIT_SCRIPT=$(SCRIPT) \
-		taskset -c 0 go test -count=1 -run '^(TestRedisClusterSpread|TestMastersThroughput)$$' -v . \
-		| grep -E '^(---|ok|FAIL|\s+redis_cluster_test)' | tee bench/results/masters.log
+		taskset -c 0 go test -count=1 -run '^(TestClusterSpread|TestMastersThroughput)$$' -v ./internal/redisstore \
+		| grep -E '^(---|ok|FAIL|\s+cluster_test)' | tee bench/results/masters.log
 
 # The load scenario of `concurrency adaptive` (docs/adaptive.md): a test
 # upstream behind Caddy with the adaptive zone, under closed-loop clients;

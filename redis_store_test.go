@@ -1023,7 +1023,7 @@ func BenchmarkServeHTTPRedisParallel(b *testing.B) {
 				ips[i] = fmt.Sprintf("10.%d.%d.1", i>>8, i&0xff)
 			}
 			var seq atomic.Int64
-			calls, usec := evalStats(b, r)
+			calls, usec := r.ScriptStats()
 			b.ReportAllocs()
 			b.SetParallelism(max(1, 50/runtime.GOMAXPROCS(0)))
 			b.RunParallel(func(pb *testing.PB) {
@@ -1043,7 +1043,7 @@ func BenchmarkServeHTTPRedisParallel(b *testing.B) {
 					cancel()
 				}
 			})
-			calls2, usec2 := evalStats(b, r)
+			calls2, usec2 := r.ScriptStats()
 			b.ReportMetric(float64(calls2-calls)/float64(b.N), "calls/op")
 			b.ReportMetric(float64(usec2-usec)/float64(b.N), "redis-µs/op")
 		})

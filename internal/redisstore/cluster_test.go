@@ -1,0 +1,229 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package redisstore_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
+	"github.com/caddy-tokenbucket/ratelimit/lua"
+	"github.com/redis/go-redis/v9"
+)
+
+// How decisions spread over the masters of a Redis Cluster, and what one
+// master's core decides. `make masters` runs both with the figures logged
+// (see bench/results/masters.md).
+
+// Decisions on distinct keys spread evenly over a cluster's masters: each
+// of 3 masters runs a third of 10k decisions' script calls, within 20%.
+func TestClusterSpread(t *testing.T) {
+	nodes := redistest.StartCluster(t)
+	var addrs []string
+	for _, n := range nodes {
+		addrs = append(addrs, n.Addr())
+	}
+	l := gcra.NewLimit(1000, 1000)
+	rs := redisstore.Open(t, redisstore.OpenClientWith(t, redisstore.ClientOptions{Timeout: 5 * time.Second}, addrs...),
+		[]store.ZoneSpec{redisstore.Bucket("spread", l)}, redisstore.Options{CallTimeout: 5 * time.Second, FailMode: "closed"})
+	// The script loaded on every node: no EVAL.
+	before := make([]int64, len(nodes))
+	for i, n := range nodes {
+		if err := redis.NewScript(lua.Decide).Load(context.Background(), newRedisClient(t, n.Addr())).Err(); err != nil {
+			t.Fatal(err)
+		}
+		before[i], _ = n.ScriptStats()
+	}
+	const keys = 10_000
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range 32 {
+		wg.Go(func() {
+			for i := next.Add(1) - 1; i < keys; i = next.Add(1) - 1 {
+				k := fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255)
+				d := &store.Demands{Buckets: []store.BucketDemand{{Key: ipKey(k), Limit: l, Cost: l.TokenTime}}}
+				if ok, err := rs.Take(context.Background(), time.Now(), d); err != nil || !ok {
+					t.Errorf("key %s: %v, %v", k, ok, err)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	var total int64
+	per := make([]int64, len(nodes))
+	for i, n := range nodes {
+		c, _ := n.ScriptStats()
+		per[i] = c - before[i]
+		total += per[i]
+	}
+	// A flight's decisions of one hash tag share a call; keys of distinct
+	// tags, as nearly all of these are, a call each.
+	if total > keys || total < keys*9/10 {
+		t.Fatalf("%d script calls for %d decisions of distinct keys", total, keys)
+	}
+	mean := float64(total) / float64(len(nodes))
+	for i, c := range per {
+		dev := (float64(c) - mean) / mean
+		t.Logf("master %d: %d script calls, %+.1f%% from an even share", i+1, c, 100*dev)
+		if dev < -0.2 || dev > 0.2 {
+			t.Errorf("master %d ran %d of %d calls: more than 20%% from an even share", i+1, c, total)
+		}
+	}
+}
+
+// The decisions/s of one master on one core, loaded from the other core
+// by the store: `make masters` (RATE_LIMIT_MASTERS=1, this process pinned
+// to core 0 and Redis to core 1). Three loads, alternating, each run
+// several times; medians are logged:
+//
+//   - distinct: 256 callers, each decision for another of 100k keys that
+//     never run out (every decision is a script call);
+//   - hot: the same callers, all on one key that never runs out: one slot,
+//     so one master, whatever the cluster's size;
+//   - flooded: all on one key limited to 10r/s burst 20: the over-limit
+//     cache denies locally, and Redis sees about the allowed requests.
+//
+// RATE_LIMIT_SCRIPT=<file> runs another version of the script instead,
+// for comparison (the keys are this version's).
+func TestMastersThroughput(t *testing.T) {
+	if os.Getenv("RATE_LIMIT_MASTERS") == "" {
+		t.Skip("set RATE_LIMIT_MASTERS=1, or run make masters")
+	}
+	var scripts *rediswire.Scripts // the module's
+	if f := os.Getenv("RATE_LIMIT_SCRIPT"); f != "" {
+		src, err := os.ReadFile(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		scripts = rediswire.NewScripts(string(src), lua.Peek)
+		t.Logf("script %s", f)
+	}
+	core := os.Getenv("RATE_LIMIT_REDIS_CORE")
+	if core == "" {
+		core = "1"
+	}
+	redistest.Require(t)
+	r := &redistest.Server{T: t, Port: redistest.FreePort(t, 0), Dir: t.TempDir()}
+	r.Cmd = exec.Command("taskset", "-c", core, redistest.ServerBin(), "--bind", "127.0.0.1", "--port", strconv.Itoa(r.Port),
+		"--save", "", "--appendonly", "no", "--dir", r.Dir)
+	if err := r.Cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(r.Kill)
+	r.WaitReady()
+	cpu := func() time.Duration { // Redis's CPU time: utime + stime, in ticks of 10 ms
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", r.Cmd.Process.Pid))
+		if err != nil {
+			t.Fatal(err)
+		}
+		f := strings.Fields(string(b)[strings.LastIndexByte(string(b), ')')+2:])
+		u, _ := strconv.ParseInt(f[11], 10, 64)
+		s, _ := strconv.ParseInt(f[12], 10, 64)
+		return time.Duration(u+s) * 10 * time.Millisecond
+	}
+	limits := []gcra.Limit{gcra.NewLimit(1e6, 1e6), gcra.NewLimit(10, 20)}
+	rs := redisstore.Open(t, redisstore.OpenClientWith(t, redisstore.ClientOptions{Scripts: scripts, Timeout: 2 * time.Second}, r.Addr()),
+		[]store.ZoneSpec{redisstore.Bucket("m", limits[0]), redisstore.Bucket("f", limits[1])},
+		redisstore.Options{KeyPrefix: "rl:", CallTimeout: 2 * time.Second, FailMode: "closed"})
+	keys := make([]store.Key, 100_000)
+	for i := range keys {
+		keys[i] = ipKey(fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255))
+	}
+	const callers = 256
+	runs, _ := strconv.Atoi(os.Getenv("RATE_LIMIT_MASTERS_RUNS"))
+	if runs < 1 {
+		runs = 5
+	}
+	dur := 3 * time.Second
+	type figures struct{ decisions, calls, usecPerCall, busy []float64 }
+	loads := []string{"distinct", "hot", "flooded"}
+	got := map[string]*figures{}
+	for _, l := range loads {
+		got[l] = new(figures)
+	}
+	for run := range runs {
+		for _, load := range loads {
+			zone := 0
+			if load == "flooded" {
+				zone = 1
+			}
+			c0, u0 := r.ScriptStats()
+			cpu0 := cpu()
+			var n, errs atomic.Int64
+			var firstErr atomic.Value
+			var next atomic.Int64
+			start := time.Now()
+			stop := start.Add(dur)
+			var wg sync.WaitGroup
+			for range callers {
+				wg.Go(func() {
+					for time.Now().Before(stop) {
+						k := keys[0]
+						if load == "distinct" {
+							k = keys[next.Add(1)%int64(len(keys))]
+						}
+						d := &store.Demands{Buckets: []store.BucketDemand{{Zone: zone, Key: k, Limit: limits[zone], Cost: limits[zone].TokenTime}}}
+						if _, err := rs.Take(context.Background(), time.Now(), d); err != nil {
+							errs.Add(1)
+							firstErr.CompareAndSwap(nil, err.Error())
+						}
+						n.Add(1)
+					}
+				})
+			}
+			wg.Wait()
+			secs := time.Since(start).Seconds()
+			c1, u1 := r.ScriptStats()
+			busy := (cpu() - cpu0).Seconds() / secs
+			// A machine that other work loads may make a few decisions
+			// miss their timeout: logged, not failed.
+			if e := errs.Load(); e > 0 {
+				t.Logf("run %d, %s: %d of %d decisions failed: %v", run+1, load, e, n.Load(), firstErr.Load())
+			}
+			if c1 == c0 {
+				t.Fatalf("run %d, %s: no script calls", run+1, load)
+			}
+			if load == "flooded" && float64(c1-c0) > 0.01*float64(n.Load()) {
+				t.Errorf("run %d, flooded: %d script calls for %d decisions: the over-limit cache let the flood through", run+1, c1-c0, n.Load())
+			}
+			f := got[load]
+			f.decisions = append(f.decisions, float64(n.Load())/secs)
+			f.calls = append(f.calls, float64(c1-c0)/secs)
+			f.usecPerCall = append(f.usecPerCall, float64(u1-u0)/float64(c1-c0))
+			f.busy = append(f.busy, busy)
+			t.Logf("run %d %-8s %8.0f decisions/s, %7.0f script calls/s, %.2f µs per call in Redis, Redis core %3.0f%% busy",
+				run+1, load, float64(n.Load())/secs, float64(c1-c0)/secs, float64(u1-u0)/float64(c1-c0), 100*busy)
+		}
+	}
+	med := func(v []float64) float64 {
+		v = slices.Clone(v)
+		slices.Sort(v)
+		return v[len(v)/2]
+	}
+	t.Logf("medians of %d runs of %v, %d callers:", runs, dur, callers)
+	t.Logf("| load | decisions/s | script calls/s | µs per call in Redis | Redis core busy | decisions per Redis CPU-second |")
+	t.Logf("| --- | ---: | ---: | ---: | ---: | ---: |")
+	for _, l := range loads {
+		f := got[l]
+		per := make([]float64, len(f.decisions))
+		for i := range per {
+			per[i] = f.decisions[i] / f.busy[i]
+		}
+		t.Logf("| %s | %.0f | %.0f | %.2f | %.0f%% | %.0f |", l, med(f.decisions), med(f.calls), med(f.usecPerCall), 100*med(f.busy), med(per))
+	}
+}
