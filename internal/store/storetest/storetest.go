@@ -4,7 +4,8 @@
 // Package storetest is the conformance suite of the stores, as
 // testing/fstest is of file systems: one table of steps that every
 // store.Store must decide alike (the bucket math of internal/gcra, all or
-// nothing across zones, bans, delays, calendar quotas, dry runs), which
+// nothing across zones, bans, delays, calendar quotas, dry runs, plans,
+// usage, keys' own limits and refunds), which
 // the in-memory and the Redis engines' tests replay. It knows nothing of
 // Caddy, HTTP or the handler: its zones are ZoneSpecs and its requests
 // demands, made as the handler makes them from the same config.
@@ -48,7 +49,10 @@ func Flights(take func(s store.Store, ds []*store.Demands) ([]bool, []error)) Op
 // that newStore makes for the steps' zones, and fails t at the first
 // answer that is not the table's: the decision, the tokens (or units)
 // left per zone, a ban started and its wait, a quota's wait for its
-// window's end, a delay's wait.
+// window's end, a delay's wait. Then, each on a store of its own zones,
+// it replays the limits that are not a zone's one fixed limit: limits
+// that come with each request, costs known after the response, keys' own
+// limits, and a refund of an empty bucket (limits.go).
 func Run(t *testing.T, newStore NewStore, opts ...Option) {
 	t.Helper()
 	var o options
@@ -58,6 +62,10 @@ func Run(t *testing.T, newStore NewStore, opts ...Option) {
 	r := newReplay(t, newStore)
 	r.steps()
 	r.delaySteps()
+	t.Run("plans", func(t *testing.T) { planReplay(t, newStore) })
+	t.Run("usage", func(t *testing.T) { usageReplay(t, newStore) })
+	t.Run("overrides", func(t *testing.T) { overrideReplay(t, newStore) })
+	t.Run("refund", func(t *testing.T) { refundReplay(t, newStore) })
 	if o.flights != nil {
 		t.Run("flights", func(t *testing.T) { newReplay(t, newStore).flights(o.flights) })
 	}
