@@ -11,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
-	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/redis/go-redis/v9"
 )
 
@@ -256,27 +254,5 @@ func checkLongWait(t *testing.T, i int, hdr http.Header) {
 		if ms, err := strconv.ParseInt(p, 10, 64); err != nil || ms <= (retry-1)*1000 || ms > retry*1000 {
 			t.Fatalf("request %d: pushback %q ms, Retry-After %d s; want the same wait", i, p, retry)
 		}
-	}
-}
-
-// When a request gives up waiting for the calls in flight for its bucket,
-// the floor that fail_mode local decides it by counts their tokens, up to
-// what the bucket may owe: for the longest ban, the calls' costs on top
-// of it would pass a time.Duration.
-func TestLongestBanFloor(t *testing.T) {
-	r := startRedis(t)
-	h := newTestHandler(t, `{"zones":[{"name":"longest-floor","key":"static","rate":"1/876000h","burst":1,"ban":"876000h"}],"store":`+storeJSON(r.Addr())+`}`)
-	for i, want := range []int{http.StatusOK, http.StatusTooManyRequests} { // the second bans
-		if code, _ := serve(h, "192.0.2.1"); code != want {
-			t.Fatalf("request %d: %d, want %d", i, code, want)
-		}
-	}
-	rs, z := h.store.(*redisstore.Store), h.Zones[0]
-	b := bucketReq(z, store.Key{Text: "static"})
-	k := redisstore.FlightKey{Zone: z.index, Hash: rs.Zones[z.index].Cache.Hash(b.Key)}
-	rs.Flights.Join(k, 10)
-	rs.Flights.Join(k, 10)
-	if got, most := rs.Known(time.Now(), &b, redisstore.ErrNoAnswer), z.limit.Most(); got != most {
-		t.Fatalf("floor %v, want %v: all the bucket may owe", got, most)
 	}
 }

@@ -18,7 +18,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
@@ -424,13 +423,11 @@ func TestSlotStepsAgree(t *testing.T) {
 		nodes := startCluster(t)
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q]}}`,
 			fmt.Sprintf(slotStepZones, ""), nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
-		rs := h.store.(*redisstore.Store)
-		k := rs.SlotKey(1, h.Zones[1].keyFor("k2"))
-		u := rs.SlotKey(2, h.Zones[2].keyFor("x"))
-		ks, _ := rs.Client.ClusterKeySlot(context.Background(), k).Result()
-		us, _ := rs.Client.ClusterKeySlot(context.Background(), u).Result()
+		k := slotKeyName(defaultKeyPrefix, h.Zones[1].Name, h.Zones[1].keyFor("k2").String())
+		u := slotKeyName(defaultKeyPrefix, h.Zones[2].Name, h.Zones[2].keyFor("x").String())
+		ks, us := nodes[0].CLI("CLUSTER", "KEYSLOT", k), nodes[0].CLI("CLUSTER", "KEYSLOT", u)
 		if ks == us {
-			t.Fatalf("%s and %s share cluster slot %d: the steps would not cross slots", k, u, ks)
+			t.Fatalf("%s and %s share cluster slot %s: the steps would not cross slots", k, u, ks)
 		}
 		runSlotSteps(t, h)
 	})
@@ -692,7 +689,7 @@ func TestConcurrencyAfterOutage(t *testing.T) {
 	for range 2 * rediswire.TripAfter {
 		serve(h, "10.0.0.1")
 	}
-	if h.store.(*redisstore.Store).Client.Up() {
+	if !h.store.Stats(0).Unavailable {
 		t.Fatal("the breaker is closed with Redis frozen")
 	}
 	r.Resume()

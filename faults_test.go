@@ -18,7 +18,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
 )
@@ -476,7 +475,9 @@ func TestFaultHostileKeys(t *testing.T) {
 				}
 			}
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{%s,"addresses":[%s]}}`, zones, store, strings.Join(addrs, ",")))
-			rs := h.store.(*redisstore.Store)
+			cluster := len(tc.nodes) > 1
+			rc := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{tc.nodes[0].Addr()}, IsClusterMode: cluster})
+			defer rc.Close()
 			calls := func() int {
 				n := 0
 				for _, node := range tc.nodes {
@@ -513,15 +514,15 @@ func TestFaultHostileKeys(t *testing.T) {
 				}
 				var redisKeys []string
 				for _, z := range h.Zones {
-					hash, field := rs.BucketName(z.index, z.keyFor(key))
+					hash, field := bucketOf(h, z.index, key)
 					redisKeys = append(redisKeys, hash)
-					if ok, err := rs.Client.HExists(context.Background(), hash, field).Result(); err != nil || !ok {
+					if ok, err := rc.HExists(context.Background(), hash, field).Result(); err != nil || !ok {
 						t.Errorf("key %s: bucket %.40q not in Redis: %v, %v", label, hash+field, ok, err)
 					}
 				}
-				if rs.Client.Cluster {
-					a, errA := rs.Client.ClusterKeySlot(context.Background(), redisKeys[0]).Result()
-					b, errB := rs.Client.ClusterKeySlot(context.Background(), redisKeys[1]).Result()
+				if cluster {
+					a, errA := rc.ClusterKeySlot(context.Background(), redisKeys[0]).Result()
+					b, errB := rc.ClusterKeySlot(context.Background(), redisKeys[1]).Result()
 					if errA != nil || errB != nil || a != b {
 						t.Errorf("key %s: the zones' keys are in slots %d and %d (%v, %v)", label, a, b, errA, errB)
 					} else {
@@ -530,7 +531,7 @@ func TestFaultHostileKeys(t *testing.T) {
 				}
 			}
 			inSlot := "n/a"
-			if rs.Client.Cluster {
+			if cluster {
 				inSlot = fmt.Sprintf("%d of %d", slots, len(hostileKeys))
 			}
 			report.add(t, tc.name, len(hostileKeys), fmt.Sprintf("%d of %d", same, len(hostileKeys)),

@@ -68,6 +68,7 @@ func newTestHandler(t testing.TB, config string) *Handler {
 	if err := json.Unmarshal([]byte(config), h); err != nil {
 		t.Fatalf("config: %v", err)
 	}
+	storeConfigs.Store(h, h.StoreRaw)
 	if err := h.Provision(ctx); err != nil {
 		cancel()
 		t.Fatalf("provision: %v", err)
@@ -81,9 +82,15 @@ func newTestHandler(t testing.TB, config string) *Handler {
 			t.Error(err)
 		}
 		cancel()
+		storeConfigs.Delete(h)
 	})
 	return h
 }
+
+// storeConfigs are the store configs of the handlers that newTestHandler
+// made, which provisioning empties (Caddy lets go of a module's JSON once
+// it is loaded): what the names of their keys in Redis follow.
+var storeConfigs sync.Map // *Handler → json.RawMessage
 
 // newRequest is a request from client IP ip, as Caddy's server would
 // hand it to a handler, with header name/value pairs.

@@ -19,7 +19,6 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
-	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
@@ -137,8 +136,8 @@ func TestOverridesAcrossInstances(t *testing.T) {
 	// zone's limit decides again.
 	const brief = "198.51.100.42"
 	adminSend(t, "PUT", "/rate_limit/ov-shared/"+brief+"/limit", `{"burst":5,"expires_in":"1s"}`, 200)
-	rs := other.store.(*redisstore.Store)
-	_, _, limitKey := rs.Keys.BucketLimit(rs.Zones[0].Field, brief)
+	z := other.Zones[0]
+	_, _, limitKey := redisKeysOf(other).BucketLimit(bucketField(z.Name, z.spec().Shape), brief)
 	rc := newRedisClient(t, r.Addr())
 	if ttl := rc.PTTL(context.Background(), limitKey).Val(); ttl <= 0 || ttl > time.Second {
 		t.Fatalf("the limit's key %s: PTTL %v, want up to 1s", limitKey, ttl)
@@ -358,13 +357,6 @@ func TestOverrideAudit(t *testing.T) {
 	}
 }
 
-// countsNone reports whether the store's count of a zone's overrides is
-// none, and fresh enough for a decision to skip reading them.
-func countsNone(s *redisstore.Store, zone int) bool {
-	c := s.Zones[zone].Overridden.Load()
-	return c.N == 0 && time.Since(redisstore.ProcessStart).Nanoseconds()-c.At <= int64(redisstore.OverridePoll)
-}
-
 // The limit of an empty key answers 400, whatever the method: it is not
 // the zone's info. (Caddy's admin endpoint redirects a path with // to
 // its cleaned form, that of another key; the handler does not rely on
@@ -376,61 +368,6 @@ func TestOverrideEmptyKey(t *testing.T) {
 		err := (adminAPI{}).serve(httptest.NewRecorder(), req)
 		if ae, ok := errors.AsType[caddy.APIError](err); !ok || ae.HTTPStatus != 400 || !strings.Contains(ae.Err.Error(), "key") {
 			t.Errorf("%s of an empty key's limit: %v, want 400 with the reason", method, err)
-		}
-	}
-}
-
-// An instance that was idle while another set a key's own limit decides
-// the key's next request by it: the count of the zone's overrides it
-// had, none, is too old to skip reading it. A zone with requests all the
-// time keeps its count fresh, and its decisions read no override.
-func TestOverrideReachesIdleInstance(t *testing.T) {
-	r := startRedis(t)
-	// Another timeout: a store of its own, on a client of its own.
-	idle := newTestHandler(t, redisConfig(r.Addr(), "ov-idle", "1r/m", 2, `,"timeout":"2s"`))
-	newTestHandler(t, redisConfig(r.Addr(), "ov-idle", "1r/m", 2, "")) // the admin API acts on the newest
-	// countedNone waits until h's count is in: none. Its requests ask
-	// Redis, each for a key of its own.
-	countedNone := func(h *Handler) {
-		t.Helper()
-		for i, start := 0, time.Now(); !countsNone(h.store.(*redisstore.Store), 0); i++ {
-			serve(h, "203.0.113."+strconv.Itoa(i%250))
-			if time.Since(start) > time.Second {
-				t.Fatal("the zone's count of overrides is not in after a second")
-			}
-			time.Sleep(time.Millisecond)
-		}
-	}
-	const ip = "198.51.100.50"
-	for i, want := range []int{200, 200, 429} {
-		if code, _ := serve(idle, ip); code != want {
-			t.Fatalf("request %d: %d, want %d", i, code, want)
-		}
-	}
-	countedNone(idle)
-	req := httptest.NewRequest("PUT", "/rate_limit/ov-idle/"+ip+"/limit", strings.NewReader(`{"burst":10}`))
-	if err := (adminAPI{}).serve(httptest.NewRecorder(), req); err != nil {
-		t.Fatal(err)
-	}
-	// Past what its over-limit cache and its count of overrides are
-	// trusted for, the idle instance's first request is decided by the
-	// key's own limit.
-	time.Sleep(redisstore.OverLimitTrust + redisstore.OverridePoll)
-	if code, hdr := serve(idle, ip); code != 200 || hdr.Get("X-Ratelimit-Limit") != "10" {
-		t.Fatalf("the idle instance's first request after the key's burst was raised to 10: %d, limit %s; want 200, 10",
-			code, hdr.Get("X-Ratelimit-Limit"))
-	}
-
-	// A zone with requests all the time and no override: once counted,
-	// its count stays fresh, and no decision reads an override.
-	busy := newTestHandler(t, redisConfig(r.Addr(), "ov-busy", "1000r/s", 10000, ""))
-	countedNone(busy)
-	for start := time.Now(); time.Since(start) < 4*redisstore.OverridePoll; time.Sleep(5 * time.Millisecond) {
-		if !countsNone(busy.store.(*redisstore.Store), 0) {
-			t.Fatalf("%v into a zone's requests, a decision would read an override: its count is stale", time.Since(start))
-		}
-		if code, _ := serve(busy, "198.51.100.51"); code != 200 {
-			t.Fatalf("a request of the busy zone: %d", code)
 		}
 	}
 }
@@ -792,7 +729,7 @@ func TestOverrideBoundsAndMetric(t *testing.T) {
 				// The refused one left nothing in Redis: the zone lists b
 				// and c.
 				perSec, _, _ := parseRate("10r/m")
-				list := rediswire.Keys{Prefix: "ovb:"}.Limits(redisstore.BucketField(zone, gcra.NewLimit(perSec, 4)))
+				list := rediswire.Keys{Prefix: "ovb:"}.Limits(bucketField(zone, gcra.NewLimit(perSec, 4)))
 				if n := rc.ZCard(context.Background(), list).Val(); n != 2 {
 					t.Fatalf("the zone's list of keys with their own limit holds %d, want 2", n)
 				}

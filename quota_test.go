@@ -16,7 +16,7 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
-	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
+	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
@@ -292,7 +292,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 			}
 			if backend == "redis" {
 				c := newRedisClient(t, r.Addr())
-				key, _ := h.store.(*redisstore.Store).CounterKeys(z.index, store.Key{Text: "k"})
+				key := counterKeyOf(h, z.index, "k")
 				ttl, err := c.PTTL(context.Background(), key).Result()
 				if err != nil || ttl <= 0 || ttl > 2*time.Second {
 					t.Fatalf("PTTL %s = %v, %v; want the time left in the window", key, ttl, err)
@@ -461,8 +461,8 @@ func TestRedisQuotaUntaggedCounter(t *testing.T) {
 	ctx := context.Background()
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"up","key":"{http.request.header.K}","quota":3,"quota_period":"month"}],
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"up:","disable_over_limit_cache":true}}`, r.Addr()))
-	z, s := h.Zones[0], h.store.(*redisstore.Store)
-	tagged, untagged := s.CounterKeys(z.index, store.Key{Text: "k"})
+	z, s := h.Zones[0], h.store
+	tagged, untagged := counterKeyOf(h, z.index, "k"), redisKeysOf(h).Counter(rediswire.ZoneField(z.Name), "k")
 	if !strings.HasSuffix(tagged, "}up:4nV7:k:quota") || !strings.HasSuffix(untagged, "}up:k:quota") {
 		t.Fatalf("keys %q and %q", tagged, untagged)
 	}

@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"cmp"
 	"context"
 	"crypto/ecdsa"
 	"crypto/elliptic"
@@ -29,7 +30,6 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
-	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
@@ -83,10 +83,31 @@ func TestRedisKeysAndTTL(t *testing.T) {
 	}
 }
 
+// The names of the keys the Redis store writes, as docs/redis.md lays
+// them out, for what a test reads and writes in Redis behind the store.
+
+// redisKeysOf are the names of the Redis store of h, a handler that
+// newTestHandler made: its key_prefix, and hash_keys.
+func redisKeysOf(h *Handler) rediswire.Keys {
+	raw, _ := storeConfigs.Load(h)
+	var s RedisStore
+	if err := json.Unmarshal(raw.(json.RawMessage), &s); err != nil {
+		panic(err)
+	}
+	return rediswire.Keys{Prefix: cmp.Or(s.KeyPrefix, defaultKeyPrefix), Hash: s.HashKeys}
+}
+
+// bucketField is how the fields of the buckets of a zone named name, of
+// limit l, start: its name and its shape (the zero limit for a zone whose
+// limit comes with each request).
+func bucketField(name string, l gcra.Limit) string {
+	return rediswire.BucketField(name, fmt.Sprintf("%d/%d", l.TokenTime, l.Burst))
+}
+
 // bucketOf names the Redis hash and field of key's bucket in h's zone i.
 func bucketOf(h *Handler, i int, key string) (hash, field string) {
 	z := h.Zones[i]
-	return h.store.(*redisstore.Store).BucketName(z.index, z.keyFor(key))
+	return redisKeysOf(h).Bucket(bucketField(z.Name, z.spec().Shape), z.keyFor(key).String())
 }
 
 // bucketName names the Redis hash and field of a bucket, as a store with
@@ -102,13 +123,19 @@ func bucketName(t testing.TB, prefix, zone, rate string, burst int64, key string
 		}
 		l = gcra.NewLimit(perSec, burst)
 	}
-	return rediswire.Keys{Prefix: prefix}.Bucket(redisstore.BucketField(zone, l), key)
+	return rediswire.Keys{Prefix: prefix}.Bucket(bucketField(zone, l), key)
 }
 
-// slotKeyName is the key that RedisStore.slotKey names for a key's slots
-// in a zone, with key_prefix prefix.
+// slotKeyName is the key of a key's slots in a zone, with key_prefix
+// prefix.
 func slotKeyName(prefix, zone, key string) string {
 	return rediswire.Keys{Prefix: prefix}.Slots(rediswire.ZoneField(zone), key)
+}
+
+// counterKeyOf is the key of the quota counter of key in h's zone i.
+func counterKeyOf(h *Handler, i int, key string) string {
+	z := h.Zones[i]
+	return redisKeysOf(h).Counter(rediswire.CounterZone(z.Name, z.quotaID()), z.keyFor(key).String())
 }
 
 // pair is two strings as a slice, for a command's arguments.

@@ -111,6 +111,9 @@ func SyncSpec(name string, l gcra.Limit, interval time.Duration) store.ZoneSpec 
 	return z
 }
 
+// PerMinute is a limit of a token a minute and burst.
+func PerMinute(burst int64) gcra.Limit { return gcra.NewLimit(1.0/60, burst) }
+
 // TakeOf is the demand of a token of key's bucket in zone, of limit l.
 func TakeOf(zone int, key string, l gcra.Limit) *store.Demands {
 	return &store.Demands{Buckets: []store.BucketDemand{{Zone: zone, Key: store.Key{Text: key}, Limit: l, Cost: l.TokenTime}}}

@@ -90,9 +90,9 @@ func TestScriptsDeclareTheirKeys(t *testing.T) {
 // zone that counts only some responses; a flood of one key, many takes
 // in one call.
 func everyKind(t *testing.T, addr string) {
-	ban, delay, plan := perMinute(1), perMinute(1), gcra.NewLimit(2.0/60, 2)
+	ban, delay, plan := redisstore.PerMinute(1), redisstore.PerMinute(1), gcra.NewLimit(2.0/60, 2)
 	ban.Ban, delay.Delay = time.Hour, 10*time.Millisecond
-	limits := []gcra.Limit{perMinute(3), ban, delay, {}, {}, plan, perMinute(2), {}}
+	limits := []gcra.Limit{redisstore.PerMinute(3), ban, delay, {}, {}, plan, redisstore.PerMinute(2), {}}
 	rateless := gcra.NewLimit(1, 1)
 	zones := []store.ZoneSpec{
 		redisstore.Bucket("mon_a", limits[0]),
@@ -164,7 +164,7 @@ func everyKind(t *testing.T, addr string) {
 		}
 	}
 	// A flood of one key: many takes in one call.
-	l := perMinute(5)
+	l := redisstore.PerMinute(5)
 	flood := redisstore.Open(t, redisstore.OpenClient(t, addr), []store.ZoneSpec{redisstore.Bucket("mon_f", l)},
 		redisstore.Options{KeyPrefix: "mon:", DisableOverLimitCache: true})
 	var wg sync.WaitGroup

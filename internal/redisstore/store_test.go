@@ -83,9 +83,6 @@ func TestCancelledRequestsKeepBreakerClosed(t *testing.T) {
 	}
 }
 
-// perMinute is a limit of one token a minute and burst.
-func perMinute(burst int64) gcra.Limit { return gcra.NewLimit(1.0/60, burst) }
-
 // ipKey is the key of a client's IPv4 address, as the handler makes it.
 func ipKey(ip string) store.Key {
 	return store.Key{Net: netip.PrefixFrom(netip.MustParseAddr(ip), 32)}
@@ -173,7 +170,7 @@ func TestRefilledBucketsArePurged(t *testing.T) {
 func TestWrongTypeKeyRepaired(t *testing.T) {
 	r := redistest.Start(t)
 	c := newRedisClient(t, r.Addr())
-	l := perMinute(1)
+	l := redisstore.PerMinute(1)
 	s := redisstore.Open(t, redisstore.OpenClient(t, r.Addr()), []store.ZoneSpec{redisstore.Bucket("bad", l)}, redisstore.Options{FailMode: "closed"})
 	takes := func(key string) string {
 		var out []string
@@ -215,7 +212,7 @@ func TestWrongTypeKeyRepaired(t *testing.T) {
 // name is escaped.
 func TestZoneNamesDoNotCollide(t *testing.T) {
 	r := redistest.Start(t)
-	l := perMinute(1)
+	l := redisstore.PerMinute(1)
 	var stores []*redisstore.Store
 	for _, name := range []string{"api:v1", "api", "api{v1"} {
 		stores = append(stores, redisstore.Open(t, redisstore.OpenClient(t, r.Addr()), []store.ZoneSpec{redisstore.Bucket(name, l)},

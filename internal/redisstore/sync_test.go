@@ -295,7 +295,7 @@ func TestSyncPlans(t *testing.T) {
 // decide.
 func TestSyncWithExactZone(t *testing.T) {
 	r := redistest.Start(t)
-	exact := perMinute(2)
+	exact := redisstore.PerMinute(2)
 	s := redisstore.Open(t, redisstore.OpenClient(t, r.Addr()),
 		[]store.ZoneSpec{redisstore.SyncSpec("s", sync20, sync20ms), redisstore.Bucket("e", exact)}, redisstore.Options{FailMode: "closed"})
 	// both are the demands of a request of key in the zone with sync and
