@@ -264,40 +264,54 @@ func TestSyncCarry(t *testing.T) {
 // for the key again; then the copy learns the shared bucket, and nothing
 // stays in doubt. A request of a zone with sync and one without, whose
 // call fails in doubt, counts its tokens in doubt too, for fail_mode to
-// decide it.
+// decide it. (Each first call after the freeze finds a connection made
+// already, so that it is sent: a call that cannot connect is not in
+// doubt.)
 func TestSyncCallsInDoubt(t *testing.T) {
-	r := redistest.Start(t)
 	l := SyncLimit(10, 20, time.Minute)
 	exact := gcra.NewLimit(10, 20)
-	s := Open(t, OpenClient(t, r.Addr()), []store.ZoneSpec{SyncSpec("s", l, time.Minute), Bucket("e", exact)},
-		Options{CallTimeout: 100 * time.Millisecond})
-	takeKey(t, s, "k", l) // Redis's: the copy is made, its allowance spent
-	r.Pause()
-	for i := range 3 {
-		if !takeKey(t, s, "k", l) {
-			t.Fatalf("request %d while Redis is frozen: refused", i)
+	open := func(t *testing.T) (*redistest.Server, *Store) {
+		r := redistest.Start(t)
+		return r, Open(t, OpenClient(t, r.Addr()), []store.ZoneSpec{SyncSpec("s", l, time.Minute), Bucket("e", exact)},
+			Options{CallTimeout: 100 * time.Millisecond})
+	}
+	t.Run("alone", func(t *testing.T) {
+		r, s := open(t)
+		takeKey(t, s, "k", l) // Redis's: the copy is made, its allowance spent
+		r.Pause()
+		for i := range 3 {
+			if !takeKey(t, s, "k", l) {
+				t.Fatalf("request %d while Redis is frozen: refused", i)
+			}
 		}
-	}
-	c, _ := copyOfKey(s, "k")
-	if c.doubt == 0 {
-		t.Fatal("no tokens in doubt after a call timed out")
-	}
-	both := &store.Demands{Buckets: []store.BucketDemand{{Zone: 0, Key: store.Key{Text: "j"}, Limit: l, Cost: l.TokenTime},
-		{Zone: 1, Key: store.Key{Text: "j"}, Limit: exact, Cost: exact.TokenTime}}}
-	learnt := both.Buckets[0]
-	s.learn(time.Now(), &store.Demands{Buckets: []store.BucketDemand{learnt}}) // a copy of j, as if Redis had answered
-	if _, err := s.Take(context.Background(), time.Now(), both); err == nil {
-		t.Fatal("a request with a zone without sync decided while Redis is frozen")
-	}
-	if j, _ := copyOfKey(s, "j"); j.doubt == 0 && s.Client.Up() {
-		t.Error("the call of a request with a zone without sync failed, and its tokens are not in doubt")
-	}
-	r.Resume()
-	waitUntil(t, 5*time.Second, "Redis deciding again", func() bool { return s.Client.Up() })
-	s.Zones[0].Sync.Reconcile()
-	if c, _ := copyOfKey(s, "k"); c.doubt != 0 || c.pending != 0 {
-		t.Errorf("after Redis answered: %d in doubt, %d pending; want none", c.doubt, c.pending)
-	}
+		if c, _ := copyOfKey(s, "k"); c.doubt == 0 {
+			t.Fatal("no tokens in doubt after a call timed out")
+		}
+		r.Resume()
+		waitUntil(t, 5*time.Second, "Redis deciding again", func() bool { return s.Client.Up() })
+		s.Zones[0].Sync.Reconcile()
+		if c, _ := copyOfKey(s, "k"); c.doubt != 0 || c.pending != 0 {
+			t.Errorf("after Redis answered: %d in doubt, %d pending; want none", c.doubt, c.pending)
+		}
+	})
+	t.Run("with a zone without sync", func(t *testing.T) {
+		r, s := open(t)
+		both := &store.Demands{Buckets: []store.BucketDemand{{Zone: 0, Key: store.Key{Text: "j"}, Limit: l, Cost: l.TokenTime},
+			{Zone: 1, Key: store.Key{Text: "j"}, Limit: exact, Cost: exact.TokenTime}}}
+		learnt := both.Buckets[0]
+		s.learn(time.Now(), &store.Demands{Buckets: []store.BucketDemand{learnt}}) // a copy of j, as if Redis had answered
+		if ok, err := s.Take(context.Background(), time.Now(), TakeOf(1, "other", exact)); !ok || err != nil {
+			t.Fatal(ok, err)
+		}
+		r.Pause()
+		defer r.Resume()
+		if _, err := s.Take(context.Background(), time.Now(), both); err == nil {
+			t.Fatal("a request with a zone without sync decided while Redis is frozen")
+		}
+		if j, _ := copyOfKey(s, "j"); j.doubt != 1 {
+			t.Errorf("the call of a request with a zone without sync failed: %d tokens in doubt, want its 1", j.doubt)
+		}
+	})
 }
 
 // A reconciliation that fails keeps what it sent for the next, as spent
