@@ -16,6 +16,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
@@ -225,5 +226,124 @@ func TestMastersThroughput(t *testing.T) {
 			per[i] = f.decisions[i] / f.busy[i]
 		}
 		t.Logf("| %s | %.0f | %.0f | %.2f | %.0f%% | %.0f |", l, med(f.decisions), med(f.calls), med(f.usecPerCall), 100*med(f.busy), med(per))
+	}
+}
+
+// apartKeys are n keys whose buckets lie in n different slots of the
+// cluster of nodes, in s's zone.
+func apartKeys(t *testing.T, s *redisstore.Store, node *redistest.Server, n int) []string {
+	t.Helper()
+	var keys []string
+	slots := map[string]bool{}
+	for i := 0; len(keys) < n; i++ {
+		k := "key-" + strconv.Itoa(i)
+		hash, _ := s.BucketName(0, store.Key{Text: k})
+		if slot := node.CLI("CLUSTER", "KEYSLOT", hash); !slots[slot] {
+			slots[slot] = true
+			keys = append(keys, k)
+		}
+		if i > 1000 {
+			t.Fatalf("no %d keys in distinct slots", n)
+		}
+	}
+	return keys
+}
+
+// On a cluster, a request whose keys lie in different slots is taken a
+// slot at a time, all or nothing all the same: when a bucket, a counter
+// or a slot refuses, what the others took is given back (buckets' and
+// counters' tokens, slots), what was not asked refuses nothing, and a
+// soft demand that lacked is given nothing back. Adjustments and
+// releases go a slot at a time too.
+func TestClusterTakesApart(t *testing.T) {
+	nodes := redistest.StartCluster(t)
+	five, one := redisstore.PerMinute(5), redisstore.PerMinute(1)
+	rateless := gcra.NewLimit(1, 1)
+	zones := []store.ZoneSpec{
+		redisstore.Bucket("ip", five), redisstore.Bucket("api", five), redisstore.Bucket("user", one),
+		{Name: "q", Shape: rateless, Quota: "day@UTC"},
+		{Name: "k", Shape: rateless, Slots: true}, {Name: "k2", Shape: rateless, Slots: true},
+	}
+	s := redisstore.Open(t, redisstore.OpenClient(t, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()), zones,
+		redisstore.Options{DisableOverLimitCache: true})
+	keys := apartKeys(t, s, nodes[0], 3)
+	a, b, c := store.Key{Text: keys[0]}, store.Key{Text: keys[1]}, store.Key{Text: keys[2]}
+	ctx := context.Background()
+	days := &calendar.Windows{Period: calendar.Day, Loc: time.UTC}
+	bucket := func(zone int, k store.Key, l gcra.Limit) store.BucketDemand {
+		return store.BucketDemand{Zone: zone, Key: k, Limit: l, Cost: l.TokenTime}
+	}
+	counter := store.CounterDemand{Zone: 3, Key: b, Limit: 1, Cost: 1, Window: days.Window(time.Now())}
+	slot := func(zone int, k store.Key) store.SlotDemand {
+		return store.SlotDemand{Zone: zone, Key: k, Limit: 1, Lease: time.Minute}
+	}
+	left := func(zone int, k store.Key, l gcra.Limit) int64 {
+		t.Helper()
+		d := &store.Demands{Buckets: []store.BucketDemand{bucket(zone, k, l)}}
+		if err := s.Peek(ctx, time.Now(), d); err != nil {
+			t.Fatal(err)
+		}
+		return d.Buckets[0].Remaining()
+	}
+	take := func(want bool, d *store.Demands) {
+		t.Helper()
+		if ok, err := s.Take(ctx, time.Now(), d); ok != want || err != nil {
+			t.Fatalf("%v, %v; want %v", ok, err, want)
+		}
+	}
+
+	// Buckets: the last refuses, the first two get their tokens back.
+	three := func() *store.Demands {
+		return &store.Demands{Buckets: []store.BucketDemand{bucket(0, a, five), bucket(1, b, five), bucket(2, c, one)}}
+	}
+	take(true, three())
+	take(false, three())
+	if ip, api := left(0, a, five), left(1, b, five); ip != 4 || api != 4 {
+		t.Fatalf("after a refusal in the third slot: %d and %d tokens left, want 4 and 4", ip, api)
+	}
+	// The first refuses: the others are not asked, and refuse nothing.
+	d := &store.Demands{Buckets: []store.BucketDemand{bucket(2, c, one), bucket(0, a, five)}}
+	take(false, d)
+	if q := d.Buckets[1]; !q.OK || q.Debt != 0 || left(0, a, five) != 4 {
+		t.Fatalf("a bucket after a refusal: ok %v, debt %v, %d left; want not asked", q.OK, q.Debt, left(0, a, five))
+	}
+	// A counter refuses: the bucket gets its token back.
+	withCounter := func() *store.Demands {
+		return &store.Demands{Buckets: []store.BucketDemand{bucket(0, a, five)}, Counters: []store.CounterDemand{counter}}
+	}
+	take(true, withCounter())
+	take(false, withCounter())
+	if n := left(0, a, five); n != 3 {
+		t.Fatalf("after a counter's refusal: %d tokens left, want 3", n)
+	}
+	// A slot refuses: the bucket gets its token back, and the slot taken
+	// before it is free again.
+	full := &store.Demands{Slots: []store.SlotDemand{slot(5, c)}}
+	take(true, full)
+	slots := &store.Demands{Buckets: []store.BucketDemand{bucket(1, b, five)}, Slots: []store.SlotDemand{slot(4, b), slot(5, c)}}
+	take(false, slots)
+	if n := left(1, b, five); n != 4 {
+		t.Fatalf("after a slot's refusal: %d tokens left in the bucket, want 4", n)
+	}
+	if q := slots.Slots[0]; q.Held {
+		t.Fatal("the slot taken before a refusal is still held")
+	}
+	again := &store.Demands{Slots: []store.SlotDemand{slot(4, b)}}
+	take(true, again)
+	// Releases of slots in two slots of the cluster, one call each.
+	if err := s.Release(ctx, append(again.Slots, full.Slots...)); err != nil {
+		t.Fatal(err)
+	}
+	take(true, &store.Demands{Slots: []store.SlotDemand{slot(4, b), slot(5, c)}})
+	// An adjustment of buckets in two slots: a token back to each.
+	back := &store.Demands{Buckets: []store.BucketDemand{bucket(0, a, five), bucket(1, b, five)}}
+	for i := range back.Buckets {
+		back.Buckets[i].Cost = -back.Buckets[i].Cost
+	}
+	if err := s.Adjust(ctx, time.Now(), back); err != nil {
+		t.Fatal(err)
+	}
+	if ip, api := left(0, a, five), left(1, b, five); ip != 4 || api != 5 {
+		t.Fatalf("after a refund in two slots: %d and %d tokens left, want 4 and 5", ip, api)
 	}
 }

@@ -5,6 +5,7 @@ package redisstore_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/netip"
 	"os"
@@ -391,5 +392,124 @@ func BenchmarkTake(b *testing.B) {
 			}
 			b.ReportMetric(float64(r.Calls()-calls)/float64(i), "calls/op")
 		})
+	}
+}
+
+// A store keeps its client while a request holds it, after its maker let
+// go of it: the last to let go gives the client back, once, and a
+// request that comes later finds the store let go of.
+func TestHoldersKeepTheClient(t *testing.T) {
+	r := redistest.Start(t)
+	given := 0
+	s, err := redisstore.New(redisstore.OpenClient(t, r.Addr()), []store.ZoneSpec{redisstore.Bucket("held", redisstore.PerMinute(5))},
+		redisstore.Options{FailMode: "open", CallTimeout: time.Second, GiveBack: func() error { given++; return nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := s.FailureMode(); got != store.FailOpen {
+		t.Errorf("fail mode %v, want open", got)
+	}
+	if !s.Hold() {
+		t.Fatal("a request could not hold a store in use")
+	}
+	if err := s.Drop(); err != nil || given != 0 {
+		t.Fatalf("the maker let go under a request: %v, the client given back %d times", err, given)
+	}
+	s.Done()
+	if given != 1 {
+		t.Fatalf("the last request let go: the client given back %d times, want once", given)
+	}
+	if s.Hold() {
+		t.Fatal("a request held a store that was let go of")
+	}
+}
+
+// A reset deletes a key's bucket and its quota counters, the counter of
+// builds before the counters' tag too, and what the over-limit cache knew
+// of them: the key's next request is allowed at once. It reports whether
+// there was anything to delete.
+func TestReset(t *testing.T) {
+	r := redistest.Start(t)
+	l := redisstore.PerMinute(1)
+	zone := redisstore.Bucket("reset", l)
+	zone.Quota = "day@UTC"
+	s := redisstore.Open(t, redisstore.OpenClient(t, r.Addr()), []store.ZoneSpec{zone}, redisstore.Options{})
+	days := &calendar.Windows{Period: calendar.Day, Loc: time.UTC}
+	demands := func() *store.Demands {
+		d := redisstore.TakeOf(0, "k", l)
+		d.Counters = []store.CounterDemand{{Key: store.Key{Text: "k"}, Limit: 1, Cost: 1, Window: days.Window(time.Now())}}
+		return d
+	}
+	ctx := context.Background()
+	for i, want := range []bool{true, false, false} { // the second refused by Redis, the third by the cache
+		if ok, err := s.Take(ctx, time.Now(), demands()); ok != want || err != nil {
+			t.Fatalf("request %d: %v, %v; want %v", i, ok, err, want)
+		}
+	}
+	if found, err := s.Reset(ctx, demands()); !found || err != nil {
+		t.Fatalf("reset: %v, %v; want found", found, err)
+	}
+	if n := r.CLI("DBSIZE"); n != "0" {
+		t.Errorf("%s keys left after the reset", n)
+	}
+	if ok, err := s.Take(ctx, time.Now(), demands()); !ok || err != nil {
+		t.Fatalf("after the reset: %v, %v", ok, err)
+	}
+	if found, err := s.Reset(ctx, &store.Demands{Buckets: []store.BucketDemand{{Key: store.Key{Text: "none"}, Limit: l}}}); found || err != nil {
+		t.Fatalf("reset of a full bucket: %v, %v; want nothing found", found, err)
+	}
+}
+
+// Keys' own limits are read back as they were set, listed with their
+// keys while they last, and counted; a zone keeps no more than its
+// max_overrides, and one that ends by itself is gone from Redis.
+func TestOverrides(t *testing.T) {
+	r := redistest.Start(t)
+	zone := redisstore.Bucket("own", redisstore.PerMinute(2))
+	zone.MaxOverrides = 3
+	s := redisstore.Open(t, redisstore.OpenClient(t, r.Addr()), []store.ZoneSpec{zone}, redisstore.Options{})
+	ctx := context.Background()
+	now := time.Now()
+	brief := store.Override{TokenTime: time.Second, Burst: 5, Rate: "1r/s", Expires: now.Add(300 * time.Millisecond)}
+	for key, o := range map[string]store.Override{
+		"a": {TokenTime: time.Second, Burst: 10, Rate: "1r/s"},
+		"b": {TokenTime: time.Minute, Burst: 3, Rate: "1r/m"},
+		"c": brief,
+	} {
+		if err := s.SetOverride(ctx, now, 0, store.Key{Text: key}, o); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := s.SetOverride(ctx, now, 0, store.Key{Text: "d"}, brief); !errors.Is(err, store.ErrTooManyOverrides) {
+		t.Fatalf("a fourth override of a zone of 3: %v, want %v", err, store.ErrTooManyOverrides)
+	}
+	o, found, err := s.Override(ctx, 0, store.Key{Text: "c"})
+	if err != nil || !found || o.Burst != 5 || o.Rate != "1r/s" || o.Expires.Sub(brief.Expires).Abs() > 50*time.Millisecond {
+		t.Fatalf("override of c: %+v, %v, %v; want %+v", o, found, err, brief)
+	}
+	list, err := s.Overrides(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var keys []string
+	for _, ko := range list {
+		keys = append(keys, ko.Key)
+	}
+	slices.Sort(keys)
+	if fmt.Sprint(keys) != "[a b c]" {
+		t.Fatalf("listed %v, want a, b and c", keys)
+	}
+	time.Sleep(400 * time.Millisecond) // c's end
+	if n, err := s.OverrideCount(ctx, 0); n != 2 || err != nil {
+		t.Fatalf("%d overrides counted, %v; want 2 after c's end", n, err)
+	}
+	if _, found, _ := s.Override(ctx, 0, store.Key{Text: "c"}); found {
+		t.Fatal("c's override is read after its end")
+	}
+	if found, err := s.DeleteOverride(ctx, now, 0, store.Key{Text: "a"}); !found || err != nil {
+		t.Fatalf("removing a's: %v, %v", found, err)
+	}
+	if list, _ := s.Overrides(ctx, 0); len(list) != 1 || list[0].Key != "b" || list[0].Override.Burst != 3 {
+		t.Fatalf("listed %+v, want b's alone", list)
 	}
 }
