@@ -18,7 +18,7 @@ import (
 // and when one refuses, the buckets and counters already charged get
 // their tokens back, and the slots already taken are given back.
 func (s *Store) decide(ctx context.Context, deadline time.Time, d *store.Demands) (bool, error) {
-	if !s.Client.Cluster || oneTag(d) {
+	if !s.client.Cluster || oneTag(d) {
 		return s.run(ctx, deadline, rediswire.Take, d)
 	}
 	var one store.Demands

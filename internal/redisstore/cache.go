@@ -44,7 +44,7 @@ import (
 // fromCache returns the instant to ask Redis at and the flight it joined
 // (to land when the answer is in); or that the cache decided the request,
 // and whether it allowed it; or why no answer came in time.
-func (s *Store) fromCache(ctx context.Context, now time.Time, d *store.Demands) (_ time.Time, _ FlightKey, decided, allowed bool, _ error) {
+func (s *Store) fromCache(ctx context.Context, now time.Time, d *store.Demands) (_ time.Time, _ flightKey, decided, allowed bool, _ error) {
 	deadline := now.Add(s.opt.CallTimeout)
 	var timer *time.Timer
 	defer func() {
@@ -56,17 +56,17 @@ func (s *Store) fromCache(ctx context.Context, now time.Time, d *store.Demands) 
 		tight, most, pace := s.look(now, d)
 		if decided, allowed := s.cacheDecides(d); decided {
 			d.At = now
-			return now, FlightKey{}, true, allowed, nil
+			return now, flightKey{}, true, allowed, nil
 		}
 		if tight < 0 {
 			return now, noFlight, false, false, nil // counters alone: no bucket to fly for
 		}
 		var landed <-chan struct{}
-		var k FlightKey
+		var k flightKey
 		if pace <= 0 || !now.Add(pace).Before(deadline) {
 			b := &d.Buckets[tight]
-			k = FlightKey{b.Zone, s.Zones[b.Zone].Cache.Hash(b.Key)}
-			if landed = s.Flights.Join(k, max(most, 1)); landed == nil {
+			k = flightKey{b.Zone, s.zones[b.Zone].cache.Hash(b.Key)}
+			if landed = s.flights.join(k, max(most, 1)); landed == nil {
 				return now, k, false, false, nil
 			}
 		}
@@ -82,9 +82,9 @@ func (s *Store) fromCache(ctx context.Context, now time.Time, d *store.Demands) 
 		case <-landed:
 		case <-paced:
 		case <-ctx.Done():
-			return now, FlightKey{}, false, false, ctx.Err()
+			return now, flightKey{}, false, false, ctx.Err()
 		case <-timer.C:
-			return now, FlightKey{}, false, false, ErrNoAnswer
+			return now, flightKey{}, false, false, errNoAnswer
 		}
 		now = now.Add(time.Since(waitStart))
 	}
@@ -99,7 +99,7 @@ func (s *Store) look(now time.Time, d *store.Demands) (tight int, most int64, pa
 		// resets), so the count Redis last gave is a bound too, for a
 		// while (see rememberCount).
 		c := &d.Counters[i]
-		t := s.Zones[c.Zone].counts
+		t := s.zones[c.Zone].counts
 		c.Used, _ = memstore.CountAt(t, c.Key, t.Instant(now))
 		c.Left = 0
 		if c.Used > 0 {
@@ -107,15 +107,15 @@ func (s *Store) look(now time.Time, d *store.Demands) (tight int, most int64, pa
 		}
 		c.OK = c.Used+c.Cost <= c.Limit
 	}
-	rtt := s.Client.RTT()
-	if s.TestClock != nil {
+	rtt := s.client.RTT()
+	if s.opt.Clock != nil {
 		rtt = 0 // replayed instants leave no room to wait
 	}
 	tight, most = -1, int64(math.MaxInt64)
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		rz := &s.Zones[b.Zone]
-		t := rz.Cache
+		rz := &s.zones[b.Zone]
+		t := rz.cache
 		known, _ := t.Lookup(b.Key)
 		if rz.learned.n.Load() > 0 {
 			rz.learned.apply(b, t.Hash(b.Key), t.Instant(now))
@@ -150,9 +150,9 @@ func (s *Store) look(now time.Time, d *store.Demands) (tight int, most int64, pa
 	return tight, most, pace
 }
 
-// ErrNoAnswer is a request that waited out its timeout for the calls in
+// errNoAnswer is a request that waited out its timeout for the calls in
 // flight for its buckets; they report Redis's health, this request not.
-var ErrNoAnswer = errors.New("redis: no answer within timeout")
+var errNoAnswer = errors.New("redis: no answer within timeout")
 
 // cacheDecides reports whether the cache decides d, whether it allows it,
 // and says so in d.remembered. It refuses d when a demand that is not
@@ -168,7 +168,7 @@ func (s *Store) cacheDecides(d *store.Demands) (decided, allowed bool) {
 	denied, charged := false, len(d.Slots) > 0
 	for i := range d.Counters {
 		c := &d.Counters[i]
-		if !c.OK && s.Zones[c.Zone].refunds {
+		if !c.OK && s.zones[c.Zone].refunds {
 			return false, false
 		}
 		denied = denied || !c.OK && !c.Soft
@@ -176,7 +176,7 @@ func (s *Store) cacheDecides(d *store.Demands) (decided, allowed bool) {
 	}
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		if l := b.Limit; !b.OK && (l.Ban > 0 || s.Zones[b.Zone].refunds) && !l.Banned(b.Debt) {
+		if l := b.Limit; !b.OK && (l.Ban > 0 || s.zones[b.Zone].refunds) && !l.Banned(b.Debt) {
 			return false, false
 		}
 		denied = denied || !b.OK && !b.Soft
@@ -193,7 +193,7 @@ func (s *Store) cacheDecides(d *store.Demands) (decided, allowed bool) {
 // cache forgets them (it only ever refuses, so forgetting is always
 // safe), unless other requests wait for this answer in flight: then they
 // learn from it how many of them may ask at once.
-func (s *Store) remember(now time.Time, d *store.Demands, flight FlightKey) {
+func (s *Store) remember(now time.Time, d *store.Demands, flight flightKey) {
 	short := false
 	for i := range d.Buckets {
 		short = short || d.Buckets[i].Wait() > 0
@@ -202,11 +202,11 @@ func (s *Store) remember(now time.Time, d *store.Demands, flight FlightKey) {
 		short = short || d.Counters[i].Wait() > 0
 		s.rememberCount(now, &d.Counters[i])
 	}
-	forget := !short && !s.Flights.waited(flight)
+	forget := !short && !s.flights.waited(flight)
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		rz := &s.Zones[b.Zone]
-		t := rz.Cache
+		rz := &s.zones[b.Zone]
+		t := rz.cache
 		if b.Overridden {
 			rz.learned.learn(t.Hash(b.Key), b.Limit, t.Instant(now))
 		} else if rz.learned.n.Load() > 0 {
@@ -230,29 +230,29 @@ func learn(t *memstore.Table[memstore.Bucket], k store.Key, fullAt, full, now ti
 	})
 }
 
-// OverLimitTrust is how long the cache refuses by what Redis last said,
+// overLimitTrust is how long the cache refuses by what Redis last said,
 // at most: a reset through another instance (or another instance's
 // refund of a request that left while it waited out a delay) is seen
 // here within it, or within a token's refill when that is shorter. It
 // costs a flooded key one call to Redis per period, whatever the flood.
-const OverLimitTrust = time.Second
+const overLimitTrust = time.Second
 
 // trusted is how long what Redis said of a bucket of limit l is refused
 // by.
-func trusted(l gcra.Limit) time.Duration { return min(OverLimitTrust, l.TokenTime) }
+func trusted(l gcra.Limit) time.Duration { return min(overLimitTrust, l.TokenTime) }
 
 // quotaCacheFor is how long this instance refuses an exhausted quota by
 // itself, without asking Redis. A count only grows in its window, but a
 // reset through another instance's admin API lowers it: such a reset is
 // seen here within this time.
-const quotaCacheFor = OverLimitTrust
+const quotaCacheFor = overLimitTrust
 
 // rememberCount notes the count Redis gave for a counter, asked at now,
 // for quotaCacheFor at most, and never past the end of its window, which
 // ends c.left after now at the latest (Redis decided after now), less a
 // millisecond of margin. A count of 0 is forgotten.
 func (s *Store) rememberCount(now time.Time, c *store.CounterDemand) {
-	t := s.Zones[c.Zone].counts
+	t := s.zones[c.Zone].counts
 	if c.Used <= 0 || c.Left <= time.Millisecond {
 		t.Forget(c.Key)
 		return
@@ -288,7 +288,7 @@ func (lo *learnedOverrides) apply(b *store.BucketDemand, h uint64, now time.Dura
 	lo.mu.Lock()
 	o, ok := lo.m[h]
 	lo.mu.Unlock()
-	if ok && now-o.at <= OverLimitTrust {
+	if ok && now-o.at <= overLimitTrust {
 		b.SetOwnLimit(o.tokenTime, o.burst)
 	}
 }
@@ -302,7 +302,7 @@ func (lo *learnedOverrides) learn(h uint64, l gcra.Limit, now time.Duration) {
 		lo.m = make(map[uint64]learnedOverride)
 	}
 	if len(lo.m) >= overLimitCacheKeys {
-		maps.DeleteFunc(lo.m, func(_ uint64, o learnedOverride) bool { return now-o.at > OverLimitTrust })
+		maps.DeleteFunc(lo.m, func(_ uint64, o learnedOverride) bool { return now-o.at > overLimitTrust })
 		if len(lo.m) >= overLimitCacheKeys {
 			clear(lo.m)
 		}
@@ -323,18 +323,18 @@ func (lo *learnedOverrides) forget(h uint64) {
 }
 
 // noFlight is the flight of a request with no bucket to fly for.
-var noFlight = FlightKey{Zone: -1}
+var noFlight = flightKey{zone: -1}
 
 // flights are the Redis calls in flight for the buckets of the requests
 // that the over-limit cache looks at.
 type flights struct {
 	mu sync.Mutex
-	m  map[FlightKey]flight
+	m  map[flightKey]flight
 }
 
-type FlightKey struct {
-	Zone int
-	Hash uint64
+type flightKey struct {
+	zone int
+	hash uint64
 }
 
 // A flight is the calls in flight for one bucket.
@@ -343,10 +343,10 @@ type flight struct {
 	landed chan struct{} // closed when a call lands; nil until a request waits
 }
 
-// Join makes the caller one of k's calls in flight, if fewer than most
+// join makes the caller one of k's calls in flight, if fewer than most
 // are, and returns nil: the caller lands k when its answer is in.
 // Otherwise it returns a channel closed when one of them lands.
-func (fs *flights) Join(k FlightKey, most int64) <-chan struct{} {
+func (fs *flights) join(k flightKey, most int64) <-chan struct{} {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	f := fs.m[k]
@@ -363,20 +363,20 @@ func (fs *flights) Join(k FlightKey, most int64) <-chan struct{} {
 }
 
 // calls is the number of k's calls in flight.
-func (fs *flights) calls(k FlightKey) int64 {
+func (fs *flights) calls(k flightKey) int64 {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	return fs.m[k].calls
 }
 
 // waited reports whether a request waits for one of k's calls.
-func (fs *flights) waited(k FlightKey) bool {
+func (fs *flights) waited(k flightKey) bool {
 	fs.mu.Lock()
 	defer fs.mu.Unlock()
 	return fs.m[k].landed != nil
 }
 
-func (fs *flights) land(k FlightKey) {
+func (fs *flights) land(k flightKey) {
 	if k == noFlight {
 		return
 	}

@@ -27,10 +27,10 @@ func TestLongestBanFloor(t *testing.T) {
 		}
 	}
 	b := TakeOf(0, "static", l).Buckets[0]
-	k := FlightKey{Zone: 0, Hash: s.Zones[0].Cache.Hash(b.Key)}
-	s.Flights.Join(k, 10)
-	s.Flights.Join(k, 10)
-	if got, most := s.Known(time.Now(), &b, ErrNoAnswer), l.Most(); got != most {
+	k := flightKey{zone: 0, hash: s.zones[0].cache.Hash(b.Key)}
+	s.flights.join(k, 10)
+	s.flights.join(k, 10)
+	if got, most := s.Known(time.Now(), &b, errNoAnswer), l.Most(); got != most {
 		t.Fatalf("floor %v, want %v: all the bucket may owe", got, most)
 	}
 }
@@ -39,12 +39,12 @@ func TestLongestBanFloor(t *testing.T) {
 // join, the others wait until one lands; and a request that gave up
 // waiting counts their costs, as they may yet take their tokens.
 func TestFlights(t *testing.T) {
-	fs := &flights{m: make(map[FlightKey]flight)}
-	k := FlightKey{Zone: 1, Hash: 7}
-	if fs.Join(k, 2) != nil || fs.Join(k, 2) != nil {
+	fs := &flights{m: make(map[flightKey]flight)}
+	k := flightKey{zone: 1, hash: 7}
+	if fs.join(k, 2) != nil || fs.join(k, 2) != nil {
 		t.Fatal("a call of two that may fly waits")
 	}
-	landed := fs.Join(k, 2)
+	landed := fs.join(k, 2)
 	if landed == nil || !fs.waited(k) || fs.calls(k) != 2 {
 		t.Fatalf("a third call of two joined: %d in flight", fs.calls(k))
 	}

@@ -29,12 +29,12 @@ type window struct {
 // after the call.
 func (s *Store) run(ctx context.Context, deadline time.Time, op rediswire.Op, d *store.Demands) (bool, error) {
 	c := rediswire.NewCall(op, deadline)
-	if s.TestClock != nil {
-		c.Clock(s.TestClock())
+	if s.opt.Clock != nil {
+		c.Clock(s.opt.Clock())
 	}
 	s.build(c, op, d)
 	sent := time.Now()
-	r, err := s.Client.Run(ctx, c)
+	r, err := s.client.Run(ctx, c)
 	return s.answered(r, err, sent, op, d)
 }
 
@@ -44,10 +44,10 @@ func (s *Store) answered(r rediswire.Reply, err error, sent time.Time, op redisw
 	if err != nil {
 		return false, err
 	}
-	d.At = s.Client.DecidedAt(r, sent)
+	d.At = s.client.DecidedAt(r, sent)
 	if n := r.Repaired(); n > 0 && op != rediswire.Peek {
 		s.repairs.Warn(s.opt.Logger, "redis store: keys under key_prefix held another type: overwritten",
-			fmt.Errorf("%d in a call of zone %s", n, s.Zones[callZone(d)].name))
+			fmt.Errorf("%d in a call of zone %s", n, s.zones[callZone(d)].name))
 	}
 	read(r, op, d)
 	return r.Allowed(), nil
@@ -61,21 +61,21 @@ func (s *Store) build(c *rediswire.Call, op rediswire.Op, d *store.Demands) {
 		b := &d.Buckets[i]
 		var hash, field, limit string
 		if s.mayOverride(b.Zone) {
-			hash, field, limit = s.Keys.BucketLimit(s.Zones[b.Zone].Field, b.Key.String())
+			hash, field, limit = s.keys.BucketLimit(s.zones[b.Zone].field, b.Key.String())
 		} else {
-			hash, field = s.Keys.Bucket(s.Zones[b.Zone].Field, b.Key.String())
+			hash, field = s.keys.Bucket(s.zones[b.Zone].field, b.Key.String())
 			limit = hash // the script reads no override
 		}
 		if op == rediswire.Adjust {
-			c.AdjustBucket(hash, field, limit, s.ShapeOf(b, true), b.BaseCost())
+			c.AdjustBucket(hash, field, limit, s.shapeOf(b, true), b.BaseCost())
 		} else {
-			c.Bucket(hash, field, limit, s.ShapeOf(b, false), !b.Limit.NoDelay, b.Soft)
+			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.Limit.NoDelay, b.Soft)
 		}
 	}
 	for i := range d.Counters {
 		k := &d.Counters[i]
-		rz := &s.Zones[k.Zone]
-		counter, untagged := s.CounterKeys(k.Zone, k.Key)
+		rz := &s.zones[k.Zone]
+		counter, untagged := s.counterKeys(k.Zone, k.Key)
 		if op == rediswire.Adjust {
 			c.AdjustCounter(counter, untagged, s.counterShape(rz, k), s.windowOf(rz, k.Window), k.Cost)
 		} else {
@@ -84,7 +84,7 @@ func (s *Store) build(c *rediswire.Call, op rediswire.Op, d *store.Demands) {
 	}
 	for i := range d.Slots {
 		q := &d.Slots[i]
-		c.Slot(s.SlotKey(q.Zone, q.Key), q.Claim, s.slotShape(&s.Zones[q.Zone], q))
+		c.Slot(s.slotKey(q.Zone, q.Key), q.Claim, s.slotShape(&s.zones[q.Zone], q))
 	}
 }
 
@@ -131,11 +131,11 @@ func read(r rediswire.Reply, op rediswire.Op, d *store.Demands) {
 	}
 }
 
-// ShapeOf is the script's shape of b's bucket: its zone's last one when
+// shapeOf is the script's shape of b's bucket: its zone's last one when
 // the limit is the same, else one from the store's cache. An adjustment
 // takes any shape of its bucket's limit: its cost travels on its own.
-func (s *Store) ShapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shape {
-	rz := &s.Zones[b.Zone]
+func (s *Store) shapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shape {
+	rz := &s.zones[b.Zone]
 	l, cost := b.Limit, b.Cost
 	if b.Overridden {
 		l, cost = b.Base(), b.BaseCost()
@@ -155,7 +155,7 @@ func (s *Store) ShapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shape {
 }
 
 // counterShape is the script's shape of k's counter.
-func (s *Store) counterShape(rz *Zone, k *store.CounterDemand) *rediswire.CounterShape {
+func (s *Store) counterShape(rz *zoneState, k *store.CounterDemand) *rediswire.CounterShape {
 	cost := max(k.Cost, -k.Cost)
 	if last := rz.counter.Load(); last != nil && last.Limit == k.Limit && last.Cost == cost {
 		return last
@@ -166,7 +166,7 @@ func (s *Store) counterShape(rz *Zone, k *store.CounterDemand) *rediswire.Counte
 }
 
 // slotShape is the script's shape of q's slots.
-func (s *Store) slotShape(rz *Zone, q *store.SlotDemand) *rediswire.SlotShape {
+func (s *Store) slotShape(rz *zoneState, q *store.SlotDemand) *rediswire.SlotShape {
 	if last := rz.slots.Load(); last != nil && last.Limit == q.Limit && last.Lease == q.Lease && last.Soft == q.Soft {
 		return last
 	}
@@ -177,7 +177,7 @@ func (s *Store) slotShape(rz *Zone, q *store.SlotDemand) *rediswire.SlotShape {
 
 // windowOf is the script's view of the quota window w, made once per
 // window.
-func (s *Store) windowOf(rz *Zone, w *calendar.Window) *rediswire.Window {
+func (s *Store) windowOf(rz *zoneState, w *calendar.Window) *rediswire.Window {
 	if last := rz.window.Load(); last != nil && last.w == w {
 		return last.args
 	}
@@ -186,27 +186,27 @@ func (s *Store) windowOf(rz *Zone, w *calendar.Window) *rediswire.Window {
 	return args
 }
 
-// BucketField is how the fields of the buckets of a zone of shape l start
+// bucketField is how the fields of the buckets of a zone of shape l start
 // (the zero limit for a zone whose limit comes with each request).
-func BucketField(name string, l gcra.Limit) string {
+func bucketField(name string, l gcra.Limit) string {
 	return rediswire.BucketField(name, strconv.FormatInt(int64(l.TokenTime), 10)+"/"+strconv.FormatInt(l.Burst, 10))
 }
 
-// BucketName is the hash and the field of the bucket of key in a zone.
-func (s *Store) BucketName(zone int, key store.Key) (hash, field string) {
-	return s.Keys.Bucket(s.Zones[zone].Field, key.String())
+// bucketName is the hash and the field of the bucket of key in a zone.
+func (s *Store) bucketName(zone int, key store.Key) (hash, field string) {
+	return s.keys.Bucket(s.zones[zone].field, key.String())
 }
 
-// CounterKeys are the key of the quota counter of key in a zone, and the
+// counterKeys are the key of the quota counter of key in a zone, and the
 // key that builds before rediswire.CounterZone gave it.
-func (s *Store) CounterKeys(zone int, key store.Key) (counter, untagged string) {
+func (s *Store) counterKeys(zone int, key store.Key) (counter, untagged string) {
 	k := key.String()
-	return s.Keys.Counter(s.Zones[zone].counters, k), s.Keys.Counter(s.Zones[zone].keys, k)
+	return s.keys.Counter(s.zones[zone].counters, k), s.keys.Counter(s.zones[zone].keys, k)
 }
 
-// SlotKey is the key of the sorted set of the slots of key in a zone.
-func (s *Store) SlotKey(zone int, key store.Key) string {
-	return s.Keys.Slots(s.Zones[zone].keys, key.String())
+// slotKey is the key of the sorted set of the slots of key in a zone.
+func (s *Store) slotKey(zone int, key store.Key) string {
+	return s.keys.Slots(s.zones[zone].keys, key.String())
 }
 
 // A shapeCache keeps the shapes of the limits that requests bring

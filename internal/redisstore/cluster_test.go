@@ -20,7 +20,6 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redisstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
-	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/lua"
 	"github.com/redis/go-redis/v9"
@@ -105,13 +104,13 @@ func TestMastersThroughput(t *testing.T) {
 	if os.Getenv("RATE_LIMIT_MASTERS") == "" {
 		t.Skip("set RATE_LIMIT_MASTERS=1, or run make masters")
 	}
-	var scripts *rediswire.Scripts // the module's
+	var decide string // the module's
 	if f := os.Getenv("RATE_LIMIT_SCRIPT"); f != "" {
 		src, err := os.ReadFile(f)
 		if err != nil {
 			t.Fatal(err)
 		}
-		scripts = rediswire.NewScripts(string(src), lua.Peek)
+		decide = string(src)
 		t.Logf("script %s", f)
 	}
 	core := os.Getenv("RATE_LIMIT_REDIS_CORE")
@@ -138,7 +137,7 @@ func TestMastersThroughput(t *testing.T) {
 		return time.Duration(u+s) * 10 * time.Millisecond
 	}
 	limits := []gcra.Limit{gcra.NewLimit(1e6, 1e6), gcra.NewLimit(10, 20)}
-	rs := redisstore.Open(t, redisstore.OpenClientWith(t, redisstore.ClientOptions{Scripts: scripts, Timeout: 2 * time.Second}, r.Addr()),
+	rs := redisstore.Open(t, redisstore.OpenClientWith(t, redisstore.ClientOptions{Decide: decide, Timeout: 2 * time.Second}, r.Addr()),
 		[]store.ZoneSpec{redisstore.Bucket("m", limits[0]), redisstore.Bucket("f", limits[1])},
 		redisstore.Options{KeyPrefix: "rl:", CallTimeout: 2 * time.Second, FailMode: "closed"})
 	keys := make([]store.Key, 100_000)

@@ -30,6 +30,9 @@ const (
 	syncShards = 16 // a power of two
 )
 
+// A SyncID names the copies of a zone with sync that configs share: the
+// stores of one connection setup, key prefix and hashing, whose zone of
+// one name and shape syncs at one interval.
 type SyncID struct {
 	client   string // the Redis store's connection setup
 	prefix   string
@@ -44,8 +47,8 @@ type SyncZone struct {
 	interval time.Duration
 	epoch    time.Time   // the copies' instants count from here
 	hashKey  siphash.Key // how a key's copy is found: its hash under this key
-	Shards   [syncShards]SyncShard
-	Size     atomic.Int64
+	shards   [syncShards]syncShard
+	size     atomic.Int64
 
 	mu    sync.Mutex
 	users []syncUser // the stores that use it, newest last: the newest reconciles
@@ -56,10 +59,10 @@ type SyncZone struct {
 	// What the reconciliations did, for the metrics: their script calls
 	// (one per hash tag on a cluster), those that failed, and the keys
 	// they carried.
-	calls, failed, Keys atomic.Uint64
+	calls, failed, keys atomic.Uint64
 	// visited counts the copies the reconciliations looked at: their
 	// work, which follows the copies used, not those held.
-	Visited atomic.Uint64
+	visited atomic.Uint64
 
 	// The reconciliations' scratch, kept from one to the next: only the
 	// loop reconciles.
@@ -73,18 +76,19 @@ type syncUser struct {
 	zone int
 }
 
-type SyncShard struct {
-	Mu sync.Mutex
-	M  map[uint64]*SyncCopy
+// A syncShard is a part of a zone's copies, with its own lock.
+type syncShard struct {
+	mu sync.Mutex
+	m  map[uint64]*syncCopy
 	// used are the copies asked or spent since the last reconciliation,
 	// each once: what the next one sends.
-	used   []*SyncCopy
+	used   []*syncCopy
 	expiry syncQueue
 	_      [56]byte // keep shards on separate cache lines
 }
 
 // use lists c for the next reconciliation, once. Requires sh.mu.
-func (sh *SyncShard) use(c *SyncCopy) {
+func (sh *syncShard) use(c *syncCopy) {
 	if !c.used {
 		c.used = true
 		sh.used = append(sh.used, c)
@@ -100,16 +104,16 @@ type syncQueue struct {
 }
 
 type syncDue struct {
-	c   *SyncCopy
+	c   *syncCopy
 	due time.Duration
 }
 
-func (q *syncQueue) push(c *SyncCopy, due time.Duration) {
+func (q *syncQueue) push(c *syncCopy, due time.Duration) {
 	q.items = append(q.items, syncDue{c, due})
 }
 
 // pop takes the first copy whose check is due at n, or nil.
-func (q *syncQueue) pop(n time.Duration) *SyncCopy {
+func (q *syncQueue) pop(n time.Duration) *syncCopy {
 	if q.head == len(q.items) || q.items[q.head].due > n {
 		return nil
 	}
@@ -124,9 +128,9 @@ func (q *syncQueue) pop(n time.Duration) *SyncCopy {
 	return c
 }
 
-// A SyncCopy is this instance's copy of one key's shared bucket. Its
+// A syncCopy is this instance's copy of one key's shared bucket. Its
 // fields are its shard's, under its lock, but for the names.
-type SyncCopy struct {
+type syncCopy struct {
 	hash, field, limitKey string // the bucket's names in Redis, and its override's
 	key                   uint64 // its key's hash: its place in the shard
 	// base is the limit the requests brought when Redis last answered (the
@@ -148,8 +152,8 @@ type SyncCopy struct {
 func newSyncZone(interval time.Duration) *SyncZone {
 	now := time.Now()
 	sz := &SyncZone{interval: interval, epoch: now, hashKey: siphash.NewKey(), stop: make(chan struct{}), done: make(chan struct{})}
-	for i := range sz.Shards {
-		sz.Shards[i].M = make(map[uint64]*SyncCopy)
+	for i := range sz.shards {
+		sz.shards[i].m = make(map[uint64]*syncCopy)
 	}
 	go sz.loop()
 	return sz
@@ -163,21 +167,21 @@ func (sz *SyncZone) Destruct() error {
 	return nil
 }
 
-func (sz *SyncZone) Instant(t time.Time) time.Duration { return t.Sub(sz.epoch) }
+func (sz *SyncZone) instant(t time.Time) time.Duration { return t.Sub(sz.epoch) }
 
-// Keep is how long a copy that has nothing to send and whose bucket is
+// keep is how long a copy that has nothing to send and whose bucket is
 // full stays at least after Redis last answered for it (the sweep finds
 // it within another keep): a key used again within it is decided here at
 // once, within its allowance.
-func (sz *SyncZone) Keep() time.Duration { return max(syncKeep, 2*sz.interval) }
+func (sz *SyncZone) keep() time.Duration { return max(syncKeep, 2*sz.interval) }
 
-func (sz *SyncZone) shard(h uint64) *SyncShard { return &sz.Shards[h&(syncShards-1)] }
+func (sz *SyncZone) shard(h uint64) *syncShard { return &sz.shards[h&(syncShards-1)] }
 
-// Lock locks the shard of k's copy, and returns it and k's hash.
-func (sz *SyncZone) Lock(k store.Key) (*SyncShard, uint64) {
+// lock locks the shard of k's copy, and returns it and k's hash.
+func (sz *SyncZone) lock(k store.Key) (*syncShard, uint64) {
 	h := k.Hash(sz.hashKey)
 	sh := sz.shard(h)
-	sh.Mu.Lock()
+	sh.mu.Lock()
 	return sh, h
 }
 
@@ -211,19 +215,19 @@ func (sz *SyncZone) owner() (syncUser, bool) {
 
 // add makes a copy of b's bucket, owing floor at n, unless the zone has
 // maxSyncKeys already. Requires sh.mu to be held.
-func (sz *SyncZone) add(sh *SyncShard, h uint64, s *Store, b *store.BucketDemand, n, floor time.Duration) *SyncCopy {
-	if sz.Size.Load() >= maxSyncKeys {
+func (sz *SyncZone) add(sh *syncShard, h uint64, s *Store, b *store.BucketDemand, n, floor time.Duration) *syncCopy {
+	if sz.size.Load() >= maxSyncKeys {
 		return nil
 	}
 	// Its allowance starts spent: the first interval's requests of a key
 	// new here are Redis's but for what refills meanwhile, so that the
 	// instances flooding a key from its first request spend no allowance
 	// that Redis has not seen.
-	c := &SyncCopy{base: baseLimit(b), lim: baseLimit(b), fullAt: n + floor, allow: n + sz.interval, heard: n, key: h}
-	c.hash, c.field, c.limitKey = s.Keys.BucketLimit(s.Zones[b.Zone].Field, b.Key.String())
-	sh.M[h] = c
-	sh.expiry.push(c, n+sz.Keep())
-	sz.Size.Add(1)
+	c := &syncCopy{base: baseLimit(b), lim: baseLimit(b), fullAt: n + floor, allow: n + sz.interval, heard: n, key: h}
+	c.hash, c.field, c.limitKey = s.keys.BucketLimit(s.zones[b.Zone].field, b.Key.String())
+	sh.m[h] = c
+	sh.expiry.push(c, n+sz.keep())
+	sz.size.Add(1)
 	return c
 }
 
@@ -241,7 +245,7 @@ func sameLimit(a, b gcra.Limit) bool { return a.TokenTime == b.TokenTime && a.Bu
 // debt, under lim. What this instance spent meanwhile, not yet in that
 // answer, is added (what a reconciliation out carries may be in it
 // already: counted twice until its answer, it only refuses sooner).
-func (c *SyncCopy) learnt(at, n, debt time.Duration, lim gcra.Limit, tokens int64) {
+func (c *syncCopy) learnt(at, n, debt time.Duration, lim gcra.Limit, tokens int64) {
 	c.lim = lim
 	c.fullAt = min(max(at+debt, n)+time.Duration(tokens)*lim.TokenTime, n+lim.Most())
 	c.heard, c.doubt = n, 0
@@ -251,9 +255,9 @@ func (c *SyncCopy) learnt(at, n, debt time.Duration, lim gcra.Limit, tokens int6
 // config, by syncID, so that a reload that keeps a zone keeps its copies
 // (the Redis store module's pool).
 type SyncPool interface {
-	// acquire gets the copies of id, made by make when no config has
-	// them; release lets go of them.
-	Acquire(id SyncID, make func() *SyncZone) (*SyncZone, error)
+	// Acquire gets the copies of id, made by newCopies when no config
+	// has them; Release lets go of them.
+	Acquire(id SyncID, newCopies func() *SyncZone) (*SyncZone, error)
 	Release(id SyncID) error
 }
 
@@ -262,11 +266,11 @@ type SyncPool interface {
 // a last reconciliation, when it lets go of them.
 type ownCopies map[SyncID]*SyncZone
 
-func (p ownCopies) Acquire(id SyncID, make func() *SyncZone) (*SyncZone, error) {
+func (p ownCopies) Acquire(id SyncID, newCopies func() *SyncZone) (*SyncZone, error) {
 	if _, ok := p[id]; ok {
 		return nil, fmt.Errorf("zone %s: its copies are held already", id.field)
 	}
-	sz := make()
+	sz := newCopies()
 	p[id] = sz
 	return sz, nil
 }

@@ -32,11 +32,11 @@ func OpenClient(t testing.TB, addrs ...string) *rediswire.Client {
 	return OpenClientWith(t, ClientOptions{}, addrs...)
 }
 
-// ClientOptions are what a test's client has of its own: its scripts
-// (nil: the module's), its pool of connections a node (0: go-redis's
-// default), its timeout (0: testTimeout).
+// ClientOptions are what a test's client has of its own: the source of
+// its decision script ("": the module's), its pool of connections a node
+// (0: go-redis's default), its timeout (0: testTimeout).
 type ClientOptions struct {
-	Scripts  *rediswire.Scripts
+	Decide   string
 	PoolSize int
 	Timeout  time.Duration
 }
@@ -44,8 +44,8 @@ type ClientOptions struct {
 // OpenClientWith is OpenClient with options of its own.
 func OpenClientWith(t testing.TB, o ClientOptions, addrs ...string) *rediswire.Client {
 	t.Helper()
-	if o.Scripts == nil {
-		o.Scripts = rediswire.NewScripts(lua.Decide, lua.Peek)
+	if o.Decide == "" {
+		o.Decide = lua.Decide
 	}
 	if o.Timeout == 0 {
 		o.Timeout = testTimeout
@@ -54,7 +54,7 @@ func OpenClientWith(t testing.TB, o ClientOptions, addrs ...string) *rediswire.C
 		Addrs: addrs, ContextTimeoutEnabled: true, MaxRetries: -1, Protocol: 2, PoolSize: o.PoolSize,
 		DialTimeout: o.Timeout, ReadTimeout: o.Timeout, WriteTimeout: o.Timeout, PoolTimeout: o.Timeout,
 		MaintNotificationsConfig: &maintnotifications.Config{Mode: maintnotifications.ModeDisabled},
-	}, o.Scripts)
+	}, rediswire.NewScripts(o.Decide, lua.Peek))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -126,16 +126,30 @@ func (s *Store) RunAll(op rediswire.Op, ds []*store.Demands) ([]bool, []error) {
 	calls := make([]*rediswire.Call, len(ds))
 	for i, d := range ds {
 		calls[i] = rediswire.NewCall(op, deadline)
-		if s.TestClock != nil {
-			calls[i].Clock(s.TestClock())
+		if s.opt.Clock != nil {
+			calls[i].Clock(s.opt.Clock())
 		}
 		s.build(calls[i], op, d)
 	}
 	sent := time.Now()
-	replies, errs := s.Client.RunAll(calls)
+	replies, errs := s.client.RunAll(calls)
 	allowed := make([]bool, len(ds))
 	for i, d := range ds {
 		allowed[i], errs[i] = s.answered(replies[i], errs[i], sent, op, d)
 	}
 	return allowed, errs
+}
+
+// BucketName is the hash and the field of the bucket of key in a zone.
+func (s *Store) BucketName(zone int, key store.Key) (hash, field string) {
+	return s.bucketName(zone, key)
+}
+
+// ShapeOf is the script's shape of b's bucket, in a take.
+func (s *Store) ShapeOf(b *store.BucketDemand) *rediswire.Shape { return s.shapeOf(b, false) }
+
+// BucketLimit is the hash and the field of the bucket of key in a zone,
+// and the key of its own limit.
+func (s *Store) BucketLimit(zone int, key store.Key) (hash, field, limit string) {
+	return s.keys.BucketLimit(s.zones[zone].field, key.String())
 }

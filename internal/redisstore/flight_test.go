@@ -270,8 +270,8 @@ func TestUpgradeFromBeforeFlights(t *testing.T) {
 	// takeBefore decides d's one bucket by the script before flights.
 	takeBefore := func(s *redisstore.Store, d *store.Demands) (bool, time.Duration) {
 		b := &d.Buckets[0]
-		hash, field, limit := s.Keys.BucketLimit(s.Zones[b.Zone].Field, b.Key.String())
-		sh := s.ShapeOf(b, false)
+		hash, field, limit := s.BucketLimit(b.Zone, b.Key)
+		sh := s.ShapeOf(b)
 		v, err := old.Run(ctx, c, []string{hash, limit}, "take", now.UnixMicro(), 1, 0, 0,
 			field, int64(sh.Full), int64(sh.Cost), int64(sh.Ban), int64(sh.Beyond), int64(sh.Reserve), 0, int64(sh.Token)).Int64Slice()
 		if err != nil {

@@ -20,7 +20,7 @@ var leaseSeq atomic.Uint64
 // keys share a cluster slot. A slot whose release fails comes back when
 // its lease ends.
 func (s *Store) Release(ctx context.Context, slots []store.SlotDemand) error {
-	if !s.Client.Up() {
+	if !s.client.Up() {
 		return rediswire.ErrDown // the leases will end
 	}
 	held := 0
@@ -35,7 +35,7 @@ func (s *Store) Release(ctx context.Context, slots []store.SlotDemand) error {
 	deadline := time.Now().Add(s.opt.CallTimeout)
 	ctx, cancel := context.WithDeadline(ctx, deadline)
 	defer cancel()
-	if held == len(slots) && (!s.Client.Cluster || oneTag(&store.Demands{Slots: slots})) {
+	if held == len(slots) && (!s.client.Cluster || oneTag(&store.Demands{Slots: slots})) {
 		return s.releaseCall(ctx, deadline, slots)
 	}
 	var errs []error
@@ -53,8 +53,8 @@ func (s *Store) Release(ctx context.Context, slots []store.SlotDemand) error {
 func (s *Store) releaseCall(ctx context.Context, deadline time.Time, slots []store.SlotDemand) error {
 	c := rediswire.NewCall(rediswire.Release, deadline)
 	for i := range slots {
-		c.Slot(s.SlotKey(slots[i].Zone, slots[i].Key), slots[i].Claim, nil)
+		c.Slot(s.slotKey(slots[i].Zone, slots[i].Key), slots[i].Claim, nil)
 	}
-	_, err := s.Client.Run(ctx, c)
+	_, err := s.client.Run(ctx, c)
 	return err
 }

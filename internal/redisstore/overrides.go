@@ -47,27 +47,27 @@ func parseOverride(v string, ttl time.Duration, now time.Time) (store.Override, 
 	return o, true
 }
 
-// OverridePoll is how long a zone's count of overrides is trusted: a
+// overridePoll is how long a zone's count of overrides is trusted: a
 // decision skips reading its key's own limit only when the zone had none
 // when counted less than this before. Set through another instance, an
 // override is then read by this instance's calls within this time. (The
 // over-limit cache, which may refuse a key without a call for up to
 // overLimitTrust, forgets what it learnt meanwhile when the count shows
 // the zone's first override.)
-const OverridePoll = 250 * time.Millisecond
+const overridePoll = 250 * time.Millisecond
 
 // overrideRefresh is how old a zone's count of overrides is when a
 // decision has it read again, in the background: soon enough that the
 // count of a zone with requests all the time is never older than
 // overridePoll, its decisions then never reading an override that is not
 // there.
-const overrideRefresh = OverridePoll / 2
+const overrideRefresh = overridePoll / 2
 
 // countedOverrides is how many keys of a zone have their own limit, as
 // Redis said when asked (-1: not known; every decision reads).
 type countedOverrides struct {
-	N  int64
-	At int64 // when it was asked, in nanoseconds of the process's clock (see processStart)
+	n  int64
+	at int64 // when it was asked, in nanoseconds of the process's clock (see processStart)
 }
 
 // mayOverride reports whether keys of the zone may have their own limit,
@@ -77,15 +77,15 @@ type countedOverrides struct {
 // meanwhile at its first decision. The count is read again, in the
 // background, once it is overrideRefresh old.
 func (s *Store) mayOverride(zone int) bool {
-	rz := &s.Zones[zone]
-	now := time.Since(ProcessStart).Nanoseconds()
-	c := rz.Overridden.Load()
-	if now-c.At > int64(overrideRefresh) {
+	rz := &s.zones[zone]
+	now := time.Since(processStart).Nanoseconds()
+	c := rz.overridden.Load()
+	if now-c.at > int64(overrideRefresh) {
 		if last := rz.overriddenPoll.Load(); now-last > int64(overrideRefresh) && rz.overriddenPoll.CompareAndSwap(last, now) {
 			go s.pollOverrides(zone, now)
 		}
 	}
-	return c.N != 0 || now-c.At > int64(OverridePoll)
+	return c.n != 0 || now-c.at > int64(overridePoll)
 }
 
 // pollOverrides reads how many keys of the zone have their own limit,
@@ -99,48 +99,48 @@ func (s *Store) pollOverrides(zone int, at int64) {
 		// stays: fail_mode local starts from it while Redis fails.)
 		n = -1
 	}
-	rz := &s.Zones[zone]
-	c := &countedOverrides{N: int64(n), At: at}
+	rz := &s.zones[zone]
+	c := &countedOverrides{n: int64(n), at: at}
 	var old *countedOverrides
 	for {
-		if old = rz.Overridden.Load(); old.At > at {
+		if old = rz.overridden.Load(); old.at > at {
 			return // a later count is in, or an override was set here since
 		}
-		if rz.Overridden.CompareAndSwap(old, c) {
+		if rz.overridden.CompareAndSwap(old, c) {
 			break
 		}
 	}
-	if old.N == 0 && n > 0 {
+	if old.n == 0 && n > 0 {
 		// What the cache learnt while no override was read may be the
 		// zone's limit where a key now has its own; so may what calls in
 		// flight, sent without reading it, would teach it.
 		rz.overriddenGen.Add(1)
-		if rz.Cache != nil {
-			rz.Cache.Clear()
+		if rz.cache != nil {
+			rz.cache.Clear()
 		}
 	}
 }
 
 // overriddenGen sums the generations of the overrides of d's buckets'
-// zones (see redisZone.overriddenGen): it changes when any does.
+// zones (see zoneState.overriddenGen): it changes when any does.
 func (s *Store) overriddenGen(d *store.Demands) uint64 {
 	var g uint64
 	for i := range d.Buckets {
-		g += s.Zones[d.Buckets[i].Zone].overriddenGen.Load()
+		g += s.zones[d.Buckets[i].Zone].overriddenGen.Load()
 	}
 	return g
 }
 
-// ProcessStart anchors the monotonic instants of the override polls.
-var ProcessStart = time.Now()
+// processStart anchors the monotonic instants of the override polls.
+var processStart = time.Now()
 
 // forgetKey makes this instance's over-limit cache forget what it knew
 // of key's bucket in a zone: its own limit changed.
 func (s *Store) forgetKey(zone int, key store.Key) {
-	rz := &s.Zones[zone]
-	if rz.Cache != nil {
-		rz.Cache.Forget(key)
-		rz.learned.forget(rz.Cache.Hash(key))
+	rz := &s.zones[zone]
+	if rz.cache != nil {
+		rz.cache.Forget(key)
+		rz.learned.forget(rz.cache.Hash(key))
 	}
 }
 
@@ -159,11 +159,11 @@ var overrideScript = redis.NewScript(lua.Override)
 // that dies halfway leaves at most a key listed without a limit, which
 // counts toward max_overrides until the key's limit is set or removed.
 func (s *Store) SetOverride(ctx context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
-	rz := &s.Zones[zone]
-	listed := s.Keys.Listed(key.String())
-	_, _, limitKey := s.Keys.BucketLimit(rz.Field, key.String())
-	keys := []string{s.Keys.Limits(rz.Field), limitKey}
-	if s.Client.Cluster {
+	rz := &s.zones[zone]
+	listed := s.keys.Listed(key.String())
+	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
+	keys := []string{s.keys.Limits(rz.field), limitKey}
+	if s.client.Cluster {
 		unlock, err := s.lockOverride(ctx, limitKey)
 		if err != nil {
 			return err
@@ -179,10 +179,10 @@ func (s *Store) SetOverride(ctx context.Context, now time.Time, zone int, key st
 	defer s.forgetKey(zone, key)
 	// Read from now on, until a poll asked after the override was listed
 	// counts it.
-	rz.Overridden.Store(&countedOverrides{N: -1, At: time.Since(ProcessStart).Nanoseconds()})
-	set, err := overrideScript.Run(ctx, s.Client, keys, "set", listed, now.UnixMilli(), score, value, ttl.Milliseconds(), rz.maxOverrides).Int()
+	rz.overridden.Store(&countedOverrides{n: -1, at: time.Since(processStart).Nanoseconds()})
+	set, err := overrideScript.Run(ctx, s.client, keys, "set", listed, now.UnixMilli(), score, value, ttl.Milliseconds(), rz.maxOverrides).Int()
 	if err == nil && set == 1 && len(keys) == 1 {
-		err = s.Client.Set(ctx, limitKey, value, ttl).Err()
+		err = s.client.Set(ctx, limitKey, value, ttl).Err()
 	}
 	if err == nil && set == 0 {
 		return store.ErrTooManyOverrides
@@ -191,13 +191,13 @@ func (s *Store) SetOverride(ctx context.Context, now time.Time, zone int, key st
 }
 
 func (s *Store) DeleteOverride(ctx context.Context, now time.Time, zone int, key store.Key) (bool, error) {
-	rz := &s.Zones[zone]
-	listed := s.Keys.Listed(key.String())
-	_, _, limitKey := s.Keys.BucketLimit(rz.Field, key.String())
-	keys := []string{s.Keys.Limits(rz.Field), limitKey}
+	rz := &s.zones[zone]
+	listed := s.keys.Listed(key.String())
+	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
+	keys := []string{s.keys.Limits(rz.field), limitKey}
 	defer s.forgetKey(zone, key)
-	if !s.Client.Cluster {
-		n, err := overrideScript.Run(ctx, s.Client, keys, "del", listed, now.UnixMilli()).Int()
+	if !s.client.Cluster {
+		n, err := overrideScript.Run(ctx, s.client, keys, "del", listed, now.UnixMilli()).Int()
 		return n > 0, err
 	}
 	unlock, err := s.lockOverride(ctx, limitKey)
@@ -205,11 +205,11 @@ func (s *Store) DeleteOverride(ctx context.Context, now time.Time, zone int, key
 		return false, err
 	}
 	defer unlock()
-	n, err := s.Client.Del(ctx, limitKey).Result()
+	n, err := s.client.Del(ctx, limitKey).Result()
 	if err != nil {
 		return false, err
 	}
-	return n > 0, overrideScript.Run(ctx, s.Client, keys[:1], "del", listed, now.UnixMilli()).Err()
+	return n > 0, overrideScript.Run(ctx, s.client, keys[:1], "del", listed, now.UnixMilli()).Err()
 }
 
 // overrideLockLease is how long a change of a key's own limit on Redis
@@ -225,7 +225,7 @@ const overrideLockLease = 10 * time.Second
 func (s *Store) lockOverride(ctx context.Context, limitKey string) (unlock func(), err error) {
 	lock, token := limitKey+":lock", strconv.FormatUint(rand.Uint64(), 36)
 	for {
-		ok, err := s.Client.SetNX(ctx, lock, token, overrideLockLease).Result()
+		ok, err := s.client.SetNX(ctx, lock, token, overrideLockLease).Result()
 		if err != nil {
 			return nil, err
 		}
@@ -243,7 +243,7 @@ func (s *Store) lockOverride(ctx context.Context, limitKey string) (unlock func(
 		// out may be another change's now.
 		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.opt.CallTimeout)
 		defer cancel()
-		_ = s.Client.Watch(ctx, func(tx *redis.Tx) error {
+		_ = s.client.Watch(ctx, func(tx *redis.Tx) error {
 			if tx.Get(ctx, lock).Val() != token {
 				return nil
 			}
@@ -254,7 +254,7 @@ func (s *Store) lockOverride(ctx context.Context, limitKey string) (unlock func(
 }
 
 func (s *Store) Override(ctx context.Context, zone int, key store.Key) (store.Override, bool, error) {
-	_, _, limitKey := s.Keys.BucketLimit(s.Zones[zone].Field, key.String())
+	_, _, limitKey := s.keys.BucketLimit(s.zones[zone].field, key.String())
 	return s.readOverride(ctx, limitKey)
 }
 
@@ -263,7 +263,7 @@ func (s *Store) readOverride(ctx context.Context, limitKey string) (store.Overri
 	var get *redis.StringCmd
 	var ttl *redis.DurationCmd
 	now := time.Now()
-	if _, err := s.Client.Pipelined(ctx, func(p redis.Pipeliner) error {
+	if _, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
 		get, ttl = p.Get(ctx, limitKey), p.PTTL(ctx, limitKey)
 		return nil
 	}); err != nil && !errors.Is(err, redis.Nil) {
@@ -277,9 +277,9 @@ func (s *Store) readOverride(ctx context.Context, limitKey string) (store.Overri
 }
 
 func (s *Store) Overrides(ctx context.Context, zone int) ([]store.KeyOverride, error) {
-	rz := &s.Zones[zone]
+	rz := &s.zones[zone]
 	now := time.Now()
-	keys, err := s.Client.ZRangeByScore(ctx, s.Keys.Limits(rz.Field), &redis.ZRangeBy{
+	keys, err := s.client.ZRangeByScore(ctx, s.keys.Limits(rz.field), &redis.ZRangeBy{
 		Min: "(" + strconv.FormatInt(now.UnixMilli(), 10), Max: "+inf"}).Result()
 	if err != nil {
 		return nil, err
@@ -290,9 +290,9 @@ func (s *Store) Overrides(ctx context.Context, zone int) ([]store.KeyOverride, e
 		part := keys[:min(batch, len(keys))]
 		keys = keys[len(part):]
 		gets, ttls := make([]*redis.StringCmd, len(part)), make([]*redis.DurationCmd, len(part))
-		if _, err := s.Client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		if _, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
 			for i, listed := range part {
-				limitKey := s.Keys.ListedLimit(rz.Field, listed)
+				limitKey := s.keys.ListedLimit(rz.field, listed)
 				gets[i], ttls[i] = p.Get(ctx, limitKey), p.PTTL(ctx, limitKey)
 			}
 			return nil
@@ -309,9 +309,9 @@ func (s *Store) Overrides(ctx context.Context, zone int) ([]store.KeyOverride, e
 }
 
 func (s *Store) OverrideCount(ctx context.Context, zone int) (int, error) {
-	if !s.Client.Up() {
+	if !s.client.Up() {
 		return 0, rediswire.ErrDown
 	}
-	n, err := s.Client.ZCount(ctx, s.Keys.Limits(s.Zones[zone].Field), "("+strconv.FormatInt(time.Now().UnixMilli(), 10), "+inf").Result()
+	n, err := s.client.ZCount(ctx, s.keys.Limits(s.zones[zone].field), "("+strconv.FormatInt(time.Now().UnixMilli(), 10), "+inf").Result()
 	return int(n), err
 }

@@ -17,8 +17,8 @@ import (
 // countsNone reports whether the store's count of a zone's overrides is
 // none, and fresh enough for a decision to skip reading them.
 func countsNone(s *Store, zone int) bool {
-	c := s.Zones[zone].Overridden.Load()
-	return c.N == 0 && time.Since(ProcessStart).Nanoseconds()-c.At <= int64(OverridePoll)
+	c := s.zones[zone].overridden.Load()
+	return c.n == 0 && time.Since(processStart).Nanoseconds()-c.at <= int64(overridePoll)
 }
 
 // An instance that was idle while another set a key's own limit decides
@@ -56,7 +56,7 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 	// Past what its over-limit cache and its count of overrides are
 	// trusted for, the idle instance's first request is decided by the
 	// key's own limit.
-	time.Sleep(OverLimitTrust + OverridePoll)
+	time.Sleep(overLimitTrust + overridePoll)
 	d := TakeOf(0, ip, l)
 	if ok, err := idle.Take(context.Background(), time.Now(), d); !ok || err != nil || d.Buckets[0].Limit.Burst != 10 {
 		t.Fatalf("the idle instance's first request after the key's burst was raised to 10: %v, %v, burst %d; want allowed, 10",
@@ -68,7 +68,7 @@ func TestOverrideReachesIdleInstance(t *testing.T) {
 	fast := gcra.NewLimit(1000, 10000)
 	busy := Open(t, OpenClient(t, r.Addr()), []store.ZoneSpec{Bucket("ov-busy", fast)}, Options{KeyPrefix: "t:"})
 	countedNone(busy)
-	for start := time.Now(); time.Since(start) < 4*OverridePoll; time.Sleep(5 * time.Millisecond) {
+	for start := time.Now(); time.Since(start) < 4*overridePoll; time.Sleep(5 * time.Millisecond) {
 		if !countsNone(busy, 0) {
 			t.Fatalf("%v into a zone's requests, a decision would read an override: its count is stale", time.Since(start))
 		}

@@ -21,10 +21,10 @@ func (sz *SyncZone) loop() {
 	for {
 		select {
 		case <-sz.stop:
-			sz.Reconcile()
+			sz.reconcile()
 			return
 		case <-tick.C:
-			sz.Reconcile()
+			sz.reconcile()
 		}
 	}
 }
@@ -32,13 +32,13 @@ func (sz *SyncZone) loop() {
 // A syncItem is a copy in a reconciliation: the tokens it sends, counted
 // in its limit base.
 type syncItem struct {
-	c      *SyncCopy
-	sh     *SyncShard
+	c      *syncCopy
+	sh     *syncShard
 	base   gcra.Limit
 	tokens int64
 }
 
-// Reconcile sends Redis what each copy that was asked or spent since the
+// reconcile sends Redis what each copy that was asked or spent since the
 // last reconciliation spent, as adjustments, syncFlight to a script call,
 // and sets the copies from the answers; and drops the copies that have
 // had their day (see sweep). Its work follows the copies used since the
@@ -46,33 +46,33 @@ type syncItem struct {
 // While Redis is down (its breaker open), what the copies spend waits
 // for the next, forgiven beyond two intervals of refill or a request's
 // cost (see owe).
-func (sz *SyncZone) Reconcile() {
+func (sz *SyncZone) reconcile() {
 	u, ok := sz.owner()
 	if !ok {
 		return
 	}
-	up := u.s.Client.Up()
-	n := sz.Instant(time.Now())
+	up := u.s.client.Up()
+	n := sz.instant(time.Now())
 	batch := sz.batch[:0]
 	defer func() { clear(batch); sz.batch = batch[:0] }()
-	for i := range sz.Shards {
-		sh := &sz.Shards[i]
-		sh.Mu.Lock()
-		sz.Sweep(sh, n)
+	for i := range sz.shards {
+		sh := &sz.shards[i]
+		sh.mu.Lock()
+		sz.sweep(sh, n)
 		if up {
 			batch = sz.collect(sh, batch)
 		}
-		sh.Mu.Unlock()
+		sh.mu.Unlock()
 	}
 	own := len(batch) > 0 && sz.ownLimits(u)
 	for sent := 0; sent < len(batch); {
-		if !u.s.Client.Up() {
+		if !u.s.client.Up() {
 			// Redis went away meanwhile: the rest waits for the next.
 			for i := range batch[sent:] {
 				p := &batch[sent+i]
-				p.sh.Mu.Lock()
+				p.sh.mu.Lock()
 				sz.unsent(p, false)
-				p.sh.Mu.Unlock()
+				p.sh.mu.Unlock()
 			}
 			return
 		}
@@ -85,42 +85,42 @@ func (sz *SyncZone) Reconcile() {
 // collect appends to batch the copies of sh used since the last
 // reconciliation, each with what it spent, which it now sends. Requires
 // sh.mu.
-func (sz *SyncZone) collect(sh *SyncShard, batch []syncItem) []syncItem {
+func (sz *SyncZone) collect(sh *syncShard, batch []syncItem) []syncItem {
 	for _, c := range sh.used {
 		c.used = false
-		if sh.M[c.key] != c {
+		if sh.m[c.key] != c {
 			continue // reset meanwhile: its key's next request goes to Redis
 		}
 		batch = append(batch, syncItem{c, sh, c.base, c.pending})
 		c.sent, c.pending = c.pending, 0
 	}
-	sz.Visited.Add(uint64(len(sh.used)))
+	sz.visited.Add(uint64(len(sh.used)))
 	clear(sh.used)
 	sh.used = sh.used[:0]
 	return batch
 }
 
-// Sweep drops the copies of sh whose check is due at n and that have had
+// sweep drops the copies of sh whose check is due at n and that have had
 // their day: no request used them since the last reconciliation, their
 // bucket is full, and Redis last answered for them more than keep ago.
 // It checks the others again keep later: each copy is looked at once
 // every keep, from when it is made, so that what the sweep costs an
 // interval is the copies made or checked keep earlier, not all those
 // held. Requires sh.mu.
-func (sz *SyncZone) Sweep(sh *SyncShard, n time.Duration) {
+func (sz *SyncZone) sweep(sh *syncShard, n time.Duration) {
 	visited := uint64(0)
 	for c := sh.expiry.pop(n); c != nil; c = sh.expiry.pop(n) {
 		visited++
 		switch {
-		case sh.M[c.key] != c: // reset: gone already
-		case !c.used && n-c.heard > sz.Keep() && c.fullAt <= n:
-			delete(sh.M, c.key)
-			sz.Size.Add(-1)
+		case sh.m[c.key] != c: // reset: gone already
+		case !c.used && n-c.heard > sz.keep() && c.fullAt <= n:
+			delete(sh.m, c.key)
+			sz.size.Add(-1)
 		default:
-			sh.expiry.push(c, n+sz.Keep())
+			sh.expiry.push(c, n+sz.keep())
 		}
 	}
-	sz.Visited.Add(visited)
+	sz.visited.Add(visited)
 }
 
 // ownLimits reports whether a reconciliation must read its keys' own
@@ -129,10 +129,10 @@ func (sz *SyncZone) Sweep(sh *SyncShard, n time.Duration) {
 // would cost one a key; an override set through another instance
 // meanwhile is read by the next reconciliation, an interval later.
 func (sz *SyncZone) ownLimits(u syncUser) bool {
-	at := time.Since(ProcessStart).Nanoseconds()
+	at := time.Since(processStart).Nanoseconds()
 	u.s.pollOverrides(u.zone, at)
-	c := u.s.Zones[u.zone].Overridden.Load()
-	return c.N != 0 || c.At < at
+	c := u.s.zones[u.zone].overridden.Load()
+	return c.n != 0 || c.at < at
 }
 
 // send reconciles part in one flight, reading the keys' own limits if
@@ -142,7 +142,7 @@ func (sz *SyncZone) ownLimits(u syncUser) bool {
 // (part is sorted by hash for it).
 func (sz *SyncZone) send(u syncUser, part []syncItem, own bool) {
 	s := u.s
-	if s.Client.Cluster {
+	if s.client.Cluster {
 		slices.SortFunc(part, func(a, b syncItem) int { return strings.Compare(a.c.hash, b.c.hash) })
 	}
 	deadline := time.Now().Add(s.opt.CallTimeout)
@@ -154,7 +154,7 @@ func (sz *SyncZone) send(u syncUser, part []syncItem, own bool) {
 		p := &part[i]
 		// The script applies the key's own limit itself (see build).
 		bs[i] = store.BucketDemand{Zone: u.zone, Limit: p.base, Cost: time.Duration(p.tokens) * p.base.TokenTime}
-		if i == 0 || s.Client.Cluster && p.c.hash != part[i-1].c.hash {
+		if i == 0 || s.client.Cluster && p.c.hash != part[i-1].c.hash {
 			ds = append(ds, store.Demands{Buckets: bs[i:i]})
 			calls = append(calls, rediswire.NewCall(rediswire.Adjust, deadline))
 		}
@@ -164,10 +164,10 @@ func (sz *SyncZone) send(u syncUser, part []syncItem, own bool) {
 		if !own {
 			limit = p.c.hash // the script reads no override
 		}
-		calls[len(calls)-1].AdjustBucket(p.c.hash, p.c.field, limit, s.ShapeOf(&bs[i], true), bs[i].Cost)
+		calls[len(calls)-1].AdjustBucket(p.c.hash, p.c.field, limit, s.shapeOf(&bs[i], true), bs[i].Cost)
 	}
 	sent := time.Now()
-	replies, errs := s.Client.RunAll(calls)
+	replies, errs := s.client.RunAll(calls)
 	var failure error
 	var failed uint64
 	i := 0
@@ -185,15 +185,15 @@ func (sz *SyncZone) send(u syncUser, part []syncItem, own bool) {
 	// The metrics count script calls: one per hash tag on a cluster.
 	sz.calls.Add(uint64(len(calls)))
 	sz.failed.Add(failed)
-	sz.Keys.Add(uint64(len(part)))
+	sz.keys.Add(uint64(len(part)))
 	switch kind := rediswire.Classify(failure); {
 	case failure == nil || kind == rediswire.Answered:
-		s.Client.Answered(s.opt.Logger)
+		s.client.Answered(s.opt.Logger)
 		if failure != nil {
-			s.keyErrors.Warn(s.opt.Logger, "redis refused a reconciliation of zone "+s.Zones[u.zone].name, failure)
+			s.keyErrors.Warn(s.opt.Logger, "redis refused a reconciliation of zone "+s.zones[u.zone].name, failure)
 		}
 	case kind != rediswire.Unknown: // an Unknown failure says nothing of Redis
-		s.Client.Failed(s.opt.Logger, failure)
+		s.client.Failed(s.opt.Logger, failure)
 	}
 }
 
@@ -201,16 +201,16 @@ func (sz *SyncZone) send(u syncUser, part []syncItem, own bool) {
 // keeps what it sent for the next reconciliation when the call failed.
 func (sz *SyncZone) update(u syncUser, p *syncItem, d *store.Demands, k int, err error) {
 	b := &d.Buckets[k]
-	p.sh.Mu.Lock()
+	p.sh.mu.Lock()
 	c := p.c
 	if err != nil {
 		sz.unsent(p, rediswire.InDoubt(err))
 	} else {
 		c.sent = 0
-		n := sz.Instant(time.Now())
-		c.learnt(sz.Instant(d.At), n, b.Debt, b.Limit, c.pending)
+		n := sz.instant(time.Now())
+		c.learnt(sz.instant(d.At), n, b.Debt, b.Limit, c.pending)
 	}
-	p.sh.Mu.Unlock()
+	p.sh.mu.Unlock()
 	if err == nil && b.Overridden {
 		u.s.sawOverride(u.zone)
 	}
@@ -235,7 +235,7 @@ func (sz *SyncZone) update(u syncUser, p *syncItem, d *store.Demands, k int, err
 // then decides here, sending nothing to Redis but its reconciliations,
 // until Redis answers for the key again, so that one call at most is in
 // doubt for it.
-func (sz *SyncZone) owe(sh *SyncShard, c *SyncCopy, tokens int64, away, doubt bool) {
+func (sz *SyncZone) owe(sh *syncShard, c *syncCopy, tokens int64, away, doubt bool) {
 	if doubt {
 		c.doubt += tokens
 	} else {
@@ -250,7 +250,7 @@ func (sz *SyncZone) owe(sh *SyncShard, c *SyncCopy, tokens int64, away, doubt bo
 // forgiven is what of c's spending while Redis was away may go up, in
 // tokens: two intervals of refill, or one request's cost when that is
 // more.
-func (sz *SyncZone) forgiven(c *SyncCopy) int64 {
+func (sz *SyncZone) forgiven(c *syncCopy) int64 {
 	return max(int64(2*sz.interval/c.lim.TokenTime), c.cost, 1)
 }
 

@@ -33,24 +33,21 @@ import (
 // call a flight. New makes it.
 type Store struct {
 	opt    Options
-	Client *rediswire.Client
+	client *rediswire.Client
 	// users counts what keeps the client from being given back: the
 	// store's maker until it drops the store (its module's config, until
 	// its Cleanup), and each request that holds the store (see
 	// store.Holder). The last to let go gives it back.
 	users     atomic.Int64
-	Keys      rediswire.Keys
-	Zones     []Zone             // by zone index
+	keys      rediswire.Keys
+	zones     []zoneState        // by zone index
 	shapes    *shapeCache        // the shapes of limits that come with requests (plans)
 	leaseIDs  string             // what this store's lease IDs start with: unique among instances
-	Flights   *flights           // calls in flight for the buckets in the over-limit cache
-	syncIDs   []SyncID           // the copies of the zones with sync it holds (sync.go)
+	flights   *flights           // calls in flight for the buckets in the over-limit cache
+	syncIDs   []SyncID           // the copies of the zones with sync it holds (copies.go)
 	leave     func()             // ends its use of the client (see Client.Join)
 	keyErrors *throttle.Throttle // errors that Redis answered for one call's keys
 	repairs   *throttle.Throttle // keys of another type that the script overwrote
-
-	// TestClock, when set, replaces Redis's clock (Options.Clock).
-	TestClock func() time.Time
 }
 
 // Options are a store's config, as its module gives it.
@@ -103,7 +100,7 @@ func New(client *rediswire.Client, zones []store.ZoneSpec, opt Options) (*Store,
 	if opt.SyncPool == nil {
 		opt.SyncPool = make(ownCopies)
 	}
-	s := &Store{opt: opt, Client: client, TestClock: opt.Clock}
+	s := &Store{opt: opt, client: client}
 	s.users.Store(1)
 	if err := s.bind(zones); err != nil {
 		s.users.Store(0)
@@ -112,10 +109,10 @@ func New(client *rediswire.Client, zones []store.ZoneSpec, opt Options) (*Store,
 	return s, nil
 }
 
-// A Zone is what the store keeps for one zone.
-type Zone struct {
+// A zoneState is what the store keeps for one zone.
+type zoneState struct {
 	name  string
-	Field string // how its buckets' fields start: the name and a tag of the shape (rediswire.BucketField)
+	field string // how its buckets' fields start: the name and a tag of the shape (rediswire.BucketField)
 	keys  string // how its slots' keys start after the hash: the name (rediswire.ZoneField)
 	// counters is how its quota counters' keys start after the hash: the
 	// name and a tag of the quota's window (rediswire.CounterZone). Keys
@@ -130,21 +127,21 @@ type Zone struct {
 	counter atomic.Pointer[rediswire.CounterShape]
 	slots   atomic.Pointer[rediswire.SlotShape]
 	window  atomic.Pointer[window]           // the quota window last sent
-	Cache   *memstore.Table[memstore.Bucket] // over-limit cache; nil when disabled
+	cache   *memstore.Table[memstore.Bucket] // over-limit cache; nil when disabled
 	learned learnedOverrides                 // the keys' own limits Redis's answers told the cache
 	// maxOverrides is the most keys with their own limit (max_overrides).
 	maxOverrides int64
 	// overridden is how many keys of the zone have their own limit, as
 	// Redis said when last asked; polled lest it is stale (see
 	// mayOverride).
-	Overridden     atomic.Pointer[countedOverrides]
+	overridden     atomic.Pointer[countedOverrides]
 	overriddenPoll atomic.Int64 // when it was last polled, in nanoseconds of the process's clock
 	// overriddenGen counts the times the zone's first override was
 	// found: a call sent before then, without reading overrides, teaches
 	// the over-limit cache nothing.
 	overriddenGen atomic.Uint64
 	counts        *memstore.Table[memstore.Counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
-	Sync          *SyncZone                         // this instance's copies of its buckets (see sync.go); nil without sync
+	copies        *SyncZone                         // this instance's copies of its buckets (see sync.go); nil without sync
 }
 
 // overLimitCacheKeys bounds the over-limit cache of each zone. It holds
@@ -195,13 +192,13 @@ func (s *Store) release() error {
 // bind makes the store's state for zones: the keys' names, the
 // over-limit cache, the copies of the zones with sync.
 func (s *Store) bind(zones []store.ZoneSpec) error {
-	s.Flights = &flights{m: make(map[FlightKey]flight)}
-	s.Keys = rediswire.Keys{Prefix: s.opt.KeyPrefix, Hash: s.opt.HashKeys}
+	s.flights = &flights{m: make(map[flightKey]flight)}
+	s.keys = rediswire.Keys{Prefix: s.opt.KeyPrefix, Hash: s.opt.HashKeys}
 	s.shapes, s.keyErrors, s.repairs = new(shapeCache), new(throttle.Throttle), new(throttle.Throttle)
 	var id [9]byte
 	_, _ = rand.Read(id[:])
 	s.leaseIDs = base64.RawURLEncoding.EncodeToString(id[:]) + ":"
-	s.Zones = make([]Zone, len(zones))
+	s.zones = make([]zoneState, len(zones))
 	var asking []string // the zones that ask Redis
 	for _, z := range zones {
 		if z.Bucket || z.Quota != "" || z.Slots {
@@ -209,23 +206,23 @@ func (s *Store) bind(zones []store.ZoneSpec) error {
 		}
 	}
 	if len(asking) > 0 {
-		s.leave = s.Client.Join(s.opt.Logger, s.opt.FailMode, asking)
+		s.leave = s.client.Join(s.opt.Logger, s.opt.FailMode, asking)
 	}
 	for i, z := range zones {
-		rz := &s.Zones[i]
+		rz := &s.zones[i]
 		rz.name, rz.keys, rz.refunds, rz.maxOverrides = z.Name, rediswire.ZoneField(z.Name), z.Refunds, z.MaxOverrides
 		// A bucket's state is its zone's name and shape, as a local
 		// table's is (tableID).
-		rz.Field = BucketField(z.Name, z.Shape)
+		rz.field = bucketField(z.Name, z.Shape)
 		if z.Quota != "" {
 			rz.counters = rediswire.CounterZone(z.Name, z.Quota)
 		}
 		// Not known yet, and asked at the first decision.
-		rz.Overridden.Store(&countedOverrides{N: -1, At: math.MinInt64 / 2})
+		rz.overridden.Store(&countedOverrides{n: -1, at: math.MinInt64 / 2})
 		rz.overriddenPoll.Store(math.MinInt64 / 2)
 		rz.plans = z.Bucket && z.Shape.Burst == 0
 		if !s.opt.DisableOverLimitCache {
-			rz.Cache = memstore.NewBuckets(overLimitCacheKeys, time.Now())
+			rz.cache = memstore.NewBuckets(overLimitCacheKeys, time.Now())
 			if z.Quota != "" {
 				rz.counts = memstore.NewCounters(overLimitCacheKeys, time.Now())
 			}
@@ -235,7 +232,7 @@ func (s *Store) bind(zones []store.ZoneSpec) error {
 		// than at the first request; one whose zones ask nothing (an
 		// adaptive limit alone) never calls Redis.
 		if z.Bucket || z.Quota != "" || z.Slots {
-			s.Client.Check(s.opt.Logger, s.opt.CallTimeout)
+			s.client.Check(s.opt.Logger, s.opt.CallTimeout)
 		}
 	}
 	return s.bindSync(zones)
@@ -247,15 +244,15 @@ func (s *Store) FailureMode() store.FailMode { return store.FailModes[s.opt.Fail
 // request gave up waiting for the calls in flight for its bucket
 // (errNoAnswer), those calls may yet take their tokens: they count too.
 func (s *Store) Known(now time.Time, b *store.BucketDemand, err error) time.Duration {
-	t := s.Zones[b.Zone].Cache
+	t := s.zones[b.Zone].cache
 	if t == nil {
 		return 0
 	}
 	debt := b.Limit.Debt(memstore.BucketAt(t, b.Key), t.Instant(now))
-	if errors.Is(err, ErrNoAnswer) && b.Cost > 0 {
+	if errors.Is(err, errNoAnswer) && b.Cost > 0 {
 		// No more than the bucket may owe, which a take clamps it to
 		// anyway: the calls' costs could pass a time.Duration.
-		n, most := s.Flights.calls(FlightKey{b.Zone, t.Hash(b.Key)}), b.Limit.Most()
+		n, most := s.flights.calls(flightKey{b.Zone, t.Hash(b.Key)}), b.Limit.Most()
 		if n > int64((most-debt)/b.Cost) {
 			return most
 		}
@@ -291,7 +288,7 @@ func (s *Store) takeExact(ctx context.Context, now time.Time, d *store.Demands) 
 	// One timeout for the whole decision: a request that waits for the
 	// calls in flight for its buckets has that much less for its own.
 	budget := s.opt.CallTimeout
-	var flight FlightKey
+	var flight flightKey
 	cached := !s.opt.DisableOverLimitCache && len(d.Buckets)+len(d.Counters) > 0
 	if cached {
 		arrived := now
@@ -300,7 +297,7 @@ func (s *Store) takeExact(ctx context.Context, now time.Time, d *store.Demands) 
 		if now, flight, decided, allowed, err = s.fromCache(ctx, now, d); decided || err != nil {
 			return allowed && err == nil, err
 		}
-		defer s.Flights.land(flight)
+		defer s.flights.land(flight)
 		budget -= now.Sub(arrived)
 	}
 	gen := s.overriddenGen(d)
@@ -315,7 +312,7 @@ func (s *Store) takeExact(ctx context.Context, now time.Time, d *store.Demands) 
 // call said of Redis.
 func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands) (bool, error) {
 	waited := budget < s.opt.CallTimeout
-	if !s.Client.Up() {
+	if !s.client.Up() {
 		return false, rediswire.ErrDown
 	}
 	// The pipeline times the call; a request that waited for others'
@@ -331,11 +328,11 @@ func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands)
 	allowed, err := s.decide(call, deadline, d)
 	late := !time.Now().Before(deadline)
 	if err == nil {
-		s.Client.NoteRTT(time.Since(sent))
+		s.client.NoteRTT(time.Since(sent))
 	}
 	switch kind := rediswire.Classify(err); {
 	case err == nil || kind == rediswire.Answered:
-		s.Client.Answered(s.opt.Logger)
+		s.client.Answered(s.opt.Logger)
 		if err != nil {
 			s.keyErrors.Warn(s.opt.Logger, "redis refused one decision: fail_mode decides that request", err)
 		}
@@ -345,7 +342,7 @@ func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands)
 		// had only what was left of the timeout ran out of it: nothing
 		// is known of Redis.
 	default:
-		s.Client.Failed(s.opt.Logger, err)
+		s.client.Failed(s.opt.Logger, err)
 	}
 	if err != nil {
 		for i := range d.Slots {
@@ -361,19 +358,19 @@ func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands)
 // but for a ban, which a refund never shortens).
 func (s *Store) Adjust(ctx context.Context, _ time.Time, d *store.Demands) error {
 	for i := range d.Buckets {
-		if t := s.Zones[d.Buckets[i].Zone].Cache; t != nil {
+		if t := s.zones[d.Buckets[i].Zone].cache; t != nil {
 			t.Forget(d.Buckets[i].Key)
 		}
 	}
 	for i := range d.Counters {
-		if t := s.Zones[d.Counters[i].Zone].counts; t != nil {
+		if t := s.zones[d.Counters[i].Zone].counts; t != nil {
 			t.Forget(d.Counters[i].Key)
 		}
 	}
-	if !s.Client.Up() {
+	if !s.client.Up() {
 		return rediswire.ErrDown
 	}
-	if !s.Client.Cluster || oneTag(d) {
+	if !s.client.Cluster || oneTag(d) {
 		return s.adjustEach(ctx, d)
 	}
 	return s.adjustApart(ctx, d.Buckets, d.Counters)
@@ -403,11 +400,11 @@ func (s *Store) Reset(ctx context.Context, d *store.Demands) (bool, error) {
 	found := false
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		if t := s.Zones[b.Zone].Cache; t != nil {
+		if t := s.zones[b.Zone].cache; t != nil {
 			t.Forget(b.Key)
 		}
-		hash, field := s.BucketName(b.Zone, b.Key)
-		n, err := s.Client.HDel(ctx, hash, field).Result()
+		hash, field := s.bucketName(b.Zone, b.Key)
+		n, err := s.client.HDel(ctx, hash, field).Result()
 		if err != nil {
 			return found, err
 		}
@@ -415,12 +412,12 @@ func (s *Store) Reset(ctx context.Context, d *store.Demands) (bool, error) {
 	}
 	for i := range d.Counters {
 		c := &d.Counters[i]
-		if t := s.Zones[c.Zone].counts; t != nil {
+		if t := s.zones[c.Zone].counts; t != nil {
 			t.Forget(c.Key)
 		}
 		// The untagged key too: it would be read in the tagged one's place.
-		counter, untagged := s.CounterKeys(c.Zone, c.Key)
-		n, err := s.Client.Del(ctx, counter, untagged).Result()
+		counter, untagged := s.counterKeys(c.Zone, c.Key)
+		n, err := s.client.Del(ctx, counter, untagged).Result()
 		if err != nil {
 			return found, err
 		}
@@ -430,10 +427,10 @@ func (s *Store) Reset(ctx context.Context, d *store.Demands) (bool, error) {
 }
 
 func (s *Store) Stats(zone int) store.ZoneStats {
-	st := store.ZoneStats{OverLimitCache: !s.opt.DisableOverLimitCache, Client: s.Client, Unavailable: !s.Client.Up()}
-	if sz := s.Zones[zone].Sync; sz != nil {
+	st := store.ZoneStats{OverLimitCache: !s.opt.DisableOverLimitCache, Client: s.client, Unavailable: !s.client.Up()}
+	if sz := s.zones[zone].copies; sz != nil {
 		st.SyncCopies = sz
-		st.SyncCalls, st.SyncFailed, st.SyncKeys, st.SyncHeld = sz.calls.Load(), sz.failed.Load(), sz.Keys.Load(), sz.Size.Load()
+		st.SyncCalls, st.SyncFailed, st.SyncKeys, st.SyncHeld = sz.calls.Load(), sz.failed.Load(), sz.keys.Load(), sz.size.Load()
 	}
 	return st
 }

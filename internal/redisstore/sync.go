@@ -47,7 +47,7 @@ import (
 // synced reports whether a bucket of d is in a zone with sync.
 func (s *Store) synced(d *store.Demands) bool {
 	for i := range d.Buckets {
-		if s.Zones[d.Buckets[i].Zone].Sync != nil {
+		if s.zones[d.Buckets[i].Zone].copies != nil {
 			return true
 		}
 	}
@@ -63,7 +63,7 @@ func (s *Store) synced(d *store.Demands) bool {
 func (s *Store) takeSync(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
 	alone := len(d.Counters)+len(d.Slots) == 0
 	for i := range d.Buckets {
-		alone = alone && s.Zones[d.Buckets[i].Zone].Sync != nil
+		alone = alone && s.zones[d.Buckets[i].Zone].copies != nil
 	}
 	if alone {
 		if allowed, decided := s.decideHere(now, d, nil); decided {
@@ -112,18 +112,18 @@ func (s *Store) takeSync(ctx context.Context, now time.Time, d *store.Demands) (
 func (s *Store) carry(d *store.Demands, carried []int64) {
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		sz := s.Zones[b.Zone].Sync
+		sz := s.zones[b.Zone].copies
 		if sz == nil {
 			continue
 		}
-		sh, h := sz.Lock(b.Key)
-		if c := sh.M[h]; c != nil && c.pending > 0 && sameLimit(c.base, baseLimit(b)) && sameLimit(c.lim, b.Limit) {
+		sh, h := sz.lock(b.Key)
+		if c := sh.m[h]; c != nil && c.pending > 0 && sameLimit(c.base, baseLimit(b)) && sameLimit(c.lim, b.Limit) {
 			if extra := time.Duration(c.pending) * b.Limit.TokenTime; b.Cost+extra <= b.Limit.BurstTime {
 				carried[i], c.pending = c.pending, 0
 				b.Cost += extra
 			}
 		}
-		sh.Mu.Unlock()
+		sh.mu.Unlock()
 	}
 }
 
@@ -141,20 +141,20 @@ func (s *Store) uncarry(d *store.Demands, carried []int64, charged, away, doubt 
 		if charged {
 			continue
 		}
-		sz := s.Zones[b.Zone].Sync
-		sh, h := sz.Lock(b.Key)
-		if c := sh.M[h]; c != nil {
+		sz := s.zones[b.Zone].copies
+		sh, h := sz.lock(b.Key)
+		if c := sh.m[h]; c != nil {
 			sz.owe(sh, c, carried[i], away, doubt)
 		}
-		sh.Mu.Unlock()
+		sh.mu.Unlock()
 	}
 }
 
 // doubted counts the costs of d's buckets in zones with sync in doubt:
 // d's call failed in doubt, and fail_mode decided it (see owe).
 func (s *Store) doubted(d *store.Demands) {
-	s.withCopies(d, func(sz *SyncZone, sh *SyncShard, h uint64, b *store.BucketDemand) {
-		if c := sh.M[h]; c != nil {
+	s.withCopies(d, func(sz *SyncZone, sh *syncShard, h uint64, b *store.BucketDemand) {
+		if c := sh.m[h]; c != nil {
 			sz.owe(sh, c, int64(b.Cost/b.Limit.TokenTime), true, true)
 		}
 	})
@@ -163,8 +163,8 @@ func (s *Store) doubted(d *store.Demands) {
 // A syncLook is what decideHere found of a bucket.
 type syncLook struct {
 	sz       *SyncZone
-	sh       *SyncShard
-	c        *SyncCopy
+	sh       *syncShard
+	c        *syncCopy
 	n        time.Duration
 	debt, ad time.Duration // what the copy owes, and what its allowance
 	away     bool          // decided without Redis (see owe)
@@ -180,26 +180,26 @@ type syncLook struct {
 // allowance or freshness holds them back; so do copies with calls in
 // doubt, until Redis answers for them again (see owe).
 func (s *Store) decideHere(now time.Time, d *store.Demands, failed error) (allowed, decided bool) {
-	var lockedArr [4]*SyncShard
+	var lockedArr [4]*syncShard
 	var looksArr [4]syncLook
 	locked, looks := lockedArr[:0], looksArr[:0]
 	defer func() {
 		for _, sh := range locked {
-			sh.Mu.Unlock()
+			sh.mu.Unlock()
 		}
 	}()
-	strict := failed == nil && s.Client.Up()
+	strict := failed == nil && s.client.Up()
 	here, denied := true, false
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		sz := s.Zones[b.Zone].Sync
+		sz := s.zones[b.Zone].copies
 		h := b.Key.Hash(sz.hashKey)
 		sh := sz.shard(h)
 		if !containsShard(locked, sh) {
-			sh.Mu.Lock()
+			sh.mu.Lock()
 			locked = append(locked, sh)
 		}
-		n := sz.Instant(now)
+		n := sz.instant(now)
 		c := s.copyOf(now, b, sz, sh, h, n, failed)
 		looks = append(looks, syncLook{sz: sz, sh: sh, c: c, n: n})
 		if c == nil {
@@ -257,15 +257,15 @@ func chargeCopies(d *store.Demands, looks []syncLook, doubt bool) {
 // decideHere: none for a copy learnt under another plan while Redis can
 // decide (Redis rescales it); while it cannot (failed), a key without one
 // gets one, and one of another plan takes b's.
-func (s *Store) copyOf(now time.Time, b *store.BucketDemand, sz *SyncZone, sh *SyncShard, h uint64, n time.Duration, failed error) *SyncCopy {
-	c := sh.M[h]
+func (s *Store) copyOf(now time.Time, b *store.BucketDemand, sz *SyncZone, sh *syncShard, h uint64, n time.Duration, failed error) *syncCopy {
+	c := sh.m[h]
 	switch {
 	case failed == nil && c != nil && !sameLimit(c.base, baseLimit(b)):
 		c = nil // learnt under another plan: Redis rescales it
 	case failed != nil && c == nil:
 		floor := s.Known(now, b, failed)
 		if c = sz.add(sh, h, s, b, n, floor); c == nil {
-			c = &SyncCopy{fullAt: n + floor, used: true} // beyond maxSyncKeys: this request's alone, in no list
+			c = &syncCopy{fullAt: n + floor, used: true} // beyond maxSyncKeys: this request's alone, in no list
 		}
 		fallthrough
 	case failed != nil && !sameLimit(c.base, baseLimit(b)):
@@ -274,7 +274,7 @@ func (s *Store) copyOf(now time.Time, b *store.BucketDemand, sz *SyncZone, sh *S
 	return c
 }
 
-func containsShard(shards []*SyncShard, sh *SyncShard) bool {
+func containsShard(shards []*syncShard, sh *syncShard) bool {
 	for _, x := range shards {
 		if x == sh {
 			return true
@@ -288,12 +288,12 @@ func containsShard(shards []*SyncShard, sh *SyncShard) bool {
 // time (their keys in different slots) teach nothing: a bucket after a
 // refusal was not asked.
 func (s *Store) learn(now time.Time, d *store.Demands) {
-	if s.Client.Cluster && !oneTag(d) {
+	if s.client.Cluster && !oneTag(d) {
 		return
 	}
-	s.withCopies(d, func(sz *SyncZone, sh *SyncShard, h uint64, b *store.BucketDemand) {
-		n, at := sz.Instant(now), sz.Instant(d.At)
-		c := sh.M[h]
+	s.withCopies(d, func(sz *SyncZone, sh *syncShard, h uint64, b *store.BucketDemand) {
+		n, at := sz.instant(now), sz.instant(d.At)
+		c := sh.m[h]
 		if c == nil {
 			c = sz.add(sh, h, s, b, n, 0)
 		}
@@ -309,10 +309,10 @@ func (s *Store) learn(now time.Time, d *store.Demands) {
 // next requests go to Redis. The other instances learn of a reset at
 // their next reconciliation.
 func (s *Store) forgetSync(d *store.Demands) {
-	s.withCopies(d, func(sz *SyncZone, sh *SyncShard, h uint64, _ *store.BucketDemand) {
-		if _, ok := sh.M[h]; ok {
-			delete(sh.M, h)
-			sz.Size.Add(-1)
+	s.withCopies(d, func(sz *SyncZone, sh *syncShard, h uint64, _ *store.BucketDemand) {
+		if _, ok := sh.m[h]; ok {
+			delete(sh.m, h)
+			sz.size.Add(-1)
 		}
 	})
 }
@@ -320,8 +320,8 @@ func (s *Store) forgetSync(d *store.Demands) {
 // peekSync adds to what Redis said of d's buckets in zones with sync what
 // this instance spent that Redis has not heard of yet.
 func (s *Store) peekSync(d *store.Demands) {
-	s.withCopies(d, func(_ *SyncZone, sh *SyncShard, h uint64, b *store.BucketDemand) {
-		if c := sh.M[h]; c != nil {
+	s.withCopies(d, func(_ *SyncZone, sh *syncShard, h uint64, b *store.BucketDemand) {
+		if c := sh.m[h]; c != nil {
 			b.Debt = min(b.Debt+time.Duration(c.pending+c.sent)*b.Limit.TokenTime, b.Limit.Most())
 		}
 	})
@@ -329,13 +329,13 @@ func (s *Store) peekSync(d *store.Demands) {
 
 // withCopies calls f for each bucket of d in a zone with sync, with the
 // shard of its copy locked, and the copy's hash.
-func (s *Store) withCopies(d *store.Demands, f func(sz *SyncZone, sh *SyncShard, h uint64, b *store.BucketDemand)) {
+func (s *Store) withCopies(d *store.Demands, f func(sz *SyncZone, sh *syncShard, h uint64, b *store.BucketDemand)) {
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		if sz := s.Zones[b.Zone].Sync; sz != nil {
-			sh, h := sz.Lock(b.Key)
+		if sz := s.zones[b.Zone].copies; sz != nil {
+			sh, h := sz.lock(b.Key)
 			f(sz, sh, h, b)
-			sh.Mu.Unlock()
+			sh.mu.Unlock()
 		}
 	}
 }
@@ -346,13 +346,13 @@ func (s *Store) bindSync(zones []store.ZoneSpec) error {
 		if z.Sync == 0 {
 			continue
 		}
-		id := SyncID{s.opt.Setup, s.opt.KeyPrefix, s.opt.HashKeys, s.Zones[i].Field, z.Sync}
+		id := SyncID{s.opt.Setup, s.opt.KeyPrefix, s.opt.HashKeys, s.zones[i].field, z.Sync}
 		sz, err := s.opt.SyncPool.Acquire(id, func() *SyncZone { return newSyncZone(z.Sync) })
 		if err != nil {
 			return err
 		}
 		sz.join(syncUser{s, i})
-		s.Zones[i].Sync = sz
+		s.zones[i].copies = sz
 		s.syncIDs = append(s.syncIDs, id)
 	}
 	return nil
@@ -361,8 +361,8 @@ func (s *Store) bindSync(zones []store.ZoneSpec) error {
 // releaseSync gives the copies back; the last config that has a zone
 // reconciles its copies a last time.
 func (s *Store) releaseSync() error {
-	for i := range s.Zones {
-		if sz := s.Zones[i].Sync; sz != nil {
+	for i := range s.zones {
+		if sz := s.zones[i].copies; sz != nil {
 			sz.leave(s)
 		}
 	}
@@ -382,12 +382,12 @@ func (s *Store) releaseSync() error {
 // What the over-limit cache learnt without reading them is forgotten, as
 // when a poll finds the zone's first override.
 func (s *Store) sawOverride(zone int) {
-	rz := &s.Zones[zone]
-	if c := rz.Overridden.Load(); c.N == 0 {
-		if rz.Overridden.CompareAndSwap(c, &countedOverrides{N: -1, At: time.Since(ProcessStart).Nanoseconds()}) {
+	rz := &s.zones[zone]
+	if c := rz.overridden.Load(); c.n == 0 {
+		if rz.overridden.CompareAndSwap(c, &countedOverrides{n: -1, at: time.Since(processStart).Nanoseconds()}) {
 			rz.overriddenGen.Add(1)
-			if rz.Cache != nil {
-				rz.Cache.Clear()
+			if rz.cache != nil {
+				rz.cache.Clear()
 			}
 		}
 	}

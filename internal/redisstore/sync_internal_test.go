@@ -35,13 +35,13 @@ func takeKey(t *testing.T, s *Store, key string, l gcra.Limit) bool {
 
 // copyOfKey is s's copy of key in its zone 0, read under its shard's
 // lock (a copy of the copy), and whether it has one.
-func copyOfKey(s *Store, key string) (SyncCopy, bool) {
-	sh, h := s.Zones[0].Sync.Lock(store.Key{Text: key})
-	defer sh.Mu.Unlock()
-	if c := sh.M[h]; c != nil {
+func copyOfKey(s *Store, key string) (syncCopy, bool) {
+	sh, h := s.zones[0].copies.lock(store.Key{Text: key})
+	defer sh.mu.Unlock()
+	if c := sh.m[h]; c != nil {
 		return *c, true
 	}
-	return SyncCopy{}, false
+	return syncCopy{}, false
 }
 
 // The sweep drops a copy once its bucket is full and no request used it
@@ -53,22 +53,22 @@ func TestSyncSweep(t *testing.T) {
 	r := redistest.Start(t)
 	l := SyncLimit(1.0/60, 10, time.Minute)
 	s := syncStore(t, r.Addr(), l, time.Minute, Options{})
-	sz := s.Zones[0].Sync
+	sz := s.zones[0].copies
 	takeKey(t, s, "once", l) // full again a minute later
 	for range 10 {
 		takeKey(t, s, "emptied", l) // ten minutes later
 	}
-	sz.Reconcile()
+	sz.reconcile()
 	takeKey(t, s, "used", l) // used since the reconciliation
-	n, keep := sz.Instant(time.Now()), sz.Keep()
+	n, keep := sz.instant(time.Now()), sz.keep()
 	sweep := func(at time.Duration, want ...string) {
 		t.Helper()
-		visited := sz.Visited.Load()
-		for i := range sz.Shards {
-			sh := &sz.Shards[i]
-			sh.Mu.Lock()
-			sz.Sweep(sh, n+at)
-			sh.Mu.Unlock()
+		visited := sz.visited.Load()
+		for i := range sz.shards {
+			sh := &sz.shards[i]
+			sh.mu.Lock()
+			sz.sweep(sh, n+at)
+			sh.mu.Unlock()
 		}
 		var held []string
 		for _, key := range []string{"once", "emptied", "used"} {
@@ -76,9 +76,9 @@ func TestSyncSweep(t *testing.T) {
 				held = append(held, key)
 			}
 		}
-		t.Logf("%v later: looked at %d copies, holds %v", at, sz.Visited.Load()-visited, held)
-		if fmt.Sprint(held) != fmt.Sprint(want) || sz.Size.Load() != int64(len(want)) {
-			t.Errorf("%v later: holds %v (%d copies), want %v", at, held, sz.Size.Load(), want)
+		t.Logf("%v later: looked at %d copies, holds %v", at, sz.visited.Load()-visited, held)
+		if fmt.Sprint(held) != fmt.Sprint(want) || sz.size.Load() != int64(len(want)) {
+			t.Errorf("%v later: holds %v (%d copies), want %v", at, held, sz.size.Load(), want)
 		}
 	}
 	sweep(keep-time.Second, "once", "emptied", "used")
@@ -95,24 +95,24 @@ func TestSyncIdleReconciliation(t *testing.T) {
 	r := redistest.Start(t)
 	l := SyncLimit(20, 40, 10*time.Millisecond)
 	s := syncStore(t, r.Addr(), l, 10*time.Millisecond, Options{})
-	sz := s.Zones[0].Sync
+	sz := s.zones[0].copies
 	const keys = 2000
 	for k := range keys {
 		takeKey(t, s, strconv.Itoa(k), l)
 	}
-	waitUntil(t, 5*time.Second, "the copies' reconciliation", func() bool { return sz.Keys.Load() >= keys })
-	visited := sz.Visited.Load()
+	waitUntil(t, 5*time.Second, "the copies' reconciliation", func() bool { return sz.keys.Load() >= keys })
+	visited := sz.visited.Load()
 	time.Sleep(200 * time.Millisecond)
-	if n := sz.Visited.Load() - visited; n != 0 {
-		t.Errorf("the reconciliations of 20 idle intervals looked at %d copies, want none (%d held)", n, sz.Size.Load())
+	if n := sz.visited.Load() - visited; n != 0 {
+		t.Errorf("the reconciliations of 20 idle intervals looked at %d copies, want none (%d held)", n, sz.size.Load())
 	}
-	visited = sz.Visited.Load()
+	visited = sz.visited.Load()
 	if !takeKey(t, s, "7", l) {
 		t.Fatal("key 7 again: refused")
 	}
-	waitUntil(t, 5*time.Second, "key 7's reconciliation", func() bool { return sz.Keys.Load() > keys })
+	waitUntil(t, 5*time.Second, "key 7's reconciliation", func() bool { return sz.keys.Load() > keys })
 	time.Sleep(50 * time.Millisecond)
-	if n := sz.Visited.Load() - visited; n != 1 {
+	if n := sz.visited.Load() - visited; n != 1 {
 		t.Errorf("the reconciliations after one key was used looked at %d copies, want 1", n)
 	}
 }
@@ -134,8 +134,8 @@ func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
 // less to go up. A copy is listed for the next reconciliation once.
 func TestSyncOwe(t *testing.T) {
 	sz := &SyncZone{interval: 100 * time.Millisecond}
-	sh := &SyncShard{M: make(map[uint64]*SyncCopy)}
-	fast := &SyncCopy{lim: gcra.NewLimit(10, 10), cost: 1} // two intervals: 2 tokens
+	sh := &syncShard{m: make(map[uint64]*syncCopy)}
+	fast := &syncCopy{lim: gcra.NewLimit(10, 10), cost: 1} // two intervals: 2 tokens
 	for _, step := range []struct {
 		tokens      int64
 		away, doubt bool
@@ -157,7 +157,7 @@ func TestSyncOwe(t *testing.T) {
 		t.Fatalf("%d copies listed for the next reconciliation, want the one, once", len(sh.used))
 	}
 	// At 1r/m, two intervals are no token: a request's cost goes up.
-	slow := &SyncCopy{lim: gcra.NewLimit(1.0/60, 10), cost: 3}
+	slow := &syncCopy{lim: gcra.NewLimit(1.0/60, 10), cost: 3}
 	sz.owe(sh, slow, 12, true, false)
 	if slow.pending != 3 {
 		t.Fatalf("a slow copy owes %d after an outage, want a request's cost, 3", slow.pending)
@@ -178,9 +178,9 @@ func TestSyncOwe(t *testing.T) {
 // the order they were pushed, and reuses its room.
 func TestSyncQueue(t *testing.T) {
 	var q syncQueue
-	cs := make([]*SyncCopy, 10)
+	cs := make([]*syncCopy, 10)
 	for i := range cs {
-		cs[i] = &SyncCopy{key: uint64(i)}
+		cs[i] = &syncCopy{key: uint64(i)}
 		q.push(cs[i], time.Duration(i)*time.Second)
 	}
 	if c := q.pop(-time.Second); c != nil {
@@ -218,10 +218,10 @@ func TestSyncCarry(t *testing.T) {
 	l := SyncLimit(1.0/60, 20, time.Minute) // two intervals: 2 tokens
 	s := syncStore(t, r.Addr(), l, time.Minute, Options{})
 	takeKey(t, s, "k", l) // Redis's: the copy is made
-	sz := s.Zones[0].Sync
-	sh, h := sz.Lock(store.Key{Text: "k"})
-	sh.M[h].pending = 4
-	sh.Mu.Unlock()
+	sz := s.zones[0].copies
+	sh, h := sz.lock(store.Key{Text: "k"})
+	sh.m[h].pending = 4
+	sh.mu.Unlock()
 	for _, tc := range []struct {
 		charged, away, doubt bool
 		pending, doubted     int64
@@ -231,10 +231,10 @@ func TestSyncCarry(t *testing.T) {
 		{false, true, false, 2, 0},  // the call failed: two intervals of it
 		{false, true, true, 0, 4},   // in doubt
 	} {
-		sh.Mu.Lock()
-		c := sh.M[h]
+		sh.mu.Lock()
+		c := sh.m[h]
 		c.pending, c.doubt = 4, 0
-		sh.Mu.Unlock()
+		sh.mu.Unlock()
 		d := TakeOf(0, "k", l)
 		carried := make([]int64, 1)
 		s.carry(d, carried)
@@ -249,9 +249,9 @@ func TestSyncCarry(t *testing.T) {
 	}
 	// Not beyond the burst: a take of more than a bucket is refused
 	// whatever it owes.
-	sh.Mu.Lock()
-	sh.M[h].pending = 20
-	sh.Mu.Unlock()
+	sh.mu.Lock()
+	sh.m[h].pending = 20
+	sh.mu.Unlock()
 	d, carried := TakeOf(0, "k", l), make([]int64, 1)
 	if s.carry(d, carried); carried[0] != 0 || d.Buckets[0].Cost != l.TokenTime {
 		t.Errorf("carried %d tokens beyond the burst", carried[0])
@@ -288,8 +288,8 @@ func TestSyncCallsInDoubt(t *testing.T) {
 			t.Fatal("no tokens in doubt after a call timed out")
 		}
 		r.Resume()
-		waitUntil(t, 5*time.Second, "Redis deciding again", func() bool { return s.Client.Up() })
-		s.Zones[0].Sync.Reconcile()
+		waitUntil(t, 5*time.Second, "Redis deciding again", func() bool { return s.client.Up() })
+		s.zones[0].copies.reconcile()
 		if c, _ := copyOfKey(s, "k"); c.doubt != 0 || c.pending != 0 {
 			t.Errorf("after Redis answered: %d in doubt, %d pending; want none", c.doubt, c.pending)
 		}
@@ -321,16 +321,16 @@ func TestSyncReconciliationFails(t *testing.T) {
 	r := redistest.Start(t)
 	l := SyncLimit(10, 20, time.Minute)
 	s := syncStore(t, r.Addr(), l, time.Minute, Options{CallTimeout: 200 * time.Millisecond})
-	sz := s.Zones[0].Sync
+	sz := s.zones[0].copies
 	takeKey(t, s, "k", l)
-	sz.Reconcile() // the copy learns; its allowance comes back as it refills
+	sz.reconcile() // the copy learns; its allowance comes back as it refills
 	time.Sleep(200 * time.Millisecond)
 	for range 2 {
 		takeKey(t, s, "k", l) // within the allowance: pending
 	}
 	before := s.Stats(0)
 	r.Kill()
-	sz.Reconcile()
+	sz.reconcile()
 	st := s.Stats(0)
 	if st.SyncCalls != before.SyncCalls+1 || st.SyncFailed != before.SyncFailed+1 {
 		t.Fatalf("calls %d → %d, failed %d → %d: want one more of each", before.SyncCalls, st.SyncCalls, before.SyncFailed, st.SyncFailed)
@@ -341,7 +341,7 @@ func TestSyncReconciliationFails(t *testing.T) {
 	}
 	r.Start()
 	waitUntil(t, 5*time.Second, "the reconciliation to send it", func() bool {
-		sz.Reconcile()
+		sz.reconcile()
 		c, _ := copyOfKey(s, "k")
 		return c.pending == 0 && s.Stats(0).SyncFailed == st.SyncFailed
 	})
@@ -355,10 +355,10 @@ func TestSyncPeekAndReset(t *testing.T) {
 	l := SyncLimit(1.0/60, 10, time.Minute)
 	s := syncStore(t, r.Addr(), l, time.Minute, Options{})
 	takeKey(t, s, "k", l) // Redis's
-	sz := s.Zones[0].Sync
-	sh, h := sz.Lock(store.Key{Text: "k"})
-	sh.M[h].allow = 0 // a whole allowance, one token, to spend here
-	sh.Mu.Unlock()
+	sz := s.zones[0].copies
+	sh, h := sz.lock(store.Key{Text: "k"})
+	sh.m[h].allow = 0 // a whole allowance, one token, to spend here
+	sh.mu.Unlock()
 	calls := r.Calls()
 	takeKey(t, s, "k", l)
 	if r.Calls() != calls {
@@ -374,7 +374,7 @@ func TestSyncPeekAndReset(t *testing.T) {
 	if found, err := s.Reset(context.Background(), TakeOf(0, "k", l)); !found || err != nil {
 		t.Fatalf("reset: %v, %v", found, err)
 	}
-	if _, ok := copyOfKey(s, "k"); ok || sz.Size.Load() != 0 {
+	if _, ok := copyOfKey(s, "k"); ok || sz.size.Load() != 0 {
 		t.Fatal("the reset kept the copy")
 	}
 	takeKey(t, s, "k", l)
