@@ -18,7 +18,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -686,14 +685,14 @@ func TestConcurrencyAfterOutage(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"after_outage","key":"static","concurrency":2}],
 		"store":{"backend":"redis","addresses":[%q],"fail_mode":"local","timeout":"50ms"}}`, r.Addr()))
 	r.Pause()
-	for range 2 * rediswire.TripAfter {
+	for i := 0; !h.store.Stats(0).Unavailable; i++ {
+		if i == 20 {
+			t.Fatal("the breaker is closed with Redis frozen")
+		}
 		serve(h, "10.0.0.1")
 	}
-	if !h.store.Stats(0).Unavailable {
-		t.Fatal("the breaker is closed with Redis frozen")
-	}
 	r.Resume()
-	time.Sleep(rediswire.MaxBackoff + 500*time.Millisecond)
+	waitFor(t, 5*time.Second, "the breaker's probes finding Redis back", func() bool { return !h.store.Stats(0).Unavailable })
 	release, arrived := make(chan struct{}), make(chan struct{}, 3)
 	blocking := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		arrived <- struct{}{}

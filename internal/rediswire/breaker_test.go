@@ -13,45 +13,45 @@ import (
 	"go.uber.org/zap"
 )
 
-// The breaker opens after TripAfter outages in a row, an outage of an
+// The breaker opens after tripAfter outages in a row, an outage of an
 // earlier call changes nothing once it is open, and any answer closes it.
 func TestBreaker(t *testing.T) {
-	var b Breaker
-	for i := range TripAfter {
-		if opened := b.Outage(); opened != (i == TripAfter-1) {
+	var b breaker
+	for i := range tripAfter {
+		if opened := b.outage(); opened != (i == tripAfter-1) {
 			t.Fatalf("outage %d: opened %t", i+1, opened)
 		}
 	}
-	if !b.Open() || b.Outage() {
+	if !b.open() || b.outage() {
 		t.Fatal("an open breaker opened again")
 	}
-	if !b.Success() || b.Open() {
+	if !b.success() || b.open() {
 		t.Fatal("an answer did not close the breaker")
 	}
-	if b.Success() {
+	if b.success() {
 		t.Fatal("a closed breaker closed again")
 	}
 	// Outages in a row: an answer between them starts the count again.
-	b.Outage()
-	b.Outage()
-	b.Success()
-	if b.Outage() || b.Open() {
+	b.outage()
+	b.outage()
+	b.success()
+	if b.outage() || b.open() {
 		t.Fatal("outages with an answer between them opened the breaker")
 	}
 	// One master of several answering ends a run of outages alike, but
 	// closes no open breaker.
-	b.Answered()
-	b.Outage()
-	b.Outage()
-	b.Answered()
-	if b.Outage() || b.Open() {
+	b.answered()
+	b.outage()
+	b.outage()
+	b.answered()
+	if b.outage() || b.open() {
 		t.Fatal("outages with a master's answer between them opened the breaker")
 	}
-	b.Outage()
-	if b.Outage(); !b.Open() {
+	b.outage()
+	if b.outage(); !b.open() {
 		t.Fatal("three outages in a row did not open the breaker")
 	}
-	if b.Answered(); !b.Open() {
+	if b.answered(); !b.open() {
 		t.Fatal("a master's answer closed the breaker")
 	}
 }
@@ -67,20 +67,20 @@ func TestClientProbesInTheBackground(t *testing.T) {
 	}
 	defer c.Destruct()
 	r.Kill()
-	for range TripAfter {
+	for range tripAfter {
 		c.Failed(zap.NewNop(), redis.ErrClosed)
 	}
 	if c.Up() {
 		t.Fatal("the breaker is closed after three outages")
 	}
-	time.Sleep(3 * MaxBackoff)
+	time.Sleep(3 * maxBackoff)
 	if c.Up() {
 		t.Fatal("Redis is down, and the breaker closed")
 	}
 	r.Start()
 	back := time.Now()
 	for !c.Up() {
-		if time.Since(back) > MaxBackoff+500*time.Millisecond {
+		if time.Since(back) > maxBackoff+500*time.Millisecond {
 			t.Fatalf("Redis has been back %v, and the breaker is still open", time.Since(back))
 		}
 		time.Sleep(10 * time.Millisecond)
@@ -103,11 +103,11 @@ func TestClusterBreakerWaitsForEveryMaster(t *testing.T) {
 		victim = nodes[1]
 	}
 	victim.Kill()
-	for range TripAfter {
+	for range tripAfter {
 		c.Failed(zap.NewNop(), redis.ErrClosed)
 	}
 	c.Answered(zap.NewNop()) // a call that another master answered
-	for start := time.Now(); time.Since(start) < 3*MaxBackoff; time.Sleep(10 * time.Millisecond) {
+	for start := time.Now(); time.Since(start) < 3*maxBackoff; time.Sleep(10 * time.Millisecond) {
 		if c.Up() {
 			t.Fatalf("a master is down, and the breaker closed %v after it opened", time.Since(start))
 		}
@@ -115,7 +115,7 @@ func TestClusterBreakerWaitsForEveryMaster(t *testing.T) {
 	victim.Start() // with its slots, from its cluster config
 	back := time.Now()
 	for !c.Up() {
-		if time.Since(back) > MaxBackoff+time.Second {
+		if time.Since(back) > maxBackoff+time.Second {
 			t.Fatalf("every master has been back %v, and the breaker is still open", time.Since(back))
 		}
 		time.Sleep(10 * time.Millisecond)
@@ -136,14 +136,14 @@ func TestCancelledCallsLeaveTheProbes(t *testing.T) {
 	}
 	defer c.Destruct()
 	r.Kill()
-	for range TripAfter {
+	for range tripAfter {
 		c.Failed(zap.NewNop(), redis.ErrClosed)
 	}
 	r.Start()
 	back := time.Now()
 	shape := NewShape(10*time.Second, time.Second, time.Second, 0, 0, 0, false)
 	for !c.Up() {
-		if time.Since(back) > MaxBackoff+500*time.Millisecond {
+		if time.Since(back) > maxBackoff+500*time.Millisecond {
 			t.Fatalf("Redis has been back %v, and the breaker is still open", time.Since(back))
 		}
 		// Past a backoff, a call whose client has given up.
@@ -155,7 +155,7 @@ func TestCancelledCallsLeaveTheProbes(t *testing.T) {
 		if _, err := c.Run(ctx, call); err == nil {
 			t.Fatal("a cancelled call was answered")
 		}
-		time.Sleep(MinBackoff / 4)
+		time.Sleep(minBackoff / 4)
 	}
 	t.Logf("closed %v after Redis was back", time.Since(back))
 }

@@ -30,9 +30,9 @@ import (
 type Client struct {
 	redis.UniversalClient
 	Cluster bool // a Redis Cluster: keys in different slots need calls of their own
-	// Breaker is the store's: on a cluster, of all its masters together
+	// breaker is the store's: on a cluster, of all its masters together
 	// (see Answered and probe).
-	Breaker Breaker
+	breaker breaker
 	cluster *redis.ClusterClient // the client, on a cluster
 	pipe    *pipeline
 	scripts *Scripts
@@ -164,7 +164,7 @@ func (c *Client) Destruct() error {
 }
 
 // Up reports whether calls go to Redis: its breaker is closed.
-func (c *Client) Up() bool { return !c.Breaker.Open() }
+func (c *Client) Up() bool { return !c.breaker.open() }
 
 // Answered records that Redis answered a call; a breaker that this
 // closes is logged as a recovery. On a cluster, the call's master alone
@@ -175,7 +175,7 @@ func (c *Client) Up() bool { return !c.Breaker.Open() }
 // on which master answered last).
 func (c *Client) Answered(logger *zap.Logger) {
 	if c.cluster != nil {
-		c.Breaker.Answered()
+		c.breaker.answered()
 		return
 	}
 	c.recovered(logger)
@@ -183,7 +183,7 @@ func (c *Client) Answered(logger *zap.Logger) {
 
 // recovered closes the breaker, and logs a recovery if that closed it.
 func (c *Client) recovered(logger *zap.Logger) {
-	if c.Breaker.Success() {
+	if c.breaker.success() {
 		c.LogRecovery(logger)
 	}
 }
@@ -207,7 +207,7 @@ func (c *Client) Failed(logger *zap.Logger, err error) {
 	if c.cluster != nil {
 		c.cluster.ReloadState(context.Background())
 	}
-	if c.Breaker.Outage() {
+	if c.breaker.outage() {
 		c.LogOutage(logger, err)
 		go c.probe(logger)
 	}
@@ -221,7 +221,7 @@ func (c *Client) Failed(logger *zap.Logger, err error) {
 // after the scripts are allowed.
 func (c *Client) Refuse(logger *zap.Logger, err error) {
 	c.LogRefusal(logger, err)
-	if c.Breaker.Trip() {
+	if c.breaker.trip() {
 		go c.probe(logger)
 	}
 }
@@ -252,25 +252,25 @@ func (c *Client) Check(logger *zap.Logger, timeout time.Duration) {
 // checkScript is the script Check sends: it does nothing.
 var checkScript = redis.NewScript("return 0")
 
-// probe asks Redis, after a backoff that doubles up to MaxBackoff, until
+// probe asks Redis, after a backoff that doubles up to maxBackoff, until
 // it answers as a decision needs: the decision script runs (it is loaded
 // again if Redis lost it) and a write is accepted (a replica demoted after
 // a failover refuses it, as it would refuse a decision). The first answer
-// closes the breaker. A probe waits for its answer up to MaxBackoff, and
+// closes the breaker. A probe waits for its answer up to maxBackoff, and
 // one that Redis would answer later is answered as soon as Redis can
 // (a frozen Redis answers what it was sent when it thaws), so a Redis
-// that is back decides again within MaxBackoff and a round trip. It
+// that is back decides again within maxBackoff and a round trip. It
 // stops when the client is closed. A probe that Redis refuses the scripts
 // logs the refusal, once (it may follow an outage).
 func (c *Client) probe(logger *zap.Logger) {
-	backoff := MinBackoff
+	backoff := minBackoff
 	for {
 		select {
 		case <-c.closed:
 			return
 		case <-time.After(backoff):
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), MaxBackoff)
+		ctx, cancel := context.WithTimeout(context.Background(), maxBackoff)
 		err := c.ping(ctx)
 		cancel()
 		if err == nil || Classify(err) == Answered {
@@ -280,7 +280,7 @@ func (c *Client) probe(logger *zap.Logger) {
 		if Classify(err) == Refused {
 			c.LogRefusal(logger, err)
 		}
-		backoff = min(2*backoff, MaxBackoff)
+		backoff = min(2*backoff, maxBackoff)
 	}
 }
 

@@ -155,7 +155,7 @@ func TestOutageSaidForEachFailMode(t *testing.T) {
 		return strings.Join(out, "; ")
 	}
 	r.Kill()
-	for range TripAfter {
+	for range tripAfter {
 		c.Failed(logger, redis.ErrClosed)
 	}
 	if got, want := said(), "redis store unavailable: local [a b d]; redis store unavailable: closed [c]"; got != want {
