@@ -1394,7 +1394,9 @@ func TestScriptsDeclareTheirKeys(t *testing.T) {
 
 // The ACL user of docs/redis.md is enough: as that user, a store of
 // every kind of zone decides, reads, sets and removes keys' own limits
-// and resets a key with no error, and Redis refuses it nothing.
+// and resets a key with no error, and Redis refuses it nothing. A server
+// that knows CLIENT SETINFO (Redis 7.2 and later, Valkey) is given the
+// page's addition for it too.
 func TestRedisDocumentedACLUser(t *testing.T) {
 	r := startRedis(t)
 	doc, err := os.ReadFile("docs/redis.md")
@@ -1405,7 +1407,15 @@ func TestRedisDocumentedACLUser(t *testing.T) {
 	if user == nil {
 		t.Fatal("docs/redis.md gives no ACL user `user caddy on >secret ...`")
 	}
-	r.CLI(append([]string{"ACL", "SETUSER", "caddy", "on", ">secret"}, strings.Fields(string(user[1]))...)...)
+	rules := strings.Fields(string(user[1]))
+	if r.CLI("COMMAND", "INFO", "client|setinfo") != "" {
+		setinfo := regexp.MustCompile("(?m)^\\s*- On Redis 7\\.2 and later[^`]*, add `(\\+client\\|setinfo)`").FindSubmatch(doc)
+		if setinfo == nil {
+			t.Fatal("docs/redis.md does not say to add `+client|setinfo` on Redis 7.2 and later")
+		}
+		rules = append(rules, string(setinfo[1]))
+	}
+	r.CLI(append([]string{"ACL", "SETUSER", "caddy", "on", ">secret"}, rules...)...)
 	hs := everyKind(t, r.Addr(), `"username":"caddy","password":"secret","fail_mode":"closed"`)
 	rec := httptest.NewRecorder()
 	if err := (adminAPI{}).serve(rec, httptest.NewRequest(http.MethodDelete, "/rate_limit/mon_q/192.0.2.9", nil)); err != nil || rec.Code != http.StatusOK {
