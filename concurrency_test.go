@@ -56,7 +56,7 @@ func waitArrivals(t *testing.T, arrived chan struct{}, n int) {
 
 func TestConcurrency(t *testing.T) {
 	up, arrived, release := blockingUpstream(t)
-	tester := startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	tester := startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone rated {
 			key {http.request.header.X-Key}
@@ -82,7 +82,7 @@ func TestConcurrency(t *testing.T) {
 	status := make([]int, 2)
 	for i := range 2 {
 		wg.Go(func() {
-			req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/block", nil)
+			req, _ := http.NewRequest(http.MethodGet, siteURL+"/block", nil)
 			req.Header.Set("X-Key", "a")
 			resp, err := http.DefaultClient.Do(req)
 			if err != nil {
@@ -141,7 +141,7 @@ func TestConcurrency(t *testing.T) {
 // left while the upstream was answering.
 func TestConcurrencyClientGone(t *testing.T) {
 	up, arrived, _ := blockingUpstream(t)
-	tester := startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	tester := startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone up {
 			key {http.request.header.X-Key}
@@ -156,7 +156,7 @@ func TestConcurrencyClientGone(t *testing.T) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://localhost:9080/block", nil)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, siteURL+"/block", nil)
 		req.Header.Set("X-Key", "a")
 		if resp, err := http.DefaultClient.Do(req); err == nil {
 			resp.Body.Close()
@@ -168,7 +168,7 @@ func TestConcurrencyClientGone(t *testing.T) {
 	<-done
 	deadline := time.Now().Add(3 * time.Second)
 	for {
-		req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/", nil)
+		req, _ := http.NewRequest(http.MethodGet, siteURL+"/", nil)
 		req.Header.Set("X-Key", "a")
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -188,7 +188,7 @@ func TestConcurrencyClientGone(t *testing.T) {
 // TestConcurrencyOtherZoneDenies: a request that another zone refuses
 // holds no slot.
 func TestConcurrencyOtherZoneDenies(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone strict {
 			match path /strict
@@ -466,7 +466,7 @@ func TestConcurrencyRedisInstances(t *testing.T) {
 			timeout 5s
 			fail_mode closed
 		}`
-	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone inst_conc {
 			key static
@@ -499,7 +499,7 @@ func TestConcurrencyRedisInstances(t *testing.T) {
 		wg.Go(func() {
 			for range each {
 				if c%3 == 2 {
-					resp, err := client.Get("http://localhost:9080/")
+					resp, err := client.Get(siteURL + "/")
 					if err != nil {
 						t.Error(err)
 						return

@@ -165,7 +165,7 @@ func (u *delayUpstream) at(path string) []time.Time {
 // burst 1, delay 10s), /leave (1r/s, burst 1, delay 5s) and /max (the
 // same as /leave, with max_delayed 3), their zone names ending in -name.
 func delaySite(name, storeCfg, upstream string) string {
-	return fmt.Sprintf(`http://localhost:9080 {
+	return fmt.Sprintf(`http://localhost {
 	handle /spacing* {
 		rate_limit {
 			zone spacing-%[1]s {
@@ -220,7 +220,7 @@ func delayGet(ctx context.Context, path string) delayReply {
 }
 
 func delayGetKey(ctx context.Context, path, key string) delayReply {
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://localhost:9080"+path, nil)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, siteURL+path, nil)
 	req.Header.Set("X-Key", key)
 	start := time.Now()
 	resp, err := delayClient.Do(req)

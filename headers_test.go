@@ -66,7 +66,7 @@ func checkReset(t *testing.T, step string, h http.Header, from, to time.Time, de
 // TestBurstThen429 spends a bucket of 3 that refills one token a minute
 // and checks every header along the way.
 func TestBurstThen429(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {client_ip} 1r/m 3
 	respond "ok"
 }
@@ -111,7 +111,7 @@ func TestBurstThen429(t *testing.T) {
 // TestHeaderModes checks that `headers` picks the header families, and
 // that Retry-After comes with every 429 whatever the mode.
 func TestHeaderModes(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	handle /both {
 		rate_limit {
 			zone hm_both {

@@ -171,9 +171,48 @@ func waitOneListener(t *testing.T, port int) {
 	}
 }
 
-// TestMain gives the test Caddy a storage of its own, so that the local
-// store's snapshots of one run never reach the next.
+// The test Caddy's ports: its admin endpoint's, and the HTTP and HTTPS
+// ports of the sites loaded into it. caddytest's Caddy listens on fixed
+// ones by default (admin 2999), and a test whose Caddy finds that port
+// taken loads its config into whichever Caddy holds it: two runs of the
+// package at once (two `go test ./...`, or another checkout's) would
+// serve each other's configs, and Caddy's listeners share a port
+// (SO_REUSEPORT), so each run's requests would reach both. TestMain picks
+// free ports instead, once per run; the configs and the clients name
+// them through these.
+var (
+	adminPort, httpPort, httpsPort int
+	// adminAddr is the admin endpoint, localhost:<adminPort>.
+	adminAddr string
+	// siteURL is the test site, http://localhost:<httpPort>, and siteIPURL
+	// the same by its IP address, http://127.0.0.1:<httpPort>.
+	siteURL, siteIPURL string
+)
+
+// pickTestPorts picks the test Caddy's ports: three free ports, distinct
+// because each is held until all are picked.
+func pickTestPorts() {
+	var ports [3]int
+	for i := range ports {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			panic(err)
+		}
+		defer l.Close()
+		ports[i] = l.Addr().(*net.TCPAddr).Port
+	}
+	adminPort, httpPort, httpsPort = ports[0], ports[1], ports[2]
+	adminAddr = "localhost:" + strconv.Itoa(adminPort)
+	siteURL = "http://localhost:" + strconv.Itoa(httpPort)
+	siteIPURL = "http://127.0.0.1:" + strconv.Itoa(httpPort)
+	caddytest.Default.AdminPort = adminPort
+}
+
+// TestMain gives the test Caddy ports of its own (pickTestPorts) and a
+// storage of its own, so that the local store's snapshots of one run
+// never reach the next.
 func TestMain(m *testing.M) {
+	pickTestPorts()
 	dir, err := os.MkdirTemp("", "ratelimit-test-storage-")
 	if err != nil {
 		panic(err)
@@ -187,30 +226,31 @@ func TestMain(m *testing.M) {
 // jsonServer is a JSON config of the test Caddy whose one route runs
 // handlers; the server trusts loopback proxies' X-Forwarded-For.
 func jsonServer(handlers string) string {
-	return `{
-	"admin": {"listen": "localhost:2999", "config": {"persist": false}},
+	return fmt.Sprintf(`{
+	"admin": {"listen": %q, "config": {"persist": false}},
 	"apps": {
 		"http": {
-			"http_port": 9080,
-			"https_port": 9443,
+			"http_port": %d,
+			"https_port": %d,
 			"grace_period": 1,
 			"servers": {
 				"demo": {
-					"listen": [":9080"],
+					"listen": [":%[2]d"],
 					"trusted_proxies": {"source": "static", "ranges": ["127.0.0.0/8"]},
-					"routes": [{"handle": [` + handlers + `]}]
+					"routes": [{"handle": [%[4]s]}]
 				}
 			}
 		},
 		"pki": {"certificate_authorities": {"local": {"install_trust": false}}}
 	}
-}`
+}`, adminAddr, httpPort, httpsPort, handlers)
 }
 
 // jsonServerH2C is jsonServer whose server speaks HTTP/2 without TLS too
 // (h2c), as gRPC clients do to a Caddy in front of gRPC services.
 func jsonServerH2C(handlers string) string {
-	return strings.Replace(jsonServer(handlers), `"listen": [":9080"],`, `"listen": [":9080"], "protocols": ["h1", "h2", "h2c"],`, 1)
+	listen := fmt.Sprintf(`"listen": [":%d"],`, httpPort)
+	return strings.Replace(jsonServer(handlers), listen, listen+` "protocols": ["h1", "h2", "h2c"],`, 1)
 }
 
 // h2cClient is a client that speaks HTTP/2 without TLS (h2c), as a gRPC
@@ -329,7 +369,7 @@ func storeJSON(addrs ...string) string {
 // returns the status, the body and the Retry-After seconds (0 if none).
 func hit(t *testing.T, c *http.Client, path, ip string, header ...string) (int, string, int) {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
+	req, err := http.NewRequest(http.MethodGet, siteIPURL+path, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -354,7 +394,7 @@ func loopback(n int) *http.Client {
 	return &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
 		DisableKeepAlives: true,
 		DialContext: func(ctx context.Context, network, _ string) (net.Conn, error) {
-			return d.DialContext(ctx, network, "127.0.0.1:9080")
+			return d.DialContext(ctx, network, "127.0.0.1:"+strconv.Itoa(httpPort))
 		},
 	}}
 }
@@ -363,7 +403,7 @@ func loopback(n int) *http.Client {
 // name/value pairs. It returns the response's headers.
 func sendExpect(t *testing.T, c *http.Client, method, path string, want int, header ...string) http.Header {
 	t.Helper()
-	req, err := http.NewRequest(method, "http://localhost:9080"+path, nil)
+	req, err := http.NewRequest(method, siteURL+path, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -386,7 +426,7 @@ func sendExpect(t *testing.T, c *http.Client, method, path string, want int, hea
 // so that a zone name used by an earlier config starts afresh.
 func resetBucket(t *testing.T, zone, key string) {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodDelete, "http://localhost:2999/rate_limit/"+url.PathEscape(zone)+"/"+url.PathEscape(key), nil)
+	req, _ := http.NewRequest(http.MethodDelete, "http://"+adminAddr+"/rate_limit/"+url.PathEscape(zone)+"/"+url.PathEscape(key), nil)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -426,8 +466,8 @@ func loadJSON(t *testing.T, config string) *caddytest.Tester {
 // package's admin requests.
 func waitLoaded(t *testing.T, tester *caddytest.Tester) {
 	t.Helper()
-	waitOneListener(t, 9080)
-	waitOneListener(t, caddytest.Default.AdminPort)
+	waitOneListener(t, httpPort)
+	waitOneListener(t, adminPort)
 	// No new connection can reach the old admin endpoint now; drop
 	// those it may have kept alive.
 	http.DefaultClient.CloseIdleConnections()

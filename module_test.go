@@ -214,23 +214,28 @@ func TestDenialLog(t *testing.T) {
 	}
 }
 
-const testGlobalOptions = `{
+// testGlobalOptions is the test Caddy's global options, with extra ones:
+// its ports (pickTestPorts), which the sites' addresses without a port
+// (http://localhost) take.
+func testGlobalOptions(extra string) string {
+	return fmt.Sprintf(`{
 	skip_install_trust
-	admin localhost:2999
-	http_port 9080
-	https_port 9443
+	admin %s
+	http_port %d
+	https_port %d
 	grace_period 1ns
 	persist_config off
 %s}
 
-`
+`, adminAddr, httpPort, httpsPort, extra)
+}
 
 // startCaddy loads a config made of the test global options, extra
 // global options and sites into the test Caddy.
 func startCaddy(t *testing.T, extraGlobal, sites string) *caddytest.Tester {
 	t.Helper()
 	tester := caddytest.NewTester(t)
-	tester.InitServer(fmt.Sprintf(testGlobalOptions, extraGlobal)+sites, "caddyfile")
+	tester.InitServer(testGlobalOptions(extraGlobal)+sites, "caddyfile")
 	if t.Failed() {
 		t.FailNow()
 	}
@@ -241,7 +246,7 @@ func startCaddy(t *testing.T, extraGlobal, sites string) *caddytest.Tester {
 // reload loads another config into a running test Caddy.
 func reload(t *testing.T, tester *caddytest.Tester, extraGlobal, sites string) {
 	t.Helper()
-	tester.InitServer(fmt.Sprintf(testGlobalOptions, extraGlobal)+sites, "caddyfile")
+	tester.InitServer(testGlobalOptions(extraGlobal)+sites, "caddyfile")
 	if t.Failed() {
 		t.FailNow()
 	}
@@ -252,7 +257,7 @@ func reload(t *testing.T, tester *caddytest.Tester, extraGlobal, sites string) {
 // and asserts the status and the body.
 func get(t *testing.T, tester *caddytest.Tester, path string, wantStatus int, wantBody string, header ...string) http.Header {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, "http://localhost:9080"+path, nil)
+	req, err := http.NewRequest(http.MethodGet, siteURL+path, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -266,7 +271,7 @@ func get(t *testing.T, tester *caddytest.Tester, path string, wantStatus int, wa
 // TestRefill waits for tokens to come back.
 func TestRefill(t *testing.T) {
 	// One token every 200ms, two at most.
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone refill {
 			rate 5r/s
@@ -307,7 +312,7 @@ func TestRefill(t *testing.T) {
 
 // TestCost charges several tokens per request.
 func TestCost(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone cost {
 			rate 1r/m
@@ -341,7 +346,7 @@ func TestCost(t *testing.T) {
 // burst gets through, and the denied requests cost the larger zone
 // nothing.
 func TestConcurrentRequests(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone conc_a {
 			rate 1r/m
@@ -363,7 +368,7 @@ func TestConcurrentRequests(t *testing.T) {
 	var wg sync.WaitGroup
 	for range n {
 		wg.Go(func() {
-			resp, err := tester.Client.Get("http://localhost:9080/both")
+			resp, err := tester.Client.Get(siteURL + "/both")
 			if err != nil {
 				t.Error(err)
 				codes <- 0
@@ -394,7 +399,7 @@ func TestConcurrentRequests(t *testing.T) {
 // TestAllOrNothing checks that a request denied by one zone spends
 // nothing in the others.
 func TestAllOrNothing(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone aon_a {
 			match {
@@ -479,7 +484,7 @@ func TestIPPrefixes(t *testing.T) {
 	tester := startCaddy(t, `	servers {
 		trusted_proxies static private_ranges 127.0.0.1/8 ::1/128
 	}
-`, `http://localhost:9080 {
+`, `http://localhost {
 	handle /v6 {
 		rate_limit {
 			zone ip_default {
@@ -577,7 +582,7 @@ func TestIPPrefixes(t *testing.T) {
 // keeps its name, rate and burst, and start afresh when they change.
 func TestReload(t *testing.T) {
 	config := func(zones, body string) string {
-		return `http://localhost:9080 {
+		return `http://localhost {
 	handle /unlimited {
 		respond "` + body + `"
 	}
@@ -642,7 +647,7 @@ func TestReload(t *testing.T) {
 
 // TestHandleErrors shapes the 429 with the handler's placeholders.
 func TestHandleErrors(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	handle /plain {
 		rate_limit {
 			zone he_plain {
@@ -678,7 +683,7 @@ func TestHandleErrors(t *testing.T) {
 	get(t, tester, "/jitter", 200, "ok")
 	seen := make(map[int]bool)
 	for range 20 {
-		req, err := http.NewRequest(http.MethodGet, "http://localhost:9080/jitter", nil)
+		req, err := http.NewRequest(http.MethodGet, siteURL+"/jitter", nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -706,7 +711,7 @@ func TestHandleErrors(t *testing.T) {
 // TestEmptyKeySkipsZone: a key that expands to nothing exempts the
 // request from the zone.
 func TestEmptyKeySkipsZone(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone empty_key {
 			key {http.request.header.X-Api-Key}
@@ -733,7 +738,7 @@ func TestOddKeys(t *testing.T) {
 	tester := startCaddy(t, `	servers {
 		max_header_size 4MB
 	}
-`, `http://localhost:9080 {
+`, `http://localhost {
 	handle /evict/* {
 		rate_limit {
 			zone odd_evict {
@@ -877,11 +882,11 @@ func TestCaddyfileExampleRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	site := string(src[strings.Index(string(src), "http://127.0.0.1:8080 {"):])
-	startCaddy(t, "\tauto_https off\n", strings.Replace(site, ":8080", ":9080", 1))
+	startCaddy(t, "\tauto_https off\n", strings.Replace(site, ":8080", ":"+strconv.Itoa(httpPort), 1))
 	// send makes a request of /api/ from 127.0.0.2 with key, if any, and
 	// returns its status and its RateLimit-Policy.
 	send := func(key string) (int, string, error) {
-		req, err := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080/api/", nil)
+		req, err := http.NewRequest(http.MethodGet, siteIPURL+"/api/", nil)
 		if err != nil {
 			return 0, "", err
 		}
@@ -1013,7 +1018,7 @@ func TestLoadErrors(t *testing.T) {
 
 	// A config that fails after one handler took its tables gives them
 	// back, and the running config keeps its own.
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone le_ok {
 			rate 1r/s
@@ -1104,7 +1109,7 @@ func TestUnixSocketClientsAreLimited(t *testing.T) {
 // and DELETE lifts it.
 func TestBan(t *testing.T) {
 	tester := startCaddy(t, "", `
-http://localhost:9080 {
+http://localhost {
 	rate_limit {
 		zone ban-login {
 			match {
@@ -1219,7 +1224,7 @@ func TestCount(t *testing.T) {
 			}
 			zone := "count-" + storeCfg
 			tester := startCaddy(t, "", fmt.Sprintf(`
-http://localhost:9080 {
+http://localhost {
 	rate_limit {
 		zone %s {
 			rate 5/m
@@ -1242,7 +1247,7 @@ http://localhost:9080 {
 			for i := range 50 {
 				wg.Go(func() {
 					path := []string{"/bad", "/err"}[i%2]
-					resp, err := tester.Client.Get("http://localhost:9080" + path)
+					resp, err := tester.Client.Get(siteURL + path)
 					if err != nil {
 						t.Error(err)
 						return

@@ -38,7 +38,7 @@ func adminSend(t *testing.T, method, path, body string, want int) map[string]any
 	if body != "" {
 		r = strings.NewReader(body)
 	}
-	req, _ := http.NewRequest(method, "http://localhost:2999"+path, r)
+	req, _ := http.NewRequest(method, "http://"+adminAddr+path, r)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -518,7 +518,7 @@ func TestCostAboveOwnBurst(t *testing.T) {
 			{"handler":"static_response","body":"ok"}`))
 		get := func(ip, cost string) (int, http.Header) {
 			t.Helper()
-			req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080/", nil)
+			req, _ := http.NewRequest(http.MethodGet, siteIPURL+"/", nil)
 			req.Header.Set("X-Forwarded-For", ip)
 			req.Header.Set("X-Cost", cost)
 			resp, err := (&http.Client{Timeout: 10 * time.Second}).Do(req)
@@ -602,7 +602,7 @@ func TestPutLimitAllOrNothing(t *testing.T) {
 		cli.CobraFunc(root)
 		root.SetOut(io.Discard)
 		root.SetErr(io.Discard)
-		root.SetArgs([]string{"limit", name, refused, "--burst", "3", "--address", "localhost:2999"})
+		root.SetArgs([]string{"limit", name, refused, "--burst", "3", "--address", adminAddr})
 		if err := root.Execute(); err == nil || !strings.Contains(err.Error(), "400") {
 			t.Fatalf("caddy rate-limit limit with a burst below a zone's cost: %v, want the 400", err)
 		}
@@ -618,7 +618,7 @@ func TestPutLimitAllOrNothing(t *testing.T) {
 		codes := make(chan int, 8)
 		for i := range 8 {
 			go func() {
-				req, _ := http.NewRequest("PUT", "http://localhost:2999"+limit("198.51.100."+strconv.Itoa(90+i)), strings.NewReader(`{"burst":40}`))
+				req, _ := http.NewRequest("PUT", "http://"+adminAddr+limit("198.51.100."+strconv.Itoa(90+i)), strings.NewReader(`{"burst":40}`))
 				resp, err := c.Do(req)
 				if err != nil {
 					codes <- 0

@@ -196,7 +196,7 @@ func TestPlansThroughCaddy(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			logFile := filepath.Join(t.TempDir(), "caddy.log")
 			global := fmt.Sprintf("\tlog {\n\t\toutput file %s\n\t\tformat json\n\t}\n", logFile)
-			tester := startCaddy(t, global, fmt.Sprintf(`http://localhost:9080 {
+			tester := startCaddy(t, global, fmt.Sprintf(`http://localhost {
 	map {http.request.header.X-Plan} {plan_rate} {plan_burst} {
 		pro     5r/m  5
 		broken  lots  5

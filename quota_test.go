@@ -164,7 +164,7 @@ func checkQuotaHeaders(t *testing.T, resp *http.Response, zone string, limit, le
 
 func adminJSON(t *testing.T, method, path string, v any) int {
 	t.Helper()
-	req, _ := http.NewRequest(method, "http://localhost:2999"+path, nil)
+	req, _ := http.NewRequest(method, "http://"+adminAddr+path, nil)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -200,7 +200,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 			mwin := (&calendar.Windows{Period: calendar.Month, Loc: paris}).WindowAt(time.Now())
 			send := func(key, path string, want int) *http.Response {
 				t.Helper()
-				req, _ := http.NewRequest("GET", "http://localhost:9080"+path, nil)
+				req, _ := http.NewRequest("GET", siteURL+path, nil)
 				req.Header.Set("X-API-Key", key)
 				resp, err := http.DefaultClient.Do(req)
 				if err != nil {

@@ -881,7 +881,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	up := startLLMUpstream(t)
 	up.resume = make(chan struct{}) // streams wait after their first chunk
 	site := func(timeout string) string {
-		return fmt.Sprintf(`http://localhost:9080 {
+		return fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone reload_llm {
 			key {http.request.header.X-Key}
@@ -908,7 +908,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	tester := startCaddy(t, "", site("200ms"))
 	done := make(chan string)
 	go func() {
-		code, _, body := llmGetAt(t, "http://localhost:9080", "/sse?tokens=60", "X-Key", "k")
+		code, _, body := llmGetAt(t, siteURL, "/sse?tokens=60", "X-Key", "k")
 		done <- fmt.Sprint(code, " ", strings.Contains(body, `"total_tokens":60`))
 	}()
 	select {
@@ -918,7 +918,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	}
 	reload(t, tester, "", site("300ms"))
 	// The new config shares the slot in Redis: taken by the stream.
-	if code, _, body := llmGetAt(t, "http://localhost:9080", "/json?tokens=1", "X-Key", "k"); code != http.StatusTooManyRequests {
+	if code, _, body := llmGetAt(t, siteURL, "/json?tokens=1", "X-Key", "k"); code != http.StatusTooManyRequests {
 		t.Fatalf("while the stream runs: %d %q, want 429 (its slot is taken)", code, body)
 	}
 	close(up.resume)
@@ -929,7 +929,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	// which may be after the client has read the end of the stream.
 	var inFlight any
 	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		if inFlight = adminKeyAt(t, "localhost:2999", "reload_conc", "k")["in_flight"]; inFlight == float64(0) {
+		if inFlight = adminKeyAt(t, adminAddr, "reload_conc", "k")["in_flight"]; inFlight == float64(0) {
 			break
 		}
 	}
@@ -945,7 +945,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 			t.Errorf("quota %v, want 60 used", info["quota"])
 		}
 	})
-	if code, _, body := llmGetAt(t, "http://localhost:9080", "/json?tokens=1", "X-Key", "k"); code != http.StatusOK {
+	if code, _, body := llmGetAt(t, siteURL, "/json?tokens=1", "X-Key", "k"); code != http.StatusOK {
 		t.Fatalf("after the stream: %d %q, want 200", code, body)
 	}
 }

@@ -56,7 +56,7 @@ func TestCountWrongPasswordFlood(t *testing.T) {
 				wg.Go(func() {
 					<-gate
 					for i := next.Add(1); i <= int64(total); i = next.Add(1) {
-						req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080/", nil)
+						req, _ := http.NewRequest(http.MethodGet, siteIPURL+"/", nil)
 						req.Header.Set("X-Forwarded-For", ip)
 						req.Header.Set("Authorization", password("guess-"+strconv.FormatInt(i, 10)))
 						resp, err := c.Do(req)
@@ -121,7 +121,7 @@ func TestCountCluster(t *testing.T) {
 	const ip = "198.51.100.40"
 	ratelimit := func(path, ip, user string) (int, string) {
 		t.Helper()
-		req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
+		req, _ := http.NewRequest(http.MethodGet, siteIPURL+path, nil)
 		req.Header.Set("X-Forwarded-For", ip)
 		req.Header.Set("X-User", user)
 		resp, err := c.Do(req)
@@ -187,7 +187,7 @@ func TestCountDryRun(t *testing.T) {
 			const ip = "198.51.100.50"
 			step := func(i int, path string, wantCode int, wantWouldDeny string) {
 				t.Helper()
-				req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
+				req, _ := http.NewRequest(http.MethodGet, siteIPURL+path, nil)
 				req.Header.Set("X-Forwarded-For", ip)
 				resp, err := c.Do(req)
 				if err != nil {

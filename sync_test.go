@@ -448,7 +448,7 @@ func syncHandles(storeCfg, limit string, n int) string {
 // syncSites is a Caddy site with three instances of a zone with sync,
 // at /a, /b and /c, and an exact zone at /e.
 func syncSites(addr string) string {
-	return "http://localhost:9080 {\n" + syncHandles("address "+addr, "rate 20r/s\n\t\t\t\tburst 40", 3) + fmt.Sprintf(`	handle /e {
+	return "http://localhost {\n" + syncHandles("address "+addr, "rate 20r/s\n\t\t\t\tburst 40", 3) + fmt.Sprintf(`	handle /e {
 		rate_limit {
 			zone e {
 				key {http.request.header.X-Key}
@@ -555,7 +555,7 @@ func TestSyncThroughCaddy(t *testing.T) {
 // returns the status.
 func sendKey(t *testing.T, tester *caddytest.Tester, path, key string) int {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/"+path, nil)
+	req, _ := http.NewRequest(http.MethodGet, siteURL+"/"+path, nil)
 	req.Header.Set("X-Key", key)
 	resp, err := tester.Client.Do(req)
 	if err != nil {
@@ -624,7 +624,7 @@ func TestSyncOutageForgiven(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := startRedis(t)
-			tester := startCaddy(t, "", "http://localhost:9080 {\n"+syncHandles("address "+r.Addr(), "rate 10r/s\n\t\t\t\tburst 10", 2)+"}\n")
+			tester := startCaddy(t, "", "http://localhost {\n"+syncHandles("address "+r.Addr(), "rate 10r/s\n\t\t\t\tburst 10", 2)+"}\n")
 			instances := map[string][]string{"one": {"a"}, "two": {"a", "b"}}
 			halfRate := func(when string, d time.Duration) {
 				for i, start := 0, time.Now(); time.Since(start) < d; i++ {
@@ -687,7 +687,7 @@ func TestSyncClusterReconciliationCalls(t *testing.T) {
 	for _, n := range nodes {
 		addrs = append(addrs, n.Addr())
 	}
-	tester := startCaddy(t, "", "http://localhost:9080 {\n"+syncHandles("address "+strings.Join(addrs, " "), "rate 20r/s\n\t\t\t\tburst 40", 1)+"}\n")
+	tester := startCaddy(t, "", "http://localhost {\n"+syncHandles("address "+strings.Join(addrs, " "), "rate 20r/s\n\t\t\t\tburst 40", 1)+"}\n")
 	const keys, uses = 30, 8
 	use := func() {
 		for k := range keys {
@@ -978,7 +978,7 @@ func TestSyncLoad(t *testing.T) {
 			for time.Since(start) < 5*time.Second {
 				i := next.Add(1)
 				for _, p := range []string{[]string{"a", "b", "c"}[i%3], "e"} {
-					req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/"+p, nil)
+					req, _ := http.NewRequest(http.MethodGet, siteURL+"/"+p, nil)
 					req.Header.Set("X-Key", "through-caddy")
 					resp, err := tester.Client.Do(req)
 					if err != nil {
