@@ -498,6 +498,7 @@ func TestAdaptiveThroughCaddy(t *testing.T) {
 		}
 		store redis {
 			address %s
+			timeout 5s
 		}
 	}
 	reverse_proxy %s

@@ -183,6 +183,7 @@ func TestAdminZonesOfOneName(t *testing.T) {
 			}
 			store redis {
 				address %[1]s
+				timeout 5s
 			}
 		}
 		respond "one"
@@ -196,6 +197,7 @@ func TestAdminZonesOfOneName(t *testing.T) {
 			}
 			store redis {
 				address %[1]s
+				timeout 5s
 			}
 		}
 		respond "two"

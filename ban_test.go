@@ -123,7 +123,7 @@ func TestBanAcrossInstances(t *testing.T) {
 			loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[`+banZone(zone)+`],"store":`+storeJSON(addrs...)+`},
 				{"handler":"static_response","body":"ok"}`))
 			other := newTestHandler(t, `{"zones":[`+banZone(zone)+`],"store":`+
-				strings.Replace(storeJSON(addrs...), "}", `,"timeout":"2s"}`, 1)+`}`)
+				strings.Replace(storeJSON(addrs...), testTimeout, `"timeout":"2s"`, 1)+`}`)
 			bans := &other.Zones[0].state.bans // both instances' zone (one process)
 			c := &http.Client{Timeout: 10 * time.Second}
 

@@ -402,7 +402,7 @@ func TestSlotStepsAgree(t *testing.T) {
 	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
 		t.Run("redis"+storeCfg, func(t *testing.T) {
 			prefix := t.Name() + ":"
-			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":%q%s}}`,
 				fmt.Sprintf(slotStepZones, ""), r.Addr(), prefix, storeCfg))
 			runSlotSteps(t, h)
 			c := newRedisClient(t, r.Addr())
@@ -422,7 +422,7 @@ func TestSlotStepsAgree(t *testing.T) {
 	}
 	t.Run("cluster", func(t *testing.T) {
 		nodes := startCluster(t)
-		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q]}}`,
+		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s"}}`,
 			fmt.Sprintf(slotStepZones, ""), nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 		rs := h.store.(*redisstore.Store)
 		k := rs.SlotKey(1, h.Zones[1].keyFor("k2"))
@@ -547,7 +547,7 @@ func TestConcurrencyRedisLease(t *testing.T) {
 	const lease = 700 * time.Millisecond
 	config := func(pool int) string {
 		return fmt.Sprintf(`{"zones":[{"name":"lease_conc","key":"{http.request.header.X-Key}","concurrency":2,"lease":%d}],
-			"store":{"backend":"redis","addresses":[%q],"key_prefix":"lease:","pool_size":%d}}`, lease, r.Addr(), pool)
+			"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"lease:","pool_size":%d}}`, lease, r.Addr(), pool)
 	}
 	dead, alive := newTestHandler(t, config(5)), newTestHandler(t, config(6))
 	start := time.Now()
@@ -590,7 +590,7 @@ func TestConcurrencyRedisOneCall(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"one_rate","key":"{http.request.header.X-Key}","rate":"1r/m","burst":3},
 		{"name":"one_conc","key":"{http.request.header.X-Key}","concurrency":1}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"one:"}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"one:"}}`, r.Addr()))
 	release, arrived := make(chan struct{}), make(chan struct{}, 1)
 	blocking := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		arrived <- struct{}{}
@@ -735,7 +735,7 @@ func TestConcurrencyAdmin(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, store, lease string }{
 		{"adm_conc_local", ``, ""},
-		{"adm_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"adm:"}`, r.Addr()), "1m0s"},
+		{"adm_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"adm:"}`, r.Addr()), "1m0s"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[
@@ -785,7 +785,7 @@ func TestConcurrencyDryRunBothStores(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, store string }{
 		{"dry_conc_local", ``},
-		{"dry_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"dry:"}`, r.Addr())},
+		{"dry_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"dry:"}`, r.Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":%q,"key":"static","concurrency":1,"dry_run":true}]%s}`, tc.name, tc.store))
@@ -819,7 +819,7 @@ func TestConcurrencyDryRunBothStores(t *testing.T) {
 func TestConcurrencyRedisWrongTypeSlotKey(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"wrong_conc","key":"static","concurrency":1}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"wt:","fail_mode":"closed"}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"wt:","fail_mode":"closed"}}`, r.Addr()))
 	key := slotKeyName("wt:", "wrong_conc", "static")
 	r.CLI("SET", key, "not a set")
 	for i := range 2 {
@@ -844,7 +844,7 @@ func TestConcurrencyRedisWithQuota(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"qs_quota","quota":2,"quota_period":"day"},
 		{"name":"qs_conc","concurrency":1}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"qs:"}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"qs:"}}`, r.Addr()))
 	calls := r.Calls()
 	for i, want := range []int{http.StatusOK, http.StatusOK, http.StatusTooManyRequests} {
 		code, hdr := serve(h, "10.0.0.1")

@@ -454,7 +454,7 @@ func TestFaultHostileKeys(t *testing.T) {
 		{"name":"hostile_a","key":"{http.request.header.X-Key}","rate":"1r/m","burst":2},
 		{"name":"hostile_b","key":"{http.request.header.X-Key}","rate":"1r/m","burst":3}]`
 	// Every request asks Redis, so that each is one script call.
-	const store = `"backend":"redis","fail_mode":"closed","disable_over_limit_cache":true`
+	const store = `"backend":"redis","timeout":"5s","fail_mode":"closed","disable_over_limit_cache":true`
 	report := newFaultReport(t, "Hostile keys", "Redis", "keys", "limited like a plain key", "script calls per request", "zones' keys in one slot")
 	single := startRedis(t)
 	nodes := startCluster(t)
@@ -554,6 +554,7 @@ func TestFaultOneKeyFlood(t *testing.T) {
 		}
 		store redis {
 			address %s
+			timeout 5s
 			key_prefix flood:
 		}
 	}

@@ -213,7 +213,7 @@ func TestQuotaResetIsTheWindowsEnd(t *testing.T) {
 	zone := `{"zones":[{"name":"reset-ny","key":"static","quota":100,"quota_period":"day","timezone":"America/New_York"}]`
 	for _, tc := range []struct{ name, config string }{
 		{"local", zone + `}`},
-		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"rny:"}}`},
+		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"timeout":"5s","key_prefix":"rny:"}}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, tc.config)

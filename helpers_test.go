@@ -125,8 +125,19 @@ func serve(h *Handler, ip string, header ...string) (int, http.Header) {
 // nowForTest is the clock reading a test passes to a store.
 func nowForTest() time.Time { return time.Now() }
 
-// redisConfig is a handler config with one zone and a Redis store.
+// testTimeout is the Redis store's timeout in the tests that are not
+// about timeouts: they check what Redis decides, and on a machine that
+// other tests load a call may take longer than the default 100ms, after
+// which fail_mode decides instead.
+const testTimeout = `"timeout":"5s"`
+
+// redisConfig is a handler config with one zone and a Redis store, with
+// more store fields in storeCfg; its timeout is testTimeout unless
+// storeCfg sets one.
 func redisConfig(addr, zone, rate string, burst int, storeCfg string) string {
+	if !strings.Contains(storeCfg, `"timeout":`) {
+		storeCfg += "," + testTimeout
+	}
 	return fmt.Sprintf(`{"zones":[{"name":%q,"rate":%q,"burst":%d}],
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"%s}}`, zone, rate, burst, addr, storeCfg)
 }
@@ -352,7 +363,8 @@ func password(pw string) string {
 	return "Basic " + base64.StdEncoding.EncodeToString([]byte("alice:"+pw))
 }
 
-// storeJSON is the handler's store config: local, or Redis on addrs.
+// storeJSON is the handler's store config: local, or Redis on addrs with
+// testTimeout.
 func storeJSON(addrs ...string) string {
 	if len(addrs) == 0 {
 		return `{"backend":"local"}`
@@ -361,7 +373,7 @@ func storeJSON(addrs ...string) string {
 	for i, a := range addrs {
 		quoted[i] = strconv.Quote(a)
 	}
-	return `{"backend":"redis","addresses":[` + strings.Join(quoted, ",") + `]}`
+	return `{"backend":"redis","addresses":[` + strings.Join(quoted, ",") + `],` + testTimeout + `}`
 }
 
 // hit sends one request to the test site from client IP ip (the server

@@ -43,7 +43,7 @@ func opsSites(p, redisAddr, body string) string {
 			}
 			store redis {
 				address %[1]s
-				timeout 100ms
+				timeout 5s
 			}
 		}
 		respond %[2]q

@@ -1158,7 +1158,7 @@ http://localhost {
 func TestRedisBanStartsOnce(t *testing.T) {
 	r := startRedis(t)
 	config := fmt.Sprintf(`{"zones":[{"name":"ban-once","rate":"1r/m","burst":3,"ban":"1h"}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr())
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"t:"}}`, r.Addr())
 	hs := []*Handler{newTestHandler(t, config), newTestHandler(t, config)}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -1220,7 +1220,7 @@ func TestCount(t *testing.T) {
 		t.Run(storeCfg, func(t *testing.T) {
 			storeConfig := ""
 			if storeCfg == "redis" {
-				storeConfig = fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t}", r.Addr())
+				storeConfig = fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\ttimeout 5s\n\t\t}", r.Addr())
 			}
 			zone := "count-" + storeCfg
 			tester := startCaddy(t, "", fmt.Sprintf(`

@@ -61,7 +61,7 @@ func adminSend(t *testing.T, method, path, body string, want int) map[string]any
 // a decision is still one script call.
 func TestOverridesAcrossInstances(t *testing.T) {
 	r := startRedis(t)
-	storeCfg := `{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"ovx:"}`
+	storeCfg := `{"backend":"redis","addresses":["` + r.Addr() + `"],"timeout":"5s","key_prefix":"ovx:"}`
 	zone := `{"name":"ov-shared","rate":"1r/m","burst":2}`
 	// The other instance first: the admin API acts on the newest, Caddy.
 	other := newTestHandler(t, `{"zones":[`+zone+`],"store":`+strings.Replace(storeCfg, "}", `,"timeout":"2s"}`, 1)+`}`)
@@ -201,7 +201,7 @@ func TestRedisLongKeyApartFromItsHash(t *testing.T) {
 	r := startRedis(t)
 	loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
 		{"name":"ov-hashed","key":"{http.request.header.X-Key}","rate":"1r/m","burst":2}],
-		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"ovh:"}},
+		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"timeout":"5s","key_prefix":"ovh:"}},
 		{"handler":"static_response","body":"ok"}`))
 	c := &http.Client{Timeout: 10 * time.Second}
 	long := strings.Repeat("k", 200)
@@ -743,7 +743,7 @@ func TestOverrideBoundsAndMetric(t *testing.T) {
 			zone := "ov-bounds-" + backend
 			storeCfg := storeJSON()
 			if backend == "redis" {
-				storeCfg = `{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"ovb:"}`
+				storeCfg = `{"backend":"redis","addresses":["` + r.Addr() + `"],"timeout":"5s","key_prefix":"ovb:"}`
 			}
 			tester := loadJSON(t, jsonServer(`{"handler":"rate_limit","zones":[
 				{"name":"`+zone+`","rate":"10r/m","burst":4,"cost":2,"max_overrides":2}],"store":`+storeCfg+`},

@@ -82,7 +82,7 @@ func promSites(redisAddr string) string {
 			}
 			store redis {
 				address %s
-				timeout 100ms
+				timeout 5s
 			}
 		}
 		respond "ok"

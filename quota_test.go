@@ -185,7 +185,7 @@ func adminJSON(t *testing.T, method, path string, v any) int {
 // and the admin API's view and reset.
 func TestQuotaThroughCaddy(t *testing.T) {
 	r := startRedis(t)
-	for _, storeCfg := range []string{`{"backend":"local","persist":false}`, fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"thru:"}`, r.Addr())} {
+	for _, storeCfg := range []string{`{"backend":"local","persist":false}`, fmt.Sprintf(`{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"thru:"}`, r.Addr())} {
 		backend := "local"
 		if strings.Contains(storeCfg, "redis") {
 			backend = "redis"
@@ -274,7 +274,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 		t.Run(backend, func(t *testing.T) {
 			storeCfg := `{"backend":"local","persist":false}`
 			if backend == "redis" {
-				storeCfg = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"short:"}`, r.Addr())
+				storeCfg = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"short:"}`, r.Addr())
 			}
 			h := newTestHandler(t, `{"zones":[{"name":"short-`+backend+`","key":"{http.request.header.K}","quota":2,"quota_period":"day"}],"store":`+storeCfg+`}`)
 			z := h.Zones[0]
@@ -321,7 +321,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 func TestRedisQuotaClockSkew(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"skew","quota":3,"quota_period":"day"}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"skew:","disable_over_limit_cache":true}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"skew:","disable_over_limit_cache":true}}`, r.Addr()))
 	z := h.Zones[0]
 	z.quota.Every = time.Hour
 	now := time.Now()
@@ -352,7 +352,7 @@ func TestRedisQuotaCluster(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"cq","key":"{http.request.header.K}","quota":2,"quota_period":"week","timezone":"Asia/Tokyo"},
 		{"name":"cr","key":"{http.request.header.R}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q]}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s"}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	// cq's key and cr's key are in different slots: the call is split.
 	if code, _ := serve(h, "192.0.2.1", "K", "a", "R", "x"); code != 200 {
 		t.Fatalf("first: %d", code)
@@ -382,7 +382,7 @@ func TestQuotaCountAndDryRun(t *testing.T) {
 		t.Run(backend, func(t *testing.T) {
 			storeCfg := `{"backend":"local","persist":false}`
 			if backend == "redis" {
-				storeCfg = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"cdr:"}`, r.Addr())
+				storeCfg = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"cdr:"}`, r.Addr())
 			}
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 				{"name":"qc-%s","quota":2,"quota_period":"day","count":{"status_code":[5]}},
@@ -422,8 +422,8 @@ func TestQuotaZonesOfOneName(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, store string }{
 		{"local", `{"backend":"local","persist":false}`},
-		{"redis", fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"qn:"}`, r.Addr())},
-		{"redis-no-cache", fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"qn2:","disable_over_limit_cache":true}`, r.Addr())},
+		{"redis", fmt.Sprintf(`{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"qn:"}`, r.Addr())},
+		{"redis-no-cache", fmt.Sprintf(`{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"qn2:","disable_over_limit_cache":true}`, r.Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			zone := func(limit int, period string) *Handler {
@@ -460,7 +460,7 @@ func TestRedisQuotaUntaggedCounter(t *testing.T) {
 	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"up","key":"{http.request.header.K}","quota":3,"quota_period":"month"}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"up:","disable_over_limit_cache":true}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"up:","disable_over_limit_cache":true}}`, r.Addr()))
 	z, s := h.Zones[0], h.store.(*redisstore.Store)
 	tagged, untagged := s.CounterKeys(z.index, store.Key{Text: "k"})
 	if !strings.HasSuffix(tagged, "}up:4nV7:k:quota") || !strings.HasSuffix(untagged, "}up:k:quota") {

@@ -31,7 +31,7 @@ func TestCountWrongPasswordFlood(t *testing.T) {
 		// A timeout for a loaded test machine, not the default 100ms:
 		// a call that times out would let fail_mode decide, and its
 		// local buckets would start a ban of their own.
-		{"redis", strings.Replace(storeJSON(r.Addr()), "}", `,"timeout":"5s"}`, 1)},
+		{"redis", storeJSON(r.Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			zone := "flood-" + tc.name
@@ -273,7 +273,7 @@ func TestCountReadsTheFinalStatus(t *testing.T) {
 func TestCountRefundsWhenClientGone(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"count-gone","rate":"1r/m","burst":2,"count":{"status_code":[401]}}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"t:"}}`, r.Addr()))
 	for i := range 3 {
 		req, rr := newRequest("192.0.2.81")
 		ctx, cancel := context.WithCancel(req.Context())

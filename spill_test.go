@@ -182,7 +182,7 @@ func TestSpillThroughCaddy(t *testing.T) {
 	primary, fallback := startLLMUpstream(t), startLLMUpstream(t)
 	for _, tc := range []struct{ name, store string }{
 		{"local", ""},
-		{"redis", "store redis {\n\t\t\t\taddress " + r.Addr() + "\n\t\t\t\tkey_prefix spill:\n\t\t\t}"},
+		{"redis", "store redis {\n\t\t\t\taddress " + r.Addr() + "\n\t\t\t\ttimeout 5s\n\t\t\t\tkey_prefix spill:\n\t\t\t}"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			tester := startCaddy(t, "", spillSite(tc.name, primary.URL, fallback.URL, tc.store))
