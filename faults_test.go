@@ -323,7 +323,12 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 	const slack = 10 // goroutines and file descriptors
 	requireRedis(t)
 	r := startRedis(t)
-	site := func(n int) string {
+	// The config loaded nth, for a Redis healthy or frozen: healthy, a
+	// call may take long on a loaded machine, and Redis is to decide
+	// every request; frozen, each call times out, and fail_mode local
+	// decides.
+	site := func(n int, frozen bool) string {
+		timeout := map[bool]string{false: "5s", true: "100ms"}[frozen]
 		return fmt.Sprintf(`	rate_limit {
 		zone reload_flood {
 			key {http.request.header.X-Key}
@@ -333,13 +338,14 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 		store redis {
 			address %s
 			key_prefix reload:
+			timeout %s
 			fail_mode local
 		}
 	}
-	respond "config %d"`, r.Addr(), n)
+	respond "config %d"`, r.Addr(), timeout, n)
 	}
 	// In this process, so that the race detector watches the reloads.
-	c := startFaultCaddy(t, site(0), false)
+	c := startFaultCaddy(t, site(0, false), false)
 	report := newFaultReport(t, "Reloads under a flood",
 		"Redis", "reloads", "requests", "statuses", "sent again", "no response", "hot key allowed", "due",
 		"goroutines before → after", "fds before → after", "log lines with panic")
@@ -347,6 +353,8 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 	for _, frozen := range []bool{false, true} {
 		name := map[bool]string{false: "healthy", true: "frozen"}[frozen]
 		t.Run(name, func(t *testing.T) {
+			loaded++
+			c.load(site(loaded, frozen))
 			client := newFaultClient(t, 10*time.Second)
 			send(client, c.url, "X-Key", "warm")
 			client.CloseIdleConnections()
@@ -377,7 +385,7 @@ func TestFaultReloadsUnderFlood(t *testing.T) {
 			})
 			for range reloads {
 				loaded++
-				c.load(site(loaded))
+				c.load(site(loaded, frozen))
 				time.Sleep(sized(50*time.Millisecond, 20*time.Millisecond))
 			}
 			close(stop)
