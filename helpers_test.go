@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -19,10 +20,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -189,8 +192,8 @@ func waitOneListener(t *testing.T, port int) {
 // package at once (two `go test ./...`, or another checkout's) would
 // serve each other's configs, and Caddy's listeners share a port
 // (SO_REUSEPORT), so each run's requests would reach both. TestMain picks
-// free ports instead, once per run; the configs and the clients name
-// them through these.
+// ports of this run instead (pickTestPorts); the configs and the clients
+// name them through these.
 var (
 	adminPort, httpPort, httpsPort int
 	// adminAddr is the admin endpoint, localhost:<adminPort>.
@@ -200,23 +203,50 @@ var (
 	siteURL, siteIPURL string
 )
 
-// pickTestPorts picks the test Caddy's ports: three free ports, distinct
-// because each is held until all are picked.
+// pickTestPorts picks the test Caddy's ports: three that nothing listens
+// on, each locked for this process (a lock file in the temporary folder,
+// held until the process ends), so that two runs at once never pick one
+// port. They lie below the kernel's ephemeral range, as caddytest's do:
+// Caddy binds its listeners again at each config load, and a port of
+// that range may be an outgoing connection's meanwhile, which the bind
+// then finds in use.
 func pickTestPorts() {
-	var ports [3]int
-	for i := range ports {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			panic(err)
+	const lo, hi = 20000, 32000 // the ephemeral range starts at 32768
+	var ports []int
+	for len(ports) < 3 {
+		p := lo + rand.IntN(hi-lo)
+		if p == 2999 || p == 9080 || p == 9443 || slices.Contains(ports, p) || !lockPort(p) {
+			continue
 		}
-		defer l.Close()
-		ports[i] = l.Addr().(*net.TCPAddr).Port
+		if l, err := net.Listen("tcp", ":"+strconv.Itoa(p)); err == nil {
+			l.Close()
+			ports = append(ports, p)
+		}
 	}
 	adminPort, httpPort, httpsPort = ports[0], ports[1], ports[2]
 	adminAddr = "localhost:" + strconv.Itoa(adminPort)
 	siteURL = "http://localhost:" + strconv.Itoa(httpPort)
 	siteIPURL = "http://127.0.0.1:" + strconv.Itoa(httpPort)
 	caddytest.Default.AdminPort = adminPort
+}
+
+// portLocks are the lock files of the test ports, open while the process
+// lives (a file no longer referenced is closed, and its lock let go).
+var portLocks []*os.File
+
+// lockPort takes port p's lock file for this process, and reports
+// whether it got it.
+func lockPort(p int) bool {
+	f, err := os.OpenFile(filepath.Join(os.TempDir(), fmt.Sprintf("ratelimit-test-port-%d.lock", p)), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return false
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		return false
+	}
+	portLocks = append(portLocks, f)
+	return true
 }
 
 // TestMain gives the test Caddy ports of its own (pickTestPorts) and a
