@@ -7,9 +7,11 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -413,32 +415,60 @@ func testDelaySpacing(t *testing.T, up *delayUpstream, zone string) {
 
 // A client that leaves while its request waits gets its tokens back: the
 // request never reaches the upstream, and the next one waits only for
-// the tokens that the first request took.
+// the tokens that the first request took. The first took its token at an
+// instant between its sending and its answer (T1), and the bucket is
+// full again a second after, or two with the waiting request's token:
+// what the test asks of the bucket and of the next request follows from
+// those instants, which a loaded machine may hold apart.
 func testDelayClientLeaves(t *testing.T, up *delayUpstream, zone string) {
 	ref := zoneRefOf(t, zone)
 	st := ref.z.state
+	const token = time.Second // 1r/s, burst 1
+	firstSent := time.Now()
 	if rep := delayGet(context.Background(), "/leave"); rep.code != http.StatusOK {
 		t.Fatalf("first request: %d %v", rep.code, rep.err)
+	}
+	firstAnswered := time.Now()
+	owes := func(what string, tokens int) {
+		t.Helper()
+		checkOwes(t, ref, what, firstSent, firstAnswered, time.Duration(tokens)*token)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan delayReply, 1)
 	go func() { done <- delayGet(ctx, "/leave") }()
 	waitFor(t, 5*time.Second, "the second request decided", func() bool { return st.allowed.Load() == 2 })
-	if d := debtOf(t, ref); d < 1500*time.Millisecond {
-		t.Fatalf("the waiting request holds no tokens: the bucket owes %v", d)
-	}
-	time.Sleep(200 * time.Millisecond)
+	owes("the waiting request", 2)
 	cancel()
 	if rep := <-done; rep.err == nil {
 		t.Fatalf("the client that left got %d", rep.code)
 	}
 	waitFor(t, 5*time.Second, "the tokens given back", func() bool { return st.delayAbandoned.Load() == 1 })
-	if d := debtOf(t, ref); d <= 0 || d > 800*time.Millisecond {
-		t.Fatalf("after the client left the bucket owes %v, want what the first request left: under 800ms", d)
+	owes("after the client left", 1)
+
+	// The third request goes on when the first's token is back, never
+	// before; it was told to wait no longer than from its sending until
+	// then (the delays' sum, delay_seconds).
+	delaySum := func() float64 {
+		t.Helper()
+		series := `caddy_rate_limit_delay_seconds_sum{zone="` + zone + `"}`
+		v, ok := scrapeAt(t, http.DefaultClient, adminAddr)[series]
+		if !ok {
+			t.Fatalf("no %s in the metrics", series)
+		}
+		return v
 	}
+	before := delaySum()
+	sent := time.Now()
 	rep := delayGet(context.Background(), "/leave")
-	if rep.code != http.StatusOK || rep.took < 300*time.Millisecond || rep.took > 1100*time.Millisecond {
-		t.Fatalf("third request: %d after %v, want 200 after about 700ms", rep.code, rep.took)
+	answered := time.Now()
+	if rep.code != http.StatusOK {
+		t.Fatalf("third request: %d %v", rep.code, rep.err)
+	}
+	if back := firstSent.Add(token); answered.Before(back) {
+		t.Fatalf("third request answered %v before the first's token was back", back.Sub(answered))
+	}
+	if waited, most := time.Duration((delaySum()-before)*float64(time.Second)), firstAnswered.Add(token).Sub(sent); waited > most+time.Millisecond {
+		t.Fatalf("third request waited %v, want at most the %v until the first's token was back: the one whose client left still holds tokens", waited, most)
 	}
 	if n := len(up.at("leave")); n != 2 {
 		t.Fatalf("the upstream saw %d requests, want 2: the one whose client left never went on", n)
@@ -448,14 +478,32 @@ func testDelayClientLeaves(t *testing.T, up *delayUpstream, zone string) {
 	}
 }
 
+// checkOwes checks what the bucket of key k in ref's zone owes, against
+// when it is full again: full after a request decided between sent and
+// answered, seen between the peek's start and end.
+func checkOwes(t *testing.T, ref zoneRef, what string, sent, answered time.Time, full time.Duration) {
+	t.Helper()
+	p0 := time.Now()
+	d := debtOf(t, ref)
+	p1 := time.Now()
+	if lo, hi := max(sent.Add(full).Sub(p1), 0), max(answered.Add(full).Sub(p0), 0); d < lo || d > hi {
+		t.Fatalf("%s: the bucket owes %v, want %v to %v: full again %v after the first request", what, d, lo, hi, full)
+	}
+}
+
 // max_delayed 3: with three requests waiting, a fourth that would wait is
 // refused as if the zone had no delay, and charged nothing.
 func testDelayMaxDelayed(t *testing.T, zone string) {
 	ref := zoneRefOf(t, zone)
 	st := ref.z.state
+	// What the test asks of the bucket and of the refused request follows
+	// from when the first took its token, between its sending and its
+	// answer (see testDelayClientLeaves).
+	firstSent := time.Now()
 	if rep := delayGet(context.Background(), "/max"); rep.code != http.StatusOK {
 		t.Fatalf("first request: %d %v", rep.code, rep.err)
 	}
+	firstAnswered := time.Now()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var wg sync.WaitGroup
@@ -466,27 +514,31 @@ func testDelayMaxDelayed(t *testing.T, zone string) {
 	if w := ref.h.waiting.Load(); w != 3 {
 		t.Fatalf("%d requests waiting, want 3", w)
 	}
+	// Its token is there 4s after the first request's: refused at once,
+	// it is answered before then.
+	sent := time.Now()
 	rep := delayGet(context.Background(), "/max")
-	if rep.code != http.StatusTooManyRequests || rep.took > time.Second {
+	answered := time.Now()
+	if rep.code != http.StatusTooManyRequests || !answered.Before(firstSent.Add(4*time.Second)) {
 		t.Fatalf("fourth waiting request: %d after %v, want 429 at once", rep.code, rep.took)
 	}
-	// Retry-After as without a delay: the 4s until its token is there.
-	if got := rep.hdr.Get("Retry-After"); got != "4" {
-		t.Errorf("Retry-After %q, want 4", got)
+	// Retry-After as without a delay: the time until its token is there,
+	// in whole seconds (4, unless the machine took long to get here).
+	lo := int(math.Ceil(firstSent.Add(4 * time.Second).Sub(answered).Seconds()))
+	hi := int(math.Ceil(firstAnswered.Add(4 * time.Second).Sub(sent).Seconds()))
+	if got, err := strconv.Atoi(rep.hdr.Get("Retry-After")); err != nil || got < lo || got > hi {
+		t.Errorf("Retry-After %q, want %d to %d", rep.hdr.Get("Retry-After"), lo, hi)
 	}
 	if st.delayRefused.Load() != 1 {
 		t.Errorf("delay refusals %d, want 1", st.delayRefused.Load())
 	}
-	if d := debtOf(t, ref); d > 4*time.Second || d < 3*time.Second {
-		t.Errorf("the bucket owes %v, want under 4s: the refused request took nothing", d)
-	}
+	// The refused request took nothing: four tokens after the first's.
+	checkOwes(t, ref, "after the refusal", firstSent, firstAnswered, 4*time.Second)
 	cancel()
 	wg.Wait()
 	waitFor(t, 5*time.Second, "the three given back", func() bool { return st.delayAbandoned.Load() == 3 })
 	if w := ref.h.waiting.Load(); w != 0 {
 		t.Fatalf("%d requests still counted as waiting", w)
 	}
-	if d := debtOf(t, ref); d > time.Second {
-		t.Errorf("the bucket owes %v after the three left, want under 1s", d)
-	}
+	checkOwes(t, ref, "after the three left", firstSent, firstAnswered, time.Second)
 }
