@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -279,15 +280,26 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 			h := newTestHandler(t, `{"zones":[{"name":"short-`+backend+`","key":"{http.request.header.K}","quota":2,"quota_period":"day"}],"store":`+storeCfg+`}`)
 			z := h.Zones[0]
 			z.quota.Every = 2 * time.Second
-			// Start just after a window starts.
-			time.Sleep(time.Until(time.Now().Truncate(2 * time.Second).Add(2*time.Second + 50*time.Millisecond)))
+			// Start just after a window starts. The requests must be
+			// decided before it ends; the refusal's Retry-After is the
+			// time left in it when it was decided, between its sending
+			// and its answer (2s, unless the machine is slow to send).
+			start := time.Now().Truncate(2 * time.Second).Add(2 * time.Second)
+			end := start.Add(2 * time.Second)
+			time.Sleep(time.Until(start.Add(50 * time.Millisecond)))
 			for i, want := range []int{200, 200, 429} {
+				sent := time.Now()
 				code, hdr := serve(h, "192.0.2.1", "K", "k")
+				answered := time.Now()
+				if !answered.Before(end) {
+					t.Fatalf("request %d answered %v after its window ended", i, answered.Sub(end))
+				}
 				if code != want {
 					t.Fatalf("request %d: %d, want %d", i, code, want)
 				}
-				if want == 429 && hdr.Get("Retry-After") != "2" {
-					t.Fatalf("Retry-After %q, want 2", hdr.Get("Retry-After"))
+				lo, hi := int(math.Ceil(end.Sub(answered).Seconds())), int(math.Ceil(end.Sub(sent).Seconds()))
+				if got, err := strconv.Atoi(hdr.Get("Retry-After")); want == 429 && (err != nil || got < lo || got > hi) {
+					t.Fatalf("Retry-After %q, want %d to %d: the time left in the window", hdr.Get("Retry-After"), lo, hi)
 				}
 			}
 			if backend == "redis" {
