@@ -261,6 +261,9 @@ func TestMain(m *testing.M) {
 	caddy.DefaultStorage.Path = dir
 	code := m.Run()
 	os.RemoveAll(dir)
+	if caddyBuild.dir != "" {
+		os.RemoveAll(caddyBuild.dir)
+	}
 	os.Exit(code)
 }
 
@@ -523,16 +526,35 @@ func hashOf(key string) string {
 	return hex.EncodeToString(sum[:16])
 }
 
-// buildCaddy builds ./cmd/caddy into a temporary folder, and returns the
-// binary and the folder.
+// buildCaddy returns a Caddy built from ./cmd/caddy, and a temporary
+// folder of the test's. The binary is built once a run, for the tests
+// that run it (each build took a minute on a loaded machine, of the ten
+// the package has), and removed when the run ends.
 func buildCaddy(t *testing.T) (bin, dir string) {
 	t.Helper()
-	dir = t.TempDir()
-	bin = filepath.Join(dir, "caddy")
-	if out, err := exec.Command("go", "build", "-o", bin, "./cmd/caddy").CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+	caddyBuild.once.Do(func() {
+		d, err := os.MkdirTemp("", "ratelimit-test-caddy-")
+		if err != nil {
+			caddyBuild.err = err
+			return
+		}
+		caddyBuild.dir, caddyBuild.bin = d, filepath.Join(d, "caddy")
+		if out, err := exec.Command("go", "build", "-o", caddyBuild.bin, "./cmd/caddy").CombinedOutput(); err != nil {
+			caddyBuild.err = fmt.Errorf("go build: %v\n%s", err, out)
+		}
+	})
+	if caddyBuild.err != nil {
+		t.Fatal(caddyBuild.err)
 	}
-	return bin, dir
+	return caddyBuild.bin, t.TempDir()
+}
+
+// caddyBuild is buildCaddy's binary, its folder, and what its build
+// said.
+var caddyBuild struct {
+	once     sync.Once
+	bin, dir string
+	err      error
 }
 
 // binaryGlobal is the global options of a Caddy built by buildCaddy: its
