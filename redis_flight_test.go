@@ -98,7 +98,7 @@ func stepZonesOf(h *Handler) map[byte]*Zone {
 func TestRedisFlightMatchesLocal(t *testing.T) {
 	r := startRedis(t)
 	local := newTestHandler(t, `{"zones":`+strings.ReplaceAll(flightZones, `"name":"`, `"name":"fl-`)+`}`)
-	remote := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":"flight:","disable_over_limit_cache":true}}`,
+	remote := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"flight:","disable_over_limit_cache":true}}`,
 		flightZones, r.Addr()))
 	rs := remote.store.(*redisstore.Store)
 	var now time.Time
@@ -181,7 +181,7 @@ func TestRedisFlightMatchesLocal(t *testing.T) {
 func TestRedisClusterFlight(t *testing.T) {
 	nodes := startCluster(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"cf","rate":"1r/m","burst":4}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`,
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s","disable_over_limit_cache":true}}`,
 		nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	rs, z := h.store.(*redisstore.Store), h.Zones[0]
 	var ds []*store.Demands
@@ -238,7 +238,7 @@ func TestRedisUpgradeFromBeforeFlights(t *testing.T) {
 	r := startRedis(t)
 	zones := `[{"name":"up","rate":"4r/s","burst":3},{"name":"upban","rate":"2r/s","burst":2,"ban":"1s"}]`
 	open := func(prefix string) (*Handler, *redisstore.Store) {
-		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q,"disable_over_limit_cache":true}}`,
+		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":%q,"disable_over_limit_cache":true}}`,
 			zones, r.Addr(), prefix))
 		return h, h.store.(*redisstore.Store)
 	}

@@ -157,7 +157,7 @@ func TestRedisRefilledBucketsArePurged(t *testing.T) {
 	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
 	h := newTestHandler(t, `{"zones":[{"name":"p","key":"{http.request.header.X-Key}","rate":"1r/h","burst":1}],
-		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"key_prefix":"t:"}}`)
+		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"timeout":"5s","key_prefix":"t:"}}`)
 	rs := h.store.(*redisstore.Store)
 	var now time.Time
 	rs.TestClock = func() time.Time { return now }
@@ -452,7 +452,7 @@ func TestRedisCluster(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"ip","rate":"1r/m","burst":5},
 		{"name":"user","key":"{http.request.header.X-User}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q]}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s"}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	for i := range 60 {
 		if code, _ := serve(h, fmt.Sprintf("10.0.%d.1", i)); code != http.StatusOK {
 			t.Fatalf("request %d: %d", i, code)
@@ -490,7 +490,7 @@ func TestRedisClusterRefundsEachSlot(t *testing.T) {
 		{"name":"ip","rate":"1r/m","burst":5},
 		{"name":"api","key":"{http.request.header.X-Key}","rate":"1r/m","burst":5},
 		{"name":"user","key":"{http.request.header.X-User}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s","disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	slotOf := func(zone, key string) string {
 		hash, _ := bucketName(t, "", zone, "1r/m", 5, key) // the hash is the key's alone
 		return nodes[0].CLI("CLUSTER", "KEYSLOT", hash)
@@ -532,7 +532,7 @@ func TestRedisClusterDryRunApart(t *testing.T) {
 		{"name":"ip","rate":"1r/m","burst":5},
 		{"name":"dry","key":"{http.request.header.X-User}","rate":"1r/m","burst":1,"dry_run":true},
 		{"name":"api","key":"{http.request.header.X-Key}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s","disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	ip, user, key := "10.3.0.1", "carol", "key-1"
 	if code, _ := serve(h, ip, "X-User", user, "X-Key", key); code != http.StatusOK {
 		t.Fatalf("first: %d", code)
@@ -650,6 +650,7 @@ func TestRedisScriptsRefused(t *testing.T) {
 		}
 		store redis {
 			address %s
+			timeout 5s
 			username limited
 			password pw-limited
 			fail_mode %s
@@ -947,7 +948,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	up := startLLMUpstream(t)
 	up.resume = make(chan struct{}) // streams wait after their first chunk
 	site := func(timeout string) string {
-		return fmt.Sprintf(`http://localhost:9080 {
+		return fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone reload_llm {
 			key {http.request.header.X-Key}
@@ -974,7 +975,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	tester := startCaddy(t, "", site("200ms"))
 	done := make(chan string)
 	go func() {
-		code, _, body := llmGetAt(t, "http://localhost:9080", "/sse?tokens=60", "X-Key", "k")
+		code, _, body := llmGetAt(t, siteURL, "/sse?tokens=60", "X-Key", "k")
 		done <- fmt.Sprint(code, " ", strings.Contains(body, `"total_tokens":60`))
 	}()
 	select {
@@ -984,7 +985,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	}
 	reload(t, tester, "", site("300ms"))
 	// The new config shares the slot in Redis: taken by the stream.
-	if code, _, body := llmGetAt(t, "http://localhost:9080", "/json?tokens=1", "X-Key", "k"); code != http.StatusTooManyRequests {
+	if code, _, body := llmGetAt(t, siteURL, "/json?tokens=1", "X-Key", "k"); code != http.StatusTooManyRequests {
 		t.Fatalf("while the stream runs: %d %q, want 429 (its slot is taken)", code, body)
 	}
 	close(up.resume)
@@ -995,7 +996,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	// which may be after the client has read the end of the stream.
 	var inFlight any
 	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		if inFlight = adminKeyAt(t, "localhost:2999", "reload_conc", "k")["in_flight"]; inFlight == float64(0) {
+		if inFlight = adminKeyAt(t, adminAddr, "reload_conc", "k")["in_flight"]; inFlight == float64(0) {
 			break
 		}
 	}
@@ -1011,7 +1012,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 			t.Errorf("quota %v, want 60 used", info["quota"])
 		}
 	})
-	if code, _, body := llmGetAt(t, "http://localhost:9080", "/json?tokens=1", "X-Key", "k"); code != http.StatusOK {
+	if code, _, body := llmGetAt(t, siteURL, "/json?tokens=1", "X-Key", "k"); code != http.StatusOK {
 		t.Fatalf("after the stream: %d %q, want 200", code, body)
 	}
 }
@@ -1140,7 +1141,7 @@ func TestRedisZoneNamesDoNotCollide(t *testing.T) {
 	r := startRedis(t)
 	config := func(zone, key string) string {
 		return fmt.Sprintf(`{"rate_limits":{%q:{"key":%q,"window":"1m","max_events":1}},
-			"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, zone, key, r.Addr())
+			"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"t:"}}`, zone, key, r.Addr())
 	}
 	a := newTestHandler(t, config("api:v1", "k"))
 	b := newTestHandler(t, config("api", "v1:k"))
@@ -1513,7 +1514,7 @@ func everyKind(t *testing.T, addr, storeCfg string) []*Handler {
 		{"name":"mon_p","rate":"{http.vars.plan_rate}","burst":2},
 		{"name":"mon_n","rate":"1r/m","burst":2,"count":{"status_code":[401]}},
 		{"name":"mon_s","concurrency":1,"dry_run":true}],
-		"store":{"backend":"redis","addresses":["`+addr+`"],`+storeCfg+`}}`)
+		"store":{"backend":"redis","addresses":["`+addr+`"],"timeout":"5s",`+storeCfg+`}}`)
 	// Keys with their own limit: the script reads and writes their
 	// buckets under it, beside the others.
 	for _, z := range []*Zone{h.Zones[0], h.Zones[5]} {
@@ -1547,7 +1548,7 @@ func everyKind(t *testing.T, addr, storeCfg string) []*Handler {
 	}
 	// A flood of one key: many takes in one call.
 	flood := newTestHandler(t, `{"zones":[{"name":"mon_f","rate":"1r/m","burst":5}],
-		"store":{"backend":"redis","addresses":["`+addr+`"],`+storeCfg+`,"disable_over_limit_cache":true}}`)
+		"store":{"backend":"redis","addresses":["`+addr+`"],"timeout":"5s",`+storeCfg+`,"disable_over_limit_cache":true}}`)
 	var wg sync.WaitGroup
 	for range 64 {
 		wg.Go(func() { serve(flood, "192.0.2.10") })

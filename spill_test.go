@@ -142,7 +142,7 @@ func TestSpillCaddyfileErrors(t *testing.T) {
 // rate_limit that reads the placeholder, limits the fallback too. The
 // responses say which upstream answered and what the placeholders held.
 func spillSite(name, primary, fallback, storeCfg string) string {
-	return fmt.Sprintf(`http://localhost:9080 {
+	return fmt.Sprintf(`http://localhost {
 	route {
 		rate_limit {
 			zone primary-%[1]s {
@@ -186,7 +186,7 @@ func TestSpillThroughCaddy(t *testing.T) {
 	primary, fallback := startLLMUpstream(t), startLLMUpstream(t)
 	for _, tc := range []struct{ name, store string }{
 		{"local", ""},
-		{"redis", "store redis {\n\t\t\t\taddress " + r.Addr() + "\n\t\t\t\tkey_prefix spill:\n\t\t\t}"},
+		{"redis", "store redis {\n\t\t\t\taddress " + r.Addr() + "\n\t\t\t\ttimeout 5s\n\t\t\t\tkey_prefix spill:\n\t\t\t}"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			tester := startCaddy(t, "", spillSite(tc.name, primary.URL, fallback.URL, tc.store))
@@ -250,7 +250,7 @@ func TestSpillThroughCaddy(t *testing.T) {
 // headers of a spilled response tell the primary zone's standing.
 func TestSpillHeadersThroughCaddy(t *testing.T) {
 	primary, fallback := startLLMUpstream(t), startLLMUpstream(t)
-	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone primary-alone {
 			key {http.request.header.Authorization}

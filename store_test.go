@@ -29,7 +29,7 @@ func TestStoresAgree(t *testing.T) {
 	r := startRedis(t)
 	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
 		t.Run("plans/redis"+storeCfg, func(t *testing.T) {
-			runPlanSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
+			runPlanSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":%q%s}}`,
 				planZones, r.Addr(), t.Name()+":", storeCfg)))
 		})
 	}
@@ -106,8 +106,8 @@ func TestRefundEmptyBucket(t *testing.T) {
 	zone := `{"zones":[{"name":"refund","rate":"11/2914ms","burst":2}]`
 	for _, tc := range []struct{ name, config string }{
 		{"local", zone + `}`},
-		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"rf1:"}}`},
-		{"redis, no cache", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"rf2:","disable_over_limit_cache":true}}`},
+		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"timeout":"5s","key_prefix":"rf1:"}}`},
+		{"redis, no cache", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"timeout":"5s","key_prefix":"rf2:","disable_over_limit_cache":true}}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, tc.config)
@@ -226,13 +226,13 @@ func TestStoresAgreeOnUsage(t *testing.T) {
 	r := startRedis(t)
 	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
 		t.Run("redis"+storeCfg, func(t *testing.T) {
-			runUsageSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
+			runUsageSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":%q%s}}`,
 				usageZones, r.Addr(), t.Name()+":", storeCfg)))
 		})
 	}
 	t.Run("cluster", func(t *testing.T) {
 		nodes := startCluster(t)
-		runUsageSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q]}}`,
+		runUsageSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s"}}`,
 			usageZones, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr())))
 	})
 }
@@ -356,13 +356,13 @@ func TestStoresAgreeOnOverrides(t *testing.T) {
 	r := startRedis(t)
 	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
 		t.Run("redis"+storeCfg, func(t *testing.T) {
-			runOverrideSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
+			runOverrideSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":%q%s}}`,
 				overrideZones, r.Addr(), t.Name()+":", storeCfg)))
 		})
 	}
 	t.Run("cluster", func(t *testing.T) {
 		nodes := startCluster(t)
-		runOverrideSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`,
+		runOverrideSteps(t, newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s","disable_over_limit_cache":true}}`,
 			overrideZones, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr())))
 	})
 }
