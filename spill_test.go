@@ -283,7 +283,7 @@ func TestSpillHeadersThroughCaddy(t *testing.T) {
 // refuses). The responses say what the placeholders held.
 func softOutageSite(addr string) string {
 	store := "store redis {\n\t\t\t\taddress " + addr + "\n\t\t\t\ttimeout 200ms\n\t\t\t\tfail_mode closed\n\t\t\t}"
-	return fmt.Sprintf(`http://localhost:9080 {
+	return fmt.Sprintf(`http://localhost {
 	handle /spill {
 		rate_limit {
 			zone soft-spill {
@@ -363,7 +363,7 @@ func TestSoftZonesWhenRedisFails(t *testing.T) {
 				r.Start()
 				deadline := time.Now().Add(20 * time.Second)
 				for {
-					if _, _, body := llmGetAt(t, "http://localhost:9080", "/spill", "X-Key", "probe"); body == "primary false" {
+					if _, _, body := llmGetAt(t, siteURL, "/spill", "X-Key", "probe"); body == "primary false" {
 						break
 					}
 					if time.Now().After(deadline) {
@@ -382,14 +382,14 @@ func TestSoftZonesWhenRedisFails(t *testing.T) {
 				{"/dry-all", "primary true"},
 			} {
 				for i := range n {
-					code, _, body := llmGetAt(t, "http://localhost:9080", c.path, "X-Key", "k-"+fault)
+					code, _, body := llmGetAt(t, siteURL, c.path, "X-Key", "k-"+fault)
 					if code != 200 || body != c.want {
 						t.Fatalf("%s, request %d: %d %q, want 200 %q", c.path, i, code, body, c.want)
 					}
 				}
 			}
 			for i := range n {
-				if code, _, body := llmGetAt(t, "http://localhost:9080", "/mixed", "X-Key", "k-"+fault); code != 503 {
+				if code, _, body := llmGetAt(t, siteURL, "/mixed", "X-Key", "k-"+fault); code != 503 {
 					t.Fatalf("/mixed, request %d: %d %q, want fail_mode closed's 503", i, code, body)
 				}
 			}

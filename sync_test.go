@@ -699,7 +699,7 @@ func TestSyncOutageForgivenSlow(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := startRedis(t)
-			tester := startCaddy(t, "", "http://localhost:9080 {\n"+syncHandles("address "+r.Addr(), "rate 1r/m\n\t\t\t\tburst 10", 1)+"}\n")
+			tester := startCaddy(t, "", "http://localhost {\n"+syncHandles("address "+r.Addr(), "rate 1r/m\n\t\t\t\tburst 10", 1)+"}\n")
 			// The first request is Redis's; the second, its copy's, within
 			// its allowance, which the reconciliations send.
 			for i := range 2 {
