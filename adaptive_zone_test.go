@@ -487,7 +487,7 @@ func TestAdaptiveAdmin(t *testing.T) {
 func TestAdaptiveThroughCaddy(t *testing.T) {
 	r := startRedis(t)
 	up, arrived, release := blockingUpstream(t)
-	site := fmt.Sprintf(`http://localhost:9080 {
+	site := fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone caddy_adaptive {
 			key static
@@ -498,6 +498,7 @@ func TestAdaptiveThroughCaddy(t *testing.T) {
 		}
 		store redis {
 			address %s
+			timeout 5s
 		}
 	}
 	reverse_proxy %s
@@ -558,7 +559,7 @@ func TestAdaptiveThroughCaddy(t *testing.T) {
 // each class's requests in flight.
 func TestAdaptivePriorityThroughCaddy(t *testing.T) {
 	up, arrived, release := blockingUpstream(t)
-	tester := startCaddy(t, opsGlobal, fmt.Sprintf(`http://localhost:9080 {
+	tester := startCaddy(t, opsGlobal, fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone caddy_prio {
 			key static
@@ -582,7 +583,7 @@ func TestAdaptivePriorityThroughCaddy(t *testing.T) {
 	wg.Go(func() { get(t, tester, "/block", 200, "up", "X-Priority", "critical") })
 	waitArrivals(t, arrived, 1)
 	get(t, tester, "/", 503, "", "X-Priority", "critical")
-	a, _ := adminKeyAt(t, "localhost:2999", "caddy_prio", "static")["concurrency_adaptive"].(map[string]any)
+	a, _ := adminKeyAt(t, adminAddr, "caddy_prio", "static")["concurrency_adaptive"].(map[string]any)
 	if fmt.Sprint(a["classes"]) != "[map[class:critical in_flight:1] map[class:other in_flight:3]]" {
 		t.Errorf("key: %v, want 1 of critical and 3 of other in flight", a)
 	}
@@ -623,7 +624,7 @@ func workersUpstream(t *testing.T, workers int, service time.Duration) *httptest
 // ordering, with a wide margin.
 func TestAdaptivePriorityUnderFlood(t *testing.T) {
 	up := workersUpstream(t, 8, 20*time.Millisecond)
-	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone flood_prio {
 			key static
@@ -647,7 +648,7 @@ func TestAdaptivePriorityUnderFlood(t *testing.T) {
 		for range n {
 			wg.Go(func() {
 				for time.Since(start) < length {
-					req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/", nil)
+					req, _ := http.NewRequest(http.MethodGet, siteURL+"/", nil)
 					req.Header.Set("X-Priority", class)
 					at := time.Since(start)
 					resp, err := client.Do(req)
@@ -742,7 +743,7 @@ func TestAdaptiveUpstreamSlowsThroughCaddy(t *testing.T) {
 		io.WriteString(w, "up")
 	}))
 	t.Cleanup(up.Close)
-	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone slows {
 			key static
@@ -767,7 +768,7 @@ func TestAdaptiveUpstreamSlowsThroughCaddy(t *testing.T) {
 						return
 					default:
 					}
-					if resp, err := client.Get("http://localhost:9080/"); err == nil {
+					if resp, err := client.Get(siteURL + "/"); err == nil {
 						io.Copy(io.Discard, resp.Body)
 						resp.Body.Close()
 					}
@@ -778,7 +779,7 @@ func TestAdaptiveUpstreamSlowsThroughCaddy(t *testing.T) {
 		return &wg
 	}
 	state := func() (limit, noLoad float64) {
-		a, _ := adminKeyAt(t, "localhost:2999", "slows", "static")["concurrency_adaptive"].(map[string]any)
+		a, _ := adminKeyAt(t, adminAddr, "slows", "static")["concurrency_adaptive"].(map[string]any)
 		limit, _ = a["limit"].(float64)
 		noLoad, _ = a["no_load_latency"].(float64)
 		return limit, noLoad

@@ -52,7 +52,7 @@ func TestAdminBucket(t *testing.T) {
 // adminDo sends a request to the admin API and decodes its JSON answer.
 func adminDo(t *testing.T, tester *caddytest.Tester, method, path string, wantStatus int) map[string]any {
 	t.Helper()
-	req, _ := http.NewRequest(method, "http://localhost:2999"+path, nil)
+	req, _ := http.NewRequest(method, "http://"+adminAddr+path, nil)
 	resp, err := tester.Client.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -162,7 +162,7 @@ func TestAdminAPI(t *testing.T) {
 func TestAdminZonesOfOneName(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, sites string }{
-		{"local", `:9080 {
+		{"local", `http:// {
 	handle /one {
 		rate_limit {http.request.header.X-Key} 1r/m 2
 		respond "one"
@@ -173,7 +173,7 @@ func TestAdminZonesOfOneName(t *testing.T) {
 	}
 }
 `},
-		{"redis", fmt.Sprintf(`:9080 {
+		{"redis", fmt.Sprintf(`http:// {
 	handle /one {
 		rate_limit {
 			zone default {
@@ -183,6 +183,7 @@ func TestAdminZonesOfOneName(t *testing.T) {
 			}
 			store redis {
 				address %[1]s
+				timeout 5s
 			}
 		}
 		respond "one"
@@ -196,6 +197,7 @@ func TestAdminZonesOfOneName(t *testing.T) {
 			}
 			store redis {
 				address %[1]s
+				timeout 5s
 			}
 		}
 		respond "two"
@@ -269,7 +271,7 @@ func testZonesOfOneName(t *testing.T, local bool, sites string) {
 // A key whose whole name is `top` is addressed as `%74op`: the path's
 // `top` is the zone's top list, and one letter escaped is the key.
 func TestAdminKeyNamedTop(t *testing.T) {
-	tester := startCaddy(t, "", `:9080 {
+	tester := startCaddy(t, "", `http:// {
 	rate_limit {
 		zone topkey {
 			key   {http.request.header.X-Key}
@@ -303,7 +305,7 @@ func TestAdminKeyNamedTop(t *testing.T) {
 // A key's view in the admin API holds the fields of what its zone
 // limits, and only those: each kind of limit adds its own.
 func TestAdminKeyViewFields(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone kv-ban {
 			key {http.request.header.K}

@@ -11,7 +11,7 @@ import (
 
 // The configs of github.com/mholt/caddy-ratelimit's README and tests,
 // loaded through a real Caddy: they must limit the clients they limit
-// there. Only the listener's port differs (9080, the tests' port), and the
+// there. Only the listener differs (the tests' HTTP port), and the
 // README's `distributed`, which is refused here (see TestLoadErrors).
 
 const readmeJSON = `{
@@ -37,7 +37,7 @@ const readmeJSON = `{
 	"body": "I'm behind the rate limiter!"
 }`
 
-const readmeCaddyfile = `:9080
+const readmeCaddyfile = `http://
 
 rate_limit {
 	zone static_example {
@@ -131,7 +131,7 @@ func TestCaddyRatelimitTestRateLimits(t *testing.T) {
 		check(t)
 	})
 	t.Run("caddyfile", func(t *testing.T) {
-		startCaddy(t, "	order rate_limit before basicauth\n", `localhost:9080
+		startCaddy(t, "	order rate_limit before basicauth\n", `http://localhost
 
 rate_limit {
 	zone zone1 {
@@ -248,7 +248,7 @@ func TestWindowZonesShareBuckets(t *testing.T) {
 			return fmt.Sprintf("\t\tzone %s_c {\n\t\t\tmatch {\n\t\t\t\tpath /%[1]s_c\n\t\t\t}\n%s\t\t}\n", name, body)
 		}
 		window := "\t\t\twindow 1m\n\t\t\tevents 1\n"
-		startCaddy(t, "\tservers {\n\t\ttrusted_proxies static 127.0.0.0/8\n\t}\n", "http://localhost:9080 {\n\trate_limit {\n"+
+		startCaddy(t, "\tservers {\n\t\ttrusted_proxies static 127.0.0.0/8\n\t}\n", "http://localhost {\n\trate_limit {\n"+
 			zone("nokey", window)+
 			zone("empty", "\t\t\tkey {header.X-Key}\n"+window)+
 			zone("v6", "\t\t\tkey {client_ip}\n"+window)+

@@ -54,7 +54,7 @@ func waitArrivals(t *testing.T, arrived chan struct{}, n int) {
 
 func TestConcurrency(t *testing.T) {
 	up, arrived, release := blockingUpstream(t)
-	tester := startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	tester := startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone rated {
 			key {http.request.header.X-Key}
@@ -80,7 +80,7 @@ func TestConcurrency(t *testing.T) {
 	status := make([]int, 2)
 	for i := range 2 {
 		wg.Go(func() {
-			req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/block", nil)
+			req, _ := http.NewRequest(http.MethodGet, siteURL+"/block", nil)
 			req.Header.Set("X-Key", "a")
 			resp, err := http.DefaultClient.Do(req)
 			if err != nil {
@@ -139,7 +139,7 @@ func TestConcurrency(t *testing.T) {
 // left while the upstream was answering.
 func TestConcurrencyClientGone(t *testing.T) {
 	up, arrived, _ := blockingUpstream(t)
-	tester := startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	tester := startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone up {
 			key {http.request.header.X-Key}
@@ -154,7 +154,7 @@ func TestConcurrencyClientGone(t *testing.T) {
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
-		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://localhost:9080/block", nil)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, siteURL+"/block", nil)
 		req.Header.Set("X-Key", "a")
 		if resp, err := http.DefaultClient.Do(req); err == nil {
 			resp.Body.Close()
@@ -166,7 +166,7 @@ func TestConcurrencyClientGone(t *testing.T) {
 	<-done
 	deadline := time.Now().Add(3 * time.Second)
 	for {
-		req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/", nil)
+		req, _ := http.NewRequest(http.MethodGet, siteURL+"/", nil)
 		req.Header.Set("X-Key", "a")
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -186,7 +186,7 @@ func TestConcurrencyClientGone(t *testing.T) {
 // TestConcurrencyOtherZoneDenies: a request that another zone refuses
 // holds no slot.
 func TestConcurrencyOtherZoneDenies(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone strict {
 			match path /strict
@@ -400,7 +400,7 @@ func TestSlotStepsAgree(t *testing.T) {
 	for _, storeCfg := range []string{`,"disable_over_limit_cache":true`, ``} {
 		t.Run("redis"+storeCfg, func(t *testing.T) {
 			prefix := t.Name() + ":"
-			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"key_prefix":%q%s}}`,
+			h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":%q%s}}`,
 				fmt.Sprintf(slotStepZones, ""), r.Addr(), prefix, storeCfg))
 			runSlotSteps(t, h)
 			c := newRedisClient(t, r.Addr())
@@ -420,7 +420,7 @@ func TestSlotStepsAgree(t *testing.T) {
 	}
 	t.Run("cluster", func(t *testing.T) {
 		nodes := startCluster(t)
-		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q]}}`,
+		h := newTestHandler(t, fmt.Sprintf(`{"zones":%s,"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s"}}`,
 			fmt.Sprintf(slotStepZones, ""), nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 		k := slotKeyName(defaultKeyPrefix, h.Zones[1].Name, h.Zones[1].keyFor("k2").String())
 		u := slotKeyName(defaultKeyPrefix, h.Zones[2].Name, h.Zones[2].keyFor("x").String())
@@ -462,7 +462,7 @@ func TestConcurrencyRedisInstances(t *testing.T) {
 			timeout 5s
 			fail_mode closed
 		}`
-	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone inst_conc {
 			key static
@@ -495,7 +495,7 @@ func TestConcurrencyRedisInstances(t *testing.T) {
 		wg.Go(func() {
 			for range each {
 				if c%3 == 2 {
-					resp, err := client.Get("http://localhost:9080/")
+					resp, err := client.Get(siteURL + "/")
 					if err != nil {
 						t.Error(err)
 						return
@@ -543,7 +543,7 @@ func TestConcurrencyRedisLease(t *testing.T) {
 	const lease = 700 * time.Millisecond
 	config := func(pool int) string {
 		return fmt.Sprintf(`{"zones":[{"name":"lease_conc","key":"{http.request.header.X-Key}","concurrency":2,"lease":%d}],
-			"store":{"backend":"redis","addresses":[%q],"key_prefix":"lease:","pool_size":%d}}`, lease, r.Addr(), pool)
+			"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"lease:","pool_size":%d}}`, lease, r.Addr(), pool)
 	}
 	dead, alive := newTestHandler(t, config(5)), newTestHandler(t, config(6))
 	start := time.Now()
@@ -586,7 +586,7 @@ func TestConcurrencyRedisOneCall(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"one_rate","key":"{http.request.header.X-Key}","rate":"1r/m","burst":3},
 		{"name":"one_conc","key":"{http.request.header.X-Key}","concurrency":1}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"one:"}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"one:"}}`, r.Addr()))
 	release, arrived := make(chan struct{}), make(chan struct{}, 1)
 	blocking := caddyhttp.HandlerFunc(func(w http.ResponseWriter, r *http.Request) error {
 		arrived <- struct{}{}
@@ -731,7 +731,7 @@ func TestConcurrencyAdmin(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, store, lease string }{
 		{"adm_conc_local", ``, ""},
-		{"adm_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"adm:"}`, r.Addr()), "1m0s"},
+		{"adm_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"adm:"}`, r.Addr()), "1m0s"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[
@@ -781,7 +781,7 @@ func TestConcurrencyDryRunBothStores(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, store string }{
 		{"dry_conc_local", ``},
-		{"dry_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"key_prefix":"dry:"}`, r.Addr())},
+		{"dry_conc_redis", fmt.Sprintf(`,"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"dry:"}`, r.Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":%q,"key":"static","concurrency":1,"dry_run":true}]%s}`, tc.name, tc.store))
@@ -815,7 +815,7 @@ func TestConcurrencyDryRunBothStores(t *testing.T) {
 func TestConcurrencyRedisWrongTypeSlotKey(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"wrong_conc","key":"static","concurrency":1}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"wt:","fail_mode":"closed"}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"wt:","fail_mode":"closed"}}`, r.Addr()))
 	key := slotKeyName("wt:", "wrong_conc", "static")
 	r.CLI("SET", key, "not a set")
 	for i := range 2 {
@@ -840,7 +840,7 @@ func TestConcurrencyRedisWithQuota(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"qs_quota","quota":2,"quota_period":"day"},
 		{"name":"qs_conc","concurrency":1}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"qs:"}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"qs:"}}`, r.Addr()))
 	calls := r.Calls()
 	for i, want := range []int{http.StatusOK, http.StatusOK, http.StatusTooManyRequests} {
 		code, hdr := serve(h, "10.0.0.1")

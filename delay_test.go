@@ -7,9 +7,11 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"slices"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -165,7 +167,7 @@ func (u *delayUpstream) at(path string) []time.Time {
 // burst 1, delay 10s), /leave (1r/s, burst 1, delay 5s) and /max (the
 // same as /leave, with max_delayed 3), their zone names ending in -name.
 func delaySite(name, storeCfg, upstream string) string {
-	return fmt.Sprintf(`http://localhost:9080 {
+	return fmt.Sprintf(`http://localhost {
 	handle /spacing* {
 		rate_limit {
 			zone spacing-%[1]s {
@@ -220,7 +222,7 @@ func delayGet(ctx context.Context, path string) delayReply {
 }
 
 func delayGetKey(ctx context.Context, path, key string) delayReply {
-	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, "http://localhost:9080"+path, nil)
+	req, _ := http.NewRequestWithContext(ctx, http.MethodGet, siteURL+path, nil)
 	req.Header.Set("X-Key", key)
 	start := time.Now()
 	resp, err := delayClient.Do(req)
@@ -306,12 +308,26 @@ func testDelaySpacing(t *testing.T, up *delayUpstream, zone string) {
 	allowed := func() int { return int(st.allowed.Load() - base) }
 	replies := make([]delayReply, n)
 	var wg sync.WaitGroup
+	// The first's slot, s0, is when it is decided, after sent; the k-th
+	// request's slot is s0 + k·100ms, or later if the machine held its
+	// decision past that.
+	sent := time.Now()
 	for i := range n {
 		wg.Go(func() { replies[i] = delayGet(context.Background(), "/spacing") })
 	}
 	waitFor(t, 10*time.Second, "the 100 requests decided", func() bool { return allowed()+int(st.denied.Load()) >= n })
+	decided := time.Now()
 	if d := st.denied.Load(); d != 0 {
 		t.Fatalf("%d of the 100 requests refused", d)
+	}
+	// The bucket holds the 100 requests' tokens: it is full again 100
+	// slots after the first's, which was decided between sent and
+	// decided.
+	p0 := time.Now()
+	owed := debtOf(t, zoneRefOf(t, zone))
+	p1 := time.Now()
+	if full, lo, hi := p0.Add(owed), sent.Add(n*spacing), decided.Add(n*spacing); p1.Add(owed).Before(lo) || full.After(hi) {
+		t.Errorf("the bucket is full again %v after the requests were sent, want %v to %v: the 100 requests' tokens", full.Sub(sent), lo.Sub(sent), hi.Sub(sent))
 	}
 
 	// The bucket holds 101 requests' worth (burst 1, 10s of delay), and
@@ -367,76 +383,100 @@ func testDelaySpacing(t *testing.T, up *delayUpstream, zone string) {
 		t.Fatalf("the upstream saw %d requests, want %d", len(at), n+let)
 	}
 	slices.SortFunc(at, func(a, b time.Time) int { return a.Compare(b) })
-	// The first request goes on at once, at the busiest moment (the 100
-	// arriving): it can reach the upstream late, and so can the first
-	// that wait. t0 is the first's slot as the waiting requests place it:
-	// the median of their arrivals less their slots.
+	// By τ after s0, the bucket has taken 101 + τ/100ms requests: the
+	// more requests allowed found room that time had made.
+	if most := 1 + int(decidedAt.Sub(sent)/spacing); let > most {
+		t.Errorf("%d more requests allowed %v after the first was sent, want at most %d", let, decidedAt.Sub(sent), most)
+	}
+	// Never early: by any instant, no more requests reach the upstream
+	// than slots have begun since the first's, which is after sent (a
+	// millisecond for Redis's clock, which counts in microseconds).
+	for k, a := range at {
+		if slot := sent.Add(time.Duration(k) * spacing); a.Before(slot.Add(-time.Millisecond)) {
+			t.Errorf("%d requests reached the upstream by %v after they were sent, want at most %d: one went on ahead of its token", k+1, a.Sub(sent), k)
+		}
+	}
+	// How late each comes is the runtime's: its timer fires, and the
+	// proxy passes it on, when the machine's CPUs let them, which on a
+	// machine that other tests load (they run under -race beside others)
+	// is up to hundreds of milliseconds after its slot, for a tenth of
+	// the requests or more. It is reported, against the slots as the
+	// median of the arrivals places them; what the handler decided is
+	// asserted above.
 	offs := make([]time.Duration, 0, len(at)-1)
 	for k, a := range at[1:] {
 		offs = append(offs, a.Sub(at[0])-time.Duration(k+1)*spacing)
 	}
 	slices.Sort(offs)
 	t0 := at[0].Add(offs[len(offs)/2])
-	// By τ after t0, the bucket has taken 101 + τ/100ms requests: the
-	// more requests allowed found room that time had made.
-	if most := 1 + int(decidedAt.Sub(t0)/spacing); let > most {
-		t.Errorf("%d more requests allowed %v after the first, want at most %d", let, decidedAt.Sub(t0), most)
-	}
-	// Never early (that would be a request ahead of its token), and each
-	// within 5% of the spacing of its slot. On a loaded machine (the tests
-	// run under -race beside others), a timer may fire late, or a batch of
-	// replies come late, making its requests wait from later: up to a
-	// tenth, by at most half the spacing, are let pass.
 	worst, late := time.Duration(0), 0
 	for k, a := range at[1:] {
-		k++
-		off := a.Sub(t0) - time.Duration(k)*spacing
-		worst = max(worst, off.Abs())
-		switch {
-		case off < -spacing/20:
-			t.Errorf("request %d reached the upstream %v after the first's slot, before its own slot %v", k, a.Sub(t0), time.Duration(k)*spacing)
-		case off > spacing/20:
+		off := a.Sub(t0) - time.Duration(k+1)*spacing
+		worst = max(worst, off)
+		if off > spacing/20 {
 			late++
-			t.Logf("request %d reached the upstream %v after the first's slot, want %v ± 5ms", k, a.Sub(t0), time.Duration(k)*spacing)
 		}
 	}
-	if late > len(at)/10 || worst > spacing/2 {
-		t.Errorf("%d requests more than 5ms late, the latest %v", late, worst)
-	}
-	if late := at[0].Sub(t0); late > time.Second || late < -spacing/20 {
-		t.Errorf("the first request reached the upstream %v after its slot", late)
-	}
-	t.Logf("%d requests waited for their slots 100ms apart, the farthest %v off; the first, which did not wait, came %v after its slot", len(at)-1, worst, at[0].Sub(t0))
+	t.Logf("%d requests waited for their slots 100ms apart, %d of them more than 5ms after the median's, the latest by %v; the first, which did not wait, came %v after the median's first slot",
+		len(at)-1, late, worst, at[0].Sub(t0))
 }
 
 // A client that leaves while its request waits gets its tokens back: the
 // request never reaches the upstream, and the next one waits only for
-// the tokens that the first request took.
+// the tokens that the first request took. The first took its token at an
+// instant between its sending and its answer (T1), and the bucket is
+// full again a second after, or two with the waiting request's token:
+// what the test asks of the bucket and of the next request follows from
+// those instants, which a loaded machine may hold apart.
 func testDelayClientLeaves(t *testing.T, up *delayUpstream, zone string) {
 	ref := zoneRefOf(t, zone)
 	st := ref.z.state
+	const token = time.Second // 1r/s, burst 1
+	firstSent := time.Now()
 	if rep := delayGet(context.Background(), "/leave"); rep.code != http.StatusOK {
 		t.Fatalf("first request: %d %v", rep.code, rep.err)
+	}
+	firstAnswered := time.Now()
+	owes := func(what string, tokens int) {
+		t.Helper()
+		checkOwes(t, ref, what, firstSent, firstAnswered, time.Duration(tokens)*token)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan delayReply, 1)
 	go func() { done <- delayGet(ctx, "/leave") }()
 	waitFor(t, 5*time.Second, "the second request decided", func() bool { return st.allowed.Load() == 2 })
-	if d := debtOf(t, ref); d < 1500*time.Millisecond {
-		t.Fatalf("the waiting request holds no tokens: the bucket owes %v", d)
-	}
-	time.Sleep(200 * time.Millisecond)
+	owes("the waiting request", 2)
 	cancel()
 	if rep := <-done; rep.err == nil {
 		t.Fatalf("the client that left got %d", rep.code)
 	}
 	waitFor(t, 5*time.Second, "the tokens given back", func() bool { return st.delayAbandoned.Load() == 1 })
-	if d := debtOf(t, ref); d <= 0 || d > 800*time.Millisecond {
-		t.Fatalf("after the client left the bucket owes %v, want what the first request left: under 800ms", d)
+	owes("after the client left", 1)
+
+	// The third request goes on when the first's token is back, never
+	// before; it was told to wait no longer than from its sending until
+	// then (the delays' sum, delay_seconds).
+	delaySum := func() float64 {
+		t.Helper()
+		series := `caddy_rate_limit_delay_seconds_sum{zone="` + zone + `"}`
+		v, ok := scrapeAt(t, http.DefaultClient, adminAddr)[series]
+		if !ok {
+			t.Fatalf("no %s in the metrics", series)
+		}
+		return v
 	}
+	before := delaySum()
+	sent := time.Now()
 	rep := delayGet(context.Background(), "/leave")
-	if rep.code != http.StatusOK || rep.took < 300*time.Millisecond || rep.took > 1100*time.Millisecond {
-		t.Fatalf("third request: %d after %v, want 200 after about 700ms", rep.code, rep.took)
+	answered := time.Now()
+	if rep.code != http.StatusOK {
+		t.Fatalf("third request: %d %v", rep.code, rep.err)
+	}
+	if back := firstSent.Add(token); answered.Before(back) {
+		t.Fatalf("third request answered %v before the first's token was back", back.Sub(answered))
+	}
+	if waited, most := time.Duration((delaySum()-before)*float64(time.Second)), firstAnswered.Add(token).Sub(sent); waited > most+time.Millisecond {
+		t.Fatalf("third request waited %v, want at most the %v until the first's token was back: the one whose client left still holds tokens", waited, most)
 	}
 	if n := len(up.at("leave")); n != 2 {
 		t.Fatalf("the upstream saw %d requests, want 2: the one whose client left never went on", n)
@@ -446,14 +486,32 @@ func testDelayClientLeaves(t *testing.T, up *delayUpstream, zone string) {
 	}
 }
 
+// checkOwes checks what the bucket of key k in ref's zone owes, against
+// when it is full again: full after a request decided between sent and
+// answered, seen between the peek's start and end.
+func checkOwes(t *testing.T, ref zoneRef, what string, sent, answered time.Time, full time.Duration) {
+	t.Helper()
+	p0 := time.Now()
+	d := debtOf(t, ref)
+	p1 := time.Now()
+	if lo, hi := max(sent.Add(full).Sub(p1), 0), max(answered.Add(full).Sub(p0), 0); d < lo || d > hi {
+		t.Fatalf("%s: the bucket owes %v, want %v to %v: full again %v after the first request", what, d, lo, hi, full)
+	}
+}
+
 // max_delayed 3: with three requests waiting, a fourth that would wait is
 // refused as if the zone had no delay, and charged nothing.
 func testDelayMaxDelayed(t *testing.T, zone string) {
 	ref := zoneRefOf(t, zone)
 	st := ref.z.state
+	// What the test asks of the bucket and of the refused request follows
+	// from when the first took its token, between its sending and its
+	// answer (see testDelayClientLeaves).
+	firstSent := time.Now()
 	if rep := delayGet(context.Background(), "/max"); rep.code != http.StatusOK {
 		t.Fatalf("first request: %d %v", rep.code, rep.err)
 	}
+	firstAnswered := time.Now()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	var wg sync.WaitGroup
@@ -464,27 +522,31 @@ func testDelayMaxDelayed(t *testing.T, zone string) {
 	if w := ref.h.waiting.Load(); w != 3 {
 		t.Fatalf("%d requests waiting, want 3", w)
 	}
+	// Its token is there 4s after the first request's: refused at once,
+	// it is answered before then.
+	sent := time.Now()
 	rep := delayGet(context.Background(), "/max")
-	if rep.code != http.StatusTooManyRequests || rep.took > time.Second {
+	answered := time.Now()
+	if rep.code != http.StatusTooManyRequests || !answered.Before(firstSent.Add(4*time.Second)) {
 		t.Fatalf("fourth waiting request: %d after %v, want 429 at once", rep.code, rep.took)
 	}
-	// Retry-After as without a delay: the 4s until its token is there.
-	if got := rep.hdr.Get("Retry-After"); got != "4" {
-		t.Errorf("Retry-After %q, want 4", got)
+	// Retry-After as without a delay: the time until its token is there,
+	// in whole seconds (4, unless the machine took long to get here).
+	lo := int(math.Ceil(firstSent.Add(4 * time.Second).Sub(answered).Seconds()))
+	hi := int(math.Ceil(firstAnswered.Add(4 * time.Second).Sub(sent).Seconds()))
+	if got, err := strconv.Atoi(rep.hdr.Get("Retry-After")); err != nil || got < lo || got > hi {
+		t.Errorf("Retry-After %q, want %d to %d", rep.hdr.Get("Retry-After"), lo, hi)
 	}
 	if st.delayRefused.Load() != 1 {
 		t.Errorf("delay refusals %d, want 1", st.delayRefused.Load())
 	}
-	if d := debtOf(t, ref); d > 4*time.Second || d < 3*time.Second {
-		t.Errorf("the bucket owes %v, want under 4s: the refused request took nothing", d)
-	}
+	// The refused request took nothing: four tokens after the first's.
+	checkOwes(t, ref, "after the refusal", firstSent, firstAnswered, 4*time.Second)
 	cancel()
 	wg.Wait()
 	waitFor(t, 5*time.Second, "the three given back", func() bool { return st.delayAbandoned.Load() == 3 })
 	if w := ref.h.waiting.Load(); w != 0 {
 		t.Fatalf("%d requests still counted as waiting", w)
 	}
-	if d := debtOf(t, ref); d > time.Second {
-		t.Errorf("the bucket owes %v after the three left, want under 1s", d)
-	}
+	checkOwes(t, ref, "after the three left", firstSent, firstAnswered, time.Second)
 }

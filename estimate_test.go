@@ -390,7 +390,7 @@ func adminKeyOf(t *testing.T, h *Handler, zone, key string) keyState {
 // upstream costUp; both burst 1000 at 1000/h, charging the usage, on
 // store.
 func estimateSite(zone, upstream, costUp, storeCfg string) string {
-	return fmt.Sprintf(`http://localhost:9080 {
+	return fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone %[1]s {
 			key {http.request.header.Authorization}
@@ -493,11 +493,11 @@ func TestEstimateParallel(t *testing.T) {
 			body := []byte(`{"model":"m","max_tokens":1,"max_completion_tokens":200,"stream":true,"messages":[{"role":"user","content":"hi"}]}`)
 			// Without estimate, a cost of 50: all 20 are admitted, and
 			// their usage leaves the bucket 1,000 tokens in debt.
-			if n := sendParallel(t, costUp, []string{"http://localhost:9080"}, 20, "parallel", body, "X-Estimate", "off"); n[200] != 20 {
+			if n := sendParallel(t, costUp, []string{siteURL}, 20, "parallel", body, "X-Estimate", "off"); n[200] != 20 {
 				t.Fatalf("20 parallel requests at a cost of 50: %v, want 20 × 200", n)
 			}
 			owed := func() float64 {
-				tok, _ := adminKeyAt(t, "localhost:2999", zone+"-cost", "parallel")["tokens"].(float64)
+				tok, _ := adminKeyAt(t, adminAddr, zone+"-cost", "parallel")["tokens"].(float64)
 				return tok
 			}
 			eventually(5*time.Second, func() bool { return owed() <= -999 })
@@ -505,11 +505,11 @@ func TestEstimateParallel(t *testing.T) {
 				t.Fatalf("after the 20 at a cost of 50 were settled: %v tokens, want -1000", tok)
 			}
 
-			if n := sendParallel(t, up, []string{"http://localhost:9080"}, 20, "parallel", body); n[200] != 5 || n[429] != 15 {
+			if n := sendParallel(t, up, []string{siteURL}, 20, "parallel", body); n[200] != 5 || n[429] != 15 {
 				t.Fatalf("20 parallel requests stating 200 tokens: %v, want 5 × 200 and 15 × 429", n)
 			}
 			tokens := func() float64 {
-				tok, _ := adminKeyAt(t, "localhost:2999", zone, "parallel")["tokens"].(float64)
+				tok, _ := adminKeyAt(t, adminAddr, zone, "parallel")["tokens"].(float64)
 				return tok
 			}
 			eventually(5*time.Second, func() bool { return tokens() >= 500 })
@@ -517,7 +517,7 @@ func TestEstimateParallel(t *testing.T) {
 			if tok := tokens(); tok < 500 || tok > 505 {
 				t.Fatalf("after the 5 were settled: %v tokens, want 500", tok)
 			}
-			req, _ := http.NewRequest(http.MethodPost, "http://localhost:9080/json?tokens=30", bytes.NewReader(body))
+			req, _ := http.NewRequest(http.MethodPost, siteURL+"/json?tokens=30", bytes.NewReader(body))
 			req.Header.Set("Authorization", "parallel")
 			req.Header.Set("Content-Type", "application/json")
 			resp, err := http.DefaultClient.Do(req)
@@ -545,7 +545,7 @@ func TestEstimateParallel(t *testing.T) {
 // its Content-Length, or of a JSON body read whole.
 func TestEstimateBodiesThroughCaddy(t *testing.T) {
 	up := startLLMUpstream(t)
-	tester := startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	tester := startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone llm-bodies {
 			key {http.request.header.Authorization}
@@ -589,7 +589,7 @@ func TestEstimateBodiesThroughCaddy(t *testing.T) {
 		if tc.chunked {
 			body = onlyReader{body}
 		}
-		req, _ := http.NewRequest(http.MethodPost, "http://localhost:9080/json?tokens=1", body)
+		req, _ := http.NewRequest(http.MethodPost, siteURL+"/json?tokens=1", body)
 		if tc.chunked {
 			req.ContentLength = -1
 		}

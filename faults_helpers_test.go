@@ -127,11 +127,11 @@ func startFaultCaddy(t *testing.T, site string, ownProcess bool) *faultCaddy {
 	c := &faultCaddy{t: t, client: &http.Client{Timeout: 30 * time.Second}}
 	bin := os.Getenv("RATELIMIT_FAULTS_CADDY")
 	if bin == "" || !ownProcess {
-		// caddytest's Caddy: ports 2999 and 9080 (caddytest's defaults,
+		// caddytest's Caddy: the package's test ports (pickTestPorts),
 		// shared by the package's tests, which therefore never run in
-		// parallel).
-		c.admin, c.url, c.pid = "localhost:2999", "http://localhost:9080", os.Getpid()
-		c.global = faultGlobal(2999, 9080, 9443, "file "+logPath)
+		// parallel.
+		c.admin, c.url, c.pid = adminAddr, siteURL, os.Getpid()
+		c.global = faultGlobal(adminPort, httpPort, httpsPort, "file "+logPath)
 		tester := caddytest.NewTester(t)
 		tester.InitServer(c.config(site), "caddyfile")
 		if t.Failed() {

@@ -66,7 +66,7 @@ func checkReset(t *testing.T, step string, h http.Header, from, to time.Time, de
 // TestBurstThen429 spends a bucket of 3 that refills one token a minute
 // and checks every header along the way.
 func TestBurstThen429(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {client_ip} 1r/m 3
 	respond "ok"
 }
@@ -111,7 +111,7 @@ func TestBurstThen429(t *testing.T) {
 // TestHeaderModes checks that `headers` picks the header families, and
 // that Retry-After comes with every 429 whatever the mode.
 func TestHeaderModes(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	handle /both {
 		rate_limit {
 			zone hm_both {
@@ -213,7 +213,7 @@ func TestQuotaResetIsTheWindowsEnd(t *testing.T) {
 	zone := `{"zones":[{"name":"reset-ny","key":"static","quota":100,"quota_period":"day","timezone":"America/New_York"}]`
 	for _, tc := range []struct{ name, config string }{
 		{"local", zone + `}`},
-		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"rny:"}}`},
+		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"timeout":"5s","key_prefix":"rny:"}}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, tc.config)

@@ -12,6 +12,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -19,10 +20,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -132,8 +135,19 @@ func serve(h *Handler, ip string, header ...string) (int, http.Header) {
 // nowForTest is the clock reading a test passes to a store.
 func nowForTest() time.Time { return time.Now() }
 
-// redisConfig is a handler config with one zone and a Redis store.
+// testTimeout is the Redis store's timeout in the tests that are not
+// about timeouts: they check what Redis decides, and on a machine that
+// other tests load a call may take longer than the default 100ms, after
+// which fail_mode decides instead.
+const testTimeout = `"timeout":"5s"`
+
+// redisConfig is a handler config with one zone and a Redis store, with
+// more store fields in storeCfg; its timeout is testTimeout unless
+// storeCfg sets one.
 func redisConfig(addr, zone, rate string, burst int, storeCfg string) string {
+	if !strings.Contains(storeCfg, `"timeout":`) {
+		storeCfg += "," + testTimeout
+	}
 	return fmt.Sprintf(`{"zones":[{"name":%q,"rate":%q,"burst":%d}],
 		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"%s}}`, zone, rate, burst, addr, storeCfg)
 }
@@ -178,9 +192,75 @@ func waitOneListener(t *testing.T, port int) {
 	}
 }
 
-// TestMain gives the test Caddy a storage of its own, so that the local
-// store's snapshots of one run never reach the next.
+// The test Caddy's ports: its admin endpoint's, and the HTTP and HTTPS
+// ports of the sites loaded into it. caddytest's Caddy listens on fixed
+// ones by default (admin 2999), and a test whose Caddy finds that port
+// taken loads its config into whichever Caddy holds it: two runs of the
+// package at once (two `go test ./...`, or another checkout's) would
+// serve each other's configs, and Caddy's listeners share a port
+// (SO_REUSEPORT), so each run's requests would reach both. TestMain picks
+// ports of this run instead (pickTestPorts); the configs and the clients
+// name them through these.
+var (
+	adminPort, httpPort, httpsPort int
+	// adminAddr is the admin endpoint, localhost:<adminPort>.
+	adminAddr string
+	// siteURL is the test site, http://localhost:<httpPort>, and siteIPURL
+	// the same by its IP address, http://127.0.0.1:<httpPort>.
+	siteURL, siteIPURL string
+)
+
+// pickTestPorts picks the test Caddy's ports: three that nothing listens
+// on, each locked for this process (a lock file in the temporary folder,
+// held until the process ends), so that two runs at once never pick one
+// port. They lie below the kernel's ephemeral range, as caddytest's do:
+// Caddy binds its listeners again at each config load, and a port of
+// that range may be an outgoing connection's meanwhile, which the bind
+// then finds in use.
+func pickTestPorts() {
+	const lo, hi = 20000, 32000 // the ephemeral range starts at 32768
+	var ports []int
+	for len(ports) < 3 {
+		p := lo + rand.IntN(hi-lo)
+		if p == 2999 || p == 9080 || p == 9443 || slices.Contains(ports, p) || !lockPort(p) {
+			continue
+		}
+		if l, err := net.Listen("tcp", ":"+strconv.Itoa(p)); err == nil {
+			l.Close()
+			ports = append(ports, p)
+		}
+	}
+	adminPort, httpPort, httpsPort = ports[0], ports[1], ports[2]
+	adminAddr = "localhost:" + strconv.Itoa(adminPort)
+	siteURL = "http://localhost:" + strconv.Itoa(httpPort)
+	siteIPURL = "http://127.0.0.1:" + strconv.Itoa(httpPort)
+	caddytest.Default.AdminPort = adminPort
+}
+
+// portLocks are the lock files of the test ports, open while the process
+// lives (a file no longer referenced is closed, and its lock let go).
+var portLocks []*os.File
+
+// lockPort takes port p's lock file for this process, and reports
+// whether it got it.
+func lockPort(p int) bool {
+	f, err := os.OpenFile(filepath.Join(os.TempDir(), fmt.Sprintf("ratelimit-test-port-%d.lock", p)), os.O_CREATE|os.O_RDWR, 0o600)
+	if err != nil {
+		return false
+	}
+	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+		f.Close()
+		return false
+	}
+	portLocks = append(portLocks, f)
+	return true
+}
+
+// TestMain gives the test Caddy ports of its own (pickTestPorts) and a
+// storage of its own, so that the local store's snapshots of one run
+// never reach the next.
 func TestMain(m *testing.M) {
+	pickTestPorts()
 	dir, err := os.MkdirTemp("", "ratelimit-test-storage-")
 	if err != nil {
 		panic(err)
@@ -188,36 +268,40 @@ func TestMain(m *testing.M) {
 	caddy.DefaultStorage.Path = dir
 	code := m.Run()
 	os.RemoveAll(dir)
+	if caddyBuild.dir != "" {
+		os.RemoveAll(caddyBuild.dir)
+	}
 	os.Exit(code)
 }
 
 // jsonServer is a JSON config of the test Caddy whose one route runs
 // handlers; the server trusts loopback proxies' X-Forwarded-For.
 func jsonServer(handlers string) string {
-	return `{
-	"admin": {"listen": "localhost:2999", "config": {"persist": false}},
+	return fmt.Sprintf(`{
+	"admin": {"listen": %q, "config": {"persist": false}},
 	"apps": {
 		"http": {
-			"http_port": 9080,
-			"https_port": 9443,
+			"http_port": %d,
+			"https_port": %d,
 			"grace_period": 1,
 			"servers": {
 				"demo": {
-					"listen": [":9080"],
+					"listen": [":%[2]d"],
 					"trusted_proxies": {"source": "static", "ranges": ["127.0.0.0/8"]},
-					"routes": [{"handle": [` + handlers + `]}]
+					"routes": [{"handle": [%[4]s]}]
 				}
 			}
 		},
 		"pki": {"certificate_authorities": {"local": {"install_trust": false}}}
 	}
-}`
+}`, adminAddr, httpPort, httpsPort, handlers)
 }
 
 // jsonServerH2C is jsonServer whose server speaks HTTP/2 without TLS too
 // (h2c), as gRPC clients do to a Caddy in front of gRPC services.
 func jsonServerH2C(handlers string) string {
-	return strings.Replace(jsonServer(handlers), `"listen": [":9080"],`, `"listen": [":9080"], "protocols": ["h1", "h2", "h2c"],`, 1)
+	listen := fmt.Sprintf(`"listen": [":%d"],`, httpPort)
+	return strings.Replace(jsonServer(handlers), listen, listen+` "protocols": ["h1", "h2", "h2c"],`, 1)
 }
 
 // h2cClient is a client that speaks HTTP/2 without TLS (h2c), as a gRPC
@@ -319,7 +403,8 @@ func password(pw string) string {
 	return "Basic " + base64.StdEncoding.EncodeToString([]byte("alice:"+pw))
 }
 
-// storeJSON is the handler's store config: local, or Redis on addrs.
+// storeJSON is the handler's store config: local, or Redis on addrs with
+// testTimeout.
 func storeJSON(addrs ...string) string {
 	if len(addrs) == 0 {
 		return `{"backend":"local"}`
@@ -328,7 +413,7 @@ func storeJSON(addrs ...string) string {
 	for i, a := range addrs {
 		quoted[i] = strconv.Quote(a)
 	}
-	return `{"backend":"redis","addresses":[` + strings.Join(quoted, ",") + `]}`
+	return `{"backend":"redis","addresses":[` + strings.Join(quoted, ",") + `],` + testTimeout + `}`
 }
 
 // hit sends one request to the test site from client IP ip (the server
@@ -336,7 +421,7 @@ func storeJSON(addrs ...string) string {
 // returns the status, the body and the Retry-After seconds (0 if none).
 func hit(t *testing.T, c *http.Client, path, ip string, header ...string) (int, string, int) {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
+	req, err := http.NewRequest(http.MethodGet, siteIPURL+path, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -361,7 +446,7 @@ func loopback(n int) *http.Client {
 	return &http.Client{Timeout: 10 * time.Second, Transport: &http.Transport{
 		DisableKeepAlives: true,
 		DialContext: func(ctx context.Context, network, _ string) (net.Conn, error) {
-			return d.DialContext(ctx, network, "127.0.0.1:9080")
+			return d.DialContext(ctx, network, "127.0.0.1:"+strconv.Itoa(httpPort))
 		},
 	}}
 }
@@ -370,7 +455,7 @@ func loopback(n int) *http.Client {
 // name/value pairs. It returns the response's headers.
 func sendExpect(t *testing.T, c *http.Client, method, path string, want int, header ...string) http.Header {
 	t.Helper()
-	req, err := http.NewRequest(method, "http://localhost:9080"+path, nil)
+	req, err := http.NewRequest(method, siteURL+path, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -393,7 +478,7 @@ func sendExpect(t *testing.T, c *http.Client, method, path string, want int, hea
 // so that a zone name used by an earlier config starts afresh.
 func resetBucket(t *testing.T, zone, key string) {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodDelete, "http://localhost:2999/rate_limit/"+url.PathEscape(zone)+"/"+url.PathEscape(key), nil)
+	req, _ := http.NewRequest(http.MethodDelete, "http://"+adminAddr+"/rate_limit/"+url.PathEscape(zone)+"/"+url.PathEscape(key), nil)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -433,8 +518,8 @@ func loadJSON(t *testing.T, config string) *caddytest.Tester {
 // package's admin requests.
 func waitLoaded(t *testing.T, tester *caddytest.Tester) {
 	t.Helper()
-	waitOneListener(t, 9080)
-	waitOneListener(t, caddytest.Default.AdminPort)
+	waitOneListener(t, httpPort)
+	waitOneListener(t, adminPort)
 	// No new connection can reach the old admin endpoint now; drop
 	// those it may have kept alive.
 	http.DefaultClient.CloseIdleConnections()
@@ -448,16 +533,35 @@ func hashOf(key string) string {
 	return hex.EncodeToString(sum[:16])
 }
 
-// buildCaddy builds ./cmd/caddy into a temporary folder, and returns the
-// binary and the folder.
+// buildCaddy returns a Caddy built from ./cmd/caddy, and a temporary
+// folder of the test's. The binary is built once a run, for the tests
+// that run it (each build took a minute on a loaded machine, of the ten
+// the package has), and removed when the run ends.
 func buildCaddy(t *testing.T) (bin, dir string) {
 	t.Helper()
-	dir = t.TempDir()
-	bin = filepath.Join(dir, "caddy")
-	if out, err := exec.Command("go", "build", "-o", bin, "./cmd/caddy").CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
+	caddyBuild.once.Do(func() {
+		d, err := os.MkdirTemp("", "ratelimit-test-caddy-")
+		if err != nil {
+			caddyBuild.err = err
+			return
+		}
+		caddyBuild.dir, caddyBuild.bin = d, filepath.Join(d, "caddy")
+		if out, err := exec.Command("go", "build", "-o", caddyBuild.bin, "./cmd/caddy").CombinedOutput(); err != nil {
+			caddyBuild.err = fmt.Errorf("go build: %v\n%s", err, out)
+		}
+	})
+	if caddyBuild.err != nil {
+		t.Fatal(caddyBuild.err)
 	}
-	return bin, dir
+	return caddyBuild.bin, t.TempDir()
+}
+
+// caddyBuild is buildCaddy's binary, its folder, and what its build
+// said.
+var caddyBuild struct {
+	once     sync.Once
+	bin, dir string
+	err      error
 }
 
 // binaryGlobal is the global options of a Caddy built by buildCaddy: its

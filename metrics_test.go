@@ -22,7 +22,7 @@ import (
 // handler exports no metrics, keyed by X-Forwarded-For. Zone names start
 // with p: zones, and what they count, are shared by name.
 func opsSites(p, redisAddr, body string) string {
-	return fmt.Sprintf(`http://localhost:9080 {
+	return fmt.Sprintf(`http://localhost {
 	handle /local {
 		rate_limit {
 			zone %[3]s_local {
@@ -43,7 +43,7 @@ func opsSites(p, redisAddr, body string) string {
 			}
 			store redis {
 				address %[1]s
-				timeout 100ms
+				timeout 5s
 			}
 		}
 		respond %[2]q
@@ -88,7 +88,7 @@ func from(ip string) []string { return []string{"X-Forwarded-For", ip} }
 // from `name{labels}` to value.
 func scrape(t *testing.T, tester *caddytest.Tester) map[string]float64 {
 	t.Helper()
-	return scrapeAt(t, tester.Client, "localhost:2999")
+	return scrapeAt(t, tester.Client, adminAddr)
 }
 
 // scrapeAt is scrape of the Caddy whose admin API listens at admin.

@@ -9,6 +9,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -214,23 +215,28 @@ func TestDenialLog(t *testing.T) {
 	}
 }
 
-const testGlobalOptions = `{
+// testGlobalOptions is the test Caddy's global options, with extra ones:
+// its ports (pickTestPorts), which the sites' addresses without a port
+// (http://localhost) take.
+func testGlobalOptions(extra string) string {
+	return fmt.Sprintf(`{
 	skip_install_trust
-	admin localhost:2999
-	http_port 9080
-	https_port 9443
+	admin %s
+	http_port %d
+	https_port %d
 	grace_period 1ns
 	persist_config off
 %s}
 
-`
+`, adminAddr, httpPort, httpsPort, extra)
+}
 
 // startCaddy loads a config made of the test global options, extra
 // global options and sites into the test Caddy.
 func startCaddy(t *testing.T, extraGlobal, sites string) *caddytest.Tester {
 	t.Helper()
 	tester := caddytest.NewTester(t)
-	tester.InitServer(fmt.Sprintf(testGlobalOptions, extraGlobal)+sites, "caddyfile")
+	tester.InitServer(testGlobalOptions(extraGlobal)+sites, "caddyfile")
 	if t.Failed() {
 		t.FailNow()
 	}
@@ -241,7 +247,7 @@ func startCaddy(t *testing.T, extraGlobal, sites string) *caddytest.Tester {
 // reload loads another config into a running test Caddy.
 func reload(t *testing.T, tester *caddytest.Tester, extraGlobal, sites string) {
 	t.Helper()
-	tester.InitServer(fmt.Sprintf(testGlobalOptions, extraGlobal)+sites, "caddyfile")
+	tester.InitServer(testGlobalOptions(extraGlobal)+sites, "caddyfile")
 	if t.Failed() {
 		t.FailNow()
 	}
@@ -252,7 +258,7 @@ func reload(t *testing.T, tester *caddytest.Tester, extraGlobal, sites string) {
 // and asserts the status and the body.
 func get(t *testing.T, tester *caddytest.Tester, path string, wantStatus int, wantBody string, header ...string) http.Header {
 	t.Helper()
-	req, err := http.NewRequest(http.MethodGet, "http://localhost:9080"+path, nil)
+	req, err := http.NewRequest(http.MethodGet, siteURL+path, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -263,10 +269,15 @@ func get(t *testing.T, tester *caddytest.Tester, path string, wantStatus int, wa
 	return resp.Header
 }
 
-// TestRefill waits for tokens to come back.
+// TestRefill waits for tokens to come back: a bucket of 2 that gets one
+// back every 200ms. Each request is checked against the tokens the
+// bucket may hold when the server decides it, which is between the
+// request's sending and its answer (refillRange): on a machine that
+// other tests load, requests meant to come within 200ms may not, and
+// the bucket then holds what that time gave back. Unloaded, the range is
+// narrow enough that each status and remaining count has one value.
 func TestRefill(t *testing.T) {
-	// One token every 200ms, two at most.
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone refill {
 			rate 5r/s
@@ -276,38 +287,97 @@ func TestRefill(t *testing.T) {
 	respond "ok"
 }
 `)
-	remaining := func(h http.Header) string { return h.Get("X-Ratelimit-Remaining") }
+	resetBucket(t, "refill", "127.0.0.1") // full, whatever an earlier run of the test left
+	b := refillRange{burst: 2, token: 200 * time.Millisecond}
+	request := func(what string) (int, http.Header) {
+		t.Helper()
+		sent := time.Now()
+		resp, err := tester.Client.Get(siteURL + "/")
+		if err != nil {
+			t.Fatalf("%s: %v", what, err)
+		}
+		io.Copy(io.Discard, resp.Body)
+		resp.Body.Close()
+		lo, hi := b.decided(sent, time.Now())
+		remaining := resp.Header.Get("X-Ratelimit-Remaining")
+		switch resp.StatusCode {
+		case http.StatusOK:
+			if hi < 1 {
+				t.Errorf("%s: allowed with at most %.3f tokens", what, hi)
+			}
+			lo, hi = max(lo, 1)-1, hi-1
+			if n, err := strconv.Atoi(remaining); err != nil || float64(n) < math.Floor(lo) || float64(n) > math.Floor(hi) {
+				t.Errorf("%s: remaining %q, want the whole tokens of %.3f to %.3f", what, remaining, lo, hi)
+			}
+		case http.StatusTooManyRequests:
+			if lo >= 1 {
+				t.Errorf("%s: refused with at least %.3f tokens", what, lo)
+			}
+			hi = min(hi, 1)
+		default:
+			t.Fatalf("%s: status %d", what, resp.StatusCode)
+		}
+		b.lo, b.hi = lo, hi
+		return resp.StatusCode, resp.Header
+	}
 
-	if h := get(t, tester, "/", 200, "ok"); remaining(h) != "1" {
-		t.Errorf("first request: remaining %q, want 1", remaining(h))
+	if _, h := request("first request"); h.Get("X-Ratelimit-Remaining") != "1" {
+		t.Errorf("first request: remaining %q, want 1", h.Get("X-Ratelimit-Remaining"))
 	}
-	if h := get(t, tester, "/", 200, "ok"); remaining(h) != "0" {
-		t.Errorf("second request: remaining %q, want 0", remaining(h))
+	// Requests until one is refused: the second, unless 200ms passed.
+	var h http.Header
+	for i, code := 2, 200; code != http.StatusTooManyRequests; i++ {
+		if i > 50 {
+			t.Fatal("50 requests, none refused")
+		}
+		code, h = request(fmt.Sprintf("request %d", i))
 	}
-	h := get(t, tester, "/", 429, "")
 	if got := h.Get("Retry-After"); got != "1" {
-		t.Errorf("Retry-After %q, want 1 (the 200ms wait rounded up)", got)
+		t.Errorf("Retry-After %q, want 1 (the wait of at most 200ms rounded up)", got)
 	}
 	if got, want := h.Get("Ratelimit"), `"refill";r=0;t=1`; got != want {
 		t.Errorf("Ratelimit %q, want %q", got, want)
 	}
 
-	// A token is back after 200ms.
+	// A token is back after 200ms: one remains after 250ms, and is spent.
 	time.Sleep(250 * time.Millisecond)
-	if h := get(t, tester, "/", 200, "ok"); remaining(h) != "0" {
-		t.Errorf("after 250ms: remaining %q, want 0 (one token came back and was spent)", remaining(h))
-	}
+	request("after 250ms")
 
 	// The bucket is full again after 400ms, and never holds more than 2.
 	time.Sleep(450 * time.Millisecond)
-	if h := get(t, tester, "/", 200, "ok"); remaining(h) != "1" {
-		t.Errorf("after 450ms more: remaining %q, want 1", remaining(h))
+	if _, h := request("after 450ms more"); h.Get("X-Ratelimit-Remaining") != "1" {
+		t.Errorf("after 450ms more: remaining %q, want 1", h.Get("X-Ratelimit-Remaining"))
 	}
+}
+
+// refillRange is what a bucket of burst tokens, one back every token,
+// may hold after the requests so far: from lo to hi tokens. Each request
+// was decided at an instant between its sending and its answer.
+type refillRange struct {
+	burst  float64
+	token  time.Duration
+	lo, hi float64
+	// The last request's sending and answer; zero before the first.
+	sent, answered time.Time
+}
+
+// decided is the range of tokens the bucket holds when a request sent
+// and answered at those instants is decided, before it takes any.
+func (b *refillRange) decided(sent, answered time.Time) (lo, hi float64) {
+	if b.sent.IsZero() {
+		b.lo, b.hi = b.burst, b.burst // a new bucket is full
+	} else {
+		shortest, longest := max(sent.Sub(b.answered), 0), answered.Sub(b.sent)
+		b.lo = min(b.burst, b.lo+float64(shortest)/float64(b.token))
+		b.hi = min(b.burst, b.hi+float64(longest)/float64(b.token))
+	}
+	b.sent, b.answered = sent, answered
+	return b.lo, b.hi
 }
 
 // TestCost charges several tokens per request.
 func TestCost(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone cost {
 			rate 1r/m
@@ -341,7 +411,7 @@ func TestCost(t *testing.T) {
 // burst gets through, and the denied requests cost the larger zone
 // nothing.
 func TestConcurrentRequests(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone conc_a {
 			rate 1r/m
@@ -363,7 +433,7 @@ func TestConcurrentRequests(t *testing.T) {
 	var wg sync.WaitGroup
 	for range n {
 		wg.Go(func() {
-			resp, err := tester.Client.Get("http://localhost:9080/both")
+			resp, err := tester.Client.Get(siteURL + "/both")
 			if err != nil {
 				t.Error(err)
 				codes <- 0
@@ -394,7 +464,7 @@ func TestConcurrentRequests(t *testing.T) {
 // TestAllOrNothing checks that a request denied by one zone spends
 // nothing in the others.
 func TestAllOrNothing(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone aon_a {
 			match {
@@ -479,7 +549,7 @@ func TestIPPrefixes(t *testing.T) {
 	tester := startCaddy(t, `	servers {
 		trusted_proxies static private_ranges 127.0.0.1/8 ::1/128
 	}
-`, `http://localhost:9080 {
+`, `http://localhost {
 	handle /v6 {
 		rate_limit {
 			zone ip_default {
@@ -577,7 +647,7 @@ func TestIPPrefixes(t *testing.T) {
 // keeps its name, rate and burst, and start afresh when they change.
 func TestReload(t *testing.T) {
 	config := func(zones, body string) string {
-		return `http://localhost:9080 {
+		return `http://localhost {
 	handle /unlimited {
 		respond "` + body + `"
 	}
@@ -642,7 +712,7 @@ func TestReload(t *testing.T) {
 
 // TestHandleErrors shapes the 429 with the handler's placeholders.
 func TestHandleErrors(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	handle /plain {
 		rate_limit {
 			zone he_plain {
@@ -678,7 +748,7 @@ func TestHandleErrors(t *testing.T) {
 	get(t, tester, "/jitter", 200, "ok")
 	seen := make(map[int]bool)
 	for range 20 {
-		req, err := http.NewRequest(http.MethodGet, "http://localhost:9080/jitter", nil)
+		req, err := http.NewRequest(http.MethodGet, siteURL+"/jitter", nil)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -706,7 +776,7 @@ func TestHandleErrors(t *testing.T) {
 // TestEmptyKeySkipsZone: a key that expands to nothing exempts the
 // request from the zone.
 func TestEmptyKeySkipsZone(t *testing.T) {
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone empty_key {
 			key {http.request.header.X-Api-Key}
@@ -733,7 +803,7 @@ func TestOddKeys(t *testing.T) {
 	tester := startCaddy(t, `	servers {
 		max_header_size 4MB
 	}
-`, `http://localhost:9080 {
+`, `http://localhost {
 	handle /evict/* {
 		rate_limit {
 			zone odd_evict {
@@ -877,11 +947,11 @@ func TestCaddyfileExampleRuns(t *testing.T) {
 		t.Fatal(err)
 	}
 	site := string(src[strings.Index(string(src), "http://127.0.0.1:8080 {"):])
-	startCaddy(t, "\tauto_https off\n", strings.Replace(site, ":8080", ":9080", 1))
+	startCaddy(t, "\tauto_https off\n", strings.Replace(site, ":8080", ":"+strconv.Itoa(httpPort), 1))
 	// send makes a request of /api/ from 127.0.0.2 with key, if any, and
 	// returns its status and its RateLimit-Policy.
 	send := func(key string) (int, string, error) {
-		req, err := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080/api/", nil)
+		req, err := http.NewRequest(http.MethodGet, siteIPURL+"/api/", nil)
 		if err != nil {
 			return 0, "", err
 		}
@@ -1013,7 +1083,7 @@ func TestLoadErrors(t *testing.T) {
 
 	// A config that fails after one handler took its tables gives them
 	// back, and the running config keeps its own.
-	tester := startCaddy(t, "", `http://localhost:9080 {
+	tester := startCaddy(t, "", `http://localhost {
 	rate_limit {
 		zone le_ok {
 			rate 1r/s
@@ -1104,7 +1174,7 @@ func TestUnixSocketClientsAreLimited(t *testing.T) {
 // and DELETE lifts it.
 func TestBan(t *testing.T) {
 	tester := startCaddy(t, "", `
-http://localhost:9080 {
+http://localhost {
 	rate_limit {
 		zone ban-login {
 			match {
@@ -1153,7 +1223,7 @@ http://localhost:9080 {
 func TestRedisBanStartsOnce(t *testing.T) {
 	r := startRedis(t)
 	config := fmt.Sprintf(`{"zones":[{"name":"ban-once","rate":"1r/m","burst":3,"ban":"1h"}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr())
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"t:"}}`, r.Addr())
 	hs := []*Handler{newTestHandler(t, config), newTestHandler(t, config)}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -1215,11 +1285,11 @@ func TestCount(t *testing.T) {
 		t.Run(storeCfg, func(t *testing.T) {
 			storeConfig := ""
 			if storeCfg == "redis" {
-				storeConfig = fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t}", r.Addr())
+				storeConfig = fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\ttimeout 5s\n\t\t}", r.Addr())
 			}
 			zone := "count-" + storeCfg
 			tester := startCaddy(t, "", fmt.Sprintf(`
-http://localhost:9080 {
+http://localhost {
 	rate_limit {
 		zone %s {
 			rate 5/m
@@ -1242,7 +1312,7 @@ http://localhost:9080 {
 			for i := range 50 {
 				wg.Go(func() {
 					path := []string{"/bad", "/err"}[i%2]
-					resp, err := tester.Client.Get("http://localhost:9080" + path)
+					resp, err := tester.Client.Get(siteURL + path)
 					if err != nil {
 						t.Error(err)
 						return

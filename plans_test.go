@@ -190,13 +190,13 @@ func TestPlansThroughCaddy(t *testing.T) {
 	nodes := startCluster(t)
 	for _, tc := range []struct{ name, store string }{
 		{"local", ""},
-		{"redis", fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\tkey_prefix plans:\n\t\t}", r.Addr())},
-		{"cluster", fmt.Sprintf("store redis {\n\t\t\taddress %s %s %s\n\t\t}", nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr())},
+		{"redis", fmt.Sprintf("store redis {\n\t\t\taddress %s\n\t\t\ttimeout 5s\n\t\t\tkey_prefix plans:\n\t\t}", r.Addr())},
+		{"cluster", fmt.Sprintf("store redis {\n\t\t\taddress %s %s %s\n\t\t\ttimeout 5s\n\t\t}", nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			logFile := filepath.Join(t.TempDir(), "caddy.log")
 			global := fmt.Sprintf("\tlog {\n\t\toutput file %s\n\t\tformat json\n\t}\n", logFile)
-			tester := startCaddy(t, global, fmt.Sprintf(`http://localhost:9080 {
+			tester := startCaddy(t, global, fmt.Sprintf(`http://localhost {
 	map {http.request.header.X-Plan} {plan_rate} {plan_burst} {
 		pro     5r/m  5
 		broken  lots  5
@@ -301,7 +301,7 @@ func TestPlanFlipHandsBackNoTokens(t *testing.T) {
 	zone := `{"zones":[{"name":"flip","key":"static","rate":"{http.vars.rate}","burst":"{http.vars.burst}"}]`
 	for _, tc := range []struct{ name, config string }{
 		{"local", zone + `}`},
-		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"key_prefix":"flip:"}}`},
+		{"redis", zone + `,"store":{"backend":"redis","addresses":["` + r.Addr() + `"],"timeout":"5s","key_prefix":"flip:"}}`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, tc.config)

@@ -62,7 +62,7 @@ func TestPrometheusRules(t *testing.T) {
 // metrics: a local zone with a ban and a tiny max_keys, a Redis zone, a
 // zone with count and a zone with delay.
 func promSites(redisAddr string) string {
-	return fmt.Sprintf(`http://localhost:9080 {
+	return fmt.Sprintf(`http://localhost {
 	handle /local {
 		rate_limit {
 			zone prom_local {
@@ -82,7 +82,7 @@ func promSites(redisAddr string) string {
 			}
 			store redis {
 				address %s
-				timeout 100ms
+				timeout 5s
 			}
 		}
 		respond "ok"
@@ -121,7 +121,7 @@ func TestPrometheusDashboardAndAlerts(t *testing.T) {
 	requirePrometheus(t)
 	r := startRedis(t)
 	tester := startCaddy(t, opsGlobal, promSites(r.Addr()))
-	p := startPrometheus(t, "localhost:2999")
+	p := startPrometheus(t, adminAddr)
 	// The load comes after a first scrape, so that every counter rises
 	// within what Prometheus has seen, and rates are above 0.
 	waitFor(t, 30*time.Second, "a first scrape of Caddy", func() bool {
@@ -165,12 +165,12 @@ func checkDashboard(t *testing.T, p *promServer) {
 	if err := json.Unmarshal(readFile(t, dashboardFile), &d); err != nil {
 		t.Fatalf("%s: %v", dashboardFile, err)
 	}
-	vars := map[string]string{"$zone": promZones, "$instance": "localhost:2999", "$__rate_interval": "1m"}
+	vars := map[string]string{"$zone": promZones, "$instance": adminAddr, "$__rate_interval": "1m"}
 	for _, v := range d.Templating.List {
 		if v.Type != "query" {
 			continue
 		}
-		want := map[string]string{"zone": "prom_local", "instance": "localhost:2999"}[v.Name]
+		want := map[string]string{"zone": "prom_local", "instance": adminAddr}[v.Name]
 		if got := p.labelValues(t, expand(t, v.Query, vars)); !slices.Contains(got, want) {
 			t.Errorf("variable %s: %s gives %v, want %q among them", v.Name, v.Query, got, want)
 		}

@@ -8,6 +8,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -164,7 +165,7 @@ func checkQuotaHeaders(t *testing.T, resp *http.Response, zone string, limit, le
 
 func adminJSON(t *testing.T, method, path string, v any) int {
 	t.Helper()
-	req, _ := http.NewRequest(method, "http://localhost:2999"+path, nil)
+	req, _ := http.NewRequest(method, "http://"+adminAddr+path, nil)
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
@@ -185,7 +186,7 @@ func adminJSON(t *testing.T, method, path string, v any) int {
 // and the admin API's view and reset.
 func TestQuotaThroughCaddy(t *testing.T) {
 	r := startRedis(t)
-	for _, storeCfg := range []string{`{"backend":"local","persist":false}`, fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"thru:"}`, r.Addr())} {
+	for _, storeCfg := range []string{`{"backend":"local","persist":false}`, fmt.Sprintf(`{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"thru:"}`, r.Addr())} {
 		backend := "local"
 		if strings.Contains(storeCfg, "redis") {
 			backend = "redis"
@@ -200,7 +201,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 			mwin := (&calendar.Windows{Period: calendar.Month, Loc: paris}).WindowAt(time.Now())
 			send := func(key, path string, want int) *http.Response {
 				t.Helper()
-				req, _ := http.NewRequest("GET", "http://localhost:9080"+path, nil)
+				req, _ := http.NewRequest("GET", siteURL+path, nil)
 				req.Header.Set("X-API-Key", key)
 				resp, err := http.DefaultClient.Do(req)
 				if err != nil {
@@ -274,20 +275,31 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 		t.Run(backend, func(t *testing.T) {
 			storeCfg := `{"backend":"local","persist":false}`
 			if backend == "redis" {
-				storeCfg = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"short:"}`, r.Addr())
+				storeCfg = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"short:"}`, r.Addr())
 			}
 			h := newTestHandler(t, `{"zones":[{"name":"short-`+backend+`","key":"{http.request.header.K}","quota":2,"quota_period":"day"}],"store":`+storeCfg+`}`)
 			z := h.Zones[0]
 			z.quota.Every = 2 * time.Second
-			// Start just after a window starts.
-			time.Sleep(time.Until(time.Now().Truncate(2 * time.Second).Add(2*time.Second + 50*time.Millisecond)))
+			// Start just after a window starts. The requests must be
+			// decided before it ends; the refusal's Retry-After is the
+			// time left in it when it was decided, between its sending
+			// and its answer (2s, unless the machine is slow to send).
+			start := time.Now().Truncate(2 * time.Second).Add(2 * time.Second)
+			end := start.Add(2 * time.Second)
+			time.Sleep(time.Until(start.Add(50 * time.Millisecond)))
 			for i, want := range []int{200, 200, 429} {
+				sent := time.Now()
 				code, hdr := serve(h, "192.0.2.1", "K", "k")
+				answered := time.Now()
+				if !answered.Before(end) {
+					t.Fatalf("request %d answered %v after its window ended", i, answered.Sub(end))
+				}
 				if code != want {
 					t.Fatalf("request %d: %d, want %d", i, code, want)
 				}
-				if want == 429 && hdr.Get("Retry-After") != "2" {
-					t.Fatalf("Retry-After %q, want 2", hdr.Get("Retry-After"))
+				lo, hi := int(math.Ceil(end.Sub(answered).Seconds())), int(math.Ceil(end.Sub(sent).Seconds()))
+				if got, err := strconv.Atoi(hdr.Get("Retry-After")); want == 429 && (err != nil || got < lo || got > hi) {
+					t.Fatalf("Retry-After %q, want %d to %d: the time left in the window", hdr.Get("Retry-After"), lo, hi)
 				}
 			}
 			if backend == "redis" {
@@ -321,7 +333,7 @@ func TestRedisQuotaWindowEnds(t *testing.T) {
 func TestRedisQuotaClockSkew(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"skew","quota":3,"quota_period":"day"}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"skew:","disable_over_limit_cache":true}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"skew:","disable_over_limit_cache":true}}`, r.Addr()))
 	z := h.Zones[0]
 	z.quota.Every = time.Hour
 	now := time.Now()
@@ -352,7 +364,7 @@ func TestRedisQuotaCluster(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"cq","key":"{http.request.header.K}","quota":2,"quota_period":"week","timezone":"Asia/Tokyo"},
 		{"name":"cr","key":"{http.request.header.R}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q]}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s"}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	// cq's key and cr's key are in different slots: the call is split.
 	if code, _ := serve(h, "192.0.2.1", "K", "a", "R", "x"); code != 200 {
 		t.Fatalf("first: %d", code)
@@ -382,7 +394,7 @@ func TestQuotaCountAndDryRun(t *testing.T) {
 		t.Run(backend, func(t *testing.T) {
 			storeCfg := `{"backend":"local","persist":false}`
 			if backend == "redis" {
-				storeCfg = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"cdr:"}`, r.Addr())
+				storeCfg = fmt.Sprintf(`{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"cdr:"}`, r.Addr())
 			}
 			h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 				{"name":"qc-%s","quota":2,"quota_period":"day","count":{"status_code":[5]}},
@@ -422,8 +434,8 @@ func TestQuotaZonesOfOneName(t *testing.T) {
 	r := startRedis(t)
 	for _, tc := range []struct{ name, store string }{
 		{"local", `{"backend":"local","persist":false}`},
-		{"redis", fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"qn:"}`, r.Addr())},
-		{"redis-no-cache", fmt.Sprintf(`{"backend":"redis","addresses":[%q],"key_prefix":"qn2:","disable_over_limit_cache":true}`, r.Addr())},
+		{"redis", fmt.Sprintf(`{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"qn:"}`, r.Addr())},
+		{"redis-no-cache", fmt.Sprintf(`{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"qn2:","disable_over_limit_cache":true}`, r.Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			zone := func(limit int, period string) *Handler {
@@ -460,7 +472,7 @@ func TestRedisQuotaUntaggedCounter(t *testing.T) {
 	c := newRedisClient(t, r.Addr())
 	ctx := context.Background()
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"up","key":"{http.request.header.K}","quota":3,"quota_period":"month"}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"up:","disable_over_limit_cache":true}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"up:","disable_over_limit_cache":true}}`, r.Addr()))
 	z, s := h.Zones[0], h.store
 	tagged, untagged := counterKeyOf(h, z.index, "k"), redisKeysOf(h).Counter(rediswire.ZoneField(z.Name), "k")
 	if !strings.HasSuffix(tagged, "}up:4nV7:k:quota") || !strings.HasSuffix(untagged, "}up:k:quota") {

@@ -253,7 +253,7 @@ func TestRedisCluster(t *testing.T) {
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[
 		{"name":"ip","rate":"1r/m","burst":5},
 		{"name":"user","key":"{http.request.header.X-User}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q]}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s"}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	for i := range 60 {
 		if code, _ := serve(h, fmt.Sprintf("10.0.%d.1", i)); code != http.StatusOK {
 			t.Fatalf("request %d: %d", i, code)
@@ -291,7 +291,7 @@ func TestRedisClusterRefundsEachSlot(t *testing.T) {
 		{"name":"ip","rate":"1r/m","burst":5},
 		{"name":"api","key":"{http.request.header.X-Key}","rate":"1r/m","burst":5},
 		{"name":"user","key":"{http.request.header.X-User}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s","disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	slotOf := func(zone, key string) string {
 		hash, _ := bucketName(t, "", zone, "1r/m", 5, key) // the hash is the key's alone
 		return nodes[0].CLI("CLUSTER", "KEYSLOT", hash)
@@ -333,7 +333,7 @@ func TestRedisClusterDryRunApart(t *testing.T) {
 		{"name":"ip","rate":"1r/m","burst":5},
 		{"name":"dry","key":"{http.request.header.X-User}","rate":"1r/m","burst":1,"dry_run":true},
 		{"name":"api","key":"{http.request.header.X-Key}","rate":"1r/m","burst":1}],
-		"store":{"backend":"redis","addresses":[%q,%q,%q],"disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
+		"store":{"backend":"redis","addresses":[%q,%q,%q],"timeout":"5s","disable_over_limit_cache":true}}`, nodes[0].Addr(), nodes[1].Addr(), nodes[2].Addr()))
 	ip, user, key := "10.3.0.1", "carol", "key-1"
 	if code, _ := serve(h, ip, "X-User", user, "X-Key", key); code != http.StatusOK {
 		t.Fatalf("first: %d", code)
@@ -451,6 +451,7 @@ func TestRedisScriptsRefused(t *testing.T) {
 		}
 		store redis {
 			address %s
+			timeout 5s
 			username limited
 			password pw-limited
 			fail_mode %s
@@ -749,7 +750,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	up := startLLMUpstream(t)
 	up.resume = make(chan struct{}) // streams wait after their first chunk
 	site := func(timeout string) string {
-		return fmt.Sprintf(`http://localhost:9080 {
+		return fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone reload_llm {
 			key {http.request.header.X-Key}
@@ -776,7 +777,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	tester := startCaddy(t, "", site("200ms"))
 	done := make(chan string)
 	go func() {
-		code, _, body := llmGetAt(t, "http://localhost:9080", "/sse?tokens=60", "X-Key", "k")
+		code, _, body := llmGetAt(t, siteURL, "/sse?tokens=60", "X-Key", "k")
 		done <- fmt.Sprint(code, " ", strings.Contains(body, `"total_tokens":60`))
 	}()
 	select {
@@ -786,7 +787,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	}
 	reload(t, tester, "", site("300ms"))
 	// The new config shares the slot in Redis: taken by the stream.
-	if code, _, body := llmGetAt(t, "http://localhost:9080", "/json?tokens=1", "X-Key", "k"); code != http.StatusTooManyRequests {
+	if code, _, body := llmGetAt(t, siteURL, "/json?tokens=1", "X-Key", "k"); code != http.StatusTooManyRequests {
 		t.Fatalf("while the stream runs: %d %q, want 429 (its slot is taken)", code, body)
 	}
 	close(up.resume)
@@ -797,7 +798,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 	// which may be after the client has read the end of the stream.
 	var inFlight any
 	for deadline := time.Now().Add(3 * time.Second); time.Now().Before(deadline); time.Sleep(20 * time.Millisecond) {
-		if inFlight = adminKeyAt(t, "localhost:2999", "reload_conc", "k")["in_flight"]; inFlight == float64(0) {
+		if inFlight = adminKeyAt(t, adminAddr, "reload_conc", "k")["in_flight"]; inFlight == float64(0) {
 			break
 		}
 	}
@@ -813,7 +814,7 @@ func TestRedisReloadSettlesRequestsInFlight(t *testing.T) {
 			t.Errorf("quota %v, want 60 used", info["quota"])
 		}
 	})
-	if code, _, body := llmGetAt(t, "http://localhost:9080", "/json?tokens=1", "X-Key", "k"); code != http.StatusOK {
+	if code, _, body := llmGetAt(t, siteURL, "/json?tokens=1", "X-Key", "k"); code != http.StatusOK {
 		t.Fatalf("after the stream: %d %q, want 200", code, body)
 	}
 }
@@ -889,7 +890,9 @@ func TestRedisFailLocalStartsFromWhatRedisSaid(t *testing.T) {
 
 // The ACL user of docs/redis.md is enough: as that user, a store of
 // every kind of zone decides, reads, sets and removes keys' own limits
-// and resets a key with no error, and Redis refuses it nothing.
+// and resets a key with no error, and Redis refuses it nothing. A server
+// that knows CLIENT SETINFO (Redis 7.2 and later, Valkey) is given the
+// page's addition for it too.
 func TestRedisDocumentedACLUser(t *testing.T) {
 	r := startRedis(t)
 	doc, err := os.ReadFile("docs/redis.md")
@@ -900,7 +903,15 @@ func TestRedisDocumentedACLUser(t *testing.T) {
 	if user == nil {
 		t.Fatal("docs/redis.md gives no ACL user `user caddy on >secret ...`")
 	}
-	r.CLI(append([]string{"ACL", "SETUSER", "caddy", "on", ">secret"}, strings.Fields(string(user[1]))...)...)
+	rules := strings.Fields(string(user[1]))
+	if r.CLI("COMMAND", "INFO", "client|setinfo") != "" {
+		setinfo := regexp.MustCompile("(?m)^\\s*- On Redis 7\\.2 and later[^`]*, add `(\\+client\\|setinfo)`").FindSubmatch(doc)
+		if setinfo == nil {
+			t.Fatal("docs/redis.md does not say to add `+client|setinfo` on Redis 7.2 and later")
+		}
+		rules = append(rules, string(setinfo[1]))
+	}
+	r.CLI(append([]string{"ACL", "SETUSER", "caddy", "on", ">secret"}, rules...)...)
 	hs := everyKind(t, r.Addr(), `"username":"caddy","password":"secret","fail_mode":"closed"`)
 	rec := httptest.NewRecorder()
 	if err := (adminAPI{}).serve(rec, httptest.NewRequest(http.MethodDelete, "/rate_limit/mon_q/192.0.2.9", nil)); err != nil || rec.Code != http.StatusOK {
@@ -932,7 +943,7 @@ func everyKind(t *testing.T, addr, storeCfg string) []*Handler {
 		{"name":"mon_p","rate":"{http.vars.plan_rate}","burst":2},
 		{"name":"mon_n","rate":"1r/m","burst":2,"count":{"status_code":[401]}},
 		{"name":"mon_s","concurrency":1,"dry_run":true}],
-		"store":{"backend":"redis","addresses":["`+addr+`"],`+storeCfg+`}}`)
+		"store":{"backend":"redis","addresses":["`+addr+`"],"timeout":"5s",`+storeCfg+`}}`)
 	// Keys with their own limit: the script reads and writes their
 	// buckets under it, beside the others.
 	for _, z := range []*Zone{h.Zones[0], h.Zones[5]} {
@@ -966,7 +977,7 @@ func everyKind(t *testing.T, addr, storeCfg string) []*Handler {
 	}
 	// A flood of one key: many takes in one call.
 	flood := newTestHandler(t, `{"zones":[{"name":"mon_f","rate":"1r/m","burst":5}],
-		"store":{"backend":"redis","addresses":["`+addr+`"],`+storeCfg+`,"disable_over_limit_cache":true}}`)
+		"store":{"backend":"redis","addresses":["`+addr+`"],"timeout":"5s",`+storeCfg+`,"disable_over_limit_cache":true}}`)
 	var wg sync.WaitGroup
 	for range 64 {
 		wg.Go(func() { serve(flood, "192.0.2.10") })

@@ -44,7 +44,7 @@ func TestDenialLogOfItsOwn(t *testing.T) {
 		level DEBUG
 		output file %s
 	}
-`, file), `http://localhost:9080 {
+`, file), `http://localhost {
 	rate_limit {
 		zone own_log {
 			rate 1r/m

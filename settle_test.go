@@ -31,7 +31,7 @@ func TestCountWrongPasswordFlood(t *testing.T) {
 		// A timeout for a loaded test machine, not the default 100ms:
 		// a call that times out would let fail_mode decide, and its
 		// local buckets would start a ban of their own.
-		{"redis", strings.Replace(storeJSON(r.Addr()), "}", `,"timeout":"5s"}`, 1)},
+		{"redis", storeJSON(r.Addr())},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			zone := "flood-" + tc.name
@@ -56,7 +56,7 @@ func TestCountWrongPasswordFlood(t *testing.T) {
 				wg.Go(func() {
 					<-gate
 					for i := next.Add(1); i <= int64(total); i = next.Add(1) {
-						req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080/", nil)
+						req, _ := http.NewRequest(http.MethodGet, siteIPURL+"/", nil)
 						req.Header.Set("X-Forwarded-For", ip)
 						req.Header.Set("Authorization", password("guess-"+strconv.FormatInt(i, 10)))
 						resp, err := c.Do(req)
@@ -121,7 +121,7 @@ func TestCountCluster(t *testing.T) {
 	const ip = "198.51.100.40"
 	ratelimit := func(path, ip, user string) (int, string) {
 		t.Helper()
-		req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
+		req, _ := http.NewRequest(http.MethodGet, siteIPURL+path, nil)
 		req.Header.Set("X-Forwarded-For", ip)
 		req.Header.Set("X-User", user)
 		resp, err := c.Do(req)
@@ -187,7 +187,7 @@ func TestCountDryRun(t *testing.T) {
 			const ip = "198.51.100.50"
 			step := func(i int, path string, wantCode int, wantWouldDeny string) {
 				t.Helper()
-				req, _ := http.NewRequest(http.MethodGet, "http://127.0.0.1:9080"+path, nil)
+				req, _ := http.NewRequest(http.MethodGet, siteIPURL+path, nil)
 				req.Header.Set("X-Forwarded-For", ip)
 				resp, err := c.Do(req)
 				if err != nil {
@@ -273,7 +273,7 @@ func TestCountReadsTheFinalStatus(t *testing.T) {
 func TestCountRefundsWhenClientGone(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"count-gone","rate":"1r/m","burst":2,"count":{"status_code":[401]}}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:"}}`, r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"t:"}}`, r.Addr()))
 	for i := range 3 {
 		req, rr := newRequest("192.0.2.81")
 		ctx, cancel := context.WithCancel(req.Context())

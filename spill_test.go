@@ -142,7 +142,7 @@ func TestSpillCaddyfileErrors(t *testing.T) {
 // rate_limit that reads the placeholder, limits the fallback too. The
 // responses say which upstream answered and what the placeholders held.
 func spillSite(name, primary, fallback, storeCfg string) string {
-	return fmt.Sprintf(`http://localhost:9080 {
+	return fmt.Sprintf(`http://localhost {
 	route {
 		rate_limit {
 			zone primary-%[1]s {
@@ -186,7 +186,7 @@ func TestSpillThroughCaddy(t *testing.T) {
 	primary, fallback := startLLMUpstream(t), startLLMUpstream(t)
 	for _, tc := range []struct{ name, store string }{
 		{"local", ""},
-		{"redis", "store redis {\n\t\t\t\taddress " + r.Addr() + "\n\t\t\t\tkey_prefix spill:\n\t\t\t}"},
+		{"redis", "store redis {\n\t\t\t\taddress " + r.Addr() + "\n\t\t\t\ttimeout 5s\n\t\t\t\tkey_prefix spill:\n\t\t\t}"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			tester := startCaddy(t, "", spillSite(tc.name, primary.URL, fallback.URL, tc.store))
@@ -250,7 +250,7 @@ func TestSpillThroughCaddy(t *testing.T) {
 // headers of a spilled response tell the primary zone's standing.
 func TestSpillHeadersThroughCaddy(t *testing.T) {
 	primary, fallback := startLLMUpstream(t), startLLMUpstream(t)
-	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone primary-alone {
 			key {http.request.header.Authorization}
@@ -283,7 +283,7 @@ func TestSpillHeadersThroughCaddy(t *testing.T) {
 // refuses). The responses say what the placeholders held.
 func softOutageSite(addr string) string {
 	store := "store redis {\n\t\t\t\taddress " + addr + "\n\t\t\t\ttimeout 200ms\n\t\t\t\tfail_mode closed\n\t\t\t}"
-	return fmt.Sprintf(`http://localhost:9080 {
+	return fmt.Sprintf(`http://localhost {
 	handle /spill {
 		rate_limit {
 			zone soft-spill {
@@ -363,7 +363,7 @@ func TestSoftZonesWhenRedisFails(t *testing.T) {
 				r.Start()
 				deadline := time.Now().Add(20 * time.Second)
 				for {
-					if _, _, body := llmGetAt(t, "http://localhost:9080", "/spill", "X-Key", "probe"); body == "primary false" {
+					if _, _, body := llmGetAt(t, siteURL, "/spill", "X-Key", "probe"); body == "primary false" {
 						break
 					}
 					if time.Now().After(deadline) {
@@ -382,14 +382,14 @@ func TestSoftZonesWhenRedisFails(t *testing.T) {
 				{"/dry-all", "primary true"},
 			} {
 				for i := range n {
-					code, _, body := llmGetAt(t, "http://localhost:9080", c.path, "X-Key", "k-"+fault)
+					code, _, body := llmGetAt(t, siteURL, c.path, "X-Key", "k-"+fault)
 					if code != 200 || body != c.want {
 						t.Fatalf("%s, request %d: %d %q, want 200 %q", c.path, i, code, body, c.want)
 					}
 				}
 			}
 			for i := range n {
-				if code, _, body := llmGetAt(t, "http://localhost:9080", "/mixed", "X-Key", "k-"+fault); code != 503 {
+				if code, _, body := llmGetAt(t, siteURL, "/mixed", "X-Key", "k-"+fault); code != 503 {
 					t.Fatalf("/mixed, request %d: %d %q, want fail_mode closed's 503", i, code, body)
 				}
 			}

@@ -53,7 +53,7 @@ func syncInstances(t *testing.T, addr, zones string, n int) []*Handler {
 	hs := make([]*Handler, n)
 	for i := range hs {
 		hs[i] = newTestHandler(t, fmt.Sprintf(`{"zones":[%s],
-			"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:","pool_size":%d}}`, zones, addr, 10+i))
+			"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"t:","pool_size":%d}}`, zones, addr, 10+i))
 	}
 	return hs
 }
@@ -92,7 +92,7 @@ func emptyEverywhere(t *testing.T, hs []*Handler, key string) {
 func TestSyncWithExactZone(t *testing.T) {
 	r := startRedis(t)
 	h := newTestHandler(t, fmt.Sprintf(`{"zones":[%s,{"name":"e","rate":"1r/m","burst":2}],
-		"store":{"backend":"redis","addresses":[%q],"key_prefix":"t:","fail_mode":"closed"}}`, syncZoneJSON("s", "100ms"), r.Addr()))
+		"store":{"backend":"redis","addresses":[%q],"timeout":"5s","key_prefix":"t:","fail_mode":"closed"}}`, syncZoneJSON("s", "100ms"), r.Addr()))
 	for i, want := range []int{200, 200, 429, 429, 429} {
 		if code, _ := serve(h, "10.0.0.1", "X-Key", "k"); code != want {
 			t.Fatalf("request %d: %d, want %d", i, code, want)
@@ -163,7 +163,7 @@ func syncHandles(storeCfg, limit string, n int) string {
 // syncSites is a Caddy site with three instances of a zone with sync,
 // at /a, /b and /c, and an exact zone at /e.
 func syncSites(addr string) string {
-	return "http://localhost:9080 {\n" + syncHandles("address "+addr, "rate 20r/s\n\t\t\t\tburst 40", 3) + fmt.Sprintf(`	handle /e {
+	return "http://localhost {\n" + syncHandles("address "+addr+"\n\t\t\t\ttimeout 5s", "rate 20r/s\n\t\t\t\tburst 40", 3) + fmt.Sprintf(`	handle /e {
 		rate_limit {
 			zone e {
 				key {http.request.header.X-Key}
@@ -172,6 +172,7 @@ func syncSites(addr string) string {
 			}
 			store redis {
 				address %s
+				timeout 5s
 				key_prefix t:
 			}
 		}
@@ -269,7 +270,7 @@ func TestSyncThroughCaddy(t *testing.T) {
 // returns the status.
 func sendKey(t *testing.T, tester *caddytest.Tester, path, key string) int {
 	t.Helper()
-	req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/"+path, nil)
+	req, _ := http.NewRequest(http.MethodGet, siteURL+"/"+path, nil)
 	req.Header.Set("X-Key", key)
 	resp, err := tester.Client.Do(req)
 	if err != nil {
@@ -323,7 +324,7 @@ func TestSyncOutageForgiven(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := startRedis(t)
-			tester := startCaddy(t, "", "http://localhost:9080 {\n"+syncHandles("address "+r.Addr(), "rate 10r/s\n\t\t\t\tburst 10", 2)+"}\n")
+			tester := startCaddy(t, "", "http://localhost {\n"+syncHandles("address "+r.Addr(), "rate 10r/s\n\t\t\t\tburst 10", 2)+"}\n")
 			instances := map[string][]string{"one": {"a"}, "two": {"a", "b"}}
 			halfRate := func(when string, d time.Duration) {
 				for i, start := 0, time.Now(); time.Since(start) < d; i++ {
@@ -402,7 +403,7 @@ func TestSyncOutageForgivenSlow(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := startRedis(t)
-			tester := startCaddy(t, "", "http://localhost:9080 {\n"+syncHandles("address "+r.Addr(), "rate 1r/m\n\t\t\t\tburst 10", 1)+"}\n")
+			tester := startCaddy(t, "", "http://localhost {\n"+syncHandles("address "+r.Addr(), "rate 1r/m\n\t\t\t\tburst 10", 1)+"}\n")
 			// The first request is Redis's; the second, its copy's, within
 			// its allowance, which the reconciliations send.
 			for i := range 2 {
@@ -451,7 +452,7 @@ func TestSyncClusterReconciliationCalls(t *testing.T) {
 	for _, n := range nodes {
 		addrs = append(addrs, n.Addr())
 	}
-	tester := startCaddy(t, "", "http://localhost:9080 {\n"+syncHandles("address "+strings.Join(addrs, " "), "rate 20r/s\n\t\t\t\tburst 40", 1)+"}\n")
+	tester := startCaddy(t, "", "http://localhost {\n"+syncHandles("address "+strings.Join(addrs, " ")+"\n\t\t\t\ttimeout 5s", "rate 20r/s\n\t\t\t\tburst 40", 1)+"}\n")
 	const keys, uses = 30, 8
 	use := func() {
 		for k := range keys {
@@ -640,12 +641,12 @@ func TestSyncLoad(t *testing.T) {
 			name := fmt.Sprintf("flood-%d-%v", n, interval)
 			var hs []*Handler
 			for i := range n {
-				h, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"pool_size":%d}}`,
+				h, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"timeout":"5s","pool_size":%d}}`,
 					syncZoneJSON(name, interval.String()), syncRedis.Addr(), 10+i))
 				defer unload()
 				hs = append(hs, h)
 			}
-			exact, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q]}}`, syncZoneJSON(name, ""), exactRedis.Addr()))
+			exact, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"timeout":"5s"}}`, syncZoneJSON(name, ""), exactRedis.Addr()))
 			defer unload()
 			syncCalls, exactCalls := syncRedis.Calls(), exactRedis.Calls()
 			allowed, exactAllowed := syncFlood(hs, exact, 5*time.Second)
@@ -668,7 +669,7 @@ func TestSyncLoad(t *testing.T) {
 			for time.Since(start) < 5*time.Second {
 				i := next.Add(1)
 				for _, p := range []string{[]string{"a", "b", "c"}[i%3], "e"} {
-					req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/"+p, nil)
+					req, _ := http.NewRequest(http.MethodGet, siteURL+"/"+p, nil)
 					req.Header.Set("X-Key", "through-caddy")
 					resp, err := tester.Client.Do(req)
 					if err != nil {
@@ -702,7 +703,7 @@ func TestSyncLoad(t *testing.T) {
 		zone := fmt.Sprintf(`{"name":"under-%s","key":"{http.request.header.X-Key}","rate":"100r/s","burst":200%s}`, interval, map[bool]string{true: `,"sync":"` + interval + `"`}[interval != ""])
 		var hs []*Handler
 		for i := range 3 {
-			h, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"pool_size":%d}}`, zone, r.Addr(), 10+i))
+			h, unload := provision(t, fmt.Sprintf(`{"zones":[%s],"store":{"backend":"redis","addresses":[%q],"timeout":"5s","pool_size":%d}}`, zone, r.Addr(), 10+i))
 			defer unload()
 			hs = append(hs, h)
 		}

@@ -139,7 +139,7 @@ func usageSites(upstream, storeCfg string) string {
 
 // usageSitesAt is usageSites with the zone llm's rate.
 func usageSitesAt(rate, upstream, storeCfg string) string {
-	return fmt.Sprintf(`http://localhost:9080 {
+	return fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone llm {
 			key {http.request.header.Authorization}
@@ -168,7 +168,7 @@ func usageSitesAt(rate, upstream, storeCfg string) string {
 // headers and its body.
 func llmGet(t *testing.T, key, path string) (int, http.Header, string) {
 	t.Helper()
-	return llmGetAt(t, "http://localhost:9080", path, "Authorization", key)
+	return llmGetAt(t, siteURL, path, "Authorization", key)
 }
 
 // llmGetAt is llmGet of the site at base, with the request header
@@ -313,7 +313,7 @@ func TestUsageCutAfterUsage(t *testing.T) {
 		{"/json?tokens=60&hold=1", "\"total_tokens\":60}}"},
 	} {
 		key := "cut-" + tc.path
-		req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080"+tc.path, nil)
+		req, _ := http.NewRequest(http.MethodGet, siteURL+tc.path, nil)
 		req.Header.Set("Authorization", key)
 		resp, err := http.DefaultClient.Do(req)
 		if err != nil {
@@ -338,7 +338,7 @@ func TestUsageCutAfterUsage(t *testing.T) {
 // client may have its response before Caddy has settled it.
 func settledTo(t *testing.T, zone, key string, want float64) {
 	t.Helper()
-	tokens := func() float64 { v, _ := adminKeyAt(t, "localhost:2999", zone, key)["tokens"].(float64); return v }
+	tokens := func() float64 { v, _ := adminKeyAt(t, adminAddr, zone, key)["tokens"].(float64); return v }
 	eventually(5*time.Second, func() bool { return tokens() < want+1 })
 	if got := tokens(); got < want || got >= want+1 {
 		t.Fatalf("%s: %v tokens left in %s, want %v", key, got, zone, want)
@@ -378,7 +378,7 @@ func TestUsageEdgeCasesThroughCaddy(t *testing.T) {
 // trailer wins over the header, whether the header is hidden or not.
 func TestUsageHeaderHiddenAndTrailer(t *testing.T) {
 	up := startLLMUpstream(t)
-	startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+	startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	@hide query hide=1
 	header @hide -X-Usage-Tokens
 	rate_limit {
@@ -416,7 +416,7 @@ func TestUsageHeaderHiddenAndTrailer(t *testing.T) {
 // says of the first zone of that name to check.
 func adminKeyInfo(t *testing.T, zone, key string, check func(map[string]any)) {
 	t.Helper()
-	check(adminKeyAt(t, "localhost:2999", zone, key))
+	check(adminKeyAt(t, adminAddr, zone, key))
 }
 
 // adminKeyAt is what the admin API at admin says of a key of the first
@@ -484,7 +484,7 @@ func TestUsageStreamsUnbuffered(t *testing.T) {
 	up := startLLMUpstream(t)
 	up.resume = make(chan struct{})
 	startCaddy(t, "", usageSites(up.URL, ""))
-	req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/sse?tokens=7", nil)
+	req, _ := http.NewRequest(http.MethodGet, siteURL+"/sse?tokens=7", nil)
 	req.Header.Set("Authorization", "stream")
 	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
@@ -524,7 +524,7 @@ func TestUsageReservation(t *testing.T) {
 	var wg sync.WaitGroup
 	for range 200 {
 		wg.Go(func() {
-			req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/sse?tokens=1", nil)
+			req, _ := http.NewRequest(http.MethodGet, siteURL+"/sse?tokens=1", nil)
 			req.Header.Set("Authorization", "parallel")
 			resp, err := c.Do(req)
 			if err != nil {
@@ -686,7 +686,7 @@ func TestUsageReadFrom(t *testing.T) {
 // before encode compresses the response for the client.
 func TestUsageWithEncode(t *testing.T) {
 	up := startLLMUpstream(t)
-	startCaddy(t, "\torder rate_limit after encode\n", fmt.Sprintf(`http://localhost:9080 {
+	startCaddy(t, "\torder rate_limit after encode\n", fmt.Sprintf(`http://localhost {
 	encode {
 		gzip
 		minimum_length 1
@@ -705,7 +705,7 @@ func TestUsageWithEncode(t *testing.T) {
 }
 `, strings.TrimPrefix(up.URL, "http://")))
 	get := func() http.Header {
-		req, _ := http.NewRequest(http.MethodGet, "http://localhost:9080/json?tokens=40", nil)
+		req, _ := http.NewRequest(http.MethodGet, siteURL+"/json?tokens=40", nil)
 		req.Header.Set("Authorization", "gz")
 		req.Header.Set("Accept-Encoding", "gzip")
 		resp, err := (&http.Transport{DisableCompression: true}).RoundTrip(req)
@@ -948,7 +948,7 @@ func TestUsageQuotaRefusesAlone(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			zone := "llm-quota-" + tc.name
-			startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+			startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	rate_limit {
 		zone %s {
 			key {http.request.header.Authorization}
@@ -964,7 +964,7 @@ func TestUsageQuotaRefusesAlone(t *testing.T) {
 `, zone, tc.store, strings.TrimPrefix(up.URL, "http://")))
 			info := func(key string) (tokens float64, used int64) {
 				t.Helper()
-				v := adminKeyAt(t, "localhost:2999", zone, key)
+				v := adminKeyAt(t, adminAddr, zone, key)
 				q, _ := v["quota"].(map[string]any)
 				tokens, _ = v["tokens"].(float64)
 				n, _ := q["used"].(float64)
@@ -1011,7 +1011,7 @@ func TestUsageMissingLoggedOnce(t *testing.T) {
 	site := func(extra string) string {
 		one := usageSites(up.URL, "")
 		one = one[strings.Index(one, "{\n")+2 : strings.LastIndex(one, "}")]
-		return "http://localhost:9080 {\n" + extra + "\thandle_path /a/* {\n" + one + "\t}\n\thandle {\n" + one + "\t}\n}\n"
+		return "http://localhost {\n" + extra + "\thandle_path /a/* {\n" + one + "\t}\n\thandle {\n" + one + "\t}\n}\n"
 	}
 	tester := startCaddy(t, global, site(""))
 	logs := watchLog(t, logFile)
@@ -1085,7 +1085,7 @@ func TestUsageWithPlans(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			zone := "llm-plans-" + tc.name
-			startCaddy(t, "", fmt.Sprintf(`http://localhost:9080 {
+			startCaddy(t, "", fmt.Sprintf(`http://localhost {
 	map {http.request.header.X-Plan} {plan_rate} {plan_burst} {
 		pro     100/m  100
 		max     1000/m 1000
@@ -1109,12 +1109,12 @@ func TestUsageWithPlans(t *testing.T) {
 			// again no sooner than after fullIn.
 			call := func(key, plan, path string, fullIn time.Duration) (int, int, string) {
 				t.Helper()
-				code, h, body := llmGetAt(t, "http://localhost:9080", path, "Authorization", key, "X-Plan", plan)
+				code, h, body := llmGetAt(t, siteURL, path, "Authorization", key, "X-Plan", plan)
 				if code != 200 && code != 429 {
 					t.Fatalf("%s on %s: %d %q", path, plan, code, body)
 				}
 				eventually(5*time.Second, func() bool {
-					v, _ := adminKeyAt(t, "localhost:2999", zone, key)["full_in"].(float64)
+					v, _ := adminKeyAt(t, adminAddr, zone, key)["full_in"].(float64)
 					return v >= fullIn.Seconds()
 				})
 				left := 0

@@ -258,7 +258,7 @@ func TestOddZoneNames(t *testing.T) {
 	}
 
 	for _, name := range []string{"api:v1", "api/v1", "api@host", `a "b" é%`} {
-		resp, err := http.Get("http://localhost:2999/rate_limit/" + url.PathEscape(name))
+		resp, err := http.Get("http://" + adminAddr + "/rate_limit/" + url.PathEscape(name))
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -268,7 +268,7 @@ func TestOddZoneNames(t *testing.T) {
 			t.Errorf("admin API for zone %s: %d %s", name, resp.StatusCode, body)
 		}
 	}
-	resp, err := http.Get("http://localhost:2999/metrics")
+	resp, err := http.Get("http://" + adminAddr + "/metrics")
 	if err != nil {
 		t.Fatal(err)
 	}

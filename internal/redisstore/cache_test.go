@@ -30,8 +30,7 @@ func TestSharedLimitIsExact(t *testing.T) {
 			l := gcra.NewLimit(rate, burst)
 			var stores []*redisstore.Store
 			for range 3 {
-				stores = append(stores, redisstore.Open(t, redisstore.OpenClientWith(t, redisstore.ClientOptions{Timeout: 5 * time.Second}, r.Addr()),
-					[]store.ZoneSpec{redisstore.Bucket("exact", l)}, redisstore.Options{CallTimeout: 5 * time.Second}))
+				stores = append(stores, redisstore.Open(t, redisstore.OpenClient(t, r.Addr()), []store.ZoneSpec{redisstore.Bucket("exact", l)}, redisstore.Options{}))
 			}
 			var allowed atomic.Int64
 			var wg sync.WaitGroup

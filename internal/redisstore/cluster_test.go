@@ -38,8 +38,7 @@ func TestClusterSpread(t *testing.T) {
 		addrs = append(addrs, n.Addr())
 	}
 	l := gcra.NewLimit(1000, 1000)
-	rs := redisstore.Open(t, redisstore.OpenClientWith(t, redisstore.ClientOptions{Timeout: 5 * time.Second}, addrs...),
-		[]store.ZoneSpec{redisstore.Bucket("spread", l)}, redisstore.Options{CallTimeout: 5 * time.Second, FailMode: "closed"})
+	rs := redisstore.Open(t, redisstore.OpenClient(t, addrs...), []store.ZoneSpec{redisstore.Bucket("spread", l)}, redisstore.Options{FailMode: "closed"})
 	// The script loaded on every node: no EVAL.
 	before := make([]int64, len(nodes))
 	for i, n := range nodes {

@@ -24,7 +24,7 @@ import (
 func TestLeases(t *testing.T) {
 	r := redistest.Start(t)
 	s := redisstore.Open(t, redisstore.OpenClient(t, r.Addr()),
-		[]store.ZoneSpec{{Name: "k", Shape: gcra.NewLimit(1, 1), Slots: true}}, redisstore.Options{CallTimeout: 200 * time.Millisecond})
+		[]store.ZoneSpec{{Name: "k", Shape: gcra.NewLimit(1, 1), Slots: true}}, redisstore.Options{})
 	ctx := context.Background()
 	slot := func(lease time.Duration) *store.Demands {
 		return &store.Demands{Slots: []store.SlotDemand{{Key: store.Key{Text: "k"}, Limit: 2, Lease: lease}}}

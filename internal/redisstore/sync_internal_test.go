@@ -273,7 +273,7 @@ func TestSyncCallsInDoubt(t *testing.T) {
 	open := func(t *testing.T) (*redistest.Server, *Store) {
 		r := redistest.Start(t)
 		return r, Open(t, OpenClient(t, r.Addr()), []store.ZoneSpec{SyncSpec("s", l, time.Minute), Bucket("e", exact)},
-			Options{CallTimeout: 100 * time.Millisecond})
+			Options{CallTimeout: 500 * time.Millisecond})
 	}
 	t.Run("alone", func(t *testing.T) {
 		r, s := open(t)
@@ -320,7 +320,7 @@ func TestSyncCallsInDoubt(t *testing.T) {
 func TestSyncReconciliationFails(t *testing.T) {
 	r := redistest.Start(t)
 	l := SyncLimit(10, 20, time.Minute)
-	s := syncStore(t, r.Addr(), l, time.Minute, Options{CallTimeout: 200 * time.Millisecond})
+	s := syncStore(t, r.Addr(), l, time.Minute, Options{})
 	sz := s.zones[0].copies
 	takeKey(t, s, "k", l)
 	sz.reconcile() // the copy learns; its allowance comes back as it refills

@@ -377,7 +377,7 @@ func TestSyncReloadKeepsCopies(t *testing.T) {
 	zones := []store.ZoneSpec{redisstore.SyncSpec("s", l, time.Minute)}
 	c := redisstore.OpenClient(t, r.Addr())
 	pool := new(copiesPool)
-	opt := redisstore.Options{KeyPrefix: "t:", Setup: "one", SyncPool: pool, CallTimeout: time.Second}
+	opt := redisstore.Options{KeyPrefix: "t:", Setup: "one", SyncPool: pool, CallTimeout: 5 * time.Second}
 	old, err := redisstore.New(c, zones, opt)
 	if err != nil {
 		t.Fatal(err)

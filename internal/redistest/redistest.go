@@ -7,6 +7,8 @@
 package redistest
 
 import (
+	"context"
+	"fmt"
 	"net"
 	"os"
 	"os/exec"
@@ -296,8 +298,18 @@ func StartClusterWith(t testing.TB, replicas int, extra ...string) []*Server {
 	}
 	args := append([]string{"--cluster", "create"}, addrs...)
 	args = append(args, "--cluster-replicas", strconv.Itoa(replicas), "--cluster-yes")
-	if out, err := exec.Command(CLIBin(), args...).CombinedOutput(); err != nil {
-		t.Fatalf("%s --cluster create: %v: %s", CLIBin(), err, out)
+	// The client waits for the nodes to agree on the config for as long
+	// as it takes: a minute, then the test fails with what each node
+	// knows, instead of hanging until the test binary's timeout.
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if out, err := exec.CommandContext(ctx, CLIBin(), args...).CombinedOutput(); err != nil {
+		var nodesOf strings.Builder
+		for _, n := range nodes {
+			out, _ := n.TryCLI("CLUSTER", "NODES")
+			fmt.Fprintf(&nodesOf, "\nCLUSTER NODES of %s:\n%s", n.Addr(), out)
+		}
+		t.Fatalf("%s --cluster create: %v: %s%s", CLIBin(), err, out, nodesOf.String())
 	}
 	deadline := time.Now().Add(20 * time.Second)
 	for _, n := range nodes {

@@ -7,6 +7,7 @@ import (
 	"context"
 	"fmt"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -58,10 +59,11 @@ func TestClassifyRedisErrors(t *testing.T) {
 }
 
 // Redis refusing the scripts is a kind of its own: to an ACL user
-// without +evalsha or +eval (NOPERM, as Redis 6.2 to 7.2 word it), as a
-// server without the commands, or, on Valkey 9.1 with its Lua module
-// unloaded, without Lua. Other refusals keep their kind, and the reply
-// logged keeps none of the arguments the server echoes.
+// without +evalsha or +eval (NOPERM, as Redis 6.2 to 7.2 word it, and
+// Valkey as 7.2), as a server without the commands, or, on Valkey 9.1
+// with its Lua module unloaded, without Lua. Other refusals keep their
+// kind, and the reply logged keeps none of the arguments the server
+// echoes.
 func TestClassifyRefusedScripts(t *testing.T) {
 	r := redistest.Start(t)
 	r.CLI("ACL", "SETUSER", "limited", "on", ">pw", "~*", "+@all", "-eval", "-evalsha", "-script")
@@ -76,15 +78,23 @@ func TestClassifyRefusedScripts(t *testing.T) {
 	reply := func(msg string) error {
 		return c.Eval(ctx, "return redis.error_reply(ARGV[1])", nil, msg).Err()
 	}
+	// The NOPERM of the server the test runs, logged whole (the user it
+	// names is no argument of the command): "this user" before Redis 7.2,
+	// the user's name from 7.2 on and on Valkey.
+	who := "this user"
+	if err := limited.Eval(ctx, "return 1", nil).Err(); err != nil && strings.HasPrefix(err.Error(), "NOPERM User limited ") {
+		who = "User limited"
+	}
+	noperm := func(cmd string) string {
+		return "NOPERM " + who + " has no permissions to run the '" + cmd + "' command"
+	}
 	for _, tc := range []struct {
 		name, logged string
 		err          error
 		want         Kind
 	}{
-		{"NOPERM evalsha", "NOPERM this user has no permissions to run the 'evalsha' command",
-			limited.EvalSha(ctx, sha, nil).Err(), Refused},
-		{"NOPERM eval", "NOPERM this user has no permissions to run the 'eval' command",
-			limited.Eval(ctx, "return 1", nil).Err(), Refused},
+		{"NOPERM evalsha", noperm("evalsha"), limited.EvalSha(ctx, sha, nil).Err(), Refused},
+		{"NOPERM eval", noperm("eval"), limited.Eval(ctx, "return 1", nil).Err(), Refused},
 		{"NOPERM, Redis 6.2", "NOPERM this user has no permissions to run the 'evalsha' command or its subcommand",
 			reply("NOPERM this user has no permissions to run the 'evalsha' command or its subcommand"), Refused},
 		{"NOPERM, Redis 7.2", "NOPERM User limited has no permissions to run the 'eval' command",

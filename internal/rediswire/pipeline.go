@@ -191,6 +191,8 @@ next:
 func tag(c *Call) string {
 	var key string
 	switch {
+	case c.op == Share:
+		key = c.share.hash
 	case len(c.buckets) > 0:
 		key = c.buckets[0].hash
 	case len(c.counters) > 0:

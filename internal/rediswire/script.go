@@ -61,9 +61,10 @@ const (
 	Adjust            // charge each bucket and counter its own cost, refusing nothing
 	Peek              // read, changing nothing
 	Release           // give back the slots of one request
+	Share             // touch a bucket of a zone with share: a cost, a report, a grant, a return (see Call.Share)
 )
 
-var opArgs = [...]any{Take: "take", Adjust: "adjust", Peek: "peek", Release: "release"}
+var opArgs = [...]any{Take: "take", Adjust: "adjust", Peek: "peek", Release: "release", Share: "share"}
 
 // noClock is the clock argument that has the script read Redis's.
 var noClock any = ""
@@ -185,6 +186,7 @@ type Call struct {
 	buckets  []bucketArgs
 	counters []counterArgs
 	slots    []slotArgs
+	share    shareArgs
 	id       string // the request's, for its slots
 	plain    bool
 	clock    any
@@ -216,6 +218,12 @@ type counterArgs struct {
 type slotArgs struct {
 	key   string
 	shape *SlotShape
+}
+
+type shareArgs struct {
+	hash                                           string
+	field, full, token, cost, holder, known, spent any
+	want, ttl, ret                                 any
 }
 
 var calls = sync.Pool{New: func() any { return &Call{done: make(chan struct{}, 1)} }}
@@ -321,6 +329,21 @@ func (c *Call) Slot(key, id string, s *SlotShape) {
 	c.plain = false
 }
 
+// Share touches a bucket of a zone with share, of plain shape s, for
+// the holder's share of it (lua/decide/65_share.lua has the protocol):
+// it takes cost (negative: gives it back), reports that the holder spent
+// spent of what it was granted, knowing known, and asks want more, for
+// ttl from now; or, with ret, gives back what the holder did not spend.
+// The call holds nothing else.
+func (c *Call) Share(hash, field string, s *Shape, cost time.Duration, holder string, known, spent, want, ttl time.Duration, ret bool) {
+	if len(c.buckets)+len(c.counters)+len(c.slots) > 0 || c.op != Share {
+		panic("rediswire: a share call holds its one bucket alone")
+	}
+	a := &s.args
+	c.share = shareArgs{hash, field, a[0], a[7], costArg(int64(cost), int64(s.Cost), a[1], a[5]), holder,
+		ns(known), ns(spent), ns(want), ns(ttl), flagArg(ret)}
+}
+
 // results is how many values the call's part of the reply holds.
 func (c *Call) results() int {
 	switch {
@@ -328,12 +351,17 @@ func (c *Call) results() int {
 		return 1 + len(c.buckets)
 	case c.op == Release:
 		return 1
+	case c.op == Share:
+		return 5
 	}
 	return 1 + 4*len(c.buckets) + 3*len(c.counters) + 2*len(c.slots)
 }
 
 // keys appends the call's keys to cmd.
 func (c *Call) keys(cmd []any) []any {
+	if c.op == Share {
+		return append(cmd, c.share.hash)
+	}
 	for i := range c.buckets {
 		b := &c.buckets[i]
 		cmd = append(cmd, b.hash)
@@ -375,6 +403,10 @@ func (c *Call) args(cmd []any, shapes []*Shape) []any {
 	}
 	if c.op == Release {
 		return append(cmd, opArgs[Release], count(len(c.slots)), c.id)
+	}
+	if c.op == Share {
+		a := &c.share
+		return append(cmd, opArgs[Share], a.field, a.full, a.token, a.cost, a.holder, a.known, a.spent, a.want, a.ttl, a.ret)
 	}
 	cmd = append(cmd, opArgs[c.op], count(len(c.buckets)), count(len(c.counters)), count(len(c.slots)))
 	for i := range c.buckets {
@@ -605,6 +637,15 @@ func (r Reply) Counter(j int) (used int64, left time.Duration) {
 // CounterShort reports whether the j-th counter, soft, lacked the units:
 // the call counted nothing in it.
 func (r Reply) CounterShort(j int) bool { return r.int(1+4*r.nb+3*j+2) == 1 }
+
+// Share is a share call's answer: whether the bucket had the cost, what
+// it owes after the call, the tokens granted to the holder so far (0: it
+// holds no share), how long its share lasts in Redis, and the tokens out
+// in all the holders' shares, not reported spent. Every amount is a
+// duration of refill.
+func (r Reply) Share() (allowed bool, debt, granted, left, out time.Duration) {
+	return r.int(0) == 1, time.Duration(r.int(1)), time.Duration(r.int(2)), time.Duration(r.int(3)), time.Duration(r.int(4))
+}
 
 // Slot reports whether the request holds a slot of the j-th set, and how
 // many of its slots are free.

@@ -13,6 +13,8 @@ while a <= #ARGV do
 		adjusted()
 	elseif op == 'release' then
 		release()
+	elseif op == 'share' then
+		share()
 	else
 		general(op)
 	end

@@ -1,0 +1,139 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package rediswire
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
+	"github.com/redis/go-redis/v9"
+)
+
+// shareBench is a bucket of a zone with share on a real Redis, touched at
+// instants of a replayed clock: burst 40, a token every 50ms (20/s).
+type shareBench struct {
+	t           *testing.T
+	r           *redistest.Server
+	c           *Client
+	shape       *Shape
+	hash, field string
+	t0          time.Time
+}
+
+const shareToken = 50 * time.Millisecond
+
+func newShareBench(t *testing.T) *shareBench {
+	r := redistest.Start(t)
+	c, err := NewClient(&redis.UniversalOptions{Addrs: []string{r.Addr()}}, testScripts(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	hash, field := Keys{Prefix: "share:"}.Bucket(ZoneField("z"), "k")
+	return &shareBench{t: t, r: r, c: c, shape: NewShape(40*shareToken, shareToken, shareToken, 0, 0, 0, false),
+		hash: hash, field: field, t0: time.Date(2026, 12, 7, 0, 0, 0, 0, time.UTC)}
+}
+
+// A shareTouch is one share call, its amounts in tokens.
+type shareTouch struct {
+	at                       time.Duration // since the bench's start
+	holder                   string
+	cost, known, spent, want float64
+	ttl                      time.Duration
+	ret                      bool
+}
+
+// A shareAnswer is a share call's reply, its amounts in tokens.
+type shareAnswer struct {
+	allowed              bool
+	tokens, granted, out float64 // tokens: what the bucket holds after the call
+	left                 time.Duration
+}
+
+func tok(n float64) time.Duration { return time.Duration(n * float64(shareToken)) }
+
+func (b *shareBench) touch(s shareTouch) shareAnswer {
+	b.t.Helper()
+	call := NewCall(Share, time.Now().Add(5*time.Second))
+	call.Clock(b.t0.Add(s.at))
+	call.Share(b.hash, b.field, b.shape, tok(s.cost), s.holder, tok(s.known), tok(s.spent), tok(s.want), s.ttl, s.ret)
+	r, err := b.c.Run(context.Background(), call)
+	if err != nil {
+		b.t.Fatal(err)
+	}
+	allowed, debt, granted, left, out := r.Share()
+	return shareAnswer{allowed, 40 - float64(debt)/float64(shareToken), float64(granted) / float64(shareToken),
+		float64(out) / float64(shareToken), left}
+}
+
+// A bucket shared by holders keeps its tokens plus every share at most
+// its burst: a grant moves tokens from the bucket to a share, refill
+// behind a share is lost, a report of what a holder spent frees the
+// bucket to refill, a return gives back what was not spent, and a share
+// that ends unreported is written off whole.
+func TestShareProtocol(t *testing.T) {
+	b := newShareBench(t)
+	a, z := "a:1", "z:1"
+	for i, tc := range []struct {
+		name string
+		in   shareTouch
+		want shareAnswer
+	}{
+		{"an exact take, asking no share", shareTouch{at: 0, holder: a, cost: 1}, shareAnswer{true, 39, 0, 0, 0}},
+		{"a take and a grant of 8", shareTouch{at: 0, holder: a, cost: 1, want: 8, ttl: 10 * time.Second}, shareAnswer{true, 30, 8, 8, 10 * time.Second}},
+		// 400ms later the bucket refilled 8 tokens, but 8 are out: it
+		// holds 32, not 38.
+		{"refill behind a share is lost", shareTouch{at: 400 * time.Millisecond, holder: z, cost: 1}, shareAnswer{true, 31, 0, 8, 0}},
+		// a reports 5 spent: out is 3, and the bucket may refill to 37.
+		{"a report", shareTouch{at: 400 * time.Millisecond, holder: a, known: 8, spent: 5, ttl: 10 * time.Second}, shareAnswer{true, 31, 8, 3, 10 * time.Second}},
+		{"a late, smaller report changes nothing", shareTouch{at: 400 * time.Millisecond, holder: a, known: 8, spent: 2, ttl: 10 * time.Second}, shareAnswer{true, 31, 8, 3, 10 * time.Second}},
+		{"refill up to the burst less out", shareTouch{at: 5 * time.Second, holder: z}, shareAnswer{true, 37, 0, 3, 0}},
+		// A second holder is granted a fair part of what is left, at most
+		// a quarter of the burst.
+		{"a fair part, at most a quarter", shareTouch{at: 5 * time.Second, holder: z, cost: 1, want: 30, ttl: 200 * time.Millisecond}, shareAnswer{true, 26, 10, 13, 200 * time.Millisecond}},
+		// a returns what it did not spend: 3 tokens back.
+		{"a return", shareTouch{at: 5 * time.Second, holder: a, known: 8, spent: 5, ret: true}, shareAnswer{true, 29, 0, 10, 0}},
+		// z's share ends at 5.2s unreported: written off, nothing back;
+		// the bucket refilled 4 tokens meanwhile.
+		{"a write-off", shareTouch{at: 5200 * time.Millisecond, holder: a, cost: 1}, shareAnswer{true, 32, 0, 0, 0}},
+		{"a written-off holder is granted nothing", shareTouch{at: 5200 * time.Millisecond, holder: z, cost: 1, known: 10, spent: 10, want: 5, ttl: time.Second}, shareAnswer{true, 31, 0, 0, 0}},
+		{"a refusal grants nothing", shareTouch{at: 5200 * time.Millisecond, holder: a, cost: 32, want: 5, ttl: time.Second}, shareAnswer{false, 31, 0, 0, 0}},
+		{"a cost given back", shareTouch{at: 5200 * time.Millisecond, holder: a, cost: -3}, shareAnswer{true, 34, 0, 0, 0}},
+	} {
+		got := b.touch(tc.in)
+		if got != tc.want {
+			t.Fatalf("step %d, %s: got %+v, want %+v", i, tc.name, got, tc.want)
+		}
+	}
+}
+
+// The holders' field keeps the hash as long as the last share, and no
+// purge of full buckets takes it while a share is out.
+func TestShareStateOutlivesTheBucket(t *testing.T) {
+	b := newShareBench(t)
+	b.t0 = time.Now() // Redis expires keys by its own clock
+	if got := b.touch(shareTouch{holder: "a:1", cost: 1, want: 5, ttl: 10 * time.Second}); got.granted != 5 {
+		t.Fatalf("grant: %+v", got)
+	}
+	holders := b.r.CLI("HGET", b.hash, b.field+"#")
+	if ttl, _ := strconv.Atoi(b.r.CLI("PTTL", b.hash)); ttl < 9000 || !strings.Contains(holders, "a:1|") {
+		t.Fatalf("the hash lives %dms, its holders %q; want about 10s, and a:1", ttl, holders)
+	}
+	// New buckets in the hash each purge full ones among three taken at
+	// random: the holders' field is not full until its last share ends.
+	for i := range 50 {
+		call := NewCall(Take, time.Now().Add(5*time.Second))
+		call.Bucket(b.hash, BucketField("z", strconv.Itoa(i)), b.hash, b.shape, false, false)
+		if _, err := b.c.Run(context.Background(), call); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := b.r.CLI("HGET", b.hash, b.field+"#"); got != holders {
+		t.Fatalf("after 50 new buckets the holders are %q, want %q", got, holders)
+	}
+}
