@@ -252,7 +252,7 @@ func (c *syncCopy) learnt(at, n, debt time.Duration, lim gcra.Limit, tokens int6
 }
 
 // A SyncPool holds the copies of the zones with sync of every loaded
-// config, by syncID, so that a reload that keeps a zone keeps its copies
+// config, by SyncID, so that a reload that keeps a zone keeps its copies
 // (the Redis store module's pool).
 type SyncPool interface {
 	// Acquire gets the copies of id, made by newCopies when no config

@@ -16,7 +16,7 @@ import (
 // leaseSeq numbers the leases this process takes.
 var leaseSeq atomic.Uint64
 
-// Release gives back the slots that take took, in one call where their
+// Release gives back the slots that Take took, in one call where their
 // keys share a cluster slot. A slot whose release fails comes back when
 // its lease ends.
 func (s *Store) Release(ctx context.Context, slots []store.SlotDemand) error {

@@ -148,7 +148,7 @@ func (s *Store) forgetKey(zone int, key store.Key) {
 // zone's list in one step (see lua/override.lua).
 var overrideScript = redis.NewScript(lua.Override)
 
-// SetOverride and deleteOverride change a key's own limit and the zone's
+// SetOverride and DeleteOverride change a key's own limit and the zone's
 // list of them together: in one script call, atomic, so that no change
 // of the key running at once on any instance can leave a limit that is
 // not listed (enforced, never counted toward max_overrides, without an

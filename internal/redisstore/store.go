@@ -7,8 +7,9 @@
 // has shown cannot be allowed yet, calls apart where a cluster splits a
 // request's keys, leases for slots, the keys' own limits, and the copies
 // of zones with sync and their reconciliation. It knows nothing of HTTP,
-// Caddy or the handler's zones: its module gives it the client, the
-// pools it shares across reloads, its config and ZoneSpecs.
+// Caddy or the handler's zones: its module makes it with New, from the
+// client, its config (Options, with the pool it shares across reloads)
+// and ZoneSpecs.
 package redisstore
 
 import (
