@@ -153,3 +153,13 @@ func (s *Store) ShapeOf(b *store.BucketDemand) *rediswire.Shape { return s.shape
 func (s *Store) BucketLimit(zone int, key store.Key) (hash, field, limit string) {
 	return s.keys.BucketLimit(s.zones[zone].field, key.String())
 }
+
+// WaitFor waits up to d for cond, and fails the test if it never holds.
+func WaitFor(t testing.TB, d time.Duration, what string, cond func() bool) {
+	t.Helper()
+	for deadline := time.Now().Add(d); !cond(); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+	}
+}

@@ -100,7 +100,7 @@ func TestSyncIdleReconciliation(t *testing.T) {
 	for k := range keys {
 		takeKey(t, s, strconv.Itoa(k), l)
 	}
-	waitUntil(t, 5*time.Second, "the copies' reconciliation", func() bool { return sz.keys.Load() >= keys })
+	WaitFor(t, 5*time.Second, "the copies' reconciliation", func() bool { return sz.keys.Load() >= keys })
 	visited := sz.visited.Load()
 	time.Sleep(200 * time.Millisecond)
 	if n := sz.visited.Load() - visited; n != 0 {
@@ -110,20 +110,10 @@ func TestSyncIdleReconciliation(t *testing.T) {
 	if !takeKey(t, s, "7", l) {
 		t.Fatal("key 7 again: refused")
 	}
-	waitUntil(t, 5*time.Second, "key 7's reconciliation", func() bool { return sz.keys.Load() > keys })
+	WaitFor(t, 5*time.Second, "key 7's reconciliation", func() bool { return sz.keys.Load() > keys })
 	time.Sleep(50 * time.Millisecond)
 	if n := sz.visited.Load() - visited; n != 1 {
 		t.Errorf("the reconciliations after one key was used looked at %d copies, want 1", n)
-	}
-}
-
-// waitUntil waits up to d for cond, and fails the test if it never holds.
-func waitUntil(t *testing.T, d time.Duration, what string, cond func() bool) {
-	t.Helper()
-	for deadline := time.Now().Add(d); !cond(); time.Sleep(10 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
 	}
 }
 
@@ -288,7 +278,7 @@ func TestSyncCallsInDoubt(t *testing.T) {
 			t.Fatal("no tokens in doubt after a call timed out")
 		}
 		r.Resume()
-		waitUntil(t, 5*time.Second, "Redis deciding again", func() bool { return s.client.Up() })
+		WaitFor(t, 5*time.Second, "Redis deciding again", func() bool { return s.client.Up() })
 		s.zones[0].copies.reconcile()
 		if c, _ := copyOfKey(s, "k"); c.doubt != 0 || c.pending != 0 {
 			t.Errorf("after Redis answered: %d in doubt, %d pending; want none", c.doubt, c.pending)
@@ -340,7 +330,7 @@ func TestSyncReconciliationFails(t *testing.T) {
 		t.Fatalf("after a failed reconciliation: %d sent, %d pending; want what was sent pending again", c.sent, c.pending)
 	}
 	r.Start()
-	waitUntil(t, 5*time.Second, "the reconciliation to send it", func() bool {
+	WaitFor(t, 5*time.Second, "the reconciliation to send it", func() bool {
 		sz.reconcile()
 		c, _ := copyOfKey(s, "k")
 		return c.pending == 0 && s.Stats(0).SyncFailed == st.SyncFailed

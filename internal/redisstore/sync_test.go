@@ -185,10 +185,10 @@ func TestSyncRedisOutage(t *testing.T) {
 	r.Start()
 	hash, field := ss[0].BucketName(0, store.Key{Text: "k"})
 	c := newRedisClient(t, r.Addr())
-	waitFor(t, 10*time.Second, "the spending of the outage in Redis", func() bool {
+	redisstore.WaitFor(t, 10*time.Second, "the spending of the outage in Redis", func() bool {
 		return c.HGet(context.Background(), hash, field).Val() != ""
 	})
-	waitFor(t, 5*time.Second, "the zone without sync deciding again", func() bool {
+	redisstore.WaitFor(t, 5*time.Second, "the zone without sync deciding again", func() bool {
 		ok, err := exact.Take(context.Background(), time.Now(), redisstore.TakeOf(0, "k", exact20))
 		return ok && err == nil
 	})
@@ -199,7 +199,7 @@ func TestSyncRedisOutage(t *testing.T) {
 func emptyEverywhere(t *testing.T, ss []*redisstore.Store, key string, l gcra.Limit) {
 	t.Helper()
 	for i, s := range ss {
-		waitFor(t, 5*time.Second, "instance "+strconv.Itoa(i)+" refusing "+key, func() bool {
+		redisstore.WaitFor(t, 5*time.Second, "instance "+strconv.Itoa(i)+" refusing "+key, func() bool {
 			ok := true
 			for range 100 {
 				ok = take(t, s, key, l)
@@ -216,7 +216,7 @@ func allowedEverywhere(t *testing.T, ss []*redisstore.Store, key string, l gcra.
 	start := time.Now()
 	bursts := make([]int64, len(ss))
 	for i, s := range ss {
-		waitFor(t, time.Second, "instance "+strconv.Itoa(i)+" allowing "+key, func() bool {
+		redisstore.WaitFor(t, time.Second, "instance "+strconv.Itoa(i)+" allowing "+key, func() bool {
 			d := redisstore.TakeOf(0, key, l)
 			ok, err := s.Take(context.Background(), time.Now(), d)
 			bursts[i] = d.Buckets[0].Limit.Burst

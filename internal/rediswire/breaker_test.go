@@ -60,16 +60,7 @@ func TestBreaker(t *testing.T) {
 // while the breaker is open, and closes the breaker within a backoff.
 func TestClientProbesInTheBackground(t *testing.T) {
 	r := redistest.Start(t)
-	c, err := NewClient(&redis.UniversalOptions{Addrs: []string{r.Addr()}, MaxRetries: -1,
-		DialTimeout: 50 * time.Millisecond, ReadTimeout: 50 * time.Millisecond}, testScripts(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Destruct()
-	r.Kill()
-	for range tripAfter {
-		c.Failed(zap.NewNop(), redis.ErrClosed)
-	}
+	c := trippedClient(t, r)
 	if c.Up() {
 		t.Fatal("the breaker is closed after three outages")
 	}
@@ -129,16 +120,7 @@ func TestClusterBreakerWaitsForEveryMaster(t *testing.T) {
 // back, whatever they do.
 func TestCancelledCallsLeaveTheProbes(t *testing.T) {
 	r := redistest.Start(t)
-	c, err := NewClient(&redis.UniversalOptions{Addrs: []string{r.Addr()}, MaxRetries: -1, ContextTimeoutEnabled: true,
-		DialTimeout: 50 * time.Millisecond, ReadTimeout: 50 * time.Millisecond}, testScripts(t))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Destruct()
-	r.Kill()
-	for range tripAfter {
-		c.Failed(zap.NewNop(), redis.ErrClosed)
-	}
+	c := trippedClient(t, r)
 	r.Start()
 	back := time.Now()
 	shape := NewShape(10*time.Second, time.Second, time.Second, 0, 0, 0, false)
@@ -158,4 +140,21 @@ func TestCancelledCallsLeaveTheProbes(t *testing.T) {
 		time.Sleep(minBackoff / 4)
 	}
 	t.Logf("closed %v after Redis was back", time.Since(back))
+}
+
+// trippedClient is a client of r, which it kills, with its breaker opened
+// by outages in a row; the client closes when the test ends.
+func trippedClient(t *testing.T, r *redistest.Server) *Client {
+	t.Helper()
+	c, err := NewClient(&redis.UniversalOptions{Addrs: []string{r.Addr()}, MaxRetries: -1, ContextTimeoutEnabled: true,
+		DialTimeout: 50 * time.Millisecond, ReadTimeout: 50 * time.Millisecond}, testScripts(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Destruct() })
+	r.Kill()
+	for range tripAfter {
+		c.Failed(zap.NewNop(), redis.ErrClosed)
+	}
+	return c
 }
