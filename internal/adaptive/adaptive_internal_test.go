@@ -404,6 +404,7 @@ const simMs = time.Millisecond
 // of 20ms each (400/s) under 64 clients, 32 workers, load falling to 4
 // clients, and the upstream slowing from 20 to 60ms.
 func TestAdaptiveSimulated(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	t.Run("8 workers", func(t *testing.T) {
 		r := simulate(simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(64), length: 60 * time.Second})
 		lat := r.between(5*time.Second, 60*time.Second)
@@ -465,6 +466,7 @@ func TestAdaptiveSimulated(t *testing.T) {
 // requests in flight for two latencies: an upstream of 1s requests keeps
 // its goodput, in the whole run and in every 20s of it.
 func TestAdaptiveProbeDoesNotStarve(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	for _, tc := range []struct {
 		name    string
 		service time.Duration
@@ -498,6 +500,7 @@ func TestAdaptiveProbeDoesNotStarve(t *testing.T) {
 // half the limit the upstream takes (every probe would go below it) or
 // the requests are slow (a probe lasts longest).
 func TestAdaptiveProbeFloor(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	for _, tc := range []struct {
 		name    string
 		min     int64
@@ -533,6 +536,7 @@ func TestAdaptiveProbeFloor(t *testing.T) {
 // drawn at random: the periods fill that range, and keys that see the
 // same traffic from other instants do not probe together.
 func TestAdaptiveProbeJitter(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	cfg := simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(16), length: 3 * time.Minute}
 	t.Run("periods", func(t *testing.T) {
 		cfg := cfg
@@ -605,6 +609,7 @@ func TestAdaptiveProbeJitter(t *testing.T) {
 // over ten minutes, whether the queue is the limit's own or other
 // clients' requests that wait at the upstream too.
 func TestAdaptiveNoCreepWithQueue(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	for _, background := range []int{0, 8} {
 		t.Run(fmt.Sprintf("%d other requests waiting", background), func(t *testing.T) {
 			r := simulate(simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(24),
@@ -634,6 +639,7 @@ func TestAdaptiveNoCreepWithQueue(t *testing.T) {
 // about what the upstream takes (8 at work, 4 waiting), and its errors
 // few.
 func TestAdaptiveFailuresAreNotFastSamples(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	base := simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(64), length: time.Minute}
 	for _, tc := range []struct {
 		name string
@@ -699,6 +705,7 @@ func TestAdaptiveFailuresAreNotFastSamples(t *testing.T) {
 // Here R0 follows within 12s, or 16 of the new latencies when that is
 // longer, and the limit stays above half of what the clients use.
 func TestAdaptiveUpstreamSlowsUniformly(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	const at, seeds = 10 * time.Second, 3
 	for _, slow := range []time.Duration{100 * simMs, 200 * simMs, 500 * simMs, time.Second, 2 * time.Second} {
 		for _, clients := range []int{20, 100} {
@@ -747,6 +754,7 @@ func TestAdaptiveUpstreamSlowsUniformly(t *testing.T) {
 // eighth of the workers left, the limit comes down to about the workers
 // left, whatever their speed.
 func TestAdaptiveCapacityDrops(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	for _, svc := range []time.Duration{20 * simMs, 200 * simMs, time.Second} {
 		for _, w := range []struct{ before, after int }{{32, 8}, {16, 2}} {
 			for seed := range uint64(2) {
@@ -784,6 +792,7 @@ func TestAdaptiveCapacityDrops(t *testing.T) {
 // latency from the last probe alone, up to 3 times with the 50ms pauses
 // (in 4 seeds of 10).
 func TestAdaptivePausesAndSlowRequests(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	within := func(t *testing.T, what string, r, without simResult, from, to time.Duration) {
 		t.Helper()
 		lo, hi := r.exactRange(from, to)
@@ -880,6 +889,7 @@ func admitAll(c *controller, now time.Time, class int) []Ticket {
 // refusal make the climb slow: no probe is followed by a rise of the
 // limit beyond two steps of lg (1 at this limit) within 500ms; β is 5.
 func TestAdaptiveSettlesAfterProbe(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	for seed := range uint64(3) {
 		r := simulate(simConfig{workers: 8, service: fixed(20 * simMs), clients: constClients(16),
 			length: 2 * time.Minute, backoff: 100 * simMs, seed: seed})
@@ -907,6 +917,7 @@ func TestAdaptiveSettlesAfterProbe(t *testing.T) {
 // going, nor the controller from learning; and a key's learning started
 // again during a probe ignores the probe's requests when they return.
 func TestAdaptiveProbeRequests(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	t.Run("one hangs", func(t *testing.T) {
 		c := newController(4, 1000, nil)
 		now := time.Unix(0, 0)

@@ -17,6 +17,7 @@ import (
 // rounded down and at least one; each class's requests in flight are
 // counted, and given back with their tickets.
 func TestAdaptiveClassesAdmit(t *testing.T) {
+	t.Parallel()                             // state of its own, on virtual time
 	tb := NewTable[string](10, 10, 0.2, 0.3) // parts: 10, 8, 5
 	k := tb.Key("a", time.Unix(0, 0))
 	now := time.Unix(1, 0)
@@ -76,6 +77,7 @@ func classFlood(reserves ...float64) simConfig {
 // and their p95 under 100ms, while the upstream stays busy; without
 // classes, the same clients are shed like the rest.
 func TestAdaptiveClassesKeepTheReserve(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	const from, to = 5 * time.Second, time.Minute
 	measure := func(r simResult, critical int) (shed, floodShed float64, p95 time.Duration, goodput float64) {
 		lat, n := r.ofClass(0, from, to)
@@ -115,6 +117,7 @@ func TestAdaptiveClassesKeepTheReserve(t *testing.T) {
 // traffic still does not inflate the limit beyond twice what it uses, in
 // the lowest class's part.
 func TestAdaptiveClassesUnusedReserve(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	const from, to = 5 * time.Second, time.Minute
 	measure := func(r simResult) (goodput float64, p50 time.Duration) {
 		lat := r.between(from, to)
@@ -169,6 +172,7 @@ func TestAdaptiveClassesUnusedReserve(t *testing.T) {
 // half (the half of its mean in flight, taken as a limit, and then its
 // part of that).
 func TestAdaptiveClassesProbe(t *testing.T) {
+	t.Parallel() // state of its own, on virtual time
 	c := newController(4, 40, NewTable[int](4, 40, 0.5).shares)
 	now := time.Unix(0, 0)
 	last := 0
