@@ -147,8 +147,25 @@ func startFaultCaddy(t *testing.T, site string, ownProcess bool) *faultCaddy {
 // startCaddyProcess runs the Caddy binary bin as a process of its own,
 // on free ports, serving one site whose directives are given, with its
 // stderr (its logs) going to a file the caller reads. It is stopped with
-// SIGTERM when the test ends.
+// SIGTERM when the test ends. A Caddy that exits before it answers fails
+// the test with its log, unless another process took one of its ports
+// first: then it starts again on others.
 func startCaddyProcess(t *testing.T, bin, site string) *faultCaddy {
+	t.Helper()
+	for try := 1; ; try++ {
+		c, log := tryCaddyProcess(t, bin, site)
+		if c != nil {
+			return c
+		}
+		if !strings.Contains(log, "address already in use") || try == 3 {
+			t.Fatalf("Caddy %s exited before it answered; its log:\n%s", bin, log)
+		}
+	}
+}
+
+// tryCaddyProcess starts the Caddy and waits until it answers; if it
+// exits first, it returns its log instead.
+func tryCaddyProcess(t *testing.T, bin, site string) (*faultCaddy, string) {
 	t.Helper()
 	dir := t.TempDir()
 	logPath := filepath.Join(dir, "caddy.log")
@@ -181,14 +198,25 @@ func startCaddyProcess(t *testing.T, bin, site string) *faultCaddy {
 	})
 	c.pid = cmd.Process.Pid
 	c.logs = watchLog(t, logPath)
-	waitFor(t, 30*time.Second, "Caddy "+bin, func() bool {
+	gone := false
+	waitFor(t, 60*time.Second, "Caddy "+bin+" to answer", func() bool {
+		select {
+		case <-exited:
+			gone = true
+			return true
+		default:
+		}
 		resp, err := c.client.Get(c.url)
 		if err == nil {
 			resp.Body.Close()
 		}
 		return err == nil
 	})
-	return c
+	if gone {
+		b, _ := os.ReadFile(logPath)
+		return nil, string(b)
+	}
+	return c, ""
 }
 
 // faultGlobal is the global options block. The grace period lets the

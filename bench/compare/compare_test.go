@@ -28,7 +28,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"net/netip"
@@ -310,12 +309,7 @@ func newHandler(b *testing.B, config string) *ratelimit.Handler {
 // that RATE_LIMIT_REDIS_SERVER names).
 func startRedis(b *testing.B) string {
 	b.Helper()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	port := l.Addr().(*net.TCPAddr).Port
-	l.Close()
+	port := redistest.FreePort(b, 0)
 	cmd := exec.Command(redistest.ServerBin(), "--bind", "127.0.0.1", "--port", strconv.Itoa(port),
 		"--save", "", "--appendonly", "no", "--dir", b.TempDir())
 	if err := cmd.Start(); err != nil {

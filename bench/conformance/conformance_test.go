@@ -15,7 +15,6 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
-	"net"
 	"net/http"
 	"net/url"
 	"strconv"
@@ -27,6 +26,7 @@ import (
 	"github.com/dunglas/httpsfv"
 
 	_ "github.com/caddy-tokenbucket/ratelimit"
+	"github.com/caddy-tokenbucket/ratelimit/internal/redistest"
 )
 
 // A limit is one way of writing a zone's limit, and the burst it means.
@@ -248,14 +248,7 @@ func load(port int, handler map[string]any) error {
 	return caddy.Load(cfg, true)
 }
 
-func freePort(t *testing.T) int {
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	return l.Addr().(*net.TCPAddr).Port
-}
+func freePort(t *testing.T) int { return redistest.FreePort(t, 0) }
 
 // A zone with a rate and concurrency has two policies of its name: the
 // rate's, in requests (the draft's default unit), and the slots', whose

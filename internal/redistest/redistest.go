@@ -9,6 +9,7 @@ package redistest
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -195,28 +196,43 @@ func (r *Server) ScriptStats() (calls, usec int64) {
 }
 
 // FreePort finds a free TCP port; with bus > 0 also port+bus is free
-// (Redis Cluster's bus port).
+// (Redis Cluster's bus port). The port is below the kernel's ephemeral
+// range, so that no outgoing connection of a busy machine takes it
+// between this check and the server's bind.
 func FreePort(t testing.TB, bus int) int {
 	t.Helper()
-	for range 100 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		port := l.Addr().(*net.TCPAddr).Port
-		l.Close()
-		if bus == 0 {
+	hi := ephemeralLow() - bus
+	for range 1000 {
+		port := 10000 + rand.IntN(hi-10000)
+		if free(port) && (bus == 0 || free(port+bus)) {
 			return port
-		}
-		if port+bus < 65536 {
-			if l2, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port+bus)); err == nil {
-				l2.Close()
-				return port
-			}
 		}
 	}
 	t.Fatal("no free port")
 	return 0
+}
+
+// free reports whether a TCP port of 127.0.0.1 can be bound.
+func free(port int) bool {
+	l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port))
+	if err != nil {
+		return false
+	}
+	l.Close()
+	return true
+}
+
+// ephemeralLow is the first port the kernel gives outgoing connections.
+func ephemeralLow() int {
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if n, err := strconv.Atoi(f[0]); err == nil && n > 30000 {
+				return n
+			}
+		}
+	}
+	return 32768
 }
 
 // StartCluster starts a Redis Cluster of three masters.
