@@ -46,6 +46,7 @@ type Store struct {
 	leaseIDs  string             // what this store's lease IDs start with: unique among instances
 	flights   *flights           // calls in flight for the buckets in the over-limit cache
 	syncIDs   []SyncID           // the copies of the zones with sync it holds (copies.go)
+	shares    bool               // a zone has share (share.go)
 	leave     func()             // ends its use of the client (see Client.Join)
 	keyErrors *throttle.Throttle // errors that Redis answered for one call's keys
 	repairs   *throttle.Throttle // keys of another type that the script overwrote
@@ -143,6 +144,7 @@ type zoneState struct {
 	overriddenGen atomic.Uint64
 	counts        *memstore.Table[memstore.Counter] // the quota counts Redis last gave (see fromCache); nil without a quota or the cache
 	copies        *SyncZone                         // this instance's copies of its buckets (see sync.go); nil without sync
+	shares        *shareZone                        // this instance's shares of its buckets (see share.go); nil without share
 }
 
 // overLimitCacheKeys bounds the over-limit cache of each zone. It holds
@@ -183,6 +185,7 @@ func (s *Store) Drop() error {
 // sync first, as their last reconciliation needs the client, then the
 // store's place among the client's users.
 func (s *Store) release() error {
+	s.releaseShares()
 	err := s.releaseSync()
 	if s.leave != nil {
 		s.leave()
@@ -236,6 +239,7 @@ func (s *Store) bind(zones []store.ZoneSpec) error {
 			s.client.Check(s.opt.Logger, s.opt.CallTimeout)
 		}
 	}
+	s.bindShares(zones)
 	return s.bindSync(zones)
 }
 
@@ -245,6 +249,14 @@ func (s *Store) FailureMode() store.FailMode { return store.FailModes[s.opt.Fail
 // request gave up waiting for the calls in flight for its bucket
 // (errNoAnswer), those calls may yet take their tokens: they count too.
 func (s *Store) Known(now time.Time, b *store.BucketDemand, err error) time.Duration {
+	if sz := s.zones[b.Zone].shares; sz != nil {
+		sh, e := sz.lock(b.Key, false)
+		defer sh.mu.Unlock()
+		if e == nil {
+			return 0
+		}
+		return e.lastDebt(now)
+	}
 	t := s.zones[b.Zone].cache
 	if t == nil {
 		return 0
@@ -265,6 +277,9 @@ func (s *Store) Known(now time.Time, b *store.BucketDemand, err error) time.Dura
 // Take decides d: from this instance's copies, for zones with sync (see
 // takeSync), else in Redis.
 func (s *Store) Take(ctx context.Context, now time.Time, d *store.Demands) (bool, error) {
+	if s.shares && s.shared(d) {
+		return s.takeShared(ctx, now, d)
+	}
 	if len(s.syncIDs) > 0 && s.synced(d) {
 		return s.takeSync(ctx, now, d)
 	}
@@ -371,6 +386,11 @@ func (s *Store) Adjust(ctx context.Context, _ time.Time, d *store.Demands) error
 	if !s.client.Up() {
 		return rediswire.ErrDown
 	}
+	if s.shares && s.shared(d) {
+		if err := s.adjustShared(ctx, d); err != nil || d.Empty() {
+			return err
+		}
+	}
 	if !s.client.Cluster || oneTag(d) {
 		return s.adjustEach(ctx, d)
 	}
@@ -429,6 +449,9 @@ func (s *Store) Reset(ctx context.Context, d *store.Demands) (bool, error) {
 
 func (s *Store) Stats(zone int) store.ZoneStats {
 	st := store.ZoneStats{OverLimitCache: !s.opt.DisableOverLimitCache, Client: s.client, Unavailable: !s.client.Up()}
+	if sz := s.zones[zone].shares; sz != nil {
+		sz.stats(&st)
+	}
 	if sz := s.zones[zone].copies; sz != nil {
 		st.SyncCopies = sz
 		st.SyncCalls, st.SyncFailed, st.SyncKeys, st.SyncHeld = sz.calls.Load(), sz.failed.Load(), sz.keys.Load(), sz.size.Load()

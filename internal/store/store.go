@@ -94,6 +94,10 @@ type ZoneSpec struct {
 	// Sync: the zone's buckets are decided from this instance's copies,
 	// reconciled with the shared ones this often; 0 for none.
 	Sync time.Duration
+	// Share: the zone's busy buckets are decided from shares of their
+	// tokens that this instance takes in advance, each lasting this long;
+	// 0 for none.
+	Share time.Duration
 }
 
 // Demands are what one request asks of a store: tokens from buckets,
@@ -290,6 +294,13 @@ type ZoneStats struct {
 	SyncCopies                      any
 	SyncCalls, SyncFailed, SyncKeys uint64
 	SyncHeld                        int64
+	// For a zone with share: the shares granted (renewals included),
+	// returned and written off (they ended unreturned), the requests
+	// decided here from a share or a remembered refusal and by Redis,
+	// and the keys tracked.
+	ShareGrants, ShareReturns, ShareWriteOffs uint64
+	ShareHere, ShareRedis                     uint64
+	ShareKeys                                 int64
 }
 
 // A Fallible store can fail, and says what to do then.

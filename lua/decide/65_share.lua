@@ -166,10 +166,13 @@ if ARGV[2] ~= '0' then
 				debt = debt + cost
 			end
 			if allowed == 1 and want > 0 and (mine or known == 0) then
-				-- A fair part of what is left, at most a quarter of the
-				-- bucket; none when that is less than a request takes:
-				-- near empty, every decision is exact.
-				local g = math.min(want, math.floor((full - debt) / (others + 1)), math.floor(full / 4))
+				-- A fair part of what is left, in whole tokens, and no
+				-- more than a quarter of the bucket out in one share;
+				-- none when that is less than a request takes: near
+				-- empty, every decision is exact.
+				local held = mine and mine[2] - mine[3] or 0
+				local g = math.min(want, math.floor((full - debt) / (others + 1)), math.floor(full / 4) - held)
+				g = math.floor(g / token) * token
 				if g >= math.max(cost, token) then
 					if not mine then
 						mine = { holder, 0, 0, 0 }
@@ -179,7 +182,8 @@ if ARGV[2] ~= '0' then
 				end
 			end
 			if mine then
-				mine[4] = at + ttl
+				-- Never sooner: the holder counts on the end it was told.
+				mine[4] = math.max(mine[4], at + ttl)
 			end
 		end
 		save(h, field, name, debt, '') -- clipped, if nothing else
