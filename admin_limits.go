@@ -170,6 +170,9 @@ func putLimits(ctx context.Context, r *http.Request, refs []zoneRef, key string)
 // checkPut checks a PUT of the key's own limit in the zone: the limit
 // the body gives, and room for it under max_overrides.
 func (ref zoneRef) checkPut(ctx context.Context, key string, body limitBody, now time.Time) (ownLimitChange, error) {
+	if ref.z.Share != 0 {
+		return ownLimitChange{}, apiError(http.StatusConflict, "zone %q: %v", ref.z.Name, errShareOwnLimit)
+	}
 	o, err := ref.z.overrideOf(body, now)
 	if err != nil {
 		return ownLimitChange{}, apiError(http.StatusBadRequest, "zone %q: %v", ref.z.Name, err)

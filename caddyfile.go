@@ -63,6 +63,7 @@ const anonymousZone = "default"
 //			max_overrides <n>       # keys with their own limit, set through the admin API
 //			timezone    <IANA zone>             # where the quota's days start; default UTC
 //			sync        <duration>  # decide here, reconcile with Redis this often
+//			share       <duration>  # busy keys from shares of Redis's tokens
 //			dry_run
 //			spill                   # over the limit, go on marked
 //			window      <duration>  # with events: caddy-ratelimit's form of rate and burst

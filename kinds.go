@@ -155,7 +155,7 @@ type (
 // several faults is told of the first) and their parts of a zone's
 // description.
 var kinds = []*kind{
-	&adaptiveKind, &concurrencyKind, &quotaKind, &usageKind, &estimateKind, &overridesKind, &syncKind,
+	&adaptiveKind, &concurrencyKind, &quotaKind, &usageKind, &estimateKind, &overridesKind, &syncKind, &shareKind,
 	&banKind, &delayKind, &countKind, &dryRunKind, &spillKind,
 }
 
@@ -235,6 +235,17 @@ var exclusions = []struct {
 	{&syncKind, &usageKind, "sync cannot go with usage: a response's usage is charged to the shared bucket, not to this instance's copy"},
 	{&syncKind, &quotaKind, "sync cannot go with quota: a calendar quota is counted exactly, in Redis"},
 	{&syncKind, &concurrencyKind, "sync cannot go with concurrency: its slots are leases that Redis holds for every instance"},
+	// A zone with share decides from shares of its buckets' tokens, given
+	// out in advance: what would change a bucket beyond what its shares
+	// account for stays with exact zones.
+	{&shareKind, &syncKind, "share and sync exclude each other: a zone's requests are decided from shares that never over-admit (share) or from copies reconciled after (sync)"},
+	{&shareKind, &banKind, "share cannot go with ban: a ban in Redis would not reach the shares already out"},
+	{&shareKind, &delayKind, "share cannot go with delay: a waiting request holds tokens that only Redis can reserve for every instance"},
+	{&shareKind, &countKind, "share cannot go with count: tokens given back after the response would bypass the shares out"},
+	{&shareKind, &usageKind, "share cannot go with usage: a response's usage is charged after the decision, and could overdraw the bucket behind the shares out"},
+	{&shareKind, &quotaKind, "share cannot go with quota: a calendar quota is counted exactly, in Redis; give it a zone of its own"},
+	{&shareKind, &concurrencyKind, "share cannot go with concurrency: its slots are leases that Redis holds for every instance; give it a zone of its own"},
+	{&shareKind, &adaptiveKind, "share cannot go with concurrency adaptive: give the adaptive limit a zone of its own"},
 }
 
 // eachKind runs the hook that of gives of every kind that has one on v,

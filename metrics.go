@@ -267,6 +267,10 @@ func (t *storeTotals) add(id zoneID, st store.ZoneStats, exported bool) {
 		t.copies[st.SyncCopies] = true
 		sumSync(t.sums, id, &st)
 	}
+	if st.Shares != nil && !t.copies[st.Shares] {
+		t.copies[st.Shares] = true
+		sumShares(t.sums, id, &st)
+	}
 	if st.Keys == nil || t.tables[st.Table] {
 		return
 	}
@@ -292,6 +296,23 @@ func sumSync(sums map[zoneID]*store.ZoneStats, id zoneID, st *store.ZoneStats) {
 	s.SyncFailed += st.SyncFailed
 	s.SyncKeys += st.SyncKeys
 	s.SyncHeld += st.SyncHeld
+}
+
+// sumShares adds what the shares that st reports did to the sums of the
+// zone id.
+func sumShares(sums map[zoneID]*store.ZoneStats, id zoneID, st *store.ZoneStats) {
+	s := sums[id]
+	if s == nil {
+		s = new(store.ZoneStats)
+		sums[id] = s
+	}
+	s.Shares = st.Shares
+	s.ShareGrants += st.ShareGrants
+	s.ShareReturns += st.ShareReturns
+	s.ShareWriteOffs += st.ShareWriteOffs
+	s.ShareHere += st.ShareHere
+	s.ShareRedis += st.ShareRedis
+	s.ShareKeys += st.ShareKeys
 }
 
 // registerMetrics adds the collectors to a config's registry, which is

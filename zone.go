@@ -117,6 +117,7 @@ type Zone struct {
 	dryRunConfig
 	spillConfig
 	syncConfig
+	shareConfig
 
 	index    int    // in Handler.Zones
 	id       zoneID // its name and its limit: what its counters are shared by
@@ -459,7 +460,7 @@ func (z *Zone) describe() string {
 // spec is what a store knows of the zone.
 func (z *Zone) spec() store.ZoneSpec {
 	s := store.ZoneSpec{Name: z.Name, Bucket: !z.rateless, Slots: z.Concurrency != 0, Refunds: z.Count != nil || z.Usage != nil,
-		MaxOverrides: cmp.Or(z.MaxOverrides, store.DefaultMaxOverrides), Sync: time.Duration(z.Sync)}
+		MaxOverrides: cmp.Or(z.MaxOverrides, store.DefaultMaxOverrides), Sync: time.Duration(z.Sync), Share: time.Duration(z.Share)}
 	if z.plan != nil {
 		s.Shape = z.limit
 	}

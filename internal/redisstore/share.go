@@ -583,6 +583,7 @@ func (s *Store) releaseShares() {
 
 // stats reports what sz did (see store.ZoneStats).
 func (sz *shareZone) stats(st *store.ZoneStats) {
+	st.Shares = sz
 	st.ShareGrants, st.ShareReturns, st.ShareWriteOffs = sz.grants.Load(), sz.returns.Load(), sz.writeOffs.Load()
 	st.ShareHere, st.ShareRedis, st.ShareKeys = sz.here.Load(), sz.exact.Load(), sz.size.Load()
 }

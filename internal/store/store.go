@@ -294,10 +294,12 @@ type ZoneStats struct {
 	SyncCopies                      any
 	SyncCalls, SyncFailed, SyncKeys uint64
 	SyncHeld                        int64
-	// For a zone with share: the shares granted (renewals included),
+	// Shares identifies the shares of a zone with share, nil for none;
+	// for such a zone: the shares granted (renewals included),
 	// returned and written off (they ended unreturned), the requests
 	// decided here from a share or a remembered refusal and by Redis,
 	// and the keys tracked.
+	Shares                                    any
 	ShareGrants, ShareReturns, ShareWriteOffs uint64
 	ShareHere, ShareRedis                     uint64
 	ShareKeys                                 int64

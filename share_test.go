@@ -1,0 +1,145 @@
+// Copyright 2026 The caddy-tokenbucket Authors
+// SPDX-License-Identifier: Apache-2.0
+
+package ratelimit
+
+import (
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestShareCaddyfileErrors(t *testing.T) {
+	for _, tc := range []struct {
+		name, input, wantErr string
+		line                 int
+	}{
+		{"not a duration", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tshare soon\n\t}\n\tstore redis\n}", "invalid share 'soon': expected a duration such as 1s", 4},
+		{"too short", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tshare 1ms\n\t}\n\tstore redis\n}", "invalid share 1ms: must be 10ms to 10m", 4},
+		{"too long", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tshare 1h\n\t}\n\tstore redis\n}", "invalid share 1h0m0s: must be 10ms to 10m", 4},
+		{"on the local store", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tshare 1s\n\t}\n}", "zone a: share needs the Redis store", 6},
+		{"with sync", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tshare 1s\n\t\tsync 100ms\n\t}\n\tstore redis\n}", "zone a: share and sync exclude each other", 6},
+		{"with ban", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tshare 1s\n\t\tban 1m\n\t}\n\tstore redis\n}", "zone a: share cannot go with ban", 6},
+		{"with usage", "rate_limit {\n\tzone a {\n\t\trate 1r/s\n\t\tshare 1s\n\t\tusage header X-Used\n\t}\n\tstore redis\n}", "zone a: share cannot go with usage", 6},
+		{"with plans", "rate_limit {\n\tzone a {\n\t\trate {http.request.header.X-Rate}\n\t\tburst 10\n\t\tshare 1s\n\t}\n\tstore redis\n}", "zone a: share needs a fixed limit", 6},
+		{"without a rate", "rate_limit {\n\tzone a {\n\t\tconcurrency 4\n\t\tshare 1s\n\t}\n\tstore redis\n}", "zone a: share", 5},
+	} {
+		t.Run(tc.name, func(t *testing.T) { checkCaddyfileError(t, tc.input, tc.wantErr, tc.line) })
+	}
+}
+
+func TestShareValidate(t *testing.T) {
+	const redis = `"store":{"backend":"redis"}`
+	for _, tc := range []struct {
+		name, json, wantErr string
+	}{
+		{"ok", `{"zones":[{"name":"a","rate":"1r/s","share":"1s"}],` + redis + `}`, ""},
+		{"with estimate", `{"zones":[{"name":"a","rate":"1000r/m","burst":"1000","share":"1s","estimate":{"json":["max_tokens"]}}],` + redis + `}`, ""},
+		{"local store", `{"zones":[{"name":"a","rate":"1r/s","share":"1s"}]}`, "zone a: share needs the Redis store"},
+		{"too short", `{"zones":[{"name":"a","rate":"1r/s","share":"5ms"}],` + redis + `}`, "invalid share 5ms: must be 10ms to 10m"},
+		{"count", `{"zones":[{"name":"a","rate":"1r/s","count":{"status_code":[401]},"share":"1s"}],` + redis + `}`, "share cannot go with count"},
+		{"quota", `{"zones":[{"name":"a","rate":"1r/s","quota":10,"quota_period":"day","share":"1s"}],` + redis + `}`, "share cannot go with quota"},
+		{"delay", `{"zones":[{"name":"a","rate":"1r/s","delay":"1s","share":"1s"}],` + redis + `}`, "share cannot go with delay"},
+	} {
+		t.Run(tc.name, func(t *testing.T) { checkValidate(t, tc.json, tc.wantErr) })
+	}
+}
+
+// shareSites is a Caddy site with three instances of a zone with share
+// (each its own store, as three Caddy instances would have) at /a, /b
+// and /c, and an exact zone of the same limit at /e.
+func shareSites(addr, limit string) string {
+	var out strings.Builder
+	out.WriteString("http://localhost {\n")
+	for i := range 3 {
+		fmt.Fprintf(&out, `	handle /%c {
+		rate_limit {
+			zone s {
+				key {http.request.header.X-Key}
+				%s
+				share 1s
+			}
+			store redis {
+				address %s
+				timeout 5s
+				key_prefix t:
+				pool_size %d
+			}
+		}
+		respond "ok"
+	}
+`, 'a'+i, limit, addr, 10+i)
+	}
+	fmt.Fprintf(&out, `	handle /e {
+		rate_limit {
+			zone e {
+				key {http.request.header.X-Key}
+				%s
+			}
+			store redis {
+				address %s
+				timeout 5s
+				key_prefix t:
+			}
+		}
+		respond "ok"
+	}
+}
+`, limit, addr)
+	return out.String()
+}
+
+// Through Caddy: one key flooded round robin on three instances is
+// allowed no more than one exact bucket's burst and refill, and about
+// what the exact zone allows beside it; busy, it is decided mostly
+// here; the metrics say so; a key's own limit is refused in the zone.
+func TestShareThroughCaddy(t *testing.T) {
+	r := startRedis(t)
+	tester := startCaddy(t, "", shareSites(r.Addr(), "rate 20r/s\n\t\t\t\tburst 40"))
+	send := func(path string) int { return sendKey(t, tester, path, "k") }
+	allowed, exact := 0, 0
+	start := time.Now()
+	for i := 0; time.Since(start) < 2*time.Second; i++ {
+		if send([]string{"a", "b", "c"}[i%3]) == http.StatusOK {
+			allowed++
+		}
+		if send("e") == http.StatusOK {
+			exact++
+		}
+	}
+	elapsed := time.Since(start)
+	bound := 40 + int(20*elapsed.Seconds()) + 1
+	t.Logf("allowed %d, exact %d, bound %d", allowed, exact, bound)
+	if allowed > bound || allowed < exact*9/10 {
+		t.Errorf("allowed %d in %v, want %d to %d (exact %d)", allowed, elapsed, exact*9/10, bound, exact)
+	}
+
+	// A busy key at a high rate: decided here, from shares.
+	reload(t, tester, "", shareSites(r.Addr(), "rate 100000r/s\n\t\t\t\tburst 100000"))
+	for i := range 600 {
+		if got := send([]string{"a", "b", "c"}[i%3]); got != http.StatusOK {
+			t.Fatalf("request %d: %d", i, got)
+		}
+	}
+	m := scrape(t, tester)
+	here, redis := m[`caddy_rate_limit_share_decisions_total{limit="100000r/s burst 100000",where="here",zone="s"}`],
+		m[`caddy_rate_limit_share_decisions_total{limit="100000r/s burst 100000",where="redis",zone="s"}`]
+	if here < 500 || m[`caddy_rate_limit_share_grants_total{limit="100000r/s burst 100000",zone="s"}`] == 0 {
+		t.Errorf("600 requests: %v decided here, %v by Redis, %v grants; want most here", here, redis,
+			m[`caddy_rate_limit_share_grants_total{limit="100000r/s burst 100000",zone="s"}`])
+	}
+
+	req, _ := http.NewRequest(http.MethodPut, "http://"+adminAddr+"/rate_limit/s/k/limit", strings.NewReader(`{"rate":"1r/s","burst":1}`))
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusConflict || !strings.Contains(string(body), "share") {
+		t.Errorf("PUT of a key's own limit in a zone with share: %d %s, want 409 saying why", resp.StatusCode, body)
+	}
+}
