@@ -2,7 +2,7 @@
 #   apt-get install redis-server wrk
 # make bench NOTE="machine shared with CI" adds a note to the results.
 
-.PHONY: bench bench-quick bench-adaptive faults masters sync
+.PHONY: bench bench-quick bench-adaptive faults masters sync share
 
 bench:
 	bench/run.sh full $(if $(NOTE),-note "$(NOTE)")
@@ -22,6 +22,14 @@ faults:
 # Writes bench/results/sync.md.
 sync:
 	RATE_LIMIT_SYNC=1 go test -count=1 -run '^TestSyncLoad$$' -v . | grep -E '^(---|ok|FAIL|\s+sync_test)'
+
+# The load runs of zones with share (docs/share.md): one fresh key flooded
+# and trickled on 1, 3 and 5 instances beside an exact zone, 20 floods
+# each way on three, ten busy keys' script calls, and the cost a request
+# of the local store, share and the exact path, rotated. Writes
+# bench/results/share.md.
+share:
+	RATE_LIMIT_SHARE=1 go test -count=1 -timeout 30m -run '^TestShareLoad$$' -v . | grep -E '^(---|ok|FAIL|\s+share_load_test)'
 
 # How decisions spread over the masters of a 3-master Redis Cluster, and
 # the decisions/s of one master pinned to core 1, loaded by the store from

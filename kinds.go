@@ -148,6 +148,7 @@ type (
 		overridesKeyView
 		concurrencyKeyView
 		adaptiveKeyView
+		shareKeyViewField
 	}
 )
 

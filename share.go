@@ -4,8 +4,10 @@
 package ratelimit
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"net/http"
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
@@ -46,6 +48,36 @@ var shareKind = kind{
 	checkHandler: (*Handler).checkShareStore,
 	descs:        []*prometheus.Desc{shareGrantsDesc, shareReturnsDesc, shareWriteOffsDesc, shareDecisionsDesc, shareKeysDesc},
 	collectStore: collectShare,
+	view: func(ctx context.Context, h *Handler, z *Zone, k store.Key, _ *store.Demands, v *keyView) error {
+		sh, ok := h.store.(store.Sharer)
+		if z.Share == 0 || !ok {
+			return nil
+		}
+		st, err := sh.ShareState(ctx, z.index, k)
+		if err != nil {
+			return apiError(http.StatusBadGateway, "reading the shares: %v", err)
+		}
+		tokens := func(d time.Duration) float64 { return float64(d) / float64(z.limit.TokenTime) }
+		if v.Tokens != nil {
+			*v.Tokens = min(*v.Tokens, tokens(z.limit.BurstTime-st.Out))
+		}
+		v.Share = &shareKeyView{Out: tokens(st.Out), Holders: st.Holders, Here: tokens(st.Here), EndsIn: st.EndsIn.Seconds()}
+		return nil
+	},
+}
+
+// shareKeyView is a key's shares in the admin API: the tokens out in
+// every share (granted, not reported spent), the shares, this instance's
+// share and the seconds until it ends here.
+type shareKeyView struct {
+	Out     float64 `json:"out"`
+	Holders int     `json:"holders"`
+	Here    float64 `json:"here"`
+	EndsIn  float64 `json:"ends_in"`
+}
+
+type shareKeyViewField struct {
+	Share *shareKeyView `json:"share,omitempty"`
 }
 
 // checkShare checks a zone's share; what it cannot go with is in

@@ -4,6 +4,7 @@
 package ratelimit
 
 import (
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -120,7 +121,7 @@ func TestShareThroughCaddy(t *testing.T) {
 	// A busy key at a high rate: decided here, from shares.
 	reload(t, tester, "", shareSites(r.Addr(), "rate 100000r/s\n\t\t\t\tburst 100000"))
 	for i := range 600 {
-		if got := send([]string{"a", "b", "c"}[i%3]); got != http.StatusOK {
+		if got := sendKey(t, tester, []string{"a", "b", "c"}[i%3], "0"); got != http.StatusOK {
 			t.Fatalf("request %d: %d", i, got)
 		}
 	}
@@ -132,8 +133,28 @@ func TestShareThroughCaddy(t *testing.T) {
 			m[`caddy_rate_limit_share_grants_total{limit="100000r/s burst 100000",zone="s"}`])
 	}
 
-	req, _ := http.NewRequest(http.MethodPut, "http://"+adminAddr+"/rate_limit/s/k/limit", strings.NewReader(`{"rate":"1r/s","burst":1}`))
-	resp, err := http.DefaultClient.Do(req)
+	// The admin API shows the key's shares: busy on three instances, the
+	// one that answers holds one, and the bucket's tokens leave room for
+	// all of them.
+	resp, err := http.Get("http://" + adminAddr + "/rate_limit/s/0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var view struct {
+		Tokens float64       `json:"tokens"`
+		Share  *shareKeyView `json:"share"`
+	}
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err := json.Unmarshal(got, &view); err != nil || view.Share == nil {
+		t.Fatalf("GET of a key: %v, %s", err, got)
+	}
+	if sh := view.Share; sh.Holders == 0 || sh.Out <= 0 || sh.Here <= 0 || sh.EndsIn <= 0 || view.Tokens+sh.Out > 100000 {
+		t.Errorf("GET of a busy key: %s; want this instance's share among the holders, and tokens + out at most the burst", got)
+	}
+
+	req, _ := http.NewRequest(http.MethodPut, "http://"+adminAddr+"/rate_limit/s/0/limit", strings.NewReader(`{"rate":"1r/s","burst":1}`))
+	resp, err = http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}

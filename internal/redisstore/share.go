@@ -7,7 +7,9 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/base64"
+	"errors"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -15,6 +17,7 @@ import (
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/siphash"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
+	"github.com/redis/go-redis/v9"
 )
 
 // Zones with share (docs/share.md): this instance decides a busy key's
@@ -586,4 +589,64 @@ func (sz *shareZone) stats(st *store.ZoneStats) {
 	st.Shares = sz
 	st.ShareGrants, st.ShareReturns, st.ShareWriteOffs = sz.grants.Load(), sz.returns.Load(), sz.writeOffs.Load()
 	st.ShareHere, st.ShareRedis, st.ShareKeys = sz.here.Load(), sz.exact.Load(), sz.size.Load()
+}
+
+// ShareState is what Redis keeps of the shares of key's bucket in a zone
+// with share, and this instance's share of it.
+func (s *Store) ShareState(ctx context.Context, zone int, key store.Key) (store.ShareState, error) {
+	var st store.ShareState
+	sz := s.zones[zone].shares
+	if sz == nil {
+		return st, nil
+	}
+	now := s.now()
+	sh, e := sz.lock(key, false)
+	if e != nil && e.left(now) > 0 {
+		st.Here, st.EndsIn = e.left(now), e.until.Sub(now)
+	}
+	sh.mu.Unlock()
+	hash, field := s.bucketName(zone, key)
+	ctx, cancel := context.WithTimeout(ctx, s.opt.CallTimeout)
+	defer cancel()
+	var clock *redis.TimeCmd
+	var holders *redis.StringCmd
+	if _, err := s.client.Pipelined(ctx, func(p redis.Pipeliner) error {
+		clock, holders = p.Time(ctx), p.HGet(ctx, hash, field+"#")
+		return nil
+	}); err != nil && !errors.Is(err, redis.Nil) {
+		return st, err
+	}
+	at := clock.Val()
+	if s.opt.Clock != nil {
+		at = s.opt.Clock()
+	}
+	st.Out, st.Holders = outOf(holders.Val(), at.Sub(shareEpoch).Nanoseconds())
+	return st, nil
+}
+
+// shareEpoch is where the script's instants count from.
+var shareEpoch = time.Date(2025, 1, 1, 0, 0, 0, 0, time.UTC)
+
+// outOf reads a bucket's holders field (lua/decide/65_share.lua): the
+// tokens out in the shares that end after now (nanoseconds since
+// shareEpoch), and how many.
+func outOf(v string, now int64) (out time.Duration, n int) {
+	_, list, ok := strings.Cut(v, ":")
+	if !ok {
+		return 0, 0
+	}
+	for rec := range strings.SplitSeq(list, ";") {
+		f := strings.Split(rec, "|")
+		if len(f) != 4 {
+			continue
+		}
+		g, err1 := strconv.ParseInt(f[1], 10, 64)
+		sp, err2 := strconv.ParseInt(f[2], 10, 64)
+		until, err3 := strconv.ParseInt(f[3], 10, 64)
+		if err1 == nil && err2 == nil && err3 == nil && until > now {
+			out += time.Duration(g - sp)
+			n++
+		}
+	}
+	return out, n
 }

@@ -461,6 +461,7 @@ func (s *Store) Stats(zone int) store.ZoneStats {
 
 var (
 	_ store.Store    = (*Store)(nil)
+	_ store.Sharer   = (*Store)(nil)
 	_ store.Fallible = (*Store)(nil)
 	_ store.Holder   = (*Store)(nil)
 )

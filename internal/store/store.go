@@ -332,6 +332,23 @@ type Holder interface {
 	Done()
 }
 
+// A Sharer is a store with zones with share: it tells a key's shared
+// state, for the admin API.
+type Sharer interface {
+	ShareState(ctx context.Context, zone int, key Key) (ShareState, error)
+}
+
+// ShareState is what a Sharer knows of a key's bucket in a zone with
+// share: the tokens out in every share (not reported spent) and how many
+// shares hold them, as Redis keeps them, and this instance's share: what
+// it holds and how long until it ends here (0 for none).
+type ShareState struct {
+	Out     time.Duration
+	Holders int
+	Here    time.Duration
+	EndsIn  time.Duration
+}
+
 // A FailMode is what the handler does when a Fallible store fails.
 type FailMode uint8
 
