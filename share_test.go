@@ -9,6 +9,7 @@ import (
 	"io"
 	"net/http"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -162,5 +163,89 @@ func TestShareThroughCaddy(t *testing.T) {
 	resp.Body.Close()
 	if resp.StatusCode != http.StatusConflict || !strings.Contains(string(body), "share") {
 		t.Errorf("PUT of a key's own limit in a zone with share: %d %s, want 409 saying why", resp.StatusCode, body)
+	}
+}
+
+// An instance killed with -9 while it holds a share: within the share's
+// ttl and a second, Redis has written it off and the other instance sees
+// nothing out; the cluster admitted no more than one exact bucket, and
+// lost no more than that share.
+func TestShareDeadHolder(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds and runs Caddy")
+	}
+	r := startRedis(t)
+	bin, _ := buildCaddy(t)
+	site := fmt.Sprintf(`	rate_limit {
+		zone s {
+			key {http.request.header.X-Key}
+			rate 10r/s
+			burst 40
+			share 1s
+		}
+		store redis {
+			address %s
+			timeout 5s
+		}
+	}
+	respond "ok"`, r.Addr())
+	a, b := startCaddyProcess(t, bin, site), startCaddyProcess(t, bin, site)
+	client := &http.Client{Timeout: 10 * time.Second}
+	get := func(c *faultCaddy) (int, bool) {
+		req, _ := http.NewRequest(http.MethodGet, c.url, nil)
+		req.Header.Set("X-Key", "k")
+		resp, err := client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		return resp.StatusCode, resp.StatusCode == http.StatusOK
+	}
+	shares := func(c *faultCaddy) shareKeyView {
+		resp, err := client.Get("http://" + c.admin + "/rate_limit/s/k")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		var v struct{ Share shareKeyView }
+		if err := json.NewDecoder(resp.Body).Decode(&v); err != nil {
+			t.Fatal(err)
+		}
+		return v.Share
+	}
+
+	start := time.Now()
+	for i := range 12 {
+		if code, ok := get(a); !ok {
+			t.Fatalf("request %d to a: %d", i, code)
+		}
+	}
+	held := shares(a)
+	if held.Here <= 0 || held.Here > 10 {
+		t.Fatalf("a's share after 12 requests: %+v, want one of at most a quarter of the burst", held)
+	}
+	if err := syscall.Kill(a.pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	killed := time.Now()
+	waitFor(t, 5*time.Second, "the dead share written off", func() bool { return shares(b).Holders == 0 })
+	if d := time.Since(killed); d > 2*time.Second+500*time.Millisecond {
+		t.Errorf("the dead share was out %v after the kill, want within its ttl and a second", d)
+	}
+	admitted := 12
+	for {
+		if _, ok := get(b); !ok {
+			break
+		}
+		admitted++
+	}
+	span := time.Since(start).Seconds()
+	bound := 40 + 10*span
+	t.Logf("admitted %d in %.2fs (exact bound %.1f); a's share held %.0f", admitted, span, bound, held.Here)
+	if float64(admitted) > bound+1 {
+		t.Errorf("admitted %d in %.2fs, over the exact bound %.1f", admitted, span, bound)
+	}
+	if float64(admitted) < bound-held.Out-10 {
+		t.Errorf("admitted %d in %.2fs, want at least the exact bound %.1f less the dead share's %.0f", admitted, span, bound, held.Out)
 	}
 }

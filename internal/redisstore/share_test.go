@@ -350,3 +350,37 @@ func TestShareAllOrNothing(t *testing.T) {
 		t.Fatalf("after 20 requests the other zone refused, the zone with share held %d, want 9", n)
 	}
 }
+
+// On a 3-master Redis Cluster, busy keys of every master get shares, are
+// decided here, and return them in flights that the cluster splits by
+// hash tag.
+func TestShareOnCluster(t *testing.T) {
+	nodes := redistest.StartCluster(t)
+	var addrs []string
+	for _, n := range nodes {
+		addrs = append(addrs, n.Addr())
+	}
+	l := gcra.NewLimit(100000, 100000)
+	s := Open(t, OpenClient(t, addrs...), []store.ZoneSpec{ShareSpec("api", l, 200*time.Millisecond)}, Options{FailMode: "closed"})
+	for range 200 {
+		for k := range 30 {
+			if ok, _ := take(t, s, time.Now(), "key-"+string(rune('a'+k)), l); !ok {
+				t.Fatal("refused")
+			}
+		}
+	}
+	st := s.Stats(0)
+	if st.ShareGrants < 30 || st.ShareHere < 5000 {
+		t.Fatalf("30 keys, 200 requests each: %d grants, %d decided here, %d by Redis", st.ShareGrants, st.ShareHere, st.ShareRedis)
+	}
+	WaitFor(t, 5*time.Second, "the idle keys' returns", func() bool { return s.Stats(0).ShareReturns >= 30 })
+	for k := range 30 {
+		got, err := s.ShareState(context.Background(), 0, store.Key{Text: "key-" + string(rune('a'+k))})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got.Out != 0 || got.Holders != 0 {
+			t.Fatalf("key %d after its return: %+v, want nothing out", k, got)
+		}
+	}
+}
