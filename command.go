@@ -278,10 +278,12 @@ func printFields(w io.Writer, v any) {
 		if i > 0 {
 			fmt.Fprintln(tw)
 		}
-		if o, ok := z["override"].(map[string]any); ok {
-			delete(z, "override")
-			for k, x := range o {
-				z["override."+k] = x
+		for _, part := range []string{"override", "share"} {
+			if o, ok := z[part].(map[string]any); ok {
+				delete(z, part)
+				for k, x := range o {
+					z[part+"."+k] = x
+				}
 			}
 		}
 		keys := make([]string, 0, len(z))

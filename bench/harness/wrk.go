@@ -222,6 +222,14 @@ func (e *env) tpConfigs() []*tpConfig {
 		// The same zone with `sync 100ms`: decided from the instance's
 		// copies, reconciled with Redis every 100 ms.
 		{Key: "redis-sync", Impl: "rate_limit redis, `sync 100ms`", Path: "allowed", Keys: tpKeys, redis: true, spec: caddySpec{bin: e.caddyBin, site: zone("1000000r/s", 1000000, "\n\t\tsync 100ms", redisStore)}},
+		// The same zone with `share 1s`: a busy key decided from shares of
+		// its tokens that Redis grants in advance, a key used rarely by
+		// Redis; and ten busy keys on the local store, with share and
+		// exact (docs/share.md).
+		{Key: "redis-share", Impl: "rate_limit redis, `share 1s`", Path: "allowed", Keys: tpKeys, redis: true, spec: caddySpec{bin: e.caddyBin, site: zone("1000000r/s", 1000000, "\n\t\tshare 1s", redisStore)}},
+		{Key: "local-ten-keys", Impl: "rate_limit local, ten keys", Path: "allowed", Keys: 10, spec: caddySpec{bin: e.caddyBin, site: ours("100000r/s", 100000, "")}},
+		{Key: "redis-share-ten-keys", Impl: "rate_limit redis, `share 1s`, ten keys", Path: "allowed", Keys: 10, redis: true, spec: caddySpec{bin: e.caddyBin, site: zone("100000r/s", 100000, "\n\t\tshare 1s", redisStore)}},
+		{Key: "redis-ten-keys", Impl: "rate_limit redis, ten keys", Path: "allowed", Keys: 10, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("100000r/s", 100000, redisStore)}},
 		// Not events 1000000 per 1s: caddy-ratelimit allocates a ring of
 		// `events` timestamps per key, and 24 MB of live heap would make
 		// the GC run less often, so that the limiter seemed to cost less
