@@ -25,7 +25,6 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
-	"github.com/caddy-tokenbucket/ratelimit/internal/usagescan"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -1062,8 +1061,8 @@ func TestUsageMissingLoggedOnce(t *testing.T) {
 		got[zone] = append(got[zone], reason)
 	}
 	want := map[string][]string{
-		"llm":        {usagescan.NoField.String()},
-		"llm-header": {usagescan.NotNumber.String()},
+		"llm":        {"the response has no such field"},
+		"llm-header": {"the field is not a number of at least 0"},
 	}
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("no-usage lines by zone: %q; want %q", got, want)
