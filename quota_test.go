@@ -198,7 +198,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 				{"name":%q,"key":"{http.request.header.X-API-Key}","match":[{"path":["/api/*"]}],"rate":"1r/m","burst":2,"quota":5,"quota_period":"day","cost":2}
 			]},{"handler":"static_response","body":"ok"}`, storeCfg, monthly, api)))
 			paris := mustLoad(t, "Europe/Paris")
-			mwin := (&calendar.Windows{Period: calendar.Month, Loc: paris}).WindowAt(time.Now())
+			mwin := (&calendar.Windows{Period: calendar.Periods["month"], Loc: paris}).Window(time.Now())
 			send := func(key, path string, want int) *http.Response {
 				t.Helper()
 				req, _ := http.NewRequest("GET", siteURL+path, nil)
@@ -237,7 +237,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 
 			// api: 1r/m burst 2, 5 a day, 2 a request. carol's first
 			// request takes 2 of each zone's (monthly: 1 of 3).
-			dwin := (&calendar.Windows{Period: calendar.Day, Loc: time.UTC}).WindowAt(time.Now())
+			dwin := (&calendar.Windows{Period: calendar.Periods["day"], Loc: time.UTC}).Window(time.Now())
 			checkQuotaHeaders(t, send("carol", "/api/x", 200), api, 5, 3, dwin)
 			// The bucket refuses: neither quota counts the request.
 			send("carol", "/api/x", 429)
@@ -342,7 +342,7 @@ func TestRedisQuotaClockSkew(t *testing.T) {
 	}
 	for i, skew := range []time.Duration{-59 * time.Minute, 0, 59 * time.Minute, 0} {
 		c := counterReq(z, store.Key{Text: "k"}, now)
-		c.Window = z.quota.WindowAt(now.Add(skew))
+		c.Window = z.quota.Window(now.Add(skew))
 		reqs := &store.Demands{Counters: []store.CounterDemand{c}}
 		ok, err := h.store.Take(context.Background(), now, reqs)
 		if err != nil || ok != (i < 3) || reqs.Counters[0].Used != min(int64(i+1), 3) {
@@ -350,7 +350,7 @@ func TestRedisQuotaClockSkew(t *testing.T) {
 		}
 	}
 	c := counterReq(z, store.Key{Text: "k"}, now)
-	c.Window = z.quota.WindowAt(now.Add(2 * time.Hour))
+	c.Window = z.quota.Window(now.Add(2 * time.Hour))
 	if _, err := h.store.Take(context.Background(), now, &store.Demands{Counters: []store.CounterDemand{c}}); err == nil || !strings.Contains(err.Error(), "quota window") {
 		t.Fatalf("two windows ahead: err %v", err)
 	}

@@ -975,7 +975,7 @@ func TestUsageQuotaRefusesAlone(t *testing.T) {
 			// The client may have the whole response before Caddy has
 			// settled it.
 			eventually(5*time.Second, func() bool { _, used := info("q1"); return used == 60 })
-			day := (&calendar.Windows{Period: calendar.Day, Loc: time.UTC}).WindowAt(time.Now())
+			day := (&calendar.Windows{Period: calendar.Periods["day"], Loc: time.UTC}).Window(time.Now())
 			for i := range 2 {
 				code, h, _ := llmGet(t, "q1", "/json?tokens=1")
 				ra, _ := strconv.ParseInt(h.Get("Retry-After"), 10, 64)
