@@ -232,10 +232,10 @@ func (s *Store) Stats(zone int) store.ZoneStats {
 	z := &s.zones[zone]
 	n, e, c := 0, uint64(0), 0
 	if z.buckets != nil {
-		n, e, c = z.buckets.Len(), z.buckets.evictions.Load(), z.buckets.Capacity()
+		n, e, c = z.buckets.Len(), z.buckets.evictions.Load(), z.buckets.capacity()
 	}
 	if z.counters != nil {
-		n, e, c = n+z.counters.Len(), e+z.counters.evictions.Load(), c+z.counters.Capacity()
+		n, e, c = n+z.counters.Len(), e+z.counters.evictions.Load(), c+z.counters.capacity()
 	}
 	return store.ZoneStats{Keys: &n, Evictions: &e, Capacity: c, Table: *z}
 }

@@ -163,9 +163,9 @@ func (t *Table[E]) shardCap() int {
 	return max(int(t.maxKeys.Load())/len(t.shards), minShardCap(len(t.shards)))
 }
 
-// Capacity is the most entries the table keeps: maxKeys, rounded down to
+// capacity is the most entries the table keeps: maxKeys, rounded down to
 // a whole share per shard, or the shards' minimum when that is more.
-func (t *Table[E]) Capacity() int { return t.shardCap() * len(t.shards) }
+func (t *Table[E]) capacity() int { return t.shardCap() * len(t.shards) }
 
 // minShardCap is the fewest entries a shard of a table of n shards keeps:
 // a table made with many shards (for max_keys of 4096 or more) whose

@@ -417,3 +417,26 @@ var (
 	tm0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	tm2 = tm0.Add(200 * time.Millisecond)
 )
+
+// A table's capacity, which the max_keys metric shows, is what it keeps
+// at most: max_keys, rounded down to a whole share for each of a large
+// table's 64 shards, and never below the 64 a shard that a table made
+// large keeps when a reload lowers max_keys.
+func TestMaxKeysCapacity(t *testing.T) {
+	for _, tc := range []struct {
+		created, loaded int64
+		want            int
+	}{
+		{8, 8, 8},
+		{4095, 4095, 4095},
+		{5000, 5000, 4992},
+		{1_000_000, 1_000_000, 1_000_000}, // the default max_keys
+		{1_000_000, 100, 4096},
+	} {
+		tab := NewBuckets(tc.created, tm0)
+		tab.SetMaxKeys(tc.loaded)
+		if got := tab.capacity(); got != tc.want {
+			t.Errorf("max_keys %d (table made for %d): capacity %d, want %d", tc.loaded, tc.created, got, tc.want)
+		}
+	}
+}
