@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
-	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
@@ -103,44 +102,6 @@ func TestQuotaCaddyfile(t *testing.T) {
 		if suffix := fmt.Sprintf(", at Testfile:%d", tc.line); !strings.HasSuffix(err.Error(), suffix) {
 			t.Errorf("%q: error %q does not end with %q", tc.body, err, suffix)
 		}
-	}
-}
-
-// TestQuotaLocalEvictsSmallestCounts: a full quota table drops counters
-// of ended windows first, then the smallest counts among those sampled,
-// and keeps within max_keys.
-func TestQuotaLocalTable(t *testing.T) {
-	h := newTestHandler(t, `{"zones":[{"name":"quota-table","quota":100,"quota_period":"day"}],"store":{"backend":"local","max_keys":50,"persist":false}}`)
-	z := h.Zones[0]
-	s := h.store.(*memstore.Store)
-	now := time.Now()
-	take := func(key string, n int) {
-		for range n {
-			reqs := &store.Demands{Counters: []store.CounterDemand{counterReq(z, store.Key{Text: key}, now)}}
-			if ok, _ := s.Take(context.Background(), now, reqs); !ok {
-				t.Fatalf("key %s refused", key)
-			}
-		}
-	}
-	take("heavy", 50)
-	for i := range 200 {
-		take(fmt.Sprint("once-", i), 1)
-	}
-	qt := s.CountersOf(z.index)
-	if n := qt.Len(); n > 50 {
-		t.Fatalf("%d counters kept, max_keys 50", n)
-	}
-	if used, _ := memstore.CountAt(qt, store.Key{Text: "heavy"}, qt.Instant(now)); used != 50 {
-		t.Fatalf("the heaviest counter was evicted: used %d", used)
-	}
-	// A counter of a window that has ended carries nothing.
-	later := now.Add(25 * time.Hour)
-	if used, _ := memstore.CountAt(qt, store.Key{Text: "heavy"}, qt.Instant(later)); used != 0 {
-		t.Fatalf("used %d in the next window", used)
-	}
-	qt.SweepAll(later)
-	if n := qt.Len(); n != 0 {
-		t.Fatalf("%d counters left after their windows ended", n)
 	}
 }
 

@@ -389,7 +389,7 @@ func (t *Table[E]) save(sn *Snapshots) error {
 // in 64 shards is a fraction of a millisecond each.
 func (t *Table[E]) snapshot(now time.Time, fingerprint uint64) []byte {
 	n, wall := t.Instant(now), now.UnixNano()
-	size := t.Len()
+	size := t.size()
 	entry := t.p.shape.entrySize(snapshotVersion)
 	b := make([]byte, snapshotHeader, snapshotHeader+entry*(size+size/8))
 	for i := range t.shards {

@@ -232,19 +232,17 @@ func (s *Store) Stats(zone int) store.ZoneStats {
 	z := &s.zones[zone]
 	n, e, c := 0, uint64(0), 0
 	if z.buckets != nil {
-		n, e, c = z.buckets.Len(), z.buckets.evictions.Load(), z.buckets.capacity()
+		n, e, c = z.buckets.size(), z.buckets.evictions.Load(), z.buckets.capacity()
 	}
 	if z.counters != nil {
-		n, e, c = n+z.counters.Len(), e+z.counters.evictions.Load(), c+z.counters.capacity()
+		n, e, c = n+z.counters.size(), e+z.counters.evictions.Load(), c+z.counters.capacity()
 	}
 	return store.ZoneStats{Keys: &n, Evictions: &e, Capacity: c, Table: *z}
 }
 
-// BucketsOf, CountersOf and SlotsOf are the tables of a zone's buckets,
-// quota counters and slots: nil for none.
+// BucketsOf and SlotsOf are the tables of a zone's buckets and slots:
+// nil for none.
 func (s *Store) BucketsOf(zone int) *Table[Bucket] { return s.zones[zone].buckets }
-
-func (s *Store) CountersOf(zone int) *Table[Counter] { return s.zones[zone].counters }
 
 func (s *Store) SlotsOf(zone int) *SlotTable { return s.zones[zone].slots }
 

@@ -297,8 +297,8 @@ func (t *Table[E]) Clear() {
 	}
 }
 
-// SweepAll drops every spent entry of the table.
-func (t *Table[E]) SweepAll(now time.Time) {
+// sweepAll drops every spent entry of the table.
+func (t *Table[E]) sweepAll(now time.Time) {
 	n := t.Instant(now)
 	for i := range t.shards {
 		s := &t.shards[i]
@@ -311,8 +311,8 @@ func (t *Table[E]) SweepAll(now time.Time) {
 	}
 }
 
-// Len is the number of entries tracked.
-func (t *Table[E]) Len() int {
+// size is the number of entries tracked.
+func (t *Table[E]) size() int {
 	n := 0
 	for i := range t.shards {
 		s := &t.shards[i]
@@ -335,7 +335,7 @@ func (t *Table[E]) SweepLoop() {
 		case <-t.stop:
 			return
 		case now := <-tick.C:
-			t.SweepAll(now)
+			t.sweepAll(now)
 		}
 	}
 }
