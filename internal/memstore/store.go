@@ -240,10 +240,7 @@ func (s *Store) Stats(zone int) store.ZoneStats {
 	return store.ZoneStats{Keys: &n, Evictions: &e, Capacity: c, Table: *z}
 }
 
-// BucketsOf and SlotsOf are the tables of a zone's buckets and slots:
-// nil for none.
-func (s *Store) BucketsOf(zone int) *Table[Bucket] { return s.zones[zone].buckets }
-
+// SlotsOf is the table of a zone's slots: nil for none.
 func (s *Store) SlotsOf(zone int) *SlotTable { return s.zones[zone].slots }
 
 var _ store.Store = (*Store)(nil)

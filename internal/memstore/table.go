@@ -340,21 +340,16 @@ func (t *Table[E]) SweepLoop() {
 	}
 }
 
-// Destruct stops the sweeper once the last config using the table is
-// gone, and saves or deletes the table's snapshot (see persist.go).
+// Destruct stops the sweeper and the table's persistence, once, when the
+// last config using the table is gone: when the process is exiting, it
+// saves the table's snapshot, else it deletes the snapshot it wrote (see
+// closePersisted).
 func (t *Table[E]) Destruct() error {
-	t.Close(t.exiting())
-	return nil
-}
-
-// Close stops the sweeper and the table's persistence, once: when the
-// process is exiting, it saves the table's snapshot, else it deletes the
-// snapshot it wrote (see closePersisted).
-func (t *Table[E]) Close(exiting bool) {
 	t.stopOnce.Do(func() {
 		close(t.stop)
-		closePersisted(t, exiting)
+		closePersisted(t, t.exiting())
 	})
+	return nil
 }
 
 // exiting reports whether the process is exiting, as the snapshots the
