@@ -105,7 +105,7 @@ func (s *testStorage) file(key string) ([]byte, bool) {
 	return b, ok
 }
 
-var testShape = TableID{Name: "z", TokenTime: time.Second, Burst: 10}
+var testShape = TableID{name: "z", tokenTime: time.Second, burst: 10}
 
 // newPersistedTable is a table of testShape persisted to sn, without
 // its background loading and writing.
@@ -645,7 +645,7 @@ func TestSnapshotNamesEscaped(t *testing.T) {
 	names := []string{"../../../../../../../../" + root + "/escaped", "a/b", `c\d`, "50%", "api"}
 	var tables []*Table[Bucket]
 	for _, name := range names {
-		shape := TableID{Name: name, TokenTime: time.Second, Burst: 10}
+		shape := TableID{name: name, tokenTime: time.Second, burst: 10}
 		tab := NewBuckets(1000, tm0)
 		tab.key = sn.Key
 		tab.p = &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
@@ -699,7 +699,7 @@ func TestSnapshotNamesEscaped(t *testing.T) {
 // counter used since the start adds the snapshot's count to its own.
 func TestQuotaSnapshot(t *testing.T) {
 	sn := testSnapshots(newTestStorage())
-	shape := TableID{Name: "zq", quota: "month@Europe/Paris"}
+	shape := TableID{name: "zq", quota: "month@Europe/Paris"}
 	if got := shape.snapshotName(); got != "quotas/zq.month@Europe-Paris" {
 		t.Fatalf("snapshot name %q", got)
 	}

@@ -32,14 +32,14 @@ func New(zones []store.ZoneSpec, ts Tables) (*Store, error) {
 		var err error
 		if z.Bucket {
 			l := z.Shape
-			lz.buckets, err = ts.Buckets(TableID{Name: z.Name, TokenTime: l.TokenTime, Burst: l.Burst}, l.Most())
+			lz.buckets, err = ts.Buckets(TableID{name: z.Name, tokenTime: l.TokenTime, burst: l.Burst}, l.Most())
 			if err == nil && l.Burst != 0 {
 				lz.buckets.base = l
 			}
 			lz.maxOv = z.MaxOverrides
 		}
 		if err == nil && z.Quota != "" {
-			lz.counters, err = ts.Counters(TableID{Name: z.Name, quota: z.Quota})
+			lz.counters, err = ts.Counters(TableID{name: z.Name, quota: z.Quota})
 		}
 		if err == nil && z.Slots {
 			lz.slots, err = ts.Slots(z.Name)
@@ -248,9 +248,9 @@ var _ store.Store = (*Store)(nil)
 // TableID is what a zone's table is shared by. A zone whose rate or
 // burst changes starts with fresh buckets.
 type TableID struct {
-	Name      string
-	TokenTime time.Duration
-	Burst     int64
+	name      string
+	tokenTime time.Duration
+	burst     int64
 	// quota, for the table of a zone's calendar quota counters, is its
 	// period and time zone (see store.ZoneSpec.Quota): its limit may change.
 	quota string
