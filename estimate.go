@@ -27,9 +27,9 @@ import (
 // place of their cost: parallel requests then cannot take the bucket past
 // what they stated. With usage, the settlement charges the true usage
 // less the reservation, as it does a cost (settle.go). The body is read
-// before the decision, at most usagescan.MaxBody bytes of it, and the
-// handlers after this one read it as the client sent it: what was read,
-// then the rest as it comes.
+// before the decision, at most 1 MiB of it, and the handlers after this
+// one read it as the client sent it: what was read, then the rest as it
+// comes.
 
 // estimateConfig is what a zone reserves at admission in place of its
 // cost.

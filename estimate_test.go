@@ -21,10 +21,13 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
-	"github.com/caddy-tokenbucket/ratelimit/internal/usagescan"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
+
+// maxBody is the longest body an estimate reads whole: 1 MiB, as
+// docs/usage.md says.
+const maxBody = 1 << 20
 
 // chatBody is an OpenAI chat completion request of exactly size bytes
 // (at least 80), stating max_tokens maxTokens ("" for none).
@@ -132,9 +135,9 @@ func TestEstimateReserves(t *testing.T) {
 		{name: "gzip", body: gz, enc: "gzip", want: 500 + prompt(string(gz)), missing: true},
 		{name: "gzip, chunked", body: gz, enc: "gzip", chunked: true, want: 500, missing: true},
 		{name: "5 MiB", body: big, want: 500 + 5<<20/4, missing: true},
-		{name: "5 MiB chunked", body: big, chunked: true, want: 500, readMax: usagescan.MaxBody + 1, missing: true},
-		{name: "over 1 MiB by a byte, chunked", body: chatBody(usagescan.MaxBody+1, "200"), chunked: true, want: 500, readMax: usagescan.MaxBody + 1, missing: true},
-		{name: "1 MiB, chunked", body: chatBody(usagescan.MaxBody, "200"), chunked: true, want: 200 + usagescan.MaxBody/4, readMax: usagescan.MaxBody},
+		{name: "5 MiB chunked", body: big, chunked: true, want: 500, readMax: maxBody + 1, missing: true},
+		{name: "over 1 MiB by a byte, chunked", body: chatBody(maxBody+1, "200"), chunked: true, want: 500, readMax: maxBody + 1, missing: true},
+		{name: "1 MiB, chunked", body: chatBody(maxBody, "200"), chunked: true, want: 200 + maxBody/4, readMax: maxBody},
 		{name: "a huge number", body: []byte(`{"max_tokens":1e300}`), want: 2000000, readMax: 1024},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

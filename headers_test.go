@@ -8,6 +8,7 @@ import (
 	"context"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"net/http/httptest"
 	"strconv"
@@ -282,7 +283,8 @@ func BenchmarkHeadersWritten(b *testing.B) {
 
 // Seconds round up without wrapping around, up to the longest duration.
 func TestCeilSecondsLongest(t *testing.T) {
-	if got := ceilSeconds(gcra.MaxDuration - 1); got != int64(gcra.MaxDuration/time.Second) {
-		t.Errorf("ceilSeconds(maxDuration-1) = %d, want %d", got, gcra.MaxDuration/time.Second)
+	longest := gcra.AddSat(math.MaxInt64, time.Second) // the longest a sum of durations gives
+	if got := ceilSeconds(longest - 1); got != int64(longest/time.Second) {
+		t.Errorf("ceilSeconds(longest-1) = %d, want %d", got, longest/time.Second)
 	}
 }

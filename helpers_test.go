@@ -345,6 +345,32 @@ func counterReq(z *Zone, key store.Key, now time.Time) store.CounterDemand {
 	return store.CounterDemand{Zone: z.index, Key: key, Limit: z.quota.limit, Cost: z.Cost, Window: z.quota.Window(now), Soft: z.inDryRun}
 }
 
+// bucketTableID is the key of zone z's bucket table in localTables: the
+// one memstore.New asks the local store's pools for.
+func bucketTableID(t *testing.T, z store.ZoneSpec) memstore.TableID {
+	t.Helper()
+	var ts bucketTables
+	if _, err := memstore.New([]store.ZoneSpec{z}, &ts); err != nil || len(ts.ids) != 1 {
+		t.Fatalf("zone %s: bucket tables %v, %v; want one", z.Name, ts.ids, err)
+	}
+	return ts.ids[0]
+}
+
+// bucketTables record the keys of the bucket tables a store asks for, and
+// give it tables of its own.
+type bucketTables struct{ ids []memstore.TableID }
+
+func (ts *bucketTables) Buckets(id memstore.TableID, _ time.Duration) (*memstore.Table[memstore.Bucket], error) {
+	ts.ids = append(ts.ids, id)
+	return memstore.NewBuckets(1, time.Now()), nil
+}
+
+func (*bucketTables) Counters(memstore.TableID) (*memstore.Table[memstore.Counter], error) {
+	return memstore.NewCounters(1, time.Now()), nil
+}
+
+func (*bucketTables) Slots(string) (*memstore.SlotTable, error) { return memstore.NewSlotTable(1), nil }
+
 // slotsOf is the local slot table of h's zone z: the local store's, or
 // that of the local buckets that decide when Redis fails; an empty one
 // when there is neither (fail_mode open or closed).

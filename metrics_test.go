@@ -12,7 +12,6 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddy-tokenbucket/ratelimit/internal/topn"
 	"github.com/caddyserver/caddy/v2/caddytest"
@@ -214,29 +213,6 @@ func TestMetricsEndpoint(t *testing.T) {
 	m = scrape(t, tester)
 	wantMetric(t, m, `caddy_rate_limit_requests_total{result="denied",zone="m_local"}`, 2)
 	wantMetric(t, m, `caddy_rate_limit_requests_total{result="allowed",zone="m_redis"}`, 4)
-}
-
-// The max_keys metric is what a zone's table keeps at most: max_keys,
-// rounded down to a whole share for each of a large table's 64 shards,
-// and never below the 64 a shard that a table made large keeps when a
-// reload lowers max_keys.
-func TestMaxKeysCapacity(t *testing.T) {
-	for _, tc := range []struct {
-		created, loaded int64
-		want            int
-	}{
-		{8, 8, 8},
-		{4095, 4095, 4095},
-		{5000, 5000, 4992},
-		{defaultMaxKeys, defaultMaxKeys, defaultMaxKeys},
-		{defaultMaxKeys, 100, 4096},
-	} {
-		tab := memstore.NewBuckets(tc.created, t0)
-		tab.SetMaxKeys(tc.loaded)
-		if got := tab.Capacity(); got != tc.want {
-			t.Errorf("max_keys %d (table made for %d): capacity %d, want %d", tc.loaded, tc.created, got, tc.want)
-		}
-	}
 }
 
 const opsGlobal = `	servers {

@@ -22,7 +22,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/caddy-tokenbucket/ratelimit/internal/gcra"
 	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
+	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
 	"github.com/caddyserver/caddy/v2/caddytest"
 	"github.com/caddyserver/caddy/v2/modules/caddyevents"
@@ -145,16 +147,16 @@ func TestServeHTTPDirect(t *testing.T) {
 	// Cancelling the config releases the tables.
 	ids := make([]memstore.TableID, len(h.Zones))
 	for i, z := range h.Zones {
-		ids[i] = memstore.TableID{Name: z.Name, TokenTime: z.limit.TokenTime, Burst: z.limit.Burst}
+		ids[i] = bucketTableID(t, z.spec())
 		if n, ok := localTables.References(ids[i]); !ok || n != 1 {
 			t.Errorf("zone %s: %d references (found %t), want 1", z.Name, n, ok)
 		}
 	}
 	cancel()
 	cancelled = true
-	for _, id := range ids {
+	for i, id := range ids {
 		if n, ok := localTables.References(id); ok {
-			t.Errorf("zone %s: still %d references after the config was cancelled", id.Name, n)
+			t.Errorf("zone %s: still %d references after the config was cancelled", h.Zones[i].Name, n)
 		}
 	}
 }
@@ -1093,7 +1095,7 @@ func TestLoadErrors(t *testing.T) {
 	respond "ok"
 }
 `)
-	id := memstore.TableID{Name: "le_ok", TokenTime: time.Second, Burst: 1}
+	id := bucketTableID(t, store.ZoneSpec{Name: "le_ok", Bucket: true, Shape: gcra.NewLimit(1, 1)})
 	if n, _ := localTables.References(id); n != 1 {
 		t.Fatalf("running config: %d references to zone le_ok's table, want 1", n)
 	}

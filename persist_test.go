@@ -29,18 +29,20 @@ import (
 )
 
 // A reload that turns persistence off stops it for the tables it keeps:
-// the module's pool gives the new config the table, which it rebinds.
+// the module's pool gives the new config the table, which it rebinds, and
+// which writes nothing when it is destroyed as Caddy exits.
 func TestPersistOffOnReload(t *testing.T) {
 	dir := t.TempDir()
-	sn := &memstore.Snapshots{Storage: &certmagic.FileStorage{Path: dir}, Dir: "rate_limit/test", Key: siphash.NewKey(), Interval: time.Second, Logger: zap.NewNop()}
+	sn := &memstore.Snapshots{Storage: &certmagic.FileStorage{Path: dir}, Dir: "rate_limit/test", Key: siphash.NewKey(), Interval: time.Second, Logger: zap.NewNop(),
+		Exiting: func() bool { return true }}
 	l := gcra.NewLimit(1.0/60, 2)
 	specs := []store.ZoneSpec{{Name: "off_on_reload", Bucket: true, Shape: l}}
 	before := &LocalStore{MaxKeys: 1000, snaps: sn}
-	s, err := before.engine(specs)
-	if err != nil {
+	if _, err := before.engine(specs); err != nil {
 		t.Fatal(err)
 	}
-	tab := s.BucketsOf(0)
+	id := before.acquired[0]
+	tab := pooledBuckets(t, id)
 	<-tab.Loaded()
 	off := false
 	after := &LocalStore{MaxKeys: 1000, Persist: &off}
@@ -48,14 +50,21 @@ func TestPersistOffOnReload(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if s2.BucketsOf(0) != tab {
-		t.Fatal("the reload did not keep the table")
+	if n, _ := localTables.References(id); n != 2 || after.acquired[0] != id {
+		t.Fatalf("the reload did not keep the table: %d references", n)
 	}
 	d := &store.Demands{Buckets: []store.BucketDemand{{Key: key("k"), Limit: l, Cost: l.CostTime(1)}}}
 	if ok, err := s2.Take(context.Background(), time.Now(), d); !ok || err != nil {
 		t.Fatalf("a request of a full bucket: %v, %v", ok, err)
 	}
-	tab.Close(true) // as Caddy exits
+	if memstore.BucketAt(tab, key("k")) == 0 {
+		t.Fatal("the reloaded store spent in another table")
+	}
+	for _, st := range []*LocalStore{before, after} { // the last destroys the table, as Caddy exits
+		if err := st.Cleanup(); err != nil {
+			t.Error(err)
+		}
+	}
 	var files []string
 	_ = filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
 		if err == nil && !d.IsDir() {
@@ -66,11 +75,22 @@ func TestPersistOffOnReload(t *testing.T) {
 	if len(files) != 0 {
 		t.Errorf("persist off wrote %v", files)
 	}
-	for _, st := range []*LocalStore{before, after} {
-		if err := st.Cleanup(); err != nil {
-			t.Error(err)
+}
+
+// pooledBuckets is the bucket table the local stores share under id.
+func pooledBuckets(t *testing.T, id any) *memstore.Table[memstore.Bucket] {
+	t.Helper()
+	var tab *memstore.Table[memstore.Bucket]
+	localTables.Range(func(k, v any) bool {
+		if k == id {
+			tab, _ = v.(*memstore.Table[memstore.Bucket])
 		}
+		return tab == nil
+	})
+	if tab == nil {
+		t.Fatalf("no bucket table %v in the pool", id)
 	}
+	return tab
 }
 
 // TestRestartKeepsLimits runs Caddy itself, built from ./cmd/caddy, on the

@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
-	"github.com/caddy-tokenbucket/ratelimit/internal/memstore"
 	"github.com/caddy-tokenbucket/ratelimit/internal/rediswire"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
 	"github.com/caddyserver/caddy/v2"
@@ -106,44 +105,6 @@ func TestQuotaCaddyfile(t *testing.T) {
 	}
 }
 
-// TestQuotaLocalEvictsSmallestCounts: a full quota table drops counters
-// of ended windows first, then the smallest counts among those sampled,
-// and keeps within max_keys.
-func TestQuotaLocalTable(t *testing.T) {
-	h := newTestHandler(t, `{"zones":[{"name":"quota-table","quota":100,"quota_period":"day"}],"store":{"backend":"local","max_keys":50,"persist":false}}`)
-	z := h.Zones[0]
-	s := h.store.(*memstore.Store)
-	now := time.Now()
-	take := func(key string, n int) {
-		for range n {
-			reqs := &store.Demands{Counters: []store.CounterDemand{counterReq(z, store.Key{Text: key}, now)}}
-			if ok, _ := s.Take(context.Background(), now, reqs); !ok {
-				t.Fatalf("key %s refused", key)
-			}
-		}
-	}
-	take("heavy", 50)
-	for i := range 200 {
-		take(fmt.Sprint("once-", i), 1)
-	}
-	qt := s.CountersOf(z.index)
-	if n := qt.Len(); n > 50 {
-		t.Fatalf("%d counters kept, max_keys 50", n)
-	}
-	if used, _ := memstore.CountAt(qt, store.Key{Text: "heavy"}, qt.Instant(now)); used != 50 {
-		t.Fatalf("the heaviest counter was evicted: used %d", used)
-	}
-	// A counter of a window that has ended carries nothing.
-	later := now.Add(25 * time.Hour)
-	if used, _ := memstore.CountAt(qt, store.Key{Text: "heavy"}, qt.Instant(later)); used != 0 {
-		t.Fatalf("used %d in the next window", used)
-	}
-	qt.SweepAll(later)
-	if n := qt.Len(); n != 0 {
-		t.Fatalf("%d counters left after their windows ended", n)
-	}
-}
-
 // quotaHeaders are a response's quota headers.
 func checkQuotaHeaders(t *testing.T, resp *http.Response, zone string, limit, left int64, win *calendar.Window) {
 	t.Helper()
@@ -198,7 +159,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 				{"name":%q,"key":"{http.request.header.X-API-Key}","match":[{"path":["/api/*"]}],"rate":"1r/m","burst":2,"quota":5,"quota_period":"day","cost":2}
 			]},{"handler":"static_response","body":"ok"}`, storeCfg, monthly, api)))
 			paris := mustLoad(t, "Europe/Paris")
-			mwin := (&calendar.Windows{Period: calendar.Month, Loc: paris}).WindowAt(time.Now())
+			mwin := (&calendar.Windows{Period: calendar.Periods["month"], Loc: paris}).Window(time.Now())
 			send := func(key, path string, want int) *http.Response {
 				t.Helper()
 				req, _ := http.NewRequest("GET", siteURL+path, nil)
@@ -237,7 +198,7 @@ func TestQuotaThroughCaddy(t *testing.T) {
 
 			// api: 1r/m burst 2, 5 a day, 2 a request. carol's first
 			// request takes 2 of each zone's (monthly: 1 of 3).
-			dwin := (&calendar.Windows{Period: calendar.Day, Loc: time.UTC}).WindowAt(time.Now())
+			dwin := (&calendar.Windows{Period: calendar.Periods["day"], Loc: time.UTC}).Window(time.Now())
 			checkQuotaHeaders(t, send("carol", "/api/x", 200), api, 5, 3, dwin)
 			// The bucket refuses: neither quota counts the request.
 			send("carol", "/api/x", 429)
@@ -342,7 +303,7 @@ func TestRedisQuotaClockSkew(t *testing.T) {
 	}
 	for i, skew := range []time.Duration{-59 * time.Minute, 0, 59 * time.Minute, 0} {
 		c := counterReq(z, store.Key{Text: "k"}, now)
-		c.Window = z.quota.WindowAt(now.Add(skew))
+		c.Window = z.quota.Window(now.Add(skew))
 		reqs := &store.Demands{Counters: []store.CounterDemand{c}}
 		ok, err := h.store.Take(context.Background(), now, reqs)
 		if err != nil || ok != (i < 3) || reqs.Counters[0].Used != min(int64(i+1), 3) {
@@ -350,7 +311,7 @@ func TestRedisQuotaClockSkew(t *testing.T) {
 		}
 	}
 	c := counterReq(z, store.Key{Text: "k"}, now)
-	c.Window = z.quota.WindowAt(now.Add(2 * time.Hour))
+	c.Window = z.quota.Window(now.Add(2 * time.Hour))
 	if _, err := h.store.Take(context.Background(), now, &store.Demands{Counters: []store.CounterDemand{c}}); err == nil || !strings.Contains(err.Error(), "quota window") {
 		t.Fatalf("two windows ahead: err %v", err)
 	}

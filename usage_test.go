@@ -25,7 +25,6 @@ import (
 
 	"github.com/caddy-tokenbucket/ratelimit/internal/calendar"
 	"github.com/caddy-tokenbucket/ratelimit/internal/store"
-	"github.com/caddy-tokenbucket/ratelimit/internal/usagescan"
 	"github.com/caddyserver/caddy/v2/caddyconfig/caddyfile"
 	"github.com/caddyserver/caddy/v2/modules/caddyhttp"
 )
@@ -976,7 +975,7 @@ func TestUsageQuotaRefusesAlone(t *testing.T) {
 			// The client may have the whole response before Caddy has
 			// settled it.
 			eventually(5*time.Second, func() bool { _, used := info("q1"); return used == 60 })
-			day := (&calendar.Windows{Period: calendar.Day, Loc: time.UTC}).WindowAt(time.Now())
+			day := (&calendar.Windows{Period: calendar.Periods["day"], Loc: time.UTC}).Window(time.Now())
 			for i := range 2 {
 				code, h, _ := llmGet(t, "q1", "/json?tokens=1")
 				ra, _ := strconv.ParseInt(h.Get("Retry-After"), 10, 64)
@@ -1062,8 +1061,8 @@ func TestUsageMissingLoggedOnce(t *testing.T) {
 		got[zone] = append(got[zone], reason)
 	}
 	want := map[string][]string{
-		"llm":        {usagescan.NoField.String()},
-		"llm-header": {usagescan.NotNumber.String()},
+		"llm":        {"the response has no such field"},
+		"llm-header": {"the field is not a number of at least 0"},
 	}
 	if fmt.Sprint(got) != fmt.Sprint(want) {
 		t.Fatalf("no-usage lines by zone: %q; want %q", got, want)

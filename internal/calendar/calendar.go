@@ -15,13 +15,13 @@ import (
 type Period uint8
 
 const (
-	Day Period = iota + 1
-	Week
-	Month
+	day Period = iota + 1
+	week
+	month
 )
 
 // Periods are the periods by their names in a config.
-var Periods = map[string]Period{"day": Day, "week": Week, "month": Month}
+var Periods = map[string]Period{"day": day, "week": week, "month": month}
 
 // Window returns the calendar window of p that holds t, in loc: from
 // midnight of its first day to midnight of the next window's first day.
@@ -30,10 +30,10 @@ var Periods = map[string]Period{"day": Day, "week": Week, "month": Month}
 func (p Period) Window(t time.Time, loc *time.Location) (start, end time.Time) {
 	y, m, d := t.In(loc).Date()
 	switch p {
-	case Week:
+	case week:
 		d -= (int(time.Date(y, m, d, 12, 0, 0, 0, loc).Weekday()) + 6) % 7 // back to Monday
 		return midnight(y, m, d, loc), midnight(y, m, d+7, loc)
-	case Month:
+	case month:
 		return midnight(y, m, 1, loc), midnight(y, m+1, 1, loc)
 	default:
 		return midnight(y, m, d, loc), midnight(y, m, d+1, loc)
@@ -79,13 +79,13 @@ func (ws *Windows) Window(now time.Time) *Window {
 	if w := ws.cur.Load(); w != nil && !now.Before(w.Start) && now.Before(w.End) {
 		return w
 	}
-	w := ws.WindowAt(now)
+	w := ws.windowAt(now)
 	ws.cur.Store(w)
 	return w
 }
 
-// WindowAt computes the window that holds now.
-func (ws *Windows) WindowAt(now time.Time) *Window {
+// windowAt computes the window that holds now.
+func (ws *Windows) windowAt(now time.Time) *Window {
 	var prev, start, end, next time.Time
 	if ws.Every > 0 {
 		start = time.Unix(0, now.UnixNano()/int64(ws.Every)*int64(ws.Every))

@@ -64,19 +64,19 @@ type Limit struct {
 // time.Duration: they are made with AddSat.
 const MaxBurstTime = 100 * 365 * 24 * time.Hour
 
-// MaxDuration is the longest duration a sum of durations gives (AddSat):
+// maxDuration is the longest duration a sum of durations gives (AddSat):
 // about 292 years, in whole seconds, so that rounding it up to seconds or
 // milliseconds stays within a time.Duration.
-const MaxDuration = math.MaxInt64 / time.Second * time.Second
+const maxDuration = math.MaxInt64 / time.Second * time.Second
 
-// AddSat is a + b, or MaxDuration when that is longer: a sum that would
+// AddSat is a + b, or maxDuration when that is longer: a sum that would
 // wrap around to a negative duration is the longest instead, so that a
 // wait never turns into none.
 func AddSat(a, b time.Duration) time.Duration {
-	if s := a + b; b <= 0 || s >= a && s <= MaxDuration {
+	if s := a + b; b <= 0 || s >= a && s <= maxDuration {
 		return s
 	}
-	return MaxDuration
+	return maxDuration
 }
 
 // MaxRate is the fastest rate: a token a nanosecond.

@@ -36,8 +36,8 @@ func Message(s string) string {
 	return string(b)
 }
 
-// RetryInfoType is the type URL of google.rpc.RetryInfo in an Any.
-const RetryInfoType = "type.googleapis.com/google.rpc.RetryInfo"
+// retryInfoType is the type URL of google.rpc.RetryInfo in an Any.
+const retryInfoType = "type.googleapis.com/google.rpc.RetryInfo"
 
 // Details is the protobuf encoding of a google.rpc.Status of code and
 // msg, whose one detail is a google.rpc.RetryInfo of delay:
@@ -57,7 +57,7 @@ func Details(code int, msg string, delay time.Duration) []byte {
 		d = protoVarint(d, 2, n)
 	}
 	info := protoBytes(nil, 1, d)
-	detail := protoBytes(protoBytes(nil, 1, RetryInfoType), 2, info)
+	detail := protoBytes(protoBytes(nil, 1, retryInfoType), 2, info)
 	st := protoVarint(nil, 1, uint64(code))
 	if msg != "" {
 		st = protoBytes(st, 2, msg)

@@ -182,9 +182,9 @@ func fingerprint(k siphash.Key) uint64 { return siphash.Sum(k, "rate_limit snaps
 // the snapshot stays one file in this instance's folder.
 func (id TableID) snapshotName() string {
 	if id.quota != "" {
-		return fmt.Sprintf("quotas/%s.%s", storageName(id.Name), strings.ReplaceAll(id.quota, "/", "-"))
+		return fmt.Sprintf("quotas/%s.%s", storageName(id.name), strings.ReplaceAll(id.quota, "/", "-"))
 	}
-	return fmt.Sprintf("buckets/%s.%d.%d", storageName(id.Name), id.Burst, int64(id.TokenTime))
+	return fmt.Sprintf("buckets/%s.%d.%d", storageName(id.name), id.burst, int64(id.tokenTime))
 }
 
 // storageName is a zone name as one path segment of a storage key: '%',
@@ -218,7 +218,7 @@ func storageName(name string) string {
 // bucket of a zone whose limit comes with each request the whole-bucket
 // time of the limit that wrote it.
 func (id TableID) entrySize(version uint32) int {
-	if id.quota != "" || id.Burst == 0 && version >= 2 {
+	if id.quota != "" || id.burst == 0 && version >= 2 {
 		return snapshotEntry + 8
 	}
 	return snapshotEntry
@@ -270,7 +270,7 @@ func (t *Table[E]) Rebind(sn *Snapshots) {
 	}
 	if sn != nil && sn.Key != t.key {
 		sn.Logger.Warn("zone's buckets are not persisted until the next start: they were hashed for another storage",
-			zap.String("zone", t.p.shape.Name))
+			zap.String("zone", t.p.shape.name))
 		sn = nil
 	}
 	t.p.to.Store(sn)
@@ -280,7 +280,7 @@ func (t *Table[E]) Rebind(sn *Snapshots) {
 func (t *Table[E]) load(sn *Snapshots) {
 	defer close(t.p.ready)
 	name := sn.Dir + "/" + t.p.name
-	log := sn.Logger.With(zap.String("zone", t.p.shape.Name), zap.String("storage_key", name))
+	log := sn.Logger.With(zap.String("zone", t.p.shape.name), zap.String("storage_key", name))
 	b, err := call(loadTimeout, func(ctx context.Context) ([]byte, error) { return sn.Storage.Load(ctx, name) })
 	if errors.Is(err, fs.ErrNotExist) {
 		return
@@ -389,20 +389,20 @@ func (t *Table[E]) save(sn *Snapshots) error {
 // in 64 shards is a fraction of a millisecond each.
 func (t *Table[E]) snapshot(now time.Time, fingerprint uint64) []byte {
 	n, wall := t.Instant(now), now.UnixNano()
-	size := t.Len()
+	size := t.size()
 	entry := t.p.shape.entrySize(snapshotVersion)
 	b := make([]byte, snapshotHeader, snapshotHeader+entry*(size+size/8))
 	for i := range t.shards {
 		s := &t.shards[i]
 		s.mu.Lock()
-		b = s.appendTo(b, n, wall, t.p.shape.Burst == 0)
+		b = s.appendTo(b, n, wall, t.p.shape.burst == 0)
 		s.mu.Unlock()
 	}
 	copy(b, snapshotMagic)
 	binary.LittleEndian.PutUint32(b[4:], snapshotVersion)
 	binary.LittleEndian.PutUint64(b[8:], fingerprint)
-	binary.LittleEndian.PutUint64(b[16:], uint64(t.p.shape.TokenTime))
-	binary.LittleEndian.PutUint64(b[24:], uint64(t.p.shape.Burst))
+	binary.LittleEndian.PutUint64(b[16:], uint64(t.p.shape.tokenTime))
+	binary.LittleEndian.PutUint64(b[24:], uint64(t.p.shape.burst))
 	binary.LittleEndian.PutUint64(b[32:], uint64(wall))
 	binary.LittleEndian.PutUint64(b[40:], uint64((len(b)-snapshotHeader)/entry))
 	if _, ok := any(t).(*Table[Bucket]); ok {
@@ -568,7 +568,7 @@ func (t *Table[E]) merge(b []byte, fingerprint uint64, now time.Time) (int, erro
 	}
 	tokenTime := time.Duration(binary.LittleEndian.Uint64(b[16:]))
 	burst := int64(binary.LittleEndian.Uint64(b[24:]))
-	if tokenTime != t.p.shape.TokenTime || burst != t.p.shape.Burst {
+	if tokenTime != t.p.shape.tokenTime || burst != t.p.shape.burst {
 		return 0, fmt.Errorf("zone's rate or burst changed")
 	}
 	count := binary.LittleEndian.Uint64(b[40:])
@@ -615,7 +615,7 @@ func dropEnded(t *Table[Bucket], n time.Duration) {
 
 // mergeBuckets adds a snapshot's buckets to the table, as merge says.
 func mergeBuckets(t *Table[Bucket], entries []byte, entry int, n time.Duration, wall int64) int {
-	burst, tokenTime := t.p.shape.Burst, t.p.shape.TokenTime
+	burst, tokenTime := t.p.shape.burst, t.p.shape.tokenTime
 	most := n + max(time.Duration(burst)*tokenTime, t.p.most)
 	if burst == 0 {
 		// A zone whose limit depends on the request (plans): each

@@ -4,6 +4,7 @@
 package memstore
 
 import (
+	"cmp"
 	"context"
 	"encoding/binary"
 	"errors"
@@ -104,7 +105,7 @@ func (s *testStorage) file(key string) ([]byte, bool) {
 	return b, ok
 }
 
-var testShape = TableID{Name: "z", TokenTime: time.Second, Burst: 10}
+var testShape = TableID{name: "z", tokenTime: time.Second, burst: 10}
 
 // newPersistedTable is a table of testShape persisted to sn, without
 // its background loading and writing.
@@ -152,8 +153,8 @@ func TestSnapshotRoundTrip(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if kept != 2 || c.Len() != 2 {
-		t.Fatalf("kept %d, table holds %d; want 2 and 2", kept, c.Len())
+	if kept != 2 || c.size() != 2 {
+		t.Fatalf("kept %d, table holds %d; want 2 and 2", kept, c.size())
 	}
 	for k, want := range map[string]time.Duration{"empty": 8 * time.Second, "half": 3 * time.Second, "soon": 0, "full": 0} {
 		if got := fullIn(c, k, later); got != want {
@@ -196,8 +197,8 @@ func TestSnapshotDiscarded(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 			t.Errorf("%s: error %v, want one containing %q", tc.name, err, tc.wantErr)
 		}
-		if c.Len() != 0 {
-			t.Errorf("%s: %d buckets loaded", tc.name, c.Len())
+		if c.size() != 0 {
+			t.Errorf("%s: %d buckets loaded", tc.name, c.size())
 		}
 	}
 }
@@ -364,8 +365,8 @@ func TestMergeEvictsNothing(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if kept != 1 || c.Len() != 4 {
-		t.Fatalf("kept %d, table holds %d; want 1 and 4", kept, c.Len())
+	if kept != 1 || c.size() != 4 {
+		t.Fatalf("kept %d, table holds %d; want 1 and 4", kept, c.size())
 	}
 	for i := range 3 {
 		if fullIn(c, fmt.Sprint("new", i), tm0) == 0 {
@@ -397,16 +398,17 @@ type testStore struct {
 // local store module makes them (without sharing them with other
 // configs), and destroy them at Cleanup.
 type testTables struct {
-	sn   *Snapshots
-	made []interface{ Destruct() error }
+	sn      *Snapshots
+	maxKeys int64 // 0: 1000
+	made    []interface{ Destruct() error }
 }
 
 func (ts *testTables) Buckets(id TableID, most time.Duration) (*Table[Bucket], error) {
-	return addTable(ts, NewTable[Bucket](1000, time.Now()), id, most), nil
+	return addTable(ts, NewTable[Bucket](cmp.Or(ts.maxKeys, 1000), time.Now()), id, most), nil
 }
 
 func (ts *testTables) Counters(id TableID) (*Table[Counter], error) {
-	return addTable(ts, NewTable[Counter](1000, time.Now()), id, 0), nil
+	return addTable(ts, NewTable[Counter](cmp.Or(ts.maxKeys, 1000), time.Now()), id, 0), nil
 }
 
 func (ts *testTables) Slots(string) (*SlotTable, error) { return NewSlotTable(1000), nil }
@@ -643,7 +645,7 @@ func TestSnapshotNamesEscaped(t *testing.T) {
 	names := []string{"../../../../../../../../" + root + "/escaped", "a/b", `c\d`, "50%", "api"}
 	var tables []*Table[Bucket]
 	for _, name := range names {
-		shape := TableID{Name: name, TokenTime: time.Second, Burst: 10}
+		shape := TableID{name: name, tokenTime: time.Second, burst: 10}
 		tab := NewBuckets(1000, tm0)
 		tab.key = sn.Key
 		tab.p = &persistence{shape: shape, name: shape.snapshotName(), ready: make(chan struct{}), done: make(chan struct{})}
@@ -697,7 +699,7 @@ func TestSnapshotNamesEscaped(t *testing.T) {
 // counter used since the start adds the snapshot's count to its own.
 func TestQuotaSnapshot(t *testing.T) {
 	sn := testSnapshots(newTestStorage())
-	shape := TableID{Name: "zq", quota: "month@Europe/Paris"}
+	shape := TableID{name: "zq", quota: "month@Europe/Paris"}
 	if got := shape.snapshotName(); got != "quotas/zq.month@Europe-Paris" {
 		t.Fatalf("snapshot name %q", got)
 	}

@@ -32,14 +32,14 @@ func New(zones []store.ZoneSpec, ts Tables) (*Store, error) {
 		var err error
 		if z.Bucket {
 			l := z.Shape
-			lz.buckets, err = ts.Buckets(TableID{Name: z.Name, TokenTime: l.TokenTime, Burst: l.Burst}, l.Most())
+			lz.buckets, err = ts.Buckets(TableID{name: z.Name, tokenTime: l.TokenTime, burst: l.Burst}, l.Most())
 			if err == nil && l.Burst != 0 {
 				lz.buckets.base = l
 			}
 			lz.maxOv = z.MaxOverrides
 		}
 		if err == nil && z.Quota != "" {
-			lz.counters, err = ts.Counters(TableID{Name: z.Name, quota: z.Quota})
+			lz.counters, err = ts.Counters(TableID{name: z.Name, quota: z.Quota})
 		}
 		if err == nil && z.Slots {
 			lz.slots, err = ts.Slots(z.Name)
@@ -232,20 +232,15 @@ func (s *Store) Stats(zone int) store.ZoneStats {
 	z := &s.zones[zone]
 	n, e, c := 0, uint64(0), 0
 	if z.buckets != nil {
-		n, e, c = z.buckets.Len(), z.buckets.evictions.Load(), z.buckets.Capacity()
+		n, e, c = z.buckets.size(), z.buckets.evictions.Load(), z.buckets.capacity()
 	}
 	if z.counters != nil {
-		n, e, c = n+z.counters.Len(), e+z.counters.evictions.Load(), c+z.counters.Capacity()
+		n, e, c = n+z.counters.size(), e+z.counters.evictions.Load(), c+z.counters.capacity()
 	}
 	return store.ZoneStats{Keys: &n, Evictions: &e, Capacity: c, Table: *z}
 }
 
-// BucketsOf, CountersOf and SlotsOf are the tables of a zone's buckets,
-// quota counters and slots: nil for none.
-func (s *Store) BucketsOf(zone int) *Table[Bucket] { return s.zones[zone].buckets }
-
-func (s *Store) CountersOf(zone int) *Table[Counter] { return s.zones[zone].counters }
-
+// SlotsOf is the table of a zone's slots: nil for none.
 func (s *Store) SlotsOf(zone int) *SlotTable { return s.zones[zone].slots }
 
 var _ store.Store = (*Store)(nil)
@@ -253,9 +248,9 @@ var _ store.Store = (*Store)(nil)
 // TableID is what a zone's table is shared by. A zone whose rate or
 // burst changes starts with fresh buckets.
 type TableID struct {
-	Name      string
-	TokenTime time.Duration
-	Burst     int64
+	name      string
+	tokenTime time.Duration
+	burst     int64
 	// quota, for the table of a zone's calendar quota counters, is its
 	// period and time zone (see store.ZoneSpec.Quota): its limit may change.
 	quota string

@@ -163,9 +163,9 @@ func (t *Table[E]) shardCap() int {
 	return max(int(t.maxKeys.Load())/len(t.shards), minShardCap(len(t.shards)))
 }
 
-// Capacity is the most entries the table keeps: maxKeys, rounded down to
+// capacity is the most entries the table keeps: maxKeys, rounded down to
 // a whole share per shard, or the shards' minimum when that is more.
-func (t *Table[E]) Capacity() int { return t.shardCap() * len(t.shards) }
+func (t *Table[E]) capacity() int { return t.shardCap() * len(t.shards) }
 
 // minShardCap is the fewest entries a shard of a table of n shards keeps:
 // a table made with many shards (for max_keys of 4096 or more) whose
@@ -297,8 +297,8 @@ func (t *Table[E]) Clear() {
 	}
 }
 
-// SweepAll drops every spent entry of the table.
-func (t *Table[E]) SweepAll(now time.Time) {
+// sweepAll drops every spent entry of the table.
+func (t *Table[E]) sweepAll(now time.Time) {
 	n := t.Instant(now)
 	for i := range t.shards {
 		s := &t.shards[i]
@@ -311,8 +311,8 @@ func (t *Table[E]) SweepAll(now time.Time) {
 	}
 }
 
-// Len is the number of entries tracked.
-func (t *Table[E]) Len() int {
+// size is the number of entries tracked.
+func (t *Table[E]) size() int {
 	n := 0
 	for i := range t.shards {
 		s := &t.shards[i]
@@ -335,26 +335,21 @@ func (t *Table[E]) SweepLoop() {
 		case <-t.stop:
 			return
 		case now := <-tick.C:
-			t.SweepAll(now)
+			t.sweepAll(now)
 		}
 	}
 }
 
-// Destruct stops the sweeper once the last config using the table is
-// gone, and saves or deletes the table's snapshot (see persist.go).
+// Destruct stops the sweeper and the table's persistence, once, when the
+// last config using the table is gone: when the process is exiting, it
+// saves the table's snapshot, else it deletes the snapshot it wrote (see
+// closePersisted).
 func (t *Table[E]) Destruct() error {
-	t.Close(t.exiting())
-	return nil
-}
-
-// Close stops the sweeper and the table's persistence, once: when the
-// process is exiting, it saves the table's snapshot, else it deletes the
-// snapshot it wrote (see closePersisted).
-func (t *Table[E]) Close(exiting bool) {
 	t.stopOnce.Do(func() {
 		close(t.stop)
-		closePersisted(t, exiting)
+		closePersisted(t, t.exiting())
 	})
+	return nil
 }
 
 // exiting reports whether the process is exiting, as the snapshots the

@@ -90,7 +90,7 @@ func TestTableDropsFullBucketsFirst(t *testing.T) {
 		cs := []charge{newTestCharge(tab, l, string(rune('a'+i)), tm0)}
 		takeAll(cs, nil, nil)
 	}
-	if n := tab.Len(); n != 10 {
+	if n := tab.size(); n != 10 {
 		t.Fatalf("tracked %d keys, want 10", n)
 	}
 	// At tm2 all ten are full again: making room drops them, evicts none.
@@ -99,7 +99,7 @@ func TestTableDropsFullBucketsFirst(t *testing.T) {
 	if n := tab.evictions.Load(); n != 0 {
 		t.Fatalf("evicted %d buckets that were full", n)
 	}
-	if n := tab.Len(); n != 1 {
+	if n := tab.size(); n != 1 {
 		t.Fatalf("tracked %d keys after the sweep, want 1", n)
 	}
 }
@@ -112,16 +112,16 @@ func TestTableNeverGrowsPastMaxKeys(t *testing.T) {
 		cs := []charge{{l: l, cost: l.CostTime(1), t: tab, h: tab.Hash(store.Key{Net: netip.PrefixFrom(netip.AddrFrom4([4]byte{10, byte(i >> 16), byte(i >> 8), byte(i)}), 32)}), now: time.Duration(i)}}
 		takeAll(cs, nil, nil)
 		if i%1000 == 0 {
-			if n := tab.Len(); n > maxKeys {
+			if n := tab.size(); n > maxKeys {
 				t.Fatalf("after %d keys: tracking %d, more than %d", i, n, maxKeys)
 			}
 		}
 	}
-	if n := tab.Len(); n > maxKeys || n < maxKeys*9/10 {
+	if n := tab.size(); n > maxKeys || n < maxKeys*9/10 {
 		t.Fatalf("tracking %d keys, want close to and at most %d", n, maxKeys)
 	}
-	if evicted := tab.evictions.Load(); evicted != uint64(5*maxKeys-tab.Len()) {
-		t.Fatalf("evicted %d, want one per key beyond the %d tracked", evicted, tab.Len())
+	if evicted := tab.evictions.Load(); evicted != uint64(5*maxKeys-tab.size()) {
+		t.Fatalf("evicted %d, want one per key beyond the %d tracked", evicted, tab.size())
 	}
 }
 
@@ -157,8 +157,8 @@ func TestMemoryPerKey(t *testing.T) {
 	}
 	runtime.GC()
 	runtime.ReadMemStats(&after)
-	if tab.Len() != n {
-		t.Fatalf("tracking %d keys, want %d", tab.Len(), n)
+	if tab.size() != n {
+		t.Fatalf("tracking %d keys, want %d", tab.size(), n)
 	}
 	per := float64(after.HeapAlloc-before.HeapAlloc) / n
 	t.Logf("%.1f bytes per tracked IPv4 key (1M keys)", per)
@@ -356,8 +356,8 @@ func TestSmallTableKeepsAClientThatKeepsSending(t *testing.T) {
 		if lost != 0 {
 			t.Errorf("made for %d keys: the client lost its bucket %d of 20 times", created, lost)
 		}
-		if most := max(100, len(tab.shards)*minShardCap(len(tab.shards))); tab.Len() > most {
-			t.Errorf("made for %d keys: %d kept, more than %d", created, tab.Len(), most)
+		if most := max(100, len(tab.shards)*minShardCap(len(tab.shards))); tab.size() > most {
+			t.Errorf("made for %d keys: %d kept, more than %d", created, tab.size(), most)
 		}
 	}
 }
@@ -417,3 +417,26 @@ var (
 	tm0 = time.Date(2026, 1, 1, 0, 0, 0, 0, time.UTC)
 	tm2 = tm0.Add(200 * time.Millisecond)
 )
+
+// A table's capacity, which the max_keys metric shows, is what it keeps
+// at most: max_keys, rounded down to a whole share for each of a large
+// table's 64 shards, and never below the 64 a shard that a table made
+// large keeps when a reload lowers max_keys.
+func TestMaxKeysCapacity(t *testing.T) {
+	for _, tc := range []struct {
+		created, loaded int64
+		want            int
+	}{
+		{8, 8, 8},
+		{4095, 4095, 4095},
+		{5000, 5000, 4992},
+		{1_000_000, 1_000_000, 1_000_000}, // the default max_keys
+		{1_000_000, 100, 4096},
+	} {
+		tab := NewBuckets(tc.created, tm0)
+		tab.SetMaxKeys(tc.loaded)
+		if got := tab.capacity(); got != tc.want {
+			t.Errorf("max_keys %d (table made for %d): capacity %d, want %d", tc.loaded, tc.created, got, tc.want)
+		}
+	}
+}

@@ -267,7 +267,7 @@ func TestClusterTakesApart(t *testing.T) {
 	keys := apartKeys(t, s, nodes[0], 3)
 	a, b, c := store.Key{Text: keys[0]}, store.Key{Text: keys[1]}, store.Key{Text: keys[2]}
 	ctx := context.Background()
-	days := &calendar.Windows{Period: calendar.Day, Loc: time.UTC}
+	days := &calendar.Windows{Period: calendar.Periods["day"], Loc: time.UTC}
 	bucket := func(zone int, k store.Key, l gcra.Limit) store.BucketDemand {
 		return store.BucketDemand{Zone: zone, Key: k, Limit: l, Cost: l.TokenTime}
 	}

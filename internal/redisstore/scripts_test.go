@@ -108,7 +108,7 @@ func everyKind(t *testing.T, addr string) {
 	s := redisstore.Open(t, redisstore.OpenClient(t, addr), zones, redisstore.Options{KeyPrefix: "mon:"})
 	ctx := context.Background()
 	key := ipKey("192.0.2.9")
-	days := &calendar.Windows{Period: calendar.Day, Loc: time.UTC}
+	days := &calendar.Windows{Period: calendar.Periods["day"], Loc: time.UTC}
 	// zoneDemands are zone i's demands of key, as a request makes them
 	// (with limit l for a zone whose limit comes with each request).
 	zoneDemands := func(i int, l gcra.Limit, d *store.Demands) {

@@ -368,7 +368,7 @@ func BenchmarkTake(b *testing.B) {
 			l := plain
 			tc.shape(&l)
 			zone := redisstore.Bucket("rb-"+tc.name, l)
-			months := &calendar.Windows{Period: calendar.Month, Loc: time.UTC}
+			months := &calendar.Windows{Period: calendar.Periods["month"], Loc: time.UTC}
 			if tc.quota {
 				zone.Quota = "month@UTC"
 			}
@@ -437,7 +437,7 @@ func TestReset(t *testing.T) {
 	zone := redisstore.Bucket("reset", l)
 	zone.Quota = "day@UTC"
 	s := redisstore.Open(t, redisstore.OpenClient(t, r.Addr()), []store.ZoneSpec{zone}, redisstore.Options{})
-	days := &calendar.Windows{Period: calendar.Day, Loc: time.UTC}
+	days := &calendar.Windows{Period: calendar.Periods["day"], Loc: time.UTC}
 	demands := func() *store.Demands {
 		d := redisstore.TakeOf(0, "k", l)
 		d.Counters = []store.CounterDemand{{Key: store.Key{Text: "k"}, Limit: 1, Cost: 1, Window: days.Window(time.Now())}}

@@ -10,7 +10,7 @@ import (
 
 // A Body is a request's body as the zones with estimate read it: once,
 // for all of them, and only a JSON body that is not compressed, of at
-// most MaxBody bytes (Data; Whole when it is all of the body).
+// most maxBody bytes (Data; Whole when it is all of the body).
 type Body struct {
 	read  bool   // the body was looked at
 	Data  []byte // what was read of it
@@ -36,7 +36,7 @@ func (b *Body) readJSON(r *http.Request) {
 		b.why = "the request's body is compressed (Content-Encoding)"
 	case !IsJSON(r.Header):
 		b.why = "the request's body is not JSON (its Content-Type)"
-	case r.ContentLength > MaxBody:
+	case r.ContentLength > maxBody:
 		b.why = "the request's body is over 1 MiB"
 	default:
 		b.readBody(r)
@@ -48,12 +48,12 @@ func IsEmpty(r *http.Request) bool {
 	return r.Body == nil || r.Body == http.NoBody || r.ContentLength == 0
 }
 
-// readBody reads r's body, up to MaxBody bytes and one more,
+// readBody reads r's body, up to maxBody bytes and one more,
 // and puts in its place a body that gives what was read, then the rest
 // as the client sends it: the handlers after this one read the body as
 // it came, and a body over the bound is never held whole.
 func (b *Body) readBody(r *http.Request) {
-	limit := MaxBody + 1
+	limit := maxBody + 1
 	size := 4 << 10
 	if r.ContentLength > 0 {
 		limit = int(r.ContentLength) // the server gives no more
@@ -74,7 +74,7 @@ func (b *Body) readBody(r *http.Request) {
 	switch {
 	case err != nil && err != io.EOF:
 		b.why = "the request's body could not be read: the client left, or sent less than it said"
-	case len(buf) > MaxBody:
+	case len(buf) > maxBody:
 		b.why = "the request's body is over 1 MiB"
 	default:
 		b.Whole = true

@@ -6,7 +6,7 @@ package usagescan
 import "bytes"
 
 // An sseScanner reads the events of a text/event-stream: each event's
-// data, up to MaxEvent bytes, is read as JSON for the path. Lines
+// data, up to maxEvent bytes, is read as JSON for the path. Lines
 // end with LF, CR or CRLF; a field without a colon has an empty value.
 type sseScanner struct {
 	path  []string
@@ -15,7 +15,7 @@ type sseScanner struct {
 	state uint8
 	name  [4]byte // the field name so far
 	nn    int
-	over  bool // the event's data is over MaxEvent: skipped
+	over  bool // the event's data is over maxEvent: skipped
 	cr    bool // the last byte was a CR: a LF now ends no line
 	bom   int  // the stream's first bytes that match a byte order mark; len(bom) once past it
 	found bool
@@ -137,7 +137,7 @@ func (e *sseScanner) add(p []byte) {
 	if p == nil {
 		p = newline
 	}
-	if len(e.buf)+len(p) > MaxEvent {
+	if len(e.buf)+len(p) > maxEvent {
 		e.over, e.buf = true, e.buf[:0]
 		return
 	}
@@ -187,7 +187,7 @@ func (e *sseScanner) lines(p []byte) []byte {
 				v = v[1:]
 			}
 			if len(e.buf) == 0 && !e.over && len(p) > 0 && p[0] == '\n' {
-				if len(v)+1 <= MaxEvent {
+				if len(v)+1 <= maxEvent {
 					e.read(v) // the event is this line
 				}
 				p = p[1:]

@@ -42,8 +42,8 @@ func (u *Spec) same(o *Spec) bool { return u.json == o.json && u.header == o.hea
 
 // Bounds on what a response may make the scanner hold or read.
 const (
-	MaxBody  = 1 << 20             // a JSON body longer than this has no usage
-	MaxEvent = 64 << 10            // an event longer than this is skipped
+	maxBody  = 1 << 20             // a JSON body longer than this has no usage
+	maxEvent = 64 << 10            // an event longer than this is skipped
 	Max      = 999_999_999_999_999 // usage above this is read as this: the largest burst
 )
 
@@ -57,7 +57,7 @@ const (
 	NotNumber        // the value was not a number of at least 0
 	NotJSON          // the response is neither JSON nor an event stream
 	Encoded          // the response is compressed
-	TooLong          // the JSON body is over MaxBody
+	TooLong          // the JSON body is over maxBody
 	BadJSON          // the JSON body turned out not to be JSON
 	Cut              // the response was cut off before its usage: the client left, or the upstream failed
 )
@@ -151,12 +151,12 @@ func mediaType(h http.Header) string {
 // Read is the number at u's path in body, a whole JSON text such as a
 // request's, read by the rules of a response's usage: a fraction rounds
 // up, a number above Max is read as Max, a text that ends early or turns
-// out not to be JSON has none (BadJSON), and a body over MaxBody has
+// out not to be JSON has none (BadJSON), and a body over maxBody has
 // none either (TooLong). A body without the path's last key is passed
 // over at the speed of a search for one of its bytes.
 func (u *Spec) Read(body []byte) (int64, Reason) {
 	switch {
-	case len(body) > MaxBody:
+	case len(body) > maxBody:
 		return 0, TooLong
 	case !u.key.in(body):
 		return 0, NoField
@@ -179,7 +179,7 @@ func (s *Scanner) Reading() bool { return s.mode == scanJSON || s.mode == scanEv
 func (s *Scanner) Write(p []byte) {
 	switch s.mode {
 	case scanJSON:
-		if s.n += int64(len(p)); s.n > MaxBody {
+		if s.n += int64(len(p)); s.n > maxBody {
 			s.mode, s.why = scanOff, TooLong
 			return
 		}
