@@ -186,12 +186,19 @@ func (z *Zone) validate() error {
 
 // checkZoneName accepts any name that metrics labels can carry: a
 // non-empty UTF-8 string. Every other place that shows a name escapes it.
+// A zone's placeholders are {http.rate_limit.<name>.…}, so json, and a
+// name that starts with json., are refused: {http.rate_limit.json.spilled}
+// would be both a zone's and the value at a path of the request's JSON
+// body (see json_placeholder.go).
 func checkZoneName(name string) error {
 	if name == "" {
 		return errors.New("name is required")
 	}
 	if !utf8.ValidString(name) {
 		return fmt.Errorf("invalid name %q: must be UTF-8", name)
+	}
+	if name == "json" || strings.HasPrefix(name, "json.") {
+		return fmt.Errorf("invalid name %q: {http.rate_limit.json.<path>} is the value at a path of the request's JSON body; give the zone another name", name)
 	}
 	return nil
 }
