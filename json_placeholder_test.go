@@ -209,7 +209,8 @@ func TestJSONPlaceholderBodies(t *testing.T) {
 
 // A handler whose config names no json placeholder (and has no estimate)
 // reads nothing of the body; one that names one reads it once, before
-// its decision, and the next handler reads all of it, and the values.
+// its decision, for an estimate too, and the next handler reads all of
+// it, and the values.
 func TestJSONPlaceholderReadsOnlyWhenNamed(t *testing.T) {
 	body := chatBody(4<<10, "")
 	for _, tc := range []struct {
@@ -220,6 +221,8 @@ func TestJSONPlaceholderReadsOnlyWhenNamed(t *testing.T) {
 		{"key", `{"name":"json-read-key","key":"{http.rate_limit.json.model}","rate":"10r/s"}`, true},
 		{"match", `{"name":"json-read-match","rate":"10r/s","match":[{"vars":{"{http.rate_limit.json.model}":["m"]}}]}`, true},
 		{"cost", `{"name":"json-read-cost","rate":"10r/s","burst":10,"cost":"{http.rate_limit.json.n}"}`, true},
+		// Read once for both: the estimate reserves n, 2.
+		{"estimate", `{"name":"json-read-estimate","key":"{http.rate_limit.json.model}","rate":"10r/s","burst":1000,"estimate":{"json":["n"]}}`, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			h := newTestHandler(t, `{"zones":[`+tc.zone+`]}`)
@@ -248,6 +251,9 @@ func TestJSONPlaceholderReadsOnlyWhenNamed(t *testing.T) {
 			}
 			if wantModel := map[bool]string{true: "m"}[tc.read && tc.name != "cost"]; model != wantModel {
 				t.Fatalf("model %q, want %q", model, wantModel)
+			}
+			if left := remainingOf(t, rr.Header(), h.Zones[0].Name); tc.name == "estimate" && left != 998 {
+				t.Fatalf("%d tokens left, want 998", left)
 			}
 		})
 	}
