@@ -229,6 +229,9 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 		return d.Err("zone needs a name: zone <name> { ... }")
 	}
 	name := d.Val()
+	if err := checkZoneName(name); err != nil {
+		return d.WrapErr(err)
+	}
 	for _, z := range h.Zones {
 		if z.Name == name {
 			return d.Errf("duplicate zone name '%s'", name)
@@ -332,6 +335,9 @@ func (h *Handler) unmarshalZone(d *caddyfile.Dispenser) error {
 	}
 	if err := z.validate(); err != nil {
 		return d.Errf("zone %s: %v", name, err)
+	}
+	if _, err := jsonVarsOf([]*Zone{z}); err != nil {
+		return d.Err(err.Error())
 	}
 	h.Zones = append(h.Zones, z)
 	return nil

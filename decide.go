@@ -64,13 +64,17 @@ func (h *Handler) decide(w http.ResponseWriter, r *http.Request, sc *scratch) (o
 	return out, nil
 }
 
-// gather adds the demands of every zone whose matchers match r, and
-// returns the instant of the decision. A matcher that fails, or a zone
+// gather sets the placeholders of r's JSON body that the zones name,
+// adds the demands of every zone whose matchers match r, and returns the
+// instant of the decision. A matcher that fails, or a zone
 // without a valid limit for r, ends the request. The demands of a zone in
 // dry run or with spill are soft: they refuse nothing.
 func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, error) {
 	var now time.Time       // read once, when needed
-	var body usagescan.Body // read once, for the zones with estimate
+	var body usagescan.Body // read once, for the zones with estimate and the json placeholders
+	if h.jsonVars != nil {
+		h.setJSONVars(r, &body)
+	}
 	for i, z := range h.Zones {
 		if len(z.matcherSets) > 0 {
 			match, err := z.matcherSets.AnyMatchWithError(r)

@@ -53,6 +53,7 @@ func init() {
 // ------------|-------------
 // `{http.rate_limit.exceeded.name}` | The name of the zone that denied the request.
 // `{http.rate_limit.exceeded.retry_after}` | The Retry-After value sent: seconds until the request could succeed.
+// `{http.rate_limit.json.<path>}` | The value at a path of object keys, separated by dots, in the request's JSON body: a string unescaped, a number as written, `true` or `false`; `-` when there is none (see NoJSONValue). Set before the decision, for the paths the zones' config names.
 type Handler struct {
 	// The rate limit zones. A request is checked against every zone
 	// whose matchers match it. Required: at least one zone, here or in
@@ -137,6 +138,9 @@ type Handler struct {
 	logger     *zap.Logger
 	// refundErrors throttles the warnings of refunds that failed.
 	refundErrors *throttle.Throttle
+	// jsonVars are the placeholders of the request's JSON body that the
+	// zones name: set before each request's decision.
+	jsonVars []jsonVar
 
 	latency     prometheus.Observer // nil without metrics
 	storeErrors prometheus.Counter  // nil without metrics
@@ -197,6 +201,10 @@ func (h *Handler) Provision(ctx caddy.Context) error {
 		return err
 	}
 	if err := h.Validate(); err != nil {
+		return err
+	}
+	var err error
+	if h.jsonVars, err = jsonVarsOf(h.Zones); err != nil {
 		return err
 	}
 	h.headerMode = headerModes[h.Headers]
@@ -392,6 +400,9 @@ func (h *Handler) Validate() error {
 			return fmt.Errorf("duplicate zone name '%s'", z.Name)
 		}
 		names[z.Name] = true
+	}
+	if _, err := jsonVarsOf(h.Zones); err != nil {
+		return err
 	}
 	if h.Headers != "" {
 		if err := checkHeaderMode(h.Headers); err != nil {

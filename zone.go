@@ -131,7 +131,7 @@ type Zone struct {
 	plans       *plans
 	badLimit    error // the caddyhttp.HandlerError of a request without a valid limit
 	keyKind     keyKind
-	keyHeader   string // the canonical header field of keyHeader
+	keyName     string // keyHeader's canonical header field; keyPlaceholder's placeholder
 	matcherSets caddyhttp.MatcherSets
 	state       *zoneState
 	// inDryRun: this zone's DryRun, or the handler's.
@@ -167,11 +167,12 @@ type Zone struct {
 type keyKind uint8
 
 const (
-	keyTemplate   keyKind = iota // any placeholders: use the replacer
-	keyClientIP                  // exactly {http.vars.client_ip}
-	keyRemoteHost                // exactly {http.request.remote.host}
-	keyStatic                    // no placeholders: one bucket for everyone
-	keyHeader                    // exactly {http.request.header.<field>} (an API key)
+	keyTemplate    keyKind = iota // any placeholders: use the replacer
+	keyClientIP                   // exactly {http.vars.client_ip}
+	keyRemoteHost                 // exactly {http.request.remote.host}
+	keyStatic                     // no placeholders: one bucket for everyone
+	keyHeader                     // exactly {http.request.header.<field>} (an API key)
+	keyPlaceholder                // exactly one other placeholder, such as {http.rate_limit.json.model}
 )
 
 const defaultKey = "{http.vars.client_ip}"
@@ -187,12 +188,19 @@ func (z *Zone) validate() error {
 
 // checkZoneName accepts any name that metrics labels can carry: a
 // non-empty UTF-8 string. Every other place that shows a name escapes it.
+// A zone's placeholders are {http.rate_limit.<name>.…}, so json, and a
+// name that starts with json., are refused: {http.rate_limit.json.spilled}
+// would be both a zone's and the value at a path of the request's JSON
+// body (see json_placeholder.go).
 func checkZoneName(name string) error {
 	if name == "" {
 		return errors.New("name is required")
 	}
 	if !utf8.ValidString(name) {
 		return fmt.Errorf("invalid name %q: must be UTF-8", name)
+	}
+	if name == "json" || strings.HasPrefix(name, "json.") {
+		return fmt.Errorf("invalid name %q: {http.rate_limit.json.<path>} is the value at a path of the request's JSON body; give the zone another name", name)
 	}
 	return nil
 }
@@ -234,7 +242,7 @@ func (z *Zone) provision(ctx caddy.Context) error {
 		z.Burst = z.limit.Burst
 	}
 	z.costTime = z.limit.CostTime(z.Cost)
-	z.keyKind, z.keyHeader = keyKindOf(z.Key)
+	z.keyKind, z.keyName = keyKindOf(z.Key)
 	if z.MatcherSetsRaw != nil {
 		v, err := ctx.LoadModule(z, "MatcherSetsRaw")
 		if err != nil {
@@ -288,7 +296,10 @@ func (z *Zone) setDefaults() {
 }
 
 // keyKindOf is what a key template needs to be expanded, and for a
-// request header alone, its canonical field.
+// request header alone, its canonical field; for another placeholder
+// alone, its name, whose value the replacer gives without the search
+// of a template (the same string: an unknown placeholder, or one of no
+// value, is "" either way).
 func keyKindOf(key string) (keyKind, string) {
 	switch {
 	case key == defaultKey:
@@ -300,6 +311,9 @@ func keyKindOf(key string) (keyKind, string) {
 	}
 	if f, ok := strings.CutPrefix(key, "{http.request.header."); ok && strings.IndexAny(f, `{}\`) == len(f)-1 && len(f) > 1 {
 		return keyHeader, textproto.CanonicalMIMEHeaderKey(f[:len(f)-1])
+	}
+	if len(key) > 2 && key[0] == '{' && key[len(key)-1] == '}' && !strings.ContainsAny(key[1:len(key)-1], `{}\`) {
+		return keyPlaceholder, key[1 : len(key)-1]
 	}
 	return keyTemplate, ""
 }
@@ -358,13 +372,17 @@ func (z *Zone) bucketKey(r *http.Request) (store.Key, bool) {
 		s = z.Key
 	case keyHeader:
 		// As the replacer expands it, without its lookup.
-		s = strings.Join(r.Header[z.keyHeader], ",")
+		s = strings.Join(r.Header[z.keyName], ",")
 	default:
 		repl, _ := r.Context().Value(caddy.ReplacerCtxKey).(*caddy.Replacer)
 		if repl == nil {
 			return store.Key{}, false
 		}
-		s = repl.ReplaceAll(z.Key, "")
+		if z.keyKind == keyPlaceholder {
+			s, _ = repl.GetString(z.keyName)
+		} else {
+			s = repl.ReplaceAll(z.Key, "")
+		}
 	}
 	if s == "" && !z.emptyShared {
 		return store.Key{}, false

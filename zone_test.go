@@ -224,10 +224,40 @@ func TestHeaderKeyAsReplacer(t *testing.T) {
 			}
 		}
 	}
-	for _, tmpl := range []string{"{http.request.header.X}-{http.request.host}", "{http.request.header.}", "{http.request.header.X}}", `{http.request.header.X\}`} {
+	for _, tmpl := range []string{"{http.request.header.X}-{http.request.host}", "{http.request.header.X}}", `{http.request.header.X\}`, "x{y}"} {
 		h := newTestHandler(t, fmt.Sprintf(`{"zones":[{"name":"hk2","key":%q,"rate":"10r/s"}]}`, tmpl))
 		if k := h.Zones[0].keyKind; k != keyTemplate {
 			t.Errorf("%s: key kind %d, want keyTemplate", tmpl, k)
+		}
+	}
+}
+
+// A key that is exactly one other placeholder is its value, read without
+// the replacer's search of a template: the same string as the template
+// gives, for a placeholder unknown, without a value, of a string, of a
+// number.
+func TestPlaceholderKeyAsReplacer(t *testing.T) {
+	h := newTestHandler(t, `{"zones":[{"name":"pk","key":"{http.vars.tenant}","rate":"10r/s"}]}`)
+	z := h.Zones[0]
+	if z.keyKind != keyPlaceholder {
+		t.Fatalf("key kind %d, want keyPlaceholder", z.keyKind)
+	}
+	viaReplacer := *z
+	viaReplacer.keyKind = keyTemplate
+	for _, v := range []any{nil, "", "t1", 42, "10.0.0.1"} {
+		req, _ := newRequest("192.0.2.1")
+		if v != nil {
+			caddyhttp.SetVar(req.Context(), "tenant", v)
+		}
+		got, gotOK := z.bucketKey(req)
+		want, wantOK := viaReplacer.bucketKey(req)
+		if got != want || gotOK != wantOK {
+			t.Errorf("%v: %v %v, the replacer gives %v %v", v, got, gotOK, want, wantOK)
+		}
+	}
+	for tmpl, want := range map[string]keyKind{"{http.request.header.}": keyPlaceholder, "{http.rate_limit.json.model}": keyPlaceholder, "{}": keyTemplate, "{": keyTemplate} {
+		if k, _ := keyKindOf(tmpl); k != want {
+			t.Errorf("%s: key kind %d, want %d", tmpl, k, want)
 		}
 	}
 }

@@ -30,6 +30,7 @@ type pathScanner struct {
 	found  bool  // a value was read at the path
 	bad    bool  // the last value at the path was not a number
 	value  int64 // the last number at the path
+	at     int   // where the last value at the path starts, in its piece (see Spec.Value)
 }
 
 const (
@@ -69,7 +70,7 @@ func (j *pathScanner) feed(p []byte) {
 			i = j.readKey(p, i)
 		case jValue:
 			if !isSpace(c) {
-				j.startValue(c)
+				j.startValue(c, i)
 			}
 			if j.state != jNumber {
 				i++
@@ -121,16 +122,16 @@ func (j *pathScanner) punctuation(c byte) {
 	}
 }
 
-// startValue reads the first byte of a value.
-func (j *pathScanner) startValue(c byte) {
+// startValue reads the first byte of a value, c, at i in its piece.
+func (j *pathScanner) startValue(c byte, i int) {
 	hit := j.hit
 	j.hit = false
 	switch {
 	case hit && j.on == len(j.path) && (c == '-' || c >= '0' && c <= '9'):
-		j.num, j.state = number{}, jNumber
+		j.num, j.state, j.at = number{}, jNumber, i
 	case hit && j.on == len(j.path):
-		j.found, j.bad = true, true // not a number
-		j.startValue(c)
+		j.found, j.bad, j.at = true, true, i // not a number
+		j.startValue(c, i)
 	case c == '{' && hit:
 		j.depth++
 		j.on++

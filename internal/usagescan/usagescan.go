@@ -6,7 +6,9 @@
 // decoding it: the number at a path of object keys in a JSON body or in
 // the events of a text/event-stream, or in a header or trailer. It holds
 // at most one event of a stream, and allocates nothing per response once
-// warm. It knows nothing of zones, buckets or Caddy.
+// warm. A request's JSON body it reads whole, once: the number at a path
+// (an estimate), or the value at a path as a placeholder gives it. It
+// knows nothing of zones, buckets or Caddy.
 package usagescan
 
 import (
