@@ -185,11 +185,11 @@ func (s *Store) shared(d *store.Demands) bool {
 	return false
 }
 
-// How a bucket of a zone with share was decided, for the undoing.
+// What a request took of a bucket, for the undoing.
 const (
-	shareNone  = iota // not taken
-	shareHere         // spent from this instance's share
-	shareRedis        // taken in Redis
+	shareNone  = iota // nothing, or it is not in a zone with share
+	shareHere         // from this instance's share
+	shareRedis        // from the bucket in Redis
 )
 
 // takeShared decides demands of which a bucket is in a zone with share:
@@ -236,7 +236,7 @@ func (s *Store) takeShared(ctx context.Context, now time.Time, d *store.Demands)
 	if allowed && (rest || len(d.Counters)+len(d.Slots) > 0) {
 		var r store.Demands
 		for i := range d.Buckets {
-			if how[i] == shareNone {
+			if s.zones[d.Buckets[i].Zone].shares == nil {
 				r.Buckets = append(r.Buckets, d.Buckets[i])
 			}
 		}
@@ -244,7 +244,7 @@ func (s *Store) takeShared(ctx context.Context, now time.Time, d *store.Demands)
 		allowed, err = s.takeExact(ctx, now, &r)
 		j := 0
 		for i := range d.Buckets {
-			if how[i] == shareNone {
+			if s.zones[d.Buckets[i].Zone].shares == nil {
 				d.Buckets[i] = r.Buckets[j]
 				j++
 			}
@@ -299,14 +299,8 @@ func (s *Store) takeShare(ctx context.Context, deadline time.Time, sz *shareZone
 		}
 		sh.mu.Unlock()
 		sz.here.Add(1)
-		if renew && s.Hold() {
-			renewed := *b // b is the request's, which it reuses
-			go func() {
-				defer s.Done()
-				ctx, cancel := context.WithTimeout(context.Background(), s.opt.CallTimeout)
-				defer cancel()
-				_, _ = s.shareCall(ctx, time.Now().Add(s.opt.CallTimeout), sz, nil, &renewed, 0, true)
-			}()
+		if renew {
+			s.renew(sz, *b) // a copy: b is the request's, which it reuses
 		}
 		return true, shareHere, nil
 	}
@@ -333,6 +327,25 @@ func (s *Store) takeShare(ctx context.Context, deadline time.Time, sz *shareZone
 		return true, shareHere, nil
 	}
 	return false, shareNone, err
+}
+
+// renew asks Redis for more of b's share, in the background: it reports
+// what the share spent, and moves its end on.
+func (s *Store) renew(sz *shareZone, b store.BucketDemand) {
+	if !s.Hold() { // the store is going: its shares go back
+		sh, e := sz.lock(b.Key, false)
+		if e != nil {
+			e.asking = false
+		}
+		sh.mu.Unlock()
+		return
+	}
+	go func() {
+		defer s.Done()
+		ctx, cancel := context.WithTimeout(context.Background(), s.opt.CallTimeout)
+		defer cancel()
+		_, _ = s.shareCall(ctx, time.Now().Add(s.opt.CallTimeout), sz, nil, &b, 0, true)
+	}()
 }
 
 // spendHere spends b's cost from this instance's share, if it holds it:
