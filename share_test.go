@@ -119,6 +119,19 @@ func TestShareThroughCaddy(t *testing.T) {
 		t.Errorf("allowed %d in %v, want %d to %d (exact %d)", allowed, elapsed, exact*9/10, bound, exact)
 	}
 
+	// A refusal says when the shared bucket will hold a request again, and
+	// what is left.
+	req, _ := http.NewRequest(http.MethodGet, siteURL+"/a", nil)
+	req.Header.Set("X-Key", "k")
+	resp, err := tester.Client.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") == "" || !strings.Contains(resp.Header.Get("RateLimit"), `"s";r=0`) {
+		t.Errorf("a request of the flooded key: %d, Retry-After %q, RateLimit %q; want 429 with both", resp.StatusCode, resp.Header.Get("Retry-After"), resp.Header.Get("RateLimit"))
+	}
+
 	// A busy key at a high rate: decided here, from shares.
 	reload(t, tester, "", shareSites(r.Addr(), "rate 100000r/s\n\t\t\t\tburst 100000"))
 	for i := range 600 {
@@ -137,7 +150,7 @@ func TestShareThroughCaddy(t *testing.T) {
 	// The admin API shows the key's shares: busy on three instances, the
 	// one that answers holds one, and the bucket's tokens leave room for
 	// all of them.
-	resp, err := http.Get("http://" + adminAddr + "/rate_limit/s/0")
+	resp, err = http.Get("http://" + adminAddr + "/rate_limit/s/0")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -154,7 +167,7 @@ func TestShareThroughCaddy(t *testing.T) {
 		t.Errorf("GET of a busy key: %s; want this instance's share among the holders, and tokens + out at most the burst", got)
 	}
 
-	req, _ := http.NewRequest(http.MethodPut, "http://"+adminAddr+"/rate_limit/s/0/limit", strings.NewReader(`{"rate":"1r/s","burst":1}`))
+	req, _ = http.NewRequest(http.MethodPut, "http://"+adminAddr+"/rate_limit/s/0/limit", strings.NewReader(`{"rate":"1r/s","burst":1}`))
 	resp, err = http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
