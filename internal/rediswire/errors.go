@@ -52,6 +52,11 @@ func Classify(err error) Kind {
 		return Refused
 	}
 	if reply, ok := errors.AsType[redis.Error](err); ok {
+		if strings.Contains(reply.Error(), "unauthenticated") {
+			// A command longer than Redis reads before AUTH: this
+			// client's credentials, as NOAUTH says of a short one.
+			return Outage
+		}
 		for _, prefix := range outageReplies {
 			if redis.HasErrorPrefix(reply, prefix) {
 				return Outage

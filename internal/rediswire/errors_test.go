@@ -30,6 +30,16 @@ func TestClassifyRedisErrors(t *testing.T) {
 	closed.Close()
 	down := redis.NewClient(&redis.Options{Addr: "127.0.0.1:1", MaxRetries: -1})
 	defer down.Close()
+	// A client without the password, whose command is longer than Redis
+	// reads before AUTH (a decision's arguments are).
+	locked := redistest.Start(t)
+	locked.CLI("CONFIG", "SET", "requirepass", "pw")
+	noAuth := redis.NewClient(&redis.Options{Addr: locked.Addr(), MaxRetries: -1})
+	defer noAuth.Close()
+	long := []any{"HSET", "h"}
+	for i := range 20 {
+		long = append(long, i, i)
+	}
 	for _, tc := range []struct {
 		name string
 		err  error
@@ -44,6 +54,8 @@ func TestClassifyRedisErrors(t *testing.T) {
 		{"READONLY", reply("READONLY You can't write against a read only replica."), Outage},
 		{"OOM", reply("OOM command not allowed when used memory > 'maxmemory'."), Outage},
 		{"WRONGPASS", reply("WRONGPASS invalid username-password pair"), Outage},
+		{"NOAUTH", noAuth.Do(ctx, "HSET", "h", "a", "1").Err(), Outage},
+		{"unauthenticated, long", noAuth.Do(ctx, long...).Err(), Outage},
 		{"dial", down.Ping(ctx).Err(), Outage},
 		{"timeout", context.DeadlineExceeded, Outage},
 		{"closed client", closed.Ping(ctx).Err(), Unknown},
