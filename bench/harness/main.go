@@ -79,6 +79,7 @@ type env struct {
 	peerBin  string
 	redis    *redisServer
 	backend  *backendInst
+	rows     []string // the throughput configurations to run; nil for all
 }
 
 func main() {
@@ -88,6 +89,7 @@ func main() {
 	only := flag.String("only", "noisy,throughput,memory", "phases to run, comma-separated")
 	note := flag.String("note", "", "a note on the run for the results (e.g. that the machine was shared)")
 	keep := flag.Bool("keep", false, "keep the temporary directory (configs, logs, raw latencies) for debugging")
+	rows := flag.String("rows", "", "throughput: only these configurations (comma-separated keys, e.g. local-ten-keys,redis-share-ten-keys), besides the baselines")
 	flag.Parse()
 	log.SetFlags(log.Ltime)
 
@@ -97,6 +99,9 @@ func main() {
 	}
 	e := &env{mode: *mode, p: p, bin: *bin, out: *out,
 		caddyBin: filepath.Join(*bin, "caddy"), peerBin: filepath.Join(*bin, "caddy-peer")}
+	if *rows != "" {
+		e.rows = strings.Split(*rows, ",")
+	}
 
 	code := 0
 	defer func() { os.Exit(code) }()

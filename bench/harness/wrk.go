@@ -249,6 +249,11 @@ func (e *env) tpConfigs() []*tpConfig {
 		{Key: "redis-denied", Impl: "rate_limit redis", Path: "denied", Keys: 1, redis: true, spec: caddySpec{bin: e.caddyBin, site: ours("1r/m", 1, redisStore)}},
 		{Key: "peer-denied", Impl: "caddy-ratelimit v0.1.0", Path: "denied", Keys: 1, spec: caddySpec{bin: e.peerBin, site: peer(1, "1m")}},
 	}
+	if e.rows != nil {
+		cfgs = slices.DeleteFunc(cfgs, func(c *tpConfig) bool {
+			return !strings.HasPrefix(c.Key, "baseline") && !slices.Contains(e.rows, c.Key)
+		})
+	}
 	for _, c := range cfgs {
 		c.spec.name = "tp-" + c.Key
 		// Zone names differ per config, so that no two share buckets in Redis.
