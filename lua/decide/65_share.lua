@@ -129,6 +129,22 @@ if ARGV[2] ~= '0' then
 		end
 		local debt = math.min(math.max(d, 0), full)
 
+		-- A bucket without holders, touched by a take that asks for no
+		-- share (most keys, used rarely): a plain take, writing nothing
+		-- but the bucket.
+		if want == 0 and not ret and cost >= 0 and redis.call('HEXISTS', h, field .. '#') == 0 then
+			local allowed = debt + cost <= full
+			if allowed then
+				debt = debt + cost
+			end
+			if allowed or bad or nothing or moved or d > full then
+				save(h, field, name, debt, '')
+			end
+			local r = #reply
+			reply[r + 1], reply[r + 2], reply[r + 3], reply[r + 4], reply[r + 5] = allowed and 1 or 0, debt, 0, 0, 0
+			return
+		end
+
 		local list, mine = holders(h, field, holder, at)
 		if mine and spent > mine[3] then
 			mine[3] = math.min(spent, mine[2])
