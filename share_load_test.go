@@ -71,8 +71,8 @@ func TestShareLoad(t *testing.T) {
 		return fmt.Sprintf(`{"name":"z%d","key":"{http.request.header.X-Key}","rate":%q,"burst":%s%s}`, run, rate, burst, s)
 	}
 	type result struct {
-		allowed, exact int
-		excess, certain float64
+		allowed, exact    int
+		excess, certain   float64
 		calls, exactCalls int
 	}
 	oneKey := func(n int, flood bool, skew bool) result {

@@ -147,7 +147,7 @@ func (s *Store) shapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shape {
 	if adjust {
 		cost = l.TokenTime
 	}
-	shape := s.shapes.get(shapeKey{l.BurstTime, l.TokenTime, cost, l.Ban, l.Delay + l.Owe, l.Delay, rz.plans})
+	shape := s.shapes.get(shapeKey{l.BurstTime, l.TokenTime, cost, l.Ban, l.Delay + l.Owe, l.Delay, rz.plans, rz.shares != nil})
 	if !adjust {
 		rz.shape.Store(shape)
 	}
@@ -219,7 +219,7 @@ type shapeCache struct {
 
 type shapeKey struct {
 	full, token, cost, ban, beyond, reserve time.Duration
-	scaled                                  bool
+	scaled, shared                          bool // shared: of a zone with share
 }
 
 const maxShapes = 4096
@@ -240,6 +240,9 @@ func (c *shapeCache) get(k shapeKey) *rediswire.Shape {
 		return s
 	}
 	s := rediswire.NewShape(k.full, k.token, k.cost, k.ban, k.beyond, k.reserve, k.scaled)
+	if k.shared {
+		s = rediswire.NewSharedShape(k.full, k.token, k.cost)
+	}
 	if len(m) < maxShapes {
 		next := make(map[shapeKey]*rediswire.Shape, len(m)+1)
 		maps.Copy(next, m)

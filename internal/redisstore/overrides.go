@@ -78,6 +78,9 @@ type countedOverrides struct {
 // background, once it is overrideRefresh old.
 func (s *Store) mayOverride(zone int) bool {
 	rz := &s.zones[zone]
+	if rz.shares != nil {
+		return false // SetOverride refuses them: a take of the zone stays plain
+	}
 	now := time.Since(processStart).Nanoseconds()
 	c := rz.overridden.Load()
 	if now-c.at > int64(overrideRefresh) {
@@ -160,6 +163,9 @@ var overrideScript = redis.NewScript(lua.Override)
 // counts toward max_overrides until the key's limit is set or removed.
 func (s *Store) SetOverride(ctx context.Context, now time.Time, zone int, key store.Key, o store.Override) error {
 	rz := &s.zones[zone]
+	if rz.shares != nil {
+		return errShareOwnLimit
+	}
 	listed := s.keys.Listed(key.String())
 	_, _, limitKey := s.keys.BucketLimit(rz.field, key.String())
 	keys := []string{s.keys.Limits(rz.field), limitKey}

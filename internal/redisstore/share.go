@@ -58,6 +58,10 @@ const (
 	maxShareKeys = 100_000
 )
 
+// errShareOwnLimit refuses a key's own limit in a zone with share: the
+// shares already out could not follow it.
+var errShareOwnLimit = errors.New("a zone with share has no keys' own limits: the shares already out could not follow a new one")
+
 // A shareZone is this instance's shares of one zone's buckets.
 type shareZone struct {
 	zone    int
@@ -287,7 +291,10 @@ func (s *Store) takeShare(ctx context.Context, deadline time.Time, sz *shareZone
 	if e == nil { // too many keys: Redis decides, as without share
 		sh.mu.Unlock()
 		ok, err := s.shareCall(ctx, deadline, sz, nil, b, b.Cost, false)
-		return ok, shareRedis, err
+		if !ok || err != nil {
+			return false, shareNone, err
+		}
+		return true, shareRedis, nil
 	}
 	rate := e.demand(now, b.Cost, sz.ttl)
 	if b.Cost <= e.left(now) {
@@ -316,7 +323,20 @@ func (s *Store) takeShare(ctx context.Context, deadline time.Time, sz *shareZone
 	if ask {
 		e.asking = true
 	}
+	plain := !ask && e.holder == "" && !b.Soft && len(d.Buckets) == 1 && len(d.Counters)+len(d.Slots) == 0
 	sh.mu.Unlock()
+	if plain {
+		// A key with no share here, used rarely: a plain take, which
+		// clips the bucket by the shares out as the share op would.
+		ok, err := s.ask(ctx, time.Until(deadline), d)
+		if err == nil {
+			sz.exact.Add(1)
+		}
+		if !ok || err != nil {
+			return false, shareNone, err
+		}
+		return true, shareRedis, nil
+	}
 	ok, err := s.shareCall(ctx, deadline, sz, e, b, b.Cost, ask)
 	if err == nil && ok {
 		return true, shareRedis, nil
@@ -392,13 +412,22 @@ func (s *Store) shareCall(ctx context.Context, deadline time.Time, sz *shareZone
 	}
 	sh.mu.Unlock()
 
-	call := rediswire.NewCall(rediswire.Share, deadline)
-	if s.opt.Clock != nil {
-		call.Clock(s.opt.Clock())
+	var r rediswire.Reply
+	err := rediswire.ErrDown
+	if s.client.Up() {
+		call := rediswire.NewCall(rediswire.Share, deadline)
+		if s.opt.Clock != nil {
+			call.Clock(s.opt.Clock())
+		}
+		hash, field := s.bucketName(b.Zone, b.Key)
+		call.Share(hash, field, s.shapeOf(b, false), cost, holder, known, spent, want, sz.ttl, false)
+		began := time.Now()
+		r, err = s.client.Run(ctx, call)
+		if err == nil {
+			s.client.NoteRTT(time.Since(began))
+		}
+		s.tell(ctx, err, false)
 	}
-	hash, field := s.bucketName(b.Zone, b.Key)
-	call.Share(hash, field, s.shapeOf(b, false), cost, holder, known, spent, want, sz.ttl, false)
-	r, err := s.client.Run(ctx, call)
 	if err == nil && cost > 0 {
 		sz.exact.Add(1)
 	}

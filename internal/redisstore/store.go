@@ -346,13 +346,26 @@ func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands)
 	if err == nil {
 		s.client.NoteRTT(time.Since(sent))
 	}
+	s.tell(ctx, err, waited && late)
+	if err != nil {
+		for i := range d.Slots {
+			d.Slots[i].Held, d.Slots[i].Free = false, 0
+		}
+	}
+	return allowed, err
+}
+
+// tell tells the breaker what a call that failed with err (nil: it was
+// answered) said of Redis. short: the call had only what was left of the
+// timeout, and ran out of it.
+func (s *Store) tell(ctx context.Context, err error, short bool) {
 	switch kind := rediswire.Classify(err); {
 	case err == nil || kind == rediswire.Answered:
 		s.client.Answered(s.opt.Logger)
 		if err != nil {
 			s.keyErrors.Warn(s.opt.Logger, "redis refused one decision: fail_mode decides that request", err)
 		}
-	case ctx.Err() != nil || kind == rediswire.Unknown || waited && late:
+	case ctx.Err() != nil || kind == rediswire.Unknown || short:
 		// The client went away, a reload closed this config's
 		// connections, the pool had no connection free, or a call that
 		// had only what was left of the timeout ran out of it: nothing
@@ -360,12 +373,6 @@ func (s *Store) ask(ctx context.Context, budget time.Duration, d *store.Demands)
 	default:
 		s.client.Failed(s.opt.Logger, err)
 	}
-	if err != nil {
-		for i := range d.Slots {
-			d.Slots[i].Held, d.Slots[i].Free = false, 0
-		}
-	}
-	return allowed, err
 }
 
 // Adjust charges the demands' costs, in one call where their keys share

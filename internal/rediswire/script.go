@@ -91,6 +91,7 @@ type Shape struct {
 	// adjustment of it alone is one.
 	plain, lean bool
 	args        [8]any // full, cost, ban, beyond, wait (the reserve), -cost, scaled, token
+	plainToken  any    // token as a plain shape sends it: negative for a zone with share
 }
 
 // NewShape is the shape of a bucket that takes full to refill from empty,
@@ -103,11 +104,21 @@ func NewShape(full, token, cost, ban, beyond, reserve time.Duration, scaled bool
 		s.args[i] = ns(d)
 	}
 	s.args[7] = ns(token)
+	s.plainToken = s.args[7]
 	s.lean = ban == 0 && !scaled
 	s.plain = s.lean && beyond == 0 && reserve == 0
 	if scaled {
 		s.args[6] = "1"
 	}
+	return s
+}
+
+// NewSharedShape is the shape of a bucket of a zone with share, as
+// NewShape's: a plain take of it owes at least what the shares out hold
+// (lua/decide/20_buckets.lua).
+func NewSharedShape(full, token, cost time.Duration) *Shape {
+	s := NewShape(full, token, cost, 0, 0, 0, false)
+	s.plainToken = ns(-token)
 	return s
 }
 
@@ -464,7 +475,7 @@ func (m *command) build() []any {
 	m.cmd[2] = count(len(m.cmd) - 3)
 	m.cmd = append(m.cmd, m.calls[0].clock, count(others), count(len(m.shapes)))
 	for _, sh := range m.shapes {
-		m.cmd = append(m.cmd, sh.args[0], sh.args[1], sh.args[7])
+		m.cmd = append(m.cmd, sh.args[0], sh.args[1], sh.plainToken)
 	}
 	for i := 0; i < len(m.calls); {
 		n := run(m.calls[i:])

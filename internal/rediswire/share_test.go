@@ -137,3 +137,58 @@ func TestShareStateOutlivesTheBucket(t *testing.T) {
 		t.Fatalf("after 50 new buckets the holders are %q, want %q", got, holders)
 	}
 }
+
+// A plain take of a bucket of a zone with share (its shape's token sent
+// negative) clips the bucket by the shares out, as the share op does,
+// alone in its call and among others.
+func TestSharePlainTakeClips(t *testing.T) {
+	b := newShareBench(t)
+	shared := NewSharedShape(40*shareToken, shareToken, shareToken)
+	plain := func(at time.Duration, n int) []bool {
+		t.Helper()
+		var got []bool
+		calls := make([]*Call, n)
+		for i := range calls {
+			calls[i] = NewCall(Take, time.Now().Add(5*time.Second))
+			calls[i].Clock(b.t0.Add(at))
+			calls[i].Bucket(b.hash, b.field, b.hash, shared, false, false)
+		}
+		replies, errs := b.c.RunAll(calls)
+		for i := range calls {
+			if errs[i] != nil {
+				t.Fatal(errs[i])
+			}
+			got = append(got, replies[i].Allowed())
+		}
+		return got
+	}
+	// a takes 1 and is granted 10: 29 left in the bucket.
+	if got := b.touch(shareTouch{holder: "a:1", cost: 1, want: 10, ttl: 10 * time.Second}); got.tokens != 29 || got.granted != 10 {
+		t.Fatalf("grant: %+v", got)
+	}
+	// 400ms later the bucket refilled 8, of which the share hides all
+	// but 1: plain takes find 30, not 37, one call at a time and in one
+	// call.
+	n := 0
+	for range 28 {
+		if plain(400*time.Millisecond, 1)[0] {
+			n++
+		}
+	}
+	if n != 28 {
+		t.Fatalf("%d of 28 single plain takes allowed, want 28", n)
+	}
+	for _, ok := range plain(400*time.Millisecond, 3) {
+		if ok {
+			n++
+		}
+	}
+	if n != 30 {
+		t.Fatalf("%d plain takes allowed of the 30 tokens beside the share, want 30", n)
+	}
+	// The clip was written: once the share is returned whole, the bucket
+	// holds what a return gives back and its refill since the clip.
+	if got := b.touch(shareTouch{at: 400 * time.Millisecond, holder: "a:1", known: 10, ret: true}); got.tokens != 10 {
+		t.Fatalf("after the return: %+v, want 10 tokens", got)
+	}
+}

@@ -17,7 +17,8 @@
 --            a call of plain takes alone, which makes none of the other
 --            decisions' functions (a plain adjustment's included)
 --   ARGV[3]  np, the number of plain shapes; then 3 values each: full,
---            cost, token (below)
+--            cost, token (below; a negative token: of a zone with share,
+--            see 20_buckets.lua)
 --   then the decisions, one after another, each starting with its op:
 --
 --   n        a number: a plain take of n buckets; then 2 values each:

@@ -33,6 +33,10 @@
 -- making only the reply, and the functions of the other decisions are
 -- made only by a call that holds one (ARGV[2]).
 --
+-- SHARES. A plain shape whose token is sent negative is of a zone with
+-- share (65_share.lua): a plain take of its bucket first clips it by the
+-- shares out (it owes at least what they hold), and writes it clipped.
+
 -- OVERRIDES. A key's own limit, set through the admin API, is the string
 -- `<token>:<burst>:<rate as given>` at its key (KEYS, after its bucket's
 -- hash), which expires by itself: where it is, its burst and token
@@ -141,6 +145,27 @@ end
 local nowdigits -- now in the instants' digits, for purges
 -- PEXPIRE's NX and GT (Redis 7.0, Valkey) set the expiry without reading it.
 local expiryflags = (redis.REDIS_VERSION_NUM or 0) >= 0x070000
+
+-- sharedOut is what the shares of the bucket field of hash h hold at
+-- now: the tokens granted to the holders whose shares have not ended,
+-- less what they reported spent (see 65_share.lua's state).
+local function sharedOut(h, field)
+	local v = redis.pcall('HGET', h, field .. '#')
+	if type(v) ~= 'string' then
+		return 0
+	end
+	local c = string.find(v, ':', 1, true)
+	if not c then
+		return 0
+	end
+	local out, at = 0, now * 1000
+	for g, s, u in string.gmatch(string.sub(v, c + 1), '|(%d+)|(%d+)|(%d+)') do
+		if tonumber(u) > at then
+			out = out + tonumber(g) - tonumber(s)
+		end
+	end
+	return out
+end
 local function write(h, field, v, suffix)
 	if not v or v <= 0 then
 		redis.call('HDEL', h, field)

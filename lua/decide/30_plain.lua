@@ -1,14 +1,18 @@
 -- A call of one plain take of one bucket (a request that found no call
 -- in flight): straight through, making no table but the reply.
 if ARGV[3] == '1' and ARGV[7] == '1' and #ARGV == 9 then
-	local h, field, full, cost = KEYS[1], ARGV[9], tonumber(ARGV[4]), tonumber(ARGV[5])
+	local h, field, full, cost, token = KEYS[1], ARGV[9], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 	local v = redis.pcall('HGET', h, field)
 	local bad = type(v) == 'table'
 	local d, moved, nothing = 0, false, false
+	local out = 0
+	if token < 0 then
+		token, out = -token, sharedOut(h, field)
+	end
 	if bad then
 		reply[2] = 1
 	elseif v then
-		d, moved, nothing = owed(v, nil, full, tonumber(ARGV[6]), full, false, 0)
+		d, moved, nothing = owed(v, nil, full, token, full, false, 0)
 		if nothing then
 			reply[2] = 1
 		end
@@ -19,11 +23,15 @@ if ARGV[3] == '1' and ARGV[7] == '1' and #ARGV == 9 then
 	elseif debt > full then
 		debt = full
 	end
+	local clipped = out > debt
+	if clipped then
+		debt = out
+	end
 	local ok = debt + cost <= full
 	if ok then
 		debt = debt + cost
 	end
-	if ok or bad or nothing or moved or d > full then
+	if ok or bad or nothing or moved or d > full or clipped then
 		if bad then
 			redis.call('DEL', h)
 		end
@@ -93,11 +101,15 @@ local function plain(n, takes)
 		local s, h, field = ARGV[a], KEYS[k], ARGV[a + 1]
 		s = 3 * (s == '1' and 1 or tonumber(s)) -- most calls have one shape: no strtod
 		a, k = a + 2, k + 1
-		local full, cost = ps[s - 2], ps[s - 1]
+		local full, cost, token = ps[s - 2], ps[s - 1], ps[s]
 		local v, name, bad = load(h, field)
 		local d, moved, nothing = 0, false, false
+		local out = 0
+		if token < 0 then
+			token, out = -token, sharedOut(h, field)
+		end
 		if v then
-			d, moved, nothing = owed(v, name, full, ps[s], full, false, 0)
+			d, moved, nothing = owed(v, name, full, token, full, false, 0)
 		end
 		if bad or nothing then
 			reply[2] = reply[2] + 1
@@ -108,9 +120,13 @@ local function plain(n, takes)
 		elseif debt > full then
 			debt = full
 		end
+		local clipped = out > debt
+		if clipped then
+			debt = out
+		end
 		ok = ok and debt + cost <= full
 		pb[i + 1], pb[i + 2], pb[i + 3], pb[i + 4], pb[i + 5], pb[i + 6], pb[i + 7] = debt, cost, name, h, field,
-			bad or nothing or moved or d > full, full
+			bad or nothing or moved or d > full or clipped, full
 	end
 	local r = #reply
 	if takes then
