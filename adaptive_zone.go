@@ -208,25 +208,31 @@ func (a *AdaptiveConcurrency) check() error {
 	if hi < lo {
 		return fmt.Errorf("invalid concurrency adaptive max %d: must be at least min %d", hi, lo)
 	}
-	if err := a.checkReserves(); err != nil {
+	return checkClasses(a.Priority, a.Reserve)
+}
+
+// checkClasses checks a priority and its reserves: each alone, and
+// together.
+func checkClasses(priority string, reserves []AdaptiveReserve) error {
+	if err := checkReserves(reserves); err != nil {
 		return err
 	}
 	switch {
-	case a.Priority == "" && len(a.Reserve) > 0:
+	case priority == "" && len(reserves) > 0:
 		return errors.New("reserve needs priority: the placeholders that give a request its class")
-	case a.Priority != "" && len(a.Reserve) == 0:
+	case priority != "" && len(reserves) == 0:
 		return errors.New("priority needs a reserve: without one, every request is of one class")
-	case a.Priority != "" && !hasPlaceholders(a.Priority):
-		return fmt.Errorf("invalid priority '%s': must hold placeholders, such as {http.request.header.X-Priority}", a.Priority)
+	case priority != "" && !hasPlaceholders(priority):
+		return fmt.Errorf("invalid priority '%s': must hold placeholders, such as {http.request.header.X-Priority}", priority)
 	}
 	return nil
 }
 
 // checkReserves checks each reserve, and the last against those before
 // it: a class once, and the shares together below 100%.
-func (a *AdaptiveConcurrency) checkReserves() error {
+func checkReserves(reserves []AdaptiveReserve) error {
 	sum := 0.0
-	for i, r := range a.Reserve {
+	for i, r := range reserves {
 		switch {
 		case r.Class == "":
 			return errors.New("reserve needs a class")
@@ -235,7 +241,7 @@ func (a *AdaptiveConcurrency) checkReserves() error {
 		case !(r.Percent > 0 && r.Percent < 100):
 			return fmt.Errorf("invalid reserve %s %g%%: must be above 0%% and below 100%%", r.Class, r.Percent)
 		}
-		for _, before := range a.Reserve[:i] {
+		for _, before := range reserves[:i] {
 			if before.Class == r.Class {
 				return fmt.Errorf("class %s reserved twice", r.Class)
 			}
@@ -302,24 +308,9 @@ func (a *AdaptiveConcurrency) unmarshalSub(d *caddyfile.Dispenser) error {
 	case "max":
 		n = &a.Max
 	case "priority":
-		if a.Priority != "" {
-			return d.Err("priority already specified")
-		}
-		if !d.AllArgs(&a.Priority) {
-			return d.ArgErr()
-		}
-		return nil
+		return priorityArg(d, &a.Priority)
 	case "reserve":
-		var class, percent string
-		if !d.AllArgs(&class, &percent) {
-			return d.ArgErr()
-		}
-		p, err := parsePercent(percent)
-		if err != nil {
-			return d.Errf("invalid reserve '%s': %v", percent, err)
-		}
-		a.Reserve = append(a.Reserve, AdaptiveReserve{Class: class, Percent: p})
-		return wrapErr(d, a.checkReserves())
+		return reserveArg(d, &a.Reserve)
 	default:
 		return d.Errf("unrecognized concurrency adaptive subdirective '%s': expected min, max, priority or reserve", sub)
 	}
@@ -328,6 +319,32 @@ func (a *AdaptiveConcurrency) unmarshalSub(d *caddyfile.Dispenser) error {
 		return err
 	}
 	return wrapErr(d, checkRange("concurrency adaptive "+sub, *n, 1, maxAdaptive))
+}
+
+// priorityArg reads `priority <placeholders>` into priority, once.
+func priorityArg(d *caddyfile.Dispenser, priority *string) error {
+	if *priority != "" {
+		return d.Err("priority already specified")
+	}
+	if !d.AllArgs(priority) {
+		return d.ArgErr()
+	}
+	return nil
+}
+
+// reserveArg reads `reserve <class> <n>%` into reserves, and checks it
+// against those before it.
+func reserveArg(d *caddyfile.Dispenser, reserves *[]AdaptiveReserve) error {
+	var class, percent string
+	if !d.AllArgs(&class, &percent) {
+		return d.ArgErr()
+	}
+	p, err := parsePercent(percent)
+	if err != nil {
+		return d.Errf("invalid reserve '%s': %v", percent, err)
+	}
+	*reserves = append(*reserves, AdaptiveReserve{Class: class, Percent: p})
+	return wrapErr(d, checkReserves(*reserves))
 }
 
 // parsePercent reads a percentage such as `20%` or `12.5%`.
@@ -349,14 +366,29 @@ type adaptiveZone struct {
 	shed    error                      // the caddyhttp.HandlerError of a shed request
 	latency prometheus.Observer
 
-	// With priority: the classes that reserves name, from the highest
-	// (a request of none is of the lowest, len(reserved)), the
-	// template, its header when it is exactly one request header, and
-	// the counts of the zone state. nil without.
+	// With priority: its classes, and the counts of the zone state.
+	priorityClasses
+	classes *classCounts
+}
+
+// priorityClasses are the classes of a zone's requests: those that
+// reserves name, from the highest (a request of none is of the lowest,
+// len(reserved)), the priority template, and its header when it is
+// exactly one request header. reserved is nil without priority.
+type priorityClasses struct {
 	reserved []string
 	priority string
 	header   string
-	classes  *classCounts
+}
+
+// newPriorityClasses are the classes of priority, of which names are
+// the reserves' and the lowest's.
+func newPriorityClasses(priority string, names []string) priorityClasses {
+	c := priorityClasses{reserved: names[:len(names)-1], priority: priority}
+	if kind, field := keyKindOf(priority); kind == keyHeader {
+		c.header = field
+	}
+	return c
 }
 
 // provisionAdaptive gives an adaptive zone its keys: those of the zone
@@ -381,17 +413,14 @@ func (z *Zone) provisionAdaptive(st *zoneState) {
 	}
 	st.classes.CompareAndSwap(nil, newClassCounts(a))
 	za := z.adaptive
-	za.classes, za.priority = st.classes.Load(), a.Priority
-	za.reserved = za.classes.names[:len(a.Reserve)]
-	if kind, field := keyKindOf(a.Priority); kind == keyHeader {
-		za.header = field
-	}
+	za.classes = st.classes.Load()
+	za.priorityClasses = newPriorityClasses(a.Priority, za.classes.names)
 }
 
 // classOf is r's class in the zone: the place of the reserve that names
 // what the priority expands to, from the highest; the lowest class when
 // none does. 0 without priority.
-func (a *adaptiveZone) classOf(r *http.Request) int {
+func (a *priorityClasses) classOf(r *http.Request) int {
 	if a.reserved == nil {
 		return 0
 	}

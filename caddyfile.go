@@ -55,6 +55,8 @@ const anonymousZone = "default"
 //				reserve <class> <n>%     # held back for a class and those above; from the highest
 //			}
 //			lease       <duration>  # with concurrency: how long a Redis slot is held
+//			priority    <placeholders>  # a request's class, for reserve
+//			reserve     <class> <n>%  # burst kept for classes above
 //			quota       <n> per day|week|month  # a calendar quota per key; a rate is then optional
 //			usage       json <path>|header <field>  # the true cost, read from the response
 //			max_debt    <n>         # with usage: how far past empty it may take the bucket

@@ -89,12 +89,12 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 		if !ok {
 			continue
 		}
-		l, cost, units, ok := h.costOf(r, z, &body)
+		l, cost, units, class, ok := h.costOf(r, z, &body)
 		if !ok {
 			return now, outcomeBadLimit, z.badLimit
 		}
 		soft := z.inDryRun || z.Spill
-		m := match{zone: i, bucket: -1, counter: -1, slot: -1}
+		m := match{zone: i, bucket: -1, counter: -1, slot: -1, class: class}
 		if !z.rateless {
 			m.bucket = len(sc.d.Buckets)
 			sc.d.Buckets = append(sc.d.Buckets, store.BucketDemand{Zone: i, Key: k, Limit: l, Cost: cost, Soft: soft})
@@ -124,24 +124,28 @@ func (h *Handler) gather(r *http.Request, sc *scratch) (time.Time, outcome, erro
 	return now, outcomeAllow, nil
 }
 
-// costOf is the limit of z's bucket for r, and what r takes of it and
-// of z's quota: the zone's cost (its plan's), or r's estimate. body is
-// what the zones with estimate read of r's body. It reports false when z
-// has no valid limit for r.
-func (h *Handler) costOf(r *http.Request, z *Zone, body *usagescan.Body) (gcra.Limit, time.Duration, int64, bool) {
-	l, cost, n := z.limit, z.costTime, z.Cost
+// costOf is the limit of z's bucket for r (keeping the reserves of the
+// classes above r's), what r takes of it and of z's quota (the zone's
+// cost, its plan's, or r's estimate), and r's class. body is what the
+// zones with estimate read of r's body. It reports false when z has no
+// valid limit for r.
+func (h *Handler) costOf(r *http.Request, z *Zone, body *usagescan.Body) (gcra.Limit, time.Duration, int64, int, bool) {
+	l, cost, n, class := z.limit, z.costTime, z.Cost, 0
 	if z.plans != nil && !z.rateless {
 		p := z.planFor(r)
 		if p == nil {
-			return l, 0, 0, false
+			return l, 0, 0, 0, false
 		}
 		l, cost, n = p.limit, p.costTime, p.cost
 	}
+	if z.reserves != nil {
+		l, class = z.reserves.keeping(r, l)
+	}
 	if z.Estimate == nil {
-		return l, cost, z.Cost, true
+		return l, cost, z.Cost, class, true
 	}
 	cost, units := z.reserve(h.estimate(r, z, body, n), &l)
-	return l, cost, units, true
+	return l, cost, units, class, true
 }
 
 // take asks the store to take d, and applies fail_mode when it fails. It

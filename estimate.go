@@ -229,7 +229,7 @@ func (z *Zone) reserve(n int64, l *gcra.Limit) (time.Duration, int64) {
 	if z.quota != nil {
 		units = min(n, z.quota.limit)
 	}
-	return l.CostTime(min(n, l.Burst)), units
+	return l.CostTime(min(n, l.Capacity())), units
 }
 
 // estimate is the tokens r reserves in zone z, whose cost for r is cost:
@@ -317,8 +317,8 @@ func (h *Handler) clampOwnBurst(d *store.Demands) bool {
 	clamped := false
 	for i := range d.Buckets {
 		b := &d.Buckets[i]
-		if b.Overridden && b.Cost > b.Limit.BurstTime && h.Zones[b.Zone].Estimate != nil {
-			b.Cost, clamped = b.Limit.BurstTime, true
+		if b.Overridden && b.Cost > b.Limit.Room() && h.Zones[b.Zone].Estimate != nil {
+			b.Cost, clamped = b.Limit.CostTime(b.Limit.Capacity()), true
 		}
 	}
 	return clamped

@@ -47,7 +47,7 @@ type standing struct {
 
 func (h *Handler) bucketStanding(m *match, b *store.BucketDemand) standing {
 	return standing{zone: b.Zone, key: b.Key, denied: !b.OK && !m.wouldDeny, wait: b.Wait(), remaining: b.Remaining(),
-		capacity: b.Limit.Burst, debt: b.Debt, full: b.Limit.BurstTime}
+		capacity: b.Limit.Capacity(), debt: b.Debt, full: b.Limit.BurstTime}
 }
 
 func (h *Handler) counterStanding(m *match, c *store.CounterDemand) standing {
@@ -170,8 +170,10 @@ func (h *Handler) appendPolicies(b []byte, sc *scratch) []byte {
 		z := h.Zones[m.zone]
 		if m.bucket >= 0 {
 			b = sep(b, &n)
-			if q := &sc.d.Buckets[m.bucket]; z.plans != nil || q.Overridden {
-				b = appendPolicy(b, z.quotedName, q.Limit.Burst, ceilSeconds(q.Limit.BurstTime))
+			// A class below others sees the burst less their reserves,
+			// refilled in its own time.
+			if q := &sc.d.Buckets[m.bucket]; z.plans != nil || q.Overridden || q.Limit.Kept > 0 {
+				b = appendPolicy(b, z.quotedName, q.Limit.Capacity(), ceilSeconds(q.Limit.Room()))
 			} else {
 				b = append(b, z.policy...)
 			}

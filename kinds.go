@@ -126,6 +126,7 @@ type kindsCounts struct {
 	adaptiveCounts
 	dryRunCounts
 	spillCounts
+	reservesCounts
 }
 
 // kindsInfo are the kinds' fields of a zone's admin view (see kind.info),
@@ -141,6 +142,7 @@ type (
 		estimateInfo
 		dryRunInfo
 		spillInfo
+		reservesInfo
 	}
 	kindsKeyView struct {
 		banKeyView
@@ -149,6 +151,7 @@ type (
 		concurrencyKeyView
 		adaptiveKeyView
 		shareKeyViewField
+		reservesKeyView
 	}
 )
 
@@ -157,7 +160,7 @@ type (
 // description.
 var kinds = []*kind{
 	&adaptiveKind, &concurrencyKind, &quotaKind, &usageKind, &estimateKind, &overridesKind, &syncKind, &shareKind,
-	&banKind, &delayKind, &countKind, &dryRunKind, &spillKind,
+	&banKind, &delayKind, &countKind, &dryRunKind, &spillKind, &reservesKind,
 }
 
 // zoneSubdirectives and handlerSubdirectives are the subdirectives that
@@ -247,6 +250,12 @@ var exclusions = []struct {
 	{&shareKind, &quotaKind, "share cannot go with quota: a calendar quota is counted exactly, in Redis; give it a zone of its own"},
 	{&shareKind, &concurrencyKind, "share cannot go with concurrency: its slots are leases that Redis holds for every instance; give it a zone of its own"},
 	{&shareKind, &adaptiveKind, "share cannot go with concurrency adaptive: give the adaptive limit a zone of its own"},
+	// A reserve is kept exactly, in the one bucket every instance takes
+	// from, for every class.
+	{&reservesKind, &syncKind, "reserve cannot go with sync: copies reconciled after the decision cannot keep a reserve exact"},
+	{&reservesKind, &shareKind, "reserve cannot go with share: shares given out in advance cannot keep a reserve exact"},
+	{&reservesKind, &banKind, "reserve cannot go with ban: a refusal of a lower class would ban the key for every class"},
+	{&reservesKind, &delayKind, "reserve cannot go with delay: a waiting request of a lower class would hold the tokens kept for the classes above"},
 }
 
 // eachKind runs the hook that of gives of every kind that has one on v,

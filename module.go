@@ -485,6 +485,7 @@ type match struct {
 	wouldDeny             bool // a zone whose demands are soft (dry run, spill) lacked: it refused nothing
 	back                  bool // its tokens go back to the store (see giveBack)
 	scan                  int  // a zone with usage: its scan in scratch.scans
+	class                 int  // a zone with reserves: the request's class, from the highest
 }
 
 // An outcome is how the decision on a request ends.

@@ -118,6 +118,7 @@ type Zone struct {
 	spillConfig
 	syncConfig
 	shareConfig
+	reservesConfig
 
 	index    int    // in Handler.Zones
 	id       zoneID // its name and its limit: what its counters are shared by
@@ -161,6 +162,8 @@ type Zone struct {
 	delays prometheus.Observer
 	// adaptive is the adaptive limit on requests in flight; nil without.
 	adaptive *adaptiveZone
+	// reserves are the classes of the zone's reserves; nil without.
+	reserves *reserveZone
 }
 
 // A keyKind is what a zone's key template needs to be expanded.

@@ -56,6 +56,13 @@ type Limit struct {
 	// requests wait); the bucket may still owe what earlier takes
 	// reserved.
 	NoDelay bool
+	// Kept: the part of the whole bucket that a take must leave in it,
+	// for the classes of request above the request's (their reserves):
+	// the bucket behaves, for this take, as if its whole bucket were
+	// BurstTime − Kept. Its tokens, its next token and its capacity are
+	// counted alike. 0 for none; always below BurstTime. Never with a ban
+	// or a delay.
+	Kept time.Duration
 }
 
 // MaxBurstTime bounds C/r, and a ban: a bucket owes at most two of them,
@@ -122,7 +129,7 @@ func (l *Limit) Most() time.Duration { return l.BurstTime + l.Ban + l.Delay + l.
 // own burst below a cost that comes with each request).
 func (l *Limit) Take(fullAt, now, cost time.Duration) (time.Duration, bool) {
 	d := l.Debt(fullAt, now)
-	if AddSat(d, cost) <= l.Reach() && cost <= l.BurstTime {
+	if AddSat(d, cost) <= l.Reach() && cost <= l.Room() {
 		return now + d + cost, true
 	}
 	if l.StartsBan(d, cost) {
@@ -205,9 +212,46 @@ func (l *Limit) Retune(fullAt, now time.Duration, from Limit) time.Duration {
 
 // With is l with the rate (TokenTime) and burst of a key's own limit: its
 // ban, delay and the debt it may run up stay l's.
+//
+// What it keeps for the classes above (Kept) is the same share of the new
+// whole bucket, computed in float64 as the Redis script computes it.
 func (l Limit) With(tokenTime time.Duration, burst int64) Limit {
+	from := l.BurstTime
 	l.TokenTime, l.Burst, l.BurstTime = tokenTime, burst, time.Duration(burst)*tokenTime
+	if l.Kept > 0 && from > 0 {
+		l.Kept = ScaleKept(l.Kept, from, l.BurstTime)
+	}
 	return l
+}
+
+// ScaleKept is what a bucket of whole bucket to keeps of its own when
+// one of whole bucket from keeps kept: the same share, to the nanosecond
+// below.
+func ScaleKept(kept, from, to time.Duration) time.Duration {
+	return time.Duration(math.Floor(float64(kept) / float64(from) * float64(to)))
+}
+
+// Keeping is l keeping share (from 0 to below 1) of its whole bucket for
+// the classes above a request's (see Kept).
+func (l Limit) Keeping(share float64) Limit {
+	l.Kept = 0
+	if share > 0 {
+		l.Kept = min(time.Duration(math.Floor(share*float64(l.BurstTime))), l.BurstTime-1)
+	}
+	return l
+}
+
+// Room is the whole bucket as the request's class sees it: the whole
+// bucket less what it keeps for the classes above.
+func (l *Limit) Room() time.Duration { return l.BurstTime - l.Kept }
+
+// Capacity is the most whole tokens the request's class may take from a
+// full bucket: the burst less the reserves of the classes above.
+func (l *Limit) Capacity() int64 {
+	if l.Kept == 0 {
+		return l.Burst
+	}
+	return int64(l.Room() / l.TokenTime)
 }
 
 // Clamp is the instant of a bucket full at fullAt, seen at now, owing no
@@ -219,13 +263,14 @@ func (l *Limit) Clamp(fullAt, now time.Duration) time.Duration {
 	return now + l.Debt(fullAt, now)
 }
 
-// Reach is the most a take may leave the bucket owing: a whole bucket,
-// and the delay unless NoDelay.
+// Reach is the most a take may leave the bucket owing: a whole bucket
+// less what it keeps for the classes above, and the delay unless
+// NoDelay.
 func (l *Limit) Reach() time.Duration {
 	if l.NoDelay {
-		return l.BurstTime
+		return l.BurstTime - l.Kept
 	}
-	return l.BurstTime + l.Delay
+	return l.BurstTime - l.Kept + l.Delay
 }
 
 // Banned reports whether a bucket that owes debt is banned: the limit
@@ -247,24 +292,27 @@ func (l *Limit) Delayed(debt time.Duration) time.Duration {
 }
 
 // Tokens is the number of tokens, possibly fractional, in a bucket that
-// owes debt.
+// owes debt, as the request's class sees it (less what it keeps for the
+// classes above).
 func (l *Limit) Tokens(debt time.Duration) float64 {
-	return float64(l.BurstTime-debt) / float64(l.TokenTime)
+	return float64(l.Room()-debt) / float64(l.TokenTime)
 }
 
-// WholeTokens is the number of whole tokens in a bucket that owes debt.
+// WholeTokens is the number of whole tokens in a bucket that owes debt,
+// as the request's class sees it.
 func (l *Limit) WholeTokens(debt time.Duration) int64 {
-	return min(max(int64((l.BurstTime-debt)/l.TokenTime), 0), l.Burst)
+	return min(max(int64((l.Room()-debt)/l.TokenTime), 0), l.Capacity())
 }
 
 // NextToken is how long a bucket that owes debt needs to hold one more
-// whole token than it does: 0 when it is full.
+// whole token than it does, as the request's class sees it: 0 when it
+// holds all the class may take.
 func (l *Limit) NextToken(debt time.Duration) time.Duration {
 	whole := l.WholeTokens(debt)
-	if whole >= l.Burst {
+	if whole >= l.Capacity() {
 		return 0
 	}
-	return debt - l.BurstTime + time.Duration(whole+1)*l.TokenTime
+	return debt - l.Room() + time.Duration(whole+1)*l.TokenTime
 }
 
 // Wait is how long a bucket that owes debt needs before a take of cost

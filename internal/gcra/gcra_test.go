@@ -283,3 +283,38 @@ func TestAddSat(t *testing.T) {
 		}
 	}
 }
+
+// A class below others keeps their reserves in the bucket: burst 10
+// keeping 25% (2.5 tokens) gives that class 7 whole tokens, a wait until
+// the bucket holds its cost above what it keeps, and, under a key's own
+// burst of 20, 15.
+func TestKept(t *testing.T) {
+	l := gcra.NewLimit(1, 10).Keeping(0.25)
+	if l.Kept != 2500*time.Millisecond || l.Capacity() != 7 {
+		t.Fatalf("kept %v, capacity %d; want 2.5s, 7", l.Kept, l.Capacity())
+	}
+	var f time.Duration
+	var ok bool
+	for i := range 7 {
+		if f, ok = l.Take(f, 0, l.TokenTime); !ok {
+			t.Fatalf("take %d refused", i)
+		}
+	}
+	if _, ok = l.Take(f, 0, l.TokenTime); ok {
+		t.Fatal("the eighth take was allowed: it reached into the reserve")
+	}
+	debt := l.Debt(f, 0)
+	if w, n, r := l.Wait(debt, l.TokenTime), l.NextToken(debt), l.WholeTokens(debt); w != 500*time.Millisecond || n != 500*time.Millisecond || r != 0 {
+		t.Fatalf("wait %v, next token %v, %d left; want 500ms, 500ms, 0", w, n, r)
+	}
+	all := l.Keeping(0)
+	if r := all.WholeTokens(debt); r != 3 {
+		t.Fatalf("the highest class sees %d tokens, want 3", r)
+	}
+	if o := l.With(time.Second, 20); o.Kept != 5*time.Second || o.Capacity() != 15 {
+		t.Fatalf("a burst of 20 keeps %v, capacity %d; want 5s, 15", o.Kept, o.Capacity())
+	}
+	if l.Keeping(0.9999999999).Kept >= l.BurstTime {
+		t.Fatal("a share just below 1 keeps the whole bucket")
+	}
+}

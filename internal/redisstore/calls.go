@@ -69,7 +69,7 @@ func (s *Store) build(c *rediswire.Call, op rediswire.Op, d *store.Demands) {
 		if op == rediswire.Adjust {
 			c.AdjustBucket(hash, field, limit, s.shapeOf(b, true), b.BaseCost())
 		} else {
-			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.Limit.NoDelay, b.Soft)
+			c.Bucket(hash, field, limit, s.shapeOf(b, false), !b.Limit.NoDelay || b.Limit.Kept > 0, b.Soft)
 		}
 	}
 	for i := range d.Counters {
@@ -141,13 +141,13 @@ func (s *Store) shapeOf(b *store.BucketDemand, adjust bool) *rediswire.Shape {
 		l, cost = b.Base(), b.BaseCost()
 	}
 	if last := rz.shape.Load(); last != nil && last.Full == l.BurstTime && (adjust || last.Cost == cost) && last.Token == l.TokenTime &&
-		last.Ban == l.Ban && last.Beyond == l.Delay+l.Owe && last.Reserve == l.Delay && last.Scaled == rz.plans {
+		last.Ban == l.Ban && last.Beyond == l.Delay+l.Owe && last.Reserve == l.Delay-l.Kept && last.Scaled == rz.plans {
 		return last
 	}
 	if adjust {
 		cost = l.TokenTime
 	}
-	shape := s.shapes.get(shapeKey{l.BurstTime, l.TokenTime, cost, l.Ban, l.Delay + l.Owe, l.Delay, rz.plans, rz.shares != nil})
+	shape := s.shapes.get(shapeKey{l.BurstTime, l.TokenTime, cost, l.Ban, l.Delay + l.Owe, l.Delay - l.Kept, rz.plans, rz.shares != nil})
 	if !adjust {
 		rz.shape.Store(shape)
 	}

@@ -80,7 +80,9 @@ type Shape struct {
 	// Beyond is how much more than a whole bucket the bucket may owe: a
 	// delay's reservations, or the debt that adjustments may run up.
 	// Reserve is how much of it a take may reserve (a delay): 0 when only
-	// adjustments may go there.
+	// adjustments may go there; negative for a zone with reserves, the
+	// part of the whole bucket a take must leave to the classes above
+	// its request's (gcra.Limit.Kept).
 	Beyond, Reserve time.Duration
 	// Scaled: the zone's limit comes with each request, and a bucket
 	// written under another limit is read as owing the same fraction of

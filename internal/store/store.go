@@ -164,20 +164,22 @@ type BucketDemand struct {
 	Debt time.Duration // how long until the bucket is full again, after the decision
 	// Overridden: the key's own limit decided, and the store put it in
 	// Limit and Cost (an Override, with SetOwnLimit); baseToken and
-	// baseBurst are the rate and burst it replaced.
+	// baseBurst are the rate and burst it replaced, and baseKept what the
+	// request's class kept of the bucket under them.
 	Overridden bool
 	baseBurst  int64
 	baseToken  time.Duration
+	baseKept   time.Duration
 }
 
 // SetOwnLimit makes b's limit the key's own, of a token's time tokenTime
 // and burst: its limit, and its cost counted in that limit's tokens.
 func (b *BucketDemand) SetOwnLimit(tokenTime time.Duration, burst int64) {
 	if !b.Overridden {
-		b.baseToken, b.baseBurst, b.Overridden = b.Limit.TokenTime, b.Limit.Burst, true
+		b.baseToken, b.baseBurst, b.baseKept, b.Overridden = b.Limit.TokenTime, b.Limit.Burst, b.Limit.Kept, true
 	}
 	b.Cost = b.Cost / b.Limit.TokenTime * tokenTime
-	b.Limit = b.Limit.With(tokenTime, burst)
+	b.Limit = b.Base().With(tokenTime, burst)
 }
 
 // ClearOwnLimit gives b back the limit an override replaced, when the
@@ -205,7 +207,11 @@ func (b *BucketDemand) BaseCost() time.Duration {
 }
 
 // Base is the limit an override replaced.
-func (b *BucketDemand) Base() gcra.Limit { return b.Limit.With(b.baseToken, b.baseBurst) }
+func (b *BucketDemand) Base() gcra.Limit {
+	l := b.Limit.With(b.baseToken, b.baseBurst)
+	l.Kept = b.baseKept
+	return l
+}
 
 // Wait is how long the bucket needs before it can give the tokens (or,
 // with a delay, before a take of them would wait no longer than the

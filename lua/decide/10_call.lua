@@ -35,7 +35,8 @@
 --            then nb, nc, ns (the numbers of buckets, counters and slot
 --            sets) and three sections, in that order:
 --              buckets  9 values each: field, full, cost, ban, beyond,
---                       wait, scaled, token, soft
+--                       wait, scaled, token, soft (wait < 0: a
+--                       reserve, below)
 --              counters 7 values each: limit, cost, b0, b1, b2, b3, soft
 --              slots    id, then 3 values each: limit, lease, soft
 --            KEYS: the hash of each bucket and the key of its override

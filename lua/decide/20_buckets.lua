@@ -15,7 +15,10 @@
 --          delay's reservations, or the debt adjustments may run up (a
 --          cost known after the response); 0 for none (never with a ban)
 --   wait   how much of beyond this take may reserve: the delay, or 0 when
---          the request may not wait or the zone has no delay
+--          the request may not wait or the zone has no delay; or, for a
+--          zone with reserves (never with a delay or a ban), -kept: the
+--          take must leave kept of the whole bucket to the classes above
+--          the request's, as if its whole bucket were full - kept
 --   scaled '1' when the zone's limit comes with each request (plans):
 --          the bucket is written `<instant>:<full>`, and one written under
 --          another full owes the same fraction of this one's bucket (and
@@ -41,7 +44,9 @@
 -- `<token>:<burst>:<rate as given>` at its key (KEYS, after its bucket's
 -- hash), which expires by itself: where it is, its burst and token
 -- replace the shape's, full becomes burst * token, and cost the same
--- count of its tokens; ban, beyond and wait stay. A bucket of a zone
+-- count of its tokens; ban, beyond and wait stay, but a reserve (wait
+-- < 0) keeps the same share of the key's own bucket: wait becomes
+-- -floor(-wait / full * the override's full). A bucket of a zone
 -- whose limit is fixed that an override decided is written
 -- `<instant>:<full>:<token>`: one read under another limit (the
 -- override set, changed, removed or expired), or one without that suffix

@@ -67,7 +67,7 @@ if ARGV[2] ~= '0' then
 		for i = 1, nb do
 			local x, h = ab + 9 * (i - 1), KEYS[kb + 2 * (i - 1)]
 			local full, cost, ban, beyond = tonumber(ARGV[x + 1]), tonumber(ARGV[x + 2]), tonumber(ARGV[x + 3]), tonumber(ARGV[x + 4])
-			local shapefull, token = full, tonumber(ARGV[x + 7])
+			local shapefull, token, wait = full, tonumber(ARGV[x + 7]), tonumber(ARGV[x + 5])
 			local otoken, oburst = 0, 0
 			local okey = KEYS[kb + 2 * (i - 1) + 1]
 			local o = okey ~= h and redis.pcall('GET', okey)
@@ -80,6 +80,10 @@ if ARGV[2] ~= '0' then
 						cost = cost / token * t
 					end
 					otoken, oburst, full = t, b, t * b
+					if wait < 0 then
+						-- A reserve is the same share of the key's own bucket.
+						wait = -math.floor(-wait / shapefull * full)
+					end
 				end
 			end
 			local v, name, bad = load(h, ARGV[x])
@@ -90,7 +94,7 @@ if ARGV[2] ~= '0' then
 			if moved or d > most then
 				state = state + 2
 			end
-			if take and (debt + cost > full + tonumber(ARGV[x + 5]) or cost > full) then
+			if take and (debt + cost > full + wait or cost > full) then
 				-- A cost above the whole bucket (a key's own burst below a
 				-- cost that comes with each request) is never there, and its
 				-- refusal bans no one.

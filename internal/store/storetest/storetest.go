@@ -66,6 +66,7 @@ func Run(t *testing.T, newStore NewStore, opts ...Option) {
 	t.Run("usage", func(t *testing.T) { usageReplay(t, newStore) })
 	t.Run("overrides", func(t *testing.T) { overrideReplay(t, newStore) })
 	t.Run("refund", func(t *testing.T) { refundReplay(t, newStore) })
+	t.Run("reserves", func(t *testing.T) { reserveReplay(t, newStore) })
 	if o.flights != nil {
 		t.Run("flights", func(t *testing.T) { newReplay(t, newStore).flights(o.flights) })
 	}
