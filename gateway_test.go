@@ -358,6 +358,7 @@ func TestGateway(t *testing.T) {
 		resetBucket(t, "per_key", "alice")
 		resetBucket(t, "per_model", "alice/gpt-4o")
 		resetBucket(t, "per_model", "alice/o3")
+		base := scrape(t, tester)
 		passed, code, h, body, took := untilRefused(t, 40, func() (int, http.Header, string) {
 			return chat(t, "sk-gw-alice", "gpt-4o", 10, "10", false)
 		})
@@ -369,6 +370,9 @@ func TestGateway(t *testing.T) {
 		if code != 200 || remainingOf(t, h, "per_model") != 9 {
 			t.Fatalf("o3 after gpt-4o's 429: %d %q, RateLimit %q", code, body, h.Get("RateLimit"))
 		}
+		// Every response settled, before the next subtest counts.
+		settled(t, base, "per_key", float64(10*(passed+1)))
+		settled(t, base, "provider", float64(10*(passed+1)))
 	})
 
 	// When the primary's tokens of a model are spent (a response of 2
