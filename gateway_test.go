@@ -393,7 +393,7 @@ func TestGateway(t *testing.T) {
 		}
 		settled(t, base, "provider", 2000000)
 		code, h, body := chat(t, "sk-gw-bob", "gpt-4.1", 100, "50", false)
-		if code != 200 || h.Get("X-Upstream") != "fallback" || h.Get("Retry-After") != "" || remainingOf(t, h, "provider") != 0 {
+		if code != 200 || h.Get("X-Upstream") != "fallback" || h.Get("Retry-After") != "" || remainingOf(t, h, "provider") != 0 || remainingOf(t, h, "per_model") != 9 {
 			t.Fatalf("gpt-4.1 with the primary's minute spent: %d, upstream %q, Retry-After %q, RateLimit %q (%q); want the fallback",
 				code, h.Get("X-Upstream"), h.Get("Retry-After"), h.Get("RateLimit"), body)
 		}
