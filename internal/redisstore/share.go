@@ -51,7 +51,7 @@ const (
 
 	// shareBusy is how many requests' cost within a ttl make a key busy:
 	// below it, a share would mostly be written off or returned unspent.
-	shareBusy = 4
+	shareBusy = 8
 
 	// maxShareKeys bounds the keys of each zone this instance tracks:
 	// beyond it, a new key's requests are decided by Redis.
@@ -105,8 +105,10 @@ type shareOf struct {
 	debt, out time.Duration
 	at        time.Time
 	// A remembered refusal: before full, the bucket cannot hold need.
-	full time.Time
-	need time.Duration
+	// refused: a plain take was refused last (see takeShare).
+	full    time.Time
+	need    time.Duration
+	refused bool
 }
 
 // left is what e's share holds at now.
@@ -323,14 +325,19 @@ func (s *Store) takeShare(ctx context.Context, deadline time.Time, sz *shareZone
 	if ask {
 		e.asking = true
 	}
-	plain := !ask && e.holder == "" && !b.Soft && len(d.Buckets) == 1 && len(d.Counters)+len(d.Slots) == 0
+	plain := !ask && e.holder == "" && !e.refused && !b.Soft && len(d.Buckets) == 1 && len(d.Counters)+len(d.Slots) == 0
 	sh.mu.Unlock()
 	if plain {
 		// A key with no share here, used rarely: a plain take, which
-		// clips the bucket by the shares out as the share op would.
+		// clips the bucket by the shares out as the share op would. A
+		// refusal sends its next request as a share op, whose answer
+		// tells the shares out, so that refusals are remembered.
 		ok, err := s.ask(ctx, time.Until(deadline), d)
 		if err == nil {
 			sz.exact.Add(1)
+			sh.mu.Lock()
+			e.refused = !ok
+			sh.mu.Unlock()
 		}
 		if !ok || err != nil {
 			return false, shareNone, err
@@ -444,6 +451,7 @@ func (s *Store) shareCall(ctx context.Context, deadline time.Time, sz *shareZone
 	}
 	allowed, debt, granted, left, out := r.Share()
 	if e != nil && e.holder == holder {
+		e.refused = false
 		switch {
 		case granted > e.granted:
 			e.granted = granted
