@@ -271,12 +271,22 @@ func printTop(w io.Writer, v any, n int) {
 }
 
 // printFields prints an answer's fields, one a line, a zone after the
-// other; an override's too.
+// other; an override's and a share's too; and last, with reserves, each
+// class's tokens, from the highest class: what it may take now of the
+// most it may.
 func printFields(w io.Writer, v any) {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	for i, z := range each(v) {
 		if i > 0 {
 			fmt.Fprintln(tw)
+		}
+		var classes []string
+		if cs, ok := z["classes"].([]any); ok {
+			delete(z, "classes")
+			for _, c := range cs {
+				c, _ := c.(map[string]any)
+				classes = append(classes, fmt.Sprintf("classes.%s\t%s of %s\n", text(c["class"]), text(c["remaining"]), text(c["capacity"])))
+			}
 		}
 		for _, part := range []string{"override", "share"} {
 			if o, ok := z[part].(map[string]any); ok {
@@ -295,6 +305,9 @@ func printFields(w io.Writer, v any) {
 		})
 		for _, k := range keys {
 			fmt.Fprintf(tw, "%s\t%s\n", k, text(z[k]))
+		}
+		for _, c := range classes {
+			fmt.Fprint(tw, c)
 		}
 	}
 	tw.Flush()

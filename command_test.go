@@ -36,6 +36,13 @@ http://127.0.0.1:%d {
 			rate 1r/m
 			burst 2
 		}
+		zone cmd_reserve {
+			key {http.request.header.X-Reserve-Key} # none: the zone does not apply
+			rate 1r/h
+			burst 10
+			priority {http.request.header.X-Class}
+			reserve high 30%%
+		}
 		zone . {
 			key {http.request.header.X-Key}
 			rate 1r/m
@@ -167,6 +174,31 @@ http://127.0.0.1:%d {
 	}
 	if err := json.Unmarshal([]byte(ok("get", "cmd", "alice", "--json")), &got); err != nil || got.Override.Burst != 5 || got.Tokens < 2 || got.Tokens > holds() {
 		t.Fatalf("get --json: %+v, %v; want alice's own burst of 5, 2 tokens and what %v gave back", got, err, time.Since(spent))
+	}
+	// A zone with reserves: each class's tokens, now and at most, from
+	// the highest class, after two requests of the lowest (at 1r/h, a
+	// token comes back in an hour).
+	for range 2 {
+		req, _ := http.NewRequest(http.MethodGet, fmt.Sprintf("http://127.0.0.1:%d/", port), nil)
+		req.Header.Set("X-Reserve-Key", "k")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != 200 {
+			t.Fatalf("a request of the lowest class: %d", resp.StatusCode)
+		}
+	}
+	out = ok("get", "cmd_reserve", "k")
+	var classes []string
+	for _, line := range strings.Split(out, "\n") {
+		if strings.HasPrefix(line, "classes") {
+			classes = append(classes, strings.Join(strings.Fields(line), " "))
+		}
+	}
+	if strings.Join(classes, "; ") != "classes.high 8 of 10; classes.other 5 of 7" {
+		t.Fatalf("get of a zone with reserves: classes %q, want high 8 of 10, then other 5 of 7, in\n%s", classes, out)
 	}
 	if out := ok("top", "cmd", "-n", "5"); !strings.Contains(out, "DENIALS") {
 		t.Fatalf("top:\n%s", out)

@@ -413,6 +413,75 @@ func TestGateway(t *testing.T) {
 		resetBucket(t, "provider", "gpt-4.1")
 	})
 
+	// Production's reserve of the primary: bob, of no tier, is of the
+	// lowest class, which may take a model's minute down to its last
+	// 200,000 tokens, production's 20%; beyond, bob's requests go to the
+	// fallback while alice's, production's, still go to the primary.
+	// Each class reads its own part in provider's policy: 800,000
+	// tokens, 48 s of the minute, for bob; 1,000,000 for alice. What the
+	// bucket refills meanwhile (16,667 tokens a second) only helps alice:
+	// bob's refusal holds for 8 s after his first request.
+	t.Run("reserve for production", func(t *testing.T) {
+		for _, k := range []string{"alice", "bob"} {
+			resetBucket(t, "per_key", k)
+			resetBucket(t, "per_model", k+"/gpt-4o")
+		}
+		resetBucket(t, "provider", "gpt-4o")
+		base := scrape(t, tester)
+		start := time.Now()
+		// bob reserves 790,000 and his prompt's part of the 800,000 his
+		// class may take, and uses 790,000.
+		code, h, body := chat(t, "sk-gw-bob", "gpt-4o", 790000, "790000", false)
+		if code != 200 || h.Get("X-Upstream") != "primary" {
+			t.Fatalf("bob's first: %d, upstream %q, %q", code, h.Get("X-Upstream"), body)
+		}
+		if p := h.Get("RateLimit-Policy"); !strings.Contains(p, `"provider";q=800000;w=48`) {
+			t.Fatalf("bob's RateLimit-Policy %q, want provider's q=800000;w=48: the lowest class's part", p)
+		}
+		left := 800000 - 790000 - int(math.Ceil(float64(len(gatewayChatBody("gpt-4o", 790000, false)))/4))
+		if r := remainingOf(t, h, "provider"); r < left || r > left+int(time.Since(start).Seconds()*1000000/60)+1 {
+			t.Fatalf("bob's provider r=%d, want %d and what refilled", r, left)
+		}
+		settled(t, base, "provider", 790000)
+		// That usage spent bob's own tokens and more: only provider
+		// decides below.
+		resetBucket(t, "per_key", "bob")
+
+		// The admin API tells each class's part of the one bucket.
+		classes, _ := adminKeyAt(t, adminAddr, "provider", "gpt-4o")["classes"].([]any)
+		if len(classes) != 2 {
+			t.Fatalf("provider's gpt-4o: classes %v, want production and other", classes)
+		}
+		prod, _ := classes[0].(map[string]any)
+		other, _ := classes[1].(map[string]any)
+		if prod["class"] != "production" || prod["capacity"] != 1000000.0 || other["class"] != "other" || other["capacity"] != 800000.0 ||
+			prod["remaining"].(float64)-other["remaining"].(float64) != 200000 || other["remaining"].(float64) < 10000 {
+			t.Fatalf("provider's gpt-4o: classes %v, want production 1,000,000 at most and other 800,000, 200,000 apart, other about 10,000 now", classes)
+		}
+
+		code, h, body = chat(t, "sk-gw-bob", "gpt-4o", 150000, "50", false)
+		if took := time.Since(start); took > 8*time.Second {
+			t.Skipf("bob's requests took %v: the bucket may have refilled past the reserve", took)
+		}
+		if code != 200 || h.Get("X-Upstream") != "fallback" || h.Get("Retry-After") != "" || remainingOf(t, h, "provider") >= 150000 {
+			t.Fatalf("bob's 150,000 with about 10,000 left to his class: %d, upstream %q, Retry-After %q, RateLimit %q (%q); want the fallback",
+				code, h.Get("X-Upstream"), h.Get("Retry-After"), h.Get("RateLimit"), body)
+		}
+		code, h, body = chat(t, "sk-gw-alice", "gpt-4o", 150000, "1000", false)
+		if code != 200 || h.Get("X-Upstream") != "primary" || !strings.Contains(h.Get("RateLimit-Policy"), `"provider";q=1000000;w=60`) {
+			t.Fatalf("alice's 150,000 with about 210,000 left: %d, upstream %q, RateLimit-Policy %q (%q); want the primary and the whole burst",
+				code, h.Get("X-Upstream"), h.Get("RateLimit-Policy"), body)
+		}
+		settled(t, base, "provider", 790000+1000)
+		m := scrape(t, tester)
+		spilled := `caddy_rate_limit_requests_total{result="spilled",zone="provider"}`
+		wantMetric(t, m, spilled, base[spilled]+1)
+		for _, k := range []string{"alice", "bob"} {
+			resetBucket(t, "per_key", k)
+		}
+		resetBucket(t, "provider", "gpt-4o")
+	})
+
 	// A stream's usage is its last event's; a stream without one (the
 	// client did not ask for stream_options.include_usage) keeps what
 	// its request reserved: max_tokens and the prompt's part.
