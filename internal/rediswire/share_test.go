@@ -5,6 +5,9 @@ package rediswire
 
 import (
 	"context"
+	"fmt"
+	"math/rand/v2"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -191,4 +194,108 @@ func TestSharePlainTakeClips(t *testing.T) {
 	if got := b.touch(shareTouch{at: 400 * time.Millisecond, holder: "a:1", known: 10, ret: true}); got.tokens != 10 {
 		t.Fatalf("after the return: %+v, want 10 tokens", got)
 	}
+}
+
+// The share protocol as a property: three holders of one bucket on a
+// simulated clock take requests from their shares or exactly, renew,
+// return, die, and send duplicated, late and lost messages (a reply
+// lost: the holder learns nothing of what Redis decided; a report sent
+// again, or one older than the last): over every pair of admissions,
+// whether Redis or a share admitted them, no more than one exact bucket
+// allows.
+func TestShareProtocolProperty(t *testing.T) {
+	b := newShareBench(t)
+	type holder struct {
+		id            string
+		epoch         int
+		known, spent  float64 // tokens
+		until         time.Duration
+		lastKnown     float64
+		lastSpentSent float64
+	}
+	const burst, ttl = 40.0, time.Second
+	for run := range 30 {
+		rng := rand.New(rand.NewPCG(uint64(run), 11))
+		b.hash, b.field = Keys{Prefix: "prop:"}.Bucket(ZoneField("z"), strconv.Itoa(run))
+		hs := make([]*holder, 3)
+		for i := range hs {
+			hs[i] = &holder{id: fmt.Sprintf("h%d:0", i)}
+		}
+		var at []time.Duration
+		now := time.Duration(run) * time.Hour
+		start := now
+		gap := []int{2, 10, 40, 150}[run%4]
+		for range 800 {
+			now += time.Duration(rng.IntN(gap*1000)) * time.Microsecond
+			if rng.IntN(40) == 0 { // a lull: the bucket refills, and shares are granted
+				now += time.Duration(200+rng.IntN(2000)) * time.Millisecond
+			}
+			h := hs[rng.IntN(len(hs))]
+			left := h.known - h.spent
+			switch p := rng.IntN(100); {
+			case p < 2: // dies: starts again with nothing, its share written off
+				h.epoch++
+				h.id, h.known, h.spent, h.until = fmt.Sprintf("%s:%d", h.id[:2], h.epoch), 0, 0, 0
+			case p < 5: // returns what it did not spend
+				b.touch(shareTouch{at: now, holder: h.id, known: h.known, spent: h.spent, ret: true})
+				h.epoch++
+				h.id, h.known, h.spent, h.until = fmt.Sprintf("%s:%d", h.id[:2], h.epoch), 0, 0, 0
+			case p < 9: // a report sent again, or an older one
+				spent := h.lastSpentSent
+				if p < 7 && spent > 0 {
+					spent = float64(rng.IntN(int(spent)))
+				}
+				b.touch(shareTouch{at: now, holder: h.id, known: h.lastKnown, spent: spent, ttl: ttl})
+			case left >= 1 && now < h.until:
+				h.spent++
+				at = append(at, now-start)
+			default: // exactly, reporting, and asking for more when busy
+				want := 0.0
+				if rng.IntN(3) > 0 {
+					want = float64(1 + rng.IntN(12))
+				}
+				got := b.touch(shareTouch{at: now, holder: h.id, cost: 1, known: h.known, spent: h.spent, want: want, ttl: ttl})
+				h.lastKnown, h.lastSpentSent = h.known, h.spent
+				if got.allowed {
+					at = append(at, now-start)
+				}
+				if rng.IntN(10) == 0 {
+					break // the reply is lost: nothing learnt
+				}
+				switch {
+				case got.granted > h.known:
+					h.known = got.granted
+					fallthrough
+				case got.granted > 0 && got.left > 0:
+					h.until = max(h.until, now+got.left-got.left/10)
+				case h.known > 0:
+					// written off: a new share at the next grant
+					h.epoch++
+					h.id, h.known, h.spent, h.until = fmt.Sprintf("%s:%d", h.id[:2], h.epoch), 0, 0, 0
+				}
+			}
+		}
+		if e := overBound(at, burst, shareToken); e > 1e-9 {
+			t.Fatalf("run %d: %d admitted, %.3f tokens over the exact bucket's bound", run, len(at), e)
+		}
+		if len(at) < 20 {
+			t.Fatalf("run %d: %d admitted: the run tested little", run, len(at))
+		}
+	}
+}
+
+// overBound is the largest excess, over every pair of admission instants,
+// of what was admitted between them over burst + the refill of a token
+// every tt: 0 or less when the bound holds.
+func overBound(at []time.Duration, burst float64, tt time.Duration) float64 {
+	slices.Sort(at)
+	worst, low := -burst, 0.0
+	for j, t := range at {
+		v := float64(j) - float64(t)/float64(tt)
+		if j == 0 || v < low {
+			low = v
+		}
+		worst = max(worst, v-low+1-burst)
+	}
+	return worst
 }
