@@ -332,7 +332,7 @@ func (s *Store) takeShare(ctx context.Context, deadline time.Time, sz *shareZone
 		// clips the bucket by the shares out as the share op would. A
 		// refusal sends its next request as a share op, whose answer
 		// tells the shares out, so that refusals are remembered.
-		ok, err := s.ask(ctx, time.Until(deadline), d)
+		ok, err := s.ask(ctx, s.opt.CallTimeout, d)
 		if err == nil {
 			sz.exact.Add(1)
 			sh.mu.Lock()
