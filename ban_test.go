@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -34,18 +35,32 @@ func TestResetWithinARefill(t *testing.T) {
 	h := newTestHandler(t, `{"zones":[{"name":"quick-reset","rate":"4r/s","burst":1,"ban":"5m"}],"store":`+storeJSON(r.Addr())+`}`)
 	const ip = "198.51.100.40"
 	const refill = 250 * time.Millisecond // a token of 4r/s
-	// Requests until one is refused: the second, unless a token's refill
-	// passed since the first. Redis's denial starts the ban; the cache
+	// Requests, four at once, until one is refused: at burst 1 three of
+	// the first four, however slowly a loaded machine answers each (one
+	// at a time, a request answered a token's refill after the last
+	// would find a token again). Redis's denial starts the ban; the cache
 	// learns it, and refuses the next by it.
 	var sent, answered time.Time
 	code, hdr := 200, http.Header(nil)
 	for i := 0; code == 200; i++ {
-		if i == 50 {
-			t.Fatal("50 requests, none refused")
+		if i == 10 {
+			t.Fatal("10 times 4 requests at once, none refused")
 		}
+		var codes [4]int
+		var hdrs [4]http.Header
+		var wg sync.WaitGroup
 		sent = time.Now()
-		code, hdr = serve(h, ip)
+		for j := range codes {
+			wg.Go(func() { codes[j], hdrs[j] = serve(h, ip) })
+		}
+		wg.Wait()
 		answered = time.Now()
+		for j := range codes {
+			if codes[j] != 200 {
+				code, hdr = codes[j], hdrs[j]
+				break
+			}
+		}
 	}
 	for i := range 3 {
 		if i > 0 {
