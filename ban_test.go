@@ -32,9 +32,14 @@ func banZone(name string) string {
 // apart, and a request late.
 func TestResetWithinARefill(t *testing.T) {
 	r := startRedis(t)
-	h := newTestHandler(t, `{"zones":[{"name":"quick-reset","rate":"4r/s","burst":1,"ban":"5m"}],"store":`+storeJSON(r.Addr())+`}`)
+	// A timeout shorter than a token's refill: a request that finds the
+	// bucket short cannot wait for the token within it (the over-limit
+	// cache would send it to Redis once the token is there, see
+	// redisstore's look), so Redis refuses it and starts the ban.
+	h := newTestHandler(t, `{"zones":[{"name":"quick-reset","rate":"2r/s","burst":1,"ban":"5m"}],
+		"store":{"backend":"redis","addresses":["`+r.Addr()+`"],"timeout":"400ms"}}`)
 	const ip = "198.51.100.40"
-	const refill = 250 * time.Millisecond // a token of 4r/s
+	const refill = 500 * time.Millisecond // a token of 2r/s
 	// Requests, four at once, until one is refused: at burst 1 three of
 	// the first four, however slowly a loaded machine answers each (one
 	// at a time, a request answered a token's refill after the last
