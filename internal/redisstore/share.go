@@ -510,6 +510,11 @@ func (s *Store) undoShares(d *store.Demands, how []uint8) {
 		sz := s.zones[b.Zone].shares
 		switch h {
 		case shareRedis:
+			sh, e := sz.lock(b.Key, false)
+			if e != nil {
+				e.full = time.Time{}
+			}
+			sh.mu.Unlock()
 			ctx, cancel := context.WithTimeout(context.Background(), s.opt.CallTimeout)
 			_, _ = s.shareCall(ctx, time.Now().Add(s.opt.CallTimeout), sz, nil, b, -b.Cost, false)
 			cancel()
@@ -530,6 +535,11 @@ func (s *Store) adjustShared(ctx context.Context, d *store.Demands) error {
 			kept = append(kept, b)
 			continue
 		}
+		sh, e := sz.lock(b.Key, false)
+		if e != nil {
+			e.full = time.Time{} // a refusal remembered from before the adjustment
+		}
+		sh.mu.Unlock()
 		if _, e := s.shareCall(ctx, time.Now().Add(s.opt.CallTimeout), sz, nil, &b, b.Cost, false); e != nil && err == nil {
 			err = e
 		}

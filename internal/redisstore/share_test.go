@@ -87,6 +87,14 @@ func TestShareDecidesBusyKeysHere(t *testing.T) {
 	if st.ShareRedis > 200 || st.ShareHere < 19800 || st.ShareGrants == 0 {
 		t.Fatalf("20000 requests of one key: %d decided by Redis, %d here, %d grants; want at most 200 by Redis", st.ShareRedis, st.ShareHere, st.ShareGrants)
 	}
+	// The key's shared state: this instance's share among the holders.
+	got, err := s.ShareState(context.Background(), 0, store.Key{Text: "busy"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Holders != 1 || got.Out <= 0 || got.Here <= 0 || got.Here > got.Out || got.EndsIn <= 0 || got.EndsIn > time.Second {
+		t.Fatalf("the busy key's shares: %+v, want this instance's, out and ending within the ttl", got)
+	}
 	for i := range 3 {
 		take(t, s, time.Now(), "rare", l)
 		if got := s.Stats(0); got.ShareRedis != st.ShareRedis+uint64(i+1) || got.ShareGrants != st.ShareGrants {
@@ -411,5 +419,65 @@ func TestShareOnCluster(t *testing.T) {
 		if got.Out != 0 || got.Holders != 0 {
 			t.Fatalf("key %d after its return: %+v, want nothing out", k, got)
 		}
+	}
+}
+
+// A request's zones with share are decided in turn: one that refuses
+// leaves the next untouched (its answer read, nothing taken), and an
+// adjustment gives back to the bucket, never past what the shares out
+// hold.
+func TestShareZonesInTurnAndAdjusted(t *testing.T) {
+	r := redistest.Start(t)
+	client := OpenClient(t, r.Addr())
+	tight, wide := gcra.NewLimit(1.0/60, 1), gcra.NewLimit(1.0/60, 10)
+	s := Open(t, client, []store.ZoneSpec{ShareSpec("tight", tight, time.Second), ShareSpec("wide", wide, time.Second)}, Options{FailMode: "closed"})
+	both := func() (bool, *store.Demands) {
+		d := &store.Demands{Buckets: []store.BucketDemand{
+			{Zone: 0, Key: store.Key{Text: "k"}, Limit: tight, Cost: tight.TokenTime},
+			{Zone: 1, Key: store.Key{Text: "k"}, Limit: wide, Cost: wide.TokenTime},
+		}}
+		ok, err := s.Take(context.Background(), time.Now(), d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ok, d
+	}
+	if ok, _ := both(); !ok {
+		t.Fatal("the first request refused")
+	}
+	for range 5 {
+		ok, d := both()
+		if ok || d.Buckets[0].OK || !d.Buckets[1].OK {
+			t.Fatalf("allowed %v, tight ok %v, wide ok %v: want tight to refuse, wide to have the tokens", ok, d.Buckets[0].OK, d.Buckets[1].OK)
+		}
+	}
+	takeWide := func() bool {
+		d := &store.Demands{Buckets: []store.BucketDemand{{Zone: 1, Key: store.Key{Text: "k"}, Limit: wide, Cost: wide.TokenTime}}}
+		ok, err := s.Take(context.Background(), time.Now(), d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ok
+	}
+	n := 0
+	for takeWide() {
+		n++
+	}
+	// wide gave a token to the first request only (1 of 10 taken); the
+	// loop's requests took the other 9.
+	if n != 9 {
+		t.Fatalf("wide held %d after tight refused five times, want 9", n)
+	}
+	// Three tokens given back: three more requests.
+	back := &store.Demands{Buckets: []store.BucketDemand{{Zone: 1, Key: store.Key{Text: "k"}, Limit: wide, Cost: -3 * wide.TokenTime}}}
+	if err := s.Adjust(context.Background(), time.Now(), back); err != nil {
+		t.Fatal(err)
+	}
+	n = 0
+	for takeWide() {
+		n++
+	}
+	if n != 3 {
+		t.Fatalf("after 3 tokens given back, %d requests allowed, want 3", n)
 	}
 }
