@@ -28,10 +28,10 @@ func (s *Store) now() time.Time {
 	return time.Now()
 }
 
-// sweep returns the shares that keys no longer use, half a ttl after
-// their last request, forgets the keys idle for two ttls, and counts the
-// shares that ended here unreturned. The store's last user stops it (see
-// releaseShares), which returns every share left.
+// sweep returns the shares that keys no longer use (idleFor), forgets
+// the keys idle for two ttls, and counts the shares that ended here
+// unreturned. The store's last user stops it (see releaseShares), which
+// returns every share left.
 func (s *Store) sweep(sz *shareZone) {
 	defer close(sz.done)
 	tick := time.NewTicker(max(sz.ttl/4, 5*time.Millisecond))
@@ -63,7 +63,7 @@ func (s *Store) returnShares(sz *shareZone, every bool) {
 				}
 				e.holder = ""
 			}
-			if e.holder != "" && !e.asking && e.held == 0 && (every || now.Sub(e.used) >= sz.ttl/2) {
+			if e.holder != "" && !e.asking && e.held == 0 && (every || idleFor(sz.ttl, now, e)) {
 				call := rediswire.NewCall(rediswire.Share, deadline)
 				if s.opt.Clock != nil {
 					call.Clock(s.opt.Clock())
@@ -89,6 +89,16 @@ func (s *Store) returnShares(sz *shareZone, every bool) {
 			sz.returns.Add(1)
 		}
 	}
+}
+
+// idleFor says whether e's share is returned for want of use: half a ttl
+// after the key's last request, or a quarter when the share ends here
+// within half a ttl, so that a key whose last request came before its
+// share's renewal was due returns it a tick or more before it ends, not
+// writes it off.
+func idleFor(ttl time.Duration, now time.Time, e *shareOf) bool {
+	idle := now.Sub(e.used)
+	return idle >= ttl/2 || idle >= ttl/4 && e.until.Sub(now) <= ttl/2
 }
 
 // bindShares makes the shares of the zones with share, and starts their
