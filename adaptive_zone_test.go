@@ -680,8 +680,13 @@ func TestAdaptivePriorityUnderFlood(t *testing.T) {
 	wg.Wait()
 	fs, cs := float64(floodShed.Load())/float64(flood.Load()), float64(criticalShed.Load())/float64(critical.Load())
 	t.Logf("the flood: %d requests, %.1f%% shed; critical: %d requests, %.1f%% shed", flood.Load(), 100*fs, critical.Load(), 100*cs)
-	if critical.Load() < 10 || fs < 0.5 {
-		t.Fatalf("%d critical requests, the flood %.1f%% shed: want 10 at least, and the upstream overloaded (over half the flood shed)", critical.Load(), 100*fs)
+	// The flood must overload the upstream for the comparison to mean
+	// anything. How much of it is shed depends on how fast a shed request
+	// comes back, which a loaded machine slows (the clients retry a
+	// millisecond after a refusal): a quarter shed is overload however
+	// loaded the machine.
+	if critical.Load() < 10 || fs < 0.25 {
+		t.Fatalf("%d critical requests, the flood %.1f%% shed: want 10 at least, and the upstream overloaded (a quarter of the flood shed)", critical.Load(), 100*fs)
 	}
 	if cs > fs/4 {
 		t.Errorf("critical requests %.1f%% shed, the flood %.1f%%: want critical shed at most a quarter as often", 100*cs, 100*fs)
