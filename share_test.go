@@ -120,14 +120,22 @@ func TestShareThroughCaddy(t *testing.T) {
 	}
 
 	// A refusal says when the shared bucket will hold a request again, and
-	// what is left.
-	req, _ := http.NewRequest(http.MethodGet, siteURL+"/a", nil)
-	req.Header.Set("X-Key", "k")
-	resp, err := tester.Client.Do(req)
-	if err != nil {
-		t.Fatal(err)
+	// what is left. A loaded machine's slow answers can leave a token's
+	// refill (50ms) between the flood and the next request: requests go
+	// until one is refused.
+	var resp *http.Response
+	for range 10 {
+		req, _ := http.NewRequest(http.MethodGet, siteURL+"/a", nil)
+		req.Header.Set("X-Key", "k")
+		var err error
+		if resp, err = tester.Client.Do(req); err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusOK {
+			break
+		}
 	}
-	resp.Body.Close()
 	if resp.StatusCode != http.StatusTooManyRequests || resp.Header.Get("Retry-After") == "" || !strings.Contains(resp.Header.Get("RateLimit"), `"s";r=0`) {
 		t.Errorf("a request of the flooded key: %d, Retry-After %q, RateLimit %q; want 429 with both", resp.StatusCode, resp.Header.Get("Retry-After"), resp.Header.Get("RateLimit"))
 	}
@@ -158,7 +166,7 @@ func TestShareThroughCaddy(t *testing.T) {
 		for i := range 30 {
 			sendKey(t, tester, []string{"a", "b", "c"}[i%3], "0")
 		}
-		resp, err = http.Get("http://" + adminAddr + "/rate_limit/s/0")
+		resp, err := http.Get("http://" + adminAddr + "/rate_limit/s/0")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -183,8 +191,8 @@ func TestShareThroughCaddy(t *testing.T) {
 		}
 	}
 
-	req, _ = http.NewRequest(http.MethodPut, "http://"+adminAddr+"/rate_limit/s/0/limit", strings.NewReader(`{"rate":"1r/s","burst":1}`))
-	resp, err = http.DefaultClient.Do(req)
+	req, _ := http.NewRequest(http.MethodPut, "http://"+adminAddr+"/rate_limit/s/0/limit", strings.NewReader(`{"rate":"1r/s","burst":1}`))
+	resp, err := http.DefaultClient.Do(req)
 	if err != nil {
 		t.Fatal(err)
 	}
