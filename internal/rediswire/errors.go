@@ -6,6 +6,7 @@ package rediswire
 import (
 	"errors"
 	"net"
+	"os"
 	"strings"
 
 	"github.com/redis/go-redis/v9"
@@ -93,7 +94,16 @@ func (e unanswered) Unwrap() error { return e.error }
 // then says so: context.DeadlineExceeded), and so does one whose server
 // closed the connection.
 func sentAndLost(err error) error {
-	if op, ok := errors.AsType[*net.OpError](err); ok && (op.Op == "read" || op.Op == "write") && op.Timeout() {
+	if op, ok := errors.AsType[*net.OpError](err); ok {
+		if (op.Op == "read" || op.Op == "write") && op.Timeout() {
+			return unanswered{err}
+		}
+		return err
+	}
+	// The client reads some replies through a connection of its own,
+	// whose deadline passing is os.ErrDeadlineExceeded alone: a read
+	// that timed out all the same (a dial's is a net.OpError).
+	if errors.Is(err, os.ErrDeadlineExceeded) {
 		return unanswered{err}
 	}
 	return err

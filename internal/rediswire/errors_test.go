@@ -5,7 +5,10 @@ package rediswire
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"net"
+	"os"
 	"strconv"
 	"strings"
 	"testing"
@@ -206,5 +209,25 @@ func TestInDoubt(t *testing.T) {
 	}
 	if frozen == nil || frozen.Error() != frozen.(interface{ Unwrap() error }).Unwrap().Error() {
 		t.Errorf("a call in doubt reads %v, as the error it wraps", frozen)
+	}
+}
+
+// A timeout reading or writing a connection made is in doubt, however the
+// client reports it; a dial's, or a context's, is not.
+func TestSentAndLostClassifies(t *testing.T) {
+	for _, tc := range []struct {
+		err   error
+		doubt bool
+	}{
+		{&net.OpError{Op: "read", Net: "tcp", Err: os.ErrDeadlineExceeded}, true},
+		{&net.OpError{Op: "write", Net: "tcp", Err: os.ErrDeadlineExceeded}, true},
+		{fmt.Errorf("reply: %w", os.ErrDeadlineExceeded), true}, // a connection of the client's own
+		{&net.OpError{Op: "dial", Net: "tcp", Err: os.ErrDeadlineExceeded}, false},
+		{context.DeadlineExceeded, false},
+		{&net.OpError{Op: "read", Net: "tcp", Err: errors.New("connection reset by peer")}, false},
+	} {
+		if got := InDoubt(sentAndLost(tc.err)); got != tc.doubt {
+			t.Errorf("%v: in doubt %v, want %v", tc.err, got, tc.doubt)
+		}
 	}
 }
