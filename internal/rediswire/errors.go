@@ -100,9 +100,10 @@ func sentAndLost(err error) error {
 		}
 		return err
 	}
-	// The client reads some replies through a connection of its own,
-	// whose deadline passing is os.ErrDeadlineExceeded alone: a read
-	// that timed out all the same (a dial's is a net.OpError).
+	// go-redis returns some timeouts of a call's reply as
+	// os.ErrDeadlineExceeded alone, not in a net.OpError (seen with
+	// Valkey): a read that timed out all the same, as a dial's timeout
+	// is a net.OpError.
 	if errors.Is(err, os.ErrDeadlineExceeded) {
 		return unanswered{err}
 	}
